@@ -1,0 +1,161 @@
+package cli
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"os"
+	"path/filepath"
+	"strings"
+
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/credentials/insecure"
+	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/encoding/protojson"
+	"google.golang.org/protobuf/proto"
+)
+
+// Exit codes.
+const (
+	ExitOK    = 0
+	ExitFail  = 1 // the run or the call did not succeed
+	ExitUsage = 2
+)
+
+const usage = `curfew: one absolute deadline and one stop signal for agent trees.
+
+Usage:
+  curfew up      [--data-dir DIR] [--base-port N] [--bin-dir DIR] [--json]
+  curfew run     (--plan FILE | TASK) [--deadline D] [--model M] [--continue] [--cancel-after D] [--json]
+  curfew get     RUN [--json]
+  curfew ls      [--limit N] [--json]
+  curfew cancel  RUN [--reason TEXT] [--json]
+
+Every command except up takes --addr (default: the orchestrator in DIR/endpoints.json,
+else 127.0.0.1:7700) and --data-dir (default $CURFEW_DATA_DIR, else ~/.curfew).
+`
+
+// Main runs the command line and returns the exit code.
+func Main(ctx context.Context, args []string, stdin io.Reader, stdout, stderr io.Writer) int {
+	if len(args) == 0 {
+		fmt.Fprint(stderr, usage)
+		return ExitUsage
+	}
+	cmds := map[string]func(context.Context, []string, io.Writer, io.Writer) int{
+		"up": cmdUp, "run": cmdRun, "get": cmdGet, "ls": cmdLs, "cancel": cmdCancel,
+	}
+	switch args[0] {
+	case "help", "-h", "--help":
+		fmt.Fprint(stdout, usage)
+		return ExitOK
+	}
+	cmd, ok := cmds[args[0]]
+	if !ok {
+		fmt.Fprintf(stderr, "curfew: unknown command %q\n\n%s", args[0], usage)
+		return ExitUsage
+	}
+	return cmd(ctx, args[1:], stdout, stderr)
+}
+
+// common flags of the client commands.
+type common struct {
+	addr    string
+	dataDir string
+	json    bool
+}
+
+func (c *common) register(fs *flag.FlagSet) {
+	fs.StringVar(&c.addr, "addr", os.Getenv("CURFEW_ADDR"), "orchestrator address (default: from endpoints.json, else 127.0.0.1:7700)")
+	fs.StringVar(&c.dataDir, "data-dir", defaultDataDir(), "data directory of `curfew up`")
+	fs.BoolVar(&c.json, "json", false, "print JSON for scripts")
+}
+
+func defaultDataDir() string {
+	if d := os.Getenv("CURFEW_DATA_DIR"); d != "" {
+		return d
+	}
+	if h, err := os.UserHomeDir(); err == nil {
+		return filepath.Join(h, ".curfew")
+	}
+	return ".curfew"
+}
+
+// orchestratorAddr resolves the orchestrator's address.
+func (c *common) orchestratorAddr() string {
+	if c.addr != "" {
+		return c.addr
+	}
+	if eps, err := readEndpoints(c.dataDir); err == nil {
+		if e, ok := eps.Services["orchestrator"]; ok {
+			return e.Addr
+		}
+	}
+	return "127.0.0.1:7700"
+}
+
+func (c *common) dial() (*grpc.ClientConn, error) {
+	return grpc.NewClient(c.orchestratorAddr(), grpc.WithTransportCredentials(insecure.NewCredentials()))
+}
+
+// parse parses interspersed flags and positional arguments.
+func parse(fs *flag.FlagSet, args []string) ([]string, error) {
+	var pos []string
+	for {
+		if err := fs.Parse(args); err != nil {
+			return nil, err
+		}
+		args = fs.Args()
+		if len(args) == 0 {
+			return pos, nil
+		}
+		pos = append(pos, args[0])
+		args = args[1:]
+	}
+}
+
+var pj = protojson.MarshalOptions{UseProtoNames: true, EmitUnpopulated: false}
+
+func printJSON(w io.Writer, m proto.Message) {
+	b, err := pj.Marshal(m)
+	if err != nil {
+		fmt.Fprintf(w, "{\"error\":%q}\n", err.Error())
+		return
+	}
+	// protojson output is deliberately unstable in whitespace; normalize it to one line.
+	var v any
+	if json.Unmarshal(b, &v) == nil {
+		b, _ = json.Marshal(v)
+	}
+	fmt.Fprintln(w, string(b))
+}
+
+// callErr prints a failed call's status and returns the exit code.
+func callErr(stderr io.Writer, what string, err error) int {
+	if s, ok := status.FromError(err); ok {
+		fmt.Fprintf(stderr, "curfew: %s: %s: %s\n", what, s.Code(), s.Message())
+	} else {
+		fmt.Fprintf(stderr, "curfew: %s: %v\n", what, err)
+	}
+	return ExitFail
+}
+
+func usageErr(stderr io.Writer, cmd string, err error) int {
+	if errors.Is(err, flag.ErrHelp) {
+		return ExitUsage
+	}
+	fmt.Fprintf(stderr, "curfew %s: %v\n", cmd, err)
+	return ExitUsage
+}
+
+func newFlags(name string, stderr io.Writer) *flag.FlagSet {
+	fs := flag.NewFlagSet("curfew "+name, flag.ContinueOnError)
+	fs.SetOutput(stderr)
+	return fs
+}
+
+func lower(s, prefix string) string {
+	return strings.ToLower(strings.TrimPrefix(s, prefix))
+}

@@ -1,0 +1,339 @@
+package cli
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"os"
+	"os/signal"
+	"sort"
+	"strings"
+	"sync"
+	"syscall"
+	"time"
+
+	"golang.org/x/term"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/proto"
+
+	meshv1 "github.com/curfew-mesh/curfew/gen/curfew/mesh/v1"
+	orchestratorv1 "github.com/curfew-mesh/curfew/gen/curfew/orchestrator/v1"
+)
+
+func cmdRun(ctx context.Context, args []string, stdout, stderr io.Writer) int {
+	fs := newFlags("run", stderr)
+	var c common
+	c.register(fs)
+	planFile := fs.String("plan", "", "file holding a JSON plan (see the README); - reads standard input")
+	dl := fs.Duration("deadline", 30*time.Second, "the run's deadline, from now")
+	model := fs.String("model", "", "model (default: the orchestrator's, sim)")
+	cont := fs.Bool("continue", false, "keep the run going if this command goes away")
+	cancelAfter := fs.Duration("cancel-after", 0, "disconnect after this long, as a Ctrl-C would (for demos and drills)")
+	pos, err := parse(fs, args)
+	if err != nil {
+		return usageErr(stderr, "run", err)
+	}
+	var task string
+	switch {
+	case *planFile != "" && len(pos) > 0:
+		return usageErr(stderr, "run", errors.New("give either --plan FILE or a TASK, not both"))
+	case *planFile == "-":
+		b, err := io.ReadAll(os.Stdin)
+		if err != nil {
+			return usageErr(stderr, "run", err)
+		}
+		task = string(b)
+	case *planFile != "":
+		b, err := os.ReadFile(*planFile)
+		if err != nil {
+			return usageErr(stderr, "run", fmt.Errorf("--plan: %w", err))
+		}
+		task = string(b)
+	case len(pos) == 1:
+		task = pos[0]
+	case len(pos) > 1:
+		return usageErr(stderr, "run", errors.New("give the task as one argument (quote it)"))
+	default:
+		return usageErr(stderr, "run", errors.New("give --plan FILE or a TASK"))
+	}
+	if *dl <= 0 {
+		return usageErr(stderr, "run", errors.New("--deadline must be positive"))
+	}
+	conn, err := c.dial()
+	if err != nil {
+		return callErr(stderr, "dial", err)
+	}
+	defer conn.Close()
+	client := orchestratorv1.NewOrchestratorServiceClient(conn)
+
+	// Ctrl-C (or --cancel-after) cancels the call: the orchestrator sees the disconnect
+	// and cancels the run's tree, unless --continue.
+	base := context.WithoutCancel(ctx)
+	callCtx, cancelCall := context.WithTimeout(ctx, *dl)
+	defer cancelCall()
+	sigCtx, stopSig := signal.NotifyContext(callCtx, os.Interrupt, syscall.SIGTERM)
+	defer stopSig()
+	interrupted := make(chan struct{})
+	go func() {
+		var after <-chan time.Time
+		if *cancelAfter > 0 {
+			t := time.NewTimer(*cancelAfter)
+			defer t.Stop()
+			after = t.C
+		}
+		select {
+		case <-sigCtx.Done():
+			if callCtx.Err() != nil {
+				return // the deadline, or the call ended
+			}
+		case <-after:
+		}
+		close(interrupted)
+		cancelCall()
+	}()
+
+	v := newView(stdout, c.json)
+	stream, err := client.Run(sigCtx, &orchestratorv1.RunRequest{Task: task, Model: *model, ContinueOnDisconnect: *cont})
+	if err != nil {
+		return callErr(stderr, "run", err)
+	}
+	var runID string
+	for {
+		ev, err := stream.Recv()
+		if err == nil {
+			switch e := ev.GetEvent().(type) {
+			case *orchestratorv1.RunResponse_Started:
+				runID = e.Started.GetRunId()
+				v.started(ev, e.Started)
+			case *orchestratorv1.RunResponse_Node:
+				v.node(ev, e.Node)
+			case *orchestratorv1.RunResponse_Finished:
+				v.finished(ev, e.Finished)
+				return exitFor(e.Finished)
+			}
+			continue
+		}
+		if errors.Is(err, io.EOF) {
+			v.stop()
+			fmt.Fprintln(stderr, "curfew run: the stream ended without a summary")
+			return ExitFail
+		}
+		cancelled := false
+		select {
+		case <-interrupted:
+			cancelled = true
+		default:
+		}
+		if runID == "" || (!cancelled && status.Code(err) != codes.DeadlineExceeded && status.Code(err) != codes.Canceled) {
+			v.stop()
+			return callErr(stderr, "run", err)
+		}
+		// The call is over (cancelled here, or the deadline passed on our side first); the
+		// run's summary comes from the orchestrator once its tree has been torn down.
+		run, gerr := awaitSummary(base, client, runID)
+		if gerr != nil {
+			v.stop()
+			return callErr(stderr, "get run "+runID, gerr)
+		}
+		v.finished(&orchestratorv1.RunResponse{Event: &orchestratorv1.RunResponse_Finished{Finished: run}}, run)
+		return exitFor(run)
+	}
+}
+
+func exitFor(r *orchestratorv1.Run) int {
+	if r.GetStatus() == orchestratorv1.RunStatus_RUN_STATUS_SUCCEEDED {
+		return ExitOK
+	}
+	return ExitFail
+}
+
+// awaitSummary polls GetRun until the run has ended.
+func awaitSummary(ctx context.Context, client orchestratorv1.OrchestratorServiceClient, id string) (*orchestratorv1.Run, error) {
+	ctx, cancel := context.WithTimeout(ctx, 30*time.Second)
+	defer cancel()
+	for {
+		resp, err := client.GetRun(ctx, &orchestratorv1.GetRunRequest{RunId: id})
+		if err != nil {
+			return nil, err
+		}
+		if resp.GetRun().GetStatus() != orchestratorv1.RunStatus_RUN_STATUS_RUNNING {
+			return resp.GetRun(), nil
+		}
+		select {
+		case <-ctx.Done():
+			return nil, ctx.Err()
+		case <-time.After(50 * time.Millisecond):
+		}
+	}
+}
+
+// view renders a run: JSON lines, a live tree on a terminal, or plain text.
+type view struct {
+	w        io.Writer
+	json     bool
+	live     bool
+	mu       sync.Mutex
+	runID    string
+	deadline time.Time
+	nodes    map[string]*meshv1.Node
+	lines    int
+	stopTick chan struct{}
+	wg       sync.WaitGroup
+}
+
+func newView(w io.Writer, asJSON bool) *view {
+	v := &view{w: w, json: asJSON, nodes: map[string]*meshv1.Node{}}
+	if f, ok := w.(*os.File); ok && !asJSON && term.IsTerminal(int(f.Fd())) {
+		v.live = true
+	}
+	return v
+}
+
+func (v *view) started(ev *orchestratorv1.RunResponse, s *orchestratorv1.RunStarted) {
+	v.mu.Lock()
+	v.runID, v.deadline = s.GetRunId(), s.GetDeadline().AsTime()
+	v.mu.Unlock()
+	switch {
+	case v.json:
+		printJSON(v.w, ev)
+	case v.live:
+		v.stopTick = make(chan struct{})
+		v.wg.Add(1)
+		go func() {
+			defer v.wg.Done()
+			t := time.NewTicker(100 * time.Millisecond)
+			defer t.Stop()
+			for {
+				select {
+				case <-v.stopTick:
+					return
+				case <-t.C:
+					v.redraw()
+				}
+			}
+		}()
+	default:
+		fmt.Fprintf(v.w, "run %s started, deadline %s\n", s.GetRunId(), v.deadline.Local().Format("15:04:05.000"))
+	}
+}
+
+func (v *view) node(ev *orchestratorv1.RunResponse, n *meshv1.Node) {
+	if v.json {
+		printJSON(v.w, ev)
+		return
+	}
+	v.mu.Lock()
+	v.nodes[n.GetId()] = proto.Clone(n).(*meshv1.Node)
+	v.mu.Unlock()
+}
+
+func (v *view) stop() {
+	if v.stopTick != nil {
+		close(v.stopTick)
+		v.wg.Wait()
+		v.stopTick = nil
+	}
+}
+
+func (v *view) finished(ev *orchestratorv1.RunResponse, r *orchestratorv1.Run) {
+	v.stop()
+	if v.json {
+		printJSON(v.w, ev)
+		return
+	}
+	v.mu.Lock()
+	defer v.mu.Unlock()
+	v.clear()
+	printSummary(v.w, r)
+}
+
+// redraw paints the live tree: deadline countdown and tokens per node.
+func (v *view) redraw() {
+	v.mu.Lock()
+	defer v.mu.Unlock()
+	v.clear()
+	var b strings.Builder
+	left := time.Until(v.deadline).Round(100 * time.Millisecond)
+	if left < 0 {
+		left = 0
+	}
+	var total int64
+	ns := make([]*meshv1.Node, 0, len(v.nodes))
+	for _, n := range v.nodes {
+		ns = append(ns, n)
+		total += n.GetTokens()
+	}
+	sort.Slice(ns, func(i, j int) bool { return ns[i].GetId() < ns[j].GetId() })
+	fmt.Fprintf(&b, "run %s   deadline in %-6s   tokens %d   (Ctrl-C cancels)\n", v.runID, left, total)
+	for _, n := range ns {
+		fmt.Fprintf(&b, "%s\n", nodeLine(n))
+	}
+	v.lines = strings.Count(b.String(), "\n")
+	fmt.Fprint(v.w, b.String())
+}
+
+func (v *view) clear() {
+	if v.live && v.lines > 0 {
+		fmt.Fprintf(v.w, "\x1b[%dA\x1b[J", v.lines)
+		v.lines = 0
+	}
+}
+
+func nodeLine(n *meshv1.Node) string {
+	depth := strings.Count(n.GetId(), "/")
+	name := n.GetId()[strings.LastIndexByte(n.GetId(), '/')+1:]
+	tok := ""
+	if n.GetKind() == meshv1.NodeKind_NODE_KIND_MODEL {
+		tok = fmt.Sprintf("%d tok", n.GetTokens())
+	}
+	return fmt.Sprintf("%s%-*s %-9s %-15s %-10s %s", strings.Repeat("  ", depth), 14-2*min(depth, 6), name,
+		lower(n.GetKind().String(), "NODE_KIND_"), n.GetName(), lower(n.GetStatus().String(), "NODE_STATUS_"), tok)
+}
+
+func printSummary(w io.Writer, r *orchestratorv1.Run) {
+	fmt.Fprintf(w, "run %s  %s", r.GetRunId(), lower(r.GetStatus().String(), "RUN_STATUS_"))
+	if c := r.GetCause(); c != meshv1.CancelCause_CANCEL_CAUSE_UNSPECIFIED {
+		fmt.Fprintf(w, " (cause %s)", lower(c.String(), "CANCEL_CAUSE_"))
+	}
+	if r.GetErrorCode() != "" {
+		fmt.Fprintf(w, "  %s: %s", r.GetErrorCode(), r.GetErrorMessage())
+	}
+	fmt.Fprintln(w)
+	fmt.Fprintf(w, "deadline %s", r.GetDeadline().AsTime().Local().Format("15:04:05.000"))
+	if r.GetCancelledAt() != nil {
+		fmt.Fprintf(w, "   cancelled at %s", r.GetCancelledAt().AsTime().Local().Format("15:04:05.000"))
+	}
+	fmt.Fprintf(w, "   tokens %d   tokens after cancel %d\n", r.GetTokens(), r.GetTokensAfterCancel())
+	if len(r.GetNodes()) > 0 {
+		fmt.Fprintf(w, "%-34s %-9s %-17s %-18s %7s %9s %8s %9s\n", "NODE", "KIND", "STATUS", "CAUSE", "TOKENS", "AT_CANCEL", "AFTER", "RAN")
+	}
+	for _, n := range r.GetNodes() {
+		ran := ""
+		if n.GetStartedAt() != nil && n.GetEndedAt() != nil {
+			ran = n.GetEndedAt().AsTime().Sub(n.GetStartedAt().AsTime()).Round(time.Millisecond).String()
+		}
+		fmt.Fprintf(w, "%-34s %-9s %-17s %-18s %7d %9d %8d %9s\n", n.GetId(), lower(n.GetKind().String(), "NODE_KIND_"),
+			lower(n.GetStatus().String(), "NODE_STATUS_"), causeName(n.GetCause()),
+			n.GetTokens(), n.GetTokensAtCancel(), n.GetTokensAfterCancel(), ran)
+		if cl := n.GetCleanup(); cl != nil {
+			state := "completed"
+			if !cl.GetCompleted() {
+				state = "FAILED: " + cl.GetError()
+			}
+			fmt.Fprintf(w, "%-34s cleanup %q %s in %v (budget %v)\n", "", cl.GetAction(), state,
+				cl.GetEndedAt().AsTime().Sub(cl.GetStartedAt().AsTime()).Round(time.Millisecond), cl.GetBudget().AsDuration())
+		}
+	}
+	if r.GetAnswer() != "" {
+		fmt.Fprintf(w, "answer: %s\n", strings.TrimSpace(r.GetAnswer()))
+	}
+}
+
+func causeName(c meshv1.CancelCause) string {
+	if c == meshv1.CancelCause_CANCEL_CAUSE_UNSPECIFIED {
+		return "-"
+	}
+	return lower(c.String(), "CANCEL_CAUSE_")
+}

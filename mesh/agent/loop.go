@@ -1,0 +1,315 @@
+package agent
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"strings"
+	"sync"
+	"time"
+
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/proto"
+	"google.golang.org/protobuf/types/known/durationpb"
+	"google.golang.org/protobuf/types/known/timestamppb"
+
+	meshv1 "github.com/curfew-mesh/curfew/gen/curfew/mesh/v1"
+	modelproxyv1 "github.com/curfew-mesh/curfew/gen/curfew/modelproxy/v1"
+	toolrunnerv1 "github.com/curfew-mesh/curfew/gen/curfew/toolrunner/v1"
+	"github.com/curfew-mesh/curfew/mesh/cancel"
+	"github.com/curfew-mesh/curfew/mesh/deadline"
+	"github.com/curfew-mesh/curfew/mesh/md"
+	"github.com/curfew-mesh/curfew/mesh/nodes"
+)
+
+// Defaults of Config's zero fields.
+const (
+	DefaultModel         = "sim"
+	DefaultMinModelTime  = 50 * time.Millisecond
+	DefaultMinToolTime   = 10 * time.Millisecond
+	DefaultMaxSteps      = 64
+	DefaultMaxParallel   = 16
+	DefaultSettleTimeout = cancel.DefaultCleanupBudget + time.Second
+	// emitEvery throttles token progress events of a model node.
+	emitEvery = 100 * time.Millisecond
+)
+
+// Config wires a Loop to the services it calls. Model and Tools are required.
+type Config struct {
+	Model      modelproxyv1.ModelProxyServiceClient
+	ModelNodes meshv1.NodeReportServiceClient // modelproxy's node report, to settle cancelled decoders
+	Tools      toolrunnerv1.ToolRunnerServiceClient
+	ToolNodes  meshv1.NodeReportServiceClient // toolrunner's node report, to settle cancelled tools
+	// Notes records the causes this loop cancels children with (sibling_failed).
+	Notes *nodes.Table
+	// ModelName is the model of every step; DefaultModel when empty.
+	ModelName string
+	// MinModelTime is the least time left to start a model call; DefaultMinModelTime when 0.
+	MinModelTime time.Duration
+	// MinToolTime is the least time left to start a tool; DefaultMinToolTime when 0.
+	MinToolTime time.Duration
+	// MaxSteps bounds the model steps of one loop; DefaultMaxSteps when 0.
+	MaxSteps int
+	// MaxParallel bounds the tool calls of one step (fan-out); DefaultMaxParallel when 0.
+	MaxParallel int
+	// SettleTimeout bounds the wait for a cancelled child's teardown; DefaultSettleTimeout
+	// when 0. It covers the default cleanup budget of a tool.
+	SettleTimeout time.Duration
+	// Emit, if set, receives progress: model nodes as their tokens arrive, and the nodes
+	// the tools report. It is called from several goroutines.
+	Emit func(*meshv1.Node)
+}
+
+// Loop runs agent loops. It is safe for concurrent use.
+type Loop struct{ cfg Config }
+
+// New returns a Loop with cfg's zero fields defaulted.
+func New(cfg Config) *Loop {
+	if cfg.ModelName == "" {
+		cfg.ModelName = DefaultModel
+	}
+	if cfg.MinModelTime == 0 {
+		cfg.MinModelTime = DefaultMinModelTime
+	}
+	if cfg.MinToolTime == 0 {
+		cfg.MinToolTime = DefaultMinToolTime
+	}
+	if cfg.MaxSteps == 0 {
+		cfg.MaxSteps = DefaultMaxSteps
+	}
+	if cfg.MaxParallel == 0 {
+		cfg.MaxParallel = DefaultMaxParallel
+	}
+	if cfg.SettleTimeout == 0 {
+		cfg.SettleTimeout = DefaultSettleTimeout
+	}
+	if cfg.Emit == nil {
+		cfg.Emit = func(*meshv1.Node) {}
+	}
+	return &Loop{cfg: cfg}
+}
+
+// Run runs the loop for task under ctx (which carries the run's identity and absolute
+// deadline). base is the node id of the loop's owner ("root" for a run); model steps are
+// base/m<i> and tools base/s<i>.t<j>. model overrides the configured model when not empty.
+// It returns the answer, or a gRPC status error.
+func (l *Loop) Run(ctx context.Context, base, model, task string) (string, error) {
+	if model == "" {
+		model = l.cfg.ModelName
+	}
+	msgs := []*modelproxyv1.Message{{Role: modelproxyv1.Role_ROLE_USER, Content: task}}
+	for i := 0; i < l.cfg.MaxSteps; i++ {
+		if err := ctx.Err(); err != nil {
+			return "", ctxStatus(ctx)
+		}
+		res, err := l.modelStep(ctx, fmt.Sprintf("%s/m%d", base, i), model, msgs)
+		if err != nil {
+			return "", err
+		}
+		if len(res.GetToolCalls()) == 0 {
+			return res.text, nil
+		}
+		msgs = append(msgs, &modelproxyv1.Message{Role: modelproxyv1.Role_ROLE_ASSISTANT, Content: res.text, ToolCalls: res.GetToolCalls()})
+		outs, err := l.toolStep(ctx, fmt.Sprintf("%s/s%d", base, i), res.GetToolCalls())
+		if err != nil {
+			return "", err
+		}
+		for j, c := range res.GetToolCalls() {
+			msgs = append(msgs, &modelproxyv1.Message{Role: modelproxyv1.Role_ROLE_TOOL, ToolCallId: c.GetId(), Content: outs[j]})
+		}
+	}
+	return "", status.Errorf(codes.ResourceExhausted, "agent loop reached its step limit (%d)", l.cfg.MaxSteps)
+}
+
+type stepResult struct {
+	*modelproxyv1.GenerateResponse // the final chunk
+	text                           string
+}
+
+func (l *Loop) modelStep(ctx context.Context, id, model string, msgs []*modelproxyv1.Message) (*stepResult, error) {
+	if err := deadline.Check(ctx, l.cfg.MinModelTime, "model call "+id); err != nil {
+		return nil, err
+	}
+	cctx, stop := context.WithCancel(md.WithNode(ctx, id))
+	defer stop()
+	node := &meshv1.Node{Id: id, Kind: meshv1.NodeKind_NODE_KIND_MODEL, Name: model,
+		Status: meshv1.NodeStatus_NODE_STATUS_RUNNING, StartedAt: timestamppb.Now()}
+	st, err := l.cfg.Model.Generate(cctx, &modelproxyv1.GenerateRequest{Model: model, Messages: msgs})
+	if err != nil {
+		return nil, l.failed(ctx, l.cfg.ModelNodes, id, err)
+	}
+	l.cfg.Emit(node)
+	var (
+		text  strings.Builder
+		final *modelproxyv1.GenerateResponse
+		last  time.Time
+	)
+	for {
+		resp, err := st.Recv()
+		if errors.Is(err, io.EOF) {
+			break
+		}
+		if err != nil {
+			l.endModel(node, err)
+			return nil, l.failed(ctx, l.cfg.ModelNodes, id, err)
+		}
+		text.WriteString(resp.GetDelta())
+		node.Tokens += int64(resp.GetTokens())
+		if resp.GetFinishReason() != "" {
+			final = resp
+		}
+		if now := time.Now(); now.Sub(last) >= emitEvery {
+			last = now
+			l.cfg.Emit(cloneNode(node))
+		}
+	}
+	if final == nil {
+		err := status.Error(codes.Internal, "model stream ended without a finish reason")
+		l.endModel(node, err)
+		return nil, err
+	}
+	l.endModel(node, nil)
+	return &stepResult{GenerateResponse: final, text: text.String()}, nil
+}
+
+func (l *Loop) endModel(n *meshv1.Node, err error) {
+	n.EndedAt = timestamppb.Now()
+	n.Status = meshv1.NodeStatus_NODE_STATUS_SUCCEEDED
+	if err != nil {
+		o := nodes.ErrOutcome(err)
+		n.Status, n.ErrorCode, n.ErrorMessage = o.Status, o.Code, o.Message
+	}
+	l.cfg.Emit(cloneNode(n))
+}
+
+// toolStep runs the calls in parallel. The first failure cancels the others with cause
+// sibling_failed; it returns only after every call, and its remote teardown, has ended.
+func (l *Loop) toolStep(ctx context.Context, prefix string, calls []*modelproxyv1.ToolCall) ([]string, error) {
+	if len(calls) > l.cfg.MaxParallel {
+		return nil, status.Errorf(codes.InvalidArgument, "step calls %d tools, more than the fan-out limit %d", len(calls), l.cfg.MaxParallel)
+	}
+	gctx, cancelGroup := context.WithCancelCause(ctx)
+	defer cancelGroup(nil)
+	var (
+		wg       sync.WaitGroup
+		mu       sync.Mutex
+		firstErr error
+		outs     = make([]string, len(calls))
+		ids      = make([]string, len(calls))
+	)
+	for j, c := range calls {
+		ids[j] = fmt.Sprintf("%s.t%d", prefix, j)
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			out, err := l.callTool(gctx, ids[j], c)
+			if err == nil {
+				outs[j] = out
+				return
+			}
+			mu.Lock()
+			defer mu.Unlock()
+			if firstErr != nil {
+				return
+			}
+			firstErr = err
+			if ctx.Err() == nil { // the parent is alive: this failure is the siblings' cause
+				at := time.Now()
+				if l.cfg.Notes != nil {
+					run := md.IdentityFrom(ctx).RunID
+					for k := range calls {
+						if k != j {
+							l.cfg.Notes.Note(run, ids[k], meshv1.CancelCause_CANCEL_CAUSE_SIBLING_FAILED, at)
+						}
+					}
+				}
+				cancelGroup(cancel.ErrSiblingFailed)
+			}
+		}()
+	}
+	wg.Wait() // every branch settles its own remote teardown before returning
+	if ctx.Err() != nil {
+		return nil, ctxStatus(ctx)
+	}
+	if firstErr != nil {
+		return nil, firstErr
+	}
+	return outs, nil
+}
+
+func (l *Loop) callTool(ctx context.Context, id string, c *modelproxyv1.ToolCall) (string, error) {
+	if err := deadline.Check(ctx, l.cfg.MinToolTime, "tool "+c.GetName()); err != nil {
+		return "", err
+	}
+	st, err := l.cfg.Tools.Execute(md.WithNode(ctx, id), &toolrunnerv1.ExecuteRequest{Name: c.GetName(), ArgsJson: c.GetArgsJson()})
+	if err != nil {
+		return "", l.failed(ctx, l.cfg.ToolNodes, id, err)
+	}
+	var out *toolrunnerv1.ExecuteResult
+	for {
+		ev, err := st.Recv()
+		if errors.Is(err, io.EOF) {
+			break
+		}
+		if err != nil {
+			return "", l.failed(ctx, l.cfg.ToolNodes, id, err)
+		}
+		switch e := ev.GetEvent().(type) {
+		case *toolrunnerv1.ExecuteResponse_Node:
+			l.cfg.Emit(e.Node)
+		case *toolrunnerv1.ExecuteResponse_Result:
+			out = e.Result
+		}
+	}
+	if out == nil {
+		return "", status.Errorf(codes.Internal, "tool %s ended without a result", c.GetName())
+	}
+	return out.GetOutputJson(), nil
+}
+
+// failed handles a child call's error. When ctx was cancelled, the child is being torn
+// down remotely: wait (on a budget of its own) for the executor to report its end, then
+// return the cancellation. Otherwise return the child's own error.
+func (l *Loop) failed(ctx context.Context, reports meshv1.NodeReportServiceClient, id string, err error) error {
+	if ctx.Err() == nil {
+		return err
+	}
+	if reports != nil {
+		_ = Settle(ctx, reports, id, l.cfg.SettleTimeout)
+	}
+	return ctxStatus(ctx)
+}
+
+// Settle waits, up to timeout and on a context detached from ctx's cancellation, until
+// the executor behind reports has recorded the end of node id and its subtree.
+func Settle(ctx context.Context, reports meshv1.NodeReportServiceClient, id string, timeout time.Duration) error {
+	run := md.IdentityFrom(ctx).RunID
+	return cancel.Cleanup(ctx, timeout+time.Second, func(cctx context.Context) error {
+		resp, err := reports.ListNodes(cctx, &meshv1.ListNodesRequest{
+			RunId: run, NodePrefixes: []string{id}, SettleTimeout: durationpb.New(timeout)})
+		if err != nil {
+			return err
+		}
+		if !resp.GetSettled() {
+			return status.Errorf(codes.DeadlineExceeded, "node %s did not stop within %v", id, timeout)
+		}
+		return nil
+	})
+}
+
+// ctxStatus is the status a cancelled loop returns: DEADLINE_EXCEEDED when the deadline
+// passed, CANCELED with the cause otherwise.
+func ctxStatus(ctx context.Context) error {
+	cause := context.Cause(ctx)
+	if errors.Is(ctx.Err(), context.DeadlineExceeded) || errors.Is(cause, cancel.ErrDeadline) {
+		return status.Error(codes.DeadlineExceeded, "run deadline exceeded")
+	}
+	if cause != nil && !errors.Is(cause, context.Canceled) {
+		return status.Errorf(codes.Canceled, "cancelled: %v", cause)
+	}
+	return status.Error(codes.Canceled, "cancelled")
+}
+
+func cloneNode(n *meshv1.Node) *meshv1.Node { return proto.Clone(n).(*meshv1.Node) }

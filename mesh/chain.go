@@ -1,0 +1,128 @@
+package mesh
+
+import (
+	"context"
+	"log/slog"
+	"runtime/debug"
+	"time"
+
+	middleware "github.com/grpc-ecosystem/go-grpc-middleware/v2"
+	"github.com/grpc-ecosystem/go-grpc-middleware/v2/interceptors/recovery"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+
+	"github.com/curfew-mesh/curfew/mesh/deadline"
+	"github.com/curfew-mesh/curfew/mesh/md"
+)
+
+// ServerConfig configures the server chain. The zero value is usable: deadline defaults
+// from package deadline, no per-method minimum, slog.Default for logs.
+type ServerConfig struct {
+	// Deadline normalizes incoming deadlines.
+	Deadline deadline.Policy
+	// MinTime maps a full method name ("/curfew.toolrunner.v1.ToolRunnerService/Execute")
+	// to the least time left it needs to start; less is refused with DEADLINE_EXCEEDED.
+	MinTime map[string]time.Duration
+	// Logger receives internal errors and recovered panics.
+	Logger *slog.Logger
+}
+
+func (c ServerConfig) logger() *slog.Logger {
+	if c.Logger != nil {
+		return c.Logger
+	}
+	return slog.Default()
+}
+
+// ServerOptions returns the grpc.ServerOptions that install curfew's server chain.
+func ServerOptions(cfg ServerConfig) []grpc.ServerOption {
+	u, s := ServerInterceptors(cfg)
+	return []grpc.ServerOption{grpc.ChainUnaryInterceptor(u...), grpc.ChainStreamInterceptor(s...)}
+}
+
+// ServerInterceptors returns the server chain in order (see the package doc).
+func ServerInterceptors(cfg ServerConfig) ([]grpc.UnaryServerInterceptor, []grpc.StreamServerInterceptor) {
+	log := cfg.logger()
+	rec := recovery.WithRecoveryHandlerContext(func(ctx context.Context, p any) error {
+		log.ErrorContext(ctx, "panic in handler", "panic", p, "stack", string(debug.Stack()))
+		return status.Error(codes.Internal, "internal error")
+	})
+	unary := []grpc.UnaryServerInterceptor{
+		recovery.UnaryServerInterceptor(rec),
+		func(ctx context.Context, req any, info *grpc.UnaryServerInfo, h grpc.UnaryHandler) (any, error) {
+			resp, err := h(ctx, req)
+			return resp, mapStatus(ctx, log, info.FullMethod, err)
+		},
+		func(ctx context.Context, req any, info *grpc.UnaryServerInfo, h grpc.UnaryHandler) (any, error) {
+			ctx, cancel, _ := cfg.Deadline.Apply(ctx, time.Now())
+			defer cancel()
+			return h(ctx, req)
+		},
+		func(ctx context.Context, req any, info *grpc.UnaryServerInfo, h grpc.UnaryHandler) (any, error) {
+			return h(md.WithIdentity(ctx, md.FromIncoming(ctx)), req)
+		},
+		func(ctx context.Context, req any, info *grpc.UnaryServerInfo, h grpc.UnaryHandler) (any, error) {
+			if min, ok := cfg.MinTime[info.FullMethod]; ok {
+				if err := deadline.Check(ctx, min, info.FullMethod); err != nil {
+					return nil, err
+				}
+			}
+			return h(ctx, req)
+		},
+	}
+	stream := []grpc.StreamServerInterceptor{
+		recovery.StreamServerInterceptor(rec),
+		func(srv any, ss grpc.ServerStream, info *grpc.StreamServerInfo, h grpc.StreamHandler) error {
+			return mapStatus(ss.Context(), log, info.FullMethod, h(srv, ss))
+		},
+		func(srv any, ss grpc.ServerStream, info *grpc.StreamServerInfo, h grpc.StreamHandler) error {
+			ctx, cancel, _ := cfg.Deadline.Apply(ss.Context(), time.Now())
+			defer cancel()
+			return h(srv, wrap(ss, ctx))
+		},
+		func(srv any, ss grpc.ServerStream, info *grpc.StreamServerInfo, h grpc.StreamHandler) error {
+			ctx := ss.Context()
+			return h(srv, wrap(ss, md.WithIdentity(ctx, md.FromIncoming(ctx))))
+		},
+		func(srv any, ss grpc.ServerStream, info *grpc.StreamServerInfo, h grpc.StreamHandler) error {
+			if min, ok := cfg.MinTime[info.FullMethod]; ok {
+				if err := deadline.Check(ss.Context(), min, info.FullMethod); err != nil {
+					return err
+				}
+			}
+			return h(srv, ss)
+		},
+	}
+	return unary, stream
+}
+
+func mapStatus(ctx context.Context, log *slog.Logger, method string, err error) error {
+	out, internal := Status(err)
+	if internal {
+		log.ErrorContext(ctx, "internal error", "method", method, "error", err.Error())
+	}
+	return out
+}
+
+func wrap(ss grpc.ServerStream, ctx context.Context) grpc.ServerStream {
+	w := middleware.WrapServerStream(ss)
+	w.WrappedContext = ctx
+	return w
+}
+
+// ClientConfig configures the client chain. The zero value is usable.
+type ClientConfig struct{}
+
+// DialOptions returns the grpc.DialOptions that install curfew's client chain. Transport
+// credentials are the caller's to add.
+func DialOptions(ClientConfig) []grpc.DialOption {
+	return []grpc.DialOption{
+		grpc.WithChainUnaryInterceptor(func(ctx context.Context, method string, req, reply any, cc *grpc.ClientConn, inv grpc.UnaryInvoker, opts ...grpc.CallOption) error {
+			return inv(md.AppendOutgoing(ctx), method, req, reply, cc, opts...)
+		}),
+		grpc.WithChainStreamInterceptor(func(ctx context.Context, desc *grpc.StreamDesc, cc *grpc.ClientConn, method string, st grpc.Streamer, opts ...grpc.CallOption) (grpc.ClientStream, error) {
+			return st(md.AppendOutgoing(ctx), desc, cc, method, opts...)
+		}),
+	}
+}

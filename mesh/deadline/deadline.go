@@ -1,0 +1,109 @@
+package deadline
+
+import (
+	"context"
+	"fmt"
+	"time"
+
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+)
+
+// Defaults of Policy's zero fields.
+const (
+	// DefaultTimeout is given to a request that arrives without a deadline.
+	DefaultTimeout = 30 * time.Second
+	// DefaultMax caps any deadline a caller asks for.
+	DefaultMax = 10 * time.Minute
+)
+
+// Policy normalizes the deadline of incoming work. The zero value uses DefaultTimeout
+// and DefaultMax.
+type Policy struct {
+	// Default is the timeout of a request without a deadline.
+	Default time.Duration
+	// Max is the longest time from arrival a request may run.
+	Max time.Duration
+}
+
+// Info says what Apply did.
+type Info struct {
+	// Deadline is the deadline the work now runs under.
+	Deadline time.Time
+	// Assigned is true when the request had no deadline and got the default.
+	Assigned bool
+	// Capped is true when the request's deadline was beyond Max and was shortened.
+	Capped bool
+}
+
+func (p Policy) def() time.Duration {
+	if p.Default > 0 {
+		return p.Default
+	}
+	return DefaultTimeout
+}
+
+// MaxTimeout returns the policy's effective maximum.
+func (p Policy) MaxTimeout() time.Duration {
+	if p.Max > 0 {
+		return p.Max
+	}
+	return DefaultMax
+}
+
+// Validate reports a policy whose default exceeds its maximum.
+func (p Policy) Validate() error {
+	if p.Default < 0 || p.Max < 0 {
+		return fmt.Errorf("deadline: default and max must not be negative")
+	}
+	if p.def() > p.MaxTimeout() {
+		return fmt.Errorf("deadline: default %v exceeds max %v", p.def(), p.MaxTimeout())
+	}
+	return nil
+}
+
+// Apply returns a context whose deadline is the request's own, the default when it has
+// none, or now+Max when it asked for more. It never extends the deadline of ctx. The
+// returned cancel func must be called.
+func (p Policy) Apply(ctx context.Context, now time.Time) (context.Context, context.CancelFunc, Info) {
+	limit := now.Add(p.MaxTimeout())
+	dl, ok := ctx.Deadline()
+	switch {
+	case !ok:
+		d := now.Add(p.def())
+		c, cancel := context.WithDeadline(ctx, d)
+		return c, cancel, Info{Deadline: d, Assigned: true}
+	case dl.After(limit):
+		c, cancel := context.WithDeadline(ctx, limit) // shortens: WithDeadline keeps the earlier one
+		return c, cancel, Info{Deadline: limit, Capped: true}
+	default:
+		return ctx, func() {}, Info{Deadline: dl}
+	}
+}
+
+// Remaining returns the time left before ctx's deadline, or a very large duration when it
+// has none.
+func Remaining(ctx context.Context, now time.Time) time.Duration {
+	dl, ok := ctx.Deadline()
+	if !ok {
+		return time.Duration(1<<63 - 1)
+	}
+	return dl.Sub(now)
+}
+
+// Check fails fast before starting work named what: it returns a DEADLINE_EXCEEDED status
+// "no time left to start <what>" when less than min remains before ctx's deadline, and the
+// context's own error when it is already done.
+func Check(ctx context.Context, min time.Duration, what string) error {
+	if err := ctx.Err(); err != nil {
+		if err == context.DeadlineExceeded {
+			return status.Errorf(codes.DeadlineExceeded, "no time left to start %s", what)
+		}
+		return status.Errorf(codes.Canceled, "cancelled before starting %s", what)
+	}
+	if left := Remaining(ctx, time.Now()); left < min {
+		return status.Errorf(codes.DeadlineExceeded, "no time left to start %s: %v left, needs %v",
+			what, left.Round(time.Millisecond), min)
+	}
+	return nil
+}

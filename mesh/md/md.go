@@ -1,0 +1,127 @@
+package md
+
+import (
+	"context"
+	"strconv"
+	"strings"
+	"time"
+
+	"google.golang.org/grpc/metadata"
+)
+
+// Header names of the wire contract. gRPC metadata keys are lower case.
+const (
+	// Deadline is the absolute deadline in Unix milliseconds (wall clock). The gRPC
+	// deadline (grpc-timeout) stays authoritative; this one is for audit, persistence
+	// and clock-skew detection.
+	Deadline = "curfew-deadline"
+	// Tenant names the tenant the work is charged to.
+	Tenant = "curfew-tenant"
+	// RunID names the run the work belongs to.
+	RunID = "curfew-run-id"
+	// NodeID is the node's path in the run tree, for example "root/s0.t1/sub".
+	NodeID = "curfew-node-id"
+	// RetryID is minted once per logical call and identical on every attempt.
+	RetryID = "curfew-retry-id"
+	// Attempt is the 1-based attempt number of a retried call.
+	Attempt = "curfew-attempt"
+	// IdempotencyKey names a tool side effect so that it happens at most once.
+	IdempotencyKey = "curfew-idempotency-key"
+	// Criticality is the caller's criticality class (for example "critical", "sheddable").
+	Criticality = "curfew-criticality"
+)
+
+// DefaultTenant is used when a caller names no tenant.
+const DefaultTenant = "default"
+
+// Identity is the identity of a piece of work as it travels between hops.
+type Identity struct {
+	Tenant  string
+	RunID   string
+	NodeID  string
+	Attempt int // 0 when the caller did not say; treat as 1.
+}
+
+type identityKey struct{}
+
+// WithIdentity returns a context carrying id.
+func WithIdentity(ctx context.Context, id Identity) context.Context {
+	return context.WithValue(ctx, identityKey{}, id)
+}
+
+// IdentityFrom returns the identity on ctx, or the zero Identity.
+func IdentityFrom(ctx context.Context) Identity {
+	id, _ := ctx.Value(identityKey{}).(Identity)
+	return id
+}
+
+// WithNode returns a context whose identity names node as the current node, keeping
+// tenant and run. Outgoing calls made with it address that node.
+func WithNode(ctx context.Context, node string) context.Context {
+	id := IdentityFrom(ctx)
+	id.NodeID = node
+	return WithIdentity(ctx, id)
+}
+
+// FromIncoming reads the identity from incoming gRPC metadata. Missing values stay empty,
+// except the tenant, which defaults to DefaultTenant.
+func FromIncoming(ctx context.Context) Identity {
+	m, _ := metadata.FromIncomingContext(ctx)
+	id := Identity{
+		Tenant: first(m, Tenant),
+		RunID:  first(m, RunID),
+		NodeID: first(m, NodeID),
+	}
+	if id.Tenant == "" {
+		id.Tenant = DefaultTenant
+	}
+	if a, err := strconv.Atoi(first(m, Attempt)); err == nil && a > 0 {
+		id.Attempt = a
+	}
+	return id
+}
+
+// IncomingDeadline returns the curfew-deadline header of the incoming call.
+func IncomingDeadline(ctx context.Context) (time.Time, bool) {
+	m, _ := metadata.FromIncomingContext(ctx)
+	v := first(m, Deadline)
+	if v == "" {
+		return time.Time{}, false
+	}
+	ms, err := strconv.ParseInt(v, 10, 64)
+	if err != nil || ms <= 0 {
+		return time.Time{}, false
+	}
+	return time.UnixMilli(ms), true
+}
+
+// AppendOutgoing writes the context's identity and deadline into the outgoing metadata.
+// Values already set explicitly on the outgoing context win.
+func AppendOutgoing(ctx context.Context) context.Context {
+	id := IdentityFrom(ctx)
+	out, _ := metadata.FromOutgoingContext(ctx)
+	kv := make([]string, 0, 10)
+	add := func(k, v string) {
+		if v != "" && len(out.Get(k)) == 0 {
+			kv = append(kv, k, v)
+		}
+	}
+	add(Tenant, id.Tenant)
+	add(RunID, id.RunID)
+	add(NodeID, id.NodeID)
+	if dl, ok := ctx.Deadline(); ok {
+		add(Deadline, strconv.FormatInt(dl.UnixMilli(), 10))
+	}
+	if len(kv) == 0 {
+		return ctx
+	}
+	return metadata.AppendToOutgoingContext(ctx, kv...)
+}
+
+func first(m metadata.MD, k string) string {
+	v := m.Get(k)
+	if len(v) == 0 {
+		return ""
+	}
+	return strings.TrimSpace(v[0])
+}

@@ -1,0 +1,39 @@
+package nodes
+
+import (
+	"context"
+
+	meshv1 "github.com/curfew-mesh/curfew/gen/curfew/mesh/v1"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+)
+
+// MaxSettle bounds how long a ListNodes call may ask to wait.
+const MaxSettle = 60_000_000_000 // 60 s, as a time.Duration
+
+// Server serves a Table as curfew.mesh.v1.NodeReportService.
+type Server struct {
+	meshv1.UnimplementedNodeReportServiceServer
+	Table *Table
+	// Decorate, if set, fills in figures the table does not hold (modelproxy's token
+	// ledger) on every node listed.
+	Decorate func(runID string, req *meshv1.ListNodesRequest, n *meshv1.Node)
+}
+
+// ListNodes implements NodeReportService.
+func (s *Server) ListNodes(ctx context.Context, req *meshv1.ListNodesRequest) (*meshv1.ListNodesResponse, error) {
+	if req.GetRunId() == "" {
+		return nil, status.Error(codes.InvalidArgument, "run_id is required")
+	}
+	settle := req.GetSettleTimeout().AsDuration()
+	if settle < 0 || settle > MaxSettle {
+		return nil, status.Errorf(codes.InvalidArgument, "settle_timeout must be between 0 and 60s, got %v", settle)
+	}
+	ns, settled := s.Table.List(ctx, req.GetRunId(), req.GetNodePrefixes(), settle)
+	if s.Decorate != nil {
+		for _, n := range ns {
+			s.Decorate(req.GetRunId(), req, n)
+		}
+	}
+	return &meshv1.ListNodesResponse{Nodes: ns, Settled: settled}, nil
+}

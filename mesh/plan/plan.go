@@ -1,0 +1,304 @@
+package plan
+
+import (
+	"bytes"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"strings"
+
+	"google.golang.org/grpc/codes"
+)
+
+// Defaults and limits of the plan format.
+const (
+	DefaultTokensPerSecond = 40
+	MaxTokensPerSecond     = 10000
+	MaxSteps               = 64
+	// MaxToolsPerStep is the fan-out limit of one step.
+	MaxToolsPerStep = 16
+	// MaxDepth is how deeply spawn_subagent plans may nest.
+	MaxDepth   = 4
+	MaxTokens  = 1_000_000
+	MaxSleepMS = 3_600_000
+)
+
+// Built-in tool names.
+const (
+	ToolSleep         = "sleep"
+	ToolSpawnSubagent = "spawn_subagent"
+	ToolDeploy        = "deploy"
+	ToolFail          = "fail"
+)
+
+// Plan scripts the sim model.
+type Plan struct {
+	// TokensPerSecond is the decode rate; DefaultTokensPerSecond when 0.
+	TokensPerSecond float64 `json:"tokens_per_second,omitempty"`
+	Steps           []Step  `json:"steps"`
+}
+
+// Step is one model turn: decode ThinkTokens then call Tools in parallel, or decode
+// AnswerTokens and end the loop.
+type Step struct {
+	ThinkTokens  int    `json:"think_tokens,omitempty"`
+	AnswerTokens int    `json:"answer_tokens,omitempty"`
+	Tools        []Tool `json:"tools,omitempty"`
+	// FirstTokenDelayMS delays the step's first token (a slow provider).
+	FirstTokenDelayMS int `json:"first_token_delay_ms,omitempty"`
+	// ModelError makes the step's model call fail on its first Attempts attempts.
+	ModelError *Fault `json:"model_error,omitempty"`
+}
+
+// Fault is an injected failure: the first Attempts attempts fail with Code.
+type Fault struct {
+	Attempts int    `json:"attempts"`
+	Code     string `json:"code,omitempty"` // default UNAVAILABLE
+}
+
+// Tool is one tool call of a step.
+type Tool struct {
+	Name string          `json:"name"`
+	Args json.RawMessage `json:"args,omitempty"`
+}
+
+// SleepArgs are the arguments of the sleep tool.
+type SleepArgs struct {
+	MS int `json:"ms"`
+}
+
+// DeployArgs are the arguments of the deploy tool: a job that takes DurationMS, polled
+// every PollMS; on cancel it is aborted, which takes AbortMS, within CleanupMS (the
+// cleanup budget, default 5000).
+type DeployArgs struct {
+	DurationMS int `json:"duration_ms"`
+	PollMS     int `json:"poll_ms,omitempty"`
+	AbortMS    int `json:"abort_ms,omitempty"`
+	CleanupMS  int `json:"cleanup_ms,omitempty"`
+}
+
+// FailArgs are the arguments of the fail tool: fail the first Times attempts (default 1)
+// with Code (default UNAVAILABLE) after AfterMS.
+type FailArgs struct {
+	Times   int    `json:"times,omitempty"`
+	Code    string `json:"code,omitempty"`
+	AfterMS int    `json:"after_ms,omitempty"`
+}
+
+// SpawnArgs are the arguments of spawn_subagent.
+type SpawnArgs struct {
+	Plan json.RawMessage `json:"plan"`
+}
+
+// Error is a validation error naming the bad field.
+type Error struct {
+	Path string
+	Msg  string
+}
+
+func (e *Error) Error() string {
+	if e.Path == "" {
+		return "plan: " + e.Msg
+	}
+	return "plan: " + e.Path + ": " + e.Msg
+}
+
+// LooksLikePlan reports whether a task is meant as a JSON plan (it starts with '{').
+func LooksLikePlan(task string) bool {
+	return strings.HasPrefix(strings.TrimSpace(task), "{")
+}
+
+// Parse decodes and validates a plan at nesting depth 0.
+func Parse(data []byte) (*Plan, error) { return parse(data, "", 0) }
+
+// TPS returns the plan's decode rate.
+func (p *Plan) TPS() float64 {
+	if p.TokensPerSecond == 0 {
+		return DefaultTokensPerSecond
+	}
+	return p.TokensPerSecond
+}
+
+func parse(data []byte, path string, depth int) (*Plan, error) {
+	if depth > MaxDepth {
+		return nil, &Error{path, fmt.Sprintf("subagent plans nest deeper than %d", MaxDepth)}
+	}
+	var raw struct {
+		TokensPerSecond *float64          `json:"tokens_per_second"`
+		Steps           []json.RawMessage `json:"steps"`
+	}
+	if err := strict(data, &raw, path); err != nil {
+		return nil, err
+	}
+	p := &Plan{}
+	if raw.TokensPerSecond != nil {
+		tps := *raw.TokensPerSecond
+		if tps <= 0 || tps > MaxTokensPerSecond {
+			return nil, &Error{join(path, "tokens_per_second"), fmt.Sprintf("must be in (0, %d], got %v", MaxTokensPerSecond, tps)}
+		}
+		p.TokensPerSecond = tps
+	}
+	if len(raw.Steps) == 0 {
+		return nil, &Error{join(path, "steps"), "must have at least one step"}
+	}
+	if len(raw.Steps) > MaxSteps {
+		return nil, &Error{join(path, "steps"), fmt.Sprintf("at most %d steps, got %d", MaxSteps, len(raw.Steps))}
+	}
+	for i, rs := range raw.Steps {
+		sp := fmt.Sprintf("%s[%d]", join(path, "steps"), i)
+		var s Step
+		if err := strict(rs, &s, sp); err != nil {
+			return nil, err
+		}
+		last := i == len(raw.Steps)-1
+		switch {
+		case s.ThinkTokens < 0 || s.ThinkTokens > MaxTokens:
+			return nil, &Error{sp + ".think_tokens", fmt.Sprintf("must be between 0 and %d", MaxTokens)}
+		case s.AnswerTokens < 0 || s.AnswerTokens > MaxTokens:
+			return nil, &Error{sp + ".answer_tokens", fmt.Sprintf("must be between 0 and %d", MaxTokens)}
+		case s.FirstTokenDelayMS < 0 || s.FirstTokenDelayMS > MaxSleepMS:
+			return nil, &Error{sp + ".first_token_delay_ms", fmt.Sprintf("must be between 0 and %d", MaxSleepMS)}
+		case last && len(s.Tools) > 0:
+			return nil, &Error{sp + ".tools", "the last step answers and cannot call tools; add a step with answer_tokens"}
+		case last && s.AnswerTokens == 0:
+			return nil, &Error{sp + ".answer_tokens", "the last step must answer (answer_tokens > 0)"}
+		case !last && s.AnswerTokens > 0:
+			return nil, &Error{sp + ".answer_tokens", "only the last step answers"}
+		case !last && len(s.Tools) == 0:
+			return nil, &Error{sp + ".tools", "a step before the last must call at least one tool"}
+		case len(s.Tools) > MaxToolsPerStep:
+			return nil, &Error{sp + ".tools", fmt.Sprintf("at most %d tools per step (fan-out limit), got %d", MaxToolsPerStep, len(s.Tools))}
+		}
+		if f := s.ModelError; f != nil {
+			if f.Attempts < 1 || f.Attempts > 100 {
+				return nil, &Error{sp + ".model_error.attempts", "must be between 1 and 100"}
+			}
+			if f.Code != "" {
+				if _, err := ParseCode(f.Code); err != nil {
+					return nil, &Error{sp + ".model_error.code", err.Error()}
+				}
+			}
+		}
+		for j, t := range s.Tools {
+			if err := validateTool(t, fmt.Sprintf("%s.tools[%d]", sp, j), depth); err != nil {
+				return nil, err
+			}
+		}
+		p.Steps = append(p.Steps, s)
+	}
+	return p, nil
+}
+
+func validateTool(t Tool, path string, depth int) error {
+	ap := path + ".args"
+	switch t.Name {
+	case ToolSleep:
+		var a SleepArgs
+		if err := strict(t.Args, &a, ap); err != nil {
+			return err
+		}
+		if a.MS < 1 || a.MS > MaxSleepMS {
+			return &Error{ap + ".ms", fmt.Sprintf("must be between 1 and %d", MaxSleepMS)}
+		}
+	case ToolDeploy:
+		var a DeployArgs
+		if err := strict(t.Args, &a, ap); err != nil {
+			return err
+		}
+		for _, f := range []struct {
+			name  string
+			v, lo int
+		}{{"duration_ms", a.DurationMS, 1}, {"poll_ms", a.PollMS, 0}, {"abort_ms", a.AbortMS, 0}, {"cleanup_ms", a.CleanupMS, 0}} {
+			if f.v < f.lo || f.v > MaxSleepMS {
+				return &Error{ap + "." + f.name, fmt.Sprintf("must be between %d and %d", f.lo, MaxSleepMS)}
+			}
+		}
+	case ToolFail:
+		var a FailArgs
+		if err := strict(t.Args, &a, ap); err != nil {
+			return err
+		}
+		if a.Times < 0 || a.Times > 100 {
+			return &Error{ap + ".times", "must be between 0 and 100"}
+		}
+		if a.AfterMS < 0 || a.AfterMS > MaxSleepMS {
+			return &Error{ap + ".after_ms", fmt.Sprintf("must be between 0 and %d", MaxSleepMS)}
+		}
+		if a.Code != "" {
+			if _, err := ParseCode(a.Code); err != nil {
+				return &Error{ap + ".code", err.Error()}
+			}
+		}
+	case ToolSpawnSubagent:
+		var a SpawnArgs
+		if err := strict(t.Args, &a, ap); err != nil {
+			return err
+		}
+		if len(a.Plan) == 0 {
+			return &Error{ap + ".plan", "is required"}
+		}
+		if _, err := parse(a.Plan, ap+".plan", depth+1); err != nil {
+			return err
+		}
+	case "":
+		return &Error{path + ".name", "is required"}
+	default:
+		return &Error{path + ".name", fmt.Sprintf("unknown tool %q (known: deploy, fail, sleep, spawn_subagent)", t.Name)}
+	}
+	return nil
+}
+
+// Args decodes a built-in tool's arguments strictly into v.
+func Args(raw []byte, v any) error {
+	if len(bytes.TrimSpace(raw)) == 0 {
+		raw = []byte("{}")
+	}
+	return strict(raw, v, "args")
+}
+
+func strict(data []byte, v any, path string) error {
+	if len(bytes.TrimSpace(data)) == 0 {
+		data = []byte("{}")
+	}
+	dec := json.NewDecoder(bytes.NewReader(data))
+	dec.DisallowUnknownFields()
+	if err := dec.Decode(v); err != nil {
+		var te *json.UnmarshalTypeError
+		var se *json.SyntaxError
+		switch {
+		case errors.As(err, &te):
+			return &Error{join(path, te.Field), fmt.Sprintf("must be %s, got %s", te.Type, te.Value)}
+		case errors.As(err, &se):
+			return &Error{path, fmt.Sprintf("invalid JSON at offset %d: %v", se.Offset, err)}
+		case strings.HasPrefix(err.Error(), "json: unknown field "):
+			return &Error{path, "unknown field " + strings.TrimPrefix(err.Error(), "json: unknown field ")}
+		}
+		return &Error{path, err.Error()}
+	}
+	if dec.More() {
+		return &Error{path, "trailing data after the JSON object"}
+	}
+	return nil
+}
+
+func join(path, field string) string {
+	if path == "" {
+		return field
+	}
+	if field == "" {
+		return path
+	}
+	return path + "." + field
+}
+
+// ParseCode parses a gRPC code name such as "UNAVAILABLE" or "unavailable".
+func ParseCode(s string) (codes.Code, error) {
+	var c codes.Code
+	if err := c.UnmarshalJSON([]byte(`"` + strings.ToUpper(s) + `"`)); err != nil {
+		return 0, fmt.Errorf("unknown gRPC code %q", s)
+	}
+	if c == codes.OK {
+		return 0, fmt.Errorf("code must not be OK")
+	}
+	return c, nil
+}

@@ -1,0 +1,249 @@
+package service
+
+import (
+	"context"
+	"errors"
+	"flag"
+	"fmt"
+	"log/slog"
+	"net"
+	"net/http"
+	"os"
+	"strings"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/collectors"
+	"github.com/prometheus/client_golang/prometheus/promhttp"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/credentials/insecure"
+	"google.golang.org/grpc/health"
+	healthpb "google.golang.org/grpc/health/grpc_health_v1"
+	"google.golang.org/grpc/reflection"
+
+	"github.com/curfew-mesh/curfew/mesh"
+	"github.com/curfew-mesh/curfew/mesh/deadline"
+)
+
+// Defaults of the common flags.
+const (
+	DefaultShutdownGrace = 10 * time.Second
+	DefaultLogLevel      = "info"
+)
+
+// Options are the flags every service has.
+type Options struct {
+	Name string
+	// Addr is the gRPC listen address.
+	Addr string
+	// AdminAddr is the admin HTTP listen address (/healthz, /readyz, /metrics).
+	AdminAddr string
+	// ShutdownGrace bounds the graceful stop; in-flight calls still running after it are
+	// cancelled.
+	ShutdownGrace time.Duration
+	// DefaultDeadline is given to requests that arrive without one.
+	DefaultDeadline time.Duration
+	// MaxDeadline caps any requested deadline.
+	MaxDeadline time.Duration
+	// LogLevel is debug, info, warn or error.
+	LogLevel string
+}
+
+// Register adds the common flags to fs with the given default listen addresses.
+func (o *Options) Register(fs *flag.FlagSet, name, addr, admin string) {
+	o.Name = name
+	fs.StringVar(&o.Addr, "addr", addr, "gRPC listen address")
+	fs.StringVar(&o.AdminAddr, "admin-addr", admin, "admin HTTP listen address (/healthz, /readyz, /metrics); empty disables it")
+	fs.DurationVar(&o.ShutdownGrace, "shutdown-grace", DefaultShutdownGrace, "bound on graceful shutdown before in-flight calls are cancelled")
+	fs.DurationVar(&o.DefaultDeadline, "default-deadline", deadline.DefaultTimeout, "deadline given to requests without one")
+	fs.DurationVar(&o.MaxDeadline, "max-deadline", deadline.DefaultMax, "cap on any requested deadline")
+	fs.StringVar(&o.LogLevel, "log-level", DefaultLogLevel, "log level: debug, info, warn or error")
+}
+
+// Validate checks the common options.
+func (o *Options) Validate() error {
+	if o.Addr == "" {
+		return errors.New("--addr must not be empty")
+	}
+	if o.ShutdownGrace <= 0 {
+		return fmt.Errorf("--shutdown-grace must be positive, got %v", o.ShutdownGrace)
+	}
+	if o.DefaultDeadline <= 0 || o.MaxDeadline <= 0 {
+		return errors.New("--default-deadline and --max-deadline must be positive")
+	}
+	if o.DefaultDeadline > o.MaxDeadline {
+		return fmt.Errorf("--default-deadline %v exceeds --max-deadline %v", o.DefaultDeadline, o.MaxDeadline)
+	}
+	if _, err := parseLevel(o.LogLevel); err != nil {
+		return err
+	}
+	return nil
+}
+
+// Parse parses args into fs, then fills every flag not given on the command line from its
+// CURFEW_* environment variable.
+func Parse(fs *flag.FlagSet, args []string, getenv func(string) string) error {
+	if err := fs.Parse(args); err != nil {
+		return err
+	}
+	if fs.NArg() > 0 {
+		return fmt.Errorf("unexpected arguments: %s", strings.Join(fs.Args(), " "))
+	}
+	set := map[string]bool{}
+	fs.Visit(func(f *flag.Flag) { set[f.Name] = true })
+	var errs []error
+	fs.VisitAll(func(f *flag.Flag) {
+		if set[f.Name] {
+			return
+		}
+		env := EnvName(f.Name)
+		if v := getenv(env); v != "" {
+			if err := fs.Set(f.Name, v); err != nil {
+				errs = append(errs, fmt.Errorf("%s=%q: invalid value for --%s: %v", env, v, f.Name, err))
+			}
+		}
+	})
+	return errors.Join(errs...)
+}
+
+// EnvName returns the environment variable of a flag: --foo-bar → CURFEW_FOO_BAR.
+func EnvName(flagName string) string {
+	return "CURFEW_" + strings.ToUpper(strings.ReplaceAll(flagName, "-", "_"))
+}
+
+func parseLevel(s string) (slog.Level, error) {
+	var l slog.Level
+	if err := l.UnmarshalText([]byte(s)); err != nil {
+		return 0, fmt.Errorf("--log-level: %q is not one of debug, info, warn, error", s)
+	}
+	return l, nil
+}
+
+// Runtime is a service's running gRPC server and admin port.
+type Runtime struct {
+	Opts     Options
+	Log      *slog.Logger
+	Server   *grpc.Server
+	Health   *health.Server
+	Registry *prometheus.Registry
+	lis      net.Listener
+	admin    net.Listener
+}
+
+// New builds the runtime: it listens on both addresses (so start-up errors surface here),
+// creates the gRPC server with the mesh chain, and registers health and reflection.
+// minTime is the per-method fast-fail minimum of mesh.ServerConfig.
+func New(o Options, minTime map[string]time.Duration) (*Runtime, error) {
+	if err := o.Validate(); err != nil {
+		return nil, err
+	}
+	lvl, _ := parseLevel(o.LogLevel)
+	log := slog.New(slog.NewJSONHandler(os.Stderr, &slog.HandlerOptions{Level: lvl})).With("service", o.Name)
+	lis, err := net.Listen("tcp", o.Addr)
+	if err != nil {
+		return nil, fmt.Errorf("listen on --addr %s: %w", o.Addr, err)
+	}
+	rt := &Runtime{Opts: o, Log: log, lis: lis, Registry: prometheus.NewRegistry()}
+	if o.AdminAddr != "" {
+		if rt.admin, err = net.Listen("tcp", o.AdminAddr); err != nil {
+			_ = lis.Close()
+			return nil, fmt.Errorf("listen on --admin-addr %s: %w", o.AdminAddr, err)
+		}
+	}
+	rt.Registry.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
+	rt.Server = grpc.NewServer(mesh.ServerOptions(mesh.ServerConfig{
+		Deadline: deadline.Policy{Default: o.DefaultDeadline, Max: o.MaxDeadline},
+		MinTime:  minTime,
+		Logger:   log,
+	})...)
+	rt.Health = health.NewServer()
+	healthpb.RegisterHealthServer(rt.Server, rt.Health)
+	reflection.Register(rt.Server)
+	return rt, nil
+}
+
+// Addr returns the bound gRPC address.
+func (rt *Runtime) Addr() string { return rt.lis.Addr().String() }
+
+// AdminAddr returns the bound admin address, or "".
+func (rt *Runtime) AdminAddr() string {
+	if rt.admin == nil {
+		return ""
+	}
+	return rt.admin.Addr().String()
+}
+
+// Dial returns a client connection to target with the mesh client chain. Connections are
+// lazy, so services that call each other can start in any order.
+func Dial(target string) (*grpc.ClientConn, error) {
+	opts := append(mesh.DialOptions(mesh.ClientConfig{}), grpc.WithTransportCredentials(insecure.NewCredentials()))
+	return grpc.NewClient(target, opts...)
+}
+
+// Serve serves until ctx is done, then stops gracefully: health turns NOT_SERVING, new
+// calls are refused, and in-flight calls get ShutdownGrace to finish before they are
+// cancelled. It returns nil after a clean stop.
+func (rt *Runtime) Serve(ctx context.Context) error {
+	rt.Health.SetServingStatus("", healthpb.HealthCheckResponse_SERVING)
+	errc := make(chan error, 2)
+	go func() { errc <- rt.Server.Serve(rt.lis) }()
+	var hs *http.Server
+	if rt.admin != nil {
+		mux := http.NewServeMux()
+		mux.HandleFunc("/healthz", func(w http.ResponseWriter, _ *http.Request) { _, _ = w.Write([]byte("ok\n")) })
+		mux.HandleFunc("/readyz", func(w http.ResponseWriter, r *http.Request) {
+			resp, err := rt.Health.Check(r.Context(), &healthpb.HealthCheckRequest{})
+			if err != nil || resp.GetStatus() != healthpb.HealthCheckResponse_SERVING {
+				http.Error(w, "not serving", http.StatusServiceUnavailable)
+				return
+			}
+			_, _ = w.Write([]byte("ok\n"))
+		})
+		mux.Handle("/metrics", promhttp.HandlerFor(rt.Registry, promhttp.HandlerOpts{}))
+		hs = &http.Server{Handler: mux, ReadHeaderTimeout: 5 * time.Second}
+		go func() {
+			if err := hs.Serve(rt.admin); err != nil && !errors.Is(err, http.ErrServerClosed) {
+				errc <- err
+			}
+		}()
+	}
+	rt.Log.Info("serving", "addr", rt.Addr(), "admin_addr", rt.AdminAddr())
+	var serveErr error
+	select {
+	case <-ctx.Done():
+	case serveErr = <-errc:
+	}
+	rt.Health.Shutdown()
+	done := make(chan struct{})
+	go func() { rt.Server.GracefulStop(); close(done) }()
+	t := time.NewTimer(rt.Opts.ShutdownGrace)
+	defer t.Stop()
+	select {
+	case <-done:
+	case <-t.C:
+		rt.Log.Warn("shutdown grace passed; cancelling in-flight calls", "grace", rt.Opts.ShutdownGrace)
+		rt.Server.Stop()
+		<-done
+	}
+	if hs != nil {
+		sctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), time.Second)
+		defer cancel()
+		_ = hs.Shutdown(sctx)
+	}
+	rt.Log.Info("stopped")
+	return serveErr
+}
+
+// Every calls fn with the current time every period until ctx is done.
+func Every(ctx context.Context, period time.Duration, fn func(time.Time)) {
+	t := time.NewTicker(period)
+	defer t.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case now := <-t.C:
+			fn(now)
+		}
+	}
+}

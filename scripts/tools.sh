@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Installs the pinned code-generation and lint tools into ./bin (idempotent).
+# Versions are pinned here and nowhere else; bump them in one commit.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export GOBIN="$PWD/.tools/bin"
+mkdir -p "$GOBIN"
+
+BUF_VERSION=v1.75.0
+PROTOC_GEN_GO_VERSION=v1.36.12
+PROTOC_GEN_GO_GRPC_VERSION=v1.6.2
+GOLANGCI_LINT_VERSION=v2.15.0
+
+need() { # name version-string-marker
+  [[ -x "$GOBIN/$1" && -f "$GOBIN/.$1.$2" ]]
+}
+install() { # name module version
+  if ! need "$1" "$3"; then
+    echo "tools: installing $2@$3" >&2
+    go install "$2@$3"
+    rm -f "$GOBIN/.$1."*
+    touch "$GOBIN/.$1.$3"
+  fi
+}
+
+install protoc-gen-go google.golang.org/protobuf/cmd/protoc-gen-go "$PROTOC_GEN_GO_VERSION"
+install protoc-gen-go-grpc google.golang.org/grpc/cmd/protoc-gen-go-grpc "$PROTOC_GEN_GO_GRPC_VERSION"
+install buf github.com/bufbuild/buf/cmd/buf "$BUF_VERSION"
+if [[ "${CURFEW_SKIP_LINT_INSTALL:-}" != 1 ]]; then
+  install golangci-lint github.com/golangci/golangci-lint/v2/cmd/golangci-lint "$GOLANGCI_LINT_VERSION"
+fi

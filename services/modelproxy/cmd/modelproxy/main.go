@@ -1,0 +1,53 @@
+// Command modelproxy serves curfew.modelproxy.v1.ModelProxyService: the built-in `sim`
+// decoder and its token ledger. It only wires; the logic is in internal/modelproxy.
+package main
+
+import (
+	"context"
+	"flag"
+	"fmt"
+	"os"
+	"os/signal"
+	"syscall"
+	"time"
+
+	meshv1 "github.com/curfew-mesh/curfew/gen/curfew/mesh/v1"
+	modelproxyv1 "github.com/curfew-mesh/curfew/gen/curfew/modelproxy/v1"
+	"github.com/curfew-mesh/curfew/mesh/service"
+	"github.com/curfew-mesh/curfew/services/modelproxy/internal/modelproxy"
+)
+
+func main() { os.Exit(run(os.Args[1:])) }
+
+func run(args []string) int {
+	fs := flag.NewFlagSet("modelproxy", flag.ContinueOnError)
+	var o service.Options
+	o.Register(fs, "modelproxy", "127.0.0.1:7706", "127.0.0.1:7707")
+	minDecode := fs.Duration("min-decode-time", 50*time.Millisecond, "least time left to start a decoder; less fails fast with DEADLINE_EXCEEDED")
+	if err := service.Parse(fs, args, os.Getenv); err != nil {
+		fmt.Fprintln(os.Stderr, "modelproxy:", err)
+		return 2
+	}
+	if *minDecode < 0 {
+		fmt.Fprintln(os.Stderr, "modelproxy: --min-decode-time must not be negative")
+		return 2
+	}
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	defer stop()
+	rt, err := service.New(o, map[string]time.Duration{
+		modelproxyv1.ModelProxyService_Generate_FullMethodName: *minDecode,
+	})
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "modelproxy:", err)
+		return 1
+	}
+	srv := modelproxy.New()
+	modelproxyv1.RegisterModelProxyServiceServer(rt.Server, srv)
+	meshv1.RegisterNodeReportServiceServer(rt.Server, srv.Report())
+	go service.Every(ctx, time.Minute, srv.Sweep)
+	if err := rt.Serve(ctx); err != nil {
+		rt.Log.Error("serve", "error", err.Error())
+		return 1
+	}
+	return 0
+}

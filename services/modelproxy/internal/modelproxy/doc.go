@@ -1,0 +1,9 @@
+// Package modelproxy is the model proxy service: one front for model providers. This
+// package holds the built-in `sim` provider (a decoder scripted by a JSON plan, see
+// package plan) and the token ledger that records every token a decoder emits, keyed by
+// task (run and node) with its wall-clock instant, so that tokens spent after a cancel are
+// measurable from the decoder's own record.
+//
+// A decoder stops at the next token boundary once its context is cancelled: the wait for
+// each token selects on the context, so a cancel costs at most the token being emitted.
+package modelproxy

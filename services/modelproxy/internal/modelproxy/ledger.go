@@ -1,0 +1,61 @@
+package modelproxy
+
+import (
+	"sort"
+	"sync"
+	"time"
+)
+
+// Ledger records the instant of every token a decoder emitted, by run and node.
+type Ledger struct {
+	mu   sync.Mutex
+	runs map[string]map[string][]int64 // run → node → unix nanos, ascending
+}
+
+// NewLedger returns an empty ledger.
+func NewLedger() *Ledger { return &Ledger{runs: make(map[string]map[string][]int64)} }
+
+// Record adds one token emitted at instant at.
+func (l *Ledger) Record(run, node string, at time.Time) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	m := l.runs[run]
+	if m == nil {
+		m = make(map[string][]int64)
+		l.runs[run] = m
+	}
+	m[node] = append(m[node], at.UnixNano())
+}
+
+// Figures returns the node's token count, and its split at cancelAt (all tokens count as
+// before when cancelAt is zero).
+func (l *Ledger) Figures(run, node string, cancelAt time.Time) (total, before, after int64) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	ts := l.runs[run][node]
+	total = int64(len(ts))
+	if cancelAt.IsZero() {
+		return total, total, 0
+	}
+	c := cancelAt.UnixNano()
+	i := sort.Search(len(ts), func(i int) bool { return ts[i] > c })
+	return total, int64(i), total - int64(i)
+}
+
+// Forget drops a run's records.
+func (l *Ledger) Forget(run string) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	delete(l.runs, run)
+}
+
+// Runs returns the runs the ledger holds.
+func (l *Ledger) Runs() []string {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	out := make([]string, 0, len(l.runs))
+	for r := range l.runs {
+		out = append(out, r)
+	}
+	return out
+}

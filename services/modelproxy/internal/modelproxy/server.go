@@ -1,0 +1,196 @@
+package modelproxy
+
+import (
+	"context"
+	"fmt"
+	"time"
+
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/types/known/timestamppb"
+
+	meshv1 "github.com/curfew-mesh/curfew/gen/curfew/mesh/v1"
+	modelproxyv1 "github.com/curfew-mesh/curfew/gen/curfew/modelproxy/v1"
+	"github.com/curfew-mesh/curfew/mesh/md"
+	"github.com/curfew-mesh/curfew/mesh/nodes"
+	"github.com/curfew-mesh/curfew/mesh/plan"
+)
+
+// SimModel is the name of the built-in simulated model.
+const SimModel = "sim"
+
+// unattributed keys work that arrived without a run id (for example from grpcurl).
+const unattributed = "unattributed"
+
+// Server implements ModelProxyService and, for its decoders, NodeReportService.
+type Server struct {
+	modelproxyv1.UnimplementedModelProxyServiceServer
+	Nodes  *nodes.Table
+	Ledger *Ledger
+	// now is the clock; tests may replace it.
+	now func() time.Time
+}
+
+// New returns a server with an empty node table and ledger.
+func New() *Server {
+	return &Server{Nodes: nodes.New(0), Ledger: NewLedger(), now: time.Now}
+}
+
+// Report returns the NodeReportService of this server's decoders, with token figures
+// read from the ledger.
+func (s *Server) Report() *nodes.Server {
+	return &nodes.Server{Table: s.Nodes, Decorate: func(run string, req *meshv1.ListNodesRequest, n *meshv1.Node) {
+		var at time.Time
+		if req.GetCancelAt() != nil {
+			at = req.GetCancelAt().AsTime()
+		}
+		n.Tokens, n.TokensAtCancel, n.TokensAfterCancel = s.Ledger.Figures(run, n.GetId(), at)
+		if at.IsZero() {
+			n.TokensAtCancel = 0
+		}
+	}}
+}
+
+// Sweep forgets runs whose decoders all ended longer ago than the table's retention.
+func (s *Server) Sweep(now time.Time) {
+	s.Nodes.Sweep(now)
+	live := map[string]bool{}
+	for _, r := range s.Nodes.Runs() {
+		live[r] = true
+	}
+	for _, r := range s.Ledger.Runs() {
+		if !live[r] {
+			s.Ledger.Forget(r)
+		}
+	}
+}
+
+// Generate implements ModelProxyService: it runs one model step as a streamed decode.
+func (s *Server) Generate(req *modelproxyv1.GenerateRequest, stream modelproxyv1.ModelProxyService_GenerateServer) error {
+	ctx := stream.Context()
+	model := req.GetModel()
+	if model == "" {
+		model = SimModel
+	}
+	if model != SimModel {
+		return status.Errorf(codes.NotFound, "unknown model %q (configured: %s)", model, SimModel)
+	}
+	step, err := simStep(req.GetMessages())
+	if err != nil {
+		return err
+	}
+	id := md.IdentityFrom(ctx)
+	run, node := id.RunID, id.NodeID
+	if run == "" {
+		run = unattributed
+	}
+	if node == "" {
+		node = unattributed
+	}
+	if err := ctx.Err(); err != nil {
+		return err // never start a decoder for a call already cancelled
+	}
+	n := &meshv1.Node{Id: node, Kind: meshv1.NodeKind_NODE_KIND_MODEL, Name: model}
+	if dl, ok := ctx.Deadline(); ok {
+		n.Deadline = timestamppb.New(dl)
+	}
+	s.Nodes.Start(run, n)
+	err = s.decode(ctx, stream, run, node, step)
+	s.Nodes.Finish(ctx, run, node, err, func(n *meshv1.Node) {
+		if ctx.Err() != nil {
+			n.CancelledAt = timestamppb.New(s.now())
+		}
+	})
+	return err
+}
+
+type step struct {
+	plan  *plan.Plan
+	index int
+	plan.Step
+}
+
+// simStep parses the plan from the conversation's first user message and picks the step
+// from the number of assistant turns so far.
+func simStep(msgs []*modelproxyv1.Message) (*step, error) {
+	var task string
+	turns := 0
+	for _, m := range msgs {
+		switch m.GetRole() {
+		case modelproxyv1.Role_ROLE_USER:
+			if task == "" {
+				task = m.GetContent()
+			}
+		case modelproxyv1.Role_ROLE_ASSISTANT:
+			turns++
+		}
+	}
+	if task == "" {
+		return nil, status.Error(codes.InvalidArgument, "sim model: the conversation has no user message with a plan")
+	}
+	p, err := plan.Parse([]byte(task))
+	if err != nil {
+		return nil, status.Errorf(codes.InvalidArgument, "sim model: %v", err)
+	}
+	if turns >= len(p.Steps) {
+		return nil, status.Errorf(codes.InvalidArgument, "sim model: the conversation has %d assistant turns but the plan has %d steps", turns, len(p.Steps))
+	}
+	return &step{plan: p, index: turns, Step: p.Steps[turns]}, nil
+}
+
+var words = []string{"the", "deadline", "reaches", "every", "leaf", "and", "the", "tree", "stops"}
+
+// decode emits the step's tokens at the plan's rate, on an absolute schedule so that the
+// rate does not drift, stopping at the next token boundary when ctx is done.
+func (s *Server) decode(ctx context.Context, stream modelproxyv1.ModelProxyService_GenerateServer, run, node string, st *step) error {
+	attempt := md.IdentityFrom(ctx).Attempt
+	if attempt == 0 {
+		attempt = 1
+	}
+	if f := st.ModelError; f != nil && attempt <= f.Attempts {
+		code := codes.Unavailable
+		if f.Code != "" {
+			code, _ = plan.ParseCode(f.Code)
+		}
+		return status.Errorf(code, "sim model: injected error on attempt %d of %d", attempt, f.Attempts)
+	}
+	n := st.ThinkTokens
+	if st.AnswerTokens > 0 {
+		n = st.AnswerTokens
+	}
+	interval := time.Duration(float64(time.Second) / st.plan.TPS())
+	start := s.now().Add(time.Duration(st.FirstTokenDelayMS) * time.Millisecond)
+	timer := time.NewTimer(time.Hour)
+	defer timer.Stop()
+	for i := 0; i < n; i++ {
+		due := start.Add(time.Duration(i+1) * interval)
+		if wait := due.Sub(s.now()); wait > 0 {
+			timer.Reset(wait)
+			select {
+			case <-ctx.Done():
+				return ctx.Err()
+			case <-timer.C:
+			}
+		} else if err := ctx.Err(); err != nil {
+			return err
+		}
+		s.Ledger.Record(run, node, s.now())
+		if err := stream.Send(&modelproxyv1.GenerateResponse{Delta: words[i%len(words)] + " ", Tokens: 1}); err != nil {
+			return err
+		}
+	}
+	final := &modelproxyv1.GenerateResponse{Usage: &modelproxyv1.Usage{CompletionTokens: int64(n)}}
+	if st.AnswerTokens > 0 {
+		final.FinishReason = "stop"
+	} else {
+		final.FinishReason = "tool_calls"
+		for j, t := range st.Tools {
+			args := string(t.Args)
+			if args == "" {
+				args = "{}"
+			}
+			final.ToolCalls = append(final.ToolCalls, &modelproxyv1.ToolCall{Id: fmt.Sprintf("call_%d_%d", st.index, j), Name: t.Name, ArgsJson: args})
+		}
+	}
+	return stream.Send(final)
+}

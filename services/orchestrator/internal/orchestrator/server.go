@@ -1,0 +1,511 @@
+package orchestrator
+
+import (
+	"context"
+	"errors"
+	"log/slog"
+	"strconv"
+	"sync"
+	"time"
+
+	"github.com/google/uuid"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/proto"
+	"google.golang.org/protobuf/types/known/durationpb"
+	"google.golang.org/protobuf/types/known/timestamppb"
+
+	meshv1 "github.com/curfew-mesh/curfew/gen/curfew/mesh/v1"
+	orchestratorv1 "github.com/curfew-mesh/curfew/gen/curfew/orchestrator/v1"
+	"github.com/curfew-mesh/curfew/mesh/agent"
+	"github.com/curfew-mesh/curfew/mesh/cancel"
+	"github.com/curfew-mesh/curfew/mesh/deadline"
+	"github.com/curfew-mesh/curfew/mesh/md"
+	"github.com/curfew-mesh/curfew/mesh/nodes"
+	"github.com/curfew-mesh/curfew/mesh/plan"
+)
+
+// Defaults of Config's zero fields.
+const (
+	DefaultMaxRuns    = 10000
+	DefaultMinRunTime = 100 * time.Millisecond
+	// RootNode is the id of every run's root node.
+	RootNode = "root"
+	// eventBuffer is the per-subscriber buffer of progress events; a slow client loses
+	// progress events (never the summary) rather than slowing the run.
+	eventBuffer = 256
+)
+
+// Config configures a Server.
+type Config struct {
+	// Loop reaches modelproxy and toolrunner; its Emit and Notes are set per run.
+	Loop agent.Config
+	// Reports are the NodeReportServices of modelproxy, toolrunner and subagent, read to
+	// assemble summaries.
+	Reports []meshv1.NodeReportServiceClient
+	// MaxRuns is how many runs are kept in memory; DefaultMaxRuns when 0.
+	MaxRuns int
+	// MinRunTime is the least time left to admit a run; DefaultMinRunTime when 0.
+	MinRunTime time.Duration
+	// SettleTimeout bounds the wait for the tree's teardown when a run ends;
+	// agent.DefaultSettleTimeout when 0.
+	SettleTimeout time.Duration
+	Log           *slog.Logger
+}
+
+// Server implements OrchestratorService.
+type Server struct {
+	orchestratorv1.UnimplementedOrchestratorServiceServer
+	cfg   Config
+	nodes *nodes.Table
+
+	mu    sync.Mutex
+	runs  map[string]*runState
+	order []string // run ids, oldest first
+	wg    sync.WaitGroup
+}
+
+// New returns a server.
+func New(cfg Config) *Server {
+	if cfg.MaxRuns == 0 {
+		cfg.MaxRuns = DefaultMaxRuns
+	}
+	if cfg.MinRunTime == 0 {
+		cfg.MinRunTime = DefaultMinRunTime
+	}
+	if cfg.SettleTimeout == 0 {
+		cfg.SettleTimeout = agent.DefaultSettleTimeout
+	}
+	if cfg.Log == nil {
+		cfg.Log = slog.Default()
+	}
+	return &Server{cfg: cfg, nodes: nodes.New(0), runs: map[string]*runState{}}
+}
+
+// Wait blocks until every run's background work has finished.
+func (s *Server) Wait() { s.wg.Wait() }
+
+type runState struct {
+	id       string
+	dl       time.Time
+	cancel   context.CancelCauseFunc
+	done     chan struct{}
+	mu       sync.Mutex
+	rec      *orchestratorv1.Run
+	cancelAt time.Time // first explicit cancel instant
+	subs     map[chan *orchestratorv1.RunResponse]struct{}
+}
+
+func (rs *runState) publish(ev *orchestratorv1.RunResponse) {
+	rs.mu.Lock()
+	defer rs.mu.Unlock()
+	for c := range rs.subs {
+		select {
+		case c <- ev:
+		default: // slow subscriber: drop progress, the summary carries everything
+		}
+	}
+}
+
+func (rs *runState) subscribe() chan *orchestratorv1.RunResponse {
+	c := make(chan *orchestratorv1.RunResponse, eventBuffer)
+	rs.mu.Lock()
+	rs.subs[c] = struct{}{}
+	rs.mu.Unlock()
+	return c
+}
+
+func (rs *runState) unsubscribe(c chan *orchestratorv1.RunResponse) {
+	rs.mu.Lock()
+	delete(rs.subs, c)
+	rs.mu.Unlock()
+}
+
+// cancelWith records the cancel instant (the first one wins) and cancels the tree. A
+// deadline cancel's instant is never later than the deadline itself.
+func (rs *runState) cancelWith(cause error) {
+	rs.mu.Lock()
+	if rs.cancelAt.IsZero() {
+		rs.cancelAt = time.Now()
+		if errors.Is(cause, cancel.ErrDeadline) && rs.cancelAt.After(rs.dl) {
+			rs.cancelAt = rs.dl
+		}
+	}
+	rs.mu.Unlock()
+	rs.cancel(cause)
+}
+
+func (rs *runState) snapshot() *orchestratorv1.Run {
+	rs.mu.Lock()
+	defer rs.mu.Unlock()
+	return proto.Clone(rs.rec).(*orchestratorv1.Run)
+}
+
+// Run implements OrchestratorService.Run.
+func (s *Server) Run(req *orchestratorv1.RunRequest, stream orchestratorv1.OrchestratorService_RunServer) error {
+	ctx := stream.Context()
+	rs, err := s.start(ctx, req)
+	if err != nil {
+		return err
+	}
+	sub := rs.subscribe()
+	defer rs.unsubscribe(sub)
+	if err := stream.Send(&orchestratorv1.RunResponse{Event: &orchestratorv1.RunResponse_Started{Started: &orchestratorv1.RunStarted{
+		RunId: rs.id, Deadline: timestamppb.New(rs.dl)}}}); err != nil {
+		s.disconnected(ctx, rs, req)
+		return err
+	}
+	for {
+		select {
+		case ev := <-sub:
+			if err := stream.Send(ev); err != nil {
+				s.disconnected(ctx, rs, req)
+				return err
+			}
+		case <-rs.done:
+			for more := true; more; {
+				select {
+				case ev := <-sub:
+					if err := stream.Send(ev); err != nil {
+						return err
+					}
+				default:
+					more = false
+				}
+			}
+			run := rs.snapshot()
+			if err := stream.Send(&orchestratorv1.RunResponse{Event: &orchestratorv1.RunResponse_Finished{Finished: run}}); err != nil {
+				return err
+			}
+			return runErr(run)
+		case <-ctx.Done():
+			s.disconnected(ctx, rs, req)
+			return status.FromContextError(ctx.Err()).Err()
+		}
+	}
+}
+
+// disconnected handles the end of a Run call's stream before its run ended.
+func (s *Server) disconnected(ctx context.Context, rs *runState, req *orchestratorv1.RunRequest) {
+	if req.GetContinueOnDisconnect() {
+		return
+	}
+	// A client whose own deadline expired cancels its call a little before the server's
+	// copy of the deadline fires (the server measured it from arrival); that is the
+	// deadline, not a disconnect.
+	if errors.Is(ctx.Err(), context.DeadlineExceeded) || time.Until(rs.dl) <= deadlineSlop {
+		rs.cancelWith(cancel.ErrDeadline)
+		return
+	}
+	rs.cancelWith(cancel.ErrClientDisconnect)
+}
+
+// deadlineSlop is how close to the deadline a client's cancel counts as the deadline.
+const deadlineSlop = 250 * time.Millisecond
+
+func runErr(r *orchestratorv1.Run) error {
+	if r.GetStatus() == orchestratorv1.RunStatus_RUN_STATUS_SUCCEEDED {
+		return nil
+	}
+	var c codes.Code
+	if err := c.UnmarshalJSON([]byte(`"` + r.GetErrorCode() + `"`)); err != nil || c == codes.OK {
+		c = codes.Unknown
+	}
+	return status.Error(c, r.GetErrorMessage())
+}
+
+// start validates a request and starts its run in the background.
+func (s *Server) start(ctx context.Context, req *orchestratorv1.RunRequest) (*runState, error) {
+	model := req.GetModel()
+	if model == "" {
+		model = s.cfg.Loop.ModelName
+	}
+	if model == "" {
+		model = agent.DefaultModel
+	}
+	if req.GetTask() == "" {
+		return nil, status.Error(codes.InvalidArgument, "task is required")
+	}
+	if model == agent.DefaultModel {
+		if !plan.LooksLikePlan(req.GetTask()) {
+			return nil, status.Error(codes.InvalidArgument, "the sim model takes a JSON plan as its task (see the README's plan format)")
+		}
+		if _, err := plan.Parse([]byte(req.GetTask())); err != nil {
+			return nil, status.Error(codes.InvalidArgument, err.Error())
+		}
+	}
+	if err := deadline.Check(ctx, s.cfg.MinRunTime, "run"); err != nil {
+		return nil, err
+	}
+	dl, _ := ctx.Deadline() // the server chain always sets one
+	id, err := uuid.NewV7()
+	if err != nil {
+		return nil, status.Error(codes.Internal, "internal error")
+	}
+	runID := id.String()
+	ident := md.IdentityFrom(ctx)
+	ident.RunID, ident.NodeID = runID, RootNode
+	// The run lives on its own context: detached from the call (so that
+	// continue_on_disconnect works and the disconnect is seen as a cause, not an error),
+	// bounded by the same absolute deadline, cancelled with a cause.
+	rctx, cancelDL := context.WithDeadlineCause(md.WithIdentity(context.WithoutCancel(ctx), ident), dl, cancel.ErrDeadline)
+	rctx, cancelRun := context.WithCancelCause(rctx)
+	now := time.Now()
+	rs := &runState{
+		id: runID, dl: dl, cancel: cancelRun, done: make(chan struct{}),
+		subs: map[chan *orchestratorv1.RunResponse]struct{}{},
+		rec: &orchestratorv1.Run{RunId: runID, Tenant: ident.Tenant, Status: orchestratorv1.RunStatus_RUN_STATUS_RUNNING,
+			Deadline: timestamppb.New(dl), CreatedAt: timestamppb.New(now), Model: model, Task: req.GetTask()},
+	}
+	s.nodes.Start(runID, &meshv1.Node{Id: RootNode, Kind: meshv1.NodeKind_NODE_KIND_RUN, Name: "run", Deadline: timestamppb.New(dl)})
+	s.add(rs)
+	s.wg.Add(1)
+	go func() {
+		defer s.wg.Done()
+		defer cancelDL()
+		s.execute(rctx, rs, model, req.GetTask())
+	}()
+	return rs, nil
+}
+
+func (s *Server) add(rs *runState) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.runs[rs.id] = rs
+	s.order = append(s.order, rs.id)
+	for len(s.order) > s.cfg.MaxRuns {
+		old := s.runs[s.order[0]]
+		select {
+		case <-old.done:
+		default:
+			return // never evict a running run
+		}
+		delete(s.runs, s.order[0])
+		s.order = s.order[1:]
+	}
+}
+
+// execute runs the loop, then ends the root node, waits for the tree's teardown,
+// assembles the summary and publishes it.
+func (s *Server) execute(rctx context.Context, rs *runState, model, task string) {
+	lc := s.cfg.Loop
+	lc.Notes = s.nodes
+	lc.Emit = func(n *meshv1.Node) {
+		rs.publish(&orchestratorv1.RunResponse{Event: &orchestratorv1.RunResponse_Node{Node: n}})
+	}
+	answer, err := agent.New(lc).Run(rctx, RootNode, model, task)
+	o := nodes.OutcomeOf(rctx, err)
+	if o.Status == meshv1.NodeStatus_NODE_STATUS_DEADLINE_EXCEEDED {
+		o.Cause = meshv1.CancelCause_CANCEL_CAUSE_DEADLINE
+	}
+	rs.mu.Lock()
+	cancelAt := rs.cancelAt
+	rs.mu.Unlock()
+	if rctx.Err() != nil && cancelAt.IsZero() && o.Cause == meshv1.CancelCause_CANCEL_CAUSE_DEADLINE {
+		cancelAt = rs.dl
+	}
+	root := s.nodes.End(rs.id, RootNode, o.Status, o.Cause, o.Code, o.Message, func(n *meshv1.Node) {
+		if !cancelAt.IsZero() {
+			n.CancelledAt = timestamppb.New(cancelAt)
+		}
+	})
+	rs.cancel(nil) // release the run context; children have ended
+	lc.Emit(root)
+
+	cctx, stop := context.WithTimeout(context.WithoutCancel(rctx), s.cfg.SettleTimeout+2*time.Second)
+	ns := s.collect(cctx, rs.id, cancelAt, s.cfg.SettleTimeout)
+	stop()
+
+	rs.mu.Lock()
+	r := rs.rec
+	r.EndedAt = timestamppb.Now()
+	r.Status = runStatus(o.Status)
+	r.Cause = o.Cause
+	r.ErrorCode, r.ErrorMessage = o.Code, o.Message
+	if err == nil {
+		r.Answer = answer
+	}
+	if !cancelAt.IsZero() {
+		r.CancelledAt = timestamppb.New(cancelAt)
+	}
+	setNodes(r, ns)
+	rs.mu.Unlock()
+	close(rs.done)
+}
+
+func setNodes(r *orchestratorv1.Run, ns []*meshv1.Node) {
+	r.Nodes = ns
+	r.Tokens, r.TokensAfterCancel = 0, 0
+	for _, n := range ns {
+		r.Tokens += n.GetTokens()
+		r.TokensAfterCancel += n.GetTokensAfterCancel()
+	}
+}
+
+// collect merges this process's nodes of the run with every executor's report. With
+// settle > 0 each executor first waits for the run's nodes to end.
+func (s *Server) collect(ctx context.Context, run string, cancelAt time.Time, settle time.Duration) []*meshv1.Node {
+	local, _ := s.nodes.List(ctx, run, nil, 0)
+	reports := make([][]*meshv1.Node, len(s.cfg.Reports)+1)
+	reports[0] = local
+	req := &meshv1.ListNodesRequest{RunId: run, SettleTimeout: durationpb.New(settle)}
+	if !cancelAt.IsZero() {
+		req.CancelAt = timestamppb.New(cancelAt)
+	}
+	var wg sync.WaitGroup
+	for i, c := range s.cfg.Reports {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			resp, err := c.ListNodes(ctx, req)
+			if err != nil {
+				s.cfg.Log.WarnContext(ctx, "node report unavailable; summary is incomplete", "run_id", run, "error", err.Error())
+				return
+			}
+			if !resp.GetSettled() {
+				s.cfg.Log.WarnContext(ctx, "nodes still running after the settle timeout", "run_id", run, "settle", settle)
+			}
+			reports[i+1] = resp.GetNodes()
+		}()
+	}
+	wg.Wait()
+	return nodes.Merge(reports...)
+}
+
+func runStatus(s meshv1.NodeStatus) orchestratorv1.RunStatus {
+	switch s {
+	case meshv1.NodeStatus_NODE_STATUS_SUCCEEDED:
+		return orchestratorv1.RunStatus_RUN_STATUS_SUCCEEDED
+	case meshv1.NodeStatus_NODE_STATUS_CANCELLED:
+		return orchestratorv1.RunStatus_RUN_STATUS_CANCELLED
+	case meshv1.NodeStatus_NODE_STATUS_DEADLINE_EXCEEDED:
+		return orchestratorv1.RunStatus_RUN_STATUS_DEADLINE_EXCEEDED
+	case meshv1.NodeStatus_NODE_STATUS_RUNNING:
+		return orchestratorv1.RunStatus_RUN_STATUS_RUNNING
+	}
+	return orchestratorv1.RunStatus_RUN_STATUS_FAILED
+}
+
+func (s *Server) get(id string) (*runState, error) {
+	if id == "" {
+		return nil, status.Error(codes.InvalidArgument, "run_id is required")
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	rs := s.runs[id]
+	if rs == nil {
+		return nil, status.Errorf(codes.NotFound, "run %q not found", id)
+	}
+	return rs, nil
+}
+
+// GetRun implements OrchestratorService.GetRun. A running run's nodes are read live.
+func (s *Server) GetRun(ctx context.Context, req *orchestratorv1.GetRunRequest) (*orchestratorv1.GetRunResponse, error) {
+	rs, err := s.get(req.GetRunId())
+	if err != nil {
+		return nil, err
+	}
+	select {
+	case <-rs.done:
+		return &orchestratorv1.GetRunResponse{Run: rs.snapshot()}, nil
+	default:
+	}
+	r := rs.snapshot()
+	setNodes(r, s.collect(ctx, rs.id, time.Time{}, 0))
+	return &orchestratorv1.GetRunResponse{Run: r}, nil
+}
+
+// Paging limits of ListRuns.
+const (
+	DefaultPageSize = 50
+	MaxPageSize     = 500
+)
+
+// ListRuns implements OrchestratorService.ListRuns: newest first, without nodes.
+func (s *Server) ListRuns(_ context.Context, req *orchestratorv1.ListRunsRequest) (*orchestratorv1.ListRunsResponse, error) {
+	size := int(req.GetPageSize())
+	switch {
+	case size < 0:
+		return nil, status.Error(codes.InvalidArgument, "page_size must not be negative")
+	case size == 0:
+		size = DefaultPageSize
+	case size > MaxPageSize:
+		size = MaxPageSize
+	}
+	offset := 0
+	if t := req.GetPageToken(); t != "" {
+		n, err := strconv.Atoi(t)
+		if err != nil || n < 0 {
+			return nil, status.Error(codes.InvalidArgument, "page_token is not one this service issued")
+		}
+		offset = n
+	}
+	s.mu.Lock()
+	ids := make([]string, len(s.order))
+	copy(ids, s.order)
+	s.mu.Unlock()
+	resp := &orchestratorv1.ListRunsResponse{}
+	for i := len(ids) - 1 - offset; i >= 0 && len(resp.Runs) < size; i-- {
+		rs, err := s.get(ids[i])
+		if err != nil {
+			continue
+		}
+		r := rs.snapshot()
+		r.Nodes = nil
+		resp.Runs = append(resp.Runs, r)
+	}
+	if next := offset + len(resp.Runs); next < len(ids) {
+		resp.NextPageToken = strconv.Itoa(next)
+	}
+	return resp, nil
+}
+
+// CancelRun implements OrchestratorService.CancelRun: it cancels the run with cause
+// operator and returns once its tree has been torn down. Cancelling an ended run returns
+// it unchanged.
+func (s *Server) CancelRun(ctx context.Context, req *orchestratorv1.CancelRunRequest) (*orchestratorv1.CancelRunResponse, error) {
+	rs, err := s.get(req.GetRunId())
+	if err != nil {
+		return nil, err
+	}
+	select {
+	case <-rs.done:
+		return &orchestratorv1.CancelRunResponse{Run: rs.snapshot()}, nil
+	default:
+	}
+	s.cfg.Log.InfoContext(ctx, "run cancelled by operator", "run_id", rs.id, "reason", req.GetReason())
+	rs.cancelWith(cancel.ErrOperator)
+	select {
+	case <-rs.done:
+	case <-ctx.Done():
+		return nil, status.FromContextError(ctx.Err()).Err()
+	}
+	return &orchestratorv1.CancelRunResponse{Run: rs.snapshot()}, nil
+}
+
+// Sweep forgets the node records of runs that ended long ago.
+func (s *Server) Sweep(now time.Time) { s.nodes.Sweep(now) }
+
+// Shutdown waits up to grace for runs still in flight (detached runs go on after their
+// clients leave), then cancels the rest with cause operator and waits for their teardown.
+func (s *Server) Shutdown(grace time.Duration) {
+	done := make(chan struct{})
+	go func() { s.wg.Wait(); close(done) }()
+	t := time.NewTimer(grace)
+	defer t.Stop()
+	select {
+	case <-done:
+		return
+	case <-t.C:
+	}
+	s.mu.Lock()
+	for _, rs := range s.runs {
+		select {
+		case <-rs.done:
+		default:
+			rs.cancelWith(cancel.ErrOperator)
+		}
+	}
+	s.mu.Unlock()
+	<-done
+}

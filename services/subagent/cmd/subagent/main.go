@@ -1,0 +1,76 @@
+// Command subagent serves curfew.subagent.v1.SubagentService: nested agent loops. It only
+// wires; the logic is in internal/subagent and the shared loop in mesh/agent.
+package main
+
+import (
+	"context"
+	"flag"
+	"fmt"
+	"os"
+	"os/signal"
+	"syscall"
+	"time"
+
+	meshv1 "github.com/curfew-mesh/curfew/gen/curfew/mesh/v1"
+	modelproxyv1 "github.com/curfew-mesh/curfew/gen/curfew/modelproxy/v1"
+	subagentv1 "github.com/curfew-mesh/curfew/gen/curfew/subagent/v1"
+	toolrunnerv1 "github.com/curfew-mesh/curfew/gen/curfew/toolrunner/v1"
+	"github.com/curfew-mesh/curfew/mesh/agent"
+	"github.com/curfew-mesh/curfew/mesh/service"
+	"github.com/curfew-mesh/curfew/services/subagent/internal/subagent"
+)
+
+func main() { os.Exit(run(os.Args[1:])) }
+
+func run(args []string) int {
+	fs := flag.NewFlagSet("subagent", flag.ContinueOnError)
+	var o service.Options
+	o.Register(fs, "subagent", "127.0.0.1:7704", "127.0.0.1:7705")
+	modelAddr := fs.String("modelproxy", "127.0.0.1:7706", "modelproxy address")
+	toolAddr := fs.String("toolrunner", "127.0.0.1:7702", "toolrunner address")
+	model := fs.String("model", agent.DefaultModel, "model of nested loops when the caller names none")
+	minSpawn := fs.Duration("min-spawn-time", 100*time.Millisecond, "least time left to start a subagent; less fails fast with DEADLINE_EXCEEDED")
+	maxDepth := fs.Int("max-depth", subagent.DefaultMaxDepth, "deepest subagent nesting served")
+	if err := service.Parse(fs, args, os.Getenv); err != nil {
+		fmt.Fprintln(os.Stderr, "subagent:", err)
+		return 2
+	}
+	if *minSpawn < 0 || *maxDepth < 1 {
+		fmt.Fprintln(os.Stderr, "subagent: --min-spawn-time must not be negative and --max-depth must be at least 1")
+		return 2
+	}
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	defer stop()
+	rt, err := service.New(o, map[string]time.Duration{subagentv1.SubagentService_Spawn_FullMethodName: *minSpawn})
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "subagent:", err)
+		return 1
+	}
+	mc, err := service.Dial(*modelAddr)
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "subagent: --modelproxy:", err)
+		return 2
+	}
+	defer mc.Close()
+	tc, err := service.Dial(*toolAddr)
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "subagent: --toolrunner:", err)
+		return 2
+	}
+	defer tc.Close()
+	srv := subagent.New(subagent.Config{MaxDepth: *maxDepth, Loop: agent.Config{
+		Model:      modelproxyv1.NewModelProxyServiceClient(mc),
+		ModelNodes: meshv1.NewNodeReportServiceClient(mc),
+		Tools:      toolrunnerv1.NewToolRunnerServiceClient(tc),
+		ToolNodes:  meshv1.NewNodeReportServiceClient(tc),
+		ModelName:  *model,
+	}})
+	subagentv1.RegisterSubagentServiceServer(rt.Server, srv)
+	meshv1.RegisterNodeReportServiceServer(rt.Server, srv.Report())
+	go service.Every(ctx, time.Minute, srv.Nodes.Sweep)
+	if err := rt.Serve(ctx); err != nil {
+		rt.Log.Error("serve", "error", err.Error())
+		return 1
+	}
+	return 0
+}

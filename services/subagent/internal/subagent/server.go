@@ -1,0 +1,89 @@
+package subagent
+
+import (
+	"strings"
+	"sync"
+
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/types/known/timestamppb"
+
+	meshv1 "github.com/curfew-mesh/curfew/gen/curfew/mesh/v1"
+	subagentv1 "github.com/curfew-mesh/curfew/gen/curfew/subagent/v1"
+	"github.com/curfew-mesh/curfew/mesh/agent"
+	"github.com/curfew-mesh/curfew/mesh/md"
+	"github.com/curfew-mesh/curfew/mesh/nodes"
+)
+
+// DefaultMaxDepth is the deepest nesting of subagents served.
+const DefaultMaxDepth = 3
+
+// Config configures a Server. Loop's Emit and Notes are set per call and by New.
+type Config struct {
+	Loop     agent.Config
+	MaxDepth int // DefaultMaxDepth when 0
+}
+
+// Server implements SubagentService.
+type Server struct {
+	subagentv1.UnimplementedSubagentServiceServer
+	cfg   Config
+	Nodes *nodes.Table
+}
+
+// New returns a server.
+func New(cfg Config) *Server {
+	if cfg.MaxDepth == 0 {
+		cfg.MaxDepth = DefaultMaxDepth
+	}
+	s := &Server{cfg: cfg, Nodes: nodes.New(0)}
+	s.cfg.Loop.Notes = s.Nodes
+	return s
+}
+
+// Report returns the NodeReportService of this server's subagent nodes and notes.
+func (s *Server) Report() *nodes.Server { return &nodes.Server{Table: s.Nodes} }
+
+// Spawn implements SubagentService.
+func (s *Server) Spawn(req *subagentv1.SpawnRequest, stream subagentv1.SubagentService_SpawnServer) error {
+	ctx := stream.Context()
+	id := md.IdentityFrom(ctx)
+	if id.RunID == "" || id.NodeID == "" {
+		return status.Errorf(codes.InvalidArgument, "metadata %s and %s are required", md.RunID, md.NodeID)
+	}
+	if req.GetTask() == "" {
+		return status.Error(codes.InvalidArgument, "task is required")
+	}
+	node := id.NodeID + "/sub"
+	if depth := strings.Count(node, "/sub"); depth > s.cfg.MaxDepth {
+		return status.Errorf(codes.FailedPrecondition, "subagent depth %d exceeds the limit %d", depth, s.cfg.MaxDepth)
+	}
+	if err := ctx.Err(); err != nil {
+		return err
+	}
+	var mu sync.Mutex
+	emit := func(n *meshv1.Node) {
+		mu.Lock()
+		defer mu.Unlock()
+		_ = stream.Send(&subagentv1.SpawnResponse{Event: &subagentv1.SpawnResponse_Node{Node: n}})
+	}
+	n := &meshv1.Node{Id: node, Kind: meshv1.NodeKind_NODE_KIND_SUBAGENT, Name: "subagent"}
+	if dl, ok := ctx.Deadline(); ok {
+		n.Deadline = timestamppb.New(dl)
+	}
+	emit(s.Nodes.Start(id.RunID, n))
+	lc := s.cfg.Loop
+	lc.Emit = emit
+	answer, err := agent.New(lc).Run(md.WithNode(ctx, node), node, req.GetModel(), req.GetTask())
+	emit(s.Nodes.Finish(ctx, id.RunID, node, err, func(n *meshv1.Node) {
+		if ctx.Err() != nil {
+			n.CancelledAt = timestamppb.Now()
+		}
+	}))
+	if err != nil {
+		return err
+	}
+	mu.Lock()
+	defer mu.Unlock()
+	return stream.Send(&subagentv1.SpawnResponse{Event: &subagentv1.SpawnResponse_Result{Result: &subagentv1.SpawnResult{Answer: answer}}})
+}

@@ -1,0 +1,70 @@
+// Command toolrunner serves curfew.toolrunner.v1.ToolRunnerService: the built-in tools.
+// It only wires; the logic is in internal/toolrunner.
+package main
+
+import (
+	"context"
+	"flag"
+	"fmt"
+	"os"
+	"os/signal"
+	"syscall"
+	"time"
+
+	meshv1 "github.com/curfew-mesh/curfew/gen/curfew/mesh/v1"
+	subagentv1 "github.com/curfew-mesh/curfew/gen/curfew/subagent/v1"
+	toolrunnerv1 "github.com/curfew-mesh/curfew/gen/curfew/toolrunner/v1"
+	"github.com/curfew-mesh/curfew/mesh/service"
+	"github.com/curfew-mesh/curfew/services/toolrunner/internal/toolrunner"
+)
+
+func main() { os.Exit(run(os.Args[1:])) }
+
+func run(args []string) int {
+	fs := flag.NewFlagSet("toolrunner", flag.ContinueOnError)
+	var o service.Options
+	o.Register(fs, "toolrunner", "127.0.0.1:7702", "127.0.0.1:7703")
+	subagentAddr := fs.String("subagent", "127.0.0.1:7704", "subagent service address (for spawn_subagent)")
+	minTool := fs.Duration("min-tool-time", 10*time.Millisecond, "least time left to start a tool; less fails fast with DEADLINE_EXCEEDED")
+	maxDepth := fs.Int("max-subagent-depth", toolrunner.DefaultMaxSubagentDepth, "deepest subagent nesting spawn_subagent may create")
+	maxFanout := fs.Int("max-subagent-fanout", toolrunner.DefaultMaxSubagentFanout, "most subagents one run may have in flight on this process")
+	if err := service.Parse(fs, args, os.Getenv); err != nil {
+		fmt.Fprintln(os.Stderr, "toolrunner:", err)
+		return 2
+	}
+	switch {
+	case *minTool < 0:
+		fmt.Fprintln(os.Stderr, "toolrunner: --min-tool-time must not be negative")
+		return 2
+	case *maxDepth < 1 || *maxFanout < 1:
+		fmt.Fprintln(os.Stderr, "toolrunner: --max-subagent-depth and --max-subagent-fanout must be at least 1")
+		return 2
+	}
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	defer stop()
+	rt, err := service.New(o, map[string]time.Duration{toolrunnerv1.ToolRunnerService_Execute_FullMethodName: *minTool})
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "toolrunner:", err)
+		return 1
+	}
+	sc, err := service.Dial(*subagentAddr)
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "toolrunner: --subagent:", err)
+		return 2
+	}
+	defer sc.Close()
+	srv := toolrunner.New(toolrunner.Config{
+		Subagent:          subagentv1.NewSubagentServiceClient(sc),
+		SubagentNodes:     meshv1.NewNodeReportServiceClient(sc),
+		MaxSubagentDepth:  *maxDepth,
+		MaxSubagentFanout: *maxFanout,
+	})
+	toolrunnerv1.RegisterToolRunnerServiceServer(rt.Server, srv)
+	meshv1.RegisterNodeReportServiceServer(rt.Server, srv.Report())
+	go service.Every(ctx, time.Minute, srv.Nodes.Sweep)
+	if err := rt.Serve(ctx); err != nil {
+		rt.Log.Error("serve", "error", err.Error())
+		return 1
+	}
+	return 0
+}

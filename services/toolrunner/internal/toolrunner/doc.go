@@ -1,0 +1,16 @@
+// Package toolrunner executes tools for the agent loop. The built-ins are:
+//
+//   - sleep: waits args.ms, cancellable at once.
+//   - fail: fails the first args.times attempts with args.code (default UNAVAILABLE),
+//     after args.after_ms; for tests of failure handling.
+//   - deploy: starts a job that takes args.duration_ms and polls it every args.poll_ms.
+//     Cancelled mid-poll, it aborts the job on a cleanup budget of its own
+//     (args.cleanup_ms, default 5 s), detached from the cancelled context, since the
+//     deadline that triggered the teardown has by definition no time left; then it
+//     re-raises the cancellation.
+//   - spawn_subagent: runs args.plan in the subagent service under the same deadline and
+//     node path, streaming the nested nodes back. Limited in depth and per-run fan-out.
+//
+// Each tool call is a node recorded here, by the process that executes it; the node ends
+// only after its teardown (a deploy's abort, a subagent's settle) has finished.
+package toolrunner

@@ -1,0 +1,297 @@
+package toolrunner
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/types/known/durationpb"
+	"google.golang.org/protobuf/types/known/timestamppb"
+
+	meshv1 "github.com/curfew-mesh/curfew/gen/curfew/mesh/v1"
+	subagentv1 "github.com/curfew-mesh/curfew/gen/curfew/subagent/v1"
+	toolrunnerv1 "github.com/curfew-mesh/curfew/gen/curfew/toolrunner/v1"
+	"github.com/curfew-mesh/curfew/mesh/agent"
+	"github.com/curfew-mesh/curfew/mesh/cancel"
+	"github.com/curfew-mesh/curfew/mesh/md"
+	"github.com/curfew-mesh/curfew/mesh/nodes"
+	"github.com/curfew-mesh/curfew/mesh/plan"
+)
+
+// Defaults of Config's zero fields.
+const (
+	DefaultMaxSubagentDepth  = 3
+	DefaultMaxSubagentFanout = 32
+	DefaultPollInterval      = 100 * time.Millisecond
+)
+
+// Config configures a Server.
+type Config struct {
+	// Subagent and SubagentNodes reach the subagent service (for spawn_subagent).
+	Subagent      subagentv1.SubagentServiceClient
+	SubagentNodes meshv1.NodeReportServiceClient
+	// MaxSubagentDepth bounds nesting: a spawn that would make the depth exceed it fails
+	// with FAILED_PRECONDITION. DefaultMaxSubagentDepth when 0.
+	MaxSubagentDepth int
+	// MaxSubagentFanout bounds concurrent subagents per run on this process; more fail
+	// with RESOURCE_EXHAUSTED. DefaultMaxSubagentFanout when 0.
+	MaxSubagentFanout int
+	// SettleTimeout bounds the wait for a cancelled subagent's teardown.
+	SettleTimeout time.Duration
+}
+
+// Server implements ToolRunnerService.
+type Server struct {
+	toolrunnerv1.UnimplementedToolRunnerServiceServer
+	cfg   Config
+	Nodes *nodes.Table
+	jobs  atomic.Int64
+
+	mu     sync.Mutex
+	fanout map[string]int // run → subagents in flight
+}
+
+// New returns a server.
+func New(cfg Config) *Server {
+	if cfg.MaxSubagentDepth == 0 {
+		cfg.MaxSubagentDepth = DefaultMaxSubagentDepth
+	}
+	if cfg.MaxSubagentFanout == 0 {
+		cfg.MaxSubagentFanout = DefaultMaxSubagentFanout
+	}
+	if cfg.SettleTimeout == 0 {
+		cfg.SettleTimeout = agent.DefaultSettleTimeout
+	}
+	return &Server{cfg: cfg, Nodes: nodes.New(0), fanout: map[string]int{}}
+}
+
+// Report returns the NodeReportService of this server's tool nodes.
+func (s *Server) Report() *nodes.Server { return &nodes.Server{Table: s.Nodes} }
+
+// Execute implements ToolRunnerService.
+func (s *Server) Execute(req *toolrunnerv1.ExecuteRequest, stream toolrunnerv1.ToolRunnerService_ExecuteServer) error {
+	ctx := stream.Context()
+	id := md.IdentityFrom(ctx)
+	if id.RunID == "" || id.NodeID == "" {
+		return status.Errorf(codes.InvalidArgument, "metadata %s and %s are required", md.RunID, md.NodeID)
+	}
+	run, node := id.RunID, id.NodeID
+	var send sync.Mutex
+	emit := func(n *meshv1.Node) {
+		send.Lock()
+		defer send.Unlock()
+		_ = stream.Send(&toolrunnerv1.ExecuteResponse{Event: &toolrunnerv1.ExecuteResponse_Node{Node: n}})
+	}
+	exec, err := s.prepare(ctx, req, emit)
+	if err != nil {
+		return err
+	}
+	if err := ctx.Err(); err != nil {
+		return err // never start a tool for a call already cancelled
+	}
+	n := &meshv1.Node{Id: node, Kind: meshv1.NodeKind_NODE_KIND_TOOL, Name: req.GetName()}
+	if dl, ok := ctx.Deadline(); ok {
+		n.Deadline = timestamppb.New(dl)
+	}
+	emit(s.Nodes.Start(run, n))
+	out, cleanup, err := exec(ctx)
+	ended := s.Nodes.Finish(ctx, run, node, err, func(n *meshv1.Node) {
+		if ctx.Err() != nil {
+			n.CancelledAt = timestamppb.Now()
+		}
+		n.Cleanup = cleanup
+	})
+	emit(ended)
+	if err != nil {
+		return err
+	}
+	if ctx.Err() != nil {
+		return ctx.Err()
+	}
+	send.Lock()
+	defer send.Unlock()
+	return stream.Send(&toolrunnerv1.ExecuteResponse{Event: &toolrunnerv1.ExecuteResponse_Result{Result: &toolrunnerv1.ExecuteResult{OutputJson: out}}})
+}
+
+type execFunc func(ctx context.Context) (out string, cleanup *meshv1.Cleanup, err error)
+
+// prepare validates the call and returns the function that runs it.
+func (s *Server) prepare(ctx context.Context, req *toolrunnerv1.ExecuteRequest, emit func(*meshv1.Node)) (execFunc, error) {
+	raw := []byte(req.GetArgsJson())
+	bad := func(err error) error { return status.Errorf(codes.InvalidArgument, "tool %s: %v", req.GetName(), err) }
+	switch req.GetName() {
+	case plan.ToolSleep:
+		var a plan.SleepArgs
+		if err := plan.Args(raw, &a); err != nil {
+			return nil, bad(err)
+		}
+		if a.MS < 1 || a.MS > plan.MaxSleepMS {
+			return nil, bad(fmt.Errorf("args.ms must be between 1 and %d", plan.MaxSleepMS))
+		}
+		return func(ctx context.Context) (string, *meshv1.Cleanup, error) {
+			if err := sleep(ctx, time.Duration(a.MS)*time.Millisecond); err != nil {
+				return "", nil, err
+			}
+			return fmt.Sprintf(`{"slept_ms":%d}`, a.MS), nil, nil
+		}, nil
+	case plan.ToolFail:
+		var a plan.FailArgs
+		if err := plan.Args(raw, &a); err != nil {
+			return nil, bad(err)
+		}
+		code := codes.Unavailable
+		if a.Code != "" {
+			c, err := plan.ParseCode(a.Code)
+			if err != nil {
+				return nil, bad(err)
+			}
+			code = c
+		}
+		times := a.Times
+		if times == 0 {
+			times = 1
+		}
+		return func(ctx context.Context) (string, *meshv1.Cleanup, error) {
+			if err := sleep(ctx, time.Duration(a.AfterMS)*time.Millisecond); err != nil {
+				return "", nil, err
+			}
+			attempt := max(md.IdentityFrom(ctx).Attempt, 1)
+			if attempt <= times {
+				return "", nil, status.Errorf(code, "fail tool: injected failure on attempt %d of %d", attempt, times)
+			}
+			return fmt.Sprintf(`{"attempt":%d}`, attempt), nil, nil
+		}, nil
+	case plan.ToolDeploy:
+		var a plan.DeployArgs
+		if err := plan.Args(raw, &a); err != nil {
+			return nil, bad(err)
+		}
+		if a.DurationMS < 1 {
+			return nil, bad(errors.New("args.duration_ms must be at least 1"))
+		}
+		return func(ctx context.Context) (string, *meshv1.Cleanup, error) { return s.deploy(ctx, a) }, nil
+	case plan.ToolSpawnSubagent:
+		var a plan.SpawnArgs
+		if err := plan.Args(raw, &a); err != nil {
+			return nil, bad(err)
+		}
+		if _, err := plan.Parse(a.Plan); err != nil {
+			return nil, bad(err)
+		}
+		if s.cfg.Subagent == nil {
+			return nil, status.Error(codes.FailedPrecondition, "spawn_subagent: no subagent service configured")
+		}
+		depth := strings.Count(md.IdentityFrom(ctx).NodeID, "/sub") + 1
+		if depth > s.cfg.MaxSubagentDepth {
+			return nil, status.Errorf(codes.FailedPrecondition, "spawn_subagent: depth %d exceeds the limit %d", depth, s.cfg.MaxSubagentDepth)
+		}
+		return func(ctx context.Context) (string, *meshv1.Cleanup, error) { return s.spawn(ctx, string(a.Plan), emit) }, nil
+	case "":
+		return nil, status.Error(codes.InvalidArgument, "tool name is required")
+	}
+	return nil, status.Errorf(codes.NotFound, "unknown tool %q (built-ins: deploy, fail, sleep, spawn_subagent)", req.GetName())
+}
+
+// sleep waits d or until ctx is done.
+func sleep(ctx context.Context, d time.Duration) error {
+	if d <= 0 {
+		return ctx.Err()
+	}
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-ctx.Done():
+		return ctx.Err()
+	case <-t.C:
+		return nil
+	}
+}
+
+// deploy starts a job, polls it until done, and on cancel aborts it on its own budget.
+func (s *Server) deploy(ctx context.Context, a plan.DeployArgs) (string, *meshv1.Cleanup, error) {
+	job := s.jobs.Add(1)
+	poll := time.Duration(a.PollMS) * time.Millisecond
+	if poll <= 0 {
+		poll = DefaultPollInterval
+	}
+	done := time.Now().Add(time.Duration(a.DurationMS) * time.Millisecond)
+	for polls := 1; ; polls++ {
+		if !time.Now().Before(done) {
+			return fmt.Sprintf(`{"job":%d,"status":"deployed","polls":%d}`, job, polls), nil, nil
+		}
+		if err := sleep(ctx, min(poll, time.Until(done))); err != nil {
+			// Torn down mid-poll: abort the half-finished rollout on a budget of its own,
+			// then re-raise the cancellation.
+			budget := time.Duration(a.CleanupMS) * time.Millisecond
+			if budget <= 0 {
+				budget = cancel.DefaultCleanupBudget
+			}
+			c := &meshv1.Cleanup{Action: fmt.Sprintf("abort deploy job %d", job), StartedAt: timestamppb.Now(), Budget: durationpb.New(budget)}
+			cerr := cancel.Cleanup(ctx, budget, func(cctx context.Context) error {
+				return sleep(cctx, time.Duration(a.AbortMS)*time.Millisecond) // the abort call
+			})
+			c.EndedAt, c.Completed = timestamppb.Now(), cerr == nil
+			if cerr != nil {
+				c.Error = cerr.Error()
+			}
+			return "", c, err
+		}
+	}
+}
+
+// spawn runs a plan in the subagent service and forwards its nodes.
+func (s *Server) spawn(ctx context.Context, task string, emit func(*meshv1.Node)) (string, *meshv1.Cleanup, error) {
+	run := md.IdentityFrom(ctx).RunID
+	s.mu.Lock()
+	if s.fanout[run] >= s.cfg.MaxSubagentFanout {
+		s.mu.Unlock()
+		return "", nil, status.Errorf(codes.ResourceExhausted, "spawn_subagent: run already has %d subagents in flight (limit)", s.cfg.MaxSubagentFanout)
+	}
+	s.fanout[run]++
+	s.mu.Unlock()
+	defer func() {
+		s.mu.Lock()
+		if s.fanout[run]--; s.fanout[run] <= 0 {
+			delete(s.fanout, run)
+		}
+		s.mu.Unlock()
+	}()
+	st, err := s.cfg.Subagent.Spawn(ctx, &subagentv1.SpawnRequest{Task: task})
+	if err != nil {
+		return "", nil, s.settle(ctx, err)
+	}
+	var answer string
+	for {
+		ev, err := st.Recv()
+		if errors.Is(err, io.EOF) {
+			break
+		}
+		if err != nil {
+			return "", nil, s.settle(ctx, err)
+		}
+		switch e := ev.GetEvent().(type) {
+		case *subagentv1.SpawnResponse_Node:
+			emit(e.Node)
+		case *subagentv1.SpawnResponse_Result:
+			answer = e.Result.GetAnswer()
+		}
+	}
+	out, _ := json.Marshal(map[string]string{"answer": answer})
+	return string(out), nil, nil
+}
+
+// settle waits for a cancelled subagent's teardown before the tool node ends.
+func (s *Server) settle(ctx context.Context, err error) error {
+	if ctx.Err() != nil && s.cfg.SubagentNodes != nil {
+		_ = agent.Settle(ctx, s.cfg.SubagentNodes, md.IdentityFrom(ctx).NodeID+"/sub", s.cfg.SettleTimeout)
+	}
+	return err
+}
