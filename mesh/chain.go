@@ -55,7 +55,7 @@ func ServerInterceptors(cfg ServerConfig) ([]grpc.UnaryServerInterceptor, []grpc
 			return resp, mapStatus(ctx, log, info.FullMethod, err)
 		},
 		func(ctx context.Context, req any, info *grpc.UnaryServerInfo, h grpc.UnaryHandler) (any, error) {
-			ctx, cancel, _ := cfg.Deadline.Apply(ctx, time.Now())
+			ctx, cancel := applyDeadline(ctx, cfg, log, info.FullMethod)
 			defer cancel()
 			return h(ctx, req)
 		},
@@ -77,7 +77,7 @@ func ServerInterceptors(cfg ServerConfig) ([]grpc.UnaryServerInterceptor, []grpc
 			return mapStatus(ss.Context(), log, info.FullMethod, h(srv, ss))
 		},
 		func(srv any, ss grpc.ServerStream, info *grpc.StreamServerInfo, h grpc.StreamHandler) error {
-			ctx, cancel, _ := cfg.Deadline.Apply(ss.Context(), time.Now())
+			ctx, cancel := applyDeadline(ss.Context(), cfg, log, info.FullMethod)
 			defer cancel()
 			return h(srv, wrap(ss, ctx))
 		},
@@ -95,6 +95,22 @@ func ServerInterceptors(cfg ServerConfig) ([]grpc.UnaryServerInterceptor, []grpc
 		},
 	}
 	return unary, stream
+}
+
+// applyDeadline gives the call the policy's default or capped deadline, then reconciles it
+// with the caller's absolute curfew-deadline so that it is never later than the caller's.
+func applyDeadline(ctx context.Context, cfg ServerConfig, log *slog.Logger, method string) (context.Context, context.CancelFunc) {
+	ctx, cancel1, _ := cfg.Deadline.Apply(ctx, time.Now())
+	abs, ok := md.IncomingDeadline(ctx)
+	if !ok {
+		return ctx, cancel1
+	}
+	ctx, cancel2, skew := deadline.Reconcile(ctx, abs, deadline.DefaultSkewTolerance)
+	if skew > 0 {
+		log.WarnContext(ctx, "curfew-deadline disagrees with grpc-timeout; clocks may be skewed, keeping grpc-timeout",
+			"method", method, "skew_ms", skew.Milliseconds())
+	}
+	return ctx, func() { cancel2(); cancel1() }
 }
 
 func mapStatus(ctx context.Context, log *slog.Logger, method string, err error) error {

@@ -107,3 +107,33 @@ func Check(ctx context.Context, min time.Duration, what string) error {
 	}
 	return nil
 }
+
+// DefaultSkewTolerance is how far the absolute curfew-deadline may lie before the gRPC
+// deadline and still be taken as the same deadline (transit delay and rounding), rather
+// than as a skewed clock.
+const DefaultSkewTolerance = time.Second
+
+// Reconcile compares the caller's absolute deadline abs (curfew-deadline) with the gRPC
+// deadline on ctx. The relative gRPC deadline reaches the callee later than the caller
+// computed it, by the transit delay, so on its own it would let a child's deadline lie a
+// little after its parent's. When abs is earlier by at most tolerance, Reconcile shortens
+// ctx to abs, so a child never sees a later deadline than its parent. When abs is earlier
+// by more, the clocks disagree: the gRPC deadline stays authoritative, and skew reports the
+// difference.
+// The returned cancel func must be called.
+func Reconcile(ctx context.Context, abs time.Time, tolerance time.Duration) (_ context.Context, _ context.CancelFunc, skew time.Duration) {
+	dl, ok := ctx.Deadline()
+	if !ok || abs.IsZero() {
+		return ctx, func() {}, 0
+	}
+	d := dl.Sub(abs)
+	switch {
+	case d <= 0:
+		return ctx, func() {}, 0
+	case d <= tolerance:
+		c, cancel := context.WithDeadline(ctx, abs)
+		return c, cancel, 0
+	default:
+		return ctx, func() {}, d
+	}
+}

@@ -1,0 +1,234 @@
+package meshproc
+
+import (
+	"bufio"
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"runtime"
+	"strings"
+	"sync"
+	"syscall"
+	"time"
+
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/credentials/insecure"
+
+	meshv1 "github.com/curfew-mesh/curfew/gen/curfew/mesh/v1"
+	orchestratorv1 "github.com/curfew-mesh/curfew/gen/curfew/orchestrator/v1"
+)
+
+// Repo returns the repository root (the directory holding go.work).
+func Repo() (string, error) {
+	_, file, _, ok := runtime.Caller(0)
+	if !ok {
+		return "", errors.New("meshproc: cannot locate the source tree")
+	}
+	dir := filepath.Dir(file)
+	for {
+		if _, err := os.Stat(filepath.Join(dir, "go.work")); err == nil {
+			return dir, nil
+		}
+		parent := filepath.Dir(dir)
+		if parent == dir {
+			return "", errors.New("meshproc: go.work not found above " + file)
+		}
+		dir = parent
+	}
+}
+
+var (
+	buildOnce sync.Once
+	binDir    string
+	buildErr  error
+)
+
+// Build compiles the CLI and the services into a temporary directory, once per process,
+// and returns it. Set CURFEW_BIN_DIR to reuse binaries built elsewhere (for example by
+// `make build`).
+func Build() (string, error) {
+	buildOnce.Do(func() {
+		if d := os.Getenv("CURFEW_BIN_DIR"); d != "" {
+			binDir = d
+			return
+		}
+		repo, err := Repo()
+		if err != nil {
+			buildErr = err
+			return
+		}
+		binDir, buildErr = os.MkdirTemp("", "curfew-bin-")
+		if buildErr != nil {
+			return
+		}
+		targets := map[string]string{"curfew": "./cmd/curfew"}
+		for _, s := range []string{"orchestrator", "toolrunner", "subagent", "modelproxy"} {
+			targets[s] = "./services/" + s + "/cmd/" + s
+		}
+		for name, pkg := range targets {
+			dir := repo
+			if strings.HasPrefix(pkg, "./services/") {
+				parts := strings.SplitN(strings.TrimPrefix(pkg, "./services/"), "/", 2)
+				dir = filepath.Join(repo, "services", parts[0])
+				pkg = "./" + parts[1]
+			}
+			args := []string{"build", "-o", filepath.Join(binDir, name)}
+			if os.Getenv("CURFEW_RACE") == "1" {
+				args = append(args, "-race")
+			}
+			cmd := exec.Command("go", append(args, pkg)...)
+			cmd.Dir = dir
+			if out, err := cmd.CombinedOutput(); err != nil {
+				buildErr = fmt.Errorf("go build %s: %v\n%s", name, err, out)
+				return
+			}
+		}
+	})
+	return binDir, buildErr
+}
+
+// Mesh is a running mesh: four service processes under one `curfew up`.
+type Mesh struct {
+	Dir       string // data directory
+	Bin       string // directory of the binaries
+	Endpoints struct {
+		Services map[string]struct {
+			Addr      string `json:"addr"`
+			AdminAddr string `json:"admin_addr"`
+			PID       int    `json:"pid"`
+		} `json:"services"`
+	}
+	up    *exec.Cmd
+	conns []*grpc.ClientConn
+	done  chan error
+}
+
+// Options tune Start.
+type Options struct {
+	// Env is added to the environment of `curfew up` and so of every service
+	// (for example CURFEW_MAX_DEADLINE=1m).
+	Env []string
+}
+
+// Start builds the binaries if needed and starts `curfew up --base-port 0` in dataDir,
+// returning once it printed ready.
+func Start(ctx context.Context, dataDir string, o Options) (*Mesh, error) {
+	bin, err := Build()
+	if err != nil {
+		return nil, err
+	}
+	m := &Mesh{Dir: dataDir, Bin: bin, done: make(chan error, 1)}
+	m.up = exec.Command(filepath.Join(bin, "curfew"), "up", "--data-dir", dataDir, "--base-port", "0", "--bin-dir", bin, "--json")
+	m.up.Env = append(os.Environ(), o.Env...)
+	m.up.Stderr = os.Stderr
+	m.up.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGTERM}
+	out, err := m.up.StdoutPipe()
+	if err != nil {
+		return nil, err
+	}
+	if err := m.up.Start(); err != nil {
+		return nil, err
+	}
+	ready := make(chan error, 1)
+	go func() {
+		sc := bufio.NewScanner(out)
+		sent := false
+		for sc.Scan() {
+			if !sent && strings.Contains(sc.Text(), `"ready":true`) {
+				ready <- nil
+				sent = true
+			}
+		}
+		if !sent {
+			ready <- errors.New("curfew up exited before it was ready")
+		}
+	}()
+	go func() { m.done <- m.up.Wait() }()
+	select {
+	case err := <-ready:
+		if err != nil {
+			return nil, err
+		}
+	case <-time.After(60 * time.Second):
+		m.Stop()
+		return nil, errors.New("curfew up was not ready within 60s")
+	case <-ctx.Done():
+		m.Stop()
+		return nil, ctx.Err()
+	}
+	b, err := os.ReadFile(filepath.Join(dataDir, "endpoints.json"))
+	if err != nil {
+		m.Stop()
+		return nil, err
+	}
+	if err := json.Unmarshal(b, &m.Endpoints); err != nil {
+		m.Stop()
+		return nil, err
+	}
+	return m, nil
+}
+
+// Conn returns a client connection to a service ("orchestrator", "modelproxy", ...).
+func (m *Mesh) Conn(service string) (*grpc.ClientConn, error) {
+	ep, ok := m.Endpoints.Services[service]
+	if !ok {
+		return nil, fmt.Errorf("meshproc: no service %q", service)
+	}
+	c, err := grpc.NewClient(ep.Addr, grpc.WithTransportCredentials(insecure.NewCredentials()))
+	if err != nil {
+		return nil, err
+	}
+	m.conns = append(m.conns, c)
+	return c, nil
+}
+
+// Orchestrator returns a client of the orchestrator.
+func (m *Mesh) Orchestrator() (orchestratorv1.OrchestratorServiceClient, error) {
+	c, err := m.Conn("orchestrator")
+	if err != nil {
+		return nil, err
+	}
+	return orchestratorv1.NewOrchestratorServiceClient(c), nil
+}
+
+// Report returns the NodeReportService client of a service.
+func (m *Mesh) Report(service string) (meshv1.NodeReportServiceClient, error) {
+	c, err := m.Conn(service)
+	if err != nil {
+		return nil, err
+	}
+	return meshv1.NewNodeReportServiceClient(c), nil
+}
+
+// PIDs returns the service processes' ids by name.
+func (m *Mesh) PIDs() map[string]int {
+	out := map[string]int{}
+	for n, e := range m.Endpoints.Services {
+		out[n] = e.PID
+	}
+	return out
+}
+
+// Stop stops `curfew up` with SIGTERM (it stops the services in order) and waits.
+func (m *Mesh) Stop() error {
+	for _, c := range m.conns {
+		_ = c.Close()
+	}
+	m.conns = nil
+	if m.up.Process == nil {
+		return nil
+	}
+	_ = m.up.Process.Signal(syscall.SIGTERM)
+	select {
+	case err := <-m.done:
+		m.done <- err
+		return err
+	case <-time.After(60 * time.Second):
+		_ = m.up.Process.Kill()
+		return errors.New("curfew up did not stop within 60s")
+	}
+}
