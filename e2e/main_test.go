@@ -117,7 +117,7 @@ func runPlan(ctx context.Context, c orchestratorv1.OrchestratorServiceClient, pl
 }
 
 // summary waits for the run to end and returns its summary.
-func summary(t *testing.T, ctx context.Context, c orchestratorv1.OrchestratorServiceClient, id string) *orchestratorv1.Run {
+func summary(ctx context.Context, t *testing.T, c orchestratorv1.OrchestratorServiceClient, id string) *orchestratorv1.Run {
 	t.Helper()
 	ctx, cancel := context.WithTimeout(ctx, 30*time.Second)
 	defer cancel()

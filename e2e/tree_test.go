@@ -123,7 +123,7 @@ func TestSeed003DisconnectDrill(t *testing.T) {
 		if code(o.res.err) != codes.Canceled.String() {
 			t.Errorf("run %d: call ended with %v, want CANCELED from the client's own cancel", i, o.res.err)
 		}
-		r := summary(t, ctx, c, o.res.started.GetRunId())
+		r := summary(ctx, t, c, o.res.started.GetRunId())
 		if r.GetStatus() != orchestratorv1.RunStatus_RUN_STATUS_CANCELLED || r.GetCause() != meshv1.CancelCause_CANCEL_CAUSE_CLIENT_DISCONNECT {
 			t.Errorf("run %d: %s cause %s, want cancelled by client_disconnect", i, r.GetStatus(), r.GetCause())
 		}
@@ -225,7 +225,7 @@ func TestDeadlineStopsTheTree(t *testing.T) {
 	if code(res.err) != codes.DeadlineExceeded.String() {
 		t.Fatalf("Run ended with %v, want DEADLINE_EXCEEDED", res.err)
 	}
-	r := summary(t, ctx, c, res.started.GetRunId())
+	r := summary(ctx, t, c, res.started.GetRunId())
 	if r.GetStatus() != orchestratorv1.RunStatus_RUN_STATUS_DEADLINE_EXCEEDED || r.GetCause() != meshv1.CancelCause_CANCEL_CAUSE_DEADLINE ||
 		r.GetErrorCode() != "DEADLINE_EXCEEDED" {
 		t.Fatalf("run: %s cause %s code %s\n%s", r.GetStatus(), r.GetCause(), r.GetErrorCode(), dump(r))
@@ -321,7 +321,7 @@ func TestCleanupBudget(t *testing.T) {
 	if code(res.err) != codes.DeadlineExceeded.String() {
 		t.Fatalf("Run ended with %v, want DEADLINE_EXCEEDED", res.err)
 	}
-	r := summary(t, ctx, c, res.started.GetRunId())
+	r := summary(ctx, t, c, res.started.GetRunId())
 	dl := r.GetDeadline().AsTime()
 	ns := nodeMap(r)
 	ok := ns["root/s0.t0"]
@@ -504,7 +504,7 @@ func TestContinueOnDisconnect(t *testing.T) {
 	if code(res.err) != codes.Canceled.String() || res.started == nil {
 		t.Fatalf("Run: %v", res.err)
 	}
-	r := summary(t, ctx, c, res.started.GetRunId())
+	r := summary(ctx, t, c, res.started.GetRunId())
 	if r.GetStatus() != orchestratorv1.RunStatus_RUN_STATUS_SUCCEEDED {
 		t.Fatalf("detached run: %s\n%s", r.GetStatus(), dump(r))
 	}

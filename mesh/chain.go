@@ -79,11 +79,11 @@ func ServerInterceptors(cfg ServerConfig) ([]grpc.UnaryServerInterceptor, []grpc
 		func(srv any, ss grpc.ServerStream, info *grpc.StreamServerInfo, h grpc.StreamHandler) error {
 			ctx, cancel := applyDeadline(ss.Context(), cfg, log, info.FullMethod)
 			defer cancel()
-			return h(srv, wrap(ss, ctx))
+			return h(srv, wrap(ctx, ss))
 		},
 		func(srv any, ss grpc.ServerStream, info *grpc.StreamServerInfo, h grpc.StreamHandler) error {
 			ctx := ss.Context()
-			return h(srv, wrap(ss, md.WithIdentity(ctx, md.FromIncoming(ctx))))
+			return h(srv, wrap(md.WithIdentity(ctx, md.FromIncoming(ctx)), ss))
 		},
 		func(srv any, ss grpc.ServerStream, info *grpc.StreamServerInfo, h grpc.StreamHandler) error {
 			if min, ok := cfg.MinTime[info.FullMethod]; ok {
@@ -114,14 +114,14 @@ func applyDeadline(ctx context.Context, cfg ServerConfig, log *slog.Logger, meth
 }
 
 func mapStatus(ctx context.Context, log *slog.Logger, method string, err error) error {
-	out, internal := Status(err)
+	out, internal := toStatus(err)
 	if internal {
 		log.ErrorContext(ctx, "internal error", "method", method, "error", err.Error())
 	}
 	return out
 }
 
-func wrap(ss grpc.ServerStream, ctx context.Context) grpc.ServerStream {
+func wrap(ctx context.Context, ss grpc.ServerStream) grpc.ServerStream {
 	w := middleware.WrapServerStream(ss)
 	w.WrappedContext = ctx
 	return w

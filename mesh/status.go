@@ -10,9 +10,14 @@ import (
 
 // Status maps err to a gRPC status error for the wire. Status errors pass unchanged;
 // context cancellation and deadline map to CANCELED and DEADLINE_EXCEEDED; anything else
-// becomes INTERNAL with a generic message, and internal reports whether that happened so
-// the caller can log the original.
-func Status(err error) (out error, internal bool) {
+// becomes INTERNAL with a generic message (the server chain logs the original).
+func Status(err error) error {
+	out, _ := toStatus(err)
+	return out
+}
+
+// toStatus is Status, also reporting whether err was an internal error.
+func toStatus(err error) (out error, internal bool) { //nolint:revive // internal is a flag beside the result
 	if err == nil {
 		return nil, false
 	}
@@ -30,6 +35,5 @@ func Status(err error) (out error, internal bool) {
 
 // Code returns the gRPC code of err as Status would map it.
 func Code(err error) codes.Code {
-	e, _ := Status(err)
-	return status.Code(e)
+	return status.Code(Status(err))
 }

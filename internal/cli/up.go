@@ -187,7 +187,7 @@ func allocate(base int) (map[string]Endpoint, error) {
 				ports[i] = base + portOffset[name] + i
 				continue
 			}
-			l, err := net.Listen("tcp", "127.0.0.1:0")
+			l, err := net.Listen("tcp", "127.0.0.1:0") //nolint:noctx // a local bind, nothing to cancel
 			if err != nil {
 				return nil, fmt.Errorf("pick a free port: %w", err)
 			}
@@ -214,7 +214,9 @@ func startChild(name, bin string, eps map[string]Endpoint, dataDir string) (*chi
 	if err != nil {
 		return nil, err
 	}
-	cmd := exec.Command(bin, args...)
+	// Not CommandContext: a context kill would SIGKILL the service; stopChild stops it in
+	// order with SIGTERM and a grace instead.
+	cmd := exec.Command(bin, args...) //nolint:noctx // see above
 	cmd.Stdout, cmd.Stderr = logf, logf
 	// Own process group: a terminal's Ctrl-C reaches only curfew up, which stops the
 	// services in order. Pdeathsig stops them if curfew up itself is killed.
@@ -263,7 +265,7 @@ func waitServing(ctx context.Context, children []*child, timeout time.Duration) 
 			case err := <-c.done:
 				c.done <- err
 				_ = conn.Close()
-				return fmt.Errorf("%s exited during start-up: %v", c.name, err)
+				return fmt.Errorf("%s exited during start-up: %w", c.name, err)
 			default:
 			}
 			cctx, ccancel := context.WithTimeout(ctx, time.Second)

@@ -80,10 +80,10 @@ func Build() (string, error) {
 			if os.Getenv("CURFEW_RACE") == "1" {
 				args = append(args, "-race")
 			}
-			cmd := exec.Command("go", append(args, pkg)...)
+			cmd := exec.Command("go", append(args, pkg)...) //nolint:noctx // a bounded build, once per process
 			cmd.Dir = dir
 			if out, err := cmd.CombinedOutput(); err != nil {
-				buildErr = fmt.Errorf("go build %s: %v\n%s", name, err, out)
+				buildErr = fmt.Errorf("go build %s: %w\n%s", name, err, out)
 				return
 			}
 		}
@@ -122,7 +122,8 @@ func Start(ctx context.Context, dataDir string, o Options) (*Mesh, error) {
 		return nil, err
 	}
 	m := &Mesh{Dir: dataDir, Bin: bin, done: make(chan error, 1)}
-	m.up = exec.Command(filepath.Join(bin, "curfew"), "up", "--data-dir", dataDir, "--base-port", "0", "--bin-dir", bin, "--json")
+	// Not CommandContext: Stop ends curfew up with SIGTERM so it can stop the services in order.
+	m.up = exec.Command(filepath.Join(bin, "curfew"), "up", "--data-dir", dataDir, "--base-port", "0", "--bin-dir", bin, "--json") //nolint:noctx // see above
 	m.up.Env = append(os.Environ(), o.Env...)
 	m.up.Stderr = os.Stderr
 	m.up.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGTERM}
@@ -154,19 +155,19 @@ func Start(ctx context.Context, dataDir string, o Options) (*Mesh, error) {
 			return nil, err
 		}
 	case <-time.After(60 * time.Second):
-		m.Stop()
+		_ = m.Stop()
 		return nil, errors.New("curfew up was not ready within 60s")
 	case <-ctx.Done():
-		m.Stop()
+		_ = m.Stop()
 		return nil, ctx.Err()
 	}
 	b, err := os.ReadFile(filepath.Join(dataDir, "endpoints.json"))
 	if err != nil {
-		m.Stop()
+		_ = m.Stop()
 		return nil, err
 	}
 	if err := json.Unmarshal(b, &m.Endpoints); err != nil {
-		m.Stop()
+		_ = m.Stop()
 		return nil, err
 	}
 	return m, nil

@@ -28,7 +28,7 @@ func OutcomeOf(ctx context.Context, err error) Outcome {
 		if errors.Is(ctx.Err(), context.DeadlineExceeded) || o.Cause == meshv1.CancelCause_CANCEL_CAUSE_DEADLINE {
 			o.Status, o.Cause, o.Code, o.Message = meshv1.NodeStatus_NODE_STATUS_DEADLINE_EXCEEDED, meshv1.CancelCause_CANCEL_CAUSE_DEADLINE, CodeName(codes.DeadlineExceeded), "deadline exceeded"
 		}
-		if c := context.Cause(ctx); c != nil && c != ctx.Err() {
+		if c := context.Cause(ctx); c != nil && !errors.Is(c, ctx.Err()) {
 			o.Message = c.Error()
 		}
 		return o

@@ -99,7 +99,7 @@ func Parse(fs *flag.FlagSet, args []string, getenv func(string) string) error {
 		env := EnvName(f.Name)
 		if v := getenv(env); v != "" {
 			if err := fs.Set(f.Name, v); err != nil {
-				errs = append(errs, fmt.Errorf("%s=%q: invalid value for --%s: %v", env, v, f.Name, err))
+				errs = append(errs, fmt.Errorf("%s=%q: invalid value for --%s: %w", env, v, f.Name, err))
 			}
 		}
 	})
@@ -133,19 +133,20 @@ type Runtime struct {
 // New builds the runtime: it listens on both addresses (so start-up errors surface here),
 // creates the gRPC server with the mesh chain, and registers health and reflection.
 // minTime is the per-method fast-fail minimum of mesh.ServerConfig.
-func New(o Options, minTime map[string]time.Duration) (*Runtime, error) {
+func New(ctx context.Context, o Options, minTime map[string]time.Duration) (*Runtime, error) {
 	if err := o.Validate(); err != nil {
 		return nil, err
 	}
 	lvl, _ := parseLevel(o.LogLevel)
 	log := slog.New(slog.NewJSONHandler(os.Stderr, &slog.HandlerOptions{Level: lvl})).With("service", o.Name)
-	lis, err := net.Listen("tcp", o.Addr)
+	var lc net.ListenConfig
+	lis, err := lc.Listen(ctx, "tcp", o.Addr)
 	if err != nil {
 		return nil, fmt.Errorf("listen on --addr %s: %w", o.Addr, err)
 	}
 	rt := &Runtime{Opts: o, Log: log, lis: lis, Registry: prometheus.NewRegistry()}
 	if o.AdminAddr != "" {
-		if rt.admin, err = net.Listen("tcp", o.AdminAddr); err != nil {
+		if rt.admin, err = lc.Listen(ctx, "tcp", o.AdminAddr); err != nil {
 			_ = lis.Close()
 			return nil, fmt.Errorf("listen on --admin-addr %s: %w", o.AdminAddr, err)
 		}

@@ -34,7 +34,7 @@ func run(args []string) int {
 	}
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
-	rt, err := service.New(o, map[string]time.Duration{
+	rt, err := service.New(ctx, o, map[string]time.Duration{
 		modelproxyv1.ModelProxyService_Generate_FullMethodName: *minDecode,
 	})
 	if err != nil {

@@ -43,7 +43,7 @@ func run(args []string) int {
 	}
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
-	rt, err := service.New(o, nil)
+	rt, err := service.New(ctx, o, nil)
 	if err != nil {
 		fmt.Fprintln(os.Stderr, "orchestrator:", err)
 		return 1

@@ -41,7 +41,7 @@ func run(args []string) int {
 	}
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
-	rt, err := service.New(o, map[string]time.Duration{subagentv1.SubagentService_Spawn_FullMethodName: *minSpawn})
+	rt, err := service.New(ctx, o, map[string]time.Duration{subagentv1.SubagentService_Spawn_FullMethodName: *minSpawn})
 	if err != nil {
 		fmt.Fprintln(os.Stderr, "subagent:", err)
 		return 1

@@ -1,0 +1,183 @@
+package e2e
+
+import (
+	"bufio"
+	"bytes"
+	"context"
+	"encoding/json"
+	"errors"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"google.golang.org/grpc/health/grpc_health_v1"
+	reflectionpb "google.golang.org/grpc/reflection/grpc_reflection_v1"
+)
+
+// curfew runs the CLI against the shared mesh and returns stdout, stderr and the exit code.
+func curfew(t *testing.T, args ...string) (string, string, int) {
+	t.Helper()
+	cmd := exec.Command(filepath.Join(mesh.Bin, "curfew"), append(args, "--data-dir", mesh.Dir)...)
+	var out, errb bytes.Buffer
+	cmd.Stdout, cmd.Stderr = &out, &errb
+	err := cmd.Run()
+	code := 0
+	var ee *exec.ExitError
+	if errors.As(err, &ee) {
+		code = ee.ExitCode()
+	} else if err != nil {
+		t.Fatal(err)
+	}
+	return out.String(), errb.String(), code
+}
+
+// `curfew run --json` prints one object per event, the run id first and the summary last;
+// --cancel-after disconnects like a Ctrl-C, and the summary shows the spend frozen.
+func TestCLIRunJSONAndCancel(t *testing.T) {
+	t.Parallel()
+	plan := filepath.Join(t.TempDir(), "plan.json")
+	if err := os.WriteFile(plan, []byte(`{"tokens_per_second": 40, "steps": [
+	  {"think_tokens": 10, "tools": [{"name": "spawn_subagent", "args": {"plan": {"steps": [{"answer_tokens": 800}]}}}]},
+	  {"answer_tokens": 10}]}`), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	out, stderr, code := curfew(t, "run", "--plan", plan, "--deadline", "12s", "--cancel-after", "1.5s", "--json")
+	if code != 1 {
+		t.Fatalf("exit %d, want 1 for a cancelled run; stderr %s", code, stderr)
+	}
+	var lines []map[string]any
+	sc := bufio.NewScanner(strings.NewReader(out))
+	sc.Buffer(make([]byte, 1<<20), 1<<20)
+	for sc.Scan() {
+		var m map[string]any
+		if err := json.Unmarshal(sc.Bytes(), &m); err != nil {
+			t.Fatalf("not one JSON object per line: %q: %v", sc.Text(), err)
+		}
+		lines = append(lines, m)
+	}
+	if len(lines) < 3 {
+		t.Fatalf("only %d events:\n%s", len(lines), out)
+	}
+	first, last := lines[0], lines[len(lines)-1]
+	started, _ := first["started"].(map[string]any)
+	if started == nil || started["run_id"] == "" {
+		t.Fatalf("first event carries no run id: %v", first)
+	}
+	fin, _ := last["finished"].(map[string]any)
+	if fin == nil || fin["run_id"] != started["run_id"] || fin["status"] != "RUN_STATUS_CANCELLED" || fin["cause"] != "CANCEL_CAUSE_CLIENT_DISCONNECT" {
+		t.Fatalf("last event is not the cancelled summary: %v", last)
+	}
+	if after, _ := fin["tokens_after_cancel"].(string); after != "" && after != "0" && after != "1" {
+		t.Errorf("tokens after cancel: %v", after)
+	}
+	id := started["run_id"].(string)
+
+	// get, ls and cancel with --json.
+	out, _, code = curfew(t, "get", id, "--json")
+	var got map[string]any
+	if code != 0 || json.Unmarshal([]byte(out), &got) != nil || got["run_id"] != id || got["status"] != "RUN_STATUS_CANCELLED" {
+		t.Errorf("get --json: exit %d, %s", code, out)
+	}
+	out, _, code = curfew(t, "ls", "--json", "--limit", "500")
+	if code != 0 || !strings.Contains(out, id) {
+		t.Errorf("ls --json: exit %d, run %s not listed", code, id)
+	}
+	out, _, code = curfew(t, "cancel", id, "--json")
+	if code != 0 || !strings.Contains(out, "CANCEL_CAUSE_CLIENT_DISCONNECT") {
+		t.Errorf("cancel of an ended run must return it unchanged: exit %d %s", code, out)
+	}
+	_, stderr, code = curfew(t, "get", "no-such-run")
+	if code != 1 || !strings.Contains(stderr, "NotFound") {
+		t.Errorf("get of an unknown run: exit %d %q", code, stderr)
+	}
+	_, stderr, code = curfew(t, "run", "--deadline", "-1s", "x")
+	if code != 2 || !strings.Contains(stderr, "--deadline") {
+		t.Errorf("bad --deadline: exit %d %q", code, stderr)
+	}
+}
+
+// A successful run exits 0 and prints its summary table.
+func TestCLIRunSucceeds(t *testing.T) {
+	t.Parallel()
+	out, stderr, code := curfew(t, "run", "--deadline", "10s",
+		`{"tokens_per_second": 500, "steps": [{"think_tokens": 5, "tools": [{"name": "sleep", "args": {"ms": 50}}]}, {"answer_tokens": 5}]}`)
+	if code != 0 {
+		t.Fatalf("exit %d: %s %s", code, out, stderr)
+	}
+	for _, want := range []string{"succeeded", "root/s0.t0", "answer:"} {
+		if !strings.Contains(out, want) {
+			t.Errorf("output lacks %q:\n%s", want, out)
+		}
+	}
+}
+
+// Every service serves gRPC health and server reflection, so grpcurl and Kubernetes
+// grpc probes work.
+func TestHealthAndReflection(t *testing.T) {
+	t.Parallel()
+	want := map[string]string{
+		"orchestrator": "curfew.orchestrator.v1.OrchestratorService",
+		"toolrunner":   "curfew.toolrunner.v1.ToolRunnerService",
+		"subagent":     "curfew.subagent.v1.SubagentService",
+		"modelproxy":   "curfew.modelproxy.v1.ModelProxyService",
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	for svc, name := range want {
+		conn, err := mesh.Conn(svc)
+		if err != nil {
+			t.Fatal(err)
+		}
+		h, err := grpc_health_v1.NewHealthClient(conn).Check(ctx, &grpc_health_v1.HealthCheckRequest{})
+		if err != nil || h.GetStatus() != grpc_health_v1.HealthCheckResponse_SERVING {
+			t.Errorf("%s health: %v %v", svc, h, err)
+		}
+		rc, err := reflectionpb.NewServerReflectionClient(conn).ServerReflectionInfo(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := rc.Send(&reflectionpb.ServerReflectionRequest{MessageRequest: &reflectionpb.ServerReflectionRequest_ListServices{}}); err != nil {
+			t.Fatal(err)
+		}
+		resp, err := rc.Recv()
+		if err != nil {
+			t.Fatal(err)
+		}
+		_ = rc.CloseSend()
+		var names []string
+		for _, s := range resp.GetListServicesResponse().GetService() {
+			names = append(names, s.GetName())
+		}
+		joined := strings.Join(names, ",")
+		for _, n := range []string{name, "grpc.health.v1.Health"} {
+			if !strings.Contains(joined, n) {
+				t.Errorf("%s reflection lists %s, missing %s", svc, joined, n)
+			}
+		}
+	}
+}
+
+// curfew up refuses bad input clearly, and the admin port serves /metrics and /readyz.
+func TestUpAndAdmin(t *testing.T) {
+	t.Parallel()
+	cmd := exec.Command(filepath.Join(mesh.Bin, "curfew"), "up", "--base-port", "70000", "--data-dir", t.TempDir())
+	out, _ := cmd.CombinedOutput()
+	if cmd.ProcessState.ExitCode() != 2 || !strings.Contains(string(out), "--base-port") {
+		t.Errorf("curfew up --base-port 70000: exit %d %s", cmd.ProcessState.ExitCode(), out)
+	}
+	for svc, ep := range mesh.Endpoints.Services {
+		for _, path := range []string{"/readyz", "/metrics"} {
+			body, err := httpGet("http://" + ep.AdminAddr + path)
+			if err != nil {
+				t.Errorf("%s %s: %v", svc, path, err)
+				continue
+			}
+			if path == "/metrics" && !strings.Contains(body, "go_goroutines") {
+				t.Errorf("%s /metrics lacks the Go collector", svc)
+			}
+		}
+	}
+}

@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# gofmt, go vet (every module), buf lint, golangci-lint (config: .golangci.yml).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+CURFEW_SKIP_LINT_INSTALL=0 bash scripts/tools.sh
+export PATH="$PWD/.tools/bin:$PATH"
+
+unformatted=$(gofmt -l $(git ls-files '*.go' | grep -v '^gen/') 2>/dev/null || true)
+if [[ -n "$unformatted" ]]; then
+  echo "gofmt would change:" >&2
+  echo "$unformatted" >&2
+  exit 1
+fi
+go vet work
+buf lint
+modules=(. mesh services/orchestrator services/toolrunner services/subagent services/modelproxy)
+for m in "${modules[@]}"; do
+  (cd "$m" && golangci-lint run --config "$OLDPWD/.golangci.yml" ./...)
+done
+echo "lint: clean"

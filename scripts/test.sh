@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# The whole test suite, from a fresh clone: installs the pinned tools, checks generated
+# code and lint, then runs every module's tests with the race detector, including the
+# end-to-end tests that start the four real service binaries (built with -race too).
+#
+#   scripts/test.sh           everything
+#   scripts/test.sh --short   skip lint and generation checks (quick local loop)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+if ! command -v go >/dev/null 2>&1 && [[ -x /usr/local/go/bin/go ]]; then
+  export PATH="/usr/local/go/bin:$PATH"
+fi
+echo "== $(go version)"
+
+if [[ "${1:-}" != "--short" ]]; then
+  echo "== tools (pinned in scripts/tools.sh)"
+  bash scripts/tools.sh
+  echo "== generated code is current"
+  bash scripts/generate.sh --check
+  echo "== lint"
+  bash scripts/lint.sh
+fi
+
+echo "== tests (race detector on; e2e binaries built with -race)"
+export CURFEW_RACE=1
+# One package at a time keeps the end-to-end timing bounds honest on a 2-core machine.
+go test -race -count=1 -p 1 -timeout 20m work
