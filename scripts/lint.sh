@@ -13,6 +13,10 @@ if [[ -n "$unformatted" ]]; then
 fi
 go vet work
 buf lint
+# Breaking-change check of the API against main (a no-op on main itself).
+if git rev-parse --verify -q main >/dev/null && git ls-tree -d main proto >/dev/null 2>&1 && [[ -n "$(git ls-tree main proto)" ]]; then
+  buf breaking --against ".git#branch=main"
+fi
 modules=(. mesh services/orchestrator services/toolrunner services/subagent services/modelproxy)
 for m in "${modules[@]}"; do
   (cd "$m" && golangci-lint run --config "$OLDPWD/.golangci.yml" ./...)

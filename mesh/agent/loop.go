@@ -108,7 +108,10 @@ func (l *Loop) Run(ctx context.Context, base, model, task string) (string, error
 		if err != nil {
 			return "", err
 		}
-		if len(res.GetToolCalls()) == 0 {
+		// The step answers unless it asked for tools. A step may think without calling
+		// any tool (finish reason "tool_calls" with none, as the sim model sends for a
+		// plan step without tools): the loop then goes on to the next step.
+		if len(res.GetToolCalls()) == 0 && res.GetFinishReason() != "tool_calls" {
 			return res.text, nil
 		}
 		msgs = append(msgs, &modelproxyv1.Message{Role: modelproxyv1.Role_ROLE_ASSISTANT, Content: res.text, ToolCalls: res.GetToolCalls()})
@@ -140,7 +143,7 @@ func (l *Loop) modelStep(ctx context.Context, id, model string, msgs []*modelpro
 	if err != nil {
 		return nil, l.failed(ctx, l.cfg.ModelNodes, id, err)
 	}
-	l.cfg.Emit(node)
+	l.cfg.Emit(cloneNode(node)) // a snapshot: node changes as tokens arrive
 	var (
 		text  strings.Builder
 		final *modelproxyv1.GenerateResponse
@@ -273,6 +276,12 @@ func (l *Loop) callTool(ctx context.Context, id string, c *modelproxyv1.ToolCall
 // down remotely: wait (on a budget of its own) for the executor to report its end, then
 // return the cancellation. Otherwise return the child's own error.
 func (l *Loop) failed(ctx context.Context, reports meshv1.NodeReportServiceClient, id string, err error) error {
+	if dl, ok := ctx.Deadline(); ok && !time.Now().Before(dl) {
+		// The deadline has passed but its timer may not have fired yet: the callee's
+		// transport fires its own copy and resets the stream, which can reach us first.
+		// That error is our deadline, so wait the instant for ctx to say so, and settle.
+		<-ctx.Done()
+	}
 	if ctx.Err() == nil {
 		return err
 	}

@@ -53,6 +53,25 @@ func FromError(err error) meshv1.CancelCause {
 	return meshv1.CancelCause_CANCEL_CAUSE_UNSPECIFIED
 }
 
+// ErrorOf returns the cause error of a wire cause, nil for UNSPECIFIED.
+func ErrorOf(c meshv1.CancelCause) error {
+	switch c {
+	case meshv1.CancelCause_CANCEL_CAUSE_CLIENT_DISCONNECT:
+		return ErrClientDisconnect
+	case meshv1.CancelCause_CANCEL_CAUSE_DEADLINE:
+		return ErrDeadline
+	case meshv1.CancelCause_CANCEL_CAUSE_OPERATOR:
+		return ErrOperator
+	case meshv1.CancelCause_CANCEL_CAUSE_SIBLING_FAILED:
+		return ErrSiblingFailed
+	case meshv1.CancelCause_CANCEL_CAUSE_SUPERSEDED:
+		return ErrSuperseded
+	case meshv1.CancelCause_CANCEL_CAUSE_BUDGET:
+		return ErrBudget
+	}
+	return nil
+}
+
 // Name returns the short, lower-case name of a cause ("client_disconnect", ...), or "" for
 // UNSPECIFIED.
 func Name(c meshv1.CancelCause) string {

@@ -4,6 +4,7 @@ import (
 	"context"
 
 	meshv1 "github.com/curfew-mesh/curfew/gen/curfew/mesh/v1"
+	"github.com/curfew-mesh/curfew/mesh/cancel"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 )
@@ -18,6 +19,20 @@ type Server struct {
 	// Decorate, if set, fills in figures the table does not hold (modelproxy's token
 	// ledger) on every node listed.
 	Decorate func(runID string, req *meshv1.ListNodesRequest, n *meshv1.Node)
+}
+
+// CancelNodes implements NodeReportService: it cancels the selected running nodes with the
+// request's cause and returns at once.
+func (s *Server) CancelNodes(_ context.Context, req *meshv1.CancelNodesRequest) (*meshv1.CancelNodesResponse, error) {
+	if req.GetRunId() == "" {
+		return nil, status.Error(codes.InvalidArgument, "run_id is required")
+	}
+	cause := cancel.ErrorOf(req.GetCause())
+	if cause == nil {
+		return nil, status.Error(codes.InvalidArgument, "cause is required")
+	}
+	n := s.Table.Cancel(req.GetRunId(), req.GetNodePrefixes(), cause)
+	return &meshv1.CancelNodesResponse{Cancelled: int32(n)}, nil
 }
 
 // ListNodes implements NodeReportService.

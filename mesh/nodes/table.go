@@ -26,6 +26,7 @@ type Table struct {
 
 type run struct {
 	nodes   map[string]*meshv1.Node
+	cancels map[string]context.CancelCauseFunc // running nodes begun with Begin
 	running int
 	lastEnd time.Time
 	changed chan struct{} // closed and replaced on every end
@@ -43,7 +44,7 @@ func New(retention time.Duration) *Table {
 func (t *Table) runLocked(id string) *run {
 	r := t.runs[id]
 	if r == nil {
-		r = &run{nodes: make(map[string]*meshv1.Node), changed: make(chan struct{})}
+		r = &run{nodes: make(map[string]*meshv1.Node), cancels: make(map[string]context.CancelCauseFunc), changed: make(chan struct{})}
 		t.runs[id] = r
 	}
 	return r
@@ -65,6 +66,40 @@ func (t *Table) Start(runID string, n *meshv1.Node) *meshv1.Node {
 	r.nodes[n.Id] = n
 	r.running++
 	return proto.Clone(n).(*meshv1.Node)
+}
+
+// Begin records node n of run as running, like Start, and returns a context derived from
+// ctx that Cancel (and so NodeReportService.CancelNodes) can cancel with a cause. The node's
+// work must run under the returned context and end with End or Finish, which release it.
+func (t *Table) Begin(ctx context.Context, runID string, n *meshv1.Node) (context.Context, *meshv1.Node) {
+	cctx, cancel := context.WithCancelCause(ctx)
+	n = t.Start(runID, n)
+	t.mu.Lock()
+	if old := t.runs[runID].cancels[n.Id]; old != nil {
+		old(nil)
+	}
+	t.runs[runID].cancels[n.Id] = cancel
+	t.mu.Unlock()
+	return cctx, n
+}
+
+// Cancel cancels the running nodes of run selected by prefixes (all when empty) that were
+// begun with Begin, with cause, and returns how many it cancelled.
+func (t *Table) Cancel(runID string, prefixes []string, cause error) int {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	r := t.runs[runID]
+	if r == nil {
+		return 0
+	}
+	n := 0
+	for id, cancel := range r.cancels {
+		if Selected(id, prefixes) {
+			cancel(cause)
+			n++
+		}
+	}
+	return n
 }
 
 // Update applies fn to the node under the table's lock and returns a copy of the result,
@@ -99,6 +134,10 @@ func (t *Table) End(runID, id string, st meshv1.NodeStatus, cause meshv1.CancelC
 	n.EndedAt = timestamppb.New(now)
 	if fn != nil {
 		fn(n)
+	}
+	if c := r.cancels[id]; c != nil {
+		c(nil) // release the context Begin made; the node's work is over
+		delete(r.cancels, id)
 	}
 	r.lastEnd = now
 	close(r.changed)

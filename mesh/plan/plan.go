@@ -164,8 +164,6 @@ func parse(data []byte, path string, depth int) (*Plan, error) {
 			return nil, &Error{sp + ".answer_tokens", "the last step must answer (answer_tokens > 0)"}
 		case !last && s.AnswerTokens > 0:
 			return nil, &Error{sp + ".answer_tokens", "only the last step answers"}
-		case !last && len(s.Tools) == 0:
-			return nil, &Error{sp + ".tools", "a step before the last must call at least one tool"}
 		case len(s.Tools) > MaxToolsPerStep:
 			return nil, &Error{sp + ".tools", fmt.Sprintf("at most %d tools per step (fan-out limit), got %d", MaxToolsPerStep, len(s.Tools))}
 		}

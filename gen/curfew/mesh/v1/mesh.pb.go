@@ -591,6 +591,114 @@ func (x *ListNodesResponse) GetSettled() bool {
 	return false
 }
 
+// CancelNodesRequest stops running nodes of a run on this process.
+type CancelNodesRequest struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	RunId string                 `protobuf:"bytes,1,opt,name=run_id,json=runId,proto3" json:"run_id,omitempty"`
+	// Nodes whose id is one of these or lies beneath one of them; empty means all.
+	NodePrefixes []string `protobuf:"bytes,2,rep,name=node_prefixes,json=nodePrefixes,proto3" json:"node_prefixes,omitempty"`
+	// Why; recorded on every node it stops. UNSPECIFIED is refused.
+	Cause         CancelCause `protobuf:"varint,3,opt,name=cause,proto3,enum=curfew.mesh.v1.CancelCause" json:"cause,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *CancelNodesRequest) Reset() {
+	*x = CancelNodesRequest{}
+	mi := &file_curfew_mesh_v1_mesh_proto_msgTypes[4]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *CancelNodesRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*CancelNodesRequest) ProtoMessage() {}
+
+func (x *CancelNodesRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_curfew_mesh_v1_mesh_proto_msgTypes[4]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use CancelNodesRequest.ProtoReflect.Descriptor instead.
+func (*CancelNodesRequest) Descriptor() ([]byte, []int) {
+	return file_curfew_mesh_v1_mesh_proto_rawDescGZIP(), []int{4}
+}
+
+func (x *CancelNodesRequest) GetRunId() string {
+	if x != nil {
+		return x.RunId
+	}
+	return ""
+}
+
+func (x *CancelNodesRequest) GetNodePrefixes() []string {
+	if x != nil {
+		return x.NodePrefixes
+	}
+	return nil
+}
+
+func (x *CancelNodesRequest) GetCause() CancelCause {
+	if x != nil {
+		return x.Cause
+	}
+	return CancelCause_CANCEL_CAUSE_UNSPECIFIED
+}
+
+// CancelNodesResponse says how many running nodes were told to stop.
+type CancelNodesResponse struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Cancelled     int32                  `protobuf:"varint,1,opt,name=cancelled,proto3" json:"cancelled,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *CancelNodesResponse) Reset() {
+	*x = CancelNodesResponse{}
+	mi := &file_curfew_mesh_v1_mesh_proto_msgTypes[5]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *CancelNodesResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*CancelNodesResponse) ProtoMessage() {}
+
+func (x *CancelNodesResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_curfew_mesh_v1_mesh_proto_msgTypes[5]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use CancelNodesResponse.ProtoReflect.Descriptor instead.
+func (*CancelNodesResponse) Descriptor() ([]byte, []int) {
+	return file_curfew_mesh_v1_mesh_proto_rawDescGZIP(), []int{5}
+}
+
+func (x *CancelNodesResponse) GetCancelled() int32 {
+	if x != nil {
+		return x.Cancelled
+	}
+	return 0
+}
+
 var File_curfew_mesh_v1_mesh_proto protoreflect.FileDescriptor
 
 const file_curfew_mesh_v1_mesh_proto_rawDesc = "" +
@@ -630,7 +738,13 @@ const file_curfew_mesh_v1_mesh_proto_rawDesc = "" +
 	"\rnode_prefixes\x18\x04 \x03(\tR\fnodePrefixes\"Y\n" +
 	"\x11ListNodesResponse\x12*\n" +
 	"\x05nodes\x18\x01 \x03(\v2\x14.curfew.mesh.v1.NodeR\x05nodes\x12\x18\n" +
-	"\asettled\x18\x02 \x01(\bR\asettled*\xdc\x01\n" +
+	"\asettled\x18\x02 \x01(\bR\asettled\"\x83\x01\n" +
+	"\x12CancelNodesRequest\x12\x15\n" +
+	"\x06run_id\x18\x01 \x01(\tR\x05runId\x12#\n" +
+	"\rnode_prefixes\x18\x02 \x03(\tR\fnodePrefixes\x121\n" +
+	"\x05cause\x18\x03 \x01(\x0e2\x1b.curfew.mesh.v1.CancelCauseR\x05cause\"3\n" +
+	"\x13CancelNodesResponse\x12\x1c\n" +
+	"\tcancelled\x18\x01 \x01(\x05R\tcancelled*\xdc\x01\n" +
 	"\vCancelCause\x12\x1c\n" +
 	"\x18CANCEL_CAUSE_UNSPECIFIED\x10\x00\x12\"\n" +
 	"\x1eCANCEL_CAUSE_CLIENT_DISCONNECT\x10\x01\x12\x19\n" +
@@ -652,9 +766,10 @@ const file_curfew_mesh_v1_mesh_proto_rawDesc = "" +
 	"\x15NODE_STATUS_SUCCEEDED\x10\x02\x12\x16\n" +
 	"\x12NODE_STATUS_FAILED\x10\x03\x12\x19\n" +
 	"\x15NODE_STATUS_CANCELLED\x10\x04\x12!\n" +
-	"\x1dNODE_STATUS_DEADLINE_EXCEEDED\x10\x052e\n" +
+	"\x1dNODE_STATUS_DEADLINE_EXCEEDED\x10\x052\xbd\x01\n" +
 	"\x11NodeReportService\x12P\n" +
-	"\tListNodes\x12 .curfew.mesh.v1.ListNodesRequest\x1a!.curfew.mesh.v1.ListNodesResponseB\xb2\x01\n" +
+	"\tListNodes\x12 .curfew.mesh.v1.ListNodesRequest\x1a!.curfew.mesh.v1.ListNodesResponse\x12V\n" +
+	"\vCancelNodes\x12\".curfew.mesh.v1.CancelNodesRequest\x1a#.curfew.mesh.v1.CancelNodesResponseB\xb2\x01\n" +
 	"\x12com.curfew.mesh.v1B\tMeshProtoP\x01Z7github.com/curfew-mesh/curfew/gen/curfew/mesh/v1;meshv1\xa2\x02\x03CMX\xaa\x02\x0eCurfew.Mesh.V1\xca\x02\x0eCurfew\\Mesh\\V1\xe2\x02\x1aCurfew\\Mesh\\V1\\GPBMetadata\xea\x02\x10Curfew::Mesh::V1b\x06proto3"
 
 var (
@@ -670,7 +785,7 @@ func file_curfew_mesh_v1_mesh_proto_rawDescGZIP() []byte {
 }
 
 var file_curfew_mesh_v1_mesh_proto_enumTypes = make([]protoimpl.EnumInfo, 3)
-var file_curfew_mesh_v1_mesh_proto_msgTypes = make([]protoimpl.MessageInfo, 4)
+var file_curfew_mesh_v1_mesh_proto_msgTypes = make([]protoimpl.MessageInfo, 6)
 var file_curfew_mesh_v1_mesh_proto_goTypes = []any{
 	(CancelCause)(0),              // 0: curfew.mesh.v1.CancelCause
 	(NodeKind)(0),                 // 1: curfew.mesh.v1.NodeKind
@@ -679,31 +794,36 @@ var file_curfew_mesh_v1_mesh_proto_goTypes = []any{
 	(*Node)(nil),                  // 4: curfew.mesh.v1.Node
 	(*ListNodesRequest)(nil),      // 5: curfew.mesh.v1.ListNodesRequest
 	(*ListNodesResponse)(nil),     // 6: curfew.mesh.v1.ListNodesResponse
-	(*timestamppb.Timestamp)(nil), // 7: google.protobuf.Timestamp
-	(*durationpb.Duration)(nil),   // 8: google.protobuf.Duration
+	(*CancelNodesRequest)(nil),    // 7: curfew.mesh.v1.CancelNodesRequest
+	(*CancelNodesResponse)(nil),   // 8: curfew.mesh.v1.CancelNodesResponse
+	(*timestamppb.Timestamp)(nil), // 9: google.protobuf.Timestamp
+	(*durationpb.Duration)(nil),   // 10: google.protobuf.Duration
 }
 var file_curfew_mesh_v1_mesh_proto_depIdxs = []int32{
-	7,  // 0: curfew.mesh.v1.Cleanup.started_at:type_name -> google.protobuf.Timestamp
-	7,  // 1: curfew.mesh.v1.Cleanup.ended_at:type_name -> google.protobuf.Timestamp
-	8,  // 2: curfew.mesh.v1.Cleanup.budget:type_name -> google.protobuf.Duration
+	9,  // 0: curfew.mesh.v1.Cleanup.started_at:type_name -> google.protobuf.Timestamp
+	9,  // 1: curfew.mesh.v1.Cleanup.ended_at:type_name -> google.protobuf.Timestamp
+	10, // 2: curfew.mesh.v1.Cleanup.budget:type_name -> google.protobuf.Duration
 	1,  // 3: curfew.mesh.v1.Node.kind:type_name -> curfew.mesh.v1.NodeKind
 	2,  // 4: curfew.mesh.v1.Node.status:type_name -> curfew.mesh.v1.NodeStatus
 	0,  // 5: curfew.mesh.v1.Node.cause:type_name -> curfew.mesh.v1.CancelCause
-	7,  // 6: curfew.mesh.v1.Node.started_at:type_name -> google.protobuf.Timestamp
-	7,  // 7: curfew.mesh.v1.Node.ended_at:type_name -> google.protobuf.Timestamp
-	7,  // 8: curfew.mesh.v1.Node.deadline:type_name -> google.protobuf.Timestamp
-	7,  // 9: curfew.mesh.v1.Node.cancelled_at:type_name -> google.protobuf.Timestamp
+	9,  // 6: curfew.mesh.v1.Node.started_at:type_name -> google.protobuf.Timestamp
+	9,  // 7: curfew.mesh.v1.Node.ended_at:type_name -> google.protobuf.Timestamp
+	9,  // 8: curfew.mesh.v1.Node.deadline:type_name -> google.protobuf.Timestamp
+	9,  // 9: curfew.mesh.v1.Node.cancelled_at:type_name -> google.protobuf.Timestamp
 	3,  // 10: curfew.mesh.v1.Node.cleanup:type_name -> curfew.mesh.v1.Cleanup
-	8,  // 11: curfew.mesh.v1.ListNodesRequest.settle_timeout:type_name -> google.protobuf.Duration
-	7,  // 12: curfew.mesh.v1.ListNodesRequest.cancel_at:type_name -> google.protobuf.Timestamp
+	10, // 11: curfew.mesh.v1.ListNodesRequest.settle_timeout:type_name -> google.protobuf.Duration
+	9,  // 12: curfew.mesh.v1.ListNodesRequest.cancel_at:type_name -> google.protobuf.Timestamp
 	4,  // 13: curfew.mesh.v1.ListNodesResponse.nodes:type_name -> curfew.mesh.v1.Node
-	5,  // 14: curfew.mesh.v1.NodeReportService.ListNodes:input_type -> curfew.mesh.v1.ListNodesRequest
-	6,  // 15: curfew.mesh.v1.NodeReportService.ListNodes:output_type -> curfew.mesh.v1.ListNodesResponse
-	15, // [15:16] is the sub-list for method output_type
-	14, // [14:15] is the sub-list for method input_type
-	14, // [14:14] is the sub-list for extension type_name
-	14, // [14:14] is the sub-list for extension extendee
-	0,  // [0:14] is the sub-list for field type_name
+	0,  // 14: curfew.mesh.v1.CancelNodesRequest.cause:type_name -> curfew.mesh.v1.CancelCause
+	5,  // 15: curfew.mesh.v1.NodeReportService.ListNodes:input_type -> curfew.mesh.v1.ListNodesRequest
+	7,  // 16: curfew.mesh.v1.NodeReportService.CancelNodes:input_type -> curfew.mesh.v1.CancelNodesRequest
+	6,  // 17: curfew.mesh.v1.NodeReportService.ListNodes:output_type -> curfew.mesh.v1.ListNodesResponse
+	8,  // 18: curfew.mesh.v1.NodeReportService.CancelNodes:output_type -> curfew.mesh.v1.CancelNodesResponse
+	17, // [17:19] is the sub-list for method output_type
+	15, // [15:17] is the sub-list for method input_type
+	15, // [15:15] is the sub-list for extension type_name
+	15, // [15:15] is the sub-list for extension extendee
+	0,  // [0:15] is the sub-list for field type_name
 }
 
 func init() { file_curfew_mesh_v1_mesh_proto_init() }
@@ -717,7 +837,7 @@ func file_curfew_mesh_v1_mesh_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_curfew_mesh_v1_mesh_proto_rawDesc), len(file_curfew_mesh_v1_mesh_proto_rawDesc)),
 			NumEnums:      3,
-			NumMessages:   4,
+			NumMessages:   6,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

@@ -19,18 +19,24 @@ import (
 const _ = grpc.SupportPackageIsVersion9
 
 const (
-	NodeReportService_ListNodes_FullMethodName = "/curfew.mesh.v1.NodeReportService/ListNodes"
+	NodeReportService_ListNodes_FullMethodName   = "/curfew.mesh.v1.NodeReportService/ListNodes"
+	NodeReportService_CancelNodes_FullMethodName = "/curfew.mesh.v1.NodeReportService/CancelNodes"
 )
 
 // NodeReportServiceClient is the client API for NodeReportService service.
 //
 // For semantics around ctx use and closing/ending streaming RPCs, please refer to https://pkg.go.dev/google.golang.org/grpc/?tab=doc#ClientConn.NewStream.
 //
-// NodeReportService is served by every service that runs nodes on behalf of a run,
-// so that the orchestrator can assemble a run's summary from what each process saw.
+// NodeReportService is served by every service that runs nodes on behalf of a run: the
+// orchestrator assembles a run's summary from what each process saw (ListNodes), and
+// broadcasts a run's cancel to every process in one hop (CancelNodes) beside the
+// RST_STREAM that travels down the call tree hop by hop.
 type NodeReportServiceClient interface {
 	// ListNodes returns the nodes of a run that ran on this process.
 	ListNodes(ctx context.Context, in *ListNodesRequest, opts ...grpc.CallOption) (*ListNodesResponse, error)
+	// CancelNodes cancels the run's running nodes on this process with the given cause. It
+	// returns at once; use ListNodes with a settle timeout to wait for their teardown.
+	CancelNodes(ctx context.Context, in *CancelNodesRequest, opts ...grpc.CallOption) (*CancelNodesResponse, error)
 }
 
 type nodeReportServiceClient struct {
@@ -51,15 +57,30 @@ func (c *nodeReportServiceClient) ListNodes(ctx context.Context, in *ListNodesRe
 	return out, nil
 }
 
+func (c *nodeReportServiceClient) CancelNodes(ctx context.Context, in *CancelNodesRequest, opts ...grpc.CallOption) (*CancelNodesResponse, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(CancelNodesResponse)
+	err := c.cc.Invoke(ctx, NodeReportService_CancelNodes_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
 // NodeReportServiceServer is the server API for NodeReportService service.
 // All implementations must embed UnimplementedNodeReportServiceServer
 // for forward compatibility.
 //
-// NodeReportService is served by every service that runs nodes on behalf of a run,
-// so that the orchestrator can assemble a run's summary from what each process saw.
+// NodeReportService is served by every service that runs nodes on behalf of a run: the
+// orchestrator assembles a run's summary from what each process saw (ListNodes), and
+// broadcasts a run's cancel to every process in one hop (CancelNodes) beside the
+// RST_STREAM that travels down the call tree hop by hop.
 type NodeReportServiceServer interface {
 	// ListNodes returns the nodes of a run that ran on this process.
 	ListNodes(context.Context, *ListNodesRequest) (*ListNodesResponse, error)
+	// CancelNodes cancels the run's running nodes on this process with the given cause. It
+	// returns at once; use ListNodes with a settle timeout to wait for their teardown.
+	CancelNodes(context.Context, *CancelNodesRequest) (*CancelNodesResponse, error)
 	mustEmbedUnimplementedNodeReportServiceServer()
 }
 
@@ -72,6 +93,9 @@ type UnimplementedNodeReportServiceServer struct{}
 
 func (UnimplementedNodeReportServiceServer) ListNodes(context.Context, *ListNodesRequest) (*ListNodesResponse, error) {
 	return nil, status.Error(codes.Unimplemented, "method ListNodes not implemented")
+}
+func (UnimplementedNodeReportServiceServer) CancelNodes(context.Context, *CancelNodesRequest) (*CancelNodesResponse, error) {
+	return nil, status.Error(codes.Unimplemented, "method CancelNodes not implemented")
 }
 func (UnimplementedNodeReportServiceServer) mustEmbedUnimplementedNodeReportServiceServer() {}
 func (UnimplementedNodeReportServiceServer) testEmbeddedByValue()                           {}
@@ -112,6 +136,24 @@ func _NodeReportService_ListNodes_Handler(srv interface{}, ctx context.Context, 
 	return interceptor(ctx, in, info, handler)
 }
 
+func _NodeReportService_CancelNodes_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(CancelNodesRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(NodeReportServiceServer).CancelNodes(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: NodeReportService_CancelNodes_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(NodeReportServiceServer).CancelNodes(ctx, req.(*CancelNodesRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
 // NodeReportService_ServiceDesc is the grpc.ServiceDesc for NodeReportService service.
 // It's only intended for direct use with grpc.RegisterService,
 // and not to be introspected or modified (even as a copy)
@@ -122,6 +164,10 @@ var NodeReportService_ServiceDesc = grpc.ServiceDesc{
 		{
 			MethodName: "ListNodes",
 			Handler:    _NodeReportService_ListNodes_Handler,
+		},
+		{
+			MethodName: "CancelNodes",
+			Handler:    _NodeReportService_CancelNodes_Handler,
 		},
 	},
 	Streams:  []grpc.StreamDesc{},

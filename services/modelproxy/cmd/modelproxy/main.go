@@ -28,6 +28,10 @@ func run(args []string) int {
 		fmt.Fprintln(os.Stderr, "modelproxy:", err)
 		return 2
 	}
+	if err := o.Validate(); err != nil { // a bad common flag is a usage error too
+		fmt.Fprintln(os.Stderr, "modelproxy:", err)
+		return 2
+	}
 	if *minDecode < 0 {
 		fmt.Fprintln(os.Stderr, "modelproxy: --min-decode-time must not be negative")
 		return 2

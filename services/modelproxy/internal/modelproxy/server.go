@@ -94,7 +94,7 @@ func (s *Server) Generate(req *modelproxyv1.GenerateRequest, stream modelproxyv1
 	if dl, ok := ctx.Deadline(); ok {
 		n.Deadline = timestamppb.New(dl)
 	}
-	s.Nodes.Start(run, n)
+	ctx, _ = s.Nodes.Begin(ctx, run, n)
 	err = s.decode(ctx, stream, run, node, step)
 	s.Nodes.Finish(ctx, run, node, err, func(n *meshv1.Node) {
 		if ctx.Err() != nil {
@@ -171,7 +171,10 @@ func (s *Server) decode(ctx context.Context, stream modelproxyv1.ModelProxyServi
 				return ctx.Err()
 			case <-timer.C:
 			}
-		} else if err := ctx.Err(); err != nil {
+		}
+		// Both may be ready at once and select picks at random: a cancelled decoder must
+		// not emit the token it was waiting for.
+		if err := ctx.Err(); err != nil {
 			return err
 		}
 		s.Ledger.Record(run, node, s.now())

@@ -37,6 +37,10 @@ func run(args []string) int {
 		fmt.Fprintln(os.Stderr, "orchestrator:", err)
 		return 2
 	}
+	if err := o.Validate(); err != nil { // a bad common flag is a usage error too
+		fmt.Fprintln(os.Stderr, "orchestrator:", err)
+		return 2
+	}
 	if *maxRuns < 1 || *minRun < 0 {
 		fmt.Fprintln(os.Stderr, "orchestrator: --max-runs must be at least 1 and --min-run-time not negative")
 		return 2

@@ -92,8 +92,13 @@ type runState struct {
 	done     chan struct{}
 	mu       sync.Mutex
 	rec      *orchestratorv1.Run
-	cancelAt time.Time // first explicit cancel instant
-	subs     map[chan *orchestratorv1.RunResponse]struct{}
+	cancelAt time.Time    // first explicit cancel instant
+	root     *meshv1.Node // the root node as it started
+	// broadcast tells every executor to cancel the run's nodes at once (one hop), beside
+	// the RST_STREAM that travels down the tree hop by hop.
+	broadcast   func(cause error)
+	broadcasted bool
+	subs        map[chan *orchestratorv1.RunResponse]struct{}
 }
 
 func (rs *runState) publish(ev *orchestratorv1.RunResponse) {
@@ -131,8 +136,13 @@ func (rs *runState) cancelWith(cause error) {
 			rs.cancelAt = rs.dl
 		}
 	}
+	first := !rs.broadcasted
+	rs.broadcasted = true
 	rs.mu.Unlock()
 	rs.cancel(cause)
+	if first && rs.broadcast != nil {
+		rs.broadcast(cause)
+	}
 }
 
 func (rs *runState) snapshot() *orchestratorv1.Run {
@@ -144,14 +154,17 @@ func (rs *runState) snapshot() *orchestratorv1.Run {
 // Run implements OrchestratorService.Run.
 func (s *Server) Run(req *orchestratorv1.RunRequest, stream orchestratorv1.OrchestratorService_RunServer) error {
 	ctx := stream.Context()
-	rs, err := s.start(ctx, req)
+	rs, sub, err := s.start(ctx, req)
 	if err != nil {
 		return err
 	}
-	sub := rs.subscribe()
 	defer rs.unsubscribe(sub)
 	if err := stream.Send(&orchestratorv1.RunResponse{Event: &orchestratorv1.RunResponse_Started{Started: &orchestratorv1.RunStarted{
 		RunId: rs.id, Deadline: timestamppb.New(rs.dl)}}}); err != nil {
+		s.disconnected(ctx, rs, req)
+		return err
+	}
+	if err := stream.Send(&orchestratorv1.RunResponse{Event: &orchestratorv1.RunResponse_Node{Node: rs.root}}); err != nil {
 		s.disconnected(ctx, rs, req)
 		return err
 	}
@@ -214,8 +227,9 @@ func runErr(r *orchestratorv1.Run) error {
 	return status.Error(c, r.GetErrorMessage())
 }
 
-// start validates a request and starts its run in the background.
-func (s *Server) start(ctx context.Context, req *orchestratorv1.RunRequest) (*runState, error) {
+// start validates a request and starts its run in the background. The returned
+// subscription exists before the run starts, so that no event is missed.
+func (s *Server) start(ctx context.Context, req *orchestratorv1.RunRequest) (*runState, chan *orchestratorv1.RunResponse, error) {
 	model := req.GetModel()
 	if model == "" {
 		model = s.cfg.Loop.ModelName
@@ -224,23 +238,23 @@ func (s *Server) start(ctx context.Context, req *orchestratorv1.RunRequest) (*ru
 		model = agent.DefaultModel
 	}
 	if req.GetTask() == "" {
-		return nil, status.Error(codes.InvalidArgument, "task is required")
+		return nil, nil, status.Error(codes.InvalidArgument, "task is required")
 	}
 	if model == agent.DefaultModel {
 		if !plan.LooksLikePlan(req.GetTask()) {
-			return nil, status.Error(codes.InvalidArgument, "the sim model takes a JSON plan as its task (see the README's plan format)")
+			return nil, nil, status.Error(codes.InvalidArgument, "the sim model takes a JSON plan as its task (see the README's plan format)")
 		}
 		if _, err := plan.Parse([]byte(req.GetTask())); err != nil {
-			return nil, status.Error(codes.InvalidArgument, err.Error())
+			return nil, nil, status.Error(codes.InvalidArgument, err.Error())
 		}
 	}
 	if err := deadline.Check(ctx, s.cfg.MinRunTime, "run"); err != nil {
-		return nil, err
+		return nil, nil, err
 	}
 	dl, _ := ctx.Deadline() // the server chain always sets one
 	id, err := uuid.NewV7()
 	if err != nil {
-		return nil, status.Error(codes.Internal, "internal error")
+		return nil, nil, status.Error(codes.Internal, "internal error")
 	}
 	runID := id.String()
 	ident := md.IdentityFrom(ctx)
@@ -257,15 +271,23 @@ func (s *Server) start(ctx context.Context, req *orchestratorv1.RunRequest) (*ru
 		rec: &orchestratorv1.Run{RunId: runID, Tenant: ident.Tenant, Status: orchestratorv1.RunStatus_RUN_STATUS_RUNNING,
 			Deadline: timestamppb.New(dl), CreatedAt: timestamppb.New(now), Model: model, Task: req.GetTask()},
 	}
-	s.nodes.Start(runID, &meshv1.Node{Id: RootNode, Kind: meshv1.NodeKind_NODE_KIND_RUN, Name: "run", Deadline: timestamppb.New(dl)})
+	rs.root = s.nodes.Start(runID, &meshv1.Node{Id: RootNode, Kind: meshv1.NodeKind_NODE_KIND_RUN, Name: "run", Deadline: timestamppb.New(dl)})
+	rs.broadcast = func(cause error) {
+		s.wg.Add(1)
+		go func() {
+			defer s.wg.Done()
+			s.broadcastCancel(rctx, runID, cause)
+		}()
+	}
 	s.add(rs)
+	sub := rs.subscribe()
 	s.wg.Add(1)
 	go func() {
 		defer s.wg.Done()
 		defer cancelDL()
 		s.execute(rctx, rs, model, req.GetTask())
 	}()
-	return rs, nil
+	return rs, sub, nil
 }
 
 func (s *Server) add(rs *runState) {
@@ -301,8 +323,14 @@ func (s *Server) execute(rctx context.Context, rs *runState, model, task string)
 	rs.mu.Lock()
 	cancelAt := rs.cancelAt
 	rs.mu.Unlock()
-	if rctx.Err() != nil && cancelAt.IsZero() && o.Cause == meshv1.CancelCause_CANCEL_CAUSE_DEADLINE {
+	if cancelAt.IsZero() && o.Cause == meshv1.CancelCause_CANCEL_CAUSE_DEADLINE {
+		// Stopped by the deadline. The child's DEADLINE_EXCEEDED (its own copy of the
+		// deadline, or a fast-fail) can arrive before rctx's timer has fired, so do not
+		// require rctx.Err(); the instant is the deadline, or now if that is earlier.
 		cancelAt = rs.dl
+		if now := time.Now(); now.Before(cancelAt) {
+			cancelAt = now
+		}
 	}
 	root := s.nodes.End(rs.id, RootNode, o.Status, o.Cause, o.Code, o.Message, func(n *meshv1.Node) {
 		if !cancelAt.IsZero() {
@@ -331,6 +359,29 @@ func (s *Server) execute(rctx context.Context, rs *runState, model, task string)
 	setNodes(r, ns)
 	rs.mu.Unlock()
 	close(rs.done)
+}
+
+// broadcastTimeout bounds the one-hop cancel broadcast to the executors.
+const broadcastTimeout = 2 * time.Second
+
+// broadcastCancel asks every executor to cancel the run's running nodes with cause. The
+// RST_STREAM path reaches them too, hop by hop; this reaches a decoder three subagents
+// deep in one hop, and tells it the true cause.
+func (s *Server) broadcastCancel(rctx context.Context, run string, cause error) {
+	ctx, stop := context.WithTimeout(context.WithoutCancel(rctx), broadcastTimeout)
+	defer stop()
+	req := &meshv1.CancelNodesRequest{RunId: run, NodePrefixes: []string{RootNode}, Cause: cancel.FromError(cause)}
+	var wg sync.WaitGroup
+	for _, c := range s.cfg.Reports {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			if _, err := c.CancelNodes(ctx, req); err != nil {
+				s.cfg.Log.WarnContext(ctx, "cancel broadcast failed; the RST_STREAM path still stops the tree", "run_id", run, "error", err.Error())
+			}
+		}()
+	}
+	wg.Wait()
 }
 
 func setNodes(r *orchestratorv1.Run, ns []*meshv1.Node) {

@@ -35,6 +35,10 @@ func run(args []string) int {
 		fmt.Fprintln(os.Stderr, "subagent:", err)
 		return 2
 	}
+	if err := o.Validate(); err != nil { // a bad common flag is a usage error too
+		fmt.Fprintln(os.Stderr, "subagent:", err)
+		return 2
+	}
 	if *minSpawn < 0 || *maxDepth < 1 {
 		fmt.Fprintln(os.Stderr, "subagent: --min-spawn-time must not be negative and --max-depth must be at least 1")
 		return 2

@@ -71,12 +71,14 @@ func (s *Server) Spawn(req *subagentv1.SpawnRequest, stream subagentv1.SubagentS
 	if dl, ok := ctx.Deadline(); ok {
 		n.Deadline = timestamppb.New(dl)
 	}
-	emit(s.Nodes.Start(id.RunID, n))
+	wctx, started := s.Nodes.Begin(ctx, id.RunID, n)
+	emit(started)
 	lc := s.cfg.Loop
 	lc.Emit = emit
-	answer, err := agent.New(lc).Run(md.WithNode(ctx, node), node, req.GetModel(), req.GetTask())
-	emit(s.Nodes.Finish(ctx, id.RunID, node, err, func(n *meshv1.Node) {
-		if ctx.Err() != nil {
+	answer, err := agent.New(lc).Run(md.WithNode(wctx, node), node, req.GetModel(), req.GetTask())
+	cancelled := wctx.Err() != nil
+	emit(s.Nodes.Finish(wctx, id.RunID, node, err, func(n *meshv1.Node) {
+		if cancelled {
 			n.CancelledAt = timestamppb.Now()
 		}
 	}))

@@ -32,6 +32,10 @@ func run(args []string) int {
 		fmt.Fprintln(os.Stderr, "toolrunner:", err)
 		return 2
 	}
+	if err := o.Validate(); err != nil { // a bad common flag is a usage error too
+		fmt.Fprintln(os.Stderr, "toolrunner:", err)
+		return 2
+	}
 	switch {
 	case *minTool < 0:
 		fmt.Fprintln(os.Stderr, "toolrunner: --min-tool-time must not be negative")

@@ -101,10 +101,12 @@ func (s *Server) Execute(req *toolrunnerv1.ExecuteRequest, stream toolrunnerv1.T
 	if dl, ok := ctx.Deadline(); ok {
 		n.Deadline = timestamppb.New(dl)
 	}
-	emit(s.Nodes.Start(run, n))
-	out, cleanup, err := exec(ctx)
-	ended := s.Nodes.Finish(ctx, run, node, err, func(n *meshv1.Node) {
-		if ctx.Err() != nil {
+	wctx, started := s.Nodes.Begin(ctx, run, n)
+	emit(started)
+	out, cleanup, err := exec(wctx)
+	cancelled := wctx.Err()
+	ended := s.Nodes.Finish(wctx, run, node, err, func(n *meshv1.Node) {
+		if cancelled != nil {
 			n.CancelledAt = timestamppb.Now()
 		}
 		n.Cleanup = cleanup
@@ -113,8 +115,8 @@ func (s *Server) Execute(req *toolrunnerv1.ExecuteRequest, stream toolrunnerv1.T
 	if err != nil {
 		return err
 	}
-	if ctx.Err() != nil {
-		return ctx.Err()
+	if cancelled != nil {
+		return cancelled
 	}
 	send.Lock()
 	defer send.Unlock()
@@ -151,7 +153,7 @@ func (s *Server) prepare(ctx context.Context, req *toolrunnerv1.ExecuteRequest, 
 		if a.Code != "" {
 			c, err := plan.ParseCode(a.Code)
 			if err != nil {
-				return nil, bad(err)
+				return nil, bad(fmt.Errorf("args.code: %w", err))
 			}
 			code = c
 		}

@@ -1,0 +1,713 @@
+package orchestrator
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"net"
+	"sort"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"go.uber.org/goleak"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+
+	meshv1 "github.com/curfew-mesh/curfew/gen/curfew/mesh/v1"
+	modelproxyv1 "github.com/curfew-mesh/curfew/gen/curfew/modelproxy/v1"
+	orchestratorv1 "github.com/curfew-mesh/curfew/gen/curfew/orchestrator/v1"
+	toolrunnerv1 "github.com/curfew-mesh/curfew/gen/curfew/toolrunner/v1"
+	"github.com/curfew-mesh/curfew/mesh"
+	"github.com/curfew-mesh/curfew/mesh/agent"
+	"github.com/curfew-mesh/curfew/mesh/deadline"
+	"github.com/curfew-mesh/curfew/mesh/md"
+	"github.com/curfew-mesh/curfew/mesh/nodes"
+	"github.com/curfew-mesh/curfew/mesh/plan"
+	"github.com/curfew-mesh/curfew/mesh/service"
+)
+
+func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
+
+var quiet = slog.New(slog.DiscardHandler)
+
+func serve(t *testing.T, cfg mesh.ServerConfig, register func(*grpc.Server)) *grpc.ClientConn {
+	t.Helper()
+	cfg.Logger = quiet
+	lis, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	gs := grpc.NewServer(append(mesh.ServerOptions(cfg), grpc.WaitForHandlers(true))...)
+	register(gs)
+	served := make(chan struct{})
+	go func() { defer close(served); _ = gs.Serve(lis) }()
+	cc, err := service.Dial(lis.Addr().String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		_ = cc.Close()
+		gs.Stop()
+		<-served
+	})
+	return cc
+}
+
+// ledger records token instants per run and node, like modelproxy's, so that the fakes'
+// reports carry token figures split at the run's cancel instant.
+type ledger struct {
+	mu sync.Mutex
+	m  map[string][]time.Time
+}
+
+func (l *ledger) record(run, node string) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if l.m == nil {
+		l.m = map[string][]time.Time{}
+	}
+	l.m[run+"|"+node] = append(l.m[run+"|"+node], time.Now())
+}
+
+func (l *ledger) count(run, node string) int64 {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return int64(len(l.m[run+"|"+node]))
+}
+
+func (l *ledger) report(tbl *nodes.Table) *nodes.Server {
+	return &nodes.Server{Table: tbl, Decorate: func(run string, req *meshv1.ListNodesRequest, n *meshv1.Node) {
+		l.mu.Lock()
+		defer l.mu.Unlock()
+		ts := l.m[run+"|"+n.GetId()]
+		n.Tokens = int64(len(ts))
+		if req.GetCancelAt() == nil {
+			return
+		}
+		at := req.GetCancelAt().AsTime()
+		for _, x := range ts {
+			if x.After(at) {
+				n.TokensAfterCancel++
+			} else {
+				n.TokensAtCancel++
+			}
+		}
+	}}
+}
+
+// fakeModel is a ModelProxyService that decodes the plan in the conversation like the sim
+// model (step by assistant turns, tokens at tokens_per_second, then the step's tools).
+type fakeModel struct {
+	modelproxyv1.UnimplementedModelProxyServiceServer
+	table  *nodes.Table
+	ledger ledger
+	// started receives the node id of every decoder that starts.
+	started chan string
+	// orphan is how many tokens a cancelled decoder still spends after it saw the cancel:
+	// only the decoder's own record knows them.
+	orphan int
+}
+
+func (f *fakeModel) Generate(req *modelproxyv1.GenerateRequest, stream modelproxyv1.ModelProxyService_GenerateServer) error {
+	ctx := stream.Context()
+	id := md.IdentityFrom(ctx)
+	turns := 0
+	for _, m := range req.GetMessages() {
+		if m.GetRole() == modelproxyv1.Role_ROLE_ASSISTANT {
+			turns++
+		}
+	}
+	p, err := plan.Parse([]byte(req.GetMessages()[0].GetContent()))
+	if err != nil || turns >= len(p.Steps) {
+		return status.Error(codes.InvalidArgument, "fake model: bad conversation")
+	}
+	st := p.Steps[turns]
+	f.table.Start(id.RunID, &meshv1.Node{Id: id.NodeID, Kind: meshv1.NodeKind_NODE_KIND_MODEL, Name: req.GetModel()})
+	f.started <- id.NodeID
+	err = f.decode(ctx, stream, id, turns, p, st)
+	f.table.Finish(ctx, id.RunID, id.NodeID, err, nil)
+	return err
+}
+
+func (f *fakeModel) decode(ctx context.Context, stream modelproxyv1.ModelProxyService_GenerateServer, id md.Identity, turns int, p *plan.Plan, st plan.Step) error {
+	n := st.ThinkTokens
+	if st.AnswerTokens > 0 {
+		n = st.AnswerTokens
+	}
+	tick := time.NewTicker(time.Duration(float64(time.Second) / p.TPS()))
+	defer tick.Stop()
+	for i := 0; i < n; i++ {
+		select {
+		case <-ctx.Done():
+			for j := 0; j < f.orphan; j++ {
+				f.ledger.record(id.RunID, id.NodeID)
+			}
+			return ctx.Err()
+		case <-tick.C:
+		}
+		f.ledger.record(id.RunID, id.NodeID)
+		if err := stream.Send(&modelproxyv1.GenerateResponse{Delta: "w ", Tokens: 1}); err != nil {
+			return err
+		}
+	}
+	final := &modelproxyv1.GenerateResponse{FinishReason: "stop"}
+	if st.AnswerTokens == 0 {
+		final.FinishReason = "tool_calls"
+		for j, tl := range st.Tools {
+			final.ToolCalls = append(final.ToolCalls, &modelproxyv1.ToolCall{Id: fmt.Sprintf("call_%d_%d", turns, j), Name: tl.Name, ArgsJson: string(tl.Args)})
+		}
+	}
+	return stream.Send(final)
+}
+
+// fakeTools is a ToolRunnerService: sleep waits args.ms (cancellable), anything else
+// succeeds at once.
+type fakeTools struct {
+	toolrunnerv1.UnimplementedToolRunnerServiceServer
+	table *nodes.Table
+}
+
+func (f *fakeTools) Execute(req *toolrunnerv1.ExecuteRequest, stream toolrunnerv1.ToolRunnerService_ExecuteServer) error {
+	ctx := stream.Context()
+	id := md.IdentityFrom(ctx)
+	send := func(n *meshv1.Node) {
+		_ = stream.Send(&toolrunnerv1.ExecuteResponse{Event: &toolrunnerv1.ExecuteResponse_Node{Node: n}})
+	}
+	send(f.table.Start(id.RunID, &meshv1.Node{Id: id.NodeID, Kind: meshv1.NodeKind_NODE_KIND_TOOL, Name: req.GetName()}))
+	var err error
+	if req.GetName() == plan.ToolSleep {
+		var a plan.SleepArgs
+		_ = plan.Args([]byte(req.GetArgsJson()), &a)
+		t := time.NewTimer(time.Duration(a.MS) * time.Millisecond)
+		select {
+		case <-ctx.Done():
+			err = ctx.Err()
+		case <-t.C:
+		}
+		t.Stop()
+	}
+	send(f.table.Finish(ctx, id.RunID, id.NodeID, err, nil))
+	if err != nil {
+		return err
+	}
+	return stream.Send(&toolrunnerv1.ExecuteResponse{Event: &toolrunnerv1.ExecuteResponse_Result{Result: &toolrunnerv1.ExecuteResult{OutputJson: `{"ok":true}`}}})
+}
+
+type env struct {
+	srv   *Server
+	orch  orchestratorv1.OrchestratorServiceClient
+	model *fakeModel
+}
+
+func newEnv(t *testing.T, scfg mesh.ServerConfig, fm *fakeModel) *env {
+	t.Helper()
+	if fm == nil {
+		fm = &fakeModel{}
+	}
+	fm.table, fm.started = nodes.New(0), make(chan string, 256)
+	ft := &fakeTools{table: nodes.New(0)}
+	mc := serve(t, mesh.ServerConfig{}, func(gs *grpc.Server) {
+		modelproxyv1.RegisterModelProxyServiceServer(gs, fm)
+		meshv1.RegisterNodeReportServiceServer(gs, fm.ledger.report(fm.table))
+	})
+	tc := serve(t, mesh.ServerConfig{}, func(gs *grpc.Server) {
+		toolrunnerv1.RegisterToolRunnerServiceServer(gs, ft)
+		meshv1.RegisterNodeReportServiceServer(gs, &nodes.Server{Table: ft.table})
+	})
+	modelNodes, toolNodes := meshv1.NewNodeReportServiceClient(mc), meshv1.NewNodeReportServiceClient(tc)
+	srv := New(Config{
+		Loop: agent.Config{
+			Model:         modelproxyv1.NewModelProxyServiceClient(mc),
+			ModelNodes:    modelNodes,
+			Tools:         toolrunnerv1.NewToolRunnerServiceClient(tc),
+			ToolNodes:     toolNodes,
+			SettleTimeout: time.Second,
+		},
+		Reports:       []meshv1.NodeReportServiceClient{modelNodes, toolNodes},
+		SettleTimeout: time.Second,
+		Log:           quiet,
+	})
+	oc := serve(t, scfg, func(gs *grpc.Server) { orchestratorv1.RegisterOrchestratorServiceServer(gs, srv) })
+	t.Cleanup(func() { srv.Shutdown(0) }) // runs first: the fakes are still serving
+	return &env{srv: srv, orch: orchestratorv1.NewOrchestratorServiceClient(oc), model: fm}
+}
+
+// runStream is a Run call's stream; events come in as they are received.
+type runStream struct {
+	st     grpc.ServerStreamingClient[orchestratorv1.RunResponse]
+	cancel context.CancelFunc
+}
+
+func (e *env) start(t *testing.T, ctx context.Context, req *orchestratorv1.RunRequest) (*runStream, *orchestratorv1.RunStarted) {
+	t.Helper()
+	ctx, cancel := context.WithCancel(ctx)
+	t.Cleanup(cancel)
+	st, err := e.orch.Run(ctx, req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	ev, err := st.Recv()
+	if err != nil {
+		t.Fatalf("first event: %v", err)
+	}
+	if ev.GetStarted() == nil || ev.GetStarted().GetRunId() == "" || ev.GetStarted().GetDeadline() == nil {
+		t.Fatalf("first event = %v, want started with the run id and deadline", ev)
+	}
+	return &runStream{st: st, cancel: cancel}, ev.GetStarted()
+}
+
+// rest reads the stream to its end.
+func (r *runStream) rest() ([]*orchestratorv1.RunResponse, error) {
+	var out []*orchestratorv1.RunResponse
+	for {
+		ev, err := r.st.Recv()
+		if errors.Is(err, io.EOF) {
+			return out, nil
+		}
+		if err != nil {
+			return out, err
+		}
+		out = append(out, ev)
+	}
+}
+
+// waitEnded polls GetRun until the run is no longer running.
+func (e *env) waitEnded(t *testing.T, id string) *orchestratorv1.Run {
+	t.Helper()
+	until := time.Now().Add(4 * time.Second)
+	for {
+		resp, err := e.orch.GetRun(context.Background(), &orchestratorv1.GetRunRequest{RunId: id})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if r := resp.GetRun(); r.GetStatus() != orchestratorv1.RunStatus_RUN_STATUS_RUNNING {
+			return r
+		}
+		if time.Now().After(until) {
+			t.Fatalf("run %s still running after 4s", id)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+}
+
+func (e *env) waitDecoder(t *testing.T) string {
+	t.Helper()
+	select {
+	case n := <-e.model.started:
+		return n
+	case <-time.After(3 * time.Second):
+		t.Fatal("no decoder started")
+		return ""
+	}
+}
+
+func nodeOf(t *testing.T, r *orchestratorv1.Run, id string) *meshv1.Node {
+	t.Helper()
+	for _, n := range r.GetNodes() {
+		if n.GetId() == id {
+			return n
+		}
+	}
+	t.Fatalf("run has no node %s: %v", id, r.GetNodes())
+	return nil
+}
+
+func wantCode(t *testing.T, err error, code codes.Code, contains ...string) {
+	t.Helper()
+	if status.Code(err) != code {
+		t.Fatalf("error = %v, want code %v", err, code)
+	}
+	for _, c := range contains {
+		if !strings.Contains(status.Convert(err).Message(), c) {
+			t.Fatalf("error message %q does not mention %q", status.Convert(err).Message(), c)
+		}
+	}
+}
+
+const (
+	fastPlan = `{"tokens_per_second":200,"steps":[
+	  {"think_tokens":10,"tools":[{"name":"sleep","args":{"ms":30}},{"name":"sleep","args":{"ms":10}}]},
+	  {"answer_tokens":5}]}`
+	// slowPlan decodes for 50 s unless stopped.
+	slowPlan = `{"tokens_per_second":20,"steps":[
+	  {"think_tokens":1000,"tools":[{"name":"sleep","args":{"ms":1}}]},
+	  {"answer_tokens":1}]}`
+	tinyPlan = `{"tokens_per_second":1000,"steps":[{"answer_tokens":1}]}`
+)
+
+func TestRunSucceeds(t *testing.T) {
+	e := newEnv(t, mesh.ServerConfig{}, nil)
+	before := time.Now()
+	rs, started := e.start(t, context.Background(), &orchestratorv1.RunRequest{Task: fastPlan})
+	if dl := started.GetDeadline().AsTime(); dl.Before(before.Add(deadline.DefaultTimeout-time.Second)) || dl.After(time.Now().Add(deadline.DefaultTimeout)) {
+		t.Fatalf("deadline %v, want the service default %v from now", dl, deadline.DefaultTimeout)
+	}
+	evs, err := rs.rest()
+	if err != nil {
+		t.Fatalf("Run: %v, want OK", err)
+	}
+	if len(evs) < 2 {
+		t.Fatalf("events = %v", evs)
+	}
+	// Node events, then the summary last.
+	var order []string
+	for _, ev := range evs[:len(evs)-1] {
+		n := ev.GetNode()
+		if n == nil {
+			t.Fatalf("event %v before the summary is not a node event", ev)
+		}
+		order = append(order, n.GetId()+" "+strings.TrimPrefix(n.GetStatus().String(), "NODE_STATUS_"))
+	}
+	idx := func(s string) int {
+		for i, o := range order {
+			if o == s {
+				return i
+			}
+		}
+		t.Fatalf("no event %q in %v", s, order)
+		return -1
+	}
+	if !(idx("root/m0 RUNNING") < idx("root/m0 SUCCEEDED") &&
+		idx("root/m0 SUCCEEDED") < idx("root/s0.t0 RUNNING") &&
+		idx("root/s0.t0 SUCCEEDED") < idx("root/m1 RUNNING") &&
+		idx("root/s0.t1 SUCCEEDED") < idx("root/m1 RUNNING") &&
+		idx("root/m1 SUCCEEDED") < idx("root SUCCEEDED") &&
+		idx("root SUCCEEDED") == len(order)-1) {
+		t.Fatalf("node events out of order: %v", order)
+	}
+
+	r := evs[len(evs)-1].GetFinished()
+	if r == nil || r.GetRunId() != started.GetRunId() {
+		t.Fatalf("last event = %v, want the summary of run %s", evs[len(evs)-1], started.GetRunId())
+	}
+	if r.GetStatus() != orchestratorv1.RunStatus_RUN_STATUS_SUCCEEDED || r.GetAnswer() != "w w w w w " ||
+		r.GetCause() != meshv1.CancelCause_CANCEL_CAUSE_UNSPECIFIED || r.GetCancelledAt() != nil || r.GetErrorCode() != "" {
+		t.Fatalf("summary = %v, want SUCCEEDED with the answer", r)
+	}
+	if r.GetModel() != agent.DefaultModel || r.GetTask() != fastPlan || r.GetTenant() != md.DefaultTenant || r.GetEndedAt() == nil {
+		t.Fatalf("summary fields = %v", r)
+	}
+	if !r.GetDeadline().AsTime().Equal(started.GetDeadline().AsTime()) {
+		t.Fatalf("summary deadline %v != started deadline %v", r.GetDeadline().AsTime(), started.GetDeadline().AsTime())
+	}
+	// The summary's nodes and tokens come from the executors' reports.
+	var ids []string
+	for _, n := range r.GetNodes() {
+		ids = append(ids, n.GetId())
+		if n.GetStatus() != meshv1.NodeStatus_NODE_STATUS_SUCCEEDED {
+			t.Fatalf("node %v did not succeed", n)
+		}
+	}
+	if strings.Join(ids, ",") != "root,root/m0,root/m1,root/s0.t0,root/s0.t1" {
+		t.Fatalf("summary nodes = %v", ids)
+	}
+	if nodeOf(t, r, "root").GetKind() != meshv1.NodeKind_NODE_KIND_RUN || nodeOf(t, r, "root/s0.t0").GetKind() != meshv1.NodeKind_NODE_KIND_TOOL {
+		t.Fatalf("node kinds wrong: %v", r.GetNodes())
+	}
+	if nodeOf(t, r, "root/m0").GetTokens() != 10 || nodeOf(t, r, "root/m1").GetTokens() != 5 || r.GetTokens() != 15 || r.GetTokensAfterCancel() != 0 {
+		t.Fatalf("tokens: run %d (%d after cancel), m0 %d, m1 %d; want 15 = 10 + 5",
+			r.GetTokens(), r.GetTokensAfterCancel(), nodeOf(t, r, "root/m0").GetTokens(), nodeOf(t, r, "root/m1").GetTokens())
+	}
+
+	// GetRun returns the finished run as summarized.
+	got, err := e.orch.GetRun(context.Background(), &orchestratorv1.GetRunRequest{RunId: r.GetRunId()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if g := got.GetRun(); g.GetStatus() != r.GetStatus() || g.GetTokens() != 15 || len(g.GetNodes()) != 5 || !g.GetEndedAt().AsTime().Equal(r.GetEndedAt().AsTime()) {
+		t.Fatalf("GetRun = %v, want the summary", g)
+	}
+}
+
+func TestRunInvalidTask(t *testing.T) {
+	e := newEnv(t, mesh.ServerConfig{}, nil)
+	for _, tc := range []struct {
+		name, task string
+		contains   []string
+	}{
+		{"empty", "", []string{"task is required"}},
+		{"not a plan", "summarize the news", []string{"JSON plan"}},
+		{"no steps", `{"steps":[]}`, []string{"steps"}},
+		{"last step without answer", `{"steps":[{"think_tokens":3}]}`, []string{"steps[0].answer_tokens"}},
+		{"bad json", `{"steps":`, []string{"plan"}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			st, err := e.orch.Run(context.Background(), &orchestratorv1.RunRequest{Task: tc.task})
+			if err == nil {
+				_, err = st.Recv()
+			}
+			wantCode(t, err, codes.InvalidArgument, tc.contains...)
+		})
+	}
+	resp, err := e.orch.ListRuns(context.Background(), &orchestratorv1.ListRunsRequest{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if len(resp.GetRuns()) != 0 {
+		t.Fatalf("refused runs were recorded: %v", resp.GetRuns())
+	}
+}
+
+func TestRunClientDisconnectCancelsRun(t *testing.T) {
+	e := newEnv(t, mesh.ServerConfig{}, &fakeModel{orphan: 2})
+	rs, started := e.start(t, context.Background(), &orchestratorv1.RunRequest{Task: slowPlan})
+	if e.waitDecoder(t) != "root/m0" {
+		t.Fatal("first decoder is not root/m0")
+	}
+	time.Sleep(120 * time.Millisecond) // a few tokens
+	cancelAt := time.Now()
+	rs.cancel()
+	if _, err := rs.rest(); status.Code(err) != codes.Canceled {
+		t.Fatalf("Run after the client's cancel: %v", err)
+	}
+	r := e.waitEnded(t, started.GetRunId())
+	if r.GetStatus() != orchestratorv1.RunStatus_RUN_STATUS_CANCELLED || r.GetCause() != meshv1.CancelCause_CANCEL_CAUSE_CLIENT_DISCONNECT || r.GetErrorCode() != "CANCELLED" {
+		t.Fatalf("run = %v, want CANCELLED by CLIENT_DISCONNECT", r)
+	}
+	ca := r.GetCancelledAt()
+	if ca == nil || ca.AsTime().Before(cancelAt) || ca.AsTime().Sub(cancelAt) > time.Second {
+		t.Fatalf("cancelled_at = %v, want just after the disconnect at %v", ca, cancelAt)
+	}
+	root := nodeOf(t, r, "root")
+	if root.GetStatus() != meshv1.NodeStatus_NODE_STATUS_CANCELLED || root.GetCause() != meshv1.CancelCause_CANCEL_CAUSE_CLIENT_DISCONNECT {
+		t.Fatalf("root = %v", root)
+	}
+	// The decoder saw only an RST_STREAM; the merge gives it the run's cause.
+	m0 := nodeOf(t, r, "root/m0")
+	if m0.GetStatus() != meshv1.NodeStatus_NODE_STATUS_CANCELLED || m0.GetCause() != meshv1.CancelCause_CANCEL_CAUSE_CLIENT_DISCONNECT {
+		t.Fatalf("root/m0 = %v, want CANCELLED with the run's cause", m0)
+	}
+	// Tokens come from the decoder's own record, including the 2 it spent after the
+	// cancel, which the orchestrator never received.
+	if want := e.model.ledger.count(started.GetRunId(), "root/m0"); m0.GetTokens() != want || r.GetTokens() != want {
+		t.Fatalf("tokens: run %d, root/m0 %d; the decoder recorded %d", r.GetTokens(), m0.GetTokens(), want)
+	}
+	if a := r.GetTokensAfterCancel(); a < 2 || a > 4 || a != m0.GetTokensAfterCancel() || m0.GetTokensAtCancel()+a != m0.GetTokens() {
+		t.Fatalf("tokens after cancel: run %d, root/m0 %d of %d (%d at cancel); want the 2 orphans (at most a token or two more)",
+			a, m0.GetTokensAfterCancel(), m0.GetTokens(), m0.GetTokensAtCancel())
+	}
+	if m0.GetTokensAtCancel() < 2 {
+		t.Fatalf("root/m0 had %d tokens at the cancel, want the ones decoded before it", m0.GetTokensAtCancel())
+	}
+	if len(e.model.started) != 0 {
+		t.Fatal("a decoder started after the run was cancelled")
+	}
+}
+
+func TestRunContinueOnDisconnect(t *testing.T) {
+	e := newEnv(t, mesh.ServerConfig{}, nil)
+	p := `{"tokens_per_second":100,"steps":[{"think_tokens":10,"tools":[{"name":"sleep","args":{"ms":100}}]},{"answer_tokens":5}]}`
+	rs, started := e.start(t, context.Background(), &orchestratorv1.RunRequest{Task: p, ContinueOnDisconnect: true})
+	rs.cancel()
+	_, _ = rs.rest()
+	r := e.waitEnded(t, started.GetRunId())
+	if r.GetStatus() != orchestratorv1.RunStatus_RUN_STATUS_SUCCEEDED || r.GetCancelledAt() != nil ||
+		r.GetCause() != meshv1.CancelCause_CANCEL_CAUSE_UNSPECIFIED || r.GetAnswer() == "" || r.GetTokens() != 15 {
+		t.Fatalf("run = %v, want it to go on to success after the client left", r)
+	}
+}
+
+func TestCancelRun(t *testing.T) {
+	e := newEnv(t, mesh.ServerConfig{}, nil)
+	rs, started := e.start(t, context.Background(), &orchestratorv1.RunRequest{Task: slowPlan})
+	id := started.GetRunId()
+	e.waitDecoder(t)
+	rest := make(chan []*orchestratorv1.RunResponse, 1)
+	restErr := make(chan error, 1)
+	go func() {
+		evs, err := rs.rest()
+		rest <- evs
+		restErr <- err
+	}()
+
+	// A running run reads its nodes live from the reports.
+	time.Sleep(60 * time.Millisecond)
+	live, err := e.orch.GetRun(context.Background(), &orchestratorv1.GetRunRequest{RunId: id})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if lr := live.GetRun(); lr.GetStatus() != orchestratorv1.RunStatus_RUN_STATUS_RUNNING || lr.GetEndedAt() != nil ||
+		nodeOf(t, lr, "root/m0").GetStatus() != meshv1.NodeStatus_NODE_STATUS_RUNNING || nodeOf(t, lr, "root").GetStatus() != meshv1.NodeStatus_NODE_STATUS_RUNNING {
+		t.Fatalf("live run = %v", lr)
+	}
+
+	cancelAt := time.Now()
+	resp, err := e.orch.CancelRun(context.Background(), &orchestratorv1.CancelRunRequest{RunId: id, Reason: "test"})
+	returned := time.Now()
+	if err != nil {
+		t.Fatal(err)
+	}
+	r := resp.GetRun()
+	if r.GetStatus() != orchestratorv1.RunStatus_RUN_STATUS_CANCELLED || r.GetCause() != meshv1.CancelCause_CANCEL_CAUSE_OPERATOR {
+		t.Fatalf("CancelRun = %v, want CANCELLED by OPERATOR", r)
+	}
+	// It returned after the run ended and its tree was torn down.
+	if r.GetEndedAt() == nil || r.GetEndedAt().AsTime().After(returned) || r.GetCancelledAt().AsTime().Before(cancelAt) {
+		t.Fatalf("run ended at %v, cancelled at %v; CancelRun called at %v, returned at %v", r.GetEndedAt(), r.GetCancelledAt(), cancelAt, returned)
+	}
+	if m0 := nodeOf(t, r, "root/m0"); m0.GetStatus() != meshv1.NodeStatus_NODE_STATUS_CANCELLED || m0.GetCause() != meshv1.CancelCause_CANCEL_CAUSE_OPERATOR {
+		t.Fatalf("root/m0 = %v, want ended with cause OPERATOR", m0)
+	}
+
+	// The Run stream ends with the summary and the run's status.
+	evs := <-rest
+	if err := <-restErr; status.Code(err) != codes.Canceled {
+		t.Fatalf("Run stream ended with %v, want CANCELED", err)
+	}
+	if len(evs) == 0 || evs[len(evs)-1].GetFinished().GetCause() != meshv1.CancelCause_CANCEL_CAUSE_OPERATOR {
+		t.Fatalf("Run stream's last event = %v, want the cancelled summary", evs)
+	}
+
+	// Cancelling an ended run returns it unchanged.
+	again, err := e.orch.CancelRun(context.Background(), &orchestratorv1.CancelRunRequest{RunId: id})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if a := again.GetRun(); !a.GetEndedAt().AsTime().Equal(r.GetEndedAt().AsTime()) || a.GetCause() != r.GetCause() {
+		t.Fatalf("second CancelRun = %v, want the run unchanged", a)
+	}
+	_, err = e.orch.CancelRun(context.Background(), &orchestratorv1.CancelRunRequest{RunId: "no-such-run"})
+	wantCode(t, err, codes.NotFound, "no-such-run")
+	_, err = e.orch.CancelRun(context.Background(), &orchestratorv1.CancelRunRequest{})
+	wantCode(t, err, codes.InvalidArgument, "run_id")
+}
+
+func TestGetRunErrors(t *testing.T) {
+	e := newEnv(t, mesh.ServerConfig{}, nil)
+	_, err := e.orch.GetRun(context.Background(), &orchestratorv1.GetRunRequest{RunId: "no-such-run"})
+	wantCode(t, err, codes.NotFound, "no-such-run")
+	_, err = e.orch.GetRun(context.Background(), &orchestratorv1.GetRunRequest{})
+	wantCode(t, err, codes.InvalidArgument, "run_id")
+}
+
+func TestListRunsPaging(t *testing.T) {
+	e := newEnv(t, mesh.ServerConfig{}, nil)
+	var ids []string // oldest first
+	for i := 0; i < 3; i++ {
+		rs, started := e.start(t, context.Background(), &orchestratorv1.RunRequest{Task: tinyPlan})
+		if _, err := rs.rest(); err != nil {
+			t.Fatal(err)
+		}
+		ids = append(ids, started.GetRunId())
+	}
+	list := func(size int32, token string) *orchestratorv1.ListRunsResponse {
+		t.Helper()
+		resp, err := e.orch.ListRuns(context.Background(), &orchestratorv1.ListRunsRequest{PageSize: size, PageToken: token})
+		if err != nil {
+			t.Fatal(err)
+		}
+		for _, r := range resp.GetRuns() {
+			if len(r.GetNodes()) != 0 {
+				t.Fatalf("ListRuns returned nodes for run %s", r.GetRunId())
+			}
+		}
+		return resp
+	}
+	runIDs := func(rs []*orchestratorv1.Run) string {
+		var out []string
+		for _, r := range rs {
+			out = append(out, r.GetRunId())
+		}
+		return strings.Join(out, ",")
+	}
+	p1 := list(2, "")
+	if runIDs(p1.GetRuns()) != ids[2]+","+ids[1] || p1.GetNextPageToken() == "" {
+		t.Fatalf("page 1 = %s (next %q), want the two newest", runIDs(p1.GetRuns()), p1.GetNextPageToken())
+	}
+	p2 := list(2, p1.GetNextPageToken())
+	if runIDs(p2.GetRuns()) != ids[0] || p2.GetNextPageToken() != "" {
+		t.Fatalf("page 2 = %s (next %q), want the oldest and no next page", runIDs(p2.GetRuns()), p2.GetNextPageToken())
+	}
+	all := list(0, "")
+	if runIDs(all.GetRuns()) != ids[2]+","+ids[1]+","+ids[0] || all.GetNextPageToken() != "" {
+		t.Fatalf("default page = %s, want all three newest first", runIDs(all.GetRuns()))
+	}
+	if r := all.GetRuns()[0]; r.GetStatus() != orchestratorv1.RunStatus_RUN_STATUS_SUCCEEDED || r.GetTokens() != 1 {
+		t.Fatalf("listed run = %v, want its summary", r)
+	}
+	// The run ids sort by creation (UUIDv7), like the list.
+	if !sort.StringsAreSorted(ids) {
+		t.Fatalf("run ids %v are not time-ordered", ids)
+	}
+	for _, tok := range []string{"abc", "-1", "1.5"} {
+		_, err := e.orch.ListRuns(context.Background(), &orchestratorv1.ListRunsRequest{PageToken: tok})
+		wantCode(t, err, codes.InvalidArgument, "page_token")
+	}
+	_, err := e.orch.ListRuns(context.Background(), &orchestratorv1.ListRunsRequest{PageSize: -1})
+	wantCode(t, err, codes.InvalidArgument, "page_size")
+
+	// Nothing in flight: Shutdown does not wait out its grace.
+	start := time.Now()
+	e.srv.Shutdown(10 * time.Second)
+	if d := time.Since(start); d > time.Second {
+		t.Fatalf("Shutdown with no runs in flight took %v", d)
+	}
+}
+
+func TestRunDeadlineCappedByPolicy(t *testing.T) {
+	e := newEnv(t, mesh.ServerConfig{Deadline: deadline.Policy{Max: 2 * time.Second}}, nil)
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Hour)
+	defer cancel()
+	before := time.Now()
+	rs, started := e.start(t, ctx, &orchestratorv1.RunRequest{Task: tinyPlan})
+	after := time.Now()
+	dl := started.GetDeadline().AsTime()
+	if dl.Before(before.Add(2*time.Second-50*time.Millisecond)) || dl.After(after.Add(2*time.Second)) {
+		t.Fatalf("run deadline %v is %v from the call, want the policy's 2s max, not 10h", dl, dl.Sub(before))
+	}
+	evs, err := rs.rest()
+	if err != nil {
+		t.Fatal(err)
+	}
+	r := evs[len(evs)-1].GetFinished()
+	if !r.GetDeadline().AsTime().Equal(dl) || nodeOf(t, r, "root").GetDeadline() == nil || !nodeOf(t, r, "root").GetDeadline().AsTime().Equal(dl) {
+		t.Fatalf("summary deadline %v, root deadline %v; want the capped %v", r.GetDeadline(), nodeOf(t, r, "root").GetDeadline(), dl)
+	}
+}
+
+func TestRunDeadlineExceeded(t *testing.T) {
+	e := newEnv(t, mesh.ServerConfig{Deadline: deadline.Policy{Default: 500 * time.Millisecond, Max: 500 * time.Millisecond}}, nil)
+	rs, started := e.start(t, context.Background(), &orchestratorv1.RunRequest{Task: slowPlan})
+	if _, err := rs.rest(); status.Code(err) != codes.DeadlineExceeded {
+		t.Fatalf("Run: %v, want DEADLINE_EXCEEDED", err)
+	}
+	r := e.waitEnded(t, started.GetRunId())
+	if r.GetStatus() != orchestratorv1.RunStatus_RUN_STATUS_DEADLINE_EXCEEDED || r.GetCause() != meshv1.CancelCause_CANCEL_CAUSE_DEADLINE {
+		t.Fatalf("run = %v, want DEADLINE_EXCEEDED with cause DEADLINE", r)
+	}
+	if ca := r.GetCancelledAt(); ca == nil || ca.AsTime().After(r.GetDeadline().AsTime()) {
+		t.Fatalf("cancelled_at %v, want set and not after the deadline %v", ca, r.GetDeadline())
+	}
+	if m0 := nodeOf(t, r, "root/m0"); m0.GetStatus() != meshv1.NodeStatus_NODE_STATUS_DEADLINE_EXCEEDED || m0.GetCause() != meshv1.CancelCause_CANCEL_CAUSE_DEADLINE {
+		t.Fatalf("root/m0 = %v, want DEADLINE_EXCEEDED with cause DEADLINE", m0)
+	}
+}
+
+func TestShutdownCancelsLeftoverRuns(t *testing.T) {
+	e := newEnv(t, mesh.ServerConfig{}, nil)
+	rs, started := e.start(t, context.Background(), &orchestratorv1.RunRequest{Task: slowPlan, ContinueOnDisconnect: true})
+	e.waitDecoder(t)
+	rs.cancel() // the client leaves; the detached run goes on
+	_, _ = rs.rest()
+	time.Sleep(50 * time.Millisecond)
+	if r, err := e.orch.GetRun(context.Background(), &orchestratorv1.GetRunRequest{RunId: started.GetRunId()}); err != nil || r.GetRun().GetStatus() != orchestratorv1.RunStatus_RUN_STATUS_RUNNING {
+		t.Fatalf("detached run = %v, %v; want still running", r.GetRun(), err)
+	}
+	start := time.Now()
+	e.srv.Shutdown(100 * time.Millisecond)
+	if d := time.Since(start); d < 90*time.Millisecond || d > 3*time.Second {
+		t.Fatalf("Shutdown took %v, want its 100ms grace plus the teardown", d)
+	}
+	resp, err := e.orch.GetRun(context.Background(), &orchestratorv1.GetRunRequest{RunId: started.GetRunId()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if r := resp.GetRun(); r.GetStatus() != orchestratorv1.RunStatus_RUN_STATUS_CANCELLED || r.GetCause() != meshv1.CancelCause_CANCEL_CAUSE_OPERATOR || r.GetEndedAt() == nil {
+		t.Fatalf("run after Shutdown = %v, want CANCELLED by OPERATOR", r)
+	}
+}

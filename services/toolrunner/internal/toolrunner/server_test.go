@@ -1,0 +1,623 @@
+package toolrunner
+
+import (
+	"context"
+	"errors"
+	"io"
+	"log/slog"
+	"net"
+	"strings"
+	"testing"
+	"time"
+
+	"go.uber.org/goleak"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/metadata"
+	"google.golang.org/grpc/status"
+
+	meshv1 "github.com/curfew-mesh/curfew/gen/curfew/mesh/v1"
+	subagentv1 "github.com/curfew-mesh/curfew/gen/curfew/subagent/v1"
+	toolrunnerv1 "github.com/curfew-mesh/curfew/gen/curfew/toolrunner/v1"
+	"github.com/curfew-mesh/curfew/mesh"
+	"github.com/curfew-mesh/curfew/mesh/deadline"
+	"github.com/curfew-mesh/curfew/mesh/md"
+	"github.com/curfew-mesh/curfew/mesh/nodes"
+	"github.com/curfew-mesh/curfew/mesh/service"
+)
+
+func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
+
+// serve serves what register registers on loopback with the mesh server chain and returns
+// a client connection with the mesh client chain. Both stop when the test ends.
+func serve(t *testing.T, cfg mesh.ServerConfig, register func(*grpc.Server)) *grpc.ClientConn {
+	t.Helper()
+	if cfg.Logger == nil {
+		cfg.Logger = slog.New(slog.DiscardHandler)
+	}
+	lis, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	gs := grpc.NewServer(append(mesh.ServerOptions(cfg), grpc.WaitForHandlers(true))...)
+	register(gs)
+	served := make(chan struct{})
+	go func() { defer close(served); _ = gs.Serve(lis) }()
+	cc, err := service.Dial(lis.Addr().String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		_ = cc.Close()
+		gs.Stop()
+		<-served
+	})
+	return cc
+}
+
+type env struct {
+	srv   *Server
+	tools toolrunnerv1.ToolRunnerServiceClient
+}
+
+func newEnv(t *testing.T, scfg mesh.ServerConfig, cfg Config) *env {
+	t.Helper()
+	srv := New(cfg)
+	cc := serve(t, scfg, func(gs *grpc.Server) {
+		toolrunnerv1.RegisterToolRunnerServiceServer(gs, srv)
+		meshv1.RegisterNodeReportServiceServer(gs, srv.Report())
+	})
+	return &env{srv: srv, tools: toolrunnerv1.NewToolRunnerServiceClient(cc)}
+}
+
+func ident(run, node string) context.Context {
+	return md.WithIdentity(context.Background(), md.Identity{RunID: run, NodeID: node})
+}
+
+func withAttempt(ctx context.Context, a string) context.Context {
+	return metadata.AppendToOutgoingContext(ctx, md.Attempt, a)
+}
+
+// result is what an Execute stream delivered.
+type result struct {
+	events []*meshv1.Node
+	out    string
+	hasOut bool
+	err    error
+}
+
+func drain(st grpc.ServerStreamingClient[toolrunnerv1.ExecuteResponse]) result {
+	var r result
+	for {
+		ev, err := st.Recv()
+		if errors.Is(err, io.EOF) {
+			return r
+		}
+		if err != nil {
+			r.err = err
+			return r
+		}
+		switch e := ev.GetEvent().(type) {
+		case *toolrunnerv1.ExecuteResponse_Node:
+			r.events = append(r.events, e.Node)
+		case *toolrunnerv1.ExecuteResponse_Result:
+			r.out, r.hasOut = e.Result.GetOutputJson(), true
+		}
+	}
+}
+
+func execute(ctx context.Context, t *testing.T, c toolrunnerv1.ToolRunnerServiceClient, name, args string) result {
+	t.Helper()
+	st, err := c.Execute(ctx, &toolrunnerv1.ExecuteRequest{Name: name, ArgsJson: args})
+	if err != nil {
+		return result{err: err}
+	}
+	return drain(st)
+}
+
+// waitNode waits for node of run to end in tbl and returns its record.
+func waitNode(t *testing.T, tbl *nodes.Table, run, node string) *meshv1.Node {
+	t.Helper()
+	ns, settled := tbl.List(context.Background(), run, []string{node}, 3*time.Second)
+	if !settled {
+		t.Fatalf("node %s of run %s did not end within 3s: %v", node, run, ns)
+	}
+	for _, n := range ns {
+		if n.GetId() == node {
+			return n
+		}
+	}
+	t.Fatalf("node %s of run %s not recorded (have %v)", node, run, ns)
+	return nil
+}
+
+func wantCode(t *testing.T, err error, code codes.Code, contains ...string) {
+	t.Helper()
+	if status.Code(err) != code {
+		t.Fatalf("error = %v, want code %v", err, code)
+	}
+	for _, c := range contains {
+		if !strings.Contains(status.Convert(err).Message(), c) {
+			t.Fatalf("error message %q does not mention %q", status.Convert(err).Message(), c)
+		}
+	}
+}
+
+func TestSleepCompletes(t *testing.T) {
+	e := newEnv(t, mesh.ServerConfig{}, Config{})
+	start := time.Now()
+	r := execute(ident("r-sleep", "root/s0.t0"), t, e.tools, "sleep", `{"ms":60}`)
+	elapsed := time.Since(start)
+	if r.err != nil {
+		t.Fatal(r.err)
+	}
+	if elapsed < 55*time.Millisecond || elapsed > 3*time.Second {
+		t.Fatalf("sleep of 60ms took %v", elapsed)
+	}
+	if !r.hasOut || r.out != `{"slept_ms":60}` {
+		t.Fatalf("output = %q, want the slept time", r.out)
+	}
+	if len(r.events) != 2 {
+		t.Fatalf("events = %v, want the tool node's start and end", r.events)
+	}
+	first, last := r.events[0], r.events[1]
+	if first.GetId() != "root/s0.t0" || first.GetStatus() != meshv1.NodeStatus_NODE_STATUS_RUNNING ||
+		first.GetKind() != meshv1.NodeKind_NODE_KIND_TOOL || first.GetName() != "sleep" || first.GetDeadline() == nil {
+		t.Fatalf("first event = %v, want the running tool node with its deadline", first)
+	}
+	if last.GetId() != "root/s0.t0" || last.GetStatus() != meshv1.NodeStatus_NODE_STATUS_SUCCEEDED || last.GetEndedAt() == nil {
+		t.Fatalf("last event = %v, want the succeeded tool node", last)
+	}
+	if n := waitNode(t, e.srv.Nodes, "r-sleep", "root/s0.t0"); n.GetStatus() != meshv1.NodeStatus_NODE_STATUS_SUCCEEDED {
+		t.Fatalf("recorded node = %v", n)
+	}
+}
+
+func TestSleepCancelled(t *testing.T) {
+	e := newEnv(t, mesh.ServerConfig{}, Config{})
+	ctx, cancel := context.WithCancel(ident("r-sleepc", "root/s0.t0"))
+	defer cancel()
+	st, err := e.tools.Execute(ctx, &toolrunnerv1.ExecuteRequest{Name: "sleep", ArgsJson: `{"ms":60000}`})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ev, err := st.Recv()
+	if err != nil || ev.GetNode().GetStatus() != meshv1.NodeStatus_NODE_STATUS_RUNNING {
+		t.Fatalf("first event = %v, %v; want the running node", ev, err)
+	}
+	cancelAt := time.Now()
+	cancel()
+	if r := drain(st); status.Code(r.err) != codes.Canceled {
+		t.Fatalf("after cancel: %v, want CANCELED", r.err)
+	}
+	n := waitNode(t, e.srv.Nodes, "r-sleepc", "root/s0.t0")
+	if n.GetStatus() != meshv1.NodeStatus_NODE_STATUS_CANCELLED || n.GetCancelledAt() == nil {
+		t.Fatalf("node = %v, want CANCELLED with cancelled_at", n)
+	}
+	if d := n.GetEndedAt().AsTime().Sub(cancelAt); d < 0 || d > time.Second {
+		t.Fatalf("node ended %v after the cancel, want promptly", d)
+	}
+}
+
+func TestFailTool(t *testing.T) {
+	e := newEnv(t, mesh.ServerConfig{}, Config{})
+	const run, node = "r-fail", "root/s0.t0"
+	args := `{"times":2,"code":"aborted","after_ms":50}`
+	for _, a := range []string{"1", "2"} {
+		start := time.Now()
+		r := execute(withAttempt(ident(run, node), a), t, e.tools, "fail", args)
+		wantCode(t, r.err, codes.Aborted, "attempt "+a+" of 2")
+		if d := time.Since(start); d < 45*time.Millisecond {
+			t.Fatalf("attempt %s failed after %v, want after_ms 50", a, d)
+		}
+		if len(r.events) != 2 || r.events[0].GetStatus() != meshv1.NodeStatus_NODE_STATUS_RUNNING {
+			t.Fatalf("attempt %s events = %v", a, r.events)
+		}
+		if end := r.events[1]; end.GetStatus() != meshv1.NodeStatus_NODE_STATUS_FAILED || end.GetErrorCode() != "ABORTED" {
+			t.Fatalf("attempt %s end event = %v, want FAILED with ABORTED", a, end)
+		}
+	}
+	r := execute(withAttempt(ident(run, node), "3"), t, e.tools, "fail", args)
+	if r.err != nil || r.out != `{"attempt":3}` {
+		t.Fatalf("attempt 3 = %q, %v; want success", r.out, r.err)
+	}
+	if n := waitNode(t, e.srv.Nodes, run, node); n.GetStatus() != meshv1.NodeStatus_NODE_STATUS_SUCCEEDED {
+		t.Fatalf("node after attempt 3 = %v", n)
+	}
+
+	// Defaults: one failure with UNAVAILABLE; no attempt header counts as attempt 1.
+	r = execute(ident(run, "root/s1.t0"), t, e.tools, "fail", `{}`)
+	wantCode(t, r.err, codes.Unavailable)
+	if r = execute(withAttempt(ident(run, "root/s1.t0"), "2"), t, e.tools, "fail", ``); r.err != nil {
+		t.Fatalf("attempt 2 with default times: %v", r.err)
+	}
+}
+
+func TestDeployCompletes(t *testing.T) {
+	e := newEnv(t, mesh.ServerConfig{}, Config{})
+	start := time.Now()
+	r := execute(ident("r-dep", "root/s0.t0"), t, e.tools, "deploy", `{"duration_ms":150,"poll_ms":30,"abort_ms":500}`)
+	if r.err != nil {
+		t.Fatal(r.err)
+	}
+	if d := time.Since(start); d < 140*time.Millisecond || d > 3*time.Second {
+		t.Fatalf("deploy of 150ms took %v", d)
+	}
+	if !strings.Contains(r.out, `"status":"deployed"`) {
+		t.Fatalf("output = %q", r.out)
+	}
+	n := waitNode(t, e.srv.Nodes, "r-dep", "root/s0.t0")
+	if n.GetStatus() != meshv1.NodeStatus_NODE_STATUS_SUCCEEDED || n.GetCleanup() != nil {
+		t.Fatalf("node = %v, want SUCCEEDED without a cleanup", n)
+	}
+}
+
+func TestDeployCancelledRunsAbort(t *testing.T) {
+	e := newEnv(t, mesh.ServerConfig{}, Config{})
+	const run, node = "r-depc", "root/s0.t0"
+	ctx, cancel := context.WithCancel(ident(run, node))
+	defer cancel()
+	st, err := e.tools.Execute(ctx, &toolrunnerv1.ExecuteRequest{Name: "deploy",
+		ArgsJson: `{"duration_ms":60000,"poll_ms":20,"abort_ms":300,"cleanup_ms":2000}`})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := st.Recv(); err != nil {
+		t.Fatal(err)
+	}
+	time.Sleep(50 * time.Millisecond) // a few polls
+	cancelAt := time.Now()
+	cancel()
+	if r := drain(st); status.Code(r.err) != codes.Canceled {
+		t.Fatalf("after cancel: %v, want CANCELED", r.err)
+	}
+	if d := time.Since(cancelAt); d > 250*time.Millisecond {
+		t.Fatalf("the caller waited %v for a cancelled call; the abort must not hold it", d)
+	}
+
+	n := waitNode(t, e.srv.Nodes, run, node)
+	if n.GetStatus() != meshv1.NodeStatus_NODE_STATUS_CANCELLED || n.GetCancelledAt() == nil {
+		t.Fatalf("node = %v, want CANCELLED with cancelled_at", n)
+	}
+	c := n.GetCleanup()
+	if c == nil || !c.GetCompleted() || c.GetError() != "" || !strings.HasPrefix(c.GetAction(), "abort deploy job") {
+		t.Fatalf("cleanup = %v, want a completed abort", c)
+	}
+	if c.GetBudget().AsDuration() != 2*time.Second {
+		t.Fatalf("cleanup budget = %v, want cleanup_ms 2000", c.GetBudget().AsDuration())
+	}
+	started, ended := c.GetStartedAt().AsTime(), c.GetEndedAt().AsTime()
+	if started.Before(cancelAt) || !ended.After(cancelAt) {
+		t.Fatalf("cleanup ran %v..%v, want after the cancel at %v", started, ended, cancelAt)
+	}
+	// The abort ran its full 300 ms although the caller's context was already cancelled.
+	if d := ended.Sub(started); d < 280*time.Millisecond || d > 2*time.Second {
+		t.Fatalf("abort took %v, want about abort_ms 300", d)
+	}
+	// The node ends only after its teardown.
+	if n.GetEndedAt().AsTime().Before(ended) {
+		t.Fatalf("node ended at %v, before its cleanup at %v", n.GetEndedAt().AsTime(), ended)
+	}
+}
+
+func TestDeployCleanupBudgetExhausted(t *testing.T) {
+	e := newEnv(t, mesh.ServerConfig{}, Config{})
+	ctx, cancel := context.WithCancel(ident("r-depb", "root/s0.t0"))
+	defer cancel()
+	st, err := e.tools.Execute(ctx, &toolrunnerv1.ExecuteRequest{Name: "deploy",
+		ArgsJson: `{"duration_ms":60000,"poll_ms":20,"abort_ms":5000,"cleanup_ms":100}`})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := st.Recv(); err != nil {
+		t.Fatal(err)
+	}
+	cancel()
+	_ = drain(st)
+	n := waitNode(t, e.srv.Nodes, "r-depb", "root/s0.t0")
+	c := n.GetCleanup()
+	if c == nil || c.GetCompleted() || c.GetError() == "" {
+		t.Fatalf("cleanup = %v, want an abort cut off by its budget", c)
+	}
+	if d := c.GetEndedAt().AsTime().Sub(c.GetStartedAt().AsTime()); d < 90*time.Millisecond || d > 2*time.Second {
+		t.Fatalf("cleanup took %v, want its 100ms budget", d)
+	}
+}
+
+func TestDeployDeadlineStillCleansUp(t *testing.T) {
+	args := `{"duration_ms":60000,"poll_ms":20,"abort_ms":300}`
+	checkCleanup := func(t *testing.T, n *meshv1.Node) {
+		t.Helper()
+		c := n.GetCleanup()
+		if c == nil || !c.GetCompleted() {
+			t.Fatalf("node = %v, want a completed cleanup although the deadline expired", n)
+		}
+		if d := c.GetEndedAt().AsTime().Sub(c.GetStartedAt().AsTime()); d < 280*time.Millisecond {
+			t.Fatalf("abort took %v, want abort_ms 300", d)
+		}
+		if c.GetBudget().AsDuration() != 5*time.Second {
+			t.Fatalf("cleanup budget = %v, want the 5s default", c.GetBudget().AsDuration())
+		}
+	}
+
+	t.Run("server deadline", func(t *testing.T) {
+		// The server's policy caps the call at 200 ms: the tool's own deadline fires.
+		e := newEnv(t, mesh.ServerConfig{Deadline: deadline.Policy{Default: 200 * time.Millisecond, Max: 200 * time.Millisecond}}, Config{})
+		ctx, cancel := context.WithTimeout(ident("r-depdl", "root/s0.t0"), 10*time.Second)
+		defer cancel()
+		r := execute(ctx, t, e.tools, "deploy", args)
+		wantCode(t, r.err, codes.DeadlineExceeded)
+		n := waitNode(t, e.srv.Nodes, "r-depdl", "root/s0.t0")
+		if n.GetStatus() != meshv1.NodeStatus_NODE_STATUS_DEADLINE_EXCEEDED || n.GetCause() != meshv1.CancelCause_CANCEL_CAUSE_DEADLINE {
+			t.Fatalf("node = %v, want DEADLINE_EXCEEDED with cause DEADLINE", n)
+		}
+		if c := n.GetCleanup(); c != nil && c.GetStartedAt().AsTime().Before(n.GetDeadline().AsTime()) {
+			t.Fatalf("cleanup started at %v, before the deadline %v", c.GetStartedAt().AsTime(), n.GetDeadline().AsTime())
+		}
+		checkCleanup(t, n)
+	})
+
+	t.Run("caller deadline", func(t *testing.T) {
+		e := newEnv(t, mesh.ServerConfig{}, Config{})
+		ctx, cancel := context.WithTimeout(ident("r-depdl2", "root/s0.t0"), 200*time.Millisecond)
+		defer cancel()
+		start := time.Now()
+		r := execute(ctx, t, e.tools, "deploy", args)
+		wantCode(t, r.err, codes.DeadlineExceeded)
+		if d := time.Since(start); d > time.Second {
+			t.Fatalf("the caller got its deadline after %v", d)
+		}
+		n := waitNode(t, e.srv.Nodes, "r-depdl2", "root/s0.t0")
+		// The caller's RST_STREAM and the server's copy of the deadline race; either way
+		// the node is stopped and its abort ran.
+		if s := n.GetStatus(); s != meshv1.NodeStatus_NODE_STATUS_DEADLINE_EXCEEDED && s != meshv1.NodeStatus_NODE_STATUS_CANCELLED {
+			t.Fatalf("node = %v, want stopped", n)
+		}
+		checkCleanup(t, n)
+	})
+}
+
+func TestExecuteValidation(t *testing.T) {
+	e := newEnv(t, mesh.ServerConfig{}, Config{})
+	ok := ident("r-val", "root/s0.t0")
+	for _, tc := range []struct {
+		name, tool, args string
+		ctx              context.Context
+		code             codes.Code
+		contains         []string
+	}{
+		{"no identity", "sleep", `{"ms":1}`, context.Background(), codes.InvalidArgument, []string{md.RunID, md.NodeID}},
+		{"no node", "sleep", `{"ms":1}`, md.WithIdentity(context.Background(), md.Identity{RunID: "r-val"}), codes.InvalidArgument, []string{md.NodeID}},
+		{"no run", "sleep", `{"ms":1}`, md.WithIdentity(context.Background(), md.Identity{NodeID: "root/s0.t0"}), codes.InvalidArgument, []string{md.RunID}},
+		{"unknown tool", "rm_rf", `{}`, ok, codes.NotFound, []string{`"rm_rf"`}},
+		{"no name", "", `{}`, ok, codes.InvalidArgument, []string{"name"}},
+		{"sleep ms type", "sleep", `{"ms":"long"}`, ok, codes.InvalidArgument, []string{"args.ms"}},
+		{"sleep ms zero", "sleep", `{"ms":0}`, ok, codes.InvalidArgument, []string{"args.ms"}},
+		{"sleep unknown field", "sleep", `{"ms":1,"sec":2}`, ok, codes.InvalidArgument, []string{"unknown field", "sec"}},
+		{"sleep bad json", "sleep", `{"ms":`, ok, codes.InvalidArgument, []string{"args"}},
+		{"deploy duration", "deploy", `{"poll_ms":10}`, ok, codes.InvalidArgument, []string{"args.duration_ms"}},
+		{"fail code", "fail", `{"code":"SOMETIMES"}`, ok, codes.InvalidArgument, []string{"args.code", "SOMETIMES"}},
+		{"spawn bad plan", "spawn_subagent", `{"plan":{"steps":[]}}`, ok, codes.InvalidArgument, []string{"steps"}},
+		{"spawn without subagent service", "spawn_subagent", `{"plan":{"steps":[{"answer_tokens":1}]}}`, ok, codes.FailedPrecondition, []string{"no subagent service"}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			r := execute(tc.ctx, t, e.tools, tc.tool, tc.args)
+			wantCode(t, r.err, tc.code, tc.contains...)
+			if len(r.events) != 0 {
+				t.Fatalf("a refused call emitted %v", r.events)
+			}
+		})
+	}
+	if ns, _ := e.srv.Nodes.List(context.Background(), "r-val", nil, 0); len(ns) != 0 {
+		t.Fatalf("refused calls left nodes: %v", ns)
+	}
+}
+
+// fakeSubagent is a scripted SubagentService that records its nested nodes in a table
+// served as its NodeReportService.
+type fakeSubagent struct {
+	subagentv1.UnimplementedSubagentServiceServer
+	table   *nodes.Table
+	entered chan spawnCall
+	// hold, when not nil, makes Spawn wait until it is closed or the call is cancelled.
+	hold chan struct{}
+	// teardown is how long a cancelled Spawn takes before its node ends.
+	teardown time.Duration
+}
+
+type spawnCall struct {
+	id       md.Identity
+	task     string
+	deadline time.Time
+}
+
+func (f *fakeSubagent) Spawn(req *subagentv1.SpawnRequest, stream subagentv1.SubagentService_SpawnServer) error {
+	ctx := stream.Context()
+	id := md.IdentityFrom(ctx)
+	dl, _ := ctx.Deadline()
+	send := func(n *meshv1.Node) {
+		_ = stream.Send(&subagentv1.SpawnResponse{Event: &subagentv1.SpawnResponse_Node{Node: n}})
+	}
+	sub := id.NodeID + "/sub"
+	send(f.table.Start(id.RunID, &meshv1.Node{Id: sub, Kind: meshv1.NodeKind_NODE_KIND_SUBAGENT}))
+	f.entered <- spawnCall{id: id, task: req.GetTask(), deadline: dl}
+	if f.hold != nil {
+		select {
+		case <-f.hold:
+		case <-ctx.Done():
+			time.Sleep(f.teardown)
+			f.table.Finish(ctx, id.RunID, sub, ctx.Err(), nil)
+			return ctx.Err()
+		}
+	}
+	send(f.table.Start(id.RunID, &meshv1.Node{Id: sub + "/m0", Kind: meshv1.NodeKind_NODE_KIND_MODEL}))
+	send(f.table.Finish(ctx, id.RunID, sub+"/m0", nil, nil))
+	send(f.table.Finish(ctx, id.RunID, sub, nil, nil))
+	return stream.Send(&subagentv1.SpawnResponse{Event: &subagentv1.SpawnResponse_Result{Result: &subagentv1.SpawnResult{Answer: "forty-two"}}})
+}
+
+func newSubagentEnv(t *testing.T, f *fakeSubagent, cfg Config) *env {
+	t.Helper()
+	f.table = nodes.New(0)
+	f.entered = make(chan spawnCall, 16)
+	cc := serve(t, mesh.ServerConfig{}, func(gs *grpc.Server) {
+		subagentv1.RegisterSubagentServiceServer(gs, f)
+		meshv1.RegisterNodeReportServiceServer(gs, &nodes.Server{Table: f.table})
+	})
+	cfg.Subagent = subagentv1.NewSubagentServiceClient(cc)
+	cfg.SubagentNodes = meshv1.NewNodeReportServiceClient(cc)
+	cfg.SettleTimeout = 2 * time.Second
+	return newEnv(t, mesh.ServerConfig{}, cfg)
+}
+
+const spawnArgs = `{"plan":{"steps":[{"answer_tokens":5}]}}`
+
+func TestSpawnSubagentForwardsNodesAndAnswer(t *testing.T) {
+	f := &fakeSubagent{}
+	e := newSubagentEnv(t, f, Config{})
+	ctx, cancel := context.WithTimeout(ident("r-spawn", "root/s0.t1"), 5*time.Second)
+	defer cancel()
+	r := execute(ctx, t, e.tools, "spawn_subagent", spawnArgs)
+	if r.err != nil {
+		t.Fatal(r.err)
+	}
+	if r.out != `{"answer":"forty-two"}` {
+		t.Fatalf("output = %q, want the subagent's answer", r.out)
+	}
+	var got []string
+	for _, n := range r.events {
+		got = append(got, n.GetId()+" "+strings.TrimPrefix(n.GetStatus().String(), "NODE_STATUS_"))
+	}
+	want := []string{
+		"root/s0.t1 RUNNING",
+		"root/s0.t1/sub RUNNING",
+		"root/s0.t1/sub/m0 RUNNING",
+		"root/s0.t1/sub/m0 SUCCEEDED",
+		"root/s0.t1/sub SUCCEEDED",
+		"root/s0.t1 SUCCEEDED",
+	}
+	if strings.Join(got, "\n") != strings.Join(want, "\n") {
+		t.Fatalf("events:\n%s\nwant:\n%s", strings.Join(got, "\n"), strings.Join(want, "\n"))
+	}
+	call := <-f.entered
+	if call.id.RunID != "r-spawn" || call.id.NodeID != "root/s0.t1" {
+		t.Fatalf("subagent called as %+v, want the run and the tool's node", call.id)
+	}
+	if call.task != `{"steps":[{"answer_tokens":5}]}` {
+		t.Fatalf("subagent task = %q, want the plan", call.task)
+	}
+	callerDL, _ := ctx.Deadline()
+	if call.deadline.IsZero() || call.deadline.After(callerDL) {
+		t.Fatalf("subagent deadline %v, want set and not after the caller's %v", call.deadline, callerDL)
+	}
+}
+
+func TestSpawnSubagentDepthLimit(t *testing.T) {
+	f := &fakeSubagent{}
+	e := newSubagentEnv(t, f, Config{})
+	// Three "/sub" segments already: a spawn here would be depth 4.
+	r := execute(ident("r-depth", "root/s0.t0/sub/s0.t0/sub/s1.t0/sub/s0.t0"), t, e.tools, "spawn_subagent", spawnArgs)
+	wantCode(t, r.err, codes.FailedPrecondition, "depth 4", "limit 3")
+	// Depth 3 is allowed.
+	if r := execute(ident("r-depth", "root/s0.t0/sub/s0.t0/sub/s0.t0"), t, e.tools, "spawn_subagent", spawnArgs); r.err != nil {
+		t.Fatalf("spawn at depth 3: %v", r.err)
+	}
+	if n := len(f.entered); n != 1 {
+		t.Fatalf("subagent called %d times, want once (the refused spawn must not reach it)", n)
+	}
+
+	e1 := newSubagentEnv(t, &fakeSubagent{}, Config{MaxSubagentDepth: 1})
+	r = execute(ident("r-depth1", "root/s0.t0/sub/s0.t0"), t, e1.tools, "spawn_subagent", spawnArgs)
+	wantCode(t, r.err, codes.FailedPrecondition, "depth 2", "limit 1")
+}
+
+func TestSpawnSubagentFanoutLimit(t *testing.T) {
+	f := &fakeSubagent{hold: make(chan struct{})}
+	e := newSubagentEnv(t, f, Config{MaxSubagentFanout: 1})
+	released := false
+	release := func() {
+		if !released {
+			released = true
+			close(f.hold)
+		}
+	}
+	defer release()
+
+	first := make(chan result, 1)
+	go func() {
+		st, err := e.tools.Execute(ident("r-fan", "root/s0.t0"), &toolrunnerv1.ExecuteRequest{Name: "spawn_subagent", ArgsJson: spawnArgs})
+		if err != nil {
+			first <- result{err: err}
+			return
+		}
+		first <- drain(st)
+	}()
+	select {
+	case <-f.entered:
+	case <-time.After(3 * time.Second):
+		t.Fatal("the first spawn did not reach the subagent")
+	}
+	// The run has its one subagent in flight: a second one is refused.
+	r := execute(ident("r-fan", "root/s0.t1"), t, e.tools, "spawn_subagent", spawnArgs)
+	wantCode(t, r.err, codes.ResourceExhausted, "limit")
+	// Another run is not affected.
+	other := make(chan result, 1)
+	go func() {
+		st, err := e.tools.Execute(ident("r-fan-other", "root/s0.t0"), &toolrunnerv1.ExecuteRequest{Name: "spawn_subagent", ArgsJson: spawnArgs})
+		if err != nil {
+			other <- result{err: err}
+			return
+		}
+		other <- drain(st)
+	}()
+	select {
+	case <-f.entered:
+	case <-time.After(3 * time.Second):
+		t.Fatal("another run's spawn did not reach the subagent")
+	}
+	release()
+	for _, c := range []chan result{first, other} {
+		if r := <-c; r.err != nil || r.out != `{"answer":"forty-two"}` {
+			t.Fatalf("held spawn = %q, %v", r.out, r.err)
+		}
+	}
+	// The slot was given back.
+	if r := execute(ident("r-fan", "root/s1.t0"), t, e.tools, "spawn_subagent", spawnArgs); r.err != nil {
+		t.Fatalf("spawn after the first ended: %v", r.err)
+	}
+}
+
+func TestSpawnSubagentCancelWaitsForTeardown(t *testing.T) {
+	f := &fakeSubagent{hold: make(chan struct{}), teardown: 200 * time.Millisecond}
+	e := newSubagentEnv(t, f, Config{})
+	const run, node = "r-spawnc", "root/s0.t0"
+	ctx, cancel := context.WithCancel(ident(run, node))
+	defer cancel()
+	st, err := e.tools.Execute(ctx, &toolrunnerv1.ExecuteRequest{Name: "spawn_subagent", ArgsJson: spawnArgs})
+	if err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case <-f.entered:
+	case <-time.After(3 * time.Second):
+		t.Fatal("the spawn did not reach the subagent")
+	}
+	cancelAt := time.Now()
+	cancel()
+	if r := drain(st); status.Code(r.err) != codes.Canceled {
+		t.Fatalf("after cancel: %v, want CANCELED", r.err)
+	}
+	n := waitNode(t, e.srv.Nodes, run, node)
+	if n.GetStatus() != meshv1.NodeStatus_NODE_STATUS_CANCELLED || n.GetCancelledAt() == nil {
+		t.Fatalf("tool node = %v, want CANCELLED", n)
+	}
+	sub := waitNode(t, f.table, run, node+"/sub")
+	if sub.GetStatus() != meshv1.NodeStatus_NODE_STATUS_CANCELLED {
+		t.Fatalf("subagent node = %v, want CANCELLED", sub)
+	}
+	// The tool node ends only after the subagent's teardown (200 ms after the cancel).
+	if toolEnd, subEnd := n.GetEndedAt().AsTime(), sub.GetEndedAt().AsTime(); toolEnd.Before(subEnd) || toolEnd.Sub(cancelAt) < 180*time.Millisecond {
+		t.Fatalf("tool node ended at %v (+%v after cancel), subagent at %v: want the tool after the subagent's teardown",
+			toolEnd, toolEnd.Sub(cancelAt), subEnd)
+	}
+}
