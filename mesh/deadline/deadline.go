@@ -36,11 +36,14 @@ type Info struct {
 	Capped bool
 }
 
+// def is the default timeout, never more than the maximum (a policy that only sets a
+// small Max still caps requests without a deadline).
 func (p Policy) def() time.Duration {
+	d := DefaultTimeout
 	if p.Default > 0 {
-		return p.Default
+		d = p.Default
 	}
-	return DefaultTimeout
+	return min(d, p.MaxTimeout())
 }
 
 // MaxTimeout returns the policy's effective maximum.
@@ -56,8 +59,8 @@ func (p Policy) Validate() error {
 	if p.Default < 0 || p.Max < 0 {
 		return fmt.Errorf("deadline: default and max must not be negative")
 	}
-	if p.def() > p.MaxTimeout() {
-		return fmt.Errorf("deadline: default %v exceeds max %v", p.def(), p.MaxTimeout())
+	if p.Default > p.MaxTimeout() {
+		return fmt.Errorf("deadline: default %v exceeds max %v", p.Default, p.MaxTimeout())
 	}
 	return nil
 }

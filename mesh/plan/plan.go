@@ -187,8 +187,23 @@ func parse(data []byte, path string, depth int) (*Plan, error) {
 	return p, nil
 }
 
+// IsBuiltin reports whether name is a built-in tool.
+func IsBuiltin(name string) bool {
+	switch name {
+	case ToolSleep, ToolSpawnSubagent, ToolDeploy, ToolFail:
+		return true
+	}
+	return false
+}
+
+// ValidateTool checks a built-in tool call's name and arguments as a plan would, with
+// errors naming the field under "args".
+func ValidateTool(name string, args []byte) error {
+	return validateTool(Tool{Name: name, Args: args}, "", 0)
+}
+
 func validateTool(t Tool, path string, depth int) error {
-	ap := path + ".args"
+	ap := join(path, "args")
 	switch t.Name {
 	case ToolSleep:
 		var a SleepArgs
@@ -239,9 +254,9 @@ func validateTool(t Tool, path string, depth int) error {
 			return err
 		}
 	case "":
-		return &Error{path + ".name", "is required"}
+		return &Error{join(path, "name"), "is required"}
 	default:
-		return &Error{path + ".name", fmt.Sprintf("unknown tool %q (known: deploy, fail, sleep, spawn_subagent)", t.Name)}
+		return &Error{join(path, "name"), fmt.Sprintf("unknown tool %q (known: deploy, fail, sleep, spawn_subagent)", t.Name)}
 	}
 	return nil
 }

@@ -1,7 +1,6 @@
 package modelproxy
 
 import (
-	"sort"
 	"sync"
 	"time"
 )
@@ -9,7 +8,7 @@ import (
 // Ledger records the instant of every token a decoder emitted, by run and node.
 type Ledger struct {
 	mu   sync.Mutex
-	runs map[string]map[string][]int64 // run → node → unix nanos, ascending
+	runs map[string]map[string][]int64 // run → node → unix nanos, in emission order
 }
 
 // NewLedger returns an empty ledger.
@@ -37,9 +36,15 @@ func (l *Ledger) Figures(run, node string, cancelAt time.Time) (total, before, a
 	if cancelAt.IsZero() {
 		return total, total, 0
 	}
+	// Count rather than binary-search: two decoders of the same node (a retry racing the
+	// attempt it supersedes) may interleave their instants.
 	c := cancelAt.UnixNano()
-	i := sort.Search(len(ts), func(i int) bool { return ts[i] > c })
-	return total, int64(i), total - int64(i)
+	for _, t := range ts {
+		if t > c {
+			after++
+		}
+	}
+	return total, total - after, after
 }
 
 // Forget drops a run's records.

@@ -4,7 +4,7 @@ import (
 	"context"
 	"errors"
 	"log/slog"
-	"strconv"
+	"sort"
 	"sync"
 	"time"
 
@@ -61,7 +61,7 @@ type Server struct {
 
 	mu    sync.Mutex
 	runs  map[string]*runState
-	order []string // run ids, oldest first
+	order []string // run ids, oldest first (sorted: UUIDv7)
 	wg    sync.WaitGroup
 }
 
@@ -294,17 +294,32 @@ func (s *Server) add(rs *runState) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	s.runs[rs.id] = rs
-	s.order = append(s.order, rs.id)
-	for len(s.order) > s.cfg.MaxRuns {
-		old := s.runs[s.order[0]]
-		select {
-		case <-old.done:
-		default:
-			return // never evict a running run
-		}
-		delete(s.runs, s.order[0])
-		s.order = s.order[1:]
+	// Keep order sorted by id (UUIDv7: creation time), which ListRuns pages by; ids minted
+	// concurrently may arrive here a little out of order.
+	i := sort.SearchStrings(s.order, rs.id)
+	s.order = append(s.order, "")
+	copy(s.order[i+1:], s.order[i:])
+	s.order[i] = rs.id
+	// Forget the oldest ended runs beyond MaxRuns; running runs are never forgotten, so a
+	// long detached run does not stop older ended ones from being dropped.
+	excess := len(s.order) - s.cfg.MaxRuns
+	if excess <= 0 {
+		return
 	}
+	kept := s.order[:0]
+	for _, id := range s.order {
+		if excess > 0 {
+			select {
+			case <-s.runs[id].done:
+				delete(s.runs, id)
+				excess--
+				continue
+			default:
+			}
+		}
+		kept = append(kept, id)
+	}
+	s.order = kept
 }
 
 // execute runs the loop, then ends the root node, waits for the tree's teardown,
@@ -472,7 +487,9 @@ const (
 	MaxPageSize     = 500
 )
 
-// ListRuns implements OrchestratorService.ListRuns: newest first, without nodes.
+// ListRuns implements OrchestratorService.ListRuns: newest first, without nodes. The page
+// token is the id of the last run of the previous page; run ids are UUIDv7, ordered by
+// creation, so pages stay stable while new runs arrive.
 func (s *Server) ListRuns(_ context.Context, req *orchestratorv1.ListRunsRequest) (*orchestratorv1.ListRunsResponse, error) {
 	size := int(req.GetPageSize())
 	switch {
@@ -483,30 +500,29 @@ func (s *Server) ListRuns(_ context.Context, req *orchestratorv1.ListRunsRequest
 	case size > MaxPageSize:
 		size = MaxPageSize
 	}
-	offset := 0
-	if t := req.GetPageToken(); t != "" {
-		n, err := strconv.Atoi(t)
-		if err != nil || n < 0 {
+	after := req.GetPageToken()
+	if after != "" {
+		if _, err := uuid.Parse(after); err != nil {
 			return nil, status.Error(codes.InvalidArgument, "page_token is not one this service issued")
 		}
-		offset = n
 	}
 	s.mu.Lock()
-	ids := make([]string, len(s.order))
-	copy(ids, s.order)
+	states := make([]*runState, 0, size+1)
+	for i := len(s.order) - 1; i >= 0 && len(states) <= size; i-- {
+		if id := s.order[i]; after == "" || id < after {
+			states = append(states, s.runs[id])
+		}
+	}
 	s.mu.Unlock()
 	resp := &orchestratorv1.ListRunsResponse{}
-	for i := len(ids) - 1 - offset; i >= 0 && len(resp.Runs) < size; i-- {
-		rs, err := s.get(ids[i])
-		if err != nil {
-			continue
+	for i, rs := range states {
+		if i == size {
+			resp.NextPageToken = resp.Runs[size-1].GetRunId()
+			break
 		}
 		r := rs.snapshot()
 		r.Nodes = nil
 		resp.Runs = append(resp.Runs, r)
-	}
-	if next := offset + len(resp.Runs); next < len(ids) {
-		resp.NextPageToken = strconv.Itoa(next)
 	}
 	return resp, nil
 }

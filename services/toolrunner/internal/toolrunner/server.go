@@ -125,19 +125,27 @@ func (s *Server) Execute(req *toolrunnerv1.ExecuteRequest, stream toolrunnerv1.T
 
 type execFunc func(ctx context.Context) (out string, cleanup *meshv1.Cleanup, err error)
 
-// prepare validates the call and returns the function that runs it.
+// prepare validates the call (with the same rules as a plan's tool calls) and returns the
+// function that runs it.
 func (s *Server) prepare(ctx context.Context, req *toolrunnerv1.ExecuteRequest, emit func(*meshv1.Node)) (execFunc, error) {
-	raw := []byte(req.GetArgsJson())
-	bad := func(err error) error { return status.Errorf(codes.InvalidArgument, "tool %s: %v", req.GetName(), err) }
-	switch req.GetName() {
+	name, raw := req.GetName(), []byte(req.GetArgsJson())
+	switch {
+	case name == "":
+		return nil, status.Error(codes.InvalidArgument, "tool name is required")
+	case !plan.IsBuiltin(name):
+		return nil, status.Errorf(codes.NotFound, "unknown tool %q (built-ins: deploy, fail, sleep, spawn_subagent)", name)
+	}
+	if err := plan.ValidateTool(name, raw); err != nil {
+		var pe *plan.Error
+		if errors.As(err, &pe) {
+			return nil, status.Errorf(codes.InvalidArgument, "tool %s: %s: %s", name, pe.Path, pe.Msg)
+		}
+		return nil, status.Errorf(codes.InvalidArgument, "tool %s: %v", name, err)
+	}
+	switch name {
 	case plan.ToolSleep:
 		var a plan.SleepArgs
-		if err := plan.Args(raw, &a); err != nil {
-			return nil, bad(err)
-		}
-		if a.MS < 1 || a.MS > plan.MaxSleepMS {
-			return nil, bad(fmt.Errorf("args.ms must be between 1 and %d", plan.MaxSleepMS))
-		}
+		_ = plan.Args(raw, &a) // validated above
 		return func(ctx context.Context) (string, *meshv1.Cleanup, error) {
 			if err := sleep(ctx, time.Duration(a.MS)*time.Millisecond); err != nil {
 				return "", nil, err
@@ -146,21 +154,12 @@ func (s *Server) prepare(ctx context.Context, req *toolrunnerv1.ExecuteRequest, 
 		}, nil
 	case plan.ToolFail:
 		var a plan.FailArgs
-		if err := plan.Args(raw, &a); err != nil {
-			return nil, bad(err)
-		}
+		_ = plan.Args(raw, &a)
 		code := codes.Unavailable
 		if a.Code != "" {
-			c, err := plan.ParseCode(a.Code)
-			if err != nil {
-				return nil, bad(fmt.Errorf("args.code: %w", err))
-			}
-			code = c
+			code, _ = plan.ParseCode(a.Code)
 		}
-		times := a.Times
-		if times == 0 {
-			times = 1
-		}
+		times := max(a.Times, 1)
 		return func(ctx context.Context) (string, *meshv1.Cleanup, error) {
 			if err := sleep(ctx, time.Duration(a.AfterMS)*time.Millisecond); err != nil {
 				return "", nil, err
@@ -173,21 +172,11 @@ func (s *Server) prepare(ctx context.Context, req *toolrunnerv1.ExecuteRequest, 
 		}, nil
 	case plan.ToolDeploy:
 		var a plan.DeployArgs
-		if err := plan.Args(raw, &a); err != nil {
-			return nil, bad(err)
-		}
-		if a.DurationMS < 1 {
-			return nil, bad(errors.New("args.duration_ms must be at least 1"))
-		}
+		_ = plan.Args(raw, &a)
 		return func(ctx context.Context) (string, *meshv1.Cleanup, error) { return s.deploy(ctx, a) }, nil
-	case plan.ToolSpawnSubagent:
+	default: // plan.ToolSpawnSubagent
 		var a plan.SpawnArgs
-		if err := plan.Args(raw, &a); err != nil {
-			return nil, bad(err)
-		}
-		if _, err := plan.Parse(a.Plan); err != nil {
-			return nil, bad(err)
-		}
+		_ = plan.Args(raw, &a)
 		if s.cfg.Subagent == nil {
 			return nil, status.Error(codes.FailedPrecondition, "spawn_subagent: no subagent service configured")
 		}
@@ -196,10 +185,7 @@ func (s *Server) prepare(ctx context.Context, req *toolrunnerv1.ExecuteRequest, 
 			return nil, status.Errorf(codes.FailedPrecondition, "spawn_subagent: depth %d exceeds the limit %d", depth, s.cfg.MaxSubagentDepth)
 		}
 		return func(ctx context.Context) (string, *meshv1.Cleanup, error) { return s.spawn(ctx, string(a.Plan), emit) }, nil
-	case "":
-		return nil, status.Error(codes.InvalidArgument, "tool name is required")
 	}
-	return nil, status.Errorf(codes.NotFound, "unknown tool %q (built-ins: deploy, fail, sleep, spawn_subagent)", req.GetName())
 }
 
 // sleep waits d or until ctx is done.
