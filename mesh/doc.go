@@ -14,7 +14,10 @@
 //     code; internal error text is logged, never sent. Outside the deadline layer so the
 //     fast-fail statuses it makes pass through unchanged.
 //  3. deadline: a request without a deadline gets the service default, one beyond the
-//     maximum is capped; it only ever shortens. Before anything that measures time left.
+//     maximum is capped; then the relative gRPC deadline is reconciled with the caller's
+//     absolute curfew-deadline, so that a child never sees a later deadline than its
+//     parent (a gap over a second is logged as clock skew and the gRPC deadline kept). It
+//     only ever shortens. Before anything that measures time left.
 //  4. identity: curfew-tenant, curfew-run-id, curfew-node-id and curfew-attempt become
 //     the context's md.Identity, so handlers and their outgoing calls carry them.
 //  5. fast-fail: a method with a configured minimum is refused with DEADLINE_EXCEEDED
