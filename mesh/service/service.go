@@ -152,6 +152,7 @@ func New(ctx context.Context, o Options, minTime map[string]time.Duration) (*Run
 		}
 	}
 	rt.Registry.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
+	//nolint:contextcheck // the interceptors take each call's own context; none is needed here
 	rt.Server = grpc.NewServer(mesh.ServerOptions(mesh.ServerConfig{
 		Deadline: deadline.Policy{Default: o.DefaultDeadline, Max: o.MaxDeadline},
 		MinTime:  minTime,

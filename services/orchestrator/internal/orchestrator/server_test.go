@@ -243,7 +243,7 @@ type runStream struct {
 	cancel context.CancelFunc
 }
 
-func (e *env) start(t *testing.T, ctx context.Context, req *orchestratorv1.RunRequest) (*runStream, *orchestratorv1.RunStarted) {
+func (e *env) start(ctx context.Context, t *testing.T, req *orchestratorv1.RunRequest) (*runStream, *orchestratorv1.RunStarted) {
 	t.Helper()
 	ctx, cancel := context.WithCancel(ctx)
 	t.Cleanup(cancel)
@@ -343,7 +343,7 @@ const (
 func TestRunSucceeds(t *testing.T) {
 	e := newEnv(t, mesh.ServerConfig{}, nil)
 	before := time.Now()
-	rs, started := e.start(t, context.Background(), &orchestratorv1.RunRequest{Task: fastPlan})
+	rs, started := e.start(context.Background(), t, &orchestratorv1.RunRequest{Task: fastPlan})
 	if dl := started.GetDeadline().AsTime(); dl.Before(before.Add(deadline.DefaultTimeout-time.Second)) || dl.After(time.Now().Add(deadline.DefaultTimeout)) {
 		t.Fatalf("deadline %v, want the service default %v from now", dl, deadline.DefaultTimeout)
 	}
@@ -372,12 +372,13 @@ func TestRunSucceeds(t *testing.T) {
 		t.Fatalf("no event %q in %v", s, order)
 		return -1
 	}
-	if !(idx("root/m0 RUNNING") < idx("root/m0 SUCCEEDED") &&
+	inOrder := idx("root/m0 RUNNING") < idx("root/m0 SUCCEEDED") &&
 		idx("root/m0 SUCCEEDED") < idx("root/s0.t0 RUNNING") &&
 		idx("root/s0.t0 SUCCEEDED") < idx("root/m1 RUNNING") &&
 		idx("root/s0.t1 SUCCEEDED") < idx("root/m1 RUNNING") &&
 		idx("root/m1 SUCCEEDED") < idx("root SUCCEEDED") &&
-		idx("root SUCCEEDED") == len(order)-1) {
+		idx("root SUCCEEDED") == len(order)-1
+	if !inOrder {
 		t.Fatalf("node events out of order: %v", order)
 	}
 
@@ -455,7 +456,7 @@ func TestRunInvalidTask(t *testing.T) {
 
 func TestRunClientDisconnectCancelsRun(t *testing.T) {
 	e := newEnv(t, mesh.ServerConfig{}, &fakeModel{orphan: 2})
-	rs, started := e.start(t, context.Background(), &orchestratorv1.RunRequest{Task: slowPlan})
+	rs, started := e.start(context.Background(), t, &orchestratorv1.RunRequest{Task: slowPlan})
 	if e.waitDecoder(t) != "root/m0" {
 		t.Fatal("first decoder is not root/m0")
 	}
@@ -502,7 +503,7 @@ func TestRunClientDisconnectCancelsRun(t *testing.T) {
 func TestRunContinueOnDisconnect(t *testing.T) {
 	e := newEnv(t, mesh.ServerConfig{}, nil)
 	p := `{"tokens_per_second":100,"steps":[{"think_tokens":10,"tools":[{"name":"sleep","args":{"ms":100}}]},{"answer_tokens":5}]}`
-	rs, started := e.start(t, context.Background(), &orchestratorv1.RunRequest{Task: p, ContinueOnDisconnect: true})
+	rs, started := e.start(context.Background(), t, &orchestratorv1.RunRequest{Task: p, ContinueOnDisconnect: true})
 	rs.cancel()
 	_, _ = rs.rest()
 	r := e.waitEnded(t, started.GetRunId())
@@ -514,7 +515,7 @@ func TestRunContinueOnDisconnect(t *testing.T) {
 
 func TestCancelRun(t *testing.T) {
 	e := newEnv(t, mesh.ServerConfig{}, nil)
-	rs, started := e.start(t, context.Background(), &orchestratorv1.RunRequest{Task: slowPlan})
+	rs, started := e.start(context.Background(), t, &orchestratorv1.RunRequest{Task: slowPlan})
 	id := started.GetRunId()
 	e.waitDecoder(t)
 	rest := make(chan []*orchestratorv1.RunResponse, 1)
@@ -589,7 +590,7 @@ func TestListRunsPaging(t *testing.T) {
 	e := newEnv(t, mesh.ServerConfig{}, nil)
 	var ids []string // oldest first
 	for i := 0; i < 3; i++ {
-		rs, started := e.start(t, context.Background(), &orchestratorv1.RunRequest{Task: tinyPlan})
+		rs, started := e.start(context.Background(), t, &orchestratorv1.RunRequest{Task: tinyPlan})
 		if _, err := rs.rest(); err != nil {
 			t.Fatal(err)
 		}
@@ -654,7 +655,7 @@ func TestRunDeadlineCappedByPolicy(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Hour)
 	defer cancel()
 	before := time.Now()
-	rs, started := e.start(t, ctx, &orchestratorv1.RunRequest{Task: tinyPlan})
+	rs, started := e.start(ctx, t, &orchestratorv1.RunRequest{Task: tinyPlan})
 	after := time.Now()
 	dl := started.GetDeadline().AsTime()
 	if dl.Before(before.Add(2*time.Second-50*time.Millisecond)) || dl.After(after.Add(2*time.Second)) {
@@ -672,7 +673,7 @@ func TestRunDeadlineCappedByPolicy(t *testing.T) {
 
 func TestRunDeadlineExceeded(t *testing.T) {
 	e := newEnv(t, mesh.ServerConfig{Deadline: deadline.Policy{Default: 500 * time.Millisecond, Max: 500 * time.Millisecond}}, nil)
-	rs, started := e.start(t, context.Background(), &orchestratorv1.RunRequest{Task: slowPlan})
+	rs, started := e.start(context.Background(), t, &orchestratorv1.RunRequest{Task: slowPlan})
 	if _, err := rs.rest(); status.Code(err) != codes.DeadlineExceeded {
 		t.Fatalf("Run: %v, want DEADLINE_EXCEEDED", err)
 	}
@@ -690,7 +691,7 @@ func TestRunDeadlineExceeded(t *testing.T) {
 
 func TestShutdownCancelsLeftoverRuns(t *testing.T) {
 	e := newEnv(t, mesh.ServerConfig{}, nil)
-	rs, started := e.start(t, context.Background(), &orchestratorv1.RunRequest{Task: slowPlan, ContinueOnDisconnect: true})
+	rs, started := e.start(context.Background(), t, &orchestratorv1.RunRequest{Task: slowPlan, ContinueOnDisconnect: true})
 	e.waitDecoder(t)
 	rs.cancel() // the client leaves; the detached run goes on
 	_, _ = rs.rest()

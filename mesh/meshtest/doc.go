@@ -1,0 +1,15 @@
+// Package meshtest holds helpers for tests of curfew's mesh and services: real gRPC
+// servers on loopback with curfew's interceptor chain, and scripted fakes of the services
+// the agent loop calls.
+//
+// Everything here runs over real gRPC on 127.0.0.1, never a mock of the transport, and
+// cleans up with t.Cleanup so that tests can check for goroutine leaks.
+//
+//   - [Serve] starts a grpc.Server with mesh.ServerOptions and returns a client
+//     connection with mesh.DialOptions.
+//   - [Model] is a scripted curfew.modelproxy.v1.ModelProxyService; [Tools] a scripted
+//     curfew.toolrunner.v1.ToolRunnerService. Both record every call ([Call]) and serve
+//     curfew.mesh.v1.NodeReportService from a real nodes.Table (the node begins when a
+//     call starts and ends when its handler returns), so a caller's settle and
+//     CancelNodes work as they do against the real services.
+package meshtest

@@ -1,0 +1,81 @@
+package nodes_test
+
+import (
+	"context"
+	"errors"
+	"testing"
+	"time"
+
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+
+	meshv1 "github.com/curfew-mesh/curfew/gen/curfew/mesh/v1"
+	"github.com/curfew-mesh/curfew/mesh/cancel"
+	"github.com/curfew-mesh/curfew/mesh/nodes"
+)
+
+func TestBeginAndCancel(t *testing.T) {
+	tb := nodes.New(0)
+	parent := context.WithValue(context.Background(), key{}, "v")
+	c1, n1 := tb.Begin(parent, "r", &meshv1.Node{Id: "root/s0.t1", Kind: tool})
+	c10, _ := tb.Begin(parent, "r", &meshv1.Node{Id: "root/s0.t10", Kind: tool})
+	if n1.Status != running || c1.Value(key{}) != "v" {
+		t.Fatalf("Begin = %v; want a running node and a ctx derived from the parent", n1)
+	}
+
+	if n := tb.Cancel("r", []string{"root/s0.t1"}, cancel.ErrSiblingFailed); n != 1 {
+		t.Fatalf("Cancel(root/s0.t1) cancelled %d nodes, want 1 (not root/s0.t10)", n)
+	}
+	if !errors.Is(context.Cause(c1), cancel.ErrSiblingFailed) {
+		t.Errorf("cancelled node's ctx cause = %v", context.Cause(c1))
+	}
+	if c10.Err() != nil {
+		t.Error("an unselected node was cancelled")
+	}
+	// The cancelled node ends; End releases it, so a second Cancel finds only t10.
+	tb.Finish(c1, "r", "root/s0.t1", c1.Err(), nil)
+	if n := tb.Cancel("r", nil, cancel.ErrOperator); n != 1 {
+		t.Fatalf("Cancel(all) after t1 ended cancelled %d, want 1", n)
+	}
+	tb.Finish(c10, "r", "root/s0.t10", nil, nil)
+	ns, settled := tb.List(context.Background(), "r", nil, 0)
+	if !settled || ns[0].Cause != sibling || ns[1].Cause != operator {
+		t.Errorf("nodes = %v; want both ended with the causes they were cancelled with", ns)
+	}
+	if n := tb.Cancel("r", nil, cancel.ErrOperator); n != 0 {
+		t.Errorf("Cancel after every node ended cancelled %d", n)
+	}
+	if n := tb.Cancel("unknown", nil, cancel.ErrOperator); n != 0 {
+		t.Errorf("Cancel(unknown run) = %d", n)
+	}
+}
+
+type key struct{}
+
+func TestServerCancelNodes(t *testing.T) {
+	tb := nodes.New(0)
+	c := serveTable(t, &nodes.Server{Table: tb})
+	work, _ := tb.Begin(context.Background(), "r", &meshv1.Node{Id: "root/s0.t0", Kind: tool})
+	ctx, stop := context.WithTimeout(context.Background(), 3*time.Second)
+	defer stop()
+
+	for _, req := range []*meshv1.CancelNodesRequest{
+		{Cause: meshv1.CancelCause_CANCEL_CAUSE_OPERATOR},
+		{RunId: "r"},
+	} {
+		if _, err := c.CancelNodes(ctx, req); status.Code(err) != codes.InvalidArgument {
+			t.Errorf("CancelNodes(%v) = %v, want INVALID_ARGUMENT", req, err)
+		}
+	}
+	if work.Err() != nil {
+		t.Fatal("an invalid request cancelled work")
+	}
+	resp, err := c.CancelNodes(ctx, &meshv1.CancelNodesRequest{RunId: "r", Cause: meshv1.CancelCause_CANCEL_CAUSE_CLIENT_DISCONNECT})
+	if err != nil || resp.GetCancelled() != 1 {
+		t.Fatalf("CancelNodes = %v, %v; want 1 cancelled", resp, err)
+	}
+	if !errors.Is(context.Cause(work), cancel.ErrClientDisconnect) {
+		t.Errorf("work's cause = %v, want client disconnect", context.Cause(work))
+	}
+	tb.Finish(work, "r", "root/s0.t0", work.Err(), nil)
+}

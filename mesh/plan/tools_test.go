@@ -1,0 +1,46 @@
+package plan_test
+
+import (
+	"errors"
+	"testing"
+
+	"github.com/curfew-mesh/curfew/mesh/plan"
+)
+
+func TestIsBuiltin(t *testing.T) {
+	for _, n := range []string{plan.ToolSleep, plan.ToolSpawnSubagent, plan.ToolDeploy, plan.ToolFail} {
+		if !plan.IsBuiltin(n) {
+			t.Errorf("IsBuiltin(%q) = false", n)
+		}
+	}
+	for _, n := range []string{"", "Sleep", "mcp.search"} {
+		if plan.IsBuiltin(n) {
+			t.Errorf("IsBuiltin(%q) = true", n)
+		}
+	}
+}
+
+func TestValidateTool(t *testing.T) {
+	if err := plan.ValidateTool("sleep", []byte(`{"ms":5}`)); err != nil {
+		t.Errorf("valid sleep: %v", err)
+	}
+	if err := plan.ValidateTool("fail", nil); err != nil {
+		t.Errorf("fail without args: %v", err)
+	}
+	cases := []struct{ name, args, path string }{
+		{"sleep", `{"ms":0}`, "args.ms"},
+		{"sleep", `{"ms":1,"x":1}`, "args"},
+		{"fail", `{"code":"NOPE"}`, "args.code"},
+		{"deploy", `{}`, "args.duration_ms"},
+		{"spawn_subagent", `{"plan":{"steps":[{"think_tokens":1}]}}`, "args.plan.steps[0].answer_tokens"},
+		{"nope", `{}`, "name"},
+		{"", `{}`, "name"},
+	}
+	for _, tc := range cases {
+		err := plan.ValidateTool(tc.name, []byte(tc.args))
+		var pe *plan.Error
+		if !errors.As(err, &pe) || pe.Path != tc.path {
+			t.Errorf("ValidateTool(%q, %s) = %v, want an error at %q", tc.name, tc.args, err, tc.path)
+		}
+	}
+}

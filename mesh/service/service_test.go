@@ -1,0 +1,358 @@
+package service_test
+
+import (
+	"context"
+	"errors"
+	"flag"
+	"io"
+	"net"
+	"net/http"
+	"strings"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	"go.uber.org/goleak"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	healthpb "google.golang.org/grpc/health/grpc_health_v1"
+	reflectionpb "google.golang.org/grpc/reflection/grpc_reflection_v1"
+	"google.golang.org/grpc/status"
+
+	toolrunnerv1 "github.com/curfew-mesh/curfew/gen/curfew/toolrunner/v1"
+	"github.com/curfew-mesh/curfew/mesh/service"
+)
+
+func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
+
+func env(kv map[string]string) func(string) string { return func(k string) string { return kv[k] } }
+
+func newFlags() (*flag.FlagSet, *service.Options) {
+	fs := flag.NewFlagSet("svc", flag.ContinueOnError)
+	fs.SetOutput(io.Discard)
+	o := &service.Options{}
+	o.Register(fs, "svc", "127.0.0.1:7000", "127.0.0.1:7001")
+	return fs, o
+}
+
+func TestParsePrecedence(t *testing.T) {
+	fs, o := newFlags()
+	err := service.Parse(fs, []string{"--addr", "127.0.0.1:9000", "--log-level=warn"}, env(map[string]string{
+		"CURFEW_ADDR":             "127.0.0.1:9999", // the flag wins
+		"CURFEW_SHUTDOWN_GRACE":   "3s",             // env fills a flag not given
+		"CURFEW_LOG_LEVEL":        "nonsense",       // ignored: the flag was given
+		"CURFEW_DEFAULT_DEADLINE": "",               // empty means unset
+	}))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if o.Name != "svc" || o.Addr != "127.0.0.1:9000" || o.ShutdownGrace != 3*time.Second || o.LogLevel != "warn" {
+		t.Errorf("options = %+v", o)
+	}
+	if o.AdminAddr != "127.0.0.1:7001" || o.DefaultDeadline != 30*time.Second || o.MaxDeadline != 10*time.Minute {
+		t.Errorf("defaults not kept: %+v", o)
+	}
+	if err := o.Validate(); err != nil {
+		t.Errorf("parsed options invalid: %v", err)
+	}
+}
+
+func TestParseBadEnvNamesTheVariable(t *testing.T) {
+	fs, _ := newFlags()
+	err := service.Parse(fs, nil, env(map[string]string{"CURFEW_MAX_DEADLINE": "forever", "CURFEW_SHUTDOWN_GRACE": "x"}))
+	if err == nil {
+		t.Fatal("no error for bad env values")
+	}
+	for _, want := range []string{`CURFEW_MAX_DEADLINE="forever"`, "--max-deadline", `CURFEW_SHUTDOWN_GRACE="x"`, "--shutdown-grace"} {
+		if !strings.Contains(err.Error(), want) {
+			t.Errorf("error %q does not name %s", err, want)
+		}
+	}
+}
+
+func TestParseErrors(t *testing.T) {
+	fs, _ := newFlags()
+	if err := service.Parse(fs, []string{"--addr", "x", "extra"}, env(nil)); err == nil || !strings.Contains(err.Error(), "unexpected arguments: extra") {
+		t.Errorf("stray argument: %v", err)
+	}
+	fs, _ = newFlags()
+	if err := service.Parse(fs, []string{"--max-deadline", "soon"}, env(nil)); err == nil {
+		t.Error("bad flag value accepted")
+	}
+}
+
+func TestEnvName(t *testing.T) {
+	for in, want := range map[string]string{"addr": "CURFEW_ADDR", "admin-addr": "CURFEW_ADMIN_ADDR", "foo-bar-baz": "CURFEW_FOO_BAR_BAZ"} {
+		if got := service.EnvName(in); got != want {
+			t.Errorf("EnvName(%q) = %q, want %q", in, got, want)
+		}
+	}
+}
+
+func validOptions() service.Options {
+	return service.Options{Name: "test", Addr: "127.0.0.1:0", AdminAddr: "127.0.0.1:0", ShutdownGrace: time.Second,
+		DefaultDeadline: time.Second, MaxDeadline: time.Minute, LogLevel: "error"}
+}
+
+func TestOptionsValidate(t *testing.T) {
+	cases := []struct {
+		name string
+		mod  func(*service.Options)
+		want string
+	}{
+		{"valid", func(*service.Options) {}, ""},
+		{"no addr", func(o *service.Options) { o.Addr = "" }, "--addr"},
+		{"zero grace", func(o *service.Options) { o.ShutdownGrace = 0 }, "--shutdown-grace"},
+		{"zero default", func(o *service.Options) { o.DefaultDeadline = 0 }, "--default-deadline"},
+		{"negative max", func(o *service.Options) { o.MaxDeadline = -time.Second }, "--max-deadline"},
+		{"default above max", func(o *service.Options) { o.DefaultDeadline = 2 * time.Minute }, "exceeds --max-deadline"},
+		{"bad level", func(o *service.Options) { o.LogLevel = "loud" }, "--log-level"},
+	}
+	for _, tc := range cases {
+		o := validOptions()
+		tc.mod(&o)
+		err := o.Validate()
+		if (tc.want == "") != (err == nil) || (err != nil && !strings.Contains(err.Error(), tc.want)) {
+			t.Errorf("%s: Validate = %v, want error containing %q", tc.name, err, tc.want)
+		}
+	}
+	o := validOptions()
+	o.Addr = ""
+	if _, err := service.New(context.Background(), o, nil); err == nil {
+		t.Error("New accepted invalid options")
+	}
+}
+
+func TestNewReportsBusyAddress(t *testing.T) {
+	lis, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer lis.Close()
+	o := validOptions()
+	o.Addr = lis.Addr().String()
+	if _, err := service.New(context.Background(), o, nil); err == nil || !strings.Contains(err.Error(), "--addr") {
+		t.Errorf("New on a busy --addr: %v", err)
+	}
+	o = validOptions()
+	o.AdminAddr = lis.Addr().String()
+	if _, err := service.New(context.Background(), o, nil); err == nil || !strings.Contains(err.Error(), "--admin-addr") {
+		t.Errorf("New on a busy --admin-addr: %v", err)
+	}
+}
+
+// hang is a ToolRunnerService whose Execute never returns until its context is
+// cancelled.
+type hang struct {
+	toolrunnerv1.UnimplementedToolRunnerServiceServer
+	started   chan struct{}
+	cancelled atomic.Bool
+}
+
+func (h *hang) Execute(_ *toolrunnerv1.ExecuteRequest, ss grpc.ServerStreamingServer[toolrunnerv1.ExecuteResponse]) error {
+	close(h.started)
+	<-ss.Context().Done()
+	h.cancelled.Store(true)
+	return ss.Context().Err()
+}
+
+type running struct {
+	rt    *service.Runtime
+	cc    *grpc.ClientConn
+	stop  context.CancelFunc
+	done  chan error
+	admin string
+}
+
+func start(t *testing.T, o service.Options, register func(*grpc.Server)) *running {
+	t.Helper()
+	rt, err := service.New(context.Background(), o, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if register != nil {
+		register(rt.Server)
+	}
+	cc, err := service.Dial(rt.Addr())
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, stop := context.WithCancel(context.Background())
+	r := &running{rt: rt, cc: cc, stop: stop, done: make(chan error, 1), admin: "http://" + rt.AdminAddr()}
+	go func() { r.done <- rt.Serve(ctx) }()
+	t.Cleanup(func() {
+		stop()
+		select {
+		case err := <-r.done:
+			if err != nil {
+				t.Errorf("Serve = %v", err)
+			}
+		case <-time.After(10 * time.Second):
+			t.Error("Serve did not return")
+		}
+		_ = cc.Close()
+	})
+	return r
+}
+
+var httpClient = &http.Client{Transport: &http.Transport{DisableKeepAlives: true}, Timeout: 3 * time.Second}
+
+func get(t *testing.T, url string) (int, string) {
+	t.Helper()
+	resp, err := httpClient.Get(url)
+	if err != nil {
+		t.Fatalf("GET %s: %v", url, err)
+	}
+	defer resp.Body.Close()
+	b, _ := io.ReadAll(resp.Body)
+	return resp.StatusCode, string(b)
+}
+
+func TestRuntimeServesHealthAdminAndReflection(t *testing.T) {
+	r := start(t, validOptions(), nil)
+	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Second)
+	defer cancel()
+
+	watch, err := healthpb.NewHealthClient(r.cc).Watch(ctx, &healthpb.HealthCheckRequest{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if m, err := watch.Recv(); err != nil || m.GetStatus() != healthpb.HealthCheckResponse_SERVING {
+		t.Fatalf("health = %v, %v; want SERVING", m, err)
+	}
+
+	if code, body := get(t, r.admin+"/healthz"); code != http.StatusOK || body != "ok\n" {
+		t.Errorf("/healthz = %d %q", code, body)
+	}
+	if code, _ := get(t, r.admin+"/readyz"); code != http.StatusOK {
+		t.Errorf("/readyz while serving = %d", code)
+	}
+	if code, body := get(t, r.admin+"/metrics"); code != http.StatusOK || !strings.Contains(body, "go_goroutines") {
+		t.Errorf("/metrics = %d, has go_goroutines: %v", code, strings.Contains(body, "go_goroutines"))
+	}
+
+	refl, err := reflectionpb.NewServerReflectionClient(r.cc).ServerReflectionInfo(ctx)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := refl.Send(&reflectionpb.ServerReflectionRequest{MessageRequest: &reflectionpb.ServerReflectionRequest_ListServices{}}); err != nil {
+		t.Fatal(err)
+	}
+	resp, err := refl.Recv()
+	if err != nil {
+		t.Fatal(err)
+	}
+	var names []string
+	for _, s := range resp.GetListServicesResponse().GetService() {
+		names = append(names, s.GetName())
+	}
+	if !strings.Contains(strings.Join(names, ","), "grpc.health.v1.Health") {
+		t.Errorf("reflection lists %v, want grpc.health.v1.Health", names)
+	}
+	_ = refl.CloseSend()
+	if _, err := refl.Recv(); !errors.Is(err, io.EOF) {
+		t.Errorf("reflection stream end: %v", err)
+	}
+
+	// Stopping turns health NOT_SERVING for those still watching.
+	r.stop()
+	if m, err := watch.Recv(); err != nil || m.GetStatus() != healthpb.HealthCheckResponse_NOT_SERVING {
+		t.Fatalf("health after stop = %v, %v; want NOT_SERVING", m, err)
+	}
+	cancel() // the watch was the last call in flight: the graceful stop completes
+	select {
+	case err := <-r.done:
+		if err != nil {
+			t.Errorf("Serve = %v, want nil after a clean stop", err)
+		}
+		r.done <- nil // for the cleanup
+	case <-time.After(3 * time.Second):
+		t.Fatal("Serve did not return once the last call ended")
+	}
+	if resp, err := httpClient.Get(r.admin + "/healthz"); err == nil {
+		_ = resp.Body.Close()
+		t.Error("admin port still serving after Serve returned")
+	}
+}
+
+func TestRuntimeGracefulStopIsBounded(t *testing.T) {
+	o := validOptions()
+	o.ShutdownGrace = 800 * time.Millisecond
+	h := &hang{started: make(chan struct{})}
+	r := start(t, o, func(s *grpc.Server) { toolrunnerv1.RegisterToolRunnerServiceServer(s, h) })
+
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	st, err := toolrunnerv1.NewToolRunnerServiceClient(r.cc).Execute(ctx, &toolrunnerv1.ExecuteRequest{Name: "hang"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case <-h.started:
+	case <-time.After(3 * time.Second):
+		t.Fatal("handler did not start")
+	}
+
+	begin := time.Now()
+	r.stop()
+	// During the grace period the admin port is still up and says not ready.
+	for {
+		code, _ := get(t, r.admin+"/readyz")
+		if code == http.StatusServiceUnavailable {
+			break
+		}
+		if time.Since(begin) > o.ShutdownGrace {
+			t.Error("/readyz did not turn 503 during the graceful stop")
+			break
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	select {
+	case err := <-r.done:
+		elapsed := time.Since(begin)
+		if err != nil {
+			t.Errorf("Serve = %v", err)
+		}
+		if elapsed < o.ShutdownGrace {
+			t.Errorf("Serve returned after %v, before the grace %v with a call in flight", elapsed, o.ShutdownGrace)
+		}
+		r.done <- nil
+	case <-time.After(o.ShutdownGrace + 2*time.Second):
+		t.Fatal("Serve did not return within grace + 2s with a handler that never returns")
+	}
+	if !h.cancelled.Load() {
+		t.Error("the in-flight handler was not cancelled after the grace")
+	}
+	_, err = st.Recv()
+	if c := status.Code(err); c != codes.Unavailable && c != codes.Canceled {
+		t.Errorf("client saw %v, want UNAVAILABLE or CANCELED", err)
+	}
+}
+
+func TestEvery(t *testing.T) {
+	ctx, cancel := context.WithCancel(context.Background())
+	ticks := make(chan time.Time, 100)
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		service.Every(ctx, 5*time.Millisecond, func(now time.Time) { ticks <- now })
+	}()
+	var prev time.Time
+	for range 3 {
+		select {
+		case now := <-ticks:
+			if !now.After(prev) {
+				t.Errorf("tick %v not after %v", now, prev)
+			}
+			prev = now
+		case <-time.After(3 * time.Second):
+			t.Fatal("Every did not call fn")
+		}
+	}
+	cancel()
+	select {
+	case <-done:
+	case <-time.After(3 * time.Second):
+		t.Fatal("Every did not return after ctx was cancelled")
+	}
+}
