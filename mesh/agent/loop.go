@@ -30,7 +30,7 @@ const (
 	DefaultMinModelTime  = 50 * time.Millisecond
 	DefaultMinToolTime   = 10 * time.Millisecond
 	DefaultMaxSteps      = 64
-	DefaultMaxParallel   = 16
+	DefaultMaxFanout     = 16
 	DefaultSettleTimeout = cancel.DefaultCleanupBudget + time.Second
 	// emitEvery throttles token progress events of a model node.
 	emitEvery = 100 * time.Millisecond
@@ -52,8 +52,9 @@ type Config struct {
 	MinToolTime time.Duration
 	// MaxSteps bounds the model steps of one loop; DefaultMaxSteps when 0.
 	MaxSteps int
-	// MaxParallel bounds the tool calls of one step (fan-out); DefaultMaxParallel when 0.
-	MaxParallel int
+	// MaxFanout is the most tool calls one step may make (they all run in parallel); a step
+	// asking for more fails with INVALID_ARGUMENT. DefaultMaxFanout when 0.
+	MaxFanout int
 	// SettleTimeout bounds the wait for a cancelled child's teardown; DefaultSettleTimeout
 	// when 0. It covers the default cleanup budget of a tool.
 	SettleTimeout time.Duration
@@ -79,8 +80,8 @@ func New(cfg Config) *Loop {
 	if cfg.MaxSteps == 0 {
 		cfg.MaxSteps = DefaultMaxSteps
 	}
-	if cfg.MaxParallel == 0 {
-		cfg.MaxParallel = DefaultMaxParallel
+	if cfg.MaxFanout == 0 {
+		cfg.MaxFanout = DefaultMaxFanout
 	}
 	if cfg.SettleTimeout == 0 {
 		cfg.SettleTimeout = DefaultSettleTimeout
@@ -190,8 +191,8 @@ func (l *Loop) endModel(n *meshv1.Node, err error) {
 // toolStep runs the calls in parallel. The first failure cancels the others with cause
 // sibling_failed; it returns only after every call, and its remote teardown, has ended.
 func (l *Loop) toolStep(ctx context.Context, prefix string, calls []*modelproxyv1.ToolCall) ([]string, error) {
-	if len(calls) > l.cfg.MaxParallel {
-		return nil, status.Errorf(codes.InvalidArgument, "step calls %d tools, more than the fan-out limit %d", len(calls), l.cfg.MaxParallel)
+	if len(calls) > l.cfg.MaxFanout {
+		return nil, status.Errorf(codes.InvalidArgument, "step calls %d tools, more than the fan-out limit %d", len(calls), l.cfg.MaxFanout)
 	}
 	gctx, cancelGroup := context.WithCancelCause(ctx)
 	defer cancelGroup(nil)
@@ -219,16 +220,22 @@ func (l *Loop) toolStep(ctx context.Context, prefix string, calls []*modelproxyv
 			}
 			firstErr = err
 			if ctx.Err() == nil { // the parent is alive: this failure is the siblings' cause
+				why, cause := cancel.ErrSiblingFailed, meshv1.CancelCause_CANCEL_CAUSE_SIBLING_FAILED
+				if atDeadline(ctx, err) {
+					// The child's own copy of the run's deadline fired a moment before ours:
+					// that is the deadline stopping the step, not a failed sibling.
+					why, cause = cancel.ErrDeadline, meshv1.CancelCause_CANCEL_CAUSE_DEADLINE
+				}
 				at := time.Now()
 				if l.cfg.Notes != nil {
 					run := md.IdentityFrom(ctx).RunID
 					for k := range calls {
 						if k != j {
-							l.cfg.Notes.Note(run, ids[k], meshv1.CancelCause_CANCEL_CAUSE_SIBLING_FAILED, at)
+							l.cfg.Notes.Note(run, ids[k], cause, at)
 						}
 					}
 				}
-				cancelGroup(cancel.ErrSiblingFailed)
+				cancelGroup(why)
 			}
 		}()
 	}
@@ -270,6 +277,15 @@ func (l *Loop) callTool(ctx context.Context, id string, c *modelproxyv1.ToolCall
 		return "", status.Errorf(codes.Internal, "tool %s ended without a result", c.GetName())
 	}
 	return out.GetOutputJson(), nil
+}
+
+// deadlineSlop is how close to ctx's deadline a child's DEADLINE_EXCEEDED counts as that
+// deadline (the child measured its copy of it from its own arrival).
+const deadlineSlop = 250 * time.Millisecond
+
+// atDeadline reports whether err is a DEADLINE_EXCEEDED that ctx's own deadline explains.
+func atDeadline(ctx context.Context, err error) bool {
+	return status.Code(err) == codes.DeadlineExceeded && deadline.Remaining(ctx, time.Now()) <= deadlineSlop
 }
 
 // failed handles a child call's error. When ctx was cancelled, the child is being torn

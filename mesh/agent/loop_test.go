@@ -129,7 +129,7 @@ func block(started chan<- string, teardown time.Duration) meshtest.ToolFunc {
 }
 
 func TestRunTwoStepsWithParallelTools(t *testing.T) {
-	r := newRig(t, agent.Config{MaxParallel: 2}, []meshtest.ModelStep{
+	r := newRig(t, agent.Config{MaxFanout: 2}, []meshtest.ModelStep{
 		{Text: "let me look", ToolCalls: []*modelproxyv1.ToolCall{call(0, "meet", `{"i":0}`), call(1, "meet", `{"i":1}`)}},
 		{Text: "the answer is 42"},
 	}, map[string]meshtest.ToolFunc{"meet": meet(2)})
@@ -455,8 +455,8 @@ func TestCancelMidModel(t *testing.T) {
 	}
 }
 
-func TestMaxParallel(t *testing.T) {
-	r := newRig(t, agent.Config{MaxParallel: 2}, []meshtest.ModelStep{
+func TestMaxFanout(t *testing.T) {
+	r := newRig(t, agent.Config{MaxFanout: 2}, []meshtest.ModelStep{
 		{ToolCalls: []*modelproxyv1.ToolCall{call(0, "x", "{}"), call(1, "x", "{}"), call(2, "x", "{}")}},
 		{Text: "unreachable"},
 	}, map[string]meshtest.ToolFunc{"x": func(context.Context, string) (string, error) { return "{}", nil }})

@@ -5,6 +5,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"io"
 	"strings"
 
 	"google.golang.org/grpc/codes"
@@ -283,6 +284,8 @@ func strict(data []byte, v any, path string) error {
 			return &Error{join(path, te.Field), fmt.Sprintf("must be %s, got %s", te.Type, te.Value)}
 		case errors.As(err, &se):
 			return &Error{path, fmt.Sprintf("invalid JSON at offset %d: %v", se.Offset, err)}
+		case errors.Is(err, io.ErrUnexpectedEOF):
+			return &Error{path, "invalid JSON: it ends before the object is complete"}
 		case strings.HasPrefix(err.Error(), "json: unknown field "):
 			return &Error{path, "unknown field " + strings.TrimPrefix(err.Error(), "json: unknown field ")}
 		}

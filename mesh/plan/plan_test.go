@@ -151,7 +151,7 @@ func TestParseInvalid(t *testing.T) {
 		{"spawn nested unknown field", tool(`{"name":"spawn_subagent","args":{"plan":{"stepz":[]}}}`), "steps[0].tools[0].args.plan", `unknown field "stepz"`},
 		{"nesting too deep", nest(plan.MaxDepth + 1), deep, "nest deeper than 4"},
 		{"invalid JSON", `{"steps":[}`, "", "invalid JSON at offset"},
-		{"truncated JSON", `{"steps":[`, "", "unexpected EOF"},
+		{"truncated JSON", `{"steps":[`, "", "ends before the object is complete"},
 		{"trailing data", `{"steps":[{"answer_tokens":1}]} {}`, "", "trailing data"},
 		{"not an object", `[1,2]`, "", "must be"},
 	}
