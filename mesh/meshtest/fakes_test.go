@@ -2,8 +2,6 @@ package meshtest_test
 
 import (
 	"context"
-	"errors"
-	"io"
 	"testing"
 	"time"
 
@@ -37,19 +35,14 @@ func generate(ctx context.Context, c modelproxyv1.ModelProxyServiceClient, assis
 	if err != nil {
 		return "", nil, err
 	}
-	for {
-		r, err := st.Recv()
-		if errors.Is(err, io.EOF) {
-			return text, final, nil
-		}
-		if err != nil {
-			return text, final, err
-		}
+	chunks, err := meshtest.Drain(st)
+	for _, r := range chunks {
 		text += r.GetDelta()
 		if r.GetFinishReason() != "" {
 			final = r
 		}
 	}
+	return text, final, err
 }
 
 func TestModelFollowsTheScript(t *testing.T) {

@@ -2,11 +2,7 @@ package modelproxy
 
 import (
 	"context"
-	"errors"
-	"io"
 	"log/slog"
-	"net"
-	"strings"
 	"testing"
 	"time"
 
@@ -22,8 +18,8 @@ import (
 	"github.com/curfew-mesh/curfew/mesh"
 	"github.com/curfew-mesh/curfew/mesh/deadline"
 	"github.com/curfew-mesh/curfew/mesh/md"
+	"github.com/curfew-mesh/curfew/mesh/meshtest"
 	"github.com/curfew-mesh/curfew/mesh/nodes"
-	"github.com/curfew-mesh/curfew/mesh/service"
 )
 
 func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
@@ -40,24 +36,10 @@ func newEnv(t *testing.T, cfg mesh.ServerConfig) *env {
 	if cfg.Logger == nil {
 		cfg.Logger = slog.New(slog.DiscardHandler)
 	}
-	lis, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	gs := grpc.NewServer(append(mesh.ServerOptions(cfg), grpc.WaitForHandlers(true))...)
 	srv := New()
-	modelproxyv1.RegisterModelProxyServiceServer(gs, srv)
-	meshv1.RegisterNodeReportServiceServer(gs, srv.Report())
-	served := make(chan struct{})
-	go func() { defer close(served); _ = gs.Serve(lis) }()
-	cc, err := service.Dial(lis.Addr().String())
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() {
-		_ = cc.Close()
-		gs.Stop()
-		<-served
+	cc := meshtest.Serve(t, cfg, func(gs *grpc.Server) {
+		modelproxyv1.RegisterModelProxyServiceServer(gs, srv)
+		meshv1.RegisterNodeReportServiceServer(gs, srv.Report())
 	})
 	return &env{srv: srv, model: modelproxyv1.NewModelProxyServiceClient(cc), report: meshv1.NewNodeReportServiceClient(cc)}
 }
@@ -78,56 +60,13 @@ func conversation(planJSON string, turns int) []*modelproxyv1.Message {
 	return msgs
 }
 
-// drain reads a Generate stream to its end.
-func drain(st grpc.ServerStreamingClient[modelproxyv1.GenerateResponse]) ([]*modelproxyv1.GenerateResponse, error) {
-	var out []*modelproxyv1.GenerateResponse
-	for {
-		r, err := st.Recv()
-		if errors.Is(err, io.EOF) {
-			return out, nil
-		}
-		if err != nil {
-			return out, err
-		}
-		out = append(out, r)
-	}
-}
-
 func generate(ctx context.Context, t *testing.T, c modelproxyv1.ModelProxyServiceClient, req *modelproxyv1.GenerateRequest) ([]*modelproxyv1.GenerateResponse, error) {
 	t.Helper()
 	st, err := c.Generate(ctx, req)
 	if err != nil {
 		return nil, err
 	}
-	return drain(st)
-}
-
-// waitNode waits for node of run to end and returns its record.
-func waitNode(t *testing.T, tbl *nodes.Table, run, node string) *meshv1.Node {
-	t.Helper()
-	ns, settled := tbl.List(context.Background(), run, []string{node}, 3*time.Second)
-	if !settled {
-		t.Fatalf("node %s of run %s did not end within 3s: %v", node, run, ns)
-	}
-	for _, n := range ns {
-		if n.GetId() == node {
-			return n
-		}
-	}
-	t.Fatalf("node %s of run %s not recorded (have %v)", node, run, ns)
-	return nil
-}
-
-func wantCode(t *testing.T, err error, code codes.Code, contains ...string) {
-	t.Helper()
-	if status.Code(err) != code {
-		t.Fatalf("error = %v, want code %v", err, code)
-	}
-	for _, c := range contains {
-		if !strings.Contains(status.Convert(err).Message(), c) {
-			t.Fatalf("error message %q does not mention %q", status.Convert(err).Message(), c)
-		}
-	}
+	return meshtest.Drain(st)
 }
 
 const toolPlan = `{"tokens_per_second":200,"steps":[
@@ -171,7 +110,7 @@ func TestGenerateThinkStepDecodesAtRateAndCallsTools(t *testing.T) {
 	if tc[1].GetName() != "fail" || tc[1].GetArgsJson() != "{}" || tc[1].GetId() != "call_0_1" {
 		t.Fatalf("tool call 1 = %v (a tool without args gets {})", tc[1])
 	}
-	n := waitNode(t, e.srv.Nodes, "r-think", "root/m0")
+	n := meshtest.WaitNode(t, e.srv.Nodes, "r-think", "root/m0")
 	if n.GetStatus() != meshv1.NodeStatus_NODE_STATUS_SUCCEEDED || n.GetKind() != meshv1.NodeKind_NODE_KIND_MODEL || n.GetName() != SimModel {
 		t.Fatalf("node = %v, want a succeeded sim model node", n)
 	}
@@ -199,7 +138,7 @@ func TestGenerateStepChosenByAssistantTurns(t *testing.T) {
 
 	// More assistant turns than the plan has steps.
 	_, err = generate(ident("r-ans", "root/m2"), t, e.model, &modelproxyv1.GenerateRequest{Messages: conversation(toolPlan, 2)})
-	wantCode(t, err, codes.InvalidArgument, "2 assistant turns", "2 steps")
+	meshtest.WantCode(t, err, codes.InvalidArgument, "2 assistant turns", "2 steps")
 }
 
 func TestGenerateValidation(t *testing.T) {
@@ -220,7 +159,7 @@ func TestGenerateValidation(t *testing.T) {
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			chunks, err := generate(ctx, t, e.model, tc.req)
-			wantCode(t, err, tc.code, tc.contains...)
+			meshtest.WantCode(t, err, tc.code, tc.contains...)
 			if len(chunks) != 0 {
 				t.Fatalf("got %d chunks before the error, want none", len(chunks))
 			}
@@ -250,11 +189,11 @@ func TestGenerateCancelStopsDecoder(t *testing.T) {
 	}
 	cancelAt := time.Now()
 	cancel()
-	if _, err := drain(st); status.Code(err) != codes.Canceled {
+	if _, err := meshtest.Drain(st); status.Code(err) != codes.Canceled {
 		t.Fatalf("stream after cancel: %v, want CANCELED", err)
 	}
 
-	n := waitNode(t, e.srv.Nodes, run, node)
+	n := meshtest.WaitNode(t, e.srv.Nodes, run, node)
 	if n.GetStatus() != meshv1.NodeStatus_NODE_STATUS_CANCELLED {
 		t.Fatalf("node = %v, want CANCELLED", n)
 	}
@@ -301,14 +240,14 @@ func TestGenerateDeadlineEndsNodeDeadlineExceeded(t *testing.T) {
 	start := time.Now()
 	chunks, err := generate(ctx, t, e.model, &modelproxyv1.GenerateRequest{Messages: conversation(p, 0)})
 	elapsed := time.Since(start)
-	wantCode(t, err, codes.DeadlineExceeded)
+	meshtest.WantCode(t, err, codes.DeadlineExceeded)
 	if elapsed < 250*time.Millisecond || elapsed > 3*time.Second {
 		t.Fatalf("call took %v, want about the capped 300ms", elapsed)
 	}
 	if len(chunks) == 0 || len(chunks) > 20 {
 		t.Fatalf("got %d tokens in 300ms at 50/s", len(chunks))
 	}
-	n := waitNode(t, e.srv.Nodes, run, node)
+	n := meshtest.WaitNode(t, e.srv.Nodes, run, node)
 	if n.GetStatus() != meshv1.NodeStatus_NODE_STATUS_DEADLINE_EXCEEDED || n.GetCause() != meshv1.CancelCause_CANCEL_CAUSE_DEADLINE {
 		t.Fatalf("node = %v, want DEADLINE_EXCEEDED with cause DEADLINE", n)
 	}
@@ -338,11 +277,11 @@ func TestGenerateModelErrorFault(t *testing.T) {
 	}
 	for _, a := range []string{"", "1", "2"} {
 		chunks, err := generate(attempt(a), t, e.model, req)
-		wantCode(t, err, codes.ResourceExhausted, "injected error")
+		meshtest.WantCode(t, err, codes.ResourceExhausted, "injected error")
 		if len(chunks) != 0 {
 			t.Fatalf("attempt %q streamed %d chunks before failing", a, len(chunks))
 		}
-		n := waitNode(t, e.srv.Nodes, run, node)
+		n := meshtest.WaitNode(t, e.srv.Nodes, run, node)
 		if n.GetStatus() != meshv1.NodeStatus_NODE_STATUS_FAILED || n.GetErrorCode() != "RESOURCE_EXHAUSTED" {
 			t.Fatalf("attempt %q: node = %v, want FAILED with RESOURCE_EXHAUSTED", a, n)
 		}
@@ -354,7 +293,7 @@ func TestGenerateModelErrorFault(t *testing.T) {
 	if len(chunks) != 4 || chunks[3].GetFinishReason() != "stop" {
 		t.Fatalf("attempt 3: chunks = %v", chunks)
 	}
-	if n := waitNode(t, e.srv.Nodes, run, node); n.GetStatus() != meshv1.NodeStatus_NODE_STATUS_SUCCEEDED {
+	if n := meshtest.WaitNode(t, e.srv.Nodes, run, node); n.GetStatus() != meshv1.NodeStatus_NODE_STATUS_SUCCEEDED {
 		t.Fatalf("attempt 3: node = %v, want SUCCEEDED", n)
 	}
 	if total, _, _ := e.srv.Ledger.Figures(run, node, time.Time{}); total != 3 {
@@ -364,7 +303,7 @@ func TestGenerateModelErrorFault(t *testing.T) {
 	// Without a code the fault is UNAVAILABLE.
 	p = `{"steps":[{"answer_tokens":1,"model_error":{"attempts":1}}]}`
 	_, err = generate(ident(run, "root/m9"), t, e.model, &modelproxyv1.GenerateRequest{Messages: conversation(p, 0)})
-	wantCode(t, err, codes.Unavailable)
+	meshtest.WantCode(t, err, codes.Unavailable)
 }
 
 func TestGenerateFirstTokenDelay(t *testing.T) {
@@ -380,7 +319,7 @@ func TestGenerateFirstTokenDelay(t *testing.T) {
 			t.Fatal(err)
 		}
 		d := time.Since(start)
-		if _, err := drain(st); err != nil {
+		if _, err := meshtest.Drain(st); err != nil {
 			t.Fatal(err)
 		}
 		return d
@@ -469,7 +408,7 @@ func TestReportListNodes(t *testing.T) {
 		t.Fatalf("without cancel_at node = %v, want 6 tokens and no split", n)
 	}
 	_, err = e.report.ListNodes(context.Background(), &meshv1.ListNodesRequest{})
-	wantCode(t, err, codes.InvalidArgument, "run_id")
+	meshtest.WantCode(t, err, codes.InvalidArgument, "run_id")
 }
 
 func TestSweepForgetsOldRuns(t *testing.T) {

@@ -2,11 +2,8 @@ package orchestrator
 
 import (
 	"context"
-	"errors"
 	"fmt"
-	"io"
 	"log/slog"
-	"net"
 	"sort"
 	"strings"
 	"sync"
@@ -26,37 +23,14 @@ import (
 	"github.com/curfew-mesh/curfew/mesh/agent"
 	"github.com/curfew-mesh/curfew/mesh/deadline"
 	"github.com/curfew-mesh/curfew/mesh/md"
+	"github.com/curfew-mesh/curfew/mesh/meshtest"
 	"github.com/curfew-mesh/curfew/mesh/nodes"
 	"github.com/curfew-mesh/curfew/mesh/plan"
-	"github.com/curfew-mesh/curfew/mesh/service"
 )
 
 func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
 
 var quiet = slog.New(slog.DiscardHandler)
-
-func serve(t *testing.T, cfg mesh.ServerConfig, register func(*grpc.Server)) *grpc.ClientConn {
-	t.Helper()
-	cfg.Logger = quiet
-	lis, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	gs := grpc.NewServer(append(mesh.ServerOptions(cfg), grpc.WaitForHandlers(true))...)
-	register(gs)
-	served := make(chan struct{})
-	go func() { defer close(served); _ = gs.Serve(lis) }()
-	cc, err := service.Dial(lis.Addr().String())
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() {
-		_ = cc.Close()
-		gs.Stop()
-		<-served
-	})
-	return cc
-}
 
 // ledger records token instants per run and node, like modelproxy's, so that the fakes'
 // reports carry token figures split at the run's cancel instant.
@@ -211,11 +185,11 @@ func newEnv(t *testing.T, scfg mesh.ServerConfig, fm *fakeModel) *env {
 	}
 	fm.table, fm.started = nodes.New(0), make(chan string, 256)
 	ft := &fakeTools{table: nodes.New(0)}
-	mc := serve(t, mesh.ServerConfig{}, func(gs *grpc.Server) {
+	mc := meshtest.Serve(t, mesh.ServerConfig{Logger: quiet}, func(gs *grpc.Server) {
 		modelproxyv1.RegisterModelProxyServiceServer(gs, fm)
 		meshv1.RegisterNodeReportServiceServer(gs, fm.ledger.report(fm.table))
 	})
-	tc := serve(t, mesh.ServerConfig{}, func(gs *grpc.Server) {
+	tc := meshtest.Serve(t, mesh.ServerConfig{Logger: quiet}, func(gs *grpc.Server) {
 		toolrunnerv1.RegisterToolRunnerServiceServer(gs, ft)
 		meshv1.RegisterNodeReportServiceServer(gs, &nodes.Server{Table: ft.table})
 	})
@@ -232,7 +206,8 @@ func newEnv(t *testing.T, scfg mesh.ServerConfig, fm *fakeModel) *env {
 		SettleTimeout: time.Second,
 		Log:           quiet,
 	})
-	oc := serve(t, scfg, func(gs *grpc.Server) { orchestratorv1.RegisterOrchestratorServiceServer(gs, srv) })
+	scfg.Logger = quiet
+	oc := meshtest.Serve(t, scfg, func(gs *grpc.Server) { orchestratorv1.RegisterOrchestratorServiceServer(gs, srv) })
 	t.Cleanup(func() { srv.Shutdown(0) }) // runs first: the fakes are still serving
 	return &env{srv: srv, orch: orchestratorv1.NewOrchestratorServiceClient(oc), model: fm}
 }
@@ -263,17 +238,7 @@ func (e *env) start(ctx context.Context, t *testing.T, req *orchestratorv1.RunRe
 
 // rest reads the stream to its end.
 func (r *runStream) rest() ([]*orchestratorv1.RunResponse, error) {
-	var out []*orchestratorv1.RunResponse
-	for {
-		ev, err := r.st.Recv()
-		if errors.Is(err, io.EOF) {
-			return out, nil
-		}
-		if err != nil {
-			return out, err
-		}
-		out = append(out, ev)
-	}
+	return meshtest.Drain(r.st)
 }
 
 // waitEnded polls GetRun until the run is no longer running.
@@ -315,18 +280,6 @@ func nodeOf(t *testing.T, r *orchestratorv1.Run, id string) *meshv1.Node {
 	}
 	t.Fatalf("run has no node %s: %v", id, r.GetNodes())
 	return nil
-}
-
-func wantCode(t *testing.T, err error, code codes.Code, contains ...string) {
-	t.Helper()
-	if status.Code(err) != code {
-		t.Fatalf("error = %v, want code %v", err, code)
-	}
-	for _, c := range contains {
-		if !strings.Contains(status.Convert(err).Message(), c) {
-			t.Fatalf("error message %q does not mention %q", status.Convert(err).Message(), c)
-		}
-	}
 }
 
 const (
@@ -442,7 +395,7 @@ func TestRunInvalidTask(t *testing.T) {
 			if err == nil {
 				_, err = st.Recv()
 			}
-			wantCode(t, err, codes.InvalidArgument, tc.contains...)
+			meshtest.WantCode(t, err, codes.InvalidArgument, tc.contains...)
 		})
 	}
 	resp, err := e.orch.ListRuns(context.Background(), &orchestratorv1.ListRunsRequest{})
@@ -573,17 +526,17 @@ func TestCancelRun(t *testing.T) {
 		t.Fatalf("second CancelRun = %v, want the run unchanged", a)
 	}
 	_, err = e.orch.CancelRun(context.Background(), &orchestratorv1.CancelRunRequest{RunId: "no-such-run"})
-	wantCode(t, err, codes.NotFound, "no-such-run")
+	meshtest.WantCode(t, err, codes.NotFound, "no-such-run")
 	_, err = e.orch.CancelRun(context.Background(), &orchestratorv1.CancelRunRequest{})
-	wantCode(t, err, codes.InvalidArgument, "run_id")
+	meshtest.WantCode(t, err, codes.InvalidArgument, "run_id")
 }
 
 func TestGetRunErrors(t *testing.T) {
 	e := newEnv(t, mesh.ServerConfig{}, nil)
 	_, err := e.orch.GetRun(context.Background(), &orchestratorv1.GetRunRequest{RunId: "no-such-run"})
-	wantCode(t, err, codes.NotFound, "no-such-run")
+	meshtest.WantCode(t, err, codes.NotFound, "no-such-run")
 	_, err = e.orch.GetRun(context.Background(), &orchestratorv1.GetRunRequest{})
-	wantCode(t, err, codes.InvalidArgument, "run_id")
+	meshtest.WantCode(t, err, codes.InvalidArgument, "run_id")
 }
 
 func TestListRunsPaging(t *testing.T) {
@@ -637,10 +590,10 @@ func TestListRunsPaging(t *testing.T) {
 	}
 	for _, tok := range []string{"abc", "-1", "1.5"} {
 		_, err := e.orch.ListRuns(context.Background(), &orchestratorv1.ListRunsRequest{PageToken: tok})
-		wantCode(t, err, codes.InvalidArgument, "page_token")
+		meshtest.WantCode(t, err, codes.InvalidArgument, "page_token")
 	}
 	_, err := e.orch.ListRuns(context.Background(), &orchestratorv1.ListRunsRequest{PageSize: -1})
-	wantCode(t, err, codes.InvalidArgument, "page_size")
+	meshtest.WantCode(t, err, codes.InvalidArgument, "page_size")
 
 	// Nothing in flight: Shutdown does not wait out its grace.
 	start := time.Now()

@@ -2,10 +2,7 @@ package subagent
 
 import (
 	"context"
-	"errors"
-	"io"
 	"log/slog"
-	"net"
 	"strings"
 	"sync"
 	"testing"
@@ -23,33 +20,14 @@ import (
 	"github.com/curfew-mesh/curfew/mesh"
 	"github.com/curfew-mesh/curfew/mesh/agent"
 	"github.com/curfew-mesh/curfew/mesh/md"
+	"github.com/curfew-mesh/curfew/mesh/meshtest"
 	"github.com/curfew-mesh/curfew/mesh/nodes"
-	"github.com/curfew-mesh/curfew/mesh/service"
 )
 
 func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
 
-func serve(t *testing.T, register func(*grpc.Server)) *grpc.ClientConn {
-	t.Helper()
-	lis, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	gs := grpc.NewServer(append(mesh.ServerOptions(mesh.ServerConfig{Logger: slog.New(slog.DiscardHandler)}), grpc.WaitForHandlers(true))...)
-	register(gs)
-	served := make(chan struct{})
-	go func() { defer close(served); _ = gs.Serve(lis) }()
-	cc, err := service.Dial(lis.Addr().String())
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() {
-		_ = cc.Close()
-		gs.Stop()
-		<-served
-	})
-	return cc
-}
+// quiet is the server config of every server here: it logs nothing.
+var quiet = mesh.ServerConfig{Logger: slog.New(slog.DiscardHandler)}
 
 // modelCall is what the fake model saw of one Generate call.
 type modelCall struct {
@@ -162,11 +140,11 @@ func newEnv(t *testing.T, fm *fakeModel, maxDepth int) *env {
 	t.Helper()
 	fm.table, fm.calls = nodes.New(0), make(chan modelCall, 16)
 	ft := &fakeTools{table: nodes.New(0)}
-	mc := serve(t, func(gs *grpc.Server) {
+	mc := meshtest.Serve(t, quiet, func(gs *grpc.Server) {
 		modelproxyv1.RegisterModelProxyServiceServer(gs, fm)
 		meshv1.RegisterNodeReportServiceServer(gs, &nodes.Server{Table: fm.table})
 	})
-	tc := serve(t, func(gs *grpc.Server) {
+	tc := meshtest.Serve(t, quiet, func(gs *grpc.Server) {
 		toolrunnerv1.RegisterToolRunnerServiceServer(gs, ft)
 		meshv1.RegisterNodeReportServiceServer(gs, &nodes.Server{Table: ft.table})
 	})
@@ -177,7 +155,7 @@ func newEnv(t *testing.T, fm *fakeModel, maxDepth int) *env {
 		ToolNodes:     meshv1.NewNodeReportServiceClient(tc),
 		SettleTimeout: 2 * time.Second,
 	}})
-	sc := serve(t, func(gs *grpc.Server) {
+	sc := meshtest.Serve(t, quiet, func(gs *grpc.Server) {
 		subagentv1.RegisterSubagentServiceServer(gs, srv)
 		meshv1.RegisterNodeReportServiceServer(gs, srv.Report())
 	})
@@ -196,16 +174,9 @@ type result struct {
 }
 
 func drain(st grpc.ServerStreamingClient[subagentv1.SpawnResponse]) result {
-	var r result
-	for {
-		ev, err := st.Recv()
-		if errors.Is(err, io.EOF) {
-			return r
-		}
-		if err != nil {
-			r.err = err
-			return r
-		}
+	evs, err := meshtest.Drain(st)
+	r := result{err: err}
+	for _, ev := range evs {
 		switch e := ev.GetEvent().(type) {
 		case *subagentv1.SpawnResponse_Node:
 			r.events = append(r.events, e.Node)
@@ -213,6 +184,7 @@ func drain(st grpc.ServerStreamingClient[subagentv1.SpawnResponse]) result {
 			r.answer, r.hasAns = e.Result.GetAnswer(), true
 		}
 	}
+	return r
 }
 
 func spawn(ctx context.Context, t *testing.T, c subagentv1.SubagentServiceClient, req *subagentv1.SpawnRequest) result {
@@ -222,33 +194,6 @@ func spawn(ctx context.Context, t *testing.T, c subagentv1.SubagentServiceClient
 		return result{err: err}
 	}
 	return drain(st)
-}
-
-func waitNode(t *testing.T, tbl *nodes.Table, run, node string) *meshv1.Node {
-	t.Helper()
-	ns, settled := tbl.List(context.Background(), run, []string{node}, 3*time.Second)
-	if !settled {
-		t.Fatalf("node %s of run %s did not end within 3s: %v", node, run, ns)
-	}
-	for _, n := range ns {
-		if n.GetId() == node {
-			return n
-		}
-	}
-	t.Fatalf("node %s of run %s not recorded (have %v)", node, run, ns)
-	return nil
-}
-
-func wantCode(t *testing.T, err error, code codes.Code, contains ...string) {
-	t.Helper()
-	if status.Code(err) != code {
-		t.Fatalf("error = %v, want code %v", err, code)
-	}
-	for _, c := range contains {
-		if !strings.Contains(status.Convert(err).Message(), c) {
-			t.Fatalf("error message %q does not mention %q", status.Convert(err).Message(), c)
-		}
-	}
 }
 
 const task = `{"steps":[{"think_tokens":1,"tools":[{"name":"sleep","args":{"ms":10}}]},{"answer_tokens":2}]}`
@@ -318,7 +263,7 @@ func TestSpawnRunsNestedLoop(t *testing.T) {
 		t.Fatalf("tool calls = %+v, want one at %s/sub/s0.t0", tools, parent)
 	}
 
-	n := waitNode(t, e.srv.Nodes, run, parent+"/sub")
+	n := meshtest.WaitNode(t, e.srv.Nodes, run, parent+"/sub")
 	if n.GetStatus() != meshv1.NodeStatus_NODE_STATUS_SUCCEEDED || n.GetCancelledAt() != nil {
 		t.Fatalf("recorded node = %v, want SUCCEEDED", n)
 	}
@@ -327,11 +272,11 @@ func TestSpawnRunsNestedLoop(t *testing.T) {
 func TestSpawnModelOverrideAndFailure(t *testing.T) {
 	e := newEnv(t, &fakeModel{}, 0)
 	r := spawn(ident("r-broken", "root/s0.t0"), t, e.sub, &subagentv1.SpawnRequest{Task: task, Model: "broken"})
-	wantCode(t, r.err, codes.Unavailable, "provider down")
+	meshtest.WantCode(t, r.err, codes.Unavailable, "provider down")
 	if c := <-e.model.calls; c.model != "broken" {
 		t.Fatalf("model = %q, want the request's", c.model)
 	}
-	n := waitNode(t, e.srv.Nodes, "r-broken", "root/s0.t0/sub")
+	n := meshtest.WaitNode(t, e.srv.Nodes, "r-broken", "root/s0.t0/sub")
 	if n.GetStatus() != meshv1.NodeStatus_NODE_STATUS_FAILED || n.GetErrorCode() != "UNAVAILABLE" {
 		t.Fatalf("node = %v, want FAILED with UNAVAILABLE", n)
 	}
@@ -360,7 +305,7 @@ func TestSpawnValidation(t *testing.T) {
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			r := spawn(tc.ctx, t, tc.env.sub, &subagentv1.SpawnRequest{Task: tc.task})
-			wantCode(t, r.err, tc.code, tc.contains...)
+			meshtest.WantCode(t, r.err, tc.code, tc.contains...)
 			if len(r.events) != 0 {
 				t.Fatalf("a refused spawn emitted %v", r.events)
 			}
@@ -399,14 +344,14 @@ func TestSpawnCancelled(t *testing.T) {
 	if r := drain(st); status.Code(r.err) != codes.Canceled {
 		t.Fatalf("after cancel: %v, want CANCELED", r.err)
 	}
-	n := waitNode(t, e.srv.Nodes, run, parent+"/sub")
+	n := meshtest.WaitNode(t, e.srv.Nodes, run, parent+"/sub")
 	if n.GetStatus() != meshv1.NodeStatus_NODE_STATUS_CANCELLED || n.GetCancelledAt() == nil {
 		t.Fatalf("subagent node = %v, want CANCELLED with cancelled_at", n)
 	}
 	if n.GetCancelledAt().AsTime().Before(cancelAt) {
 		t.Fatalf("cancelled_at %v before the cancel at %v", n.GetCancelledAt().AsTime(), cancelAt)
 	}
-	m := waitNode(t, e.model.table, run, parent+"/sub/m0")
+	m := meshtest.WaitNode(t, e.model.table, run, parent+"/sub/m0")
 	if m.GetStatus() != meshv1.NodeStatus_NODE_STATUS_CANCELLED {
 		t.Fatalf("model node = %v, want CANCELLED", m)
 	}

@@ -2,10 +2,7 @@ package toolrunner
 
 import (
 	"context"
-	"errors"
-	"io"
 	"log/slog"
-	"net"
 	"strings"
 	"testing"
 	"time"
@@ -22,38 +19,14 @@ import (
 	"github.com/curfew-mesh/curfew/mesh"
 	"github.com/curfew-mesh/curfew/mesh/deadline"
 	"github.com/curfew-mesh/curfew/mesh/md"
+	"github.com/curfew-mesh/curfew/mesh/meshtest"
 	"github.com/curfew-mesh/curfew/mesh/nodes"
-	"github.com/curfew-mesh/curfew/mesh/service"
 )
 
 func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
 
-// serve serves what register registers on loopback with the mesh server chain and returns
-// a client connection with the mesh client chain. Both stop when the test ends.
-func serve(t *testing.T, cfg mesh.ServerConfig, register func(*grpc.Server)) *grpc.ClientConn {
-	t.Helper()
-	if cfg.Logger == nil {
-		cfg.Logger = slog.New(slog.DiscardHandler)
-	}
-	lis, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	gs := grpc.NewServer(append(mesh.ServerOptions(cfg), grpc.WaitForHandlers(true))...)
-	register(gs)
-	served := make(chan struct{})
-	go func() { defer close(served); _ = gs.Serve(lis) }()
-	cc, err := service.Dial(lis.Addr().String())
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() {
-		_ = cc.Close()
-		gs.Stop()
-		<-served
-	})
-	return cc
-}
+// quiet is the servers' logger: it drops what the refused calls would log.
+var quiet = slog.New(slog.DiscardHandler)
 
 type env struct {
 	srv   *Server
@@ -62,8 +35,11 @@ type env struct {
 
 func newEnv(t *testing.T, scfg mesh.ServerConfig, cfg Config) *env {
 	t.Helper()
+	if scfg.Logger == nil {
+		scfg.Logger = quiet
+	}
 	srv := New(cfg)
-	cc := serve(t, scfg, func(gs *grpc.Server) {
+	cc := meshtest.Serve(t, scfg, func(gs *grpc.Server) {
 		toolrunnerv1.RegisterToolRunnerServiceServer(gs, srv)
 		meshv1.RegisterNodeReportServiceServer(gs, srv.Report())
 	})
@@ -87,16 +63,9 @@ type result struct {
 }
 
 func drain(st grpc.ServerStreamingClient[toolrunnerv1.ExecuteResponse]) result {
-	var r result
-	for {
-		ev, err := st.Recv()
-		if errors.Is(err, io.EOF) {
-			return r
-		}
-		if err != nil {
-			r.err = err
-			return r
-		}
+	evs, err := meshtest.Drain(st)
+	r := result{err: err}
+	for _, ev := range evs {
 		switch e := ev.GetEvent().(type) {
 		case *toolrunnerv1.ExecuteResponse_Node:
 			r.events = append(r.events, e.Node)
@@ -104,6 +73,7 @@ func drain(st grpc.ServerStreamingClient[toolrunnerv1.ExecuteResponse]) result {
 			r.out, r.hasOut = e.Result.GetOutputJson(), true
 		}
 	}
+	return r
 }
 
 func execute(ctx context.Context, t *testing.T, c toolrunnerv1.ToolRunnerServiceClient, name, args string) result {
@@ -113,34 +83,6 @@ func execute(ctx context.Context, t *testing.T, c toolrunnerv1.ToolRunnerService
 		return result{err: err}
 	}
 	return drain(st)
-}
-
-// waitNode waits for node of run to end in tbl and returns its record.
-func waitNode(t *testing.T, tbl *nodes.Table, run, node string) *meshv1.Node {
-	t.Helper()
-	ns, settled := tbl.List(context.Background(), run, []string{node}, 3*time.Second)
-	if !settled {
-		t.Fatalf("node %s of run %s did not end within 3s: %v", node, run, ns)
-	}
-	for _, n := range ns {
-		if n.GetId() == node {
-			return n
-		}
-	}
-	t.Fatalf("node %s of run %s not recorded (have %v)", node, run, ns)
-	return nil
-}
-
-func wantCode(t *testing.T, err error, code codes.Code, contains ...string) {
-	t.Helper()
-	if status.Code(err) != code {
-		t.Fatalf("error = %v, want code %v", err, code)
-	}
-	for _, c := range contains {
-		if !strings.Contains(status.Convert(err).Message(), c) {
-			t.Fatalf("error message %q does not mention %q", status.Convert(err).Message(), c)
-		}
-	}
 }
 
 func TestSleepCompletes(t *testing.T) {
@@ -168,7 +110,7 @@ func TestSleepCompletes(t *testing.T) {
 	if last.GetId() != "root/s0.t0" || last.GetStatus() != meshv1.NodeStatus_NODE_STATUS_SUCCEEDED || last.GetEndedAt() == nil {
 		t.Fatalf("last event = %v, want the succeeded tool node", last)
 	}
-	if n := waitNode(t, e.srv.Nodes, "r-sleep", "root/s0.t0"); n.GetStatus() != meshv1.NodeStatus_NODE_STATUS_SUCCEEDED {
+	if n := meshtest.WaitNode(t, e.srv.Nodes, "r-sleep", "root/s0.t0"); n.GetStatus() != meshv1.NodeStatus_NODE_STATUS_SUCCEEDED {
 		t.Fatalf("recorded node = %v", n)
 	}
 }
@@ -190,7 +132,7 @@ func TestSleepCancelled(t *testing.T) {
 	if r := drain(st); status.Code(r.err) != codes.Canceled {
 		t.Fatalf("after cancel: %v, want CANCELED", r.err)
 	}
-	n := waitNode(t, e.srv.Nodes, "r-sleepc", "root/s0.t0")
+	n := meshtest.WaitNode(t, e.srv.Nodes, "r-sleepc", "root/s0.t0")
 	if n.GetStatus() != meshv1.NodeStatus_NODE_STATUS_CANCELLED || n.GetCancelledAt() == nil {
 		t.Fatalf("node = %v, want CANCELLED with cancelled_at", n)
 	}
@@ -206,7 +148,7 @@ func TestFailTool(t *testing.T) {
 	for _, a := range []string{"1", "2"} {
 		start := time.Now()
 		r := execute(withAttempt(ident(run, node), a), t, e.tools, "fail", args)
-		wantCode(t, r.err, codes.Aborted, "attempt "+a+" of 2")
+		meshtest.WantCode(t, r.err, codes.Aborted, "attempt "+a+" of 2")
 		if d := time.Since(start); d < 45*time.Millisecond {
 			t.Fatalf("attempt %s failed after %v, want after_ms 50", a, d)
 		}
@@ -221,13 +163,13 @@ func TestFailTool(t *testing.T) {
 	if r.err != nil || r.out != `{"attempt":3}` {
 		t.Fatalf("attempt 3 = %q, %v; want success", r.out, r.err)
 	}
-	if n := waitNode(t, e.srv.Nodes, run, node); n.GetStatus() != meshv1.NodeStatus_NODE_STATUS_SUCCEEDED {
+	if n := meshtest.WaitNode(t, e.srv.Nodes, run, node); n.GetStatus() != meshv1.NodeStatus_NODE_STATUS_SUCCEEDED {
 		t.Fatalf("node after attempt 3 = %v", n)
 	}
 
 	// Defaults: one failure with UNAVAILABLE; no attempt header counts as attempt 1.
 	r = execute(ident(run, "root/s1.t0"), t, e.tools, "fail", `{}`)
-	wantCode(t, r.err, codes.Unavailable)
+	meshtest.WantCode(t, r.err, codes.Unavailable)
 	if r = execute(withAttempt(ident(run, "root/s1.t0"), "2"), t, e.tools, "fail", ``); r.err != nil {
 		t.Fatalf("attempt 2 with default times: %v", r.err)
 	}
@@ -246,7 +188,7 @@ func TestDeployCompletes(t *testing.T) {
 	if !strings.Contains(r.out, `"status":"deployed"`) {
 		t.Fatalf("output = %q", r.out)
 	}
-	n := waitNode(t, e.srv.Nodes, "r-dep", "root/s0.t0")
+	n := meshtest.WaitNode(t, e.srv.Nodes, "r-dep", "root/s0.t0")
 	if n.GetStatus() != meshv1.NodeStatus_NODE_STATUS_SUCCEEDED || n.GetCleanup() != nil {
 		t.Fatalf("node = %v, want SUCCEEDED without a cleanup", n)
 	}
@@ -275,7 +217,7 @@ func TestDeployCancelledRunsAbort(t *testing.T) {
 		t.Fatalf("the caller waited %v for a cancelled call; the abort must not hold it", d)
 	}
 
-	n := waitNode(t, e.srv.Nodes, run, node)
+	n := meshtest.WaitNode(t, e.srv.Nodes, run, node)
 	if n.GetStatus() != meshv1.NodeStatus_NODE_STATUS_CANCELLED || n.GetCancelledAt() == nil {
 		t.Fatalf("node = %v, want CANCELLED with cancelled_at", n)
 	}
@@ -314,7 +256,7 @@ func TestDeployCleanupBudgetExhausted(t *testing.T) {
 	}
 	cancel()
 	_ = drain(st)
-	n := waitNode(t, e.srv.Nodes, "r-depb", "root/s0.t0")
+	n := meshtest.WaitNode(t, e.srv.Nodes, "r-depb", "root/s0.t0")
 	c := n.GetCleanup()
 	if c == nil || c.GetCompleted() || c.GetError() == "" {
 		t.Fatalf("cleanup = %v, want an abort cut off by its budget", c)
@@ -346,8 +288,8 @@ func TestDeployDeadlineStillCleansUp(t *testing.T) {
 		ctx, cancel := context.WithTimeout(ident("r-depdl", "root/s0.t0"), 10*time.Second)
 		defer cancel()
 		r := execute(ctx, t, e.tools, "deploy", args)
-		wantCode(t, r.err, codes.DeadlineExceeded)
-		n := waitNode(t, e.srv.Nodes, "r-depdl", "root/s0.t0")
+		meshtest.WantCode(t, r.err, codes.DeadlineExceeded)
+		n := meshtest.WaitNode(t, e.srv.Nodes, "r-depdl", "root/s0.t0")
 		if n.GetStatus() != meshv1.NodeStatus_NODE_STATUS_DEADLINE_EXCEEDED || n.GetCause() != meshv1.CancelCause_CANCEL_CAUSE_DEADLINE {
 			t.Fatalf("node = %v, want DEADLINE_EXCEEDED with cause DEADLINE", n)
 		}
@@ -363,11 +305,11 @@ func TestDeployDeadlineStillCleansUp(t *testing.T) {
 		defer cancel()
 		start := time.Now()
 		r := execute(ctx, t, e.tools, "deploy", args)
-		wantCode(t, r.err, codes.DeadlineExceeded)
+		meshtest.WantCode(t, r.err, codes.DeadlineExceeded)
 		if d := time.Since(start); d > time.Second {
 			t.Fatalf("the caller got its deadline after %v", d)
 		}
-		n := waitNode(t, e.srv.Nodes, "r-depdl2", "root/s0.t0")
+		n := meshtest.WaitNode(t, e.srv.Nodes, "r-depdl2", "root/s0.t0")
 		// The caller's RST_STREAM and the server's copy of the deadline race; either way
 		// the node is stopped and its abort ran.
 		if s := n.GetStatus(); s != meshv1.NodeStatus_NODE_STATUS_DEADLINE_EXCEEDED && s != meshv1.NodeStatus_NODE_STATUS_CANCELLED {
@@ -402,7 +344,7 @@ func TestExecuteValidation(t *testing.T) {
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			r := execute(tc.ctx, t, e.tools, tc.tool, tc.args)
-			wantCode(t, r.err, tc.code, tc.contains...)
+			meshtest.WantCode(t, r.err, tc.code, tc.contains...)
 			if len(r.events) != 0 {
 				t.Fatalf("a refused call emitted %v", r.events)
 			}
@@ -460,7 +402,7 @@ func newSubagentEnv(t *testing.T, f *fakeSubagent, cfg Config) *env {
 	t.Helper()
 	f.table = nodes.New(0)
 	f.entered = make(chan spawnCall, 16)
-	cc := serve(t, mesh.ServerConfig{}, func(gs *grpc.Server) {
+	cc := meshtest.Serve(t, mesh.ServerConfig{Logger: quiet}, func(gs *grpc.Server) {
 		subagentv1.RegisterSubagentServiceServer(gs, f)
 		meshv1.RegisterNodeReportServiceServer(gs, &nodes.Server{Table: f.table})
 	})
@@ -517,7 +459,7 @@ func TestSpawnSubagentDepthLimit(t *testing.T) {
 	e := newSubagentEnv(t, f, Config{})
 	// Three "/sub" segments already: a spawn here would be depth 4.
 	r := execute(ident("r-depth", "root/s0.t0/sub/s0.t0/sub/s1.t0/sub/s0.t0"), t, e.tools, "spawn_subagent", spawnArgs)
-	wantCode(t, r.err, codes.FailedPrecondition, "depth 4", "limit 3")
+	meshtest.WantCode(t, r.err, codes.FailedPrecondition, "depth 4", "limit 3")
 	// Depth 3 is allowed.
 	if r := execute(ident("r-depth", "root/s0.t0/sub/s0.t0/sub/s0.t0"), t, e.tools, "spawn_subagent", spawnArgs); r.err != nil {
 		t.Fatalf("spawn at depth 3: %v", r.err)
@@ -528,7 +470,7 @@ func TestSpawnSubagentDepthLimit(t *testing.T) {
 
 	e1 := newSubagentEnv(t, &fakeSubagent{}, Config{MaxSubagentDepth: 1})
 	r = execute(ident("r-depth1", "root/s0.t0/sub/s0.t0"), t, e1.tools, "spawn_subagent", spawnArgs)
-	wantCode(t, r.err, codes.FailedPrecondition, "depth 2", "limit 1")
+	meshtest.WantCode(t, r.err, codes.FailedPrecondition, "depth 2", "limit 1")
 }
 
 func TestSpawnSubagentFanoutLimit(t *testing.T) {
@@ -559,7 +501,7 @@ func TestSpawnSubagentFanoutLimit(t *testing.T) {
 	}
 	// The run has its one subagent in flight: a second one is refused.
 	r := execute(ident("r-fan", "root/s0.t1"), t, e.tools, "spawn_subagent", spawnArgs)
-	wantCode(t, r.err, codes.ResourceExhausted, "limit")
+	meshtest.WantCode(t, r.err, codes.ResourceExhausted, "limit")
 	// Another run is not affected.
 	other := make(chan result, 1)
 	go func() {
@@ -607,11 +549,11 @@ func TestSpawnSubagentCancelWaitsForTeardown(t *testing.T) {
 	if r := drain(st); status.Code(r.err) != codes.Canceled {
 		t.Fatalf("after cancel: %v, want CANCELED", r.err)
 	}
-	n := waitNode(t, e.srv.Nodes, run, node)
+	n := meshtest.WaitNode(t, e.srv.Nodes, run, node)
 	if n.GetStatus() != meshv1.NodeStatus_NODE_STATUS_CANCELLED || n.GetCancelledAt() == nil {
 		t.Fatalf("tool node = %v, want CANCELLED", n)
 	}
-	sub := waitNode(t, f.table, run, node+"/sub")
+	sub := meshtest.WaitNode(t, f.table, run, node+"/sub")
 	if sub.GetStatus() != meshv1.NodeStatus_NODE_STATUS_CANCELLED {
 		t.Fatalf("subagent node = %v, want CANCELLED", sub)
 	}
