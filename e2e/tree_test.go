@@ -264,7 +264,7 @@ func TestSiblingFailure(t *testing.T) {
 	const plan = `{"tokens_per_second": 200, "steps": [
 	  {"think_tokens": 10, "tools": [
 	    {"name": "sleep", "args": {"ms": 10000}},
-	    {"name": "fail", "args": {"after_ms": 300, "code": "UNAVAILABLE"}},
+	    {"name": "fail", "args": {"after_ms": 300, "times": 10, "code": "UNAVAILABLE"}},
 	    {"name": "spawn_subagent", "args": {"plan": {"steps": [{"answer_tokens": 400}]}}}]},
 	  {"answer_tokens": 10}]}`
 	ctx := context.Background()
@@ -283,6 +283,10 @@ func TestSiblingFailure(t *testing.T) {
 	ns := nodeMap(r)
 	if f := ns["root/s0.t1"]; f.GetStatus() != meshv1.NodeStatus_NODE_STATUS_FAILED || f.GetErrorCode() != "UNAVAILABLE" {
 		t.Errorf("fail tool: %s %s", f.GetStatus(), f.GetErrorCode())
+	}
+	// UNAVAILABLE is retried, at most 3 attempts in all, then the step fails.
+	if f := ns["root/s0.t1"]; f.GetAttempt() != 3 || len(f.GetEarlierAttempts()) != 2 {
+		t.Errorf("fail tool: attempt %d with %d earlier attempts, want the 3rd of 3", f.GetAttempt(), len(f.GetEarlierAttempts()))
 	}
 	failedAt := ns["root/s0.t1"].GetEndedAt().AsTime()
 	for _, id := range []string{"root/s0.t0", "root/s0.t2", "root/s0.t2/sub", "root/s0.t2/sub/m0"} {

@@ -14,6 +14,8 @@ import (
 
 	"github.com/curfew-mesh/curfew/mesh/deadline"
 	"github.com/curfew-mesh/curfew/mesh/md"
+	"github.com/curfew-mesh/curfew/mesh/retry"
+	"github.com/curfew-mesh/curfew/mesh/retryid"
 )
 
 // ServerConfig configures the server chain. The zero value is usable: deadline defaults
@@ -26,6 +28,9 @@ type ServerConfig struct {
 	MinTime map[string]time.Duration
 	// Logger receives internal errors and recovered panics.
 	Logger *slog.Logger
+	// RetryIDs is the in-flight table of attempts by retry-id; nil means a table with the
+	// default grace and unregistered metrics.
+	RetryIDs *retryid.Table
 }
 
 func (c ServerConfig) logger() *slog.Logger {
@@ -44,6 +49,10 @@ func ServerOptions(cfg ServerConfig) []grpc.ServerOption {
 // ServerInterceptors returns the server chain in order (see the package doc).
 func ServerInterceptors(cfg ServerConfig) ([]grpc.UnaryServerInterceptor, []grpc.StreamServerInterceptor) {
 	log := cfg.logger()
+	ids := cfg.RetryIDs
+	if ids == nil {
+		ids = retryid.New(0, nil)
+	}
 	rec := recovery.WithRecoveryHandlerContext(func(ctx context.Context, p any) error {
 		log.ErrorContext(ctx, "panic in handler", "panic", p, "stack", string(debug.Stack()))
 		return status.Error(codes.Internal, "internal error")
@@ -70,6 +79,7 @@ func ServerInterceptors(cfg ServerConfig) ([]grpc.UnaryServerInterceptor, []grpc
 			}
 			return h(ctx, req)
 		},
+		ids.UnaryServerInterceptor(),
 	}
 	stream := []grpc.StreamServerInterceptor{
 		recovery.StreamServerInterceptor(rec),
@@ -93,6 +103,7 @@ func ServerInterceptors(cfg ServerConfig) ([]grpc.UnaryServerInterceptor, []grpc
 			}
 			return h(srv, ss)
 		},
+		ids.StreamServerInterceptor(wrap),
 	}
 	return unary, stream
 }
@@ -127,18 +138,36 @@ func wrap(ctx context.Context, ss grpc.ServerStream) grpc.ServerStream {
 	return w
 }
 
-// ClientConfig configures the client chain. The zero value is usable.
-type ClientConfig struct{}
+// ClientConfig configures the client chain of one connection. The zero value is usable:
+// retries by retry.Config's defaults.
+type ClientConfig struct {
+	// Retry is the retry policy of this connection (one target).
+	Retry retry.Config
+}
 
-// DialOptions returns the grpc.DialOptions that install curfew's client chain. Transport
-// credentials are the caller's to add.
-func DialOptions(ClientConfig) []grpc.DialOption {
+// DialOptions returns the grpc.DialOptions that install curfew's client chain on one
+// connection. Transport credentials are the caller's to add.
+//
+// Client chain, outermost first:
+//
+//  1. stamp: identity and curfew-deadline go on the outgoing metadata, once per logical
+//     call, the same on every attempt.
+//  2. retry: one logical call, its attempts (same retry-id, curfew-attempt numbered),
+//     backoff, pushback, budget. Outside everything that is per attempt (later: the
+//     breaker), so an open breaker's fast failure is judged like any other attempt.
+func DialOptions(cfg ClientConfig) []grpc.DialOption {
 	return []grpc.DialOption{
-		grpc.WithChainUnaryInterceptor(func(ctx context.Context, method string, req, reply any, cc *grpc.ClientConn, inv grpc.UnaryInvoker, opts ...grpc.CallOption) error {
-			return inv(md.AppendOutgoing(ctx), method, req, reply, cc, opts...)
-		}),
-		grpc.WithChainStreamInterceptor(func(ctx context.Context, desc *grpc.StreamDesc, cc *grpc.ClientConn, method string, st grpc.Streamer, opts ...grpc.CallOption) (grpc.ClientStream, error) {
-			return st(md.AppendOutgoing(ctx), desc, cc, method, opts...)
-		}),
+		grpc.WithChainUnaryInterceptor(
+			func(ctx context.Context, method string, req, reply any, cc *grpc.ClientConn, inv grpc.UnaryInvoker, opts ...grpc.CallOption) error {
+				return inv(md.AppendOutgoing(ctx), method, req, reply, cc, opts...)
+			},
+			retry.UnaryClientInterceptor(cfg.Retry),
+		),
+		grpc.WithChainStreamInterceptor(
+			func(ctx context.Context, desc *grpc.StreamDesc, cc *grpc.ClientConn, method string, st grpc.Streamer, opts ...grpc.CallOption) (grpc.ClientStream, error) {
+				return st(md.AppendOutgoing(ctx), desc, cc, method, opts...)
+			},
+			retry.StreamClientInterceptor(cfg.Retry),
+		),
 	}
 }

@@ -223,7 +223,7 @@ func TestChainIdentityPropagatesOverTwoHops(t *testing.T) {
 			})
 
 			ctx := md.WithIdentity(context.Background(), md.Identity{Tenant: "acme", RunID: "run-7", NodeID: "root"})
-			ctx = metadata.AppendToOutgoingContext(ctx, md.Attempt, "2")
+			ctx = metadata.AppendToOutgoingContext(ctx, md.RetryID, "rid-1")
 			ctx, cancel := context.WithTimeout(ctx, 3*time.Second)
 			defer cancel()
 			clientDL, _ := ctx.Deadline()
@@ -232,7 +232,8 @@ func TestChainIdentityPropagatesOverTwoHops(t *testing.T) {
 			}
 
 			midID, midDL := mid.last(t)
-			if want := (md.Identity{Tenant: "acme", RunID: "run-7", NodeID: "root", Attempt: 2}); midID != want {
+			// The retry layer keeps the caller's retry-id and numbers the attempt.
+			if want := (md.Identity{Tenant: "acme", RunID: "run-7", NodeID: "root", RetryID: "rid-1", Attempt: 1}); midID != want {
 				t.Errorf("first hop identity = %+v, want %+v", midID, want)
 			}
 			leafID, leafDL := leaf.last(t)

@@ -21,15 +21,23 @@
 //  4. identity: curfew-tenant, curfew-run-id, curfew-node-id and curfew-attempt become
 //     the context's md.Identity, so handlers and their outgoing calls carry them.
 //  5. fast-fail: a method with a configured minimum is refused with DEADLINE_EXCEEDED
-//     ("no time left to start X") when less than that remains. Last, so it sees the final
-//     deadline and costs nothing when it refuses.
+//     ("no time left to start X") when less than that remains. After the deadline layer,
+//     so it sees the final deadline; before retry-id, so a doomed attempt does not
+//     supersede one that is still running.
+//  6. retry-id: at most one attempt per (tenant, method, retry-id) runs; a newer attempt
+//     supersedes (cancels with cause superseded) the earlier one and starts only after its
+//     teardown, or is refused with ABORTED past the grace (package retryid). Last, so the
+//     handler's context is the one the supersede cancels.
 //
-// Client chain: identity and deadline are stamped on every outgoing call (curfew-deadline
-// is the context's deadline in Unix ms; gRPC itself sends grpc-timeout from the same
-// deadline, so a child can never see a later deadline than its parent).
+// Client chain (see [DialOptions]): identity and deadline are stamped on every outgoing
+// call (curfew-deadline is the context's deadline in Unix ms; gRPC itself sends
+// grpc-timeout from the same deadline), then the retry layer (package retry) runs the
+// logical call's attempts.
 //
 // Status mapping (see [Status]): context cancellation → CANCELED, deadline →
 // DEADLINE_EXCEEDED, anything that is not already a status → INTERNAL "internal error".
+// A late or stuck duplicate attempt → ABORTED (package retryid); an error retried to
+// exhaustion keeps its code and gains a RETRIES_EXHAUSTED ErrorInfo detail (package retry).
 // Later layers add: breaker open → UNAVAILABLE, shed or budget → RESOURCE_EXHAUSTED with
-// RetryInfo, duplicate in flight → ABORTED.
+// RetryInfo.
 package mesh

@@ -9,7 +9,9 @@ import (
 	"sync"
 	"time"
 
+	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/metadata"
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/types/known/durationpb"
@@ -22,6 +24,8 @@ import (
 	"github.com/curfew-mesh/curfew/mesh/deadline"
 	"github.com/curfew-mesh/curfew/mesh/md"
 	"github.com/curfew-mesh/curfew/mesh/nodes"
+	"github.com/curfew-mesh/curfew/mesh/plan"
+	"github.com/curfew-mesh/curfew/mesh/retry"
 )
 
 // Defaults of Config's zero fields.
@@ -253,9 +257,33 @@ func (l *Loop) callTool(ctx context.Context, id string, c *modelproxyv1.ToolCall
 	if err := deadline.Check(ctx, l.cfg.MinToolTime, "tool "+c.GetName()); err != nil {
 		return "", err
 	}
-	st, err := l.cfg.Tools.Execute(md.WithNode(ctx, id), &toolrunnerv1.ExecuteRequest{Name: c.GetName(), ArgsJson: c.GetArgsJson()})
+	cctx := md.WithNode(ctx, id)
+	var opts []grpc.CallOption
+	if plan.SideEffects(c.GetName()) {
+		// Retried only with an idempotency key: a second run of it is a second effect.
+		opts = append(opts, retry.SideEffect())
+	}
+	if k := c.GetIdempotencyKey(); k != "" {
+		cctx = metadata.AppendToOutgoingContext(cctx, md.IdempotencyKey, k)
+	}
+	// The caller's view of the tool node, for progress: toolrunner streams only the nodes
+	// beneath a tool (a subagent's), so that a tool call stays retryable until it has a
+	// result (a stream is retried only before its first message). The summary takes the
+	// node from toolrunner's own record.
+	node := &meshv1.Node{Id: id, Kind: meshv1.NodeKind_NODE_KIND_TOOL, Name: c.GetName(),
+		Status: meshv1.NodeStatus_NODE_STATUS_RUNNING, StartedAt: timestamppb.Now()}
+	l.cfg.Emit(cloneNode(node))
+	end := func(err error) {
+		node.EndedAt = timestamppb.Now()
+		o := nodes.ErrOutcome(err)
+		node.Status, node.ErrorCode, node.ErrorMessage = o.Status, o.Code, o.Message
+		l.cfg.Emit(cloneNode(node))
+	}
+	st, err := l.cfg.Tools.Execute(cctx, &toolrunnerv1.ExecuteRequest{Name: c.GetName(), ArgsJson: c.GetArgsJson()}, opts...)
 	if err != nil {
-		return "", l.failed(ctx, l.cfg.ToolNodes, id, err)
+		err = l.failed(ctx, l.cfg.ToolNodes, id, err)
+		end(err)
+		return "", err
 	}
 	var out *toolrunnerv1.ExecuteResult
 	for {
@@ -264,7 +292,9 @@ func (l *Loop) callTool(ctx context.Context, id string, c *modelproxyv1.ToolCall
 			break
 		}
 		if err != nil {
-			return "", l.failed(ctx, l.cfg.ToolNodes, id, err)
+			err = l.failed(ctx, l.cfg.ToolNodes, id, err)
+			end(err)
+			return "", err
 		}
 		switch e := ev.GetEvent().(type) {
 		case *toolrunnerv1.ExecuteResponse_Node:
@@ -274,8 +304,11 @@ func (l *Loop) callTool(ctx context.Context, id string, c *modelproxyv1.ToolCall
 		}
 	}
 	if out == nil {
-		return "", status.Errorf(codes.Internal, "tool %s ended without a result", c.GetName())
+		err := status.Errorf(codes.Internal, "tool %s ended without a result", c.GetName())
+		end(err)
+		return "", err
 	}
+	end(nil)
 	return out.GetOutputJson(), nil
 }
 

@@ -245,7 +245,8 @@ func TestSiblingFailureCancelsAndWaitsForTeardown(t *testing.T) {
 					return "", status.Error(codes.FailedPrecondition, "siblings did not start")
 				}
 			}
-			return "", status.Error(codes.Unavailable, "tool broke")
+			// INTERNAL, not UNAVAILABLE: the client chain would retry UNAVAILABLE.
+			return "", status.Error(codes.Internal, "tool broke")
 		},
 	})
 	ctx, cancelRun := runCtx(t, 5*time.Second)
@@ -255,8 +256,8 @@ func TestSiblingFailureCancelsAndWaitsForTeardown(t *testing.T) {
 	returned := time.Now()
 	calls := meshtest.ByNode(r.tools.Calls()) // as they were when Run returned
 
-	if st := status.Convert(err); st.Code() != codes.Unavailable || st.Message() != "tool broke" {
-		t.Fatalf("Run = %v; want the failing tool's UNAVAILABLE \"tool broke\"", err)
+	if st := status.Convert(err); st.Code() != codes.Internal || st.Message() != "tool broke" {
+		t.Fatalf("Run = %v; want the failing tool's INTERNAL \"tool broke\"", err)
 	}
 	if got := nodeIDs(calls); !slices.Equal(got, []string{"root/s0.t0", "root/s0.t1", "root/s0.t2"}) {
 		t.Fatalf("tool calls %q", got)

@@ -39,6 +39,7 @@ type Identity struct {
 	Tenant  string
 	RunID   string
 	NodeID  string
+	RetryID string
 	Attempt int // 0 when the caller did not say; treat as 1.
 }
 
@@ -68,9 +69,10 @@ func WithNode(ctx context.Context, node string) context.Context {
 func FromIncoming(ctx context.Context) Identity {
 	m, _ := metadata.FromIncomingContext(ctx)
 	id := Identity{
-		Tenant: first(m, Tenant),
-		RunID:  first(m, RunID),
-		NodeID: first(m, NodeID),
+		Tenant:  first(m, Tenant),
+		RunID:   first(m, RunID),
+		NodeID:  first(m, NodeID),
+		RetryID: first(m, RetryID),
 	}
 	if id.Tenant == "" {
 		id.Tenant = DefaultTenant
@@ -79,6 +81,12 @@ func FromIncoming(ctx context.Context) Identity {
 		id.Attempt = a
 	}
 	return id
+}
+
+// IdempotencyKeyFrom returns the curfew-idempotency-key of the incoming call, or "".
+func IdempotencyKeyFrom(ctx context.Context) string {
+	m, _ := metadata.FromIncomingContext(ctx)
+	return first(m, IdempotencyKey)
 }
 
 // IncomingDeadline returns the curfew-deadline header of the incoming call.

@@ -8,11 +8,12 @@ import (
 	"google.golang.org/grpc/credentials/insecure"
 
 	"github.com/curfew-mesh/curfew/mesh"
+	"github.com/curfew-mesh/curfew/mesh/retry"
 )
 
 // Serve starts a gRPC server on 127.0.0.1:0 with curfew's server chain (cfg), lets
 // register add services to it, and returns an insecure client connection to it with
-// curfew's client chain. t.Cleanup closes the connection and stops the server, waiting
+// curfew's client chain (retries off). t.Cleanup closes the connection and stops the server, waiting
 // for its handlers to return, so handlers must honour their context.
 func Serve(t testing.TB, cfg mesh.ServerConfig, register func(*grpc.Server)) *grpc.ClientConn {
 	t.Helper()
@@ -45,9 +46,10 @@ func Serve(t testing.TB, cfg mesh.ServerConfig, register func(*grpc.Server)) *gr
 	return conn
 }
 
-// dial returns an insecure client connection to target with curfew's client chain. The
-// caller closes it.
+// dial returns an insecure client connection to target with curfew's client chain,
+// retries off: a test of a server sees exactly the attempts it makes. The caller closes it.
 func dial(target string) (*grpc.ClientConn, error) {
-	opts := append(mesh.DialOptions(mesh.ClientConfig{}), grpc.WithTransportCredentials(insecure.NewCredentials()))
+	ccfg := mesh.ClientConfig{Retry: retry.Config{Default: retry.Policy{Disabled: true}}}
+	opts := append(mesh.DialOptions(ccfg), grpc.WithTransportCredentials(insecure.NewCredentials()))
 	return grpc.NewClient(target, opts...)
 }

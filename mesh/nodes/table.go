@@ -11,6 +11,7 @@ import (
 	"google.golang.org/protobuf/types/known/timestamppb"
 
 	meshv1 "github.com/curfew-mesh/curfew/gen/curfew/mesh/v1"
+	"github.com/curfew-mesh/curfew/mesh/md"
 )
 
 // DefaultRetention is how long a run's nodes are kept after its last node ended.
@@ -50,7 +51,8 @@ func (t *Table) runLocked(id string) *run {
 	return r
 }
 
-// Start records node n of run as running, stamping its start time. It returns a copy.
+// Start records node n of run as running, stamping its start time. It returns a copy. A
+// new attempt of a node that has ended keeps the earlier attempt in EarlierAttempts.
 func (t *Table) Start(runID string, n *meshv1.Node) *meshv1.Node {
 	n = proto.Clone(n).(*meshv1.Node)
 	n.Status = meshv1.NodeStatus_NODE_STATUS_RUNNING
@@ -60,8 +62,13 @@ func (t *Table) Start(runID string, n *meshv1.Node) *meshv1.Node {
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	r := t.runLocked(runID)
-	if old, ok := r.nodes[n.Id]; ok && old.Status == meshv1.NodeStatus_NODE_STATUS_RUNNING {
-		r.running--
+	if old, ok := r.nodes[n.Id]; ok {
+		if old.Status == meshv1.NodeStatus_NODE_STATUS_RUNNING {
+			r.running--
+		}
+		n.EarlierAttempts = append(old.EarlierAttempts, &meshv1.AttemptRecord{
+			Attempt: old.Attempt, RetryId: old.RetryId, Status: old.Status, Cause: old.Cause,
+			ErrorCode: old.ErrorCode, StartedAt: old.StartedAt, EndedAt: old.EndedAt})
 	}
 	r.nodes[n.Id] = n
 	r.running++
@@ -73,6 +80,10 @@ func (t *Table) Start(runID string, n *meshv1.Node) *meshv1.Node {
 // work must run under the returned context and end with End or Finish, which release it.
 func (t *Table) Begin(ctx context.Context, runID string, n *meshv1.Node) (context.Context, *meshv1.Node) {
 	cctx, cancel := context.WithCancelCause(ctx)
+	if id := md.IdentityFrom(ctx); id.RetryID != "" && n.RetryId == "" {
+		n = proto.Clone(n).(*meshv1.Node)
+		n.RetryId, n.Attempt = id.RetryID, int32(max(id.Attempt, 1))
+	}
 	n = t.Start(runID, n)
 	t.mu.Lock()
 	if old := t.runs[runID].cancels[n.Id]; old != nil {

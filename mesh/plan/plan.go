@@ -61,7 +61,18 @@ type Fault struct {
 type Tool struct {
 	Name string          `json:"name"`
 	Args json.RawMessage `json:"args,omitempty"`
+	// IdempotencyKey, for a tool with side effects, lets the call be retried with its
+	// effect still happening once. Without it such a call is never retried.
+	IdempotencyKey string `json:"idempotency_key,omitempty"`
 }
+
+// MaxKeyLen bounds an idempotency key.
+const MaxKeyLen = 128
+
+// SideEffects reports whether a built-in tool changes the world (so that running it twice
+// differs from running it once): deploy starts a job. Such calls are retried only with an
+// idempotency key.
+func SideEffects(name string) bool { return name == ToolDeploy }
 
 // SleepArgs are the arguments of the sleep tool.
 type SleepArgs struct {
@@ -70,12 +81,15 @@ type SleepArgs struct {
 
 // DeployArgs are the arguments of the deploy tool: a job that takes DurationMS, polled
 // every PollMS; on cancel it is aborted, which takes AbortMS, within CleanupMS (the
-// cleanup budget, default 5000).
+// cleanup budget, default 5000). FailAttempts injects a failure after the side effect:
+// the job starts, then the call fails UNAVAILABLE on its first FailAttempts attempts, as
+// when the ack is lost.
 type DeployArgs struct {
-	DurationMS int `json:"duration_ms"`
-	PollMS     int `json:"poll_ms,omitempty"`
-	AbortMS    int `json:"abort_ms,omitempty"`
-	CleanupMS  int `json:"cleanup_ms,omitempty"`
+	DurationMS   int `json:"duration_ms"`
+	PollMS       int `json:"poll_ms,omitempty"`
+	AbortMS      int `json:"abort_ms,omitempty"`
+	CleanupMS    int `json:"cleanup_ms,omitempty"`
+	FailAttempts int `json:"fail_attempts,omitempty"`
 }
 
 // FailArgs are the arguments of the fail tool: fail the first Times attempts (default 1)
@@ -84,6 +98,11 @@ type FailArgs struct {
 	Times   int    `json:"times,omitempty"`
 	Code    string `json:"code,omitempty"`
 	AfterMS int    `json:"after_ms,omitempty"`
+	// PushbackMS, when set, sends the grpc-retry-pushback-ms trailer with the failure: the
+	// caller waits that long before retrying; -1 says "don't retry".
+	PushbackMS *int `json:"pushback_ms,omitempty"`
+	// RetryInfoMS, when set, attaches a google.rpc.RetryInfo detail with that delay.
+	RetryInfoMS *int `json:"retry_info_ms,omitempty"`
 }
 
 // SpawnArgs are the arguments of spawn_subagent.
@@ -205,6 +224,9 @@ func ValidateTool(name string, args []byte) error {
 
 func validateTool(t Tool, path string, depth int) error {
 	ap := join(path, "args")
+	if k := t.IdempotencyKey; len(k) > MaxKeyLen || strings.ContainsFunc(k, func(r rune) bool { return r < 0x20 || r == 0x7f }) {
+		return &Error{join(path, "idempotency_key"), fmt.Sprintf("at most %d printable characters", MaxKeyLen)}
+	}
 	switch t.Name {
 	case ToolSleep:
 		var a SleepArgs
@@ -222,7 +244,7 @@ func validateTool(t Tool, path string, depth int) error {
 		for _, f := range []struct {
 			name  string
 			v, lo int
-		}{{"duration_ms", a.DurationMS, 1}, {"poll_ms", a.PollMS, 0}, {"abort_ms", a.AbortMS, 0}, {"cleanup_ms", a.CleanupMS, 0}} {
+		}{{"duration_ms", a.DurationMS, 1}, {"poll_ms", a.PollMS, 0}, {"abort_ms", a.AbortMS, 0}, {"cleanup_ms", a.CleanupMS, 0}, {"fail_attempts", a.FailAttempts, 0}} {
 			if f.v < f.lo || f.v > MaxSleepMS {
 				return &Error{ap + "." + f.name, fmt.Sprintf("must be between %d and %d", f.lo, MaxSleepMS)}
 			}
@@ -237,6 +259,12 @@ func validateTool(t Tool, path string, depth int) error {
 		}
 		if a.AfterMS < 0 || a.AfterMS > MaxSleepMS {
 			return &Error{ap + ".after_ms", fmt.Sprintf("must be between 0 and %d", MaxSleepMS)}
+		}
+		if p := a.PushbackMS; p != nil && (*p < -1 || *p > MaxSleepMS) {
+			return &Error{ap + ".pushback_ms", fmt.Sprintf("must be -1 (don't retry) or between 0 and %d", MaxSleepMS)}
+		}
+		if p := a.RetryInfoMS; p != nil && (*p < 0 || *p > MaxSleepMS) {
+			return &Error{ap + ".retry_info_ms", fmt.Sprintf("must be between 0 and %d", MaxSleepMS)}
 		}
 		if a.Code != "" {
 			if _, err := ParseCode(a.Code); err != nil {

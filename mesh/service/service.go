@@ -23,6 +23,8 @@ import (
 
 	"github.com/curfew-mesh/curfew/mesh"
 	"github.com/curfew-mesh/curfew/mesh/deadline"
+	"github.com/curfew-mesh/curfew/mesh/retry"
+	"github.com/curfew-mesh/curfew/mesh/retryid"
 )
 
 // Defaults of the common flags.
@@ -47,17 +49,83 @@ type Options struct {
 	MaxDeadline time.Duration
 	// LogLevel is debug, info, warn or error.
 	LogLevel string
+	// Retry configures the retries of this service's outgoing calls.
+	Retry RetryOptions
+
+	fs *flag.FlagSet // where the flags were registered, to tell which were set
+}
+
+// RetryOptions are the retry flags. A flag given explicitly overrides the file's default
+// policy; the file can set per-target and per-method policies (see retry.File).
+type RetryOptions struct {
+	File        string
+	Off         bool
+	MaxAttempts int
+	Base, Cap   time.Duration
+	BudgetRatio float64
+	BudgetRPS   float64
+	Throttle    bool
 }
 
 // Register adds the common flags to fs with the given default listen addresses.
 func (o *Options) Register(fs *flag.FlagSet, name, addr, admin string) {
-	o.Name = name
+	o.Name, o.fs = name, fs
 	fs.StringVar(&o.Addr, "addr", addr, "gRPC listen address")
 	fs.StringVar(&o.AdminAddr, "admin-addr", admin, "admin HTTP listen address (/healthz, /readyz, /metrics); empty disables it")
 	fs.DurationVar(&o.ShutdownGrace, "shutdown-grace", DefaultShutdownGrace, "bound on graceful shutdown before in-flight calls are cancelled")
 	fs.DurationVar(&o.DefaultDeadline, "default-deadline", deadline.DefaultTimeout, "deadline given to requests without one")
 	fs.DurationVar(&o.MaxDeadline, "max-deadline", deadline.DefaultMax, "cap on any requested deadline")
 	fs.StringVar(&o.LogLevel, "log-level", DefaultLogLevel, "log level: debug, info, warn or error")
+	r := &o.Retry
+	fs.StringVar(&r.File, "retry-config", "", "JSON file of retry policies per target and method (see the README)")
+	fs.BoolVar(&r.Off, "retry-off", false, "make no retries at all")
+	fs.IntVar(&r.MaxAttempts, "retry-max-attempts", retry.DefaultMaxAttempts, "most attempts per call, the first included (1 to 5)")
+	fs.DurationVar(&r.Base, "retry-base", retry.DefaultBase, "backoff base (full jitter)")
+	fs.DurationVar(&r.Cap, "retry-cap", retry.DefaultCap, "backoff cap")
+	fs.Float64Var(&r.BudgetRatio, "retry-budget-ratio", retry.DefaultBudgetRatio, "retries may add at most this share of calls per target")
+	fs.Float64Var(&r.BudgetRPS, "retry-budget-per-second", retry.DefaultBudgetPerSecond, "retries allowed per second beyond the ratio")
+	fs.BoolVar(&r.Throttle, "retry-throttle", false, "client-side adaptive throttling (SRE book)")
+}
+
+// load builds the retry file from RetryOptions: the file if given, then explicit flags.
+func (r *RetryOptions) load(fs map[string]bool) (*retry.File, error) {
+	f := &retry.File{}
+	if r.File != "" {
+		var err error
+		if f, err = retry.LoadFile(r.File); err != nil {
+			return nil, fmt.Errorf("--retry-config: %w", err)
+		}
+	}
+	set := func(name string) bool { return fs[name] || r.File == "" }
+	if r.Off {
+		t := true
+		f.Default.Disabled = &t
+		f.Targets = nil
+	}
+	if set("retry-max-attempts") {
+		f.Default.MaxAttempts = &r.MaxAttempts
+	}
+	if set("retry-base") {
+		d := retry.Duration(r.Base)
+		f.Default.Base = &d
+	}
+	if set("retry-cap") {
+		d := retry.Duration(r.Cap)
+		f.Default.Cap = &d
+	}
+	if set("retry-budget-ratio") {
+		f.Budget.Ratio = &r.BudgetRatio
+	}
+	if set("retry-budget-per-second") {
+		f.Budget.PerSecond = &r.BudgetRPS
+	}
+	if fs["retry-throttle"] || (r.File == "" && r.Throttle) {
+		f.Throttle = r.Throttle
+	}
+	if err := f.Validate(); err != nil {
+		return nil, fmt.Errorf("retry flags: %w", err)
+	}
+	return f, nil
 }
 
 // Validate checks the common options.
@@ -91,6 +159,7 @@ func Parse(fs *flag.FlagSet, args []string, getenv func(string) string) error {
 	}
 	set := map[string]bool{}
 	fs.Visit(func(f *flag.Flag) { set[f.Name] = true })
+
 	var errs []error
 	fs.VisitAll(func(f *flag.Flag) {
 		if set[f.Name] {
@@ -128,6 +197,9 @@ type Runtime struct {
 	Registry *prometheus.Registry
 	lis      net.Listener
 	admin    net.Listener
+
+	retries      *retry.File
+	retryMetrics *retry.Metrics
 }
 
 // New builds the runtime: it listens on both addresses (so start-up errors surface here),
@@ -137,6 +209,14 @@ func New(ctx context.Context, o Options, minTime map[string]time.Duration) (*Run
 	if err := o.Validate(); err != nil {
 		return nil, err
 	}
+	explicit := map[string]bool{}
+	if o.fs != nil {
+		o.fs.Visit(func(f *flag.Flag) { explicit[f.Name] = true })
+	}
+	retries, err := o.Retry.load(explicit)
+	if err != nil {
+		return nil, err
+	}
 	lvl, _ := parseLevel(o.LogLevel)
 	log := slog.New(slog.NewJSONHandler(os.Stderr, &slog.HandlerOptions{Level: lvl})).With("service", o.Name)
 	var lc net.ListenConfig
@@ -144,7 +224,7 @@ func New(ctx context.Context, o Options, minTime map[string]time.Duration) (*Run
 	if err != nil {
 		return nil, fmt.Errorf("listen on --addr %s: %w", o.Addr, err)
 	}
-	rt := &Runtime{Opts: o, Log: log, lis: lis, Registry: prometheus.NewRegistry()}
+	rt := &Runtime{Opts: o, Log: log, lis: lis, Registry: prometheus.NewRegistry(), retries: retries}
 	if o.AdminAddr != "" {
 		if rt.admin, err = lc.Listen(ctx, "tcp", o.AdminAddr); err != nil {
 			_ = lis.Close()
@@ -152,11 +232,13 @@ func New(ctx context.Context, o Options, minTime map[string]time.Duration) (*Run
 		}
 	}
 	rt.Registry.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
+	rt.retryMetrics = retry.NewMetrics(rt.Registry)
 	//nolint:contextcheck // the interceptors take each call's own context; none is needed here
 	rt.Server = grpc.NewServer(mesh.ServerOptions(mesh.ServerConfig{
 		Deadline: deadline.Policy{Default: o.DefaultDeadline, Max: o.MaxDeadline},
 		MinTime:  minTime,
 		Logger:   log,
+		RetryIDs: retryid.New(0, rt.Registry),
 	})...)
 	rt.Health = health.NewServer()
 	healthpb.RegisterHealthServer(rt.Server, rt.Health)
@@ -175,10 +257,19 @@ func (rt *Runtime) AdminAddr() string {
 	return rt.admin.Addr().String()
 }
 
-// Dial returns a client connection to target with the mesh client chain. Connections are
-// lazy, so services that call each other can start in any order.
+// Dial returns a client connection to target with the mesh client chain and default
+// retries. Connections are lazy, so services that call each other can start in any order.
 func Dial(target string) (*grpc.ClientConn, error) {
 	opts := append(mesh.DialOptions(mesh.ClientConfig{}), grpc.WithTransportCredentials(insecure.NewCredentials()))
+	return grpc.NewClient(target, opts...)
+}
+
+// Dial returns a client connection to the service name at target with the mesh client
+// chain and this service's retry policy for that target (metrics on the admin port).
+func (rt *Runtime) Dial(name, target string) (*grpc.ClientConn, error) {
+	rc := rt.retries.For(name)
+	rc.Metrics, rc.Logger = rt.retryMetrics, rt.Log
+	opts := append(mesh.DialOptions(mesh.ClientConfig{Retry: rc}), grpc.WithTransportCredentials(insecure.NewCredentials()))
 	return grpc.NewClient(target, opts...)
 }
 

@@ -325,9 +325,14 @@ type Node struct {
 	// When the node learnt it was cancelled.
 	CancelledAt *timestamppb.Timestamp `protobuf:"bytes,14,opt,name=cancelled_at,json=cancelledAt,proto3" json:"cancelled_at,omitempty"`
 	// Teardown run after a cancel, if the node had any.
-	Cleanup       *Cleanup `protobuf:"bytes,15,opt,name=cleanup,proto3" json:"cleanup,omitempty"`
-	unknownFields protoimpl.UnknownFields
-	sizeCache     protoimpl.SizeCache
+	Cleanup *Cleanup `protobuf:"bytes,15,opt,name=cleanup,proto3" json:"cleanup,omitempty"`
+	// The logical call's retry-id (curfew-retry-id) and this record's attempt number.
+	RetryId string `protobuf:"bytes,16,opt,name=retry_id,json=retryId,proto3" json:"retry_id,omitempty"`
+	Attempt int32  `protobuf:"varint,17,opt,name=attempt,proto3" json:"attempt,omitempty"`
+	// Earlier attempts of the same node on this process, oldest first.
+	EarlierAttempts []*AttemptRecord `protobuf:"bytes,18,rep,name=earlier_attempts,json=earlierAttempts,proto3" json:"earlier_attempts,omitempty"`
+	unknownFields   protoimpl.UnknownFields
+	sizeCache       protoimpl.SizeCache
 }
 
 func (x *Node) Reset() {
@@ -465,6 +470,120 @@ func (x *Node) GetCleanup() *Cleanup {
 	return nil
 }
 
+func (x *Node) GetRetryId() string {
+	if x != nil {
+		return x.RetryId
+	}
+	return ""
+}
+
+func (x *Node) GetAttempt() int32 {
+	if x != nil {
+		return x.Attempt
+	}
+	return 0
+}
+
+func (x *Node) GetEarlierAttempts() []*AttemptRecord {
+	if x != nil {
+		return x.EarlierAttempts
+	}
+	return nil
+}
+
+// AttemptRecord is an earlier attempt of a node that was retried.
+type AttemptRecord struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Attempt       int32                  `protobuf:"varint,1,opt,name=attempt,proto3" json:"attempt,omitempty"`
+	RetryId       string                 `protobuf:"bytes,2,opt,name=retry_id,json=retryId,proto3" json:"retry_id,omitempty"`
+	Status        NodeStatus             `protobuf:"varint,3,opt,name=status,proto3,enum=curfew.mesh.v1.NodeStatus" json:"status,omitempty"`
+	Cause         CancelCause            `protobuf:"varint,4,opt,name=cause,proto3,enum=curfew.mesh.v1.CancelCause" json:"cause,omitempty"`
+	ErrorCode     string                 `protobuf:"bytes,5,opt,name=error_code,json=errorCode,proto3" json:"error_code,omitempty"`
+	StartedAt     *timestamppb.Timestamp `protobuf:"bytes,6,opt,name=started_at,json=startedAt,proto3" json:"started_at,omitempty"`
+	EndedAt       *timestamppb.Timestamp `protobuf:"bytes,7,opt,name=ended_at,json=endedAt,proto3" json:"ended_at,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *AttemptRecord) Reset() {
+	*x = AttemptRecord{}
+	mi := &file_curfew_mesh_v1_mesh_proto_msgTypes[2]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *AttemptRecord) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*AttemptRecord) ProtoMessage() {}
+
+func (x *AttemptRecord) ProtoReflect() protoreflect.Message {
+	mi := &file_curfew_mesh_v1_mesh_proto_msgTypes[2]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use AttemptRecord.ProtoReflect.Descriptor instead.
+func (*AttemptRecord) Descriptor() ([]byte, []int) {
+	return file_curfew_mesh_v1_mesh_proto_rawDescGZIP(), []int{2}
+}
+
+func (x *AttemptRecord) GetAttempt() int32 {
+	if x != nil {
+		return x.Attempt
+	}
+	return 0
+}
+
+func (x *AttemptRecord) GetRetryId() string {
+	if x != nil {
+		return x.RetryId
+	}
+	return ""
+}
+
+func (x *AttemptRecord) GetStatus() NodeStatus {
+	if x != nil {
+		return x.Status
+	}
+	return NodeStatus_NODE_STATUS_UNSPECIFIED
+}
+
+func (x *AttemptRecord) GetCause() CancelCause {
+	if x != nil {
+		return x.Cause
+	}
+	return CancelCause_CANCEL_CAUSE_UNSPECIFIED
+}
+
+func (x *AttemptRecord) GetErrorCode() string {
+	if x != nil {
+		return x.ErrorCode
+	}
+	return ""
+}
+
+func (x *AttemptRecord) GetStartedAt() *timestamppb.Timestamp {
+	if x != nil {
+		return x.StartedAt
+	}
+	return nil
+}
+
+func (x *AttemptRecord) GetEndedAt() *timestamppb.Timestamp {
+	if x != nil {
+		return x.EndedAt
+	}
+	return nil
+}
+
 // ListNodesRequest asks a service for the nodes of one run it ran or is running.
 type ListNodesRequest struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
@@ -481,7 +600,7 @@ type ListNodesRequest struct {
 
 func (x *ListNodesRequest) Reset() {
 	*x = ListNodesRequest{}
-	mi := &file_curfew_mesh_v1_mesh_proto_msgTypes[2]
+	mi := &file_curfew_mesh_v1_mesh_proto_msgTypes[3]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -493,7 +612,7 @@ func (x *ListNodesRequest) String() string {
 func (*ListNodesRequest) ProtoMessage() {}
 
 func (x *ListNodesRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_curfew_mesh_v1_mesh_proto_msgTypes[2]
+	mi := &file_curfew_mesh_v1_mesh_proto_msgTypes[3]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -506,7 +625,7 @@ func (x *ListNodesRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListNodesRequest.ProtoReflect.Descriptor instead.
 func (*ListNodesRequest) Descriptor() ([]byte, []int) {
-	return file_curfew_mesh_v1_mesh_proto_rawDescGZIP(), []int{2}
+	return file_curfew_mesh_v1_mesh_proto_rawDescGZIP(), []int{3}
 }
 
 func (x *ListNodesRequest) GetRunId() string {
@@ -549,7 +668,7 @@ type ListNodesResponse struct {
 
 func (x *ListNodesResponse) Reset() {
 	*x = ListNodesResponse{}
-	mi := &file_curfew_mesh_v1_mesh_proto_msgTypes[3]
+	mi := &file_curfew_mesh_v1_mesh_proto_msgTypes[4]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -561,7 +680,7 @@ func (x *ListNodesResponse) String() string {
 func (*ListNodesResponse) ProtoMessage() {}
 
 func (x *ListNodesResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_curfew_mesh_v1_mesh_proto_msgTypes[3]
+	mi := &file_curfew_mesh_v1_mesh_proto_msgTypes[4]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -574,7 +693,7 @@ func (x *ListNodesResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListNodesResponse.ProtoReflect.Descriptor instead.
 func (*ListNodesResponse) Descriptor() ([]byte, []int) {
-	return file_curfew_mesh_v1_mesh_proto_rawDescGZIP(), []int{3}
+	return file_curfew_mesh_v1_mesh_proto_rawDescGZIP(), []int{4}
 }
 
 func (x *ListNodesResponse) GetNodes() []*Node {
@@ -605,7 +724,7 @@ type CancelNodesRequest struct {
 
 func (x *CancelNodesRequest) Reset() {
 	*x = CancelNodesRequest{}
-	mi := &file_curfew_mesh_v1_mesh_proto_msgTypes[4]
+	mi := &file_curfew_mesh_v1_mesh_proto_msgTypes[5]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -617,7 +736,7 @@ func (x *CancelNodesRequest) String() string {
 func (*CancelNodesRequest) ProtoMessage() {}
 
 func (x *CancelNodesRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_curfew_mesh_v1_mesh_proto_msgTypes[4]
+	mi := &file_curfew_mesh_v1_mesh_proto_msgTypes[5]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -630,7 +749,7 @@ func (x *CancelNodesRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CancelNodesRequest.ProtoReflect.Descriptor instead.
 func (*CancelNodesRequest) Descriptor() ([]byte, []int) {
-	return file_curfew_mesh_v1_mesh_proto_rawDescGZIP(), []int{4}
+	return file_curfew_mesh_v1_mesh_proto_rawDescGZIP(), []int{5}
 }
 
 func (x *CancelNodesRequest) GetRunId() string {
@@ -664,7 +783,7 @@ type CancelNodesResponse struct {
 
 func (x *CancelNodesResponse) Reset() {
 	*x = CancelNodesResponse{}
-	mi := &file_curfew_mesh_v1_mesh_proto_msgTypes[5]
+	mi := &file_curfew_mesh_v1_mesh_proto_msgTypes[6]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -676,7 +795,7 @@ func (x *CancelNodesResponse) String() string {
 func (*CancelNodesResponse) ProtoMessage() {}
 
 func (x *CancelNodesResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_curfew_mesh_v1_mesh_proto_msgTypes[5]
+	mi := &file_curfew_mesh_v1_mesh_proto_msgTypes[6]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -689,7 +808,7 @@ func (x *CancelNodesResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CancelNodesResponse.ProtoReflect.Descriptor instead.
 func (*CancelNodesResponse) Descriptor() ([]byte, []int) {
-	return file_curfew_mesh_v1_mesh_proto_rawDescGZIP(), []int{5}
+	return file_curfew_mesh_v1_mesh_proto_rawDescGZIP(), []int{6}
 }
 
 func (x *CancelNodesResponse) GetCancelled() int32 {
@@ -711,7 +830,7 @@ const file_curfew_mesh_v1_mesh_proto_rawDesc = "" +
 	"\n" +
 	"started_at\x18\x04 \x01(\v2\x1a.google.protobuf.TimestampR\tstartedAt\x125\n" +
 	"\bended_at\x18\x05 \x01(\v2\x1a.google.protobuf.TimestampR\aendedAt\x121\n" +
-	"\x06budget\x18\x06 \x01(\v2\x19.google.protobuf.DurationR\x06budget\"\x91\x05\n" +
+	"\x06budget\x18\x06 \x01(\v2\x19.google.protobuf.DurationR\x06budget\"\x90\x06\n" +
 	"\x04Node\x12\x0e\n" +
 	"\x02id\x18\x01 \x01(\tR\x02id\x12,\n" +
 	"\x04kind\x18\x02 \x01(\x0e2\x18.curfew.mesh.v1.NodeKindR\x04kind\x12\x12\n" +
@@ -730,7 +849,20 @@ const file_curfew_mesh_v1_mesh_proto_rawDesc = "" +
 	"\rerror_message\x18\f \x01(\tR\ferrorMessage\x126\n" +
 	"\bdeadline\x18\r \x01(\v2\x1a.google.protobuf.TimestampR\bdeadline\x12=\n" +
 	"\fcancelled_at\x18\x0e \x01(\v2\x1a.google.protobuf.TimestampR\vcancelledAt\x121\n" +
-	"\acleanup\x18\x0f \x01(\v2\x17.curfew.mesh.v1.CleanupR\acleanup\"\xc9\x01\n" +
+	"\acleanup\x18\x0f \x01(\v2\x17.curfew.mesh.v1.CleanupR\acleanup\x12\x19\n" +
+	"\bretry_id\x18\x10 \x01(\tR\aretryId\x12\x18\n" +
+	"\aattempt\x18\x11 \x01(\x05R\aattempt\x12H\n" +
+	"\x10earlier_attempts\x18\x12 \x03(\v2\x1d.curfew.mesh.v1.AttemptRecordR\x0fearlierAttempts\"\xbc\x02\n" +
+	"\rAttemptRecord\x12\x18\n" +
+	"\aattempt\x18\x01 \x01(\x05R\aattempt\x12\x19\n" +
+	"\bretry_id\x18\x02 \x01(\tR\aretryId\x122\n" +
+	"\x06status\x18\x03 \x01(\x0e2\x1a.curfew.mesh.v1.NodeStatusR\x06status\x121\n" +
+	"\x05cause\x18\x04 \x01(\x0e2\x1b.curfew.mesh.v1.CancelCauseR\x05cause\x12\x1d\n" +
+	"\n" +
+	"error_code\x18\x05 \x01(\tR\terrorCode\x129\n" +
+	"\n" +
+	"started_at\x18\x06 \x01(\v2\x1a.google.protobuf.TimestampR\tstartedAt\x125\n" +
+	"\bended_at\x18\a \x01(\v2\x1a.google.protobuf.TimestampR\aendedAt\"\xc9\x01\n" +
 	"\x10ListNodesRequest\x12\x15\n" +
 	"\x06run_id\x18\x01 \x01(\tR\x05runId\x12@\n" +
 	"\x0esettle_timeout\x18\x02 \x01(\v2\x19.google.protobuf.DurationR\rsettleTimeout\x127\n" +
@@ -785,45 +917,51 @@ func file_curfew_mesh_v1_mesh_proto_rawDescGZIP() []byte {
 }
 
 var file_curfew_mesh_v1_mesh_proto_enumTypes = make([]protoimpl.EnumInfo, 3)
-var file_curfew_mesh_v1_mesh_proto_msgTypes = make([]protoimpl.MessageInfo, 6)
+var file_curfew_mesh_v1_mesh_proto_msgTypes = make([]protoimpl.MessageInfo, 7)
 var file_curfew_mesh_v1_mesh_proto_goTypes = []any{
 	(CancelCause)(0),              // 0: curfew.mesh.v1.CancelCause
 	(NodeKind)(0),                 // 1: curfew.mesh.v1.NodeKind
 	(NodeStatus)(0),               // 2: curfew.mesh.v1.NodeStatus
 	(*Cleanup)(nil),               // 3: curfew.mesh.v1.Cleanup
 	(*Node)(nil),                  // 4: curfew.mesh.v1.Node
-	(*ListNodesRequest)(nil),      // 5: curfew.mesh.v1.ListNodesRequest
-	(*ListNodesResponse)(nil),     // 6: curfew.mesh.v1.ListNodesResponse
-	(*CancelNodesRequest)(nil),    // 7: curfew.mesh.v1.CancelNodesRequest
-	(*CancelNodesResponse)(nil),   // 8: curfew.mesh.v1.CancelNodesResponse
-	(*timestamppb.Timestamp)(nil), // 9: google.protobuf.Timestamp
-	(*durationpb.Duration)(nil),   // 10: google.protobuf.Duration
+	(*AttemptRecord)(nil),         // 5: curfew.mesh.v1.AttemptRecord
+	(*ListNodesRequest)(nil),      // 6: curfew.mesh.v1.ListNodesRequest
+	(*ListNodesResponse)(nil),     // 7: curfew.mesh.v1.ListNodesResponse
+	(*CancelNodesRequest)(nil),    // 8: curfew.mesh.v1.CancelNodesRequest
+	(*CancelNodesResponse)(nil),   // 9: curfew.mesh.v1.CancelNodesResponse
+	(*timestamppb.Timestamp)(nil), // 10: google.protobuf.Timestamp
+	(*durationpb.Duration)(nil),   // 11: google.protobuf.Duration
 }
 var file_curfew_mesh_v1_mesh_proto_depIdxs = []int32{
-	9,  // 0: curfew.mesh.v1.Cleanup.started_at:type_name -> google.protobuf.Timestamp
-	9,  // 1: curfew.mesh.v1.Cleanup.ended_at:type_name -> google.protobuf.Timestamp
-	10, // 2: curfew.mesh.v1.Cleanup.budget:type_name -> google.protobuf.Duration
+	10, // 0: curfew.mesh.v1.Cleanup.started_at:type_name -> google.protobuf.Timestamp
+	10, // 1: curfew.mesh.v1.Cleanup.ended_at:type_name -> google.protobuf.Timestamp
+	11, // 2: curfew.mesh.v1.Cleanup.budget:type_name -> google.protobuf.Duration
 	1,  // 3: curfew.mesh.v1.Node.kind:type_name -> curfew.mesh.v1.NodeKind
 	2,  // 4: curfew.mesh.v1.Node.status:type_name -> curfew.mesh.v1.NodeStatus
 	0,  // 5: curfew.mesh.v1.Node.cause:type_name -> curfew.mesh.v1.CancelCause
-	9,  // 6: curfew.mesh.v1.Node.started_at:type_name -> google.protobuf.Timestamp
-	9,  // 7: curfew.mesh.v1.Node.ended_at:type_name -> google.protobuf.Timestamp
-	9,  // 8: curfew.mesh.v1.Node.deadline:type_name -> google.protobuf.Timestamp
-	9,  // 9: curfew.mesh.v1.Node.cancelled_at:type_name -> google.protobuf.Timestamp
+	10, // 6: curfew.mesh.v1.Node.started_at:type_name -> google.protobuf.Timestamp
+	10, // 7: curfew.mesh.v1.Node.ended_at:type_name -> google.protobuf.Timestamp
+	10, // 8: curfew.mesh.v1.Node.deadline:type_name -> google.protobuf.Timestamp
+	10, // 9: curfew.mesh.v1.Node.cancelled_at:type_name -> google.protobuf.Timestamp
 	3,  // 10: curfew.mesh.v1.Node.cleanup:type_name -> curfew.mesh.v1.Cleanup
-	10, // 11: curfew.mesh.v1.ListNodesRequest.settle_timeout:type_name -> google.protobuf.Duration
-	9,  // 12: curfew.mesh.v1.ListNodesRequest.cancel_at:type_name -> google.protobuf.Timestamp
-	4,  // 13: curfew.mesh.v1.ListNodesResponse.nodes:type_name -> curfew.mesh.v1.Node
-	0,  // 14: curfew.mesh.v1.CancelNodesRequest.cause:type_name -> curfew.mesh.v1.CancelCause
-	5,  // 15: curfew.mesh.v1.NodeReportService.ListNodes:input_type -> curfew.mesh.v1.ListNodesRequest
-	7,  // 16: curfew.mesh.v1.NodeReportService.CancelNodes:input_type -> curfew.mesh.v1.CancelNodesRequest
-	6,  // 17: curfew.mesh.v1.NodeReportService.ListNodes:output_type -> curfew.mesh.v1.ListNodesResponse
-	8,  // 18: curfew.mesh.v1.NodeReportService.CancelNodes:output_type -> curfew.mesh.v1.CancelNodesResponse
-	17, // [17:19] is the sub-list for method output_type
-	15, // [15:17] is the sub-list for method input_type
-	15, // [15:15] is the sub-list for extension type_name
-	15, // [15:15] is the sub-list for extension extendee
-	0,  // [0:15] is the sub-list for field type_name
+	5,  // 11: curfew.mesh.v1.Node.earlier_attempts:type_name -> curfew.mesh.v1.AttemptRecord
+	2,  // 12: curfew.mesh.v1.AttemptRecord.status:type_name -> curfew.mesh.v1.NodeStatus
+	0,  // 13: curfew.mesh.v1.AttemptRecord.cause:type_name -> curfew.mesh.v1.CancelCause
+	10, // 14: curfew.mesh.v1.AttemptRecord.started_at:type_name -> google.protobuf.Timestamp
+	10, // 15: curfew.mesh.v1.AttemptRecord.ended_at:type_name -> google.protobuf.Timestamp
+	11, // 16: curfew.mesh.v1.ListNodesRequest.settle_timeout:type_name -> google.protobuf.Duration
+	10, // 17: curfew.mesh.v1.ListNodesRequest.cancel_at:type_name -> google.protobuf.Timestamp
+	4,  // 18: curfew.mesh.v1.ListNodesResponse.nodes:type_name -> curfew.mesh.v1.Node
+	0,  // 19: curfew.mesh.v1.CancelNodesRequest.cause:type_name -> curfew.mesh.v1.CancelCause
+	6,  // 20: curfew.mesh.v1.NodeReportService.ListNodes:input_type -> curfew.mesh.v1.ListNodesRequest
+	8,  // 21: curfew.mesh.v1.NodeReportService.CancelNodes:input_type -> curfew.mesh.v1.CancelNodesRequest
+	7,  // 22: curfew.mesh.v1.NodeReportService.ListNodes:output_type -> curfew.mesh.v1.ListNodesResponse
+	9,  // 23: curfew.mesh.v1.NodeReportService.CancelNodes:output_type -> curfew.mesh.v1.CancelNodesResponse
+	22, // [22:24] is the sub-list for method output_type
+	20, // [20:22] is the sub-list for method input_type
+	20, // [20:20] is the sub-list for extension type_name
+	20, // [20:20] is the sub-list for extension extendee
+	0,  // [0:20] is the sub-list for field type_name
 }
 
 func init() { file_curfew_mesh_v1_mesh_proto_init() }
@@ -837,7 +975,7 @@ func file_curfew_mesh_v1_mesh_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_curfew_mesh_v1_mesh_proto_rawDesc), len(file_curfew_mesh_v1_mesh_proto_rawDesc)),
 			NumEnums:      3,
-			NumMessages:   6,
+			NumMessages:   7,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

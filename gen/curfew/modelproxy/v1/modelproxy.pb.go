@@ -84,9 +84,12 @@ type ToolCall struct {
 	Id   string `protobuf:"bytes,1,opt,name=id,proto3" json:"id,omitempty"`
 	Name string `protobuf:"bytes,2,opt,name=name,proto3" json:"name,omitempty"`
 	// Arguments as a JSON object.
-	ArgsJson      string `protobuf:"bytes,3,opt,name=args_json,json=argsJson,proto3" json:"args_json,omitempty"`
-	unknownFields protoimpl.UnknownFields
-	sizeCache     protoimpl.SizeCache
+	ArgsJson string `protobuf:"bytes,3,opt,name=args_json,json=argsJson,proto3" json:"args_json,omitempty"`
+	// The caller's idempotency key for a tool with side effects; with it, the call may be
+	// retried and its effect still happens once. Empty means none.
+	IdempotencyKey string `protobuf:"bytes,4,opt,name=idempotency_key,json=idempotencyKey,proto3" json:"idempotency_key,omitempty"`
+	unknownFields  protoimpl.UnknownFields
+	sizeCache      protoimpl.SizeCache
 }
 
 func (x *ToolCall) Reset() {
@@ -136,6 +139,13 @@ func (x *ToolCall) GetName() string {
 func (x *ToolCall) GetArgsJson() string {
 	if x != nil {
 		return x.ArgsJson
+	}
+	return ""
+}
+
+func (x *ToolCall) GetIdempotencyKey() string {
+	if x != nil {
+		return x.IdempotencyKey
 	}
 	return ""
 }
@@ -414,11 +424,12 @@ var File_curfew_modelproxy_v1_modelproxy_proto protoreflect.FileDescriptor
 
 const file_curfew_modelproxy_v1_modelproxy_proto_rawDesc = "" +
 	"\n" +
-	"%curfew/modelproxy/v1/modelproxy.proto\x12\x14curfew.modelproxy.v1\"K\n" +
+	"%curfew/modelproxy/v1/modelproxy.proto\x12\x14curfew.modelproxy.v1\"t\n" +
 	"\bToolCall\x12\x0e\n" +
 	"\x02id\x18\x01 \x01(\tR\x02id\x12\x12\n" +
 	"\x04name\x18\x02 \x01(\tR\x04name\x12\x1b\n" +
-	"\targs_json\x18\x03 \x01(\tR\bargsJson\"\xb4\x01\n" +
+	"\targs_json\x18\x03 \x01(\tR\bargsJson\x12'\n" +
+	"\x0fidempotency_key\x18\x04 \x01(\tR\x0eidempotencyKey\"\xb4\x01\n" +
 	"\aMessage\x12.\n" +
 	"\x04role\x18\x01 \x01(\x0e2\x1a.curfew.modelproxy.v1.RoleR\x04role\x12\x18\n" +
 	"\acontent\x18\x02 \x01(\tR\acontent\x12=\n" +

@@ -192,7 +192,8 @@ func (s *Server) decode(ctx context.Context, stream modelproxyv1.ModelProxyServi
 			if args == "" {
 				args = "{}"
 			}
-			final.ToolCalls = append(final.ToolCalls, &modelproxyv1.ToolCall{Id: fmt.Sprintf("call_%d_%d", st.index, j), Name: t.Name, ArgsJson: args})
+			final.ToolCalls = append(final.ToolCalls, &modelproxyv1.ToolCall{Id: fmt.Sprintf("call_%d_%d", st.index, j), Name: t.Name, ArgsJson: args,
+				IdempotencyKey: t.IdempotencyKey})
 		}
 	}
 	return stream.Send(final)

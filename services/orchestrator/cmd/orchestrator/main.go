@@ -8,6 +8,7 @@ import (
 	"fmt"
 	"os"
 	"os/signal"
+	"strings"
 	"syscall"
 	"time"
 
@@ -55,7 +56,7 @@ func run(args []string) int {
 	conns := map[string]string{"--modelproxy": *modelAddr, "--toolrunner": *toolAddr, "--subagent": *subAddr}
 	cc := map[string]*grpcConn{}
 	for flagName, addr := range conns {
-		c, err := service.Dial(addr)
+		c, err := rt.Dial(strings.TrimPrefix(flagName, "--"), addr)
 		if err != nil {
 			fmt.Fprintf(os.Stderr, "orchestrator: %s: %v\n", flagName, err)
 			return 2

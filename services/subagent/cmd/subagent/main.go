@@ -50,13 +50,13 @@ func run(args []string) int {
 		fmt.Fprintln(os.Stderr, "subagent:", err)
 		return 1
 	}
-	mc, err := service.Dial(*modelAddr)
+	mc, err := rt.Dial("modelproxy", *modelAddr)
 	if err != nil {
 		fmt.Fprintln(os.Stderr, "subagent: --modelproxy:", err)
 		return 2
 	}
 	defer mc.Close()
-	tc, err := service.Dial(*toolAddr)
+	tc, err := rt.Dial("toolrunner", *toolAddr)
 	if err != nil {
 		fmt.Fprintln(os.Stderr, "subagent: --toolrunner:", err)
 		return 2

@@ -51,7 +51,7 @@ func run(args []string) int {
 		fmt.Fprintln(os.Stderr, "toolrunner:", err)
 		return 1
 	}
-	sc, err := service.Dial(*subagentAddr)
+	sc, err := rt.Dial("subagent", *subagentAddr)
 	if err != nil {
 		fmt.Fprintln(os.Stderr, "toolrunner: --subagent:", err)
 		return 2
@@ -62,10 +62,11 @@ func run(args []string) int {
 		SubagentNodes:     meshv1.NewNodeReportServiceClient(sc),
 		MaxSubagentDepth:  *maxDepth,
 		MaxSubagentFanout: *maxFanout,
+		Registerer:        rt.Registry,
 	})
 	toolrunnerv1.RegisterToolRunnerServiceServer(rt.Server, srv)
 	meshv1.RegisterNodeReportServiceServer(rt.Server, srv.Report())
-	go service.Every(ctx, time.Minute, srv.Nodes.Sweep)
+	go service.Every(ctx, time.Minute, srv.Sweep)
 	if err := rt.Serve(ctx); err != nil {
 		rt.Log.Error("serve", "error", err.Error())
 		return 1

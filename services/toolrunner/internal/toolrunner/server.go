@@ -6,12 +6,16 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"strconv"
 	"strings"
 	"sync"
-	"sync/atomic"
 	"time"
 
+	"github.com/prometheus/client_golang/prometheus"
+	"google.golang.org/genproto/googleapis/rpc/errdetails"
+	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/metadata"
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/types/known/durationpb"
 	"google.golang.org/protobuf/types/known/timestamppb"
@@ -24,6 +28,7 @@ import (
 	"github.com/curfew-mesh/curfew/mesh/md"
 	"github.com/curfew-mesh/curfew/mesh/nodes"
 	"github.com/curfew-mesh/curfew/mesh/plan"
+	"github.com/curfew-mesh/curfew/mesh/retry"
 )
 
 // Defaults of Config's zero fields.
@@ -46,6 +51,8 @@ type Config struct {
 	MaxSubagentFanout int
 	// SettleTimeout bounds the wait for a cancelled subagent's teardown.
 	SettleTimeout time.Duration
+	// Registerer, if set, receives the toolrunner's metrics.
+	Registerer prometheus.Registerer
 }
 
 // Server implements ToolRunnerService.
@@ -53,7 +60,10 @@ type Server struct {
 	toolrunnerv1.UnimplementedToolRunnerServiceServer
 	cfg   Config
 	Nodes *nodes.Table
-	jobs  atomic.Int64
+	jobs  *jobs
+	keys  *keys
+	// effects counts side effects actually performed, by tool.
+	effects *prometheus.CounterVec
 
 	mu     sync.Mutex
 	fanout map[string]int // run → subagents in flight
@@ -70,7 +80,15 @@ func New(cfg Config) *Server {
 	if cfg.SettleTimeout == 0 {
 		cfg.SettleTimeout = agent.DefaultSettleTimeout
 	}
-	return &Server{cfg: cfg, Nodes: nodes.New(0), fanout: map[string]int{}}
+	s := &Server{cfg: cfg, Nodes: nodes.New(0), fanout: map[string]int{}, jobs: newJobs(), keys: newKeys(),
+		effects: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "curfew_tool_effects_total",
+			Help: "Side effects tools actually performed (a deploy job started), by tool; a retry with an idempotency key adds none.",
+		}, []string{"tool"})}
+	if cfg.Registerer != nil {
+		cfg.Registerer.MustRegister(s.effects)
+	}
+	return s
 }
 
 // Report returns the NodeReportService of this server's tool nodes.
@@ -83,7 +101,6 @@ func (s *Server) Execute(req *toolrunnerv1.ExecuteRequest, stream toolrunnerv1.T
 	if id.RunID == "" || id.NodeID == "" {
 		return status.Errorf(codes.InvalidArgument, "metadata %s and %s are required", md.RunID, md.NodeID)
 	}
-	run, node := id.RunID, id.NodeID
 	var send sync.Mutex
 	emit := func(n *meshv1.Node) {
 		send.Lock()
@@ -97,30 +114,63 @@ func (s *Server) Execute(req *toolrunnerv1.ExecuteRequest, stream toolrunnerv1.T
 	if err := ctx.Err(); err != nil {
 		return err // never start a tool for a call already cancelled
 	}
+	if k := md.IdempotencyKeyFrom(ctx); k != "" {
+		finish, rec := s.keys.claim(keyOf(ctx, k))
+		if rec != nil {
+			// Done: replay the stored result. In progress: join it. Either way, no second run.
+			out, err := s.keys.wait(ctx, rec)
+			if err != nil {
+				return err
+			}
+			send.Lock()
+			defer send.Unlock()
+			return stream.Send(&toolrunnerv1.ExecuteResponse{Event: &toolrunnerv1.ExecuteResponse_Result{Result: &toolrunnerv1.ExecuteResult{OutputJson: out}}})
+		}
+		var out string
+		var runErr error
+		defer func() { finish(out, runErr) }()
+		out, runErr = s.execute(ctx, req, stream, exec, emit, &send)
+		return runErr
+	}
+	_, err = s.execute(ctx, req, stream, exec, emit, &send)
+	return err
+}
+
+// execute runs a prepared tool call as a node and sends its result.
+func (s *Server) execute(ctx context.Context, req *toolrunnerv1.ExecuteRequest, stream toolrunnerv1.ToolRunnerService_ExecuteServer,
+	exec execFunc, emit func(*meshv1.Node), send *sync.Mutex) (string, error) {
+	id := md.IdentityFrom(ctx)
+	run, node := id.RunID, id.NodeID
 	n := &meshv1.Node{Id: node, Kind: meshv1.NodeKind_NODE_KIND_TOOL, Name: req.GetName()}
 	if dl, ok := ctx.Deadline(); ok {
 		n.Deadline = timestamppb.New(dl)
 	}
-	wctx, started := s.Nodes.Begin(ctx, run, n)
-	emit(started)
+	// The tool's own node is recorded here, not streamed: the caller shows its own view, and
+	// a stream with no message yet stays retryable. Only nested nodes (a subagent's) stream.
+	wctx, _ := s.Nodes.Begin(ctx, run, n)
 	out, cleanup, err := exec(wctx)
 	cancelled := wctx.Err()
-	ended := s.Nodes.Finish(wctx, run, node, err, func(n *meshv1.Node) {
+	s.Nodes.Finish(wctx, run, node, err, func(n *meshv1.Node) {
 		if cancelled != nil {
 			n.CancelledAt = timestamppb.Now()
 		}
 		n.Cleanup = cleanup
 	})
-	emit(ended)
 	if err != nil {
-		return err
+		return "", err
 	}
 	if cancelled != nil {
-		return cancelled
+		return "", cancelled
 	}
 	send.Lock()
 	defer send.Unlock()
-	return stream.Send(&toolrunnerv1.ExecuteResponse{Event: &toolrunnerv1.ExecuteResponse_Result{Result: &toolrunnerv1.ExecuteResult{OutputJson: out}}})
+	return out, stream.Send(&toolrunnerv1.ExecuteResponse{Event: &toolrunnerv1.ExecuteResponse_Result{Result: &toolrunnerv1.ExecuteResult{OutputJson: out}}})
+}
+
+// Sweep forgets old node records and idempotency records.
+func (s *Server) Sweep(now time.Time) {
+	s.Nodes.Sweep(now)
+	s.keys.sweep(now, DefaultKeyRetention)
 }
 
 type execFunc func(ctx context.Context) (out string, cleanup *meshv1.Cleanup, err error)
@@ -166,7 +216,16 @@ func (s *Server) prepare(ctx context.Context, req *toolrunnerv1.ExecuteRequest, 
 			}
 			attempt := max(md.IdentityFrom(ctx).Attempt, 1)
 			if attempt <= times {
-				return "", nil, status.Errorf(code, "fail tool: injected failure on attempt %d of %d", attempt, times)
+				if a.PushbackMS != nil {
+					_ = grpc.SetTrailer(ctx, metadata.Pairs(retry.PushbackHeader, strconv.Itoa(*a.PushbackMS)))
+				}
+				st := status.Newf(code, "fail tool: injected failure on attempt %d of %d", attempt, times)
+				if a.RetryInfoMS != nil {
+					if d, err := st.WithDetails(&errdetails.RetryInfo{RetryDelay: durationpb.New(time.Duration(*a.RetryInfoMS) * time.Millisecond)}); err == nil {
+						st = d
+					}
+				}
+				return "", nil, st.Err()
 			}
 			return fmt.Sprintf(`{"attempt":%d}`, attempt), nil, nil
 		}, nil
@@ -205,15 +264,25 @@ func sleep(ctx context.Context, d time.Duration) error {
 
 // deploy starts a job, polls it until done, and on cancel aborts it on its own budget.
 func (s *Server) deploy(ctx context.Context, a plan.DeployArgs) (string, *meshv1.Cleanup, error) {
-	job := s.jobs.Add(1)
+	key := ""
+	if k := md.IdempotencyKeyFrom(ctx); k != "" {
+		key = keyOf(ctx, k)
+	}
+	jb, started, starts := s.jobs.start(key, time.Duration(a.DurationMS)*time.Millisecond)
+	if started {
+		s.effects.WithLabelValues(plan.ToolDeploy).Inc()
+	}
+	job, done := jb.id, jb.done
+	if attempt := max(md.IdentityFrom(ctx).Attempt, 1); attempt <= a.FailAttempts {
+		return "", nil, status.Errorf(codes.Unavailable, "deploy: job %d started but the acknowledgement was lost (injected, attempt %d of %d)", job, attempt, a.FailAttempts)
+	}
 	poll := time.Duration(a.PollMS) * time.Millisecond
 	if poll <= 0 {
 		poll = DefaultPollInterval
 	}
-	done := time.Now().Add(time.Duration(a.DurationMS) * time.Millisecond)
 	for polls := 1; ; polls++ {
 		if !time.Now().Before(done) {
-			return fmt.Sprintf(`{"job":%d,"status":"deployed","polls":%d}`, job, polls), nil, nil
+			return fmt.Sprintf(`{"job":%d,"status":"deployed","polls":%d,"starts":%d}`, job, polls, starts), nil, nil
 		}
 		if err := sleep(ctx, min(poll, time.Until(done))); err != nil {
 			// Torn down mid-poll: abort the half-finished rollout on a budget of its own,

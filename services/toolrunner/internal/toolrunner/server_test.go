@@ -2,11 +2,15 @@ package toolrunner
 
 import (
 	"context"
+	"encoding/json"
+	"fmt"
 	"log/slog"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
+	"github.com/prometheus/client_golang/prometheus"
 	"go.uber.org/goleak"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
@@ -85,6 +89,38 @@ func execute(ctx context.Context, t *testing.T, c toolrunnerv1.ToolRunnerService
 	return drain(st)
 }
 
+// waitRunning polls tbl (without settling) until node of run is recorded RUNNING and
+// returns that record. It fails the test if that does not happen within 3s. It is how a
+// test learns that a tool has started, since the tool's own node is not streamed.
+func waitRunning(t *testing.T, tbl *nodes.Table, run, node string) *meshv1.Node {
+	t.Helper()
+	deadline := time.Now().Add(3 * time.Second)
+	for {
+		ns, _ := tbl.List(context.Background(), run, []string{node}, 0)
+		for _, n := range ns {
+			if n.GetId() == node && n.GetStatus() == meshv1.NodeStatus_NODE_STATUS_RUNNING {
+				return n
+			}
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("node %s of run %s not RUNNING within 3s (have %v)", node, run, ns)
+		}
+		time.Sleep(2 * time.Millisecond)
+	}
+}
+
+// noOwnEvents fails the test if the stream carried an event for the tool's own node:
+// that node is only recorded in the node table, so that the stream stays message-free
+// (and so retryable) until its result.
+func noOwnEvents(t *testing.T, r result, node string) {
+	t.Helper()
+	for _, n := range r.events {
+		if n.GetId() == node {
+			t.Fatalf("the stream carried the tool's own node %s: %v", node, r.events)
+		}
+	}
+}
+
 func TestSleepCompletes(t *testing.T) {
 	e := newEnv(t, mesh.ServerConfig{}, Config{})
 	start := time.Now()
@@ -99,19 +135,22 @@ func TestSleepCompletes(t *testing.T) {
 	if !r.hasOut || r.out != `{"slept_ms":60}` {
 		t.Fatalf("output = %q, want the slept time", r.out)
 	}
-	if len(r.events) != 2 {
-		t.Fatalf("events = %v, want the tool node's start and end", r.events)
+	if len(r.events) != 0 {
+		t.Fatalf("events = %v, want none: the tool's own node is recorded, not streamed", r.events)
 	}
-	first, last := r.events[0], r.events[1]
-	if first.GetId() != "root/s0.t0" || first.GetStatus() != meshv1.NodeStatus_NODE_STATUS_RUNNING ||
-		first.GetKind() != meshv1.NodeKind_NODE_KIND_TOOL || first.GetName() != "sleep" || first.GetDeadline() == nil {
-		t.Fatalf("first event = %v, want the running tool node with its deadline", first)
+	n := meshtest.WaitNode(t, e.srv.Nodes, "r-sleep", "root/s0.t0")
+	if n.GetStatus() != meshv1.NodeStatus_NODE_STATUS_SUCCEEDED || n.GetKind() != meshv1.NodeKind_NODE_KIND_TOOL ||
+		n.GetName() != "sleep" || n.GetDeadline() == nil {
+		t.Fatalf("recorded node = %v, want the succeeded tool node with its deadline", n)
 	}
-	if last.GetId() != "root/s0.t0" || last.GetStatus() != meshv1.NodeStatus_NODE_STATUS_SUCCEEDED || last.GetEndedAt() == nil {
-		t.Fatalf("last event = %v, want the succeeded tool node", last)
+	if n.GetStartedAt() == nil || n.GetEndedAt() == nil {
+		t.Fatalf("recorded node = %v, want started_at and ended_at", n)
 	}
-	if n := meshtest.WaitNode(t, e.srv.Nodes, "r-sleep", "root/s0.t0"); n.GetStatus() != meshv1.NodeStatus_NODE_STATUS_SUCCEEDED {
-		t.Fatalf("recorded node = %v", n)
+	if d := n.GetEndedAt().AsTime().Sub(n.GetStartedAt().AsTime()); d < 55*time.Millisecond {
+		t.Fatalf("recorded node ran %v, want the 60ms sleep", d)
+	}
+	if n.GetStartedAt().AsTime().Before(start) || n.GetEndedAt().AsTime().After(start.Add(elapsed)) {
+		t.Fatalf("recorded node ran %v..%v, outside the call %v..%v", n.GetStartedAt().AsTime(), n.GetEndedAt().AsTime(), start, start.Add(elapsed))
 	}
 }
 
@@ -123,15 +162,16 @@ func TestSleepCancelled(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	ev, err := st.Recv()
-	if err != nil || ev.GetNode().GetStatus() != meshv1.NodeStatus_NODE_STATUS_RUNNING {
-		t.Fatalf("first event = %v, %v; want the running node", ev, err)
+	if n := waitRunning(t, e.srv.Nodes, "r-sleepc", "root/s0.t0"); n.GetKind() != meshv1.NodeKind_NODE_KIND_TOOL || n.GetName() != "sleep" {
+		t.Fatalf("running node = %v, want the sleep tool", n)
 	}
 	cancelAt := time.Now()
 	cancel()
-	if r := drain(st); status.Code(r.err) != codes.Canceled {
+	r := drain(st)
+	if status.Code(r.err) != codes.Canceled {
 		t.Fatalf("after cancel: %v, want CANCELED", r.err)
 	}
+	noOwnEvents(t, r, "root/s0.t0")
 	n := meshtest.WaitNode(t, e.srv.Nodes, "r-sleepc", "root/s0.t0")
 	if n.GetStatus() != meshv1.NodeStatus_NODE_STATUS_CANCELLED || n.GetCancelledAt() == nil {
 		t.Fatalf("node = %v, want CANCELLED with cancelled_at", n)
@@ -152,19 +192,33 @@ func TestFailTool(t *testing.T) {
 		if d := time.Since(start); d < 45*time.Millisecond {
 			t.Fatalf("attempt %s failed after %v, want after_ms 50", a, d)
 		}
-		if len(r.events) != 2 || r.events[0].GetStatus() != meshv1.NodeStatus_NODE_STATUS_RUNNING {
-			t.Fatalf("attempt %s events = %v", a, r.events)
+		if len(r.events) != 0 {
+			t.Fatalf("attempt %s events = %v, want none: the tool's own node is not streamed", a, r.events)
 		}
-		if end := r.events[1]; end.GetStatus() != meshv1.NodeStatus_NODE_STATUS_FAILED || end.GetErrorCode() != "ABORTED" {
-			t.Fatalf("attempt %s end event = %v, want FAILED with ABORTED", a, end)
+		end := meshtest.WaitNode(t, e.srv.Nodes, run, node)
+		if end.GetStatus() != meshv1.NodeStatus_NODE_STATUS_FAILED || end.GetErrorCode() != "ABORTED" ||
+			end.GetStartedAt() == nil || end.GetEndedAt() == nil {
+			t.Fatalf("attempt %s node = %v, want FAILED with ABORTED, started and ended", a, end)
+		}
+		if d := end.GetEndedAt().AsTime().Sub(end.GetStartedAt().AsTime()); d < 45*time.Millisecond {
+			t.Fatalf("attempt %s node ran %v, want after_ms 50", a, d)
 		}
 	}
 	r := execute(withAttempt(ident(run, node), "3"), t, e.tools, "fail", args)
 	if r.err != nil || r.out != `{"attempt":3}` {
 		t.Fatalf("attempt 3 = %q, %v; want success", r.out, r.err)
 	}
-	if n := meshtest.WaitNode(t, e.srv.Nodes, run, node); n.GetStatus() != meshv1.NodeStatus_NODE_STATUS_SUCCEEDED {
+	if len(r.events) != 0 {
+		t.Fatalf("attempt 3 events = %v, want none", r.events)
+	}
+	n := meshtest.WaitNode(t, e.srv.Nodes, run, node)
+	if n.GetStatus() != meshv1.NodeStatus_NODE_STATUS_SUCCEEDED || n.GetErrorCode() != "" {
 		t.Fatalf("node after attempt 3 = %v", n)
+	}
+	// The two failed attempts are kept on the record.
+	if ea := n.GetEarlierAttempts(); len(ea) != 2 || ea[0].GetStatus() != meshv1.NodeStatus_NODE_STATUS_FAILED || ea[0].GetErrorCode() != "ABORTED" ||
+		ea[1].GetStatus() != meshv1.NodeStatus_NODE_STATUS_FAILED || ea[1].GetErrorCode() != "ABORTED" {
+		t.Fatalf("earlier attempts = %v, want the two ABORTED failures", ea)
 	}
 
 	// Defaults: one failure with UNAVAILABLE; no attempt header counts as attempt 1.
@@ -188,6 +242,9 @@ func TestDeployCompletes(t *testing.T) {
 	if !strings.Contains(r.out, `"status":"deployed"`) {
 		t.Fatalf("output = %q", r.out)
 	}
+	if len(r.events) != 0 {
+		t.Fatalf("events = %v, want none", r.events)
+	}
 	n := meshtest.WaitNode(t, e.srv.Nodes, "r-dep", "root/s0.t0")
 	if n.GetStatus() != meshv1.NodeStatus_NODE_STATUS_SUCCEEDED || n.GetCleanup() != nil {
 		t.Fatalf("node = %v, want SUCCEEDED without a cleanup", n)
@@ -204,15 +261,15 @@ func TestDeployCancelledRunsAbort(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if _, err := st.Recv(); err != nil {
-		t.Fatal(err)
-	}
+	waitRunning(t, e.srv.Nodes, run, node)
 	time.Sleep(50 * time.Millisecond) // a few polls
 	cancelAt := time.Now()
 	cancel()
-	if r := drain(st); status.Code(r.err) != codes.Canceled {
+	r := drain(st)
+	if status.Code(r.err) != codes.Canceled {
 		t.Fatalf("after cancel: %v, want CANCELED", r.err)
 	}
+	noOwnEvents(t, r, node)
 	if d := time.Since(cancelAt); d > 250*time.Millisecond {
 		t.Fatalf("the caller waited %v for a cancelled call; the abort must not hold it", d)
 	}
@@ -251,11 +308,9 @@ func TestDeployCleanupBudgetExhausted(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if _, err := st.Recv(); err != nil {
-		t.Fatal(err)
-	}
+	waitRunning(t, e.srv.Nodes, "r-depb", "root/s0.t0")
 	cancel()
-	_ = drain(st)
+	noOwnEvents(t, drain(st), "root/s0.t0")
 	n := meshtest.WaitNode(t, e.srv.Nodes, "r-depb", "root/s0.t0")
 	c := n.GetCleanup()
 	if c == nil || c.GetCompleted() || c.GetError() == "" {
@@ -289,6 +344,7 @@ func TestDeployDeadlineStillCleansUp(t *testing.T) {
 		defer cancel()
 		r := execute(ctx, t, e.tools, "deploy", args)
 		meshtest.WantCode(t, r.err, codes.DeadlineExceeded)
+		noOwnEvents(t, r, "root/s0.t0")
 		n := meshtest.WaitNode(t, e.srv.Nodes, "r-depdl", "root/s0.t0")
 		if n.GetStatus() != meshv1.NodeStatus_NODE_STATUS_DEADLINE_EXCEEDED || n.GetCause() != meshv1.CancelCause_CANCEL_CAUSE_DEADLINE {
 			t.Fatalf("node = %v, want DEADLINE_EXCEEDED with cause DEADLINE", n)
@@ -309,6 +365,7 @@ func TestDeployDeadlineStillCleansUp(t *testing.T) {
 		if d := time.Since(start); d > time.Second {
 			t.Fatalf("the caller got its deadline after %v", d)
 		}
+		noOwnEvents(t, r, "root/s0.t0")
 		n := meshtest.WaitNode(t, e.srv.Nodes, "r-depdl2", "root/s0.t0")
 		// The caller's RST_STREAM and the server's copy of the deadline race; either way
 		// the node is stopped and its abort ran.
@@ -430,16 +487,28 @@ func TestSpawnSubagentForwardsNodesAndAnswer(t *testing.T) {
 	for _, n := range r.events {
 		got = append(got, n.GetId()+" "+strings.TrimPrefix(n.GetStatus().String(), "NODE_STATUS_"))
 	}
+	// Only the nested nodes stream; the tool's own node is recorded in the table.
 	want := []string{
-		"root/s0.t1 RUNNING",
 		"root/s0.t1/sub RUNNING",
 		"root/s0.t1/sub/m0 RUNNING",
 		"root/s0.t1/sub/m0 SUCCEEDED",
 		"root/s0.t1/sub SUCCEEDED",
-		"root/s0.t1 SUCCEEDED",
 	}
 	if strings.Join(got, "\n") != strings.Join(want, "\n") {
 		t.Fatalf("events:\n%s\nwant:\n%s", strings.Join(got, "\n"), strings.Join(want, "\n"))
+	}
+	n := meshtest.WaitNode(t, e.srv.Nodes, "r-spawn", "root/s0.t1")
+	if n.GetStatus() != meshv1.NodeStatus_NODE_STATUS_SUCCEEDED || n.GetKind() != meshv1.NodeKind_NODE_KIND_TOOL || n.GetName() != "spawn_subagent" {
+		t.Fatalf("tool node = %v, want the succeeded spawn_subagent tool", n)
+	}
+	// The tool node spans its subagent's: it started before and ended after.
+	sub := meshtest.WaitNode(t, f.table, "r-spawn", "root/s0.t1/sub")
+	if n.GetStartedAt().AsTime().After(sub.GetStartedAt().AsTime()) || n.GetEndedAt().AsTime().Before(sub.GetEndedAt().AsTime()) {
+		t.Fatalf("tool node ran %v..%v, subagent %v..%v: want the tool's span to cover the subagent's",
+			n.GetStartedAt().AsTime(), n.GetEndedAt().AsTime(), sub.GetStartedAt().AsTime(), sub.GetEndedAt().AsTime())
+	}
+	if ns, _ := e.srv.Nodes.List(context.Background(), "r-spawn", nil, 0); len(ns) != 1 {
+		t.Fatalf("toolrunner table = %v, want only the tool's own node (nested nodes live in the subagent's)", ns)
 	}
 	call := <-f.entered
 	if call.id.RunID != "r-spawn" || call.id.NodeID != "root/s0.t1" {
@@ -519,9 +588,11 @@ func TestSpawnSubagentFanoutLimit(t *testing.T) {
 	}
 	release()
 	for _, c := range []chan result{first, other} {
-		if r := <-c; r.err != nil || r.out != `{"answer":"forty-two"}` {
+		r := <-c
+		if r.err != nil || r.out != `{"answer":"forty-two"}` {
 			t.Fatalf("held spawn = %q, %v", r.out, r.err)
 		}
+		noOwnEvents(t, r, "root/s0.t0")
 	}
 	// The slot was given back.
 	if r := execute(ident("r-fan", "root/s1.t0"), t, e.tools, "spawn_subagent", spawnArgs); r.err != nil {
@@ -546,9 +617,11 @@ func TestSpawnSubagentCancelWaitsForTeardown(t *testing.T) {
 	}
 	cancelAt := time.Now()
 	cancel()
-	if r := drain(st); status.Code(r.err) != codes.Canceled {
+	r := drain(st)
+	if status.Code(r.err) != codes.Canceled {
 		t.Fatalf("after cancel: %v, want CANCELED", r.err)
 	}
+	noOwnEvents(t, r, node)
 	n := meshtest.WaitNode(t, e.srv.Nodes, run, node)
 	if n.GetStatus() != meshv1.NodeStatus_NODE_STATUS_CANCELLED || n.GetCancelledAt() == nil {
 		t.Fatalf("tool node = %v, want CANCELLED", n)
@@ -562,4 +635,276 @@ func TestSpawnSubagentCancelWaitsForTeardown(t *testing.T) {
 		t.Fatalf("tool node ended at %v (+%v after cancel), subagent at %v: want the tool after the subagent's teardown",
 			toolEnd, toolEnd.Sub(cancelAt), subEnd)
 	}
+}
+
+// withKey sends an idempotency key with the call.
+func withKey(ctx context.Context, key string) context.Context {
+	return metadata.AppendToOutgoingContext(ctx, md.IdempotencyKey, key)
+}
+
+// effects returns curfew_tool_effects_total{tool="deploy"} as gathered from reg (0 when
+// the series does not exist yet).
+func effects(t *testing.T, reg *prometheus.Registry) float64 {
+	t.Helper()
+	mfs, err := reg.Gather()
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, mf := range mfs {
+		if mf.GetName() != "curfew_tool_effects_total" {
+			continue
+		}
+		for _, m := range mf.GetMetric() {
+			for _, l := range m.GetLabel() {
+				if l.GetName() == "tool" && l.GetValue() == "deploy" {
+					return m.GetCounter().GetValue()
+				}
+			}
+		}
+	}
+	return 0
+}
+
+func wantEffects(t *testing.T, reg *prometheus.Registry, want float64) {
+	t.Helper()
+	if got := effects(t, reg); got != want {
+		t.Fatalf("curfew_tool_effects_total{tool=\"deploy\"} = %v, want %v", got, want)
+	}
+}
+
+// deployOut is deploy's result.
+type deployOut struct {
+	Job    int64  `json:"job"`
+	Status string `json:"status"`
+	Polls  int    `json:"polls"`
+	Starts int    `json:"starts"`
+}
+
+func parseDeploy(t *testing.T, out string) deployOut {
+	t.Helper()
+	var d deployOut
+	if err := json.Unmarshal([]byte(out), &d); err != nil || d.Status != "deployed" || d.Job == 0 {
+		t.Fatalf("deploy output %q (%v), want a deployed job", out, err)
+	}
+	return d
+}
+
+func TestIdempotencyKeyReplaysDoneCall(t *testing.T) {
+	reg := prometheus.NewRegistry()
+	e := newEnv(t, mesh.ServerConfig{}, Config{Registerer: reg})
+	const run, node = "r-idem", "root/s0.t0"
+	ctx := withKey(ident(run, node), "deploy-1")
+	args := `{"duration_ms":120,"poll_ms":20}`
+
+	r1 := execute(ctx, t, e.tools, "deploy", args)
+	if r1.err != nil {
+		t.Fatal(r1.err)
+	}
+	d1 := parseDeploy(t, r1.out)
+	if d1.Starts != 1 || d1.Polls < 2 {
+		t.Fatalf("first call = %+v, want one start and several polls", d1)
+	}
+	noOwnEvents(t, r1, node)
+	wantEffects(t, reg, 1)
+
+	// The same key again: the stored result is replayed. A second run would attach to the
+	// (finished) job and report a single poll, so an identical result means no second run.
+	start := time.Now()
+	r2 := execute(ctx, t, e.tools, "deploy", args)
+	if r2.err != nil {
+		t.Fatal(r2.err)
+	}
+	if r2.out != r1.out {
+		t.Fatalf("second call = %q, want the first's result %q replayed", r2.out, r1.out)
+	}
+	if len(r2.events) != 0 {
+		t.Fatalf("replay events = %v, want none", r2.events)
+	}
+	if d := time.Since(start); d > 2*time.Second {
+		t.Fatalf("replay took %v", d)
+	}
+	wantEffects(t, reg, 1)
+	n := meshtest.WaitNode(t, e.srv.Nodes, run, node)
+	if n.GetStatus() != meshv1.NodeStatus_NODE_STATUS_SUCCEEDED || len(n.GetEarlierAttempts()) != 0 {
+		t.Fatalf("node = %v, want one SUCCEEDED run and no second attempt", n)
+	}
+}
+
+func TestIdempotencyKeyJoinsCallInProgress(t *testing.T) {
+	reg := prometheus.NewRegistry()
+	e := newEnv(t, mesh.ServerConfig{}, Config{Registerer: reg})
+	const run, node = "r-idem-join", "root/s0.t0"
+	ctx, cancel := context.WithTimeout(withKey(ident(run, node), "deploy-join"), 10*time.Second)
+	defer cancel()
+	args := `{"duration_ms":500,"poll_ms":20}`
+
+	first := make(chan result, 1)
+	go func() {
+		st, err := e.tools.Execute(ctx, &toolrunnerv1.ExecuteRequest{Name: "deploy", ArgsJson: args})
+		if err != nil {
+			first <- result{err: err}
+			return
+		}
+		first <- drain(st)
+	}()
+	waitRunning(t, e.srv.Nodes, run, node)
+
+	// A duplicate while the first is in progress joins it.
+	dupStart := time.Now()
+	r2 := execute(ctx, t, e.tools, "deploy", args)
+	dupEnd := time.Now()
+	r1 := <-first
+	if r1.err != nil || r2.err != nil {
+		t.Fatalf("first = %v, duplicate = %v", r1.err, r2.err)
+	}
+	d1, d2 := parseDeploy(t, r1.out), parseDeploy(t, r2.out)
+	if r2.out != r1.out || d2.Job != d1.Job || d1.Starts != 1 {
+		t.Fatalf("first = %q, duplicate = %q: want the same result of one job", r1.out, r2.out)
+	}
+	noOwnEvents(t, r1, node)
+	if len(r2.events) != 0 {
+		t.Fatalf("joined call events = %v, want none", r2.events)
+	}
+	wantEffects(t, reg, 1)
+	n := meshtest.WaitNode(t, e.srv.Nodes, run, node)
+	if n.GetStatus() != meshv1.NodeStatus_NODE_STATUS_SUCCEEDED || len(n.GetEarlierAttempts()) != 0 {
+		t.Fatalf("node = %v, want the one SUCCEEDED run and no second attempt", n)
+	}
+	// The duplicate was sent while the first ran and got its answer only once the first ended.
+	if ended := n.GetEndedAt().AsTime(); !dupStart.Before(ended) || dupEnd.Before(ended) {
+		t.Fatalf("duplicate ran %v..%v, first ended %v: want it to wait for the first", dupStart, dupEnd, ended)
+	}
+}
+
+func TestIdempotencyKeyConcurrentDuplicates(t *testing.T) {
+	reg := prometheus.NewRegistry()
+	e := newEnv(t, mesh.ServerConfig{}, Config{Registerer: reg})
+	const run, node = "r-idem-many", "root/s0.t0"
+	ctx, cancel := context.WithTimeout(withKey(ident(run, node), "deploy-many"), 10*time.Second)
+	defer cancel()
+	const calls = 8
+	var wg sync.WaitGroup
+	results := make([]result, calls)
+	for i := range calls {
+		wg.Go(func() {
+			st, err := e.tools.Execute(ctx, &toolrunnerv1.ExecuteRequest{Name: "deploy", ArgsJson: `{"duration_ms":200,"poll_ms":20}`})
+			if err != nil {
+				results[i] = result{err: err}
+				return
+			}
+			results[i] = drain(st)
+		})
+	}
+	wg.Wait()
+	for i, r := range results {
+		if r.err != nil || r.out != results[0].out {
+			t.Fatalf("call %d = %q, %v; want %q like call 0", i, r.out, r.err, results[0].out)
+		}
+		noOwnEvents(t, r, node)
+	}
+	if d := parseDeploy(t, results[0].out); d.Starts != 1 {
+		t.Fatalf("result = %+v, want one start", d)
+	}
+	wantEffects(t, reg, 1)
+}
+
+func TestIdempotencyKeyIsPerTenant(t *testing.T) {
+	reg := prometheus.NewRegistry()
+	e := newEnv(t, mesh.ServerConfig{}, Config{Registerer: reg})
+	const run = "r-idem-tenant"
+	args := `{"duration_ms":50,"poll_ms":10}`
+	rA := execute(withKey(ident(run, "root/s0.t0"), "shared"), t, e.tools, "deploy", args)
+	if rA.err != nil {
+		t.Fatal(rA.err)
+	}
+	wantEffects(t, reg, 1)
+	// The same key under another tenant is another call: it runs and starts its own job.
+	ctxB := metadata.AppendToOutgoingContext(withKey(ident(run, "root/s0.t1"), "shared"), md.Tenant, "acme")
+	rB := execute(ctxB, t, e.tools, "deploy", args)
+	if rB.err != nil {
+		t.Fatal(rB.err)
+	}
+	dA, dB := parseDeploy(t, rA.out), parseDeploy(t, rB.out)
+	if dA.Job == dB.Job || dA.Starts != 1 || dB.Starts != 1 {
+		t.Fatalf("tenant default = %+v, tenant acme = %+v: want separate jobs, one start each", dA, dB)
+	}
+	wantEffects(t, reg, 2)
+	if n := meshtest.WaitNode(t, e.srv.Nodes, run, "root/s0.t1"); n.GetStatus() != meshv1.NodeStatus_NODE_STATUS_SUCCEEDED {
+		t.Fatalf("acme's node = %v, want it run", n)
+	}
+	// Each tenant's key still replays its own result.
+	if r := execute(ctxB, t, e.tools, "deploy", args); r.err != nil || r.out != rB.out {
+		t.Fatalf("acme's retry = %q, %v; want %q", r.out, r.err, rB.out)
+	}
+	if r := execute(withKey(ident(run, "root/s0.t0"), "shared"), t, e.tools, "deploy", args); r.err != nil || r.out != rA.out {
+		t.Fatalf("default's retry = %q, %v; want %q", r.out, r.err, rA.out)
+	}
+	wantEffects(t, reg, 2)
+}
+
+// jobOf returns the job id that deploy's lost-acknowledgement error names.
+func jobOf(t *testing.T, err error) int64 {
+	t.Helper()
+	var job int64
+	if _, serr := fmt.Sscanf(status.Convert(err).Message(), "deploy: job %d started", &job); serr != nil {
+		t.Fatalf("error %v names no job: %v", err, serr)
+	}
+	return job
+}
+
+func TestDeployLostAckRetry(t *testing.T) {
+	args := `{"duration_ms":100,"poll_ms":20,"fail_attempts":1}`
+
+	t.Run("with key", func(t *testing.T) {
+		reg := prometheus.NewRegistry()
+		e := newEnv(t, mesh.ServerConfig{}, Config{Registerer: reg})
+		const run, node = "r-ack", "root/s0.t0"
+		ctx := withKey(ident(run, node), "deploy-ack")
+		r := execute(withAttempt(ctx, "1"), t, e.tools, "deploy", args)
+		meshtest.WantCode(t, r.err, codes.Unavailable, "acknowledgement was lost")
+		noOwnEvents(t, r, node)
+		job := jobOf(t, r.err)
+		wantEffects(t, reg, 1) // the job started although the call failed
+		if n := meshtest.WaitNode(t, e.srv.Nodes, run, node); n.GetStatus() != meshv1.NodeStatus_NODE_STATUS_FAILED || n.GetErrorCode() != "UNAVAILABLE" {
+			t.Fatalf("node after attempt 1 = %v, want FAILED with UNAVAILABLE", n)
+		}
+
+		// The retry carries the same key: it attaches to the job attempt 1 started.
+		r = execute(withAttempt(ctx, "2"), t, e.tools, "deploy", args)
+		if r.err != nil {
+			t.Fatalf("attempt 2: %v", r.err)
+		}
+		noOwnEvents(t, r, node)
+		d := parseDeploy(t, r.out)
+		if d.Job != job || d.Starts != 1 {
+			t.Fatalf("attempt 2 = %+v, want job %d with starts 1", d, job)
+		}
+		wantEffects(t, reg, 1)
+		n := meshtest.WaitNode(t, e.srv.Nodes, run, node)
+		if n.GetStatus() != meshv1.NodeStatus_NODE_STATUS_SUCCEEDED {
+			t.Fatalf("node after attempt 2 = %v, want SUCCEEDED", n)
+		}
+		if ea := n.GetEarlierAttempts(); len(ea) != 1 || ea[0].GetStatus() != meshv1.NodeStatus_NODE_STATUS_FAILED || ea[0].GetErrorCode() != "UNAVAILABLE" {
+			t.Fatalf("earlier attempts = %v, want attempt 1's UNAVAILABLE", ea)
+		}
+	})
+
+	t.Run("without key", func(t *testing.T) {
+		reg := prometheus.NewRegistry()
+		e := newEnv(t, mesh.ServerConfig{}, Config{Registerer: reg})
+		ctx := ident("r-ack-nokey", "root/s0.t0")
+		r := execute(withAttempt(ctx, "1"), t, e.tools, "deploy", args)
+		meshtest.WantCode(t, r.err, codes.Unavailable, "acknowledgement was lost")
+		job := jobOf(t, r.err)
+		wantEffects(t, reg, 1)
+		// Without a key nothing ties the retry to the first job: the effect is duplicated.
+		r = execute(withAttempt(ctx, "2"), t, e.tools, "deploy", args)
+		if r.err != nil {
+			t.Fatalf("attempt 2: %v", r.err)
+		}
+		if d := parseDeploy(t, r.out); d.Job == job {
+			t.Fatalf("attempt 2 = %+v, want a second job (not %d)", d, job)
+		}
+		wantEffects(t, reg, 2)
+	})
 }

@@ -1,0 +1,155 @@
+package retry
+
+import (
+	"bytes"
+	"encoding/json"
+	"fmt"
+	"os"
+	"time"
+)
+
+// File is the retry section of a service's configuration file (JSON):
+//
+//	{"default": {"max_attempts": 3, "base": "25ms", "cap": "250ms", "min_attempt_time": "10ms"},
+//	 "budget": {"ratio": 0.2, "per_second": 10, "window": "10s"},
+//	 "throttle": false,
+//	 "targets": {"toolrunner": {"default": {...},
+//	                            "methods": {"/curfew.toolrunner.v1.ToolRunnerService/Execute": {"max_attempts": 2}}}}}
+//
+// A target's default and method policies start from the file's default; fields they set
+// override it. {"disabled": true} turns retries off.
+type File struct {
+	Default  PolicyJSON            `json:"default"`
+	Budget   BudgetJSON            `json:"budget"`
+	Throttle bool                  `json:"throttle"`
+	Targets  map[string]TargetJSON `json:"targets"`
+}
+
+// TargetJSON is one target's policies.
+type TargetJSON struct {
+	Default *PolicyJSON           `json:"default"`
+	Methods map[string]PolicyJSON `json:"methods"`
+}
+
+// PolicyJSON is a Policy in the file; unset fields inherit.
+type PolicyJSON struct {
+	Disabled       *bool     `json:"disabled"`
+	MaxAttempts    *int      `json:"max_attempts"`
+	Base           *Duration `json:"base"`
+	Cap            *Duration `json:"cap"`
+	MinAttemptTime *Duration `json:"min_attempt_time"`
+	NonIdempotent  *bool     `json:"non_idempotent"`
+}
+
+// BudgetJSON is a BudgetConfig in the file.
+type BudgetJSON struct {
+	Disabled  bool     `json:"disabled"`
+	Ratio     *float64 `json:"ratio"`
+	PerSecond *float64 `json:"per_second"`
+	Window    Duration `json:"window"`
+}
+
+// Duration is a time.Duration written as a string ("250ms").
+type Duration time.Duration
+
+// UnmarshalJSON parses "250ms".
+func (d *Duration) UnmarshalJSON(b []byte) error {
+	var s string
+	if err := json.Unmarshal(b, &s); err != nil {
+		return fmt.Errorf("a duration is a string such as \"250ms\": %w", err)
+	}
+	v, err := time.ParseDuration(s)
+	if err != nil {
+		return err
+	}
+	*d = Duration(v)
+	return nil
+}
+
+// LoadFile reads and validates a retry configuration file.
+func LoadFile(path string) (*File, error) {
+	b, err := os.ReadFile(path)
+	if err != nil {
+		return nil, err
+	}
+	var f File
+	dec := json.NewDecoder(bytes.NewReader(b))
+	dec.DisallowUnknownFields()
+	if err := dec.Decode(&f); err != nil {
+		return nil, fmt.Errorf("%s: %w", path, err)
+	}
+	if err := f.Validate(); err != nil {
+		return nil, fmt.Errorf("%s: %w", path, err)
+	}
+	return &f, nil
+}
+
+// Validate checks every policy the file can produce.
+func (f *File) Validate() error {
+	if err := f.Default.Apply(Policy{}).Validate(); err != nil {
+		return fmt.Errorf("default: %w", err)
+	}
+	for name := range f.Targets {
+		if err := f.For(name).Validate(); err != nil {
+			return fmt.Errorf("targets.%s: %w", name, err)
+		}
+	}
+	return f.budget().Validate()
+}
+
+// Apply returns base with the fields p sets.
+func (p PolicyJSON) Apply(base Policy) Policy {
+	if p.Disabled != nil {
+		base.Disabled = *p.Disabled
+	}
+	if p.MaxAttempts != nil {
+		base.MaxAttempts = *p.MaxAttempts
+	}
+	if p.Base != nil {
+		base.Base = time.Duration(*p.Base)
+	}
+	if p.Cap != nil {
+		base.Cap = time.Duration(*p.Cap)
+	}
+	if p.MinAttemptTime != nil {
+		base.MinAttemptTime = time.Duration(*p.MinAttemptTime)
+	}
+	if p.NonIdempotent != nil {
+		base.NonIdempotent = *p.NonIdempotent
+	}
+	return base
+}
+
+func (f *File) budget() BudgetConfig {
+	// Unset fields take the defaults here, so that an explicit 0 stays 0.
+	b := BudgetConfig{Disabled: f.Budget.Disabled, Window: time.Duration(f.Budget.Window),
+		Ratio: DefaultBudgetRatio, PerSecond: DefaultBudgetPerSecond}
+	if f.Budget.Ratio != nil {
+		b.Ratio = *f.Budget.Ratio
+	}
+	if f.Budget.PerSecond != nil {
+		b.PerSecond = *f.Budget.PerSecond
+	}
+	return b
+}
+
+// For returns the Config of the connection to target (Target, Metrics and Logger are the
+// caller's to set).
+func (f *File) For(target string) Config {
+	def := f.Default.Apply(Policy{})
+	cfg := Config{Target: target, Budget: f.budget(), Throttle: f.Throttle, Default: def}
+	t, ok := f.Targets[target]
+	if !ok {
+		return cfg
+	}
+	if t.Default != nil {
+		cfg.Default = t.Default.Apply(def)
+	}
+	if len(t.Methods) > 0 {
+		cfg.Methods = make(map[string]Policy, len(t.Methods))
+		for m, p := range t.Methods {
+			cfg.Methods[m] = p.Apply(cfg.Default)
+		}
+	}
+	return cfg
+}

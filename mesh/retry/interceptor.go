@@ -1,0 +1,386 @@
+package retry
+
+import (
+	"context"
+	"errors"
+	"io"
+	"log/slog"
+	"math/rand/v2"
+	"strconv"
+	"sync"
+	"time"
+
+	"github.com/google/uuid"
+	"github.com/prometheus/client_golang/prometheus"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/metadata"
+	"google.golang.org/grpc/status"
+
+	"github.com/curfew-mesh/curfew/mesh/md"
+)
+
+// Config configures the retry interceptors of one client connection (one target). The
+// zero value retries with the default policy and budget.
+type Config struct {
+	// Target labels metrics and logs ("toolrunner", ...).
+	Target string
+	// Default is the policy of methods not in Methods.
+	Default Policy
+	// Methods maps a full method name to its policy.
+	Methods map[string]Policy
+	// Budget caps retries on this connection.
+	Budget BudgetConfig
+	// Throttle turns on client-side adaptive throttling.
+	Throttle bool
+	// Metrics, if set, receives the retry metrics.
+	Metrics *Metrics
+	// Logger receives a record per retried attempt; slog.Default when nil.
+	Logger *slog.Logger
+	// Now, Rand and Sleep replace the clock, the random source and the wait, for tests.
+	Now   func() time.Time
+	Rand  func() float64
+	Sleep func(context.Context, time.Duration) error
+}
+
+// Validate checks every policy and the budget.
+func (c Config) Validate() error {
+	if err := c.Default.Validate(); err != nil {
+		return err
+	}
+	for m, p := range c.Methods {
+		if err := p.Validate(); err != nil {
+			return errorf("method %s: %v", m, err)
+		}
+	}
+	return c.Budget.Validate()
+}
+
+// Metrics are the client-side retry metrics.
+type Metrics struct {
+	attempts        *prometheus.CounterVec
+	backoff         *prometheus.HistogramVec
+	budgetExhausted *prometheus.CounterVec
+}
+
+// NewMetrics creates the retry metrics and registers them with reg (if not nil).
+func NewMetrics(reg prometheus.Registerer) *Metrics {
+	m := &Metrics{
+		attempts: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "curfew_retry_attempts_total",
+			Help: "Attempts of outgoing calls by target, method and the attempt's outcome code; attempt 2 and later are retries.",
+		}, []string{"target", "method", "code", "retry"}),
+		backoff: prometheus.NewHistogramVec(prometheus.HistogramOpts{
+			Name:    "curfew_backoff_delay_seconds",
+			Help:    "Delay slept before a retry (backoff with full jitter, or the server's pushback).",
+			Buckets: []float64{.001, .005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5},
+		}, []string{"target", "method"}),
+		budgetExhausted: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "curfew_retry_budget_exhausted_total",
+			Help: "Retries refused because the target's retry budget was spent.",
+		}, []string{"target"}),
+	}
+	if reg != nil {
+		reg.MustRegister(m.attempts, m.backoff, m.budgetExhausted)
+	}
+	return m
+}
+
+// client is the state shared by one connection's interceptors.
+type client struct {
+	cfg      Config
+	budget   *Budget
+	throttle *Throttle
+	randMu   sync.Mutex
+	rng      *rand.Rand
+}
+
+func newClient(cfg Config) *client {
+	c := &client{cfg: cfg, budget: NewBudget(cfg.Budget, cfg.Now)}
+	if cfg.Throttle {
+		c.throttle = NewThrottle(0, cfg.Budget.WithDefaults().Window, cfg.Now)
+	}
+	if c.cfg.Now == nil {
+		c.cfg.Now = time.Now
+	}
+	if c.cfg.Sleep == nil {
+		c.cfg.Sleep = sleep
+	}
+	if c.cfg.Logger == nil {
+		c.cfg.Logger = slog.Default()
+	}
+	if c.cfg.Rand == nil {
+		c.rng = rand.New(rand.NewPCG(rand.Uint64(), rand.Uint64())) //nolint:gosec // jitter, not secrets
+		c.cfg.Rand = func() float64 {
+			c.randMu.Lock()
+			defer c.randMu.Unlock()
+			return c.rng.Float64()
+		}
+	}
+	return c
+}
+
+func (c *client) policy(method string) Policy {
+	if p, ok := c.cfg.Methods[method]; ok {
+		return p.WithDefaults()
+	}
+	return c.cfg.Default.WithDefaults()
+}
+
+func sleep(ctx context.Context, d time.Duration) error {
+	if d <= 0 {
+		return ctx.Err()
+	}
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-ctx.Done():
+		return ctx.Err()
+	case <-t.C:
+		return nil
+	}
+}
+
+// call carries one logical call through its attempts.
+type call struct {
+	c        *client
+	method   string
+	p        Policy
+	retryID  string
+	hasKey   bool
+	start    time.Time
+	attempts int
+	// first is the attempt number of this layer's first attempt: 1, or what the caller set
+	// in curfew-attempt when it is itself retrying the same logical call.
+	first int
+}
+
+// SideEffect marks one call as having side effects: it is retried only when it carries an
+// idempotency key (curfew-idempotency-key), whatever its method's policy says.
+func SideEffect() grpc.CallOption { return sideEffect{} }
+
+type sideEffect struct{ grpc.EmptyCallOption }
+
+func (c *client) begin(ctx context.Context, method string, opts []grpc.CallOption) (context.Context, *call, error) {
+	out, _ := metadata.FromOutgoingContext(ctx)
+	cl := &call{c: c, method: method, p: c.policy(method), start: c.cfg.Now(),
+		hasKey: len(out.Get(md.IdempotencyKey)) > 0}
+	for _, o := range opts {
+		if _, ok := o.(sideEffect); ok {
+			cl.p.NonIdempotent = true
+		}
+	}
+	cl.first = 1
+	if v := out.Get(md.Attempt); len(v) > 0 {
+		if a, err := strconv.Atoi(v[0]); err == nil && a > 1 {
+			cl.first = a
+		}
+	}
+	if v := out.Get(md.RetryID); len(v) > 0 && v[0] != "" {
+		cl.retryID = v[0] // the caller minted it (a retry at a higher level of the same call)
+	} else {
+		id, err := uuid.NewV7()
+		if err != nil {
+			return nil, nil, status.Error(codes.Internal, "internal error")
+		}
+		cl.retryID = id.String()
+		ctx = metadata.AppendToOutgoingContext(ctx, md.RetryID, cl.retryID)
+	}
+	if c.throttle != nil && !c.throttle.Allow(c.cfg.Rand()) {
+		return nil, nil, status.Errorf(codes.Unavailable, "%s: throttled on the client: the target has been rejecting requests", method)
+	}
+	c.budget.Request()
+	return ctx, cl, nil
+}
+
+// attemptCtx addresses this layer's attempt n (1-based), numbered on the wire from the
+// caller's first attempt.
+func (cl *call) attemptCtx(ctx context.Context, n int) context.Context {
+	cl.attempts = n
+	out, _ := metadata.FromOutgoingContext(ctx)
+	out = out.Copy()
+	out.Set(md.Attempt, strconv.Itoa(cl.first+n-1))
+	return metadata.NewOutgoingContext(ctx, out)
+}
+
+// after judges attempt n's outcome and, to retry, waits before the next attempt. It
+// returns retry, or the error to return (nil on success).
+func (cl *call) after(ctx context.Context, n int, err error, trailer metadata.MD) (retry bool, out error) {
+	c := cl.c
+	code := status.Code(err)
+	if m := c.cfg.Metrics; m != nil {
+		m.attempts.WithLabelValues(c.cfg.Target, cl.method, code.String(), strconv.FormatBool(n > 1)).Inc()
+	}
+	if c.throttle != nil && code != codes.Unavailable && code != codes.ResourceExhausted {
+		c.throttle.Accepted()
+	}
+	if err == nil || ctx.Err() != nil {
+		return false, err
+	}
+	left := time.Duration(1<<63 - 1)
+	if dl, ok := ctx.Deadline(); ok {
+		left = dl.Sub(c.cfg.Now())
+	}
+	d := cl.p.Decide(err, trailer, n, left, cl.hasKey, c.cfg.Rand)
+	log := func(msg string, extra ...any) {
+		id := md.IdentityFrom(ctx)
+		c.cfg.Logger.InfoContext(ctx, msg, append([]any{"target", c.cfg.Target, "method", cl.method, "run_id", id.RunID, "node_id", id.NodeID,
+			"retry_id", cl.retryID, "attempt", n, "error_type", code.String(), "elapsed_ms", c.cfg.Now().Sub(cl.start).Milliseconds(),
+			"reason", d.Reason}, extra...)...)
+	}
+	switch d.Verdict {
+	case GiveUp:
+		return false, err
+	case Exhausted:
+		log("retries exhausted")
+		return false, MarkExhausted(err, n)
+	case NoTime:
+		log("no time left to retry", "backoff_ms", d.Delay.Milliseconds())
+		return false, status.Errorf(codes.DeadlineExceeded, "no time left to retry %s after attempt %d (%s: %s): the wait of %v would end past the deadline",
+			cl.method, n, code, status.Convert(err).Message(), d.Delay.Round(time.Millisecond))
+	}
+	if !c.budget.AllowRetry() {
+		if m := c.cfg.Metrics; m != nil {
+			m.budgetExhausted.WithLabelValues(c.cfg.Target).Inc()
+		}
+		log("retry budget exhausted")
+		return false, MarkExhausted(err, n)
+	}
+	if m := c.cfg.Metrics; m != nil {
+		m.backoff.WithLabelValues(c.cfg.Target, cl.method).Observe(d.Delay.Seconds())
+	}
+	log("retrying", "backoff_ms", d.Delay.Milliseconds())
+	if serr := c.cfg.Sleep(ctx, d.Delay); serr != nil {
+		return false, err // cancelled while backing off: the last attempt's error stands
+	}
+	return true, nil
+}
+
+// UnaryClientInterceptor retries unary calls by cfg. One per connection: the budget is
+// per target.
+func UnaryClientInterceptor(cfg Config) grpc.UnaryClientInterceptor {
+	c := newClient(cfg)
+	return func(ctx context.Context, method string, req, reply any, cc *grpc.ClientConn, invoker grpc.UnaryInvoker, opts ...grpc.CallOption) error {
+		ctx, cl, err := c.begin(ctx, method, opts)
+		if err != nil {
+			return err
+		}
+		for n := 1; ; n++ {
+			var trailer metadata.MD
+			err := invoker(cl.attemptCtx(ctx, n), method, req, reply, cc, append(opts, grpc.Trailer(&trailer))...)
+			if retry, out := cl.after(ctx, n, err, trailer); !retry {
+				return out
+			}
+		}
+	}
+}
+
+// StreamClientInterceptor retries server-streaming calls by cfg, but only before the first
+// response message: a model stream that has produced a token is never retried silently.
+// Client-streaming calls are not retried. One per connection.
+func StreamClientInterceptor(cfg Config) grpc.StreamClientInterceptor {
+	c := newClient(cfg)
+	return func(ctx context.Context, desc *grpc.StreamDesc, cc *grpc.ClientConn, method string, streamer grpc.Streamer, opts ...grpc.CallOption) (grpc.ClientStream, error) {
+		ctx, cl, err := c.begin(ctx, method, opts)
+		if err != nil {
+			return nil, err
+		}
+		if desc.ClientStreams {
+			return streamer(cl.attemptCtx(ctx, 1), desc, cc, method, opts...)
+		}
+		rs := &retryStream{ctx: ctx, cl: cl, desc: desc, cc: cc, method: method, streamer: streamer, opts: opts}
+		for n := 1; ; n++ {
+			cs, err := streamer(cl.attemptCtx(ctx, n), desc, cc, method, opts...)
+			if err == nil {
+				rs.cur, rs.n = cs, n
+				return rs, nil
+			}
+			if retry, out := cl.after(ctx, n, err, nil); !retry {
+				return nil, out
+			}
+		}
+	}
+}
+
+// retryStream is a server-streaming call that can start over until its first message.
+type retryStream struct {
+	ctx      context.Context
+	cl       *call
+	desc     *grpc.StreamDesc
+	cc       *grpc.ClientConn
+	method   string
+	streamer grpc.Streamer
+	opts     []grpc.CallOption
+
+	cur      grpc.ClientStream
+	n        int
+	sent     []any // the request, replayed on a new attempt
+	closed   bool
+	received bool
+}
+
+func (s *retryStream) Header() (metadata.MD, error) { return s.cur.Header() }
+func (s *retryStream) Trailer() metadata.MD         { return s.cur.Trailer() }
+func (s *retryStream) Context() context.Context     { return s.cur.Context() }
+
+func (s *retryStream) CloseSend() error {
+	s.closed = true
+	return s.cur.CloseSend()
+}
+
+func (s *retryStream) SendMsg(m any) error {
+	if !s.received {
+		s.sent = append(s.sent, m)
+	}
+	return s.cur.SendMsg(m)
+}
+
+func (s *retryStream) RecvMsg(m any) error {
+	for {
+		err := s.cur.RecvMsg(m)
+		if err == nil || (!s.received && errors.Is(err, io.EOF)) {
+			if !s.received {
+				s.received = true
+				_, _ = s.cl.after(s.ctx, s.n, nil, nil) // count the attempt that answered
+			}
+			return err
+		}
+		if s.received || errors.Is(err, io.EOF) {
+			return err
+		}
+		retry, out := s.cl.after(s.ctx, s.n, err, s.cur.Trailer())
+		if !retry {
+			return out
+		}
+		if err := s.restart(); err != nil {
+			return err
+		}
+	}
+}
+
+// restart opens attempt n+1 and replays what was sent.
+func (s *retryStream) restart() error {
+	for {
+		s.n++
+		cs, err := s.streamer(s.cl.attemptCtx(s.ctx, s.n), s.desc, s.cc, s.method, s.opts...)
+		if err != nil {
+			retry, out := s.cl.after(s.ctx, s.n, err, nil)
+			if !retry {
+				return out
+			}
+			continue
+		}
+		s.cur = cs
+		for _, m := range s.sent {
+			if err := cs.SendMsg(m); err != nil && !errors.Is(err, io.EOF) {
+				return err
+			}
+		}
+		if s.closed {
+			if err := cs.CloseSend(); err != nil {
+				return err
+			}
+		}
+		return nil
+	}
+}

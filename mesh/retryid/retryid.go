@@ -1,0 +1,147 @@
+package retryid
+
+import (
+	"context"
+	"sync"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+
+	"github.com/curfew-mesh/curfew/mesh/cancel"
+	"github.com/curfew-mesh/curfew/mesh/md"
+)
+
+// DefaultGrace bounds how long a new attempt waits for the one it supersedes to tear down.
+const DefaultGrace = time.Second
+
+// Table is a service's in-flight attempts by tenant, method and retry-id.
+type Table struct {
+	grace time.Duration
+	mu    sync.Mutex
+	m     map[key]*entry
+
+	inflight   *prometheus.GaugeVec
+	maxSeen    *prometheus.GaugeVec
+	superseded *prometheus.CounterVec
+	maxByM     map[string]int
+}
+
+type key struct{ tenant, method, id string }
+
+type entry struct {
+	attempt int
+	cancel  context.CancelCauseFunc
+	done    chan struct{}
+	running int // attempts of this key whose handler has not returned (never above 1)
+}
+
+// New returns a table with the given grace (DefaultGrace when 0), registering its metrics
+// with reg when not nil.
+func New(grace time.Duration, reg prometheus.Registerer) *Table {
+	if grace <= 0 {
+		grace = DefaultGrace
+	}
+	t := &Table{grace: grace, m: map[key]*entry{}, maxByM: map[string]int{},
+		inflight: prometheus.NewGaugeVec(prometheus.GaugeOpts{
+			Name: "curfew_inflight_by_retry_id",
+			Help: "Logical calls (retry-ids) with an attempt in flight on this service, by method.",
+		}, []string{"method"}),
+		maxSeen: prometheus.NewGaugeVec(prometheus.GaugeOpts{
+			Name: "curfew_inflight_by_retry_id_max",
+			Help: "The most attempts of one retry-id ever in flight at once on this service, by method (1 when retries never overlap).",
+		}, []string{"method"}),
+		superseded: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "curfew_superseded_total",
+			Help: "Attempts cancelled because a newer attempt of the same retry-id arrived, by method.",
+		}, []string{"method"}),
+	}
+	if reg != nil {
+		reg.MustRegister(t.inflight, t.maxSeen, t.superseded)
+	}
+	return t
+}
+
+// Admit registers an attempt of a call and returns the context it must run under and a
+// release func to call when its handler returns. Calls without a retry-id pass through.
+func (t *Table) Admit(ctx context.Context, method string) (context.Context, func(), error) {
+	id := md.IdentityFrom(ctx)
+	if id.RetryID == "" {
+		return ctx, func() {}, nil
+	}
+	k := key{id.Tenant, method, id.RetryID}
+	attempt := max(id.Attempt, 1)
+	for {
+		t.mu.Lock()
+		e := t.m[k]
+		if e == nil {
+			break // keep the lock
+		}
+		if attempt <= e.attempt {
+			t.mu.Unlock()
+			return nil, nil, status.Errorf(codes.Aborted, "attempt %d of retry-id %s arrived after attempt %d: a late duplicate", attempt, id.RetryID, e.attempt)
+		}
+		// Supersede the earlier attempt and wait for its teardown, bounded.
+		e.cancel(cancel.ErrSuperseded)
+		t.superseded.WithLabelValues(method).Inc()
+		done := e.done
+		t.mu.Unlock()
+		timer := time.NewTimer(t.grace)
+		select {
+		case <-done:
+			timer.Stop()
+		case <-timer.C:
+			return nil, nil, status.Errorf(codes.Aborted, "attempt %d of retry-id %s: the attempt it supersedes did not stop within %v", attempt, id.RetryID, t.grace)
+		case <-ctx.Done():
+			timer.Stop()
+			return nil, nil, status.FromContextError(ctx.Err()).Err()
+		}
+	}
+	cctx, cancelFn := context.WithCancelCause(ctx)
+	e := &entry{attempt: attempt, cancel: cancelFn, done: make(chan struct{}), running: 1}
+	t.m[k] = e
+	t.inflight.WithLabelValues(method).Inc()
+	if e.running > t.maxByM[method] {
+		t.maxByM[method] = e.running
+		t.maxSeen.WithLabelValues(method).Set(float64(e.running))
+	}
+	t.mu.Unlock()
+	release := func() {
+		t.mu.Lock()
+		e.running--
+		if t.m[k] == e {
+			delete(t.m, k)
+		}
+		t.inflight.WithLabelValues(method).Dec()
+		t.mu.Unlock()
+		cancelFn(nil)
+		close(e.done)
+	}
+	return cctx, release, nil
+}
+
+// UnaryServerInterceptor admits unary calls through t.
+func (t *Table) UnaryServerInterceptor() grpc.UnaryServerInterceptor {
+	return func(ctx context.Context, req any, info *grpc.UnaryServerInfo, h grpc.UnaryHandler) (any, error) {
+		ctx, release, err := t.Admit(ctx, info.FullMethod)
+		if err != nil {
+			return nil, err
+		}
+		defer release()
+		return h(ctx, req)
+	}
+}
+
+// StreamServerInterceptor admits streaming calls through t; wrap replaces the stream's context.
+func (t *Table) StreamServerInterceptor(wrap func(context.Context, grpc.ServerStream) grpc.ServerStream) grpc.StreamServerInterceptor {
+	return func(srv any, ss grpc.ServerStream, info *grpc.StreamServerInfo, h grpc.StreamHandler) error {
+		ctx, release, err := t.Admit(ss.Context(), info.FullMethod)
+		if err != nil {
+			return err
+		}
+		defer release()
+		return h(srv, wrap(ctx, ss))
+	}
+}
