@@ -45,6 +45,7 @@ func run(m *testing.M) int {
 		fmt.Fprintln(os.Stderr, "curfew up did not stop cleanly:", err)
 		code = 1
 	}
+	meshproc.Cleanup()
 	if code == 0 {
 		if err := goleak.Find(); err != nil {
 			fmt.Fprintln(os.Stderr, "goroutine leak:", err)

@@ -91,6 +91,15 @@ func Build() (string, error) {
 	return binDir, buildErr
 }
 
+// Cleanup removes the binaries Build made (not a CURFEW_BIN_DIR given from outside). Call
+// it once the process's meshes have stopped, for example at the end of TestMain.
+func Cleanup() {
+	if os.Getenv("CURFEW_BIN_DIR") != "" || binDir == "" {
+		return
+	}
+	_ = os.RemoveAll(binDir)
+}
+
 // Mesh is a running mesh: four service processes under one `curfew up`.
 type Mesh struct {
 	Dir       string // data directory

@@ -53,8 +53,19 @@ type Step struct {
 
 // Fault is an injected failure: the first Attempts attempts fail with Code.
 type Fault struct {
-	Attempts int    `json:"attempts"`
-	Code     string `json:"code,omitempty"` // default UNAVAILABLE
+	Attempts int `json:"attempts,omitempty"`
+	// Rate fails each attempt with this probability (0 to 1), beyond the first Attempts.
+	Rate float64 `json:"rate,omitempty"`
+	Code string  `json:"code,omitempty"` // default UNAVAILABLE
+}
+
+// Fails reports whether attempt (1-based) fails: always within the first Attempts, else
+// with probability Rate, drawn from rnd in [0, 1).
+func (f *Fault) Fails(attempt int, rnd func() float64) bool {
+	if f == nil {
+		return false
+	}
+	return attempt <= f.Attempts || (f.Rate > 0 && rnd() < f.Rate)
 }
 
 // Tool is one tool call of a step.
@@ -103,6 +114,9 @@ type FailArgs struct {
 	PushbackMS *int `json:"pushback_ms,omitempty"`
 	// RetryInfoMS, when set, attaches a google.rpc.RetryInfo detail with that delay.
 	RetryInfoMS *int `json:"retry_info_ms,omitempty"`
+	// Rate, when set, makes each attempt fail with this probability instead (0 to 1);
+	// Times then counts only attempts that always fail (default 0).
+	Rate float64 `json:"rate,omitempty"`
 }
 
 // SpawnArgs are the arguments of spawn_subagent.
@@ -188,8 +202,11 @@ func parse(data []byte, path string, depth int) (*Plan, error) {
 			return nil, &Error{sp + ".tools", fmt.Sprintf("at most %d tools per step (fan-out limit), got %d", MaxToolsPerStep, len(s.Tools))}
 		}
 		if f := s.ModelError; f != nil {
-			if f.Attempts < 1 || f.Attempts > 100 {
-				return nil, &Error{sp + ".model_error.attempts", "must be between 1 and 100"}
+			if f.Attempts < 0 || f.Attempts > 100 || (f.Attempts == 0 && f.Rate == 0) {
+				return nil, &Error{sp + ".model_error.attempts", "must be between 1 and 100 (or 0 with a rate)"}
+			}
+			if f.Rate < 0 || f.Rate > 1 {
+				return nil, &Error{sp + ".model_error.rate", "must be between 0 and 1"}
 			}
 			if f.Code != "" {
 				if _, err := ParseCode(f.Code); err != nil {
@@ -256,6 +273,9 @@ func validateTool(t Tool, path string, depth int) error {
 		}
 		if a.Times < 0 || a.Times > 100 {
 			return &Error{ap + ".times", "must be between 0 and 100"}
+		}
+		if a.Rate < 0 || a.Rate > 1 {
+			return &Error{ap + ".rate", "must be between 0 and 1"}
 		}
 		if a.AfterMS < 0 || a.AfterMS > MaxSleepMS {
 			return &Error{ap + ".after_ms", fmt.Sprintf("must be between 0 and %d", MaxSleepMS)}

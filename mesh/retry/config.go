@@ -10,7 +10,8 @@ import (
 
 // File is the retry section of a service's configuration file (JSON):
 //
-//	{"default": {"max_attempts": 3, "base": "25ms", "cap": "250ms", "min_attempt_time": "10ms"},
+//	{"naive": false,
+//	 "default": {"max_attempts": 3, "base": "25ms", "cap": "250ms", "min_attempt_time": "10ms"},
 //	 "budget": {"ratio": 0.2, "per_second": 10, "window": "10s"},
 //	 "throttle": false,
 //	 "targets": {"toolrunner": {"default": {...},
@@ -19,6 +20,9 @@ import (
 // A target's default and method policies start from the file's default; fields they set
 // override it. {"disabled": true} turns retries off.
 type File struct {
+	// Naive turns every policy naive (see Policy.Naive) and the budget off: the retry storm
+	// curfew prevents, for comparison benchmarks only.
+	Naive    bool                  `json:"naive"`
 	Default  PolicyJSON            `json:"default"`
 	Budget   BudgetJSON            `json:"budget"`
 	Throttle bool                  `json:"throttle"`
@@ -122,7 +126,7 @@ func (p PolicyJSON) Apply(base Policy) Policy {
 
 func (f *File) budget() BudgetConfig {
 	// Unset fields take the defaults here, so that an explicit 0 stays 0.
-	b := BudgetConfig{Disabled: f.Budget.Disabled, Window: time.Duration(f.Budget.Window),
+	b := BudgetConfig{Disabled: f.Budget.Disabled || f.Naive, Window: time.Duration(f.Budget.Window),
 		Ratio: DefaultBudgetRatio, PerSecond: DefaultBudgetPerSecond}
 	if f.Budget.Ratio != nil {
 		b.Ratio = *f.Budget.Ratio
@@ -136,7 +140,7 @@ func (f *File) budget() BudgetConfig {
 // For returns the Config of the connection to target (Target, Metrics and Logger are the
 // caller's to set).
 func (f *File) For(target string) Config {
-	def := f.Default.Apply(Policy{})
+	def := f.Default.Apply(Policy{Naive: f.Naive})
 	cfg := Config{Target: target, Budget: f.budget(), Throttle: f.Throttle, Default: def}
 	t, ok := f.Targets[target]
 	if !ok {

@@ -233,6 +233,9 @@ func (cl *call) after(ctx context.Context, n int, err error, trailer metadata.MD
 		return false, err
 	case Exhausted:
 		log("retries exhausted")
+		if cl.p.Naive {
+			return false, err
+		}
 		return false, MarkExhausted(err, n)
 	case NoTime:
 		log("no time left to retry", "backoff_ms", d.Delay.Milliseconds())

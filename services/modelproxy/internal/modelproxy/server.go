@@ -3,6 +3,7 @@ package modelproxy
 import (
 	"context"
 	"fmt"
+	"math/rand/v2"
 	"time"
 
 	"google.golang.org/grpc/codes"
@@ -147,7 +148,7 @@ func (s *Server) decode(ctx context.Context, stream modelproxyv1.ModelProxyServi
 	if attempt == 0 {
 		attempt = 1
 	}
-	if f := st.ModelError; f != nil && attempt <= f.Attempts {
+	if f := st.ModelError; f.Fails(attempt, rand.Float64) {
 		code := codes.Unavailable
 		if f.Code != "" {
 			code, _ = plan.ParseCode(f.Code)

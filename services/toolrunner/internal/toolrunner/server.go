@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"math/rand/v2"
 	"strconv"
 	"strings"
 	"sync"
@@ -210,12 +211,16 @@ func (s *Server) prepare(ctx context.Context, req *toolrunnerv1.ExecuteRequest, 
 			code, _ = plan.ParseCode(a.Code)
 		}
 		times := max(a.Times, 1)
+		if a.Rate > 0 {
+			times = a.Times
+		}
+		fault := &plan.Fault{Attempts: times, Rate: a.Rate}
 		return func(ctx context.Context) (string, *meshv1.Cleanup, error) {
 			if err := sleep(ctx, time.Duration(a.AfterMS)*time.Millisecond); err != nil {
 				return "", nil, err
 			}
 			attempt := max(md.IdentityFrom(ctx).Attempt, 1)
-			if attempt <= times {
+			if fault.Fails(attempt, rand.Float64) {
 				if a.PushbackMS != nil {
 					_ = grpc.SetTrailer(ctx, metadata.Pairs(retry.PushbackHeader, strconv.Itoa(*a.PushbackMS)))
 				}

@@ -1,0 +1,15 @@
+// Package bench holds curfew's benchmarks, recorded in docs/benchmarks.md:
+//
+//   - BenchmarkCancelPropagation: across the real processes (internal/meshproc), the
+//     time from a client's cancel of a Run call to the last leaf decoder in modelproxy
+//     stopping, for trees of 1, 8 and 64 leaves at subagent depths 0 to 3.
+//   - BenchmarkChain and BenchmarkChainLatency: a unary call through curfew's full
+//     interceptor chain (mesh.ServerOptions, mesh.DialOptions) against bare grpc-go, on
+//     loopback TCP, same handler (grpc health Check).
+//   - BenchmarkRunMemory: resident memory per in-flight run, summed over the four
+//     service processes, with 10,000 runs each waiting on a sleep tool.
+//
+// Every benchmark runs only under `go test -bench`; a plain `go test ./bench/...` runs
+// the fast unit tests of the helpers and nothing else. scripts/bench.sh runs them all with
+// the settings docs/benchmarks.md reports.
+package bench

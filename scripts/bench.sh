@@ -1,0 +1,102 @@
+#!/usr/bin/env bash
+# Runs the benchmarks recorded in docs/benchmarks.md and prints their results.
+#
+#   scripts/bench.sh                 # all three (about 9 minutes on 2 cores)
+#   ONLY=chain scripts/bench.sh      # one of: chain, cancel, memory
+#
+# Knobs (environment): OUT (results directory, default a new temp dir), CHAIN_COUNT (10),
+# CHAIN_ROUNDS (100), CANCEL_ITERS (50, trees of 1 and 8 leaves), CANCEL_ITERS_64 (100,
+# trees of 64 leaves), RTT_PINGS (3000), CURFEW_BENCH_RUNS (10000, memory), CURFEW_BIN_DIR
+# (reuse built binaries; by default they are built into $OUT/bin, private to this run, so
+# that nobody's `make build` can swap them mid-run).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export PATH="/usr/local/go/bin:$PATH"
+
+ONLY="${ONLY:-all}"
+OUT="${OUT:-$(mktemp -d /tmp/curfew-bench-results-XXXXXX)}"
+CHAIN_COUNT="${CHAIN_COUNT:-10}"
+CHAIN_ROUNDS="${CHAIN_ROUNDS:-100}"
+CANCEL_ITERS="${CANCEL_ITERS:-50}"
+CANCEL_ITERS_64="${CANCEL_ITERS_64:-100}"
+mkdir -p "$OUT"
+
+RTT_PINGS="${RTT_PINGS:-3000}"
+export CURFEW_BENCH_RAW="$OUT" # per-iteration samples of the cancel benchmark, as CSV
+
+if [[ -z "${CURFEW_BIN_DIR:-}" ]]; then
+  make --no-print-directory build BIN="$OUT/bin" >&2
+  export CURFEW_BIN_DIR="$OUT/bin"
+fi
+
+{
+  echo "## machine"
+  echo "date:     $(date -u +%Y-%m-%dT%H:%M:%SZ)"
+  echo "nproc:    $(nproc)"
+  echo "cpu:      $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2- | sed 's/^ *//')"
+  echo "memory:   $(awk '/MemTotal/ {printf "%.1f GiB", $2/1048576}' /proc/meminfo)"
+  echo "kernel:   $(uname -r)"
+  echo "go:       $(go version)"
+  echo "commit:   $(git rev-parse --short HEAD 2>/dev/null || echo unknown) ($(git status --porcelain 2>/dev/null | grep -vc '^??' || true) tracked files modified)"
+  echo "load:     $(cut -d' ' -f1-3 /proc/loadavg) (1, 5, 15 min) at start"
+} | tee "$OUT/machine.txt"
+git status --porcelain 2>/dev/null | grep -v '^??' >"$OUT/git-status.txt" || true
+
+# The bench package's test binary, built once.
+go test -c -o "$OUT/bench.test" ./bench
+BT="$OUT/bench.test"
+
+run_chain() {
+  echo
+  echo "## chain overhead: unary health Check, bare grpc-go vs the curfew chain, loopback TCP"
+  "$BT" -test.run '^$' -test.bench '^BenchmarkChain$' -test.count "$CHAIN_COUNT" -test.benchtime 1s |
+    tee "$OUT/chain.txt"
+  # benchstat compares files: one per setup, under a common benchmark name.
+  grep 'BenchmarkChain/Bare' "$OUT/chain.txt" | sed 's#BenchmarkChain/Bare#BenchmarkHealthCheck#' >"$OUT/chain-bare.txt"
+  grep 'BenchmarkChain/Chain' "$OUT/chain.txt" | sed 's#BenchmarkChain/Chain#BenchmarkHealthCheck#' >"$OUT/chain-chain.txt"
+  local gobin
+  gobin="$(mktemp -d)"
+  if GOBIN="$gobin" GOFLAGS= go install golang.org/x/perf/cmd/benchstat@latest >/dev/null 2>&1; then
+    echo
+    "$gobin/benchstat" bare="$OUT/chain-bare.txt" chain="$OUT/chain-chain.txt" | tee "$OUT/chain-benchstat.txt"
+  else
+    echo "benchstat could not be installed; compare $OUT/chain-bare.txt and $OUT/chain-chain.txt" >&2
+  fi
+  rm -rf "$gobin"
+  echo
+  echo "## chain overhead: per-call latency, interleaved"
+  CURFEW_BENCH_TABLE=1 "$BT" -test.run '^$' -test.bench '^BenchmarkChainLatency$' -test.count 3 \
+    -test.benchtime "${CHAIN_ROUNDS}x" | tee "$OUT/chain-latency.txt"
+}
+
+run_cancel() {
+  echo
+  echo "## floor: loopback TCP round trip to an idle process"
+  "$BT" -test.run '^$' -test.bench '^BenchmarkLoopbackRTT$' -test.benchtime "${RTT_PINGS}x" | tee "$OUT/rtt.txt"
+  echo
+  echo "## cancel propagation, real processes: trees of 1 and 8 leaves, ${CANCEL_ITERS} iterations per cell"
+  "$BT" -test.run '^$' -test.bench '^BenchmarkCancelPropagation$/^leaves=(1|8)$/' \
+    -test.benchtime "${CANCEL_ITERS}x" -test.timeout 30m | tee "$OUT/cancel-small.txt"
+  echo
+  echo "## cancel propagation, real processes: trees of 64 leaves, ${CANCEL_ITERS_64} iterations per cell"
+  "$BT" -test.run '^$' -test.bench '^BenchmarkCancelPropagation$/^leaves=64$/' \
+    -test.benchtime "${CANCEL_ITERS_64}x" -test.timeout 30m | tee "$OUT/cancel-64.txt"
+}
+
+run_memory() {
+  echo
+  echo "## memory per in-flight run, ${CURFEW_BENCH_RUNS:-10000} runs, real processes"
+  "$BT" -test.run '^$' -test.bench '^BenchmarkRunMemory$' -test.benchtime 1x -test.timeout 30m |
+    tee "$OUT/memory.txt"
+}
+
+case "$ONLY" in
+  all) run_chain; run_cancel; run_memory ;;
+  chain) run_chain ;;
+  cancel) run_cancel ;;
+  memory) run_memory ;;
+  *) echo "ONLY must be all, chain, cancel or memory" >&2; exit 2 ;;
+esac
+echo
+echo "load at end: $(cut -d' ' -f1-3 /proc/loadavg)"
+echo "results in $OUT"
