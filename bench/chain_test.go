@@ -2,10 +2,14 @@ package bench
 
 import (
 	"context"
+	"crypto/rand"
+	"encoding/binary"
+	"encoding/hex"
 	"fmt"
 	"io"
 	"log/slog"
 	"net"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -14,6 +18,7 @@ import (
 	"google.golang.org/grpc/credentials/insecure"
 	"google.golang.org/grpc/health"
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
+	"google.golang.org/grpc/metadata"
 
 	"github.com/curfew-mesh/curfew/mesh"
 	"github.com/curfew-mesh/curfew/mesh/md"
@@ -136,6 +141,66 @@ func BenchmarkChainLatency(b *testing.B) {
 		}
 	}
 	printChainTable(dBare, dChain)
+}
+
+// BenchmarkChainHeaderFloor measures what curfew's headers alone cost, without any
+// interceptor: bare grpc-go on both sides, the same calls as BenchmarkChainLatency's bare
+// ones, and the same calls carrying the six headers the chain sends (curfew-tenant,
+// curfew-run-id, curfew-node-id, curfew-deadline, curfew-retry-id, curfew-attempt), the
+// retry-id minted per call as the retry layer does. Interleaved in rounds like
+// BenchmarkChainLatency; run it with -benchtime=<rounds>x.
+func BenchmarkChainHeaderFloor(b *testing.B) {
+	bare, _, ctx := chainPairs(b)
+	id := md.IdentityFrom(ctx)
+	dl, _ := ctx.Deadline()
+	deadlineMS := strconv.FormatInt(dl.UnixMilli(), 10)
+	var dBare, dHdr Dist
+	round := 0
+	timeCalls := func(headers bool, into *Dist) {
+		for range chainRound {
+			t0 := time.Now()
+			c := ctx
+			if headers {
+				c = metadata.AppendToOutgoingContext(ctx, md.Tenant, id.Tenant, md.RunID, id.RunID, md.NodeID, id.NodeID,
+					md.Deadline, deadlineMS, md.RetryID, newUUIDv7(), md.Attempt, "1")
+			}
+			check(c, b, bare)
+			*into = append(*into, time.Since(t0))
+		}
+	}
+	for b.Loop() {
+		if round%2 == 0 {
+			timeCalls(false, &dBare)
+			timeCalls(true, &dHdr)
+		} else {
+			timeCalls(true, &dHdr)
+			timeCalls(false, &dBare)
+		}
+		round++
+	}
+	vb, vh := dBare.Quantile(.5), dHdr.Quantile(.5)
+	b.ReportMetric(float64(vb)/1e3, "p50-bare-µs")
+	b.ReportMetric(float64(vh)/1e3, "p50-headers-µs")
+	b.ReportMetric(100*(float64(vh)/float64(vb)-1), "p50-overhead-%")
+}
+
+// newUUIDv7 returns a fresh UUIDv7 string, as the retry layer mints one per logical call.
+func newUUIDv7() string {
+	var u [16]byte
+	_, _ = rand.Read(u[:])
+	var ms [8]byte
+	binary.BigEndian.PutUint64(ms[:], uint64(time.Now().UnixMilli())) //nolint:gosec // a positive Unix time
+	copy(u[:6], ms[2:])
+	u[6] = 0x70 | u[6]&0x0f
+	u[8] = 0x80 | u[8]&0x3f
+	var s [36]byte
+	hex.Encode(s[0:8], u[0:4])
+	hex.Encode(s[9:13], u[4:6])
+	hex.Encode(s[14:18], u[6:8])
+	hex.Encode(s[19:23], u[8:10])
+	hex.Encode(s[24:], u[10:])
+	s[8], s[13], s[18], s[23] = '-', '-', '-', '-'
+	return string(s[:])
 }
 
 func printChainTable(dBare, dChain Dist) {

@@ -6,8 +6,6 @@ import (
 	"runtime/debug"
 	"time"
 
-	middleware "github.com/grpc-ecosystem/go-grpc-middleware/v2"
-	"github.com/grpc-ecosystem/go-grpc-middleware/v2/interceptors/recovery"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
@@ -46,82 +44,117 @@ func ServerOptions(cfg ServerConfig) []grpc.ServerOption {
 	return []grpc.ServerOption{grpc.ChainUnaryInterceptor(u...), grpc.ChainStreamInterceptor(s...)}
 }
 
-// ServerInterceptors returns the server chain in order (see the package doc).
+// ServerInterceptors returns the server chain (see the package doc). The layers are
+// composed in one unary and one stream interceptor, in the documented order: a chain of
+// separate interceptors costs grpc-go a closure per layer per call, and each layer would
+// wrap the stream again.
 func ServerInterceptors(cfg ServerConfig) ([]grpc.UnaryServerInterceptor, []grpc.StreamServerInterceptor) {
-	log := cfg.logger()
 	ids := cfg.RetryIDs
 	if ids == nil {
 		ids = retryid.New(0, nil)
 	}
-	rec := recovery.WithRecoveryHandlerContext(func(ctx context.Context, p any) error {
-		log.ErrorContext(ctx, "panic in handler", "panic", p, "stack", string(debug.Stack()))
-		return status.Error(codes.Internal, "internal error")
-	})
-	unary := []grpc.UnaryServerInterceptor{
-		recovery.UnaryServerInterceptor(rec),
-		func(ctx context.Context, req any, info *grpc.UnaryServerInfo, h grpc.UnaryHandler) (any, error) {
-			resp, err := h(ctx, req)
-			return resp, mapStatus(ctx, log, info.FullMethod, err)
-		},
-		func(ctx context.Context, req any, info *grpc.UnaryServerInfo, h grpc.UnaryHandler) (any, error) {
-			ctx, cancel := applyDeadline(ctx, cfg, log, info.FullMethod)
-			defer cancel()
-			return h(ctx, req)
-		},
-		func(ctx context.Context, req any, info *grpc.UnaryServerInfo, h grpc.UnaryHandler) (any, error) {
-			return h(md.WithIdentity(ctx, md.FromIncoming(ctx)), req)
-		},
-		func(ctx context.Context, req any, info *grpc.UnaryServerInfo, h grpc.UnaryHandler) (any, error) {
-			if min, ok := cfg.MinTime[info.FullMethod]; ok {
-				if err := deadline.Check(ctx, min, info.FullMethod); err != nil {
-					return nil, err
-				}
-			}
-			return h(ctx, req)
-		},
-		ids.UnaryServerInterceptor(),
-	}
-	stream := []grpc.StreamServerInterceptor{
-		recovery.StreamServerInterceptor(rec),
-		func(srv any, ss grpc.ServerStream, info *grpc.StreamServerInfo, h grpc.StreamHandler) error {
-			return mapStatus(ss.Context(), log, info.FullMethod, h(srv, ss))
-		},
-		func(srv any, ss grpc.ServerStream, info *grpc.StreamServerInfo, h grpc.StreamHandler) error {
-			ctx, cancel := applyDeadline(ss.Context(), cfg, log, info.FullMethod)
-			defer cancel()
-			return h(srv, wrap(ctx, ss))
-		},
-		func(srv any, ss grpc.ServerStream, info *grpc.StreamServerInfo, h grpc.StreamHandler) error {
-			ctx := ss.Context()
-			return h(srv, wrap(md.WithIdentity(ctx, md.FromIncoming(ctx)), ss))
-		},
-		func(srv any, ss grpc.ServerStream, info *grpc.StreamServerInfo, h grpc.StreamHandler) error {
-			if min, ok := cfg.MinTime[info.FullMethod]; ok {
-				if err := deadline.Check(ss.Context(), min, info.FullMethod); err != nil {
-					return err
-				}
-			}
-			return h(srv, ss)
-		},
-		ids.StreamServerInterceptor(wrap),
-	}
-	return unary, stream
+	c := &serverChain{cfg: cfg, log: cfg.logger(), idsUnary: ids.UnaryServerInterceptor(), idsStream: ids.StreamServerInterceptor(rewrap)}
+	return []grpc.UnaryServerInterceptor{c.unary}, []grpc.StreamServerInterceptor{c.stream}
 }
 
-// applyDeadline gives the call the policy's default or capped deadline, then reconciles it
-// with the caller's absolute curfew-deadline so that it is never later than the caller's.
+// serverChain is the server chain of one server. The retry-id layer, innermost, is the
+// table's own interceptor, called directly.
+type serverChain struct {
+	cfg       ServerConfig
+	log       *slog.Logger
+	idsUnary  grpc.UnaryServerInterceptor
+	idsStream grpc.StreamServerInterceptor
+}
+
+// unary is the whole chain for a unary call: recovery outermost, then the status mapping,
+// deadline, identity and fast-fail (enter), and retry-id, then the handler.
+func (c *serverChain) unary(ctx context.Context, req any, info *grpc.UnaryServerInfo, h grpc.UnaryHandler) (_ any, err error) {
+	panicked := true
+	defer func() {
+		if p := recover(); p != nil || panicked {
+			err = c.recovered(ctx, p)
+		}
+	}()
+	resp, err := c.unaryInner(ctx, req, info, h)
+	panicked = false
+	return resp, mapStatus(ctx, c.log, info.FullMethod, err)
+}
+
+func (c *serverChain) unaryInner(ctx context.Context, req any, info *grpc.UnaryServerInfo, h grpc.UnaryHandler) (any, error) {
+	ctx, cancel := applyDeadline(ctx, c.cfg, c.log, info.FullMethod)
+	if cancel != nil {
+		defer cancel()
+	}
+	ctx, err := c.enter(ctx, info.FullMethod)
+	if err != nil {
+		return nil, err
+	}
+	return c.idsUnary(ctx, req, info, h)
+}
+
+// stream is unary's counterpart for streaming calls; the handler's stream carries the
+// final context.
+func (c *serverChain) stream(srv any, ss grpc.ServerStream, info *grpc.StreamServerInfo, h grpc.StreamHandler) (err error) {
+	ctx := ss.Context()
+	panicked := true
+	defer func() {
+		if p := recover(); p != nil || panicked {
+			err = c.recovered(ctx, p)
+		}
+	}()
+	err = c.streamInner(ctx, srv, ss, info, h)
+	panicked = false
+	return mapStatus(ctx, c.log, info.FullMethod, err)
+}
+
+func (c *serverChain) streamInner(ctx context.Context, srv any, ss grpc.ServerStream, info *grpc.StreamServerInfo, h grpc.StreamHandler) error {
+	ctx, cancel := applyDeadline(ctx, c.cfg, c.log, info.FullMethod)
+	if cancel != nil {
+		defer cancel()
+	}
+	ctx, err := c.enter(ctx, info.FullMethod)
+	if err != nil {
+		return err
+	}
+	return c.idsStream(srv, &chainStream{ServerStream: ss, ctx: ctx}, info, h)
+}
+
+// enter runs the layers between the deadline and the retry-id: identity, fast-fail.
+func (c *serverChain) enter(ctx context.Context, method string) (context.Context, error) {
+	ctx = md.WithIdentity(ctx, md.FromIncoming(ctx))
+	if min, ok := c.cfg.MinTime[method]; ok {
+		if err := deadline.Check(ctx, min, method); err != nil {
+			return nil, err
+		}
+	}
+	return ctx, nil
+}
+
+// recovered turns a panic (or a handler that did not return) into INTERNAL, logging it
+// with the stack.
+func (c *serverChain) recovered(ctx context.Context, p any) error {
+	c.log.ErrorContext(ctx, "panic in handler", "panic", p, "stack", string(debug.Stack()))
+	return status.Error(codes.Internal, "internal error")
+}
+
+// applyDeadline gives the call the policy's default or capped deadline, reconciled with
+// the caller's absolute curfew-deadline so that it is never later than the caller's. The
+// final deadline is computed first and at most one context is derived; cancel is nil when
+// the call's own deadline stands.
 func applyDeadline(ctx context.Context, cfg ServerConfig, log *slog.Logger, method string) (context.Context, context.CancelFunc) {
-	ctx, cancel1, _ := cfg.Deadline.Apply(ctx, time.Now())
-	abs, ok := md.IncomingDeadline(ctx)
-	if !ok {
-		return ctx, cancel1
+	cur, had := ctx.Deadline()
+	dl := cfg.Deadline.Resolve(cur, had, time.Now()).Deadline
+	if abs, ok := md.IncomingDeadline(ctx); ok {
+		var skew time.Duration
+		if dl, skew = deadline.Reconciled(dl, abs, deadline.DefaultSkewTolerance); skew > 0 {
+			log.WarnContext(ctx, "curfew-deadline disagrees with grpc-timeout; clocks may be skewed, keeping grpc-timeout",
+				"method", method, "skew_ms", skew.Milliseconds())
+		}
 	}
-	ctx, cancel2, skew := deadline.Reconcile(ctx, abs, deadline.DefaultSkewTolerance)
-	if skew > 0 {
-		log.WarnContext(ctx, "curfew-deadline disagrees with grpc-timeout; clocks may be skewed, keeping grpc-timeout",
-			"method", method, "skew_ms", skew.Milliseconds())
+	if had && !dl.Before(cur) {
+		return ctx, nil
 	}
-	return ctx, func() { cancel2(); cancel1() }
+	return context.WithDeadline(ctx, dl)
 }
 
 func mapStatus(ctx context.Context, log *slog.Logger, method string, err error) error {
@@ -132,10 +165,22 @@ func mapStatus(ctx context.Context, log *slog.Logger, method string, err error) 
 	return out
 }
 
-func wrap(ctx context.Context, ss grpc.ServerStream) grpc.ServerStream {
-	w := middleware.WrapServerStream(ss)
-	w.WrappedContext = ctx
-	return w
+// chainStream is the handler's stream: the call's stream with the chain's context.
+type chainStream struct {
+	grpc.ServerStream
+	ctx context.Context
+}
+
+func (s *chainStream) Context() context.Context { return s.ctx }
+
+// rewrap gives a stream the retry-id layer's context: in place when it is the chain's own
+// (made for this call, one allocation per stream), else in a new wrapper.
+func rewrap(ctx context.Context, ss grpc.ServerStream) grpc.ServerStream {
+	if cs, ok := ss.(*chainStream); ok {
+		cs.ctx = ctx
+		return cs
+	}
+	return &chainStream{ServerStream: ss, ctx: ctx}
 }
 
 // ClientConfig configures the client chain of one connection. The zero value is usable:
@@ -155,19 +200,13 @@ type ClientConfig struct {
 //  2. retry: one logical call, its attempts (same retry-id, curfew-attempt numbered),
 //     backoff, pushback, budget. Outside everything that is per attempt (later: the
 //     breaker), so an open breaker's fast failure is judged like any other attempt.
+//
+// The retry interceptors are the whole chain: they stamp (retry.Config.StampIdentity)
+// together with the retry-id and attempt, in one metadata append per attempt. The values
+// stamped come from the call's context, so they are the same on every attempt.
 func DialOptions(cfg ClientConfig) []grpc.DialOption {
-	return []grpc.DialOption{
-		grpc.WithChainUnaryInterceptor(
-			func(ctx context.Context, method string, req, reply any, cc *grpc.ClientConn, inv grpc.UnaryInvoker, opts ...grpc.CallOption) error {
-				return inv(md.AppendOutgoing(ctx), method, req, reply, cc, opts...)
-			},
-			retry.UnaryClientInterceptor(cfg.Retry),
-		),
-		grpc.WithChainStreamInterceptor(
-			func(ctx context.Context, desc *grpc.StreamDesc, cc *grpc.ClientConn, method string, st grpc.Streamer, opts ...grpc.CallOption) (grpc.ClientStream, error) {
-				return st(md.AppendOutgoing(ctx), desc, cc, method, opts...)
-			},
-			retry.StreamClientInterceptor(cfg.Retry),
-		),
-	}
+	rc := cfg.Retry
+	rc.StampIdentity = true
+	ru, rs := retry.ClientInterceptors(rc)
+	return []grpc.DialOption{grpc.WithChainUnaryInterceptor(ru), grpc.WithChainStreamInterceptor(rs)}
 }

@@ -2,11 +2,13 @@
 # Runs the benchmarks recorded in docs/benchmarks.md and prints their results.
 #
 #   scripts/bench.sh                 # all three (about 9 minutes on 2 cores)
-#   ONLY=chain scripts/bench.sh      # one of: chain, cancel, memory
+#   ONLY=chain scripts/bench.sh      # one of: chain, cancel, memory, amplify
 #
 # Knobs (environment): OUT (results directory, default a new temp dir), CHAIN_COUNT (10),
 # CHAIN_ROUNDS (100), CANCEL_ITERS (50, trees of 1 and 8 leaves), CANCEL_ITERS_64 (100,
-# trees of 64 leaves), RTT_PINGS (3000), CURFEW_BENCH_RUNS (10000, memory), CURFEW_BIN_DIR
+# trees of 64 leaves), RTT_PINGS (3000), CURFEW_BENCH_RUNS (10000, memory),
+# CURFEW_BENCH_AMP_SECONDS (60) and CURFEW_BENCH_AMP_LOADS ("rate=4,conc=2,conc=16")
+# (amplify), CURFEW_BIN_DIR
 # (reuse built binaries; by default they are built into $OUT/bin, private to this run, so
 # that nobody's `make build` can swap them mid-run).
 set -euo pipefail
@@ -90,12 +92,20 @@ run_memory() {
     tee "$OUT/memory.txt"
 }
 
+run_amplify() {
+  echo
+  echo "## retry amplification, curfew vs naive, real processes: ${CURFEW_BENCH_AMP_LOADS:-rate=4,conc=2,conc=16}, ${CURFEW_BENCH_AMP_SECONDS:-60} s per cell"
+  "$BT" -test.run '^$' -test.bench '^BenchmarkRetryAmplification$' -test.benchtime 1x -test.timeout 30m |
+    tee "$OUT/amplify.txt"
+}
+
 case "$ONLY" in
   all) run_chain; run_cancel; run_memory ;;
+  amplify) run_amplify ;;
   chain) run_chain ;;
   cancel) run_cancel ;;
   memory) run_memory ;;
-  *) echo "ONLY must be all, chain, cancel or memory" >&2; exit 2 ;;
+  *) echo "ONLY must be all, chain, cancel, memory or amplify" >&2; exit 2 ;;
 esac
 echo
 echo "load at end: $(cut -d' ' -f1-3 /proc/loadavg)"

@@ -112,6 +112,7 @@ type Mesh struct {
 		} `json:"services"`
 	}
 	up    *exec.Cmd
+	mu    sync.Mutex // guards conns: parallel tests open connections
 	conns []*grpc.ClientConn
 	done  chan error
 }
@@ -192,7 +193,9 @@ func (m *Mesh) Conn(service string) (*grpc.ClientConn, error) {
 	if err != nil {
 		return nil, err
 	}
+	m.mu.Lock()
 	m.conns = append(m.conns, c)
+	m.mu.Unlock()
 	return c, nil
 }
 
@@ -225,10 +228,12 @@ func (m *Mesh) PIDs() map[string]int {
 
 // Stop stops `curfew up` with SIGTERM (it stops the services in order) and waits.
 func (m *Mesh) Stop() error {
+	m.mu.Lock()
 	for _, c := range m.conns {
 		_ = c.Close()
 	}
 	m.conns = nil
+	m.mu.Unlock()
 	if m.up.Process == nil {
 		return nil
 	}

@@ -119,12 +119,13 @@ func (l *Loop) Run(ctx context.Context, base, model, task string) (string, error
 		if len(res.GetToolCalls()) == 0 && res.GetFinishReason() != "tool_calls" {
 			return res.text, nil
 		}
-		msgs = append(msgs, &modelproxyv1.Message{Role: modelproxyv1.Role_ROLE_ASSISTANT, Content: res.text, ToolCalls: res.GetToolCalls()})
-		outs, err := l.toolStep(ctx, fmt.Sprintf("%s/s%d", base, i), res.GetToolCalls())
+		calls := res.GetToolCalls() // res (the step's last chunk) is not kept while its tools run
+		msgs = append(msgs, &modelproxyv1.Message{Role: modelproxyv1.Role_ROLE_ASSISTANT, Content: res.text, ToolCalls: calls})
+		outs, err := l.toolStep(ctx, fmt.Sprintf("%s/s%d", base, i), calls)
 		if err != nil {
 			return "", err
 		}
-		for j, c := range res.GetToolCalls() {
+		for j, c := range calls {
 			msgs = append(msgs, &modelproxyv1.Message{Role: modelproxyv1.Role_ROLE_TOOL, ToolCallId: c.GetId(), Content: outs[j]})
 		}
 	}
@@ -198,6 +199,18 @@ func (l *Loop) toolStep(ctx context.Context, prefix string, calls []*modelproxyv
 	if len(calls) > l.cfg.MaxFanout {
 		return nil, status.Errorf(codes.InvalidArgument, "step calls %d tools, more than the fan-out limit %d", len(calls), l.cfg.MaxFanout)
 	}
+	if len(calls) == 1 {
+		// No sibling to cancel: run the call on this goroutine, under ctx itself (a group
+		// context and a goroutine would be held for the whole call for nothing).
+		out, err := l.callTool(ctx, prefix+".t0", calls[0])
+		if ctx.Err() != nil {
+			return nil, ctxStatus(ctx)
+		}
+		if err != nil {
+			return nil, err
+		}
+		return []string{out}, nil
+	}
 	gctx, cancelGroup := context.WithCancelCause(ctx)
 	defer cancelGroup(nil)
 	var (
@@ -270,14 +283,20 @@ func (l *Loop) callTool(ctx context.Context, id string, c *modelproxyv1.ToolCall
 	// beneath a tool (a subagent's), so that a tool call stays retryable until it has a
 	// result (a stream is retried only before its first message). The summary takes the
 	// node from toolrunner's own record.
-	node := &meshv1.Node{Id: id, Kind: meshv1.NodeKind_NODE_KIND_TOOL, Name: c.GetName(),
-		Status: meshv1.NodeStatus_NODE_STATUS_RUNNING, StartedAt: timestamppb.Now()}
-	l.cfg.Emit(cloneNode(node))
+	// Each event gets a node of its own, built when it is sent: nothing is held for the
+	// node while the tool runs but its start instant.
+	started := time.Now()
+	toolNode := func() *meshv1.Node {
+		return &meshv1.Node{Id: id, Kind: meshv1.NodeKind_NODE_KIND_TOOL, Name: c.GetName(),
+			Status: meshv1.NodeStatus_NODE_STATUS_RUNNING, StartedAt: timestamppb.New(started)}
+	}
+	l.cfg.Emit(toolNode())
 	end := func(err error) {
+		node := toolNode()
 		node.EndedAt = timestamppb.Now()
 		o := nodes.ErrOutcome(err)
 		node.Status, node.ErrorCode, node.ErrorMessage = o.Status, o.Code, o.Message
-		l.cfg.Emit(cloneNode(node))
+		l.cfg.Emit(node)
 	}
 	st, err := l.cfg.Tools.Execute(cctx, &toolrunnerv1.ExecuteRequest{Name: c.GetName(), ArgsJson: c.GetArgsJson()}, opts...)
 	if err != nil {

@@ -69,18 +69,27 @@ func (p Policy) Validate() error {
 // none, or now+Max when it asked for more. It never extends the deadline of ctx. The
 // returned cancel func must be called.
 func (p Policy) Apply(ctx context.Context, now time.Time) (context.Context, context.CancelFunc, Info) {
+	cur, ok := ctx.Deadline()
+	info := p.Resolve(cur, ok, now)
+	if !info.Assigned && !info.Capped {
+		return ctx, func() {}, info
+	}
+	c, cancel := context.WithDeadline(ctx, info.Deadline) // shortens: WithDeadline keeps the earlier one
+	return c, cancel, info
+}
+
+// Resolve is Apply without the context: the deadline work that has deadline cur (ok false
+// when it has none) and arrived at now runs under. Assigned or Capped is set when that
+// differs from cur.
+func (p Policy) Resolve(cur time.Time, ok bool, now time.Time) Info {
 	limit := now.Add(p.MaxTimeout())
-	dl, ok := ctx.Deadline()
 	switch {
 	case !ok:
-		d := now.Add(p.def())
-		c, cancel := context.WithDeadline(ctx, d)
-		return c, cancel, Info{Deadline: d, Assigned: true}
-	case dl.After(limit):
-		c, cancel := context.WithDeadline(ctx, limit) // shortens: WithDeadline keeps the earlier one
-		return c, cancel, Info{Deadline: limit, Capped: true}
+		return Info{Deadline: now.Add(p.def()), Assigned: true}
+	case cur.After(limit):
+		return Info{Deadline: limit, Capped: true}
 	default:
-		return ctx, func() {}, Info{Deadline: dl}
+		return Info{Deadline: cur}
 	}
 }
 
@@ -129,14 +138,28 @@ func Reconcile(ctx context.Context, abs time.Time, tolerance time.Duration) (_ c
 	if !ok || abs.IsZero() {
 		return ctx, func() {}, 0
 	}
+	final, skew := Reconciled(dl, abs, tolerance)
+	if !final.Before(dl) {
+		return ctx, func() {}, skew
+	}
+	c, cancel := context.WithDeadline(ctx, final)
+	return c, cancel, 0
+}
+
+// Reconciled is Reconcile without the context: the deadline that work with the gRPC
+// deadline dl and the caller's absolute deadline abs (zero when unknown) runs under, and
+// the clock skew it detected (then dl is kept).
+func Reconciled(dl, abs time.Time, tolerance time.Duration) (final time.Time, skew time.Duration) {
+	if abs.IsZero() {
+		return dl, 0
+	}
 	d := dl.Sub(abs)
 	switch {
 	case d <= 0:
-		return ctx, func() {}, 0
+		return dl, 0
 	case d <= tolerance:
-		c, cancel := context.WithDeadline(ctx, abs)
-		return c, cancel, 0
+		return abs, 0
 	default:
-		return ctx, func() {}, d
+		return dl, d
 	}
 }

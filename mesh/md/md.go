@@ -65,19 +65,19 @@ func WithNode(ctx context.Context, node string) context.Context {
 }
 
 // FromIncoming reads the identity from incoming gRPC metadata. Missing values stay empty,
-// except the tenant, which defaults to DefaultTenant.
+// except the tenant, which defaults to DefaultTenant. It reads each header on its own
+// (metadata.ValueFromIncomingContext) instead of copying the whole incoming metadata.
 func FromIncoming(ctx context.Context) Identity {
-	m, _ := metadata.FromIncomingContext(ctx)
 	id := Identity{
-		Tenant:  first(m, Tenant),
-		RunID:   first(m, RunID),
-		NodeID:  first(m, NodeID),
-		RetryID: first(m, RetryID),
+		Tenant:  incoming(ctx, Tenant),
+		RunID:   incoming(ctx, RunID),
+		NodeID:  incoming(ctx, NodeID),
+		RetryID: incoming(ctx, RetryID),
 	}
 	if id.Tenant == "" {
 		id.Tenant = DefaultTenant
 	}
-	if a, err := strconv.Atoi(first(m, Attempt)); err == nil && a > 0 {
+	if a, err := strconv.Atoi(incoming(ctx, Attempt)); err == nil && a > 0 {
 		id.Attempt = a
 	}
 	return id
@@ -85,14 +85,12 @@ func FromIncoming(ctx context.Context) Identity {
 
 // IdempotencyKeyFrom returns the curfew-idempotency-key of the incoming call, or "".
 func IdempotencyKeyFrom(ctx context.Context) string {
-	m, _ := metadata.FromIncomingContext(ctx)
-	return first(m, IdempotencyKey)
+	return incoming(ctx, IdempotencyKey)
 }
 
 // IncomingDeadline returns the curfew-deadline header of the incoming call.
 func IncomingDeadline(ctx context.Context) (time.Time, bool) {
-	m, _ := metadata.FromIncomingContext(ctx)
-	v := first(m, Deadline)
+	v := incoming(ctx, Deadline)
 	if v == "" {
 		return time.Time{}, false
 	}
@@ -106,11 +104,20 @@ func IncomingDeadline(ctx context.Context) (time.Time, bool) {
 // AppendOutgoing writes the context's identity and deadline into the outgoing metadata.
 // Values already set explicitly on the outgoing context win.
 func AppendOutgoing(ctx context.Context) context.Context {
+	var buf [8]string
+	kv := AppendPairs(buf[:0], ctx)
+	if len(kv) == 0 {
+		return ctx
+	}
+	return metadata.AppendToOutgoingContext(ctx, kv...)
+}
+
+// AppendPairs appends to kv the key-value pairs AppendOutgoing would add to ctx's outgoing
+// metadata, for a caller that adds them together with pairs of its own.
+func AppendPairs(kv []string, ctx context.Context) []string { //nolint:revive // kv first, like append
 	id := IdentityFrom(ctx)
-	out, _ := metadata.FromOutgoingContext(ctx)
-	kv := make([]string, 0, 10)
 	add := func(k, v string) {
-		if v != "" && len(out.Get(k)) == 0 {
+		if v != "" && len(metadata.ValueFromOutgoingContext(ctx, k)) == 0 {
 			kv = append(kv, k, v)
 		}
 	}
@@ -120,14 +127,12 @@ func AppendOutgoing(ctx context.Context) context.Context {
 	if dl, ok := ctx.Deadline(); ok {
 		add(Deadline, strconv.FormatInt(dl.UnixMilli(), 10))
 	}
-	if len(kv) == 0 {
-		return ctx
-	}
-	return metadata.AppendToOutgoingContext(ctx, kv...)
+	return kv
 }
 
-func first(m metadata.MD, k string) string {
-	v := m.Get(k)
+// incoming returns the first value of header k of the incoming call, trimmed, or "".
+func incoming(ctx context.Context, k string) string {
+	v := metadata.ValueFromIncomingContext(ctx, k)
 	if len(v) == 0 {
 		return ""
 	}

@@ -11,6 +11,7 @@ import (
 	"google.golang.org/protobuf/types/known/timestamppb"
 
 	meshv1 "github.com/curfew-mesh/curfew/gen/curfew/mesh/v1"
+	"github.com/curfew-mesh/curfew/mesh/cancel"
 	"github.com/curfew-mesh/curfew/mesh/md"
 )
 
@@ -26,11 +27,20 @@ type Table struct {
 }
 
 type run struct {
-	nodes   map[string]*meshv1.Node
-	cancels map[string]context.CancelCauseFunc // running nodes begun with Begin
+	nodes   smallMap[*meshv1.Node]
+	cancels smallMap[nodeCancel] // running nodes begun with Begin
 	running int
 	lastEnd time.Time
-	changed chan struct{} // closed and replaced on every end
+	// changed is closed on every end; made by a List that waits for one, nil otherwise
+	// (most runs are never waited on).
+	changed chan struct{}
+}
+
+// nodeCancel cancels a node begun with Begin. owned: Begin derived the context, and End
+// releases it; otherwise it is the call's own (cancel.Take), released by its maker.
+type nodeCancel struct {
+	fn    context.CancelCauseFunc
+	owned bool
 }
 
 // New returns an empty table that forgets a run retention after its last node ended
@@ -45,7 +55,7 @@ func New(retention time.Duration) *Table {
 func (t *Table) runLocked(id string) *run {
 	r := t.runs[id]
 	if r == nil {
-		r = &run{nodes: make(map[string]*meshv1.Node), cancels: make(map[string]context.CancelCauseFunc), changed: make(chan struct{})}
+		r = &run{}
 		t.runs[id] = r
 	}
 	return r
@@ -54,63 +64,88 @@ func (t *Table) runLocked(id string) *run {
 // Start records node n of run as running, stamping its start time. It returns a copy. A
 // new attempt of a node that has ended keeps the earlier attempt in EarlierAttempts.
 func (t *Table) Start(runID string, n *meshv1.Node) *meshv1.Node {
+	n = t.start(runID, n, "", 0, nodeCancel{})
+	defer t.mu.Unlock()
+	return proto.Clone(n).(*meshv1.Node)
+}
+
+// start records a copy of n (with retryID and attempt when retryID is not empty) and
+// returns it with t.mu held. nc, if set, is registered as the node's cancel.
+func (t *Table) start(runID string, n *meshv1.Node, retryID string, attempt int32, nc nodeCancel) *meshv1.Node {
 	n = proto.Clone(n).(*meshv1.Node)
 	n.Status = meshv1.NodeStatus_NODE_STATUS_RUNNING
 	if n.StartedAt == nil {
 		n.StartedAt = timestamppb.Now()
 	}
+	if retryID != "" {
+		n.RetryId, n.Attempt = retryID, attempt
+	}
 	t.mu.Lock()
-	defer t.mu.Unlock()
 	r := t.runLocked(runID)
-	if old, ok := r.nodes[n.Id]; ok {
+	if old, ok := r.nodes.get(n.Id); ok {
 		if old.Status == meshv1.NodeStatus_NODE_STATUS_RUNNING {
 			r.running--
 		}
-		n.EarlierAttempts = append(old.EarlierAttempts, &meshv1.AttemptRecord{
+		earlier := make([]*meshv1.AttemptRecord, 0, len(old.EarlierAttempts)+1)
+		n.EarlierAttempts = append(append(earlier, old.EarlierAttempts...), &meshv1.AttemptRecord{
 			Attempt: old.Attempt, RetryId: old.RetryId, Status: old.Status, Cause: old.Cause,
 			ErrorCode: old.ErrorCode, StartedAt: old.StartedAt, EndedAt: old.EndedAt})
 	}
-	r.nodes[n.Id] = n
+	r.nodes.set(n.Id, n)
 	r.running++
-	return proto.Clone(n).(*meshv1.Node)
+	if nc.fn != nil {
+		if old, _ := r.cancels.get(n.Id); old.fn != nil {
+			old.fn(nil)
+		}
+		r.cancels.set(n.Id, nc)
+	}
+	return n
 }
 
-// Begin records node n of run as running, like Start, and returns a context derived from
-// ctx that Cancel (and so NodeReportService.CancelNodes) can cancel with a cause. The node's
-// work must run under the returned context and end with End or Finish, which release it.
+// Begin records node n of run as running, like Start, and returns a context that Cancel
+// (and so NodeReportService.CancelNodes) can cancel with a cause: ctx itself when it is a
+// call's cancel.WithHandle context whose cancel func is free (the server chain's, which
+// the call's handler receives), otherwise a context derived from ctx. The node's work must
+// run under the returned context and end with End or Finish, which release a derived one.
 func (t *Table) Begin(ctx context.Context, runID string, n *meshv1.Node) (context.Context, *meshv1.Node) {
-	cctx, cancel := context.WithCancelCause(ctx)
+	cctx := ctx
+	nc := nodeCancel{}
+	if fn, ok := cancel.Take(ctx); ok {
+		nc.fn = fn
+	} else {
+		cctx, nc.fn = context.WithCancelCause(ctx)
+		nc.owned = true
+	}
+	var retryID string
+	var attempt int32
 	if id := md.IdentityFrom(ctx); id.RetryID != "" && n.RetryId == "" {
-		n = proto.Clone(n).(*meshv1.Node)
-		n.RetryId, n.Attempt = id.RetryID, int32(max(id.Attempt, 1))
+		retryID, attempt = id.RetryID, int32(max(id.Attempt, 1))
 	}
-	n = t.Start(runID, n)
-	t.mu.Lock()
-	if old := t.runs[runID].cancels[n.Id]; old != nil {
-		old(nil)
-	}
-	t.runs[runID].cancels[n.Id] = cancel
-	t.mu.Unlock()
-	return cctx, n
+	n = t.start(runID, n, retryID, attempt, nc)
+	defer t.mu.Unlock()
+	return cctx, proto.Clone(n).(*meshv1.Node)
 }
 
 // Cancel cancels the running nodes of run selected by prefixes (all when empty) that were
 // begun with Begin, with cause, and returns how many it cancelled.
 func (t *Table) Cancel(runID string, prefixes []string, cause error) int {
+	var one [1]context.CancelCauseFunc
+	fns := one[:0]
 	t.mu.Lock()
-	defer t.mu.Unlock()
-	r := t.runs[runID]
-	if r == nil {
-		return 0
-	}
-	n := 0
-	for id, cancel := range r.cancels {
-		if Selected(id, prefixes) {
-			cancel(cause)
-			n++
+	if r := t.runs[runID]; r != nil {
+		for id, nc := range r.cancels.all() {
+			if Selected(id, prefixes) {
+				fns = append(fns, nc.fn)
+			}
 		}
 	}
-	return n
+	t.mu.Unlock()
+	// Cancelled outside the lock: each cancel wakes a node's goroutine, whose first step
+	// when it stops is to take the lock to record its end.
+	for _, fn := range fns {
+		fn(cause)
+	}
+	return len(fns)
 }
 
 // Update applies fn to the node under the table's lock and returns a copy of the result,
@@ -119,10 +154,13 @@ func (t *Table) Update(runID, id string, fn func(*meshv1.Node)) *meshv1.Node {
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	r := t.runs[runID]
-	if r == nil || r.nodes[id] == nil {
+	if r == nil {
 		return nil
 	}
-	n := r.nodes[id]
+	n, _ := r.nodes.get(id)
+	if n == nil {
+		return nil
+	}
 	fn(n)
 	return proto.Clone(n).(*meshv1.Node)
 }
@@ -134,10 +172,13 @@ func (t *Table) End(runID, id string, st meshv1.NodeStatus, cause meshv1.CancelC
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	r := t.runs[runID]
-	if r == nil || r.nodes[id] == nil {
+	if r == nil {
 		return nil
 	}
-	n := r.nodes[id]
+	n, _ := r.nodes.get(id)
+	if n == nil {
+		return nil
+	}
 	if n.Status == meshv1.NodeStatus_NODE_STATUS_RUNNING {
 		r.running--
 	}
@@ -146,13 +187,17 @@ func (t *Table) End(runID, id string, st meshv1.NodeStatus, cause meshv1.CancelC
 	if fn != nil {
 		fn(n)
 	}
-	if c := r.cancels[id]; c != nil {
-		c(nil) // release the context Begin made; the node's work is over
-		delete(r.cancels, id)
+	if c, _ := r.cancels.get(id); c.fn != nil {
+		if c.owned {
+			c.fn(nil) // release the context Begin made; the node's work is over
+		}
+		r.cancels.del(id)
 	}
 	r.lastEnd = now
-	close(r.changed)
-	r.changed = make(chan struct{})
+	if r.changed != nil {
+		close(r.changed)
+		r.changed = nil
+	}
 	return proto.Clone(n).(*meshv1.Node)
 }
 
@@ -163,10 +208,10 @@ func (t *Table) Note(runID, id string, cause meshv1.CancelCause, at time.Time) {
 	defer t.mu.Unlock()
 	r := t.runLocked(runID)
 	key := "note:" + id
-	if _, ok := r.nodes[key]; ok {
+	if _, ok := r.nodes.get(key); ok {
 		return // the first cancel wins
 	}
-	r.nodes[key] = &meshv1.Node{Id: id, Cause: cause, CancelledAt: timestamppb.New(at)}
+	r.nodes.set(key, &meshv1.Node{Id: id, Cause: cause, CancelledAt: timestamppb.New(at)})
 }
 
 // List returns copies of the run's nodes (and notes) selected by prefixes (all when empty).
@@ -187,7 +232,7 @@ func (t *Table) List(ctx context.Context, runID string, prefixes []string, settl
 			return nil, true
 		}
 		out, running := out[:0], 0
-		for _, n := range r.nodes {
+		for _, n := range r.nodes.all() {
 			if !Selected(n.Id, prefixes) {
 				continue
 			}
@@ -196,12 +241,16 @@ func (t *Table) List(ctx context.Context, runID string, prefixes []string, settl
 			}
 			out = append(out, proto.Clone(n).(*meshv1.Node))
 		}
-		changed := r.changed
-		t.mu.Unlock()
 		if running == 0 || settle <= 0 {
+			t.mu.Unlock()
 			sortNodes(out)
 			return out, running == 0
 		}
+		if r.changed == nil {
+			r.changed = make(chan struct{})
+		}
+		changed := r.changed
+		t.mu.Unlock()
 		select {
 		case <-changed:
 		case <-timeout:

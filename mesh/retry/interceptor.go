@@ -37,6 +37,10 @@ type Config struct {
 	Metrics *Metrics
 	// Logger receives a record per retried attempt; slog.Default when nil.
 	Logger *slog.Logger
+	// StampIdentity also sends the context's identity and deadline (what md.AppendOutgoing
+	// adds) on every attempt, in the same metadata append as the retry-id and attempt: the
+	// mesh client chain sets it instead of stamping in a layer of its own.
+	StampIdentity bool
 	// Now, Rand and Sleep replace the clock, the random source and the wait, for tests.
 	Now   func() time.Time
 	Rand  func() float64
@@ -93,10 +97,43 @@ type client struct {
 	throttle *Throttle
 	randMu   sync.Mutex
 	rng      *rand.Rand
+
+	countersMu sync.RWMutex
+	counters   map[attemptKey]prometheus.Counter // attempts, by labels looked up once
+}
+
+type attemptKey struct {
+	method string
+	code   codes.Code
+	retry  bool
+}
+
+// attemptCounter returns the attempts counter of method, code and retry.
+func (c *client) attemptCounter(m *Metrics, method string, code codes.Code, retry bool) prometheus.Counter {
+	k := attemptKey{method, code, retry}
+	c.countersMu.RLock()
+	ctr := c.counters[k]
+	c.countersMu.RUnlock()
+	if ctr != nil {
+		return ctr
+	}
+	ctr = m.attempts.WithLabelValues(c.cfg.Target, method, code.String(), strconv.FormatBool(retry))
+	c.countersMu.Lock()
+	if c.counters == nil {
+		c.counters = map[attemptKey]prometheus.Counter{}
+	}
+	c.counters[k] = ctr
+	c.countersMu.Unlock()
+	return ctr
 }
 
 func newClient(cfg Config) *client {
 	c := &client{cfg: cfg, budget: NewBudget(cfg.Budget, cfg.Now)}
+	if m := cfg.Metrics; m != nil {
+		// Export the target's budget series at 0 from the start, so that an alert on it
+		// sees 0 rather than nothing.
+		m.budgetExhausted.WithLabelValues(cfg.Target)
+	}
 	if cfg.Throttle {
 		c.throttle = NewThrottle(0, cfg.Budget.WithDefaults().Window, cfg.Now)
 	}
@@ -153,6 +190,9 @@ type call struct {
 	// first is the attempt number of this layer's first attempt: 1, or what the caller set
 	// in curfew-attempt when it is itself retrying the same logical call.
 	first int
+	// callerAttempt: the caller set curfew-attempt, so each attempt replaces it. minted:
+	// this layer minted the retry-id, so each attempt adds it.
+	callerAttempt, minted bool
 }
 
 // SideEffect marks one call as having side effects: it is retried only when it carries an
@@ -162,29 +202,29 @@ func SideEffect() grpc.CallOption { return sideEffect{} }
 type sideEffect struct{ grpc.EmptyCallOption }
 
 func (c *client) begin(ctx context.Context, method string, opts []grpc.CallOption) (context.Context, *call, error) {
-	out, _ := metadata.FromOutgoingContext(ctx)
+	// Single values are read, not a copy of the outgoing metadata.
 	cl := &call{c: c, method: method, p: c.policy(method), start: c.cfg.Now(),
-		hasKey: len(out.Get(md.IdempotencyKey)) > 0}
+		hasKey: len(metadata.ValueFromOutgoingContext(ctx, md.IdempotencyKey)) > 0}
 	for _, o := range opts {
 		if _, ok := o.(sideEffect); ok {
 			cl.p.NonIdempotent = true
 		}
 	}
 	cl.first = 1
-	if v := out.Get(md.Attempt); len(v) > 0 {
+	if v := metadata.ValueFromOutgoingContext(ctx, md.Attempt); len(v) > 0 {
+		cl.callerAttempt = true
 		if a, err := strconv.Atoi(v[0]); err == nil && a > 1 {
 			cl.first = a
 		}
 	}
-	if v := out.Get(md.RetryID); len(v) > 0 && v[0] != "" {
+	if v := metadata.ValueFromOutgoingContext(ctx, md.RetryID); len(v) > 0 && v[0] != "" {
 		cl.retryID = v[0] // the caller minted it (a retry at a higher level of the same call)
 	} else {
 		id, err := uuid.NewV7()
 		if err != nil {
 			return nil, nil, status.Error(codes.Internal, "internal error")
 		}
-		cl.retryID = id.String()
-		ctx = metadata.AppendToOutgoingContext(ctx, md.RetryID, cl.retryID)
+		cl.retryID, cl.minted = id.String(), true // sent by attemptCtx
 	}
 	if c.throttle != nil && !c.throttle.Allow(c.cfg.Rand()) {
 		return nil, nil, status.Errorf(codes.Unavailable, "%s: throttled on the client: the target has been rejecting requests", method)
@@ -197,9 +237,27 @@ func (c *client) begin(ctx context.Context, method string, opts []grpc.CallOptio
 // caller's first attempt.
 func (cl *call) attemptCtx(ctx context.Context, n int) context.Context {
 	cl.attempts = n
-	out, _ := metadata.FromOutgoingContext(ctx)
-	out = out.Copy()
-	out.Set(md.Attempt, strconv.Itoa(cl.first+n-1))
+	a := strconv.Itoa(cl.first + n - 1)
+	if !cl.callerAttempt {
+		// Appended to the call's context, not to the previous attempt's: one value each.
+		var buf [12]string
+		kv := buf[:0]
+		if cl.c.cfg.StampIdentity {
+			kv = md.AppendPairs(kv, ctx)
+		}
+		if cl.minted {
+			kv = append(kv, md.RetryID, cl.retryID)
+		}
+		return metadata.AppendToOutgoingContext(ctx, append(kv, md.Attempt, a)...)
+	}
+	if cl.c.cfg.StampIdentity {
+		ctx = md.AppendOutgoing(ctx)
+	}
+	out, _ := metadata.FromOutgoingContext(ctx) // a copy; Set replaces the caller's value
+	out.Set(md.Attempt, a)
+	if cl.minted {
+		out.Append(md.RetryID, cl.retryID)
+	}
 	return metadata.NewOutgoingContext(ctx, out)
 }
 
@@ -209,7 +267,7 @@ func (cl *call) after(ctx context.Context, n int, err error, trailer metadata.MD
 	c := cl.c
 	code := status.Code(err)
 	if m := c.cfg.Metrics; m != nil {
-		m.attempts.WithLabelValues(c.cfg.Target, cl.method, code.String(), strconv.FormatBool(n > 1)).Inc()
+		c.attemptCounter(m, cl.method, code, n > 1).Inc()
 	}
 	if c.throttle != nil && code != codes.Unavailable && code != codes.ResourceExhausted {
 		c.throttle.Accepted()
@@ -259,10 +317,21 @@ func (cl *call) after(ctx context.Context, n int, err error, trailer metadata.MD
 	return true, nil
 }
 
-// UnaryClientInterceptor retries unary calls by cfg. One per connection: the budget is
-// per target.
+// UnaryClientInterceptor retries unary calls by cfg, with a budget of its own; use
+// ClientInterceptors to share one budget between the unary and stream calls of a connection.
 func UnaryClientInterceptor(cfg Config) grpc.UnaryClientInterceptor {
+	return newClient(cfg).unary()
+}
+
+// ClientInterceptors returns the unary and the stream interceptor of one connection,
+// sharing one budget (and throttle): the budget is per client and target, whatever the
+// kind of call.
+func ClientInterceptors(cfg Config) (grpc.UnaryClientInterceptor, grpc.StreamClientInterceptor) {
 	c := newClient(cfg)
+	return c.unary(), c.stream()
+}
+
+func (c *client) unary() grpc.UnaryClientInterceptor {
 	return func(ctx context.Context, method string, req, reply any, cc *grpc.ClientConn, invoker grpc.UnaryInvoker, opts ...grpc.CallOption) error {
 		ctx, cl, err := c.begin(ctx, method, opts)
 		if err != nil {
@@ -282,7 +351,10 @@ func UnaryClientInterceptor(cfg Config) grpc.UnaryClientInterceptor {
 // response message: a model stream that has produced a token is never retried silently.
 // Client-streaming calls are not retried. One per connection.
 func StreamClientInterceptor(cfg Config) grpc.StreamClientInterceptor {
-	c := newClient(cfg)
+	return newClient(cfg).stream()
+}
+
+func (c *client) stream() grpc.StreamClientInterceptor {
 	return func(ctx context.Context, desc *grpc.StreamDesc, cc *grpc.ClientConn, method string, streamer grpc.Streamer, opts ...grpc.CallOption) (grpc.ClientStream, error) {
 		ctx, cl, err := c.begin(ctx, method, opts)
 		if err != nil {
@@ -348,7 +420,9 @@ func (s *retryStream) RecvMsg(m any) error {
 			}
 			return err
 		}
-		if s.received || errors.Is(err, io.EOF) {
+		if errors.Is(err, io.EOF) || (s.received && !s.cl.p.Naive) {
+			// After the first message the work has been done and paid for (a token, a
+			// subagent's first step): never retried silently. Only the naive baseline does.
 			return err
 		}
 		retry, out := s.cl.after(s.ctx, s.n, err, s.cur.Trailer())

@@ -46,8 +46,9 @@ type Policy struct {
 	// idempotency key (curfew-idempotency-key).
 	NonIdempotent bool
 	// Naive is the policy curfew exists to replace, kept for comparison benchmarks: retry
-	// errors that a layer below already retried, and do not mark exhaustion, so every layer
-	// retries (3 layers × 3 attempts = 27 at the leaf).
+	// errors that a layer below already retried, do not mark exhaustion, and retry streams
+	// even after their first message, so every layer retries (3 layers × 3 attempts = 27 at
+	// the leaf).
 	Naive bool
 }
 
@@ -140,7 +141,7 @@ func (p Policy) Decide(err error, trailer metadata.MD, n int, left time.Duration
 	if p.NonIdempotent && !hasKey {
 		return Decision{Verdict: GiveUp, Reason: "side_effect_without_key"}
 	}
-	if n > p.MaxAttempts {
+	if n >= p.MaxAttempts {
 		return Decision{Verdict: Exhausted, Reason: "max_attempts"}
 	}
 	delay := p.Backoff(n+1, rnd)

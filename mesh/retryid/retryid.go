@@ -2,6 +2,7 @@ package retryid
 
 import (
 	"context"
+	"errors"
 	"sync"
 	"time"
 
@@ -26,7 +27,16 @@ type Table struct {
 	inflight   *prometheus.GaugeVec
 	maxSeen    *prometheus.GaugeVec
 	superseded *prometheus.CounterVec
-	maxByM     map[string]int
+	byMethod   map[string]*methodStats // under mu
+}
+
+// methodStats are one method's metrics, looked up once (WithLabelValues hashes its labels
+// on every call).
+type methodStats struct {
+	inflight   prometheus.Gauge
+	maxSeen    prometheus.Gauge
+	superseded prometheus.Counter
+	max        int
 }
 
 type key struct{ tenant, method, id string }
@@ -34,6 +44,8 @@ type key struct{ tenant, method, id string }
 type entry struct {
 	attempt int
 	cancel  context.CancelCauseFunc
+	// done is closed when the attempt's handler has returned. It is made (under the table's
+	// lock) only when a newer attempt waits for it: most attempts are never superseded.
 	done    chan struct{}
 	running int // attempts of this key whose handler has not returned (never above 1)
 }
@@ -44,7 +56,7 @@ func New(grace time.Duration, reg prometheus.Registerer) *Table {
 	if grace <= 0 {
 		grace = DefaultGrace
 	}
-	t := &Table{grace: grace, m: map[key]*entry{}, maxByM: map[string]int{},
+	t := &Table{grace: grace, m: map[key]*entry{}, byMethod: map[string]*methodStats{},
 		inflight: prometheus.NewGaugeVec(prometheus.GaugeOpts{
 			Name: "curfew_inflight_by_retry_id",
 			Help: "Logical calls (retry-ids) with an attempt in flight on this service, by method.",
@@ -62,6 +74,17 @@ func New(grace time.Duration, reg prometheus.Registerer) *Table {
 		reg.MustRegister(t.inflight, t.maxSeen, t.superseded)
 	}
 	return t
+}
+
+// statsLocked returns method's metrics; t.mu must be held.
+func (t *Table) statsLocked(method string) *methodStats {
+	ms := t.byMethod[method]
+	if ms == nil {
+		ms = &methodStats{inflight: t.inflight.WithLabelValues(method), maxSeen: t.maxSeen.WithLabelValues(method),
+			superseded: t.superseded.WithLabelValues(method)}
+		t.byMethod[method] = ms
+	}
+	return ms
 }
 
 // Admit registers an attempt of a call and returns the context it must run under and a
@@ -85,7 +108,10 @@ func (t *Table) Admit(ctx context.Context, method string) (context.Context, func
 		}
 		// Supersede the earlier attempt and wait for its teardown, bounded.
 		e.cancel(cancel.ErrSuperseded)
-		t.superseded.WithLabelValues(method).Inc()
+		t.statsLocked(method).superseded.Inc()
+		if e.done == nil {
+			e.done = make(chan struct{})
+		}
 		done := e.done
 		t.mu.Unlock()
 		timer := time.NewTimer(t.grace)
@@ -99,13 +125,16 @@ func (t *Table) Admit(ctx context.Context, method string) (context.Context, func
 			return nil, nil, status.FromContextError(ctx.Err()).Err()
 		}
 	}
-	cctx, cancelFn := context.WithCancelCause(ctx)
-	e := &entry{attempt: attempt, cancel: cancelFn, done: make(chan struct{}), running: 1}
+	// A handle: the handler's node (nodes.Table.Begin) cancels through this same context
+	// instead of deriving another.
+	cctx, cancelFn := cancel.WithHandle(ctx)
+	e := &entry{attempt: attempt, cancel: cancelFn, running: 1}
 	t.m[k] = e
-	t.inflight.WithLabelValues(method).Inc()
-	if e.running > t.maxByM[method] {
-		t.maxByM[method] = e.running
-		t.maxSeen.WithLabelValues(method).Set(float64(e.running))
+	ms := t.statsLocked(method)
+	ms.inflight.Inc()
+	if e.running > ms.max {
+		ms.max = e.running
+		ms.maxSeen.Set(float64(e.running))
 	}
 	t.mu.Unlock()
 	release := func() {
@@ -114,10 +143,13 @@ func (t *Table) Admit(ctx context.Context, method string) (context.Context, func
 		if t.m[k] == e {
 			delete(t.m, k)
 		}
-		t.inflight.WithLabelValues(method).Dec()
+		ms.inflight.Dec()
+		done := e.done // made by a newer attempt waiting for this one, if any
 		t.mu.Unlock()
 		cancelFn(nil)
-		close(e.done)
+		if done != nil {
+			close(done)
+		}
 	}
 	return cctx, release, nil
 }
@@ -130,8 +162,17 @@ func (t *Table) UnaryServerInterceptor() grpc.UnaryServerInterceptor {
 			return nil, err
 		}
 		defer release()
-		return h(ctx, req)
+		resp, err := h(ctx, req)
+		return resp, supersededErr(ctx, err)
 	}
+}
+
+// supersededErr tells the client of a superseded attempt why it was cancelled.
+func supersededErr(ctx context.Context, err error) error {
+	if err != nil && errors.Is(context.Cause(ctx), cancel.ErrSuperseded) {
+		return status.Error(codes.Canceled, "superseded by a newer attempt of the same retry-id")
+	}
+	return err
 }
 
 // StreamServerInterceptor admits streaming calls through t; wrap replaces the stream's context.
@@ -142,6 +183,6 @@ func (t *Table) StreamServerInterceptor(wrap func(context.Context, grpc.ServerSt
 			return err
 		}
 		defer release()
-		return h(srv, wrap(ctx, ss))
+		return supersededErr(ctx, h(srv, wrap(ctx, ss)))
 	}
 }

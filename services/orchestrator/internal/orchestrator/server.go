@@ -41,7 +41,8 @@ type Config struct {
 	// Loop reaches modelproxy and toolrunner; its Emit and Notes are set per run.
 	Loop agent.Config
 	// Reports are the NodeReportServices of modelproxy, toolrunner and subagent, read to
-	// assemble summaries.
+	// assemble summaries and told to cancel a run's nodes. The first is modelproxy's: a
+	// cancel tells it first (see broadcastCancel).
 	Reports []meshv1.NodeReportServiceClient
 	// MaxRuns is how many runs are kept in memory; DefaultMaxRuns when 0.
 	MaxRuns int
@@ -92,13 +93,12 @@ type runState struct {
 	done     chan struct{}
 	mu       sync.Mutex
 	rec      *orchestratorv1.Run
-	cancelAt time.Time    // first explicit cancel instant
-	root     *meshv1.Node // the root node as it started
+	cancelAt time.Time // first explicit cancel instant
 	// broadcast tells every executor to cancel the run's nodes at once (one hop), beside
 	// the RST_STREAM that travels down the tree hop by hop.
-	broadcast   func(cause error)
+	broadcast   func(cause error, leavesFirst bool)
 	broadcasted bool
-	subs        map[chan *orchestratorv1.RunResponse]struct{}
+	subs        map[chan *orchestratorv1.RunResponse]struct{} // nil when there are none
 }
 
 func (rs *runState) publish(ev *orchestratorv1.RunResponse) {
@@ -115,6 +115,9 @@ func (rs *runState) publish(ev *orchestratorv1.RunResponse) {
 func (rs *runState) subscribe() chan *orchestratorv1.RunResponse {
 	c := make(chan *orchestratorv1.RunResponse, eventBuffer)
 	rs.mu.Lock()
+	if rs.subs == nil {
+		rs.subs = map[chan *orchestratorv1.RunResponse]struct{}{}
+	}
 	rs.subs[c] = struct{}{}
 	rs.mu.Unlock()
 	return c
@@ -123,12 +126,20 @@ func (rs *runState) subscribe() chan *orchestratorv1.RunResponse {
 func (rs *runState) unsubscribe(c chan *orchestratorv1.RunResponse) {
 	rs.mu.Lock()
 	delete(rs.subs, c)
+	if len(rs.subs) == 0 {
+		rs.subs = nil // a detached run outlives its last client: hold no map for it
+	}
 	rs.mu.Unlock()
 }
 
-// cancelWith records the cancel instant (the first one wins) and cancels the tree. A
+// cancelWith records the cancel instant (the first one wins) and cancels the tree, the
+// leaves first (see broadcastCancel). A
 // deadline cancel's instant is never later than the deadline itself.
-func (rs *runState) cancelWith(cause error) {
+func (rs *runState) cancelWith(cause error) { rs.cancelTree(cause, true) }
+
+// cancelTree is cancelWith; leavesFirst false does not wait for modelproxy's
+// acknowledgement (Shutdown cancels every run at once).
+func (rs *runState) cancelTree(cause error, leavesFirst bool) {
 	rs.mu.Lock()
 	if rs.cancelAt.IsZero() {
 		rs.cancelAt = time.Now()
@@ -139,10 +150,12 @@ func (rs *runState) cancelWith(cause error) {
 	first := !rs.broadcasted
 	rs.broadcasted = true
 	rs.mu.Unlock()
-	rs.cancel(cause)
+	// The broadcast first: it reaches every executor in one hop, while cancelling the run's
+	// context starts the hop-by-hop teardown of the whole tree.
 	if first && rs.broadcast != nil {
-		rs.broadcast(cause)
+		rs.broadcast(cause, leavesFirst)
 	}
+	rs.cancel(cause)
 }
 
 func (rs *runState) snapshot() *orchestratorv1.Run {
@@ -154,7 +167,7 @@ func (rs *runState) snapshot() *orchestratorv1.Run {
 // Run implements OrchestratorService.Run.
 func (s *Server) Run(req *orchestratorv1.RunRequest, stream orchestratorv1.OrchestratorService_RunServer) error {
 	ctx := stream.Context()
-	rs, sub, err := s.start(ctx, req)
+	rs, root, sub, err := s.start(ctx, req)
 	if err != nil {
 		return err
 	}
@@ -164,7 +177,7 @@ func (s *Server) Run(req *orchestratorv1.RunRequest, stream orchestratorv1.Orche
 		s.disconnected(ctx, rs, req)
 		return err
 	}
-	if err := stream.Send(&orchestratorv1.RunResponse{Event: &orchestratorv1.RunResponse_Node{Node: rs.root}}); err != nil {
+	if err := stream.Send(&orchestratorv1.RunResponse{Event: &orchestratorv1.RunResponse_Node{Node: root}}); err != nil {
 		s.disconnected(ctx, rs, req)
 		return err
 	}
@@ -227,9 +240,12 @@ func runErr(r *orchestratorv1.Run) error {
 	return status.Error(c, r.GetErrorMessage())
 }
 
-// start validates a request and starts its run in the background. The returned
-// subscription exists before the run starts, so that no event is missed.
-func (s *Server) start(ctx context.Context, req *orchestratorv1.RunRequest) (*runState, chan *orchestratorv1.RunResponse, error) {
+// start validates a request and starts its run in the background. It returns the root
+// node as it started, for the caller's second event. The returned subscription exists
+// before the run starts, so that no event is missed.
+//
+//nolint:contextcheck // the run's context is deliberately not derived from the call's (see below)
+func (s *Server) start(ctx context.Context, req *orchestratorv1.RunRequest) (*runState, *meshv1.Node, chan *orchestratorv1.RunResponse, error) {
 	model := req.GetModel()
 	if model == "" {
 		model = s.cfg.Loop.ModelName
@@ -238,56 +254,52 @@ func (s *Server) start(ctx context.Context, req *orchestratorv1.RunRequest) (*ru
 		model = agent.DefaultModel
 	}
 	if req.GetTask() == "" {
-		return nil, nil, status.Error(codes.InvalidArgument, "task is required")
+		return nil, nil, nil, status.Error(codes.InvalidArgument, "task is required")
 	}
 	if model == agent.DefaultModel {
 		if !plan.LooksLikePlan(req.GetTask()) {
-			return nil, nil, status.Error(codes.InvalidArgument, "the sim model takes a JSON plan as its task (see the README's plan format)")
+			return nil, nil, nil, status.Error(codes.InvalidArgument, "the sim model takes a JSON plan as its task (see the README's plan format)")
 		}
 		if _, err := plan.Parse([]byte(req.GetTask())); err != nil {
-			return nil, nil, status.Error(codes.InvalidArgument, err.Error())
+			return nil, nil, nil, status.Error(codes.InvalidArgument, err.Error())
 		}
 	}
 	if err := deadline.Check(ctx, s.cfg.MinRunTime, "run"); err != nil {
-		return nil, nil, err
+		return nil, nil, nil, err
 	}
 	dl, _ := ctx.Deadline() // the server chain always sets one
 	id, err := uuid.NewV7()
 	if err != nil {
-		return nil, nil, status.Error(codes.Internal, "internal error")
+		return nil, nil, nil, status.Error(codes.Internal, "internal error")
 	}
 	runID := id.String()
 	ident := md.IdentityFrom(ctx)
 	ident.RunID, ident.NodeID = runID, RootNode
 	// The run lives on its own context: detached from the call (so that
 	// continue_on_disconnect works and the disconnect is seen as a cause, not an error),
-	// bounded by the same absolute deadline, cancelled with a cause.
-	rctx, cancelDL := context.WithDeadlineCause(md.WithIdentity(context.WithoutCancel(ctx), ident), dl, cancel.ErrDeadline)
+	// bounded by the same absolute deadline, cancelled with a cause. It carries only the
+	// run's identity, not the call's values: those (the call's stream, metadata and peer)
+	// would stay reachable for the whole run after a detached client's call has ended.
+	rctx, cancelDL := context.WithDeadlineCause(md.WithIdentity(context.Background(), ident), dl, cancel.ErrDeadline)
 	rctx, cancelRun := context.WithCancelCause(rctx)
 	now := time.Now()
 	rs := &runState{
 		id: runID, dl: dl, cancel: cancelRun, done: make(chan struct{}),
-		subs: map[chan *orchestratorv1.RunResponse]struct{}{},
 		rec: &orchestratorv1.Run{RunId: runID, Tenant: ident.Tenant, Status: orchestratorv1.RunStatus_RUN_STATUS_RUNNING,
 			Deadline: timestamppb.New(dl), CreatedAt: timestamppb.New(now), Model: model, Task: req.GetTask()},
 	}
-	rs.root = s.nodes.Start(runID, &meshv1.Node{Id: RootNode, Kind: meshv1.NodeKind_NODE_KIND_RUN, Name: "run", Deadline: timestamppb.New(dl)})
-	rs.broadcast = func(cause error) {
-		s.wg.Add(1)
-		go func() {
-			defer s.wg.Done()
-			s.broadcastCancel(rctx, runID, cause)
-		}()
-	}
+	root := s.nodes.Start(runID, &meshv1.Node{Id: RootNode, Kind: meshv1.NodeKind_NODE_KIND_RUN, Name: "run", Deadline: timestamppb.New(dl)})
+	rs.broadcast = func(cause error, leavesFirst bool) { s.broadcastCancel(rctx, runID, cause, leavesFirst) }
 	s.add(rs)
 	sub := rs.subscribe()
+	task := req.GetTask() // not req: the run should not hold the request
 	s.wg.Add(1)
 	go func() {
 		defer s.wg.Done()
 		defer cancelDL()
-		s.execute(rctx, rs, model, req.GetTask())
+		s.execute(rctx, rs, model, task)
 	}()
-	return rs, sub, nil
+	return rs, root, sub, nil
 }
 
 func (s *Server) add(rs *runState) {
@@ -379,24 +391,50 @@ func (s *Server) execute(rctx context.Context, rs *runState, model, task string)
 // broadcastTimeout bounds the one-hop cancel broadcast to the executors.
 const broadcastTimeout = 2 * time.Second
 
-// broadcastCancel asks every executor to cancel the run's running nodes with cause. The
-// RST_STREAM path reaches them too, hop by hop; this reaches a decoder three subagents
-// deep in one hop, and tells it the true cause.
-func (s *Server) broadcastCancel(rctx context.Context, run string, cause error) {
-	ctx, stop := context.WithTimeout(context.WithoutCancel(rctx), broadcastTimeout)
-	defer stop()
+// leavesFirstWait bounds how long the rest of a cancel waits for modelproxy to acknowledge
+// that it cancelled the run's decoders.
+const leavesFirstWait = 2 * time.Millisecond
+
+// broadcastCancel asks every executor to cancel the run's running nodes with cause, on a
+// goroutine per executor. The RST_STREAM path reaches them too, hop by hop; this reaches a
+// decoder three subagents deep in one hop, and tells it the true cause.
+//
+// With leavesFirst, the first executor (modelproxy, Config.Reports[0]: its decoders are the
+// tree's leaves, the nodes that spend tokens) is told first, and the others, like the
+// caller's local cancel after return, wait until it has acknowledged, at most
+// leavesFirstWait. Tearing down the rest of the tree wakes hundreds of goroutines in
+// toolrunner, subagent and here; started at once, it delayed modelproxy's handling of the
+// broadcast by milliseconds on a two-core machine.
+func (s *Server) broadcastCancel(rctx context.Context, run string, cause error, leavesFirst bool) {
 	req := &meshv1.CancelNodesRequest{RunId: run, NodePrefixes: []string{RootNode}, Cause: cancel.FromError(cause)}
-	var wg sync.WaitGroup
-	for _, c := range s.cfg.Reports {
-		wg.Add(1)
+	base := context.WithoutCancel(rctx)
+	for i, c := range s.cfg.Reports {
+		var acked chan struct{}
+		if i == 0 && leavesFirst {
+			acked = make(chan struct{})
+		}
+		s.wg.Add(1)
 		go func() {
-			defer wg.Done()
-			if _, err := c.CancelNodes(ctx, req); err != nil {
+			defer s.wg.Done()
+			ctx, stop := context.WithTimeout(base, broadcastTimeout)
+			defer stop()
+			_, err := c.CancelNodes(ctx, req)
+			if acked != nil {
+				close(acked)
+			}
+			if err != nil {
 				s.cfg.Log.WarnContext(ctx, "cancel broadcast failed; the RST_STREAM path still stops the tree", "run_id", run, "error", err.Error())
 			}
 		}()
+		if acked != nil {
+			t := time.NewTimer(leavesFirstWait)
+			select {
+			case <-acked:
+			case <-t.C:
+			}
+			t.Stop()
+		}
 	}
-	wg.Wait()
 }
 
 func setNodes(r *orchestratorv1.Run, ns []*meshv1.Node) {
@@ -570,7 +608,7 @@ func (s *Server) Shutdown(grace time.Duration) {
 		select {
 		case <-rs.done:
 		default:
-			rs.cancelWith(cancel.ErrOperator)
+			rs.cancelTree(cancel.ErrOperator, false)
 		}
 	}
 	s.mu.Unlock()
