@@ -238,13 +238,19 @@ func (l *Loop) toolStep(ctx context.Context, prefix string, calls []*modelproxyv
 			firstErr = err
 			if ctx.Err() == nil { // the parent is alive: this failure is the siblings' cause
 				why, cause := cancel.ErrSiblingFailed, meshv1.CancelCause_CANCEL_CAUSE_SIBLING_FAILED
-				if atDeadline(ctx, err) {
+				switch {
+				case atDeadline(ctx, err):
 					// The child's own copy of the run's deadline fired a moment before ours:
 					// that is the deadline stopping the step, not a failed sibling.
 					why, cause = cancel.ErrDeadline, meshv1.CancelCause_CANCEL_CAUSE_DEADLINE
+				case status.Code(err) == codes.Canceled:
+					// The child was cancelled from elsewhere (the run's cancel broadcast can
+					// reach it before it reaches this loop): not a failure here, so no
+					// sibling_failed; the siblings inherit whatever cause stops this loop.
+					why, cause = context.Canceled, meshv1.CancelCause_CANCEL_CAUSE_UNSPECIFIED
 				}
 				at := time.Now()
-				if l.cfg.Notes != nil {
+				if l.cfg.Notes != nil && cause != meshv1.CancelCause_CANCEL_CAUSE_UNSPECIFIED {
 					run := md.IdentityFrom(ctx).RunID
 					for k := range calls {
 						if k != j {
