@@ -31,10 +31,42 @@ type run struct {
 	cancels smallMap[nodeCancel] // running nodes begun with Begin
 	running int
 	lastEnd time.Time
-	// changed is closed on every end; made by a List that waits for one, nil otherwise
-	// (most runs are never waited on).
-	changed chan struct{}
+	// waiters are the Lists waiting for their selected nodes to end.
+	waiters []*waiter
 }
+
+// waiter is a List waiting until no node it selects is running. Ends and starts count
+// down and up its running; it is woken once, when that reaches 0, rather than on every
+// end (during a teardown dozens of waiters would each rescan the run on each of dozens of
+// ends, under the lock the ending nodes need).
+type waiter struct {
+	prefixes []string
+	running  int
+	done     chan struct{}
+}
+
+// changedLocked updates the waiters of r for node id turning running (or not).
+func (r *run) changedLocked(id string, wasRunning, isRunning bool) {
+	if wasRunning == isRunning || len(r.waiters) == 0 {
+		return
+	}
+	kept := r.waiters[:0]
+	for _, w := range r.waiters {
+		if Selected(id, w.prefixes) {
+			if isRunning {
+				w.running++
+			} else if w.running--; w.running == 0 {
+				close(w.done)
+				continue
+			}
+		}
+		kept = append(kept, w)
+	}
+	clear(r.waiters[len(kept):])
+	r.waiters = kept
+}
+
+func isRunning(n *meshv1.Node) bool { return n.GetStatus() == meshv1.NodeStatus_NODE_STATUS_RUNNING }
 
 // nodeCancel cancels a node begun with Begin. owned: Begin derived the context, and End
 // releases it; otherwise it is the call's own (cancel.Take), released by its maker.
@@ -82,8 +114,9 @@ func (t *Table) start(runID string, n *meshv1.Node, retryID string, attempt int3
 	}
 	t.mu.Lock()
 	r := t.runLocked(runID)
-	if old, ok := r.nodes.get(n.Id); ok {
-		if old.Status == meshv1.NodeStatus_NODE_STATUS_RUNNING {
+	old, hadOld := r.nodes.get(n.Id)
+	if hadOld {
+		if isRunning(old) {
 			r.running--
 		}
 		earlier := make([]*meshv1.AttemptRecord, 0, len(old.EarlierAttempts)+1)
@@ -93,6 +126,7 @@ func (t *Table) start(runID string, n *meshv1.Node, retryID string, attempt int3
 	}
 	r.nodes.set(n.Id, n)
 	r.running++
+	r.changedLocked(n.Id, hadOld && isRunning(old), true)
 	if nc.fn != nil {
 		if old, _ := r.cancels.get(n.Id); old.fn != nil {
 			old.fn(nil)
@@ -161,7 +195,9 @@ func (t *Table) Update(runID, id string, fn func(*meshv1.Node)) *meshv1.Node {
 	if n == nil {
 		return nil
 	}
+	was := isRunning(n)
 	fn(n)
+	r.changedLocked(id, was, isRunning(n))
 	return proto.Clone(n).(*meshv1.Node)
 }
 
@@ -179,7 +215,8 @@ func (t *Table) End(runID, id string, st meshv1.NodeStatus, cause meshv1.CancelC
 	if n == nil {
 		return nil
 	}
-	if n.Status == meshv1.NodeStatus_NODE_STATUS_RUNNING {
+	was := isRunning(n)
+	if was {
 		r.running--
 	}
 	n.Status, n.Cause, n.ErrorCode, n.ErrorMessage = st, cause, errCode, errMsg
@@ -187,6 +224,7 @@ func (t *Table) End(runID, id string, st meshv1.NodeStatus, cause meshv1.CancelC
 	if fn != nil {
 		fn(n)
 	}
+	r.changedLocked(id, was, isRunning(n))
 	if c, _ := r.cancels.get(id); c.fn != nil {
 		if c.owned {
 			c.fn(nil) // release the context Begin made; the node's work is over
@@ -194,10 +232,6 @@ func (t *Table) End(runID, id string, st meshv1.NodeStatus, cause meshv1.CancelC
 		r.cancels.del(id)
 	}
 	r.lastEnd = now
-	if r.changed != nil {
-		close(r.changed)
-		r.changed = nil
-	}
 	return proto.Clone(n).(*meshv1.Node)
 }
 
@@ -218,47 +252,56 @@ func (t *Table) Note(runID, id string, cause meshv1.CancelCause, at time.Time) {
 // When settle > 0 it first waits, up to settle or until ctx is done, for every selected
 // node to end; settled reports whether they all had.
 func (t *Table) List(ctx context.Context, runID string, prefixes []string, settle time.Duration) (out []*meshv1.Node, settled bool) {
-	var timeout <-chan time.Time
-	if settle > 0 {
-		tm := time.NewTimer(settle)
-		defer tm.Stop()
-		timeout = tm.C
-	}
-	for {
-		t.mu.Lock()
-		r := t.runs[runID]
-		if r == nil {
-			t.mu.Unlock()
-			return nil, true
-		}
-		out, running := out[:0], 0
-		for _, n := range r.nodes.all() {
-			if !Selected(n.Id, prefixes) {
-				continue
-			}
-			if n.Status == meshv1.NodeStatus_NODE_STATUS_RUNNING {
-				running++
-			}
-			out = append(out, proto.Clone(n).(*meshv1.Node))
-		}
-		if running == 0 || settle <= 0 {
-			t.mu.Unlock()
-			sortNodes(out)
-			return out, running == 0
-		}
-		if r.changed == nil {
-			r.changed = make(chan struct{})
-		}
-		changed := r.changed
+	t.mu.Lock()
+	r := t.runs[runID]
+	if r == nil {
 		t.mu.Unlock()
+		return nil, true
+	}
+	running := 0
+	for _, n := range r.nodes.all() {
+		if isRunning(n) && Selected(n.Id, prefixes) {
+			running++
+		}
+	}
+	if running > 0 && settle > 0 {
+		w := &waiter{prefixes: prefixes, running: running, done: make(chan struct{})}
+		r.waiters = append(r.waiters, w)
+		t.mu.Unlock()
+		tm := time.NewTimer(settle)
 		select {
-		case <-changed:
-		case <-timeout:
-			sortNodes(out)
-			return out, false
+		case <-w.done:
+		case <-tm.C:
 		case <-ctx.Done():
-			sortNodes(out)
-			return out, false
+		}
+		tm.Stop()
+		t.mu.Lock()
+		r.dropWaiterLocked(w)
+	}
+	running = 0
+	for _, n := range r.nodes.all() {
+		if !Selected(n.Id, prefixes) {
+			continue
+		}
+		if isRunning(n) {
+			running++
+		}
+		out = append(out, proto.Clone(n).(*meshv1.Node))
+	}
+	t.mu.Unlock()
+	sortNodes(out)
+	return out, running == 0
+}
+
+// dropWaiterLocked removes w from r's waiters, if it is still there.
+func (r *run) dropWaiterLocked(w *waiter) {
+	for i, x := range r.waiters {
+		if x == w {
+			last := len(r.waiters) - 1
+			copy(r.waiters[i:], r.waiters[i+1:])
+			r.waiters[last] = nil
+			r.waiters = r.waiters[:last]
+			return
 		}
 	}
 }

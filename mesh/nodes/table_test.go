@@ -272,3 +272,48 @@ func TestSweep(t *testing.T) {
 }
 
 func sorted(s []string) []string { slices.Sort(s); return s }
+
+// Many Lists wait at once (a teardown: every cancelled child's settle); each returns once
+// its own selection has ended, and a node started while it waits holds it too.
+func TestListSettleManyWaiters(t *testing.T) {
+	tb := nodes.New(0)
+	start(tb, "r", "a", "a/b", "c")
+	type result struct {
+		ns      []*meshv1.Node
+		settled bool
+	}
+	wait := func(prefix string) chan result {
+		c := make(chan result, 1)
+		go func() {
+			ns, settled := tb.List(context.Background(), "r", []string{prefix}, 5*time.Second)
+			c <- result{ns, settled}
+		}()
+		return c
+	}
+	waitA, waitAB, waitC := wait("a"), wait("a/b"), wait("c")
+	time.Sleep(50 * time.Millisecond) // let them register
+	tb.End("r", "a/b", succeeded, noCause, "", "", nil)
+	if r := <-waitAB; !r.settled || !slices.Equal(ids(r.ns), []string{"a/b"}) {
+		t.Fatalf("List(a/b) = %q, %v", ids(r.ns), r.settled)
+	}
+	start(tb, "r", "a/d") // starts while List(a) waits: it must wait for it too
+	tb.End("r", "a", succeeded, noCause, "", "", nil)
+	select {
+	case r := <-waitA:
+		t.Fatalf("List(a) returned %q, %v while a/d runs", ids(r.ns), r.settled)
+	case <-time.After(50 * time.Millisecond):
+	}
+	tb.End("r", "a/d", succeeded, noCause, "", "", nil)
+	if r := <-waitA; !r.settled || !slices.Equal(ids(r.ns), []string{"a", "a/b", "a/d"}) {
+		t.Fatalf("List(a) = %q, %v", ids(r.ns), r.settled)
+	}
+	select {
+	case r := <-waitC:
+		t.Fatalf("List(c) returned %q, %v while c runs", ids(r.ns), r.settled)
+	default:
+	}
+	tb.End("r", "c", failed, noCause, "UNAVAILABLE", "down", nil)
+	if r := <-waitC; !r.settled || len(r.ns) != 1 || r.ns[0].Status != failed {
+		t.Fatalf("List(c) = %v, %v", r.ns, r.settled)
+	}
+}

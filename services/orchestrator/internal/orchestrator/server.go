@@ -41,8 +41,7 @@ type Config struct {
 	// Loop reaches modelproxy and toolrunner; its Emit and Notes are set per run.
 	Loop agent.Config
 	// Reports are the NodeReportServices of modelproxy, toolrunner and subagent, read to
-	// assemble summaries and told to cancel a run's nodes. The first is modelproxy's: a
-	// cancel tells it first (see broadcastCancel).
+	// assemble summaries.
 	Reports []meshv1.NodeReportServiceClient
 	// MaxRuns is how many runs are kept in memory; DefaultMaxRuns when 0.
 	MaxRuns int
@@ -96,7 +95,7 @@ type runState struct {
 	cancelAt time.Time // first explicit cancel instant
 	// broadcast tells every executor to cancel the run's nodes at once (one hop), beside
 	// the RST_STREAM that travels down the tree hop by hop.
-	broadcast   func(cause error, leavesFirst bool)
+	broadcast   func(cause error)
 	broadcasted bool
 	subs        map[chan *orchestratorv1.RunResponse]struct{} // nil when there are none
 }
@@ -132,14 +131,9 @@ func (rs *runState) unsubscribe(c chan *orchestratorv1.RunResponse) {
 	rs.mu.Unlock()
 }
 
-// cancelWith records the cancel instant (the first one wins) and cancels the tree, the
-// leaves first (see broadcastCancel). A
+// cancelWith records the cancel instant (the first one wins) and cancels the tree. A
 // deadline cancel's instant is never later than the deadline itself.
-func (rs *runState) cancelWith(cause error) { rs.cancelTree(cause, true) }
-
-// cancelTree is cancelWith; leavesFirst false does not wait for modelproxy's
-// acknowledgement (Shutdown cancels every run at once).
-func (rs *runState) cancelTree(cause error, leavesFirst bool) {
+func (rs *runState) cancelWith(cause error) {
 	rs.mu.Lock()
 	if rs.cancelAt.IsZero() {
 		rs.cancelAt = time.Now()
@@ -150,12 +144,10 @@ func (rs *runState) cancelTree(cause error, leavesFirst bool) {
 	first := !rs.broadcasted
 	rs.broadcasted = true
 	rs.mu.Unlock()
-	// The broadcast first: it reaches every executor in one hop, while cancelling the run's
-	// context starts the hop-by-hop teardown of the whole tree.
-	if first && rs.broadcast != nil {
-		rs.broadcast(cause, leavesFirst)
-	}
 	rs.cancel(cause)
+	if first && rs.broadcast != nil {
+		rs.broadcast(cause)
+	}
 }
 
 func (rs *runState) snapshot() *orchestratorv1.Run {
@@ -289,7 +281,13 @@ func (s *Server) start(ctx context.Context, req *orchestratorv1.RunRequest) (*ru
 			Deadline: timestamppb.New(dl), CreatedAt: timestamppb.New(now), Model: model, Task: req.GetTask()},
 	}
 	root := s.nodes.Start(runID, &meshv1.Node{Id: RootNode, Kind: meshv1.NodeKind_NODE_KIND_RUN, Name: "run", Deadline: timestamppb.New(dl)})
-	rs.broadcast = func(cause error, leavesFirst bool) { s.broadcastCancel(rctx, runID, cause, leavesFirst) }
+	rs.broadcast = func(cause error) {
+		s.wg.Add(1)
+		go func() {
+			defer s.wg.Done()
+			s.broadcastCancel(rctx, runID, cause)
+		}()
+	}
 	s.add(rs)
 	sub := rs.subscribe()
 	task := req.GetTask() // not req: the run should not hold the request
@@ -391,50 +389,24 @@ func (s *Server) execute(rctx context.Context, rs *runState, model, task string)
 // broadcastTimeout bounds the one-hop cancel broadcast to the executors.
 const broadcastTimeout = 2 * time.Second
 
-// leavesFirstWait bounds how long the rest of a cancel waits for modelproxy to acknowledge
-// that it cancelled the run's decoders.
-const leavesFirstWait = 2 * time.Millisecond
-
-// broadcastCancel asks every executor to cancel the run's running nodes with cause, on a
-// goroutine per executor. The RST_STREAM path reaches them too, hop by hop; this reaches a
-// decoder three subagents deep in one hop, and tells it the true cause.
-//
-// With leavesFirst, the first executor (modelproxy, Config.Reports[0]: its decoders are the
-// tree's leaves, the nodes that spend tokens) is told first, and the others, like the
-// caller's local cancel after return, wait until it has acknowledged, at most
-// leavesFirstWait. Tearing down the rest of the tree wakes hundreds of goroutines in
-// toolrunner, subagent and here; started at once, it delayed modelproxy's handling of the
-// broadcast by milliseconds on a two-core machine.
-func (s *Server) broadcastCancel(rctx context.Context, run string, cause error, leavesFirst bool) {
+// broadcastCancel asks every executor to cancel the run's running nodes with cause. The
+// RST_STREAM path reaches them too, hop by hop; this reaches a decoder three subagents
+// deep in one hop, and tells it the true cause.
+func (s *Server) broadcastCancel(rctx context.Context, run string, cause error) {
+	ctx, stop := context.WithTimeout(context.WithoutCancel(rctx), broadcastTimeout)
+	defer stop()
 	req := &meshv1.CancelNodesRequest{RunId: run, NodePrefixes: []string{RootNode}, Cause: cancel.FromError(cause)}
-	base := context.WithoutCancel(rctx)
-	for i, c := range s.cfg.Reports {
-		var acked chan struct{}
-		if i == 0 && leavesFirst {
-			acked = make(chan struct{})
-		}
-		s.wg.Add(1)
+	var wg sync.WaitGroup
+	for _, c := range s.cfg.Reports {
+		wg.Add(1)
 		go func() {
-			defer s.wg.Done()
-			ctx, stop := context.WithTimeout(base, broadcastTimeout)
-			defer stop()
-			_, err := c.CancelNodes(ctx, req)
-			if acked != nil {
-				close(acked)
-			}
-			if err != nil {
+			defer wg.Done()
+			if _, err := c.CancelNodes(ctx, req); err != nil {
 				s.cfg.Log.WarnContext(ctx, "cancel broadcast failed; the RST_STREAM path still stops the tree", "run_id", run, "error", err.Error())
 			}
 		}()
-		if acked != nil {
-			t := time.NewTimer(leavesFirstWait)
-			select {
-			case <-acked:
-			case <-t.C:
-			}
-			t.Stop()
-		}
 	}
+	wg.Wait()
 }
 
 func setNodes(r *orchestratorv1.Run, ns []*meshv1.Node) {
@@ -608,7 +580,7 @@ func (s *Server) Shutdown(grace time.Duration) {
 		select {
 		case <-rs.done:
 		default:
-			rs.cancelTree(cancel.ErrOperator, false)
+			rs.cancelWith(cancel.ErrOperator)
 		}
 	}
 	s.mu.Unlock()
