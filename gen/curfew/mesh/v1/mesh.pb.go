@@ -331,8 +331,15 @@ type Node struct {
 	Attempt int32  `protobuf:"varint,17,opt,name=attempt,proto3" json:"attempt,omitempty"`
 	// Earlier attempts of the same node on this process, oldest first.
 	EarlierAttempts []*AttemptRecord `protobuf:"bytes,18,rep,name=earlier_attempts,json=earlierAttempts,proto3" json:"earlier_attempts,omitempty"`
-	unknownFields   protoimpl.UnknownFields
-	sizeCache       protoimpl.SizeCache
+	// Model nodes: the provider and model that answered (empty for the sim model and
+	// before an answer), whether the response cache answered, and the providers tried
+	// before it, in order, with why each did not answer.
+	Provider      string      `protobuf:"bytes,19,opt,name=provider,proto3" json:"provider,omitempty"`
+	ServedModel   string      `protobuf:"bytes,20,opt,name=served_model,json=servedModel,proto3" json:"served_model,omitempty"`
+	Cached        bool        `protobuf:"varint,21,opt,name=cached,proto3" json:"cached,omitempty"`
+	Fallbacks     []*Fallback `protobuf:"bytes,22,rep,name=fallbacks,proto3" json:"fallbacks,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
 }
 
 func (x *Node) Reset() {
@@ -491,6 +498,115 @@ func (x *Node) GetEarlierAttempts() []*AttemptRecord {
 	return nil
 }
 
+func (x *Node) GetProvider() string {
+	if x != nil {
+		return x.Provider
+	}
+	return ""
+}
+
+func (x *Node) GetServedModel() string {
+	if x != nil {
+		return x.ServedModel
+	}
+	return ""
+}
+
+func (x *Node) GetCached() bool {
+	if x != nil {
+		return x.Cached
+	}
+	return false
+}
+
+func (x *Node) GetFallbacks() []*Fallback {
+	if x != nil {
+		return x.Fallbacks
+	}
+	return nil
+}
+
+// Fallback is one provider of a model alias's chain that did not answer a call.
+type Fallback struct {
+	state    protoimpl.MessageState `protogen:"open.v1"`
+	Provider string                 `protobuf:"bytes,1,opt,name=provider,proto3" json:"provider,omitempty"`
+	Model    string                 `protobuf:"bytes,2,opt,name=model,proto3" json:"model,omitempty"`
+	// Why: "breaker_open", "unavailable", "rate_limited", "timeout", "server_error",
+	// "shed" or "invalid_output" (the answer failed its response schema; the call was
+	// degraded to the alias's degrade model).
+	Reason string `protobuf:"bytes,3,opt,name=reason,proto3" json:"reason,omitempty"`
+	// The gRPC code name of the error, when there was one.
+	ErrorCode     string `protobuf:"bytes,4,opt,name=error_code,json=errorCode,proto3" json:"error_code,omitempty"`
+	ErrorMessage  string `protobuf:"bytes,5,opt,name=error_message,json=errorMessage,proto3" json:"error_message,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *Fallback) Reset() {
+	*x = Fallback{}
+	mi := &file_curfew_mesh_v1_mesh_proto_msgTypes[2]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *Fallback) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*Fallback) ProtoMessage() {}
+
+func (x *Fallback) ProtoReflect() protoreflect.Message {
+	mi := &file_curfew_mesh_v1_mesh_proto_msgTypes[2]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use Fallback.ProtoReflect.Descriptor instead.
+func (*Fallback) Descriptor() ([]byte, []int) {
+	return file_curfew_mesh_v1_mesh_proto_rawDescGZIP(), []int{2}
+}
+
+func (x *Fallback) GetProvider() string {
+	if x != nil {
+		return x.Provider
+	}
+	return ""
+}
+
+func (x *Fallback) GetModel() string {
+	if x != nil {
+		return x.Model
+	}
+	return ""
+}
+
+func (x *Fallback) GetReason() string {
+	if x != nil {
+		return x.Reason
+	}
+	return ""
+}
+
+func (x *Fallback) GetErrorCode() string {
+	if x != nil {
+		return x.ErrorCode
+	}
+	return ""
+}
+
+func (x *Fallback) GetErrorMessage() string {
+	if x != nil {
+		return x.ErrorMessage
+	}
+	return ""
+}
+
 // AttemptRecord is an earlier attempt of a node that was retried.
 type AttemptRecord struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
@@ -507,7 +623,7 @@ type AttemptRecord struct {
 
 func (x *AttemptRecord) Reset() {
 	*x = AttemptRecord{}
-	mi := &file_curfew_mesh_v1_mesh_proto_msgTypes[2]
+	mi := &file_curfew_mesh_v1_mesh_proto_msgTypes[3]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -519,7 +635,7 @@ func (x *AttemptRecord) String() string {
 func (*AttemptRecord) ProtoMessage() {}
 
 func (x *AttemptRecord) ProtoReflect() protoreflect.Message {
-	mi := &file_curfew_mesh_v1_mesh_proto_msgTypes[2]
+	mi := &file_curfew_mesh_v1_mesh_proto_msgTypes[3]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -532,7 +648,7 @@ func (x *AttemptRecord) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use AttemptRecord.ProtoReflect.Descriptor instead.
 func (*AttemptRecord) Descriptor() ([]byte, []int) {
-	return file_curfew_mesh_v1_mesh_proto_rawDescGZIP(), []int{2}
+	return file_curfew_mesh_v1_mesh_proto_rawDescGZIP(), []int{3}
 }
 
 func (x *AttemptRecord) GetAttempt() int32 {
@@ -600,7 +716,7 @@ type ListNodesRequest struct {
 
 func (x *ListNodesRequest) Reset() {
 	*x = ListNodesRequest{}
-	mi := &file_curfew_mesh_v1_mesh_proto_msgTypes[3]
+	mi := &file_curfew_mesh_v1_mesh_proto_msgTypes[4]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -612,7 +728,7 @@ func (x *ListNodesRequest) String() string {
 func (*ListNodesRequest) ProtoMessage() {}
 
 func (x *ListNodesRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_curfew_mesh_v1_mesh_proto_msgTypes[3]
+	mi := &file_curfew_mesh_v1_mesh_proto_msgTypes[4]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -625,7 +741,7 @@ func (x *ListNodesRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListNodesRequest.ProtoReflect.Descriptor instead.
 func (*ListNodesRequest) Descriptor() ([]byte, []int) {
-	return file_curfew_mesh_v1_mesh_proto_rawDescGZIP(), []int{3}
+	return file_curfew_mesh_v1_mesh_proto_rawDescGZIP(), []int{4}
 }
 
 func (x *ListNodesRequest) GetRunId() string {
@@ -668,7 +784,7 @@ type ListNodesResponse struct {
 
 func (x *ListNodesResponse) Reset() {
 	*x = ListNodesResponse{}
-	mi := &file_curfew_mesh_v1_mesh_proto_msgTypes[4]
+	mi := &file_curfew_mesh_v1_mesh_proto_msgTypes[5]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -680,7 +796,7 @@ func (x *ListNodesResponse) String() string {
 func (*ListNodesResponse) ProtoMessage() {}
 
 func (x *ListNodesResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_curfew_mesh_v1_mesh_proto_msgTypes[4]
+	mi := &file_curfew_mesh_v1_mesh_proto_msgTypes[5]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -693,7 +809,7 @@ func (x *ListNodesResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListNodesResponse.ProtoReflect.Descriptor instead.
 func (*ListNodesResponse) Descriptor() ([]byte, []int) {
-	return file_curfew_mesh_v1_mesh_proto_rawDescGZIP(), []int{4}
+	return file_curfew_mesh_v1_mesh_proto_rawDescGZIP(), []int{5}
 }
 
 func (x *ListNodesResponse) GetNodes() []*Node {
@@ -724,7 +840,7 @@ type CancelNodesRequest struct {
 
 func (x *CancelNodesRequest) Reset() {
 	*x = CancelNodesRequest{}
-	mi := &file_curfew_mesh_v1_mesh_proto_msgTypes[5]
+	mi := &file_curfew_mesh_v1_mesh_proto_msgTypes[6]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -736,7 +852,7 @@ func (x *CancelNodesRequest) String() string {
 func (*CancelNodesRequest) ProtoMessage() {}
 
 func (x *CancelNodesRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_curfew_mesh_v1_mesh_proto_msgTypes[5]
+	mi := &file_curfew_mesh_v1_mesh_proto_msgTypes[6]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -749,7 +865,7 @@ func (x *CancelNodesRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CancelNodesRequest.ProtoReflect.Descriptor instead.
 func (*CancelNodesRequest) Descriptor() ([]byte, []int) {
-	return file_curfew_mesh_v1_mesh_proto_rawDescGZIP(), []int{5}
+	return file_curfew_mesh_v1_mesh_proto_rawDescGZIP(), []int{6}
 }
 
 func (x *CancelNodesRequest) GetRunId() string {
@@ -783,7 +899,7 @@ type CancelNodesResponse struct {
 
 func (x *CancelNodesResponse) Reset() {
 	*x = CancelNodesResponse{}
-	mi := &file_curfew_mesh_v1_mesh_proto_msgTypes[6]
+	mi := &file_curfew_mesh_v1_mesh_proto_msgTypes[7]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -795,7 +911,7 @@ func (x *CancelNodesResponse) String() string {
 func (*CancelNodesResponse) ProtoMessage() {}
 
 func (x *CancelNodesResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_curfew_mesh_v1_mesh_proto_msgTypes[6]
+	mi := &file_curfew_mesh_v1_mesh_proto_msgTypes[7]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -808,7 +924,7 @@ func (x *CancelNodesResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CancelNodesResponse.ProtoReflect.Descriptor instead.
 func (*CancelNodesResponse) Descriptor() ([]byte, []int) {
-	return file_curfew_mesh_v1_mesh_proto_rawDescGZIP(), []int{6}
+	return file_curfew_mesh_v1_mesh_proto_rawDescGZIP(), []int{7}
 }
 
 func (x *CancelNodesResponse) GetCancelled() int32 {
@@ -830,7 +946,7 @@ const file_curfew_mesh_v1_mesh_proto_rawDesc = "" +
 	"\n" +
 	"started_at\x18\x04 \x01(\v2\x1a.google.protobuf.TimestampR\tstartedAt\x125\n" +
 	"\bended_at\x18\x05 \x01(\v2\x1a.google.protobuf.TimestampR\aendedAt\x121\n" +
-	"\x06budget\x18\x06 \x01(\v2\x19.google.protobuf.DurationR\x06budget\"\x90\x06\n" +
+	"\x06budget\x18\x06 \x01(\v2\x19.google.protobuf.DurationR\x06budget\"\x9f\a\n" +
 	"\x04Node\x12\x0e\n" +
 	"\x02id\x18\x01 \x01(\tR\x02id\x12,\n" +
 	"\x04kind\x18\x02 \x01(\x0e2\x18.curfew.mesh.v1.NodeKindR\x04kind\x12\x12\n" +
@@ -852,7 +968,18 @@ const file_curfew_mesh_v1_mesh_proto_rawDesc = "" +
 	"\acleanup\x18\x0f \x01(\v2\x17.curfew.mesh.v1.CleanupR\acleanup\x12\x19\n" +
 	"\bretry_id\x18\x10 \x01(\tR\aretryId\x12\x18\n" +
 	"\aattempt\x18\x11 \x01(\x05R\aattempt\x12H\n" +
-	"\x10earlier_attempts\x18\x12 \x03(\v2\x1d.curfew.mesh.v1.AttemptRecordR\x0fearlierAttempts\"\xbc\x02\n" +
+	"\x10earlier_attempts\x18\x12 \x03(\v2\x1d.curfew.mesh.v1.AttemptRecordR\x0fearlierAttempts\x12\x1a\n" +
+	"\bprovider\x18\x13 \x01(\tR\bprovider\x12!\n" +
+	"\fserved_model\x18\x14 \x01(\tR\vservedModel\x12\x16\n" +
+	"\x06cached\x18\x15 \x01(\bR\x06cached\x126\n" +
+	"\tfallbacks\x18\x16 \x03(\v2\x18.curfew.mesh.v1.FallbackR\tfallbacks\"\x98\x01\n" +
+	"\bFallback\x12\x1a\n" +
+	"\bprovider\x18\x01 \x01(\tR\bprovider\x12\x14\n" +
+	"\x05model\x18\x02 \x01(\tR\x05model\x12\x16\n" +
+	"\x06reason\x18\x03 \x01(\tR\x06reason\x12\x1d\n" +
+	"\n" +
+	"error_code\x18\x04 \x01(\tR\terrorCode\x12#\n" +
+	"\rerror_message\x18\x05 \x01(\tR\ferrorMessage\"\xbc\x02\n" +
 	"\rAttemptRecord\x12\x18\n" +
 	"\aattempt\x18\x01 \x01(\x05R\aattempt\x12\x19\n" +
 	"\bretry_id\x18\x02 \x01(\tR\aretryId\x122\n" +
@@ -917,51 +1044,53 @@ func file_curfew_mesh_v1_mesh_proto_rawDescGZIP() []byte {
 }
 
 var file_curfew_mesh_v1_mesh_proto_enumTypes = make([]protoimpl.EnumInfo, 3)
-var file_curfew_mesh_v1_mesh_proto_msgTypes = make([]protoimpl.MessageInfo, 7)
+var file_curfew_mesh_v1_mesh_proto_msgTypes = make([]protoimpl.MessageInfo, 8)
 var file_curfew_mesh_v1_mesh_proto_goTypes = []any{
 	(CancelCause)(0),              // 0: curfew.mesh.v1.CancelCause
 	(NodeKind)(0),                 // 1: curfew.mesh.v1.NodeKind
 	(NodeStatus)(0),               // 2: curfew.mesh.v1.NodeStatus
 	(*Cleanup)(nil),               // 3: curfew.mesh.v1.Cleanup
 	(*Node)(nil),                  // 4: curfew.mesh.v1.Node
-	(*AttemptRecord)(nil),         // 5: curfew.mesh.v1.AttemptRecord
-	(*ListNodesRequest)(nil),      // 6: curfew.mesh.v1.ListNodesRequest
-	(*ListNodesResponse)(nil),     // 7: curfew.mesh.v1.ListNodesResponse
-	(*CancelNodesRequest)(nil),    // 8: curfew.mesh.v1.CancelNodesRequest
-	(*CancelNodesResponse)(nil),   // 9: curfew.mesh.v1.CancelNodesResponse
-	(*timestamppb.Timestamp)(nil), // 10: google.protobuf.Timestamp
-	(*durationpb.Duration)(nil),   // 11: google.protobuf.Duration
+	(*Fallback)(nil),              // 5: curfew.mesh.v1.Fallback
+	(*AttemptRecord)(nil),         // 6: curfew.mesh.v1.AttemptRecord
+	(*ListNodesRequest)(nil),      // 7: curfew.mesh.v1.ListNodesRequest
+	(*ListNodesResponse)(nil),     // 8: curfew.mesh.v1.ListNodesResponse
+	(*CancelNodesRequest)(nil),    // 9: curfew.mesh.v1.CancelNodesRequest
+	(*CancelNodesResponse)(nil),   // 10: curfew.mesh.v1.CancelNodesResponse
+	(*timestamppb.Timestamp)(nil), // 11: google.protobuf.Timestamp
+	(*durationpb.Duration)(nil),   // 12: google.protobuf.Duration
 }
 var file_curfew_mesh_v1_mesh_proto_depIdxs = []int32{
-	10, // 0: curfew.mesh.v1.Cleanup.started_at:type_name -> google.protobuf.Timestamp
-	10, // 1: curfew.mesh.v1.Cleanup.ended_at:type_name -> google.protobuf.Timestamp
-	11, // 2: curfew.mesh.v1.Cleanup.budget:type_name -> google.protobuf.Duration
+	11, // 0: curfew.mesh.v1.Cleanup.started_at:type_name -> google.protobuf.Timestamp
+	11, // 1: curfew.mesh.v1.Cleanup.ended_at:type_name -> google.protobuf.Timestamp
+	12, // 2: curfew.mesh.v1.Cleanup.budget:type_name -> google.protobuf.Duration
 	1,  // 3: curfew.mesh.v1.Node.kind:type_name -> curfew.mesh.v1.NodeKind
 	2,  // 4: curfew.mesh.v1.Node.status:type_name -> curfew.mesh.v1.NodeStatus
 	0,  // 5: curfew.mesh.v1.Node.cause:type_name -> curfew.mesh.v1.CancelCause
-	10, // 6: curfew.mesh.v1.Node.started_at:type_name -> google.protobuf.Timestamp
-	10, // 7: curfew.mesh.v1.Node.ended_at:type_name -> google.protobuf.Timestamp
-	10, // 8: curfew.mesh.v1.Node.deadline:type_name -> google.protobuf.Timestamp
-	10, // 9: curfew.mesh.v1.Node.cancelled_at:type_name -> google.protobuf.Timestamp
+	11, // 6: curfew.mesh.v1.Node.started_at:type_name -> google.protobuf.Timestamp
+	11, // 7: curfew.mesh.v1.Node.ended_at:type_name -> google.protobuf.Timestamp
+	11, // 8: curfew.mesh.v1.Node.deadline:type_name -> google.protobuf.Timestamp
+	11, // 9: curfew.mesh.v1.Node.cancelled_at:type_name -> google.protobuf.Timestamp
 	3,  // 10: curfew.mesh.v1.Node.cleanup:type_name -> curfew.mesh.v1.Cleanup
-	5,  // 11: curfew.mesh.v1.Node.earlier_attempts:type_name -> curfew.mesh.v1.AttemptRecord
-	2,  // 12: curfew.mesh.v1.AttemptRecord.status:type_name -> curfew.mesh.v1.NodeStatus
-	0,  // 13: curfew.mesh.v1.AttemptRecord.cause:type_name -> curfew.mesh.v1.CancelCause
-	10, // 14: curfew.mesh.v1.AttemptRecord.started_at:type_name -> google.protobuf.Timestamp
-	10, // 15: curfew.mesh.v1.AttemptRecord.ended_at:type_name -> google.protobuf.Timestamp
-	11, // 16: curfew.mesh.v1.ListNodesRequest.settle_timeout:type_name -> google.protobuf.Duration
-	10, // 17: curfew.mesh.v1.ListNodesRequest.cancel_at:type_name -> google.protobuf.Timestamp
-	4,  // 18: curfew.mesh.v1.ListNodesResponse.nodes:type_name -> curfew.mesh.v1.Node
-	0,  // 19: curfew.mesh.v1.CancelNodesRequest.cause:type_name -> curfew.mesh.v1.CancelCause
-	6,  // 20: curfew.mesh.v1.NodeReportService.ListNodes:input_type -> curfew.mesh.v1.ListNodesRequest
-	8,  // 21: curfew.mesh.v1.NodeReportService.CancelNodes:input_type -> curfew.mesh.v1.CancelNodesRequest
-	7,  // 22: curfew.mesh.v1.NodeReportService.ListNodes:output_type -> curfew.mesh.v1.ListNodesResponse
-	9,  // 23: curfew.mesh.v1.NodeReportService.CancelNodes:output_type -> curfew.mesh.v1.CancelNodesResponse
-	22, // [22:24] is the sub-list for method output_type
-	20, // [20:22] is the sub-list for method input_type
-	20, // [20:20] is the sub-list for extension type_name
-	20, // [20:20] is the sub-list for extension extendee
-	0,  // [0:20] is the sub-list for field type_name
+	6,  // 11: curfew.mesh.v1.Node.earlier_attempts:type_name -> curfew.mesh.v1.AttemptRecord
+	5,  // 12: curfew.mesh.v1.Node.fallbacks:type_name -> curfew.mesh.v1.Fallback
+	2,  // 13: curfew.mesh.v1.AttemptRecord.status:type_name -> curfew.mesh.v1.NodeStatus
+	0,  // 14: curfew.mesh.v1.AttemptRecord.cause:type_name -> curfew.mesh.v1.CancelCause
+	11, // 15: curfew.mesh.v1.AttemptRecord.started_at:type_name -> google.protobuf.Timestamp
+	11, // 16: curfew.mesh.v1.AttemptRecord.ended_at:type_name -> google.protobuf.Timestamp
+	12, // 17: curfew.mesh.v1.ListNodesRequest.settle_timeout:type_name -> google.protobuf.Duration
+	11, // 18: curfew.mesh.v1.ListNodesRequest.cancel_at:type_name -> google.protobuf.Timestamp
+	4,  // 19: curfew.mesh.v1.ListNodesResponse.nodes:type_name -> curfew.mesh.v1.Node
+	0,  // 20: curfew.mesh.v1.CancelNodesRequest.cause:type_name -> curfew.mesh.v1.CancelCause
+	7,  // 21: curfew.mesh.v1.NodeReportService.ListNodes:input_type -> curfew.mesh.v1.ListNodesRequest
+	9,  // 22: curfew.mesh.v1.NodeReportService.CancelNodes:input_type -> curfew.mesh.v1.CancelNodesRequest
+	8,  // 23: curfew.mesh.v1.NodeReportService.ListNodes:output_type -> curfew.mesh.v1.ListNodesResponse
+	10, // 24: curfew.mesh.v1.NodeReportService.CancelNodes:output_type -> curfew.mesh.v1.CancelNodesResponse
+	23, // [23:25] is the sub-list for method output_type
+	21, // [21:23] is the sub-list for method input_type
+	21, // [21:21] is the sub-list for extension type_name
+	21, // [21:21] is the sub-list for extension extendee
+	0,  // [0:21] is the sub-list for field type_name
 }
 
 func init() { file_curfew_mesh_v1_mesh_proto_init() }
@@ -975,7 +1104,7 @@ func file_curfew_mesh_v1_mesh_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_curfew_mesh_v1_mesh_proto_rawDesc), len(file_curfew_mesh_v1_mesh_proto_rawDesc)),
 			NumEnums:      3,
-			NumMessages:   7,
+			NumMessages:   8,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

@@ -229,7 +229,21 @@ type GenerateRequest struct {
 	Model    string     `protobuf:"bytes,1,opt,name=model,proto3" json:"model,omitempty"`
 	Messages []*Message `protobuf:"bytes,2,rep,name=messages,proto3" json:"messages,omitempty"`
 	// Upper bound on output tokens; 0 means the provider default.
-	MaxTokens     int32 `protobuf:"varint,3,opt,name=max_tokens,json=maxTokens,proto3" json:"max_tokens,omitempty"`
+	MaxTokens int32 `protobuf:"varint,3,opt,name=max_tokens,json=maxTokens,proto3" json:"max_tokens,omitempty"`
+	// Tools the model may call. The agent loop sends the tools toolrunner offers.
+	Tools []*ToolSpec `protobuf:"bytes,4,rep,name=tools,proto3" json:"tools,omitempty"`
+	// When set, the answer must be a JSON value valid against this schema. modelproxy
+	// validates it; a provider whose answer fails validation may be degraded from (see the
+	// model alias's degrade policy).
+	ResponseSchema *ResponseSchema `protobuf:"bytes,5,opt,name=response_schema,json=responseSchema,proto3" json:"response_schema,omitempty"`
+	// Sampling temperature; unset means the provider default. 0 makes the request
+	// deterministic, and so cacheable.
+	Temperature *float64 `protobuf:"fixed64,6,opt,name=temperature,proto3,oneof" json:"temperature,omitempty"`
+	// Sampling seed, passed to providers that take one.
+	Seed *int64 `protobuf:"varint,7,opt,name=seed,proto3,oneof" json:"seed,omitempty"`
+	// Marks the request cacheable even when it is not deterministic: an identical request
+	// within the cache's TTL is answered from the cache.
+	Cacheable     bool `protobuf:"varint,8,opt,name=cacheable,proto3" json:"cacheable,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -285,6 +299,158 @@ func (x *GenerateRequest) GetMaxTokens() int32 {
 	return 0
 }
 
+func (x *GenerateRequest) GetTools() []*ToolSpec {
+	if x != nil {
+		return x.Tools
+	}
+	return nil
+}
+
+func (x *GenerateRequest) GetResponseSchema() *ResponseSchema {
+	if x != nil {
+		return x.ResponseSchema
+	}
+	return nil
+}
+
+func (x *GenerateRequest) GetTemperature() float64 {
+	if x != nil && x.Temperature != nil {
+		return *x.Temperature
+	}
+	return 0
+}
+
+func (x *GenerateRequest) GetSeed() int64 {
+	if x != nil && x.Seed != nil {
+		return *x.Seed
+	}
+	return 0
+}
+
+func (x *GenerateRequest) GetCacheable() bool {
+	if x != nil {
+		return x.Cacheable
+	}
+	return false
+}
+
+// ToolSpec describes a tool to the model.
+type ToolSpec struct {
+	state       protoimpl.MessageState `protogen:"open.v1"`
+	Name        string                 `protobuf:"bytes,1,opt,name=name,proto3" json:"name,omitempty"`
+	Description string                 `protobuf:"bytes,2,opt,name=description,proto3" json:"description,omitempty"`
+	// JSON Schema of the arguments object.
+	ParametersJson string `protobuf:"bytes,3,opt,name=parameters_json,json=parametersJson,proto3" json:"parameters_json,omitempty"`
+	unknownFields  protoimpl.UnknownFields
+	sizeCache      protoimpl.SizeCache
+}
+
+func (x *ToolSpec) Reset() {
+	*x = ToolSpec{}
+	mi := &file_curfew_modelproxy_v1_modelproxy_proto_msgTypes[3]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ToolSpec) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ToolSpec) ProtoMessage() {}
+
+func (x *ToolSpec) ProtoReflect() protoreflect.Message {
+	mi := &file_curfew_modelproxy_v1_modelproxy_proto_msgTypes[3]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ToolSpec.ProtoReflect.Descriptor instead.
+func (*ToolSpec) Descriptor() ([]byte, []int) {
+	return file_curfew_modelproxy_v1_modelproxy_proto_rawDescGZIP(), []int{3}
+}
+
+func (x *ToolSpec) GetName() string {
+	if x != nil {
+		return x.Name
+	}
+	return ""
+}
+
+func (x *ToolSpec) GetDescription() string {
+	if x != nil {
+		return x.Description
+	}
+	return ""
+}
+
+func (x *ToolSpec) GetParametersJson() string {
+	if x != nil {
+		return x.ParametersJson
+	}
+	return ""
+}
+
+// ResponseSchema binds an answer to a JSON Schema.
+type ResponseSchema struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// A short name for the schema, sent to providers that take one.
+	Name string `protobuf:"bytes,1,opt,name=name,proto3" json:"name,omitempty"`
+	// The JSON Schema (draft 2020-12) the answer must satisfy.
+	SchemaJson    string `protobuf:"bytes,2,opt,name=schema_json,json=schemaJson,proto3" json:"schema_json,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ResponseSchema) Reset() {
+	*x = ResponseSchema{}
+	mi := &file_curfew_modelproxy_v1_modelproxy_proto_msgTypes[4]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ResponseSchema) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ResponseSchema) ProtoMessage() {}
+
+func (x *ResponseSchema) ProtoReflect() protoreflect.Message {
+	mi := &file_curfew_modelproxy_v1_modelproxy_proto_msgTypes[4]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ResponseSchema.ProtoReflect.Descriptor instead.
+func (*ResponseSchema) Descriptor() ([]byte, []int) {
+	return file_curfew_modelproxy_v1_modelproxy_proto_rawDescGZIP(), []int{4}
+}
+
+func (x *ResponseSchema) GetName() string {
+	if x != nil {
+		return x.Name
+	}
+	return ""
+}
+
+func (x *ResponseSchema) GetSchemaJson() string {
+	if x != nil {
+		return x.SchemaJson
+	}
+	return ""
+}
+
 // Usage is the token count of a step so far.
 type Usage struct {
 	state            protoimpl.MessageState `protogen:"open.v1"`
@@ -296,7 +462,7 @@ type Usage struct {
 
 func (x *Usage) Reset() {
 	*x = Usage{}
-	mi := &file_curfew_modelproxy_v1_modelproxy_proto_msgTypes[3]
+	mi := &file_curfew_modelproxy_v1_modelproxy_proto_msgTypes[5]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -308,7 +474,7 @@ func (x *Usage) String() string {
 func (*Usage) ProtoMessage() {}
 
 func (x *Usage) ProtoReflect() protoreflect.Message {
-	mi := &file_curfew_modelproxy_v1_modelproxy_proto_msgTypes[3]
+	mi := &file_curfew_modelproxy_v1_modelproxy_proto_msgTypes[5]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -321,7 +487,7 @@ func (x *Usage) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Usage.ProtoReflect.Descriptor instead.
 func (*Usage) Descriptor() ([]byte, []int) {
-	return file_curfew_modelproxy_v1_modelproxy_proto_rawDescGZIP(), []int{3}
+	return file_curfew_modelproxy_v1_modelproxy_proto_rawDescGZIP(), []int{5}
 }
 
 func (x *Usage) GetPromptTokens() int64 {
@@ -350,14 +516,19 @@ type GenerateResponse struct {
 	// Present on the last chunk: "stop" (answer) or "tool_calls".
 	FinishReason string `protobuf:"bytes,4,opt,name=finish_reason,json=finishReason,proto3" json:"finish_reason,omitempty"`
 	// Present on the last chunk.
-	Usage         *Usage `protobuf:"bytes,5,opt,name=usage,proto3" json:"usage,omitempty"`
+	Usage *Usage `protobuf:"bytes,5,opt,name=usage,proto3" json:"usage,omitempty"`
+	// Present on the last chunk: the provider and model that answered, and whether the
+	// answer came from the response cache.
+	Provider      string `protobuf:"bytes,6,opt,name=provider,proto3" json:"provider,omitempty"`
+	ServedModel   string `protobuf:"bytes,7,opt,name=served_model,json=servedModel,proto3" json:"served_model,omitempty"`
+	Cached        bool   `protobuf:"varint,8,opt,name=cached,proto3" json:"cached,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
 
 func (x *GenerateResponse) Reset() {
 	*x = GenerateResponse{}
-	mi := &file_curfew_modelproxy_v1_modelproxy_proto_msgTypes[4]
+	mi := &file_curfew_modelproxy_v1_modelproxy_proto_msgTypes[6]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -369,7 +540,7 @@ func (x *GenerateResponse) String() string {
 func (*GenerateResponse) ProtoMessage() {}
 
 func (x *GenerateResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_curfew_modelproxy_v1_modelproxy_proto_msgTypes[4]
+	mi := &file_curfew_modelproxy_v1_modelproxy_proto_msgTypes[6]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -382,7 +553,7 @@ func (x *GenerateResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GenerateResponse.ProtoReflect.Descriptor instead.
 func (*GenerateResponse) Descriptor() ([]byte, []int) {
-	return file_curfew_modelproxy_v1_modelproxy_proto_rawDescGZIP(), []int{4}
+	return file_curfew_modelproxy_v1_modelproxy_proto_rawDescGZIP(), []int{6}
 }
 
 func (x *GenerateResponse) GetDelta() string {
@@ -420,6 +591,27 @@ func (x *GenerateResponse) GetUsage() *Usage {
 	return nil
 }
 
+func (x *GenerateResponse) GetProvider() string {
+	if x != nil {
+		return x.Provider
+	}
+	return ""
+}
+
+func (x *GenerateResponse) GetServedModel() string {
+	if x != nil {
+		return x.ServedModel
+	}
+	return ""
+}
+
+func (x *GenerateResponse) GetCached() bool {
+	if x != nil {
+		return x.Cached
+	}
+	return false
+}
+
 var File_curfew_modelproxy_v1_modelproxy_proto protoreflect.FileDescriptor
 
 const file_curfew_modelproxy_v1_modelproxy_proto_rawDesc = "" +
@@ -436,22 +628,40 @@ const file_curfew_modelproxy_v1_modelproxy_proto_rawDesc = "" +
 	"\n" +
 	"tool_calls\x18\x03 \x03(\v2\x1e.curfew.modelproxy.v1.ToolCallR\ttoolCalls\x12 \n" +
 	"\ftool_call_id\x18\x04 \x01(\tR\n" +
-	"toolCallId\"\x81\x01\n" +
+	"toolCallId\"\xfd\x02\n" +
 	"\x0fGenerateRequest\x12\x14\n" +
 	"\x05model\x18\x01 \x01(\tR\x05model\x129\n" +
 	"\bmessages\x18\x02 \x03(\v2\x1d.curfew.modelproxy.v1.MessageR\bmessages\x12\x1d\n" +
 	"\n" +
-	"max_tokens\x18\x03 \x01(\x05R\tmaxTokens\"Y\n" +
+	"max_tokens\x18\x03 \x01(\x05R\tmaxTokens\x124\n" +
+	"\x05tools\x18\x04 \x03(\v2\x1e.curfew.modelproxy.v1.ToolSpecR\x05tools\x12M\n" +
+	"\x0fresponse_schema\x18\x05 \x01(\v2$.curfew.modelproxy.v1.ResponseSchemaR\x0eresponseSchema\x12%\n" +
+	"\vtemperature\x18\x06 \x01(\x01H\x00R\vtemperature\x88\x01\x01\x12\x17\n" +
+	"\x04seed\x18\a \x01(\x03H\x01R\x04seed\x88\x01\x01\x12\x1c\n" +
+	"\tcacheable\x18\b \x01(\bR\tcacheableB\x0e\n" +
+	"\f_temperatureB\a\n" +
+	"\x05_seed\"i\n" +
+	"\bToolSpec\x12\x12\n" +
+	"\x04name\x18\x01 \x01(\tR\x04name\x12 \n" +
+	"\vdescription\x18\x02 \x01(\tR\vdescription\x12'\n" +
+	"\x0fparameters_json\x18\x03 \x01(\tR\x0eparametersJson\"E\n" +
+	"\x0eResponseSchema\x12\x12\n" +
+	"\x04name\x18\x01 \x01(\tR\x04name\x12\x1f\n" +
+	"\vschema_json\x18\x02 \x01(\tR\n" +
+	"schemaJson\"Y\n" +
 	"\x05Usage\x12#\n" +
 	"\rprompt_tokens\x18\x01 \x01(\x03R\fpromptTokens\x12+\n" +
-	"\x11completion_tokens\x18\x02 \x01(\x03R\x10completionTokens\"\xd7\x01\n" +
+	"\x11completion_tokens\x18\x02 \x01(\x03R\x10completionTokens\"\xae\x02\n" +
 	"\x10GenerateResponse\x12\x14\n" +
 	"\x05delta\x18\x01 \x01(\tR\x05delta\x12\x16\n" +
 	"\x06tokens\x18\x02 \x01(\x05R\x06tokens\x12=\n" +
 	"\n" +
 	"tool_calls\x18\x03 \x03(\v2\x1e.curfew.modelproxy.v1.ToolCallR\ttoolCalls\x12#\n" +
 	"\rfinish_reason\x18\x04 \x01(\tR\ffinishReason\x121\n" +
-	"\x05usage\x18\x05 \x01(\v2\x1b.curfew.modelproxy.v1.UsageR\x05usage*_\n" +
+	"\x05usage\x18\x05 \x01(\v2\x1b.curfew.modelproxy.v1.UsageR\x05usage\x12\x1a\n" +
+	"\bprovider\x18\x06 \x01(\tR\bprovider\x12!\n" +
+	"\fserved_model\x18\a \x01(\tR\vservedModel\x12\x16\n" +
+	"\x06cached\x18\b \x01(\bR\x06cached*_\n" +
 	"\x04Role\x12\x14\n" +
 	"\x10ROLE_UNSPECIFIED\x10\x00\x12\x0f\n" +
 	"\vROLE_SYSTEM\x10\x01\x12\r\n" +
@@ -475,28 +685,32 @@ func file_curfew_modelproxy_v1_modelproxy_proto_rawDescGZIP() []byte {
 }
 
 var file_curfew_modelproxy_v1_modelproxy_proto_enumTypes = make([]protoimpl.EnumInfo, 1)
-var file_curfew_modelproxy_v1_modelproxy_proto_msgTypes = make([]protoimpl.MessageInfo, 5)
+var file_curfew_modelproxy_v1_modelproxy_proto_msgTypes = make([]protoimpl.MessageInfo, 7)
 var file_curfew_modelproxy_v1_modelproxy_proto_goTypes = []any{
 	(Role)(0),                // 0: curfew.modelproxy.v1.Role
 	(*ToolCall)(nil),         // 1: curfew.modelproxy.v1.ToolCall
 	(*Message)(nil),          // 2: curfew.modelproxy.v1.Message
 	(*GenerateRequest)(nil),  // 3: curfew.modelproxy.v1.GenerateRequest
-	(*Usage)(nil),            // 4: curfew.modelproxy.v1.Usage
-	(*GenerateResponse)(nil), // 5: curfew.modelproxy.v1.GenerateResponse
+	(*ToolSpec)(nil),         // 4: curfew.modelproxy.v1.ToolSpec
+	(*ResponseSchema)(nil),   // 5: curfew.modelproxy.v1.ResponseSchema
+	(*Usage)(nil),            // 6: curfew.modelproxy.v1.Usage
+	(*GenerateResponse)(nil), // 7: curfew.modelproxy.v1.GenerateResponse
 }
 var file_curfew_modelproxy_v1_modelproxy_proto_depIdxs = []int32{
 	0, // 0: curfew.modelproxy.v1.Message.role:type_name -> curfew.modelproxy.v1.Role
 	1, // 1: curfew.modelproxy.v1.Message.tool_calls:type_name -> curfew.modelproxy.v1.ToolCall
 	2, // 2: curfew.modelproxy.v1.GenerateRequest.messages:type_name -> curfew.modelproxy.v1.Message
-	1, // 3: curfew.modelproxy.v1.GenerateResponse.tool_calls:type_name -> curfew.modelproxy.v1.ToolCall
-	4, // 4: curfew.modelproxy.v1.GenerateResponse.usage:type_name -> curfew.modelproxy.v1.Usage
-	3, // 5: curfew.modelproxy.v1.ModelProxyService.Generate:input_type -> curfew.modelproxy.v1.GenerateRequest
-	5, // 6: curfew.modelproxy.v1.ModelProxyService.Generate:output_type -> curfew.modelproxy.v1.GenerateResponse
-	6, // [6:7] is the sub-list for method output_type
-	5, // [5:6] is the sub-list for method input_type
-	5, // [5:5] is the sub-list for extension type_name
-	5, // [5:5] is the sub-list for extension extendee
-	0, // [0:5] is the sub-list for field type_name
+	4, // 3: curfew.modelproxy.v1.GenerateRequest.tools:type_name -> curfew.modelproxy.v1.ToolSpec
+	5, // 4: curfew.modelproxy.v1.GenerateRequest.response_schema:type_name -> curfew.modelproxy.v1.ResponseSchema
+	1, // 5: curfew.modelproxy.v1.GenerateResponse.tool_calls:type_name -> curfew.modelproxy.v1.ToolCall
+	6, // 6: curfew.modelproxy.v1.GenerateResponse.usage:type_name -> curfew.modelproxy.v1.Usage
+	3, // 7: curfew.modelproxy.v1.ModelProxyService.Generate:input_type -> curfew.modelproxy.v1.GenerateRequest
+	7, // 8: curfew.modelproxy.v1.ModelProxyService.Generate:output_type -> curfew.modelproxy.v1.GenerateResponse
+	8, // [8:9] is the sub-list for method output_type
+	7, // [7:8] is the sub-list for method input_type
+	7, // [7:7] is the sub-list for extension type_name
+	7, // [7:7] is the sub-list for extension extendee
+	0, // [0:7] is the sub-list for field type_name
 }
 
 func init() { file_curfew_modelproxy_v1_modelproxy_proto_init() }
@@ -504,13 +718,14 @@ func file_curfew_modelproxy_v1_modelproxy_proto_init() {
 	if File_curfew_modelproxy_v1_modelproxy_proto != nil {
 		return
 	}
+	file_curfew_modelproxy_v1_modelproxy_proto_msgTypes[2].OneofWrappers = []any{}
 	type x struct{}
 	out := protoimpl.TypeBuilder{
 		File: protoimpl.DescBuilder{
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_curfew_modelproxy_v1_modelproxy_proto_rawDesc), len(file_curfew_modelproxy_v1_modelproxy_proto_rawDesc)),
 			NumEnums:      1,
-			NumMessages:   5,
+			NumMessages:   7,
 			NumExtensions: 0,
 			NumServices:   1,
 		},
