@@ -67,6 +67,9 @@ type Config struct {
 	Emit func(*meshv1.Node)
 }
 
+// toolSpecs are the built-in tools, described once.
+var toolSpecs = plan.ToolSpecs()
+
 // Loop runs agent loops. It is safe for concurrent use.
 type Loop struct{ cfg Config }
 
@@ -145,7 +148,12 @@ func (l *Loop) modelStep(ctx context.Context, id, model string, msgs []*modelpro
 	defer stop()
 	node := &meshv1.Node{Id: id, Kind: meshv1.NodeKind_NODE_KIND_MODEL, Name: model,
 		Status: meshv1.NodeStatus_NODE_STATUS_RUNNING, StartedAt: timestamppb.Now()}
-	st, err := l.cfg.Model.Generate(cctx, &modelproxyv1.GenerateRequest{Model: model, Messages: msgs})
+	req := &modelproxyv1.GenerateRequest{Model: model, Messages: msgs}
+	if model != DefaultModel {
+		// A real model is told the tools; the sim model reads its plan instead.
+		req.Tools = toolSpecs
+	}
+	st, err := l.cfg.Model.Generate(cctx, req)
 	if err != nil {
 		return nil, l.failed(ctx, l.cfg.ModelNodes, id, err)
 	}

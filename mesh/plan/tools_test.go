@@ -1,6 +1,7 @@
 package plan_test
 
 import (
+	"encoding/json"
 	"errors"
 	"testing"
 
@@ -41,6 +42,32 @@ func TestValidateTool(t *testing.T) {
 		var pe *plan.Error
 		if !errors.As(err, &pe) || pe.Path != tc.path {
 			t.Errorf("ValidateTool(%q, %s) = %v, want an error at %q", tc.name, tc.args, err, tc.path)
+		}
+	}
+}
+
+// Every built-in tool a model is told about has a schema that is a JSON object schema,
+// and the example arguments it describes pass ValidateTool.
+func TestToolSpecs(t *testing.T) {
+	examples := map[string]string{
+		plan.ToolSleep:         `{"ms": 5}`,
+		plan.ToolDeploy:        `{"duration_ms": 10, "poll_ms": 1}`,
+		plan.ToolSpawnSubagent: `{"plan": {"steps": [{"answer_tokens": 1}]}}`,
+	}
+	specs := plan.ToolSpecs()
+	if len(specs) != len(examples) {
+		t.Fatalf("%d specs, want %d", len(specs), len(examples))
+	}
+	for _, s := range specs {
+		var schema map[string]any
+		if err := json.Unmarshal([]byte(s.GetParametersJson()), &schema); err != nil || schema["type"] != "object" {
+			t.Errorf("%s: parameters %s: %v", s.GetName(), s.GetParametersJson(), err)
+		}
+		if !plan.IsBuiltin(s.GetName()) || s.GetDescription() == "" {
+			t.Errorf("%s: not a described built-in", s.GetName())
+		}
+		if err := plan.ValidateTool(s.GetName(), []byte(examples[s.GetName()])); err != nil {
+			t.Errorf("%s: example rejected: %v", s.GetName(), err)
 		}
 	}
 }
