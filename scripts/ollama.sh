@@ -24,12 +24,14 @@ if ! command -v go >/dev/null 2>&1 && [[ -x /usr/local/go/bin/go ]]; then
   export PATH="/usr/local/go/bin:$PATH"
 fi
 
-# works: the binary runs and reports the pinned version ("ollama version is 0.6.8" on stdout,
-# plus a warning on stderr when no server is listening, which is fine).
+# works: the binary was built from the pinned module version (its embedded build info says
+# so) and it runs: `--version` prints the version stamped in at build time (plus a warning
+# that no server is listening, which is fine).
 works() {
   [[ -x "$bin" ]] || return 1
+  go version -m "$bin" 2>/dev/null | grep -Eq "^[[:space:]]+mod[[:space:]]+github.com/ollama/ollama[[:space:]]+$version([[:space:]]|\$)" || return 1
   local out
-  out="$(OLLAMA_HOST=127.0.0.1:1 HOME="$dir" timeout 20 "$bin" --version 2>&1 || true)"
+  out="$(OLLAMA_HOST=127.0.0.1:1 HOME="$dir" timeout 20 "$bin" --version 2>&1)" || return 1
   [[ "$out" == *"${version#v}"* ]]
 }
 
@@ -56,7 +58,8 @@ mkdir -p "$tmpbin"
 (
   cd "$dir"
   GOWORK=off GOFLAGS=-buildvcs=false CGO_ENABLED=1 GOBIN="$tmpbin" \
-    go install "github.com/ollama/ollama@$version"
+    go install -ldflags "-s -w -X github.com/ollama/ollama/version.Version=${version#v}" \
+    "github.com/ollama/ollama@$version"
 ) >&2
 mkdir -p "$dir/bin"
 mv -f "$tmpbin/ollama" "$bin"

@@ -22,6 +22,15 @@ if [[ "${1:-}" != "--short" ]]; then
   bash scripts/lint.sh
 fi
 
+echo "== ollama (the real inference server of the provider tests; cached outside the repo)"
+# scripts/ollama.sh builds ollama v0.6.8 from source once (several minutes) and then reuses
+# it; the tests that need it read CURFEW_OLLAMA (they skip without it, and fail under CI=true).
+if [[ -z "${CURFEW_OLLAMA:-}" ]]; then
+  CURFEW_OLLAMA="$(bash scripts/ollama.sh)"
+fi
+export CURFEW_OLLAMA
+echo "   $CURFEW_OLLAMA"
+
 echo "== tests (race detector on)"
 # The e2e tests assert real-time properties (at most 1 token after a cancel at 40 tokens/s)
 # on the service binaries they build; those are built without -race, as shipped. The

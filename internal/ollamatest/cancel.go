@@ -1,0 +1,149 @@
+package ollamatest
+
+import (
+	"context"
+	"sync"
+	"testing"
+	"time"
+)
+
+// The bounds a call cancelled mid-stream must meet, from the server's side.
+const (
+	// RequestEndBound: after the caller cancels, ollama's access log must show the request
+	// finished within this. Measured on this 2-core machine: a few milliseconds directly,
+	// tens of milliseconds through the mesh; the bound leaves a wide margin.
+	RequestEndBound = 2 * time.Second
+	// CPUFlatBound: once the request has ended, the runner's CPU time may grow at most this
+	// much over CPUFlatWindow (two clock ticks of slack; decoding burns about one
+	// CPU-second per second, so a decoder still running would show ~2 s).
+	CPUFlatBound  = 20 * time.Millisecond
+	CPUFlatWindow = 2 * time.Second
+	// MinDecodeCPU: while the stream runs, the runner must use at least this share of a CPU,
+	// which shows the CPU measure can see decoding at all.
+	MinDecodeCPU = 0.3
+
+	chatPath = "POST /v1/chat/completions"
+)
+
+// CancelResult is what a call cancelled mid-stream showed, on both sides.
+type CancelResult struct {
+	TokensBeforeCancel int           // tokens the caller had received when it cancelled
+	TokensAfterCancel  int           // tokens the caller received after it cancelled
+	TokensPerSecond    float64       // the stream's rate before the cancel, at the caller
+	DecodeCPU          float64       // runner CPU-seconds per second while streaming
+	CallErr            error         // what the call returned
+	CancelledAt        time.Time     // when the caller cancelled
+	Request            Request       // the server's record of the request
+	EndAfterCancel     time.Duration // Request.Ended - CancelledAt
+	CPUCancelToEnd     time.Duration // runner CPU between the cancel and the request's end
+	CPUAfterEnd        time.Duration // runner CPU over CPUFlatWindow after the request ended
+}
+
+// CancelMidStream runs call, which must start one streaming chat completion against s
+// (directly or through any number of hops) and call onToken for each token it receives.
+// Once 50 tokens have arrived it measures the stream for a second, cancels call's context,
+// and observes the server: when its access log shows the request finished, and whether its
+// runner's CPU time still grows afterwards.
+func CancelMidStream(ctx context.Context, t testing.TB, s *Server, call func(ctx context.Context, onToken func()) error) CancelResult {
+	t.Helper()
+	var (
+		mu        sync.Mutex
+		tokens    int
+		after     int
+		cancelled bool
+		reached   = make(chan struct{})
+	)
+	const warm = 50
+	onToken := func() {
+		mu.Lock()
+		defer mu.Unlock()
+		if cancelled {
+			after++
+			return
+		}
+		tokens++
+		if tokens == warm {
+			close(reached)
+		}
+	}
+	var res CancelResult
+	sentAt := time.Now()
+	callCtx, callCancel := context.WithCancel(ctx)
+	defer callCancel()
+	callDone := make(chan error, 1)
+	go func() { callDone <- call(callCtx, onToken) }()
+
+	select {
+	case <-reached:
+	case err := <-callDone:
+		t.Fatalf("the call ended before %d tokens: %v (%d tokens)", warm, err, tokens)
+	case <-time.After(60 * time.Second):
+		t.Fatalf("fewer than %d tokens within 60s", warm)
+	}
+	count := func() int { mu.Lock(); defer mu.Unlock(); return tokens }
+	cpu := func() time.Duration {
+		d, err := s.RunnerCPU()
+		if err != nil {
+			t.Fatal(err)
+		}
+		return d
+	}
+	n0, c0, t0 := count(), cpu(), time.Now()
+	time.Sleep(time.Second)
+	n1, c1, t1 := count(), cpu(), time.Now()
+	res.TokensPerSecond = float64(n1-n0) / t1.Sub(t0).Seconds()
+	res.DecodeCPU = (c1 - c0).Seconds() / t1.Sub(t0).Seconds()
+
+	cpuCancel := cpu()
+	mu.Lock()
+	cancelled = true
+	res.TokensBeforeCancel = tokens
+	res.CancelledAt = time.Now()
+	mu.Unlock()
+	callCancel()
+
+	select {
+	case res.CallErr = <-callDone:
+	case <-time.After(10 * time.Second):
+		t.Fatal("the call did not return within 10s of its cancel")
+	}
+	wctx, wcancel := context.WithTimeout(ctx, 10*time.Second)
+	defer wcancel()
+	r, err := s.WaitRequest(wctx, chatPath, sentAt)
+	if err != nil {
+		t.Fatalf("the server did not finish the request: %v", err)
+	}
+	cpuEnd := cpu()
+	res.Request = r
+	res.EndAfterCancel = r.Ended.Sub(res.CancelledAt)
+	res.CPUCancelToEnd = cpuEnd - cpuCancel
+	time.Sleep(CPUFlatWindow)
+	res.CPUAfterEnd = cpu() - cpuEnd
+	mu.Lock()
+	res.TokensAfterCancel = after
+	mu.Unlock()
+	return res
+}
+
+// Check asserts the bounds and logs the figures.
+func (r CancelResult) Check(t testing.TB) {
+	t.Helper()
+	t.Logf("before the cancel: %d tokens at %.0f tokens/s, runner at %.2f CPU", r.TokensBeforeCancel, r.TokensPerSecond, r.DecodeCPU)
+	t.Logf("cancel → server request end: %v (bound %v); server handler ran %v, status %d",
+		r.EndAfterCancel.Round(time.Microsecond), RequestEndBound, r.Request.Latency, r.Request.Status)
+	t.Logf("runner CPU: %v between cancel and request end, %v in the %v after (bound %v); tokens after cancel at the caller: %d",
+		r.CPUCancelToEnd, r.CPUAfterEnd, CPUFlatWindow, CPUFlatBound, r.TokensAfterCancel)
+	if r.DecodeCPU < MinDecodeCPU {
+		t.Errorf("runner used %.2f CPU while streaming; want ≥ %.1f (is it decoding?)", r.DecodeCPU, MinDecodeCPU)
+	}
+	if r.EndAfterCancel > RequestEndBound {
+		t.Errorf("the server finished the request %v after the cancel; want ≤ %v", r.EndAfterCancel, RequestEndBound)
+	}
+	if r.CPUAfterEnd > CPUFlatBound {
+		t.Errorf("the runner used %v of CPU in the %v after the request ended; want ≤ %v: it is still decoding",
+			r.CPUAfterEnd, CPUFlatWindow, CPUFlatBound)
+	}
+	if r.TokensAfterCancel > 0 {
+		t.Errorf("%d tokens reached the caller after it cancelled", r.TokensAfterCancel)
+	}
+}
