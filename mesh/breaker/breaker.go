@@ -1,0 +1,379 @@
+package breaker
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"math/rand/v2"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/sony/gobreaker/v2"
+	"google.golang.org/genproto/googleapis/rpc/errdetails"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/types/known/durationpb"
+)
+
+// State is a breaker's state.
+type State int
+
+// States, in gobreaker's order.
+const (
+	// StateClosed lets every call through and counts outcomes.
+	StateClosed State = iota
+	// StateHalfOpen lets one probe through; its success closes the breaker, its failure
+	// opens it again.
+	StateHalfOpen
+	// StateOpen refuses every call without sending it.
+	StateOpen
+)
+
+var states = [...]State{StateClosed, StateHalfOpen, StateOpen}
+
+func (s State) String() string {
+	switch s {
+	case StateClosed:
+		return "closed"
+	case StateHalfOpen:
+		return "half-open"
+	case StateOpen:
+		return "open"
+	}
+	return "unknown"
+}
+
+// The refusal's ErrorInfo.
+const (
+	// Reason is the ErrorInfo reason of a call refused by an open breaker.
+	Reason = "BREAKER_OPEN"
+	// Domain is the ErrorInfo domain of curfew's errors.
+	Domain = "curfew.dev"
+	// MinRetryDelay is the least RetryInfo delay of a refusal: a half-open breaker whose
+	// probe is in flight does not know when the probe ends, and a breaker about to
+	// half-open should not invite a caller back in the same instant. It is the retry
+	// layer's backoff base (Envoy's 25 ms).
+	MinRetryDelay = 25 * time.Millisecond
+)
+
+// metrics are the breaker metrics of a Set.
+type metrics struct {
+	state       *prometheus.GaugeVec
+	transitions *prometheus.CounterVec
+	calls       *prometheus.CounterVec
+}
+
+func newMetrics(reg prometheus.Registerer) *metrics {
+	m := &metrics{
+		state: prometheus.NewGaugeVec(prometheus.GaugeOpts{
+			Name: "curfew_circuit_breaker_state",
+			Help: "Circuit breaker state per downstream target: 1 for the current state (closed, half-open or open), 0 for the others.",
+		}, []string{"target", "state"}),
+		transitions: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "curfew_circuit_breaker_transitions_total",
+			Help: "Circuit breaker state changes per downstream target, from one state to another.",
+		}, []string{"target", "from", "to"}),
+		calls: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "curfew_circuit_breaker_calls_total",
+			Help: "Calls through a circuit breaker per downstream target by outcome: success, failure, ignored (says nothing about the target, e.g. cancelled by the caller), rejected (refused by the open breaker, never sent).",
+		}, []string{"target", "outcome"}),
+	}
+	if reg != nil {
+		m.state = register(reg, m.state)
+		m.transitions = register(reg, m.transitions)
+		m.calls = register(reg, m.calls)
+	}
+	return m
+}
+
+// register registers c with reg, or returns the collector already registered there under
+// the same description, so that several Sets (the services' and modelproxy's providers')
+// can share one registry; their targets must then differ.
+func register[C prometheus.Collector](reg prometheus.Registerer, c C) C {
+	if err := reg.Register(c); err != nil {
+		var are prometheus.AlreadyRegisteredError
+		if errors.As(err, &are) {
+			if existing, ok := are.ExistingCollector.(C); ok {
+				return existing
+			}
+		}
+		panic(fmt.Sprintf("breaker: registering metrics: %v", err))
+	}
+	return c
+}
+
+// Set holds the breakers of one client, one per downstream target, created on first use.
+// It is safe for concurrent use.
+type Set struct {
+	cfg   Config
+	m     *metrics
+	epoch time.Time // monotonic origin of the breakers' open deadlines
+
+	mu       sync.RWMutex
+	breakers map[string]*Breaker
+}
+
+// NewSet returns a set of breakers configured by cfg (defaults applied), registering the
+// metrics with reg when it is not nil. Several Sets may share a registry if their targets
+// differ. NewSet panics if cfg fails Validate: check configuration first.
+func NewSet(cfg Config, reg prometheus.Registerer) *Set {
+	if err := cfg.Validate(); err != nil {
+		panic(err.Error())
+	}
+	return &Set{cfg: cfg.WithDefaults(), m: newMetrics(reg), epoch: time.Now(), breakers: map[string]*Breaker{}}
+}
+
+// Config returns the set's configuration, defaults applied.
+func (s *Set) Config() Config { return s.cfg }
+
+// Get returns the breaker of target, creating it (closed) on first use.
+func (s *Set) Get(target string) *Breaker {
+	s.mu.RLock()
+	b := s.breakers[target]
+	s.mu.RUnlock()
+	if b != nil {
+		return b
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if b = s.breakers[target]; b == nil {
+		b = s.newBreaker(target)
+		s.breakers[target] = b
+	}
+	return b
+}
+
+// now is the set's monotonic clock in nanoseconds since its epoch (always > 0 after it).
+func (s *Set) now() int64 { return int64(time.Since(s.epoch)) + 1 }
+
+// Breaker is the circuit breaker of one target: gobreaker's two-step breaker with
+// curfew's classification, open-period jitter, refusal status and metrics.
+type Breaker struct {
+	set    *Set
+	target string
+	cb     *gobreaker.TwoStepCircuitBreaker[struct{}]
+
+	// openUntil is when the current open period ends (Set.now's scale), 0 when not
+	// open. gobreaker's own Timeout is the shortest open period (see Config.openMin); the
+	// jitter on top is enforced here, before gobreaker is asked, because gobreaker's
+	// Settings have no jitter and its Timeout is fixed for the breaker's life.
+	openUntil atomic.Int64
+
+	gauges   [len(states)]prometheus.Gauge
+	trans    map[[2]State]prometheus.Counter // the four possible transitions
+	outcomes [3]prometheus.Counter           // by Outcome
+	rejected prometheus.Counter
+}
+
+// errIgnored and errFailed tell gobreaker the outcome Classify found.
+var (
+	errIgnored = errors.New("ignored")
+	errFailed  = errors.New("failed")
+)
+
+func (s *Set) newBreaker(target string) *Breaker {
+	b := &Breaker{set: s, target: target, trans: map[[2]State]prometheus.Counter{}}
+	for _, st := range states {
+		b.gauges[st] = s.m.state.WithLabelValues(target, st.String())
+	}
+	b.gauges[StateClosed].Set(1)
+	for _, t := range [][2]State{{StateClosed, StateOpen}, {StateOpen, StateHalfOpen}, {StateHalfOpen, StateOpen}, {StateHalfOpen, StateClosed}} {
+		b.trans[t] = s.m.transitions.WithLabelValues(target, t[0].String(), t[1].String())
+	}
+	for _, o := range []Outcome{OutcomeSuccess, OutcomeFailure, OutcomeIgnored} {
+		b.outcomes[o] = s.m.calls.WithLabelValues(target, o.String())
+	}
+	b.rejected = s.m.calls.WithLabelValues(target, "rejected")
+	cfg := s.cfg
+	b.cb = gobreaker.NewTwoStepCircuitBreaker[struct{}](gobreaker.Settings{
+		Name:         target,
+		MaxRequests:  1, // exactly one half-open probe
+		Interval:     cfg.Window,
+		BucketPeriod: cfg.Window / WindowBuckets,
+		Timeout:      cfg.openMin(),
+		ReadyToTrip: func(c gobreaker.Counts) bool {
+			if c.ConsecutiveFailures >= cfg.ConsecutiveFailures {
+				return true
+			}
+			judged := uint64(c.TotalSuccesses) + uint64(c.TotalFailures)
+			return judged >= uint64(cfg.MinRequests) && float64(c.TotalFailures) >= cfg.FailureRatio*float64(judged)
+		},
+		OnStateChange: b.changed,
+		IsSuccessful:  func(err error) bool { return err == nil },
+		IsExcluded:    func(err error) bool { return err == errIgnored }, //nolint:errorlint // our own sentinel, never wrapped
+	})
+	return b
+}
+
+// changed is gobreaker's OnStateChange. gobreaker calls it with its lock held, so it must
+// not call into the breaker.
+func (b *Breaker) changed(_ string, from, to gobreaker.State) {
+	if to == gobreaker.StateOpen {
+		now := b.set.now()
+		period := b.set.cfg.openPeriod(rand.Float64()) //nolint:gosec // jitter, not secrets
+		b.openUntil.Store(now + int64(period))
+		// Half-open on time even with no call to notice it, so that the state gauge and
+		// State tell the truth. Harmless when a call notices first.
+		time.AfterFunc(period, b.wake)
+	} else {
+		b.openUntil.Store(0)
+	}
+	f, t := State(from), State(to)
+	b.gauges[f].Set(0)
+	b.gauges[t].Set(1)
+	if c := b.trans[[2]State{f, t}]; c != nil {
+		c.Inc()
+	}
+}
+
+func (b *Breaker) wake() { _ = b.State() }
+
+// Target returns the breaker's target.
+func (b *Breaker) Target() string { return b.target }
+
+// State returns the breaker's state; an open breaker whose open period has ended turns
+// half-open here.
+func (b *Breaker) State() State {
+	if b.set.cfg.Off {
+		return StateClosed
+	}
+	if until := b.openUntil.Load(); until != 0 && b.set.now() < until {
+		return StateOpen
+	}
+	return State(b.cb.State())
+}
+
+// Allow asks to make one call. When the breaker is open, or half-open with its single
+// probe already in flight, it returns a gRPC status error UNAVAILABLE carrying RetryInfo
+// (the time until the breaker half-opens, at least MinRetryDelay) and an ErrorInfo
+// {Reason: "BREAKER_OPEN", Domain: "curfew.dev", Metadata: {"target": ..., "state": ...}},
+// and the call must not be made. Otherwise done must be called exactly once with the
+// call's outcome (calls after the first are ignored); it classifies it with Classify(ctx,
+// err).
+func (b *Breaker) Allow(ctx context.Context) (done func(err error), err error) {
+	if b.set.cfg.Off {
+		return noop, nil
+	}
+	if until := b.openUntil.Load(); until != 0 {
+		if now := b.set.now(); now < until {
+			return nil, b.refuse(StateOpen, time.Duration(until-now))
+		}
+	}
+	gdone, err := b.cb.Allow()
+	if err != nil {
+		if errors.Is(err, gobreaker.ErrOpenState) {
+			wait := time.Duration(0)
+			if until := b.openUntil.Load(); until != 0 {
+				wait = time.Duration(until - b.set.now())
+			}
+			return nil, b.refuse(StateOpen, wait)
+		}
+		return nil, b.refuse(StateHalfOpen, 0)
+	}
+	c := &call{b: b, ctx: ctx, gdone: gdone}
+	return c.done, nil
+}
+
+func noop(error) {}
+
+// call is one allowed call, until its outcome.
+type call struct {
+	b        *Breaker
+	ctx      context.Context
+	gdone    func(error)
+	reported atomic.Bool
+}
+
+func (c *call) done(err error) {
+	if c.reported.Swap(true) {
+		return
+	}
+	o := Classify(c.ctx, err)
+	c.b.outcomes[o].Inc()
+	switch o {
+	case OutcomeSuccess:
+		c.gdone(nil)
+	case OutcomeFailure:
+		c.gdone(errFailed)
+	default:
+		c.gdone(errIgnored)
+	}
+}
+
+// refuse counts a refused call and returns its status error.
+func (b *Breaker) refuse(s State, wait time.Duration) error {
+	b.rejected.Inc()
+	return refusal(b.target, s, wait)
+}
+
+// refusal is the status error of a call refused in state s, wait before the breaker
+// half-opens.
+func refusal(target string, s State, wait time.Duration) error {
+	if wait < MinRetryDelay {
+		wait = MinRetryDelay
+	}
+	var msg string
+	if s == StateHalfOpen {
+		msg = fmt.Sprintf("circuit breaker for %s is half-open with its probe in flight: call not sent", target)
+	} else {
+		msg = fmt.Sprintf("circuit breaker for %s is open: call not sent; it half-opens in %v", target, wait.Round(time.Millisecond))
+	}
+	st, err := status.New(codes.Unavailable, msg).WithDetails(
+		&errdetails.RetryInfo{RetryDelay: durationpb.New(wait)},
+		&errdetails.ErrorInfo{Reason: Reason, Domain: Domain, Metadata: map[string]string{"target": target, "state": s.String()}},
+	)
+	if err != nil { // cannot happen: both details are well-formed messages
+		return status.Error(codes.Unavailable, msg)
+	}
+	return st.Err()
+}
+
+// OpenError describes a refusal by an open breaker.
+type OpenError struct {
+	// Target is the refusing breaker's target.
+	Target string
+	// State is "open" or "half-open" (probe in flight).
+	State string
+	// RetryAfter is the refusal's RetryInfo delay.
+	RetryAfter time.Duration
+}
+
+// IsOpen reports whether err is a breaker's refusal (UNAVAILABLE with the BREAKER_OPEN
+// ErrorInfo), here or at a hop below.
+func IsOpen(err error) bool {
+	_, ok := Open(err)
+	return ok
+}
+
+// Open returns the details of a breaker's refusal, and whether err is one.
+func Open(err error) (OpenError, bool) {
+	st, ok := status.FromError(err)
+	if !ok || st.Code() != codes.Unavailable {
+		return OpenError{}, false
+	}
+	ei := openInfo(st)
+	if ei == nil {
+		return OpenError{}, false
+	}
+	oe := OpenError{Target: ei.GetMetadata()["target"], State: ei.GetMetadata()["state"]}
+	for _, d := range st.Details() {
+		if ri, ok := d.(*errdetails.RetryInfo); ok {
+			oe.RetryAfter = ri.GetRetryDelay().AsDuration()
+		}
+	}
+	return oe, true
+}
+
+func openInfo(st *status.Status) *errdetails.ErrorInfo {
+	for _, d := range st.Details() {
+		if ei, ok := d.(*errdetails.ErrorInfo); ok && ei.GetReason() == Reason && ei.GetDomain() == Domain {
+			return ei
+		}
+	}
+	return nil
+}
+
+// String describes the breaker for logs: target and state.
+func (b *Breaker) String() string { return b.target + " (" + b.State().String() + ")" }
