@@ -84,6 +84,9 @@ type Options struct {
 	Threads int
 	// Env is added to the server's environment.
 	Env []string
+	// Model overrides the model's shape (tinygguf's defaults where zero; Seed applies when
+	// Model.Seed is 0).
+	Model tinygguf.Config
 }
 
 // Server is a running ollama with the tiny model created.
@@ -290,8 +293,10 @@ func (s *Server) RunnerPIDs() []int {
 	return children(s.cmd.Process.Pid)
 }
 
-// RunnerCPU returns the CPU time (user+system) its runners have used so far. It errs when no
-// runner is running. The resolution is the kernel's clock tick, 10 ms.
+// RunnerCPU returns the CPU time its runners have used so far, summed over their threads,
+// in nanoseconds where the kernel keeps per-thread run times (/proc/<pid>/task/*/schedstat)
+// and in clock ticks (10 ms, /proc/<pid>/stat) where it does not. It errs when no runner is
+// running. Compare two readings: the difference is the CPU the decoder used in between.
 func (s *Server) RunnerCPU() (time.Duration, error) {
 	pids := s.RunnerPIDs()
 	if len(pids) == 0 {
@@ -395,7 +400,11 @@ PARAMETER num_ctx 2048
 
 func (s *Server) createModel(ctx context.Context, o Options) error {
 	gguf := filepath.Join(s.Dir, "tiny.gguf")
-	if err := tinygguf.WriteFile(gguf, tinygguf.Config{Seed: o.Seed}); err != nil {
+	mc := o.Model
+	if mc.Seed == 0 {
+		mc.Seed = o.Seed
+	}
+	if err := tinygguf.WriteFile(gguf, mc); err != nil {
 		return err
 	}
 	mf := filepath.Join(s.Dir, "Modelfile")
@@ -485,7 +494,13 @@ func stat(pid int) ([]string, error) {
 // clockTick is USER_HZ, the unit of /proc's CPU times: 100 on every Linux ABI Go supports.
 const clockTick = 10 * time.Millisecond
 
+// cpuTime is the process's CPU time: the sum of its live threads' run times from schedstat
+// (nanoseconds), or utime+stime from stat (clock ticks, and counting exited threads) when
+// schedstat is missing.
 func cpuTime(pid int) (time.Duration, error) {
+	if d, err := schedTime(pid); err == nil {
+		return d, nil
+	}
 	st, err := stat(pid)
 	if err != nil {
 		return 0, err
@@ -500,6 +515,33 @@ func cpuTime(pid int) (time.Duration, error) {
 		return 0, err
 	}
 	return time.Duration(ut+stm) * clockTick, nil
+}
+
+func schedTime(pid int) (time.Duration, error) {
+	tasks, err := os.ReadDir(fmt.Sprintf("/proc/%d/task", pid))
+	if err != nil {
+		return 0, err
+	}
+	var total time.Duration
+	for _, task := range tasks {
+		b, err := os.ReadFile(fmt.Sprintf("/proc/%d/task/%s/schedstat", pid, task.Name()))
+		if err != nil {
+			if errors.Is(err, os.ErrNotExist) {
+				continue // the thread exited meanwhile
+			}
+			return 0, err
+		}
+		f := strings.Fields(string(b))
+		if len(f) == 0 {
+			return 0, errors.New("malformed schedstat")
+		}
+		ns, err := strconv.ParseUint(f[0], 10, 64)
+		if err != nil {
+			return 0, err
+		}
+		total += time.Duration(ns) //nolint:gosec // nanoseconds of CPU fit
+	}
+	return total, nil
 }
 
 func alive(pid int) bool {
