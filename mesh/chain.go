@@ -10,6 +10,7 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 
+	"github.com/curfew-mesh/curfew/mesh/breaker"
 	"github.com/curfew-mesh/curfew/mesh/deadline"
 	"github.com/curfew-mesh/curfew/mesh/md"
 	"github.com/curfew-mesh/curfew/mesh/retry"
@@ -184,10 +185,14 @@ func rewrap(ctx context.Context, ss grpc.ServerStream) grpc.ServerStream {
 }
 
 // ClientConfig configures the client chain of one connection. The zero value is usable:
-// retries by retry.Config's defaults.
+// retries by retry.Config's defaults, no breaker.
 type ClientConfig struct {
 	// Retry is the retry policy of this connection (one target).
 	Retry retry.Config
+	// Breakers, when set and not Off, guards every attempt on this connection with the
+	// set's breaker for Retry.Target (the downstream service's name): one breaker per
+	// target, shared by every connection to it that uses the same set.
+	Breakers *breaker.Set
 }
 
 // DialOptions returns the grpc.DialOptions that install curfew's client chain on one
@@ -198,15 +203,29 @@ type ClientConfig struct {
 //  1. stamp: identity and curfew-deadline go on the outgoing metadata, once per logical
 //     call, the same on every attempt.
 //  2. retry: one logical call, its attempts (same retry-id, curfew-attempt numbered),
-//     backoff, pushback, budget. Outside everything that is per attempt (later: the
-//     breaker), so an open breaker's fast failure is judged like any other attempt.
+//     backoff, pushback, budget. Outside everything that is per attempt, so each attempt
+//     passes the breaker and is counted by it, and the one retrying layer sees every
+//     attempt's outcome, the breaker's refusals included.
+//  3. breaker (package breaker, when ClientConfig.Breakers is set): the target's circuit
+//     breaker, innermost, next to the transport, so that it counts what the target did
+//     to each attempt and an open breaker refuses an attempt before anything is sent.
+//     Its refusal (UNAVAILABLE with RetryInfo and a BREAKER_OPEN ErrorInfo) is marked
+//     as retried to exhaustion, so the retry layer returns it at once instead of
+//     sleeping out the open period, and no retry layer further up retries it either.
+//     Were the breaker outside the retry layer, it would count one outcome per logical
+//     call, hiding the failed attempts that a retry rescued, and a trip in the middle of
+//     a call would not stop that call's remaining attempts.
 //
-// The retry interceptors are the whole chain: they stamp (retry.Config.StampIdentity)
-// together with the retry-id and attempt, in one metadata append per attempt. The values
-// stamped come from the call's context, so they are the same on every attempt.
+// The retry interceptors stamp (retry.Config.StampIdentity) together with the retry-id
+// and attempt, in one metadata append per attempt: the values stamped come from the
+// call's context, so they are the same on every attempt.
 func DialOptions(cfg ClientConfig) []grpc.DialOption {
 	rc := cfg.Retry
 	rc.StampIdentity = true
 	ru, rs := retry.ClientInterceptors(rc)
-	return []grpc.DialOption{grpc.WithChainUnaryInterceptor(ru), grpc.WithChainStreamInterceptor(rs)}
+	if cfg.Breakers == nil || cfg.Breakers.Config().Off {
+		return []grpc.DialOption{grpc.WithChainUnaryInterceptor(ru), grpc.WithChainStreamInterceptor(rs)}
+	}
+	bu, bs := cfg.Breakers.UnaryClientInterceptor(rc.Target), cfg.Breakers.StreamClientInterceptor(rc.Target)
+	return []grpc.DialOption{grpc.WithChainUnaryInterceptor(ru, bu), grpc.WithChainStreamInterceptor(rs, bs)}
 }

@@ -29,15 +29,20 @@
 //     teardown, or is refused with ABORTED past the grace (package retryid). Last, so the
 //     handler's context is the one the supersede cancels.
 //
-// Client chain (see [DialOptions]): identity and deadline are stamped on every outgoing
-// call (curfew-deadline is the context's deadline in Unix ms; gRPC itself sends
-// grpc-timeout from the same deadline), then the retry layer (package retry) runs the
-// logical call's attempts.
+// Client chain (see [DialOptions]), outermost first: identity and deadline are stamped on
+// every outgoing call (curfew-deadline is the context's deadline in Unix ms; gRPC itself
+// sends grpc-timeout from the same deadline), then the retry layer (package retry) runs
+// the logical call's attempts, then the target's circuit breaker (package breaker) admits
+// or refuses each attempt and counts its outcome. Retry sits outside the breaker so that
+// every attempt is counted and an open breaker refuses each attempt before it is sent;
+// the refusal is marked as retried to exhaustion, so neither this retry layer nor any
+// above it waits out the open period.
 //
 // Status mapping (see [Status]): context cancellation → CANCELED, deadline →
 // DEADLINE_EXCEEDED, anything that is not already a status → INTERNAL "internal error".
 // A late or stuck duplicate attempt → ABORTED (package retryid); an error retried to
 // exhaustion keeps its code and gains a RETRIES_EXHAUSTED ErrorInfo detail (package retry).
-// Later layers add: breaker open → UNAVAILABLE, shed or budget → RESOURCE_EXHAUSTED with
-// RetryInfo.
+// Breaker open → UNAVAILABLE with RetryInfo (until the breaker half-opens) and a
+// BREAKER_OPEN ErrorInfo (package breaker). Later layers add: shed or budget →
+// RESOURCE_EXHAUSTED with RetryInfo.
 package mesh

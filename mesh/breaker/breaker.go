@@ -12,9 +12,14 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/sony/gobreaker/v2"
 	"google.golang.org/genproto/googleapis/rpc/errdetails"
+	spb "google.golang.org/genproto/googleapis/rpc/status"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/proto"
+	"google.golang.org/protobuf/types/known/anypb"
 	"google.golang.org/protobuf/types/known/durationpb"
+
+	"github.com/curfew-mesh/curfew/mesh/retry"
 )
 
 // State is a breaker's state.
@@ -161,6 +166,9 @@ type Breaker struct {
 	// Settings have no jitter and its Timeout is fixed for the breaker's life.
 	openUntil atomic.Int64
 
+	// info is the refusal's ErrorInfo detail per state (open, half-open), made once.
+	info [len(states)]*anypb.Any
+
 	gauges   [len(states)]prometheus.Gauge
 	trans    map[[2]State]prometheus.Counter // the four possible transitions
 	outcomes [3]prometheus.Counter           // by Outcome
@@ -186,6 +194,9 @@ func (s *Set) newBreaker(target string) *Breaker {
 		b.outcomes[o] = s.m.calls.WithLabelValues(target, o.String())
 	}
 	b.rejected = s.m.calls.WithLabelValues(target, "rejected")
+	for _, st := range []State{StateOpen, StateHalfOpen} {
+		b.info[st] = mustAny(&errdetails.ErrorInfo{Reason: Reason, Domain: Domain, Metadata: map[string]string{"target": target, "state": st.String()}})
+	}
 	cfg := s.cfg
 	b.cb = gobreaker.NewTwoStepCircuitBreaker[struct{}](gobreaker.Settings{
 		Name:         target,
@@ -253,12 +264,18 @@ func (b *Breaker) State() State {
 // call's outcome (calls after the first are ignored); it classifies it with Classify(ctx,
 // err).
 func (b *Breaker) Allow(ctx context.Context) (done func(err error), err error) {
+	return b.allow(ctx, false)
+}
+
+// allow is Allow; noRetry also marks a refusal as retried to exhaustion (see the
+// interceptors).
+func (b *Breaker) allow(ctx context.Context, noRetry bool) (done func(err error), err error) {
 	if b.set.cfg.Off {
 		return noop, nil
 	}
 	if until := b.openUntil.Load(); until != 0 {
 		if now := b.set.now(); now < until {
-			return nil, b.refuse(StateOpen, time.Duration(until-now))
+			return nil, b.refuse(StateOpen, time.Duration(until-now), noRetry)
 		}
 	}
 	gdone, err := b.cb.Allow()
@@ -268,9 +285,9 @@ func (b *Breaker) Allow(ctx context.Context) (done func(err error), err error) {
 			if until := b.openUntil.Load(); until != 0 {
 				wait = time.Duration(until - b.set.now())
 			}
-			return nil, b.refuse(StateOpen, wait)
+			return nil, b.refuse(StateOpen, wait, noRetry)
 		}
-		return nil, b.refuse(StateHalfOpen, 0)
+		return nil, b.refuse(StateHalfOpen, 0, noRetry)
 	}
 	c := &call{b: b, ctx: ctx, gdone: gdone}
 	return c.done, nil
@@ -302,32 +319,41 @@ func (c *call) done(err error) {
 	}
 }
 
-// refuse counts a refused call and returns its status error.
-func (b *Breaker) refuse(s State, wait time.Duration) error {
+// refuse counts a refused call and returns its status error: UNAVAILABLE with RetryInfo
+// (wait, at least MinRetryDelay) and the ErrorInfo of state s, and with noRetry the retry
+// package's exhaustion marker. The status is assembled from details marshalled once; only
+// the RetryInfo is made per call.
+func (b *Breaker) refuse(s State, wait time.Duration, noRetry bool) error {
 	b.rejected.Inc()
-	return refusal(b.target, s, wait)
-}
-
-// refusal is the status error of a call refused in state s, wait before the breaker
-// half-opens.
-func refusal(target string, s State, wait time.Duration) error {
 	if wait < MinRetryDelay {
 		wait = MinRetryDelay
 	}
 	var msg string
 	if s == StateHalfOpen {
-		msg = fmt.Sprintf("circuit breaker for %s is half-open with its probe in flight: call not sent", target)
+		msg = "circuit breaker for " + b.target + " is half-open with its probe in flight: call not sent"
 	} else {
-		msg = fmt.Sprintf("circuit breaker for %s is open: call not sent; it half-opens in %v", target, wait.Round(time.Millisecond))
+		msg = "circuit breaker for " + b.target + " is open: call not sent; it half-opens in " + wait.Round(time.Millisecond).String()
 	}
-	st, err := status.New(codes.Unavailable, msg).WithDetails(
-		&errdetails.RetryInfo{RetryDelay: durationpb.New(wait)},
-		&errdetails.ErrorInfo{Reason: Reason, Domain: Domain, Metadata: map[string]string{"target": target, "state": s.String()}},
-	)
-	if err != nil { // cannot happen: both details are well-formed messages
-		return status.Error(codes.Unavailable, msg)
+	details := make([]*anypb.Any, 2, 3)
+	details[0], details[1] = mustAny(&errdetails.RetryInfo{RetryDelay: durationpb.New(wait)}), b.info[s]
+	if noRetry {
+		details = append(details, exhaustedInfo)
 	}
-	return st.Err()
+	return status.ErrorProto(&spb.Status{Code: int32(codes.Unavailable), Message: msg, Details: details})
+}
+
+// exhaustedInfo is the retry package's marker of an error not to be retried, with
+// attempts "0": nothing reached the target.
+var exhaustedInfo = mustAny(&errdetails.ErrorInfo{Reason: retry.ExhaustedReason, Domain: retry.ExhaustedDomain,
+	Metadata: map[string]string{"attempts": "0"}})
+
+// mustAny wraps m in an Any; m is one of the well-formed details above, so it cannot fail.
+func mustAny(m proto.Message) *anypb.Any {
+	a, err := anypb.New(m)
+	if err != nil {
+		panic(fmt.Sprintf("breaker: marshalling %T: %v", m, err))
+	}
+	return a
 }
 
 // OpenError describes a refusal by an open breaker.

@@ -359,7 +359,7 @@ func TestSetsShareARegistry(t *testing.T) {
 	if g := stateGauges(t, reg, "provider"); g != [3]float64{1, 0, 0} {
 		t.Errorf("provider gauges %v", g)
 	}
-	if a.Get("svc") != a.Get("svc") {
+	if first, again := a.Get("svc"), a.Get("svc"); first != again {
 		t.Error("Get returned two breakers for one target")
 	}
 }

@@ -11,6 +11,7 @@ import (
 	"google.golang.org/grpc/status"
 
 	"github.com/curfew-mesh/curfew/mesh/deadline"
+	"github.com/curfew-mesh/curfew/mesh/retry"
 )
 
 // Outcome is how a call's result counts for its target's breaker.
@@ -78,10 +79,14 @@ func Failure(ctx context.Context, err error) bool {
 //     layer honours it, and one tenant's spent budget must not fence off the target for
 //     every tenant. Without RetryInfo: failure (the target ran out of something of its
 //     own: memory, a provider quota).
-//   - UNAVAILABLE carrying a BREAKER_OPEN ErrorInfo: ignored. It comes from a breaker
-//     below the target (this breaker's own refusals never reach done); that breaker
-//     already fences off the failing dependency, and counting it here would fence off the
-//     whole target (every model, every tool) for one dependency.
+//   - any code carrying a relay marker, an ErrorInfo (domain curfew.dev) with reason
+//     BREAKER_OPEN (a breaker below the target refused; this breaker's own refusals never
+//     reach done), RETRIES_EXHAUSTED (a retry layer below retried a dependency of the
+//     target to exhaustion) or DEPENDENCY_FAILED (the target says something it depends
+//     on failed: see [Relay]): ignored. The target is up and relayed the failure of a
+//     dependency, which is counted where it is called (by the breaker of the hop below,
+//     or modelproxy's per provider); counting it here too would fence off the whole
+//     target (every model, every tool) for one dependency, at every hop above it.
 //   - UNAVAILABLE, INTERNAL, UNKNOWN, DATA_LOSS: failure. The target is down,
 //     unreachable, overloaded, or broken.
 //   - an error that is not a gRPC status: context.Canceled is ignored,
@@ -95,6 +100,9 @@ func Classify(ctx context.Context, err error) Outcome {
 		return OutcomeIgnored
 	}
 	st, ok := status.FromError(err)
+	if ok && relayed(st) {
+		return OutcomeIgnored
+	}
 	if !ok {
 		switch {
 		case errors.Is(err, context.Canceled):
@@ -120,11 +128,6 @@ func Classify(ctx context.Context, err error) Outcome {
 			return OutcomeIgnored
 		}
 		return OutcomeFailure
-	case codes.Unavailable:
-		if openInfo(st) != nil {
-			return OutcomeIgnored
-		}
-		return OutcomeFailure
 	}
 	return OutcomeFailure // INTERNAL, UNKNOWN, DATA_LOSS, and any code gRPC adds later
 }
@@ -141,6 +144,38 @@ func deadlineOutcome(ctx context.Context, st *status.Status) Outcome {
 		}
 	}
 	return OutcomeFailure
+}
+
+// relayed reports whether st carries a relay marker (see Classify).
+func relayed(st *status.Status) bool {
+	for _, d := range st.Details() {
+		if ei, ok := d.(*errdetails.ErrorInfo); ok && ei.GetDomain() == Domain {
+			switch ei.GetReason() {
+			case Reason, retry.ExhaustedReason, RelayedReason:
+				return true
+			}
+		}
+	}
+	return false
+}
+
+// RelayedReason is the ErrorInfo reason of Relay's marker.
+const RelayedReason = "DEPENDENCY_FAILED"
+
+// Relay marks err, a status a handler returns because something it depends on failed (a
+// tool's backend, a model provider behind modelproxy's own breakers), so that its
+// callers' breakers for this service ignore it: the service itself is up. The code,
+// message and other details are kept; a non-status err is returned as it is.
+func Relay(err error) error {
+	st, ok := status.FromError(err)
+	if !ok || st.Code() == codes.OK || relayed(st) {
+		return err
+	}
+	marked, derr := st.WithDetails(&errdetails.ErrorInfo{Reason: RelayedReason, Domain: Domain})
+	if derr != nil {
+		return err
+	}
+	return marked.Err()
 }
 
 func hasRetryInfo(st *status.Status) bool {

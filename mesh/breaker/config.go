@@ -111,13 +111,13 @@ func (c Config) Validate() error {
 	d := c.WithDefaults()
 	switch {
 	case math.IsNaN(d.FailureRatio) || d.FailureRatio < 0 || d.FailureRatio > 1:
-		return &ConfigError{"FailureRatio", c.FailureRatio, "must be in (0, 1] (0 means the default 0.5)"}
+		return &ConfigError{"FailureRatio", c.FailureRatio, "must be in (0, 1]"}
 	case d.Window < MinWindow:
-		return &ConfigError{"Window", c.Window, fmt.Sprintf("must be at least %v (0 means the default %v)", MinWindow, DefaultWindow)}
+		return &ConfigError{"Window", c.Window, fmt.Sprintf("must be at least %v", MinWindow)}
 	case d.OpenTimeout < MinOpenTimeout:
-		return &ConfigError{"OpenTimeout", c.OpenTimeout, fmt.Sprintf("must be at least %v (0 means the default %v)", MinOpenTimeout, DefaultOpenTimeout)}
+		return &ConfigError{"OpenTimeout", c.OpenTimeout, fmt.Sprintf("must be at least %v", MinOpenTimeout)}
 	case math.IsNaN(d.Jitter) || d.Jitter >= 1:
-		return &ConfigError{"Jitter", c.Jitter, "must be below 1 (0 means the default 0.2, negative means none)"}
+		return &ConfigError{"Jitter", c.Jitter, "must be below 1 (negative: no jitter)"}
 	case d.openMin() < MinOpenTimeout:
 		return &ConfigError{"Jitter", c.Jitter, fmt.Sprintf("leaves an open period shorter than %v with OpenTimeout %v", MinOpenTimeout, d.OpenTimeout)}
 	}

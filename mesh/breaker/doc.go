@@ -32,11 +32,12 @@
 // [Classify] decides, per gRPC code and the caller's context, whether an outcome is a
 // success, a failure, or ignored. In short: a call cancelled by its caller, or whose
 // caller's deadline passed, is ignored, as are CANCELED, a DEADLINE_EXCEEDED of the
-// caller's own short budget, a RESOURCE_EXHAUSTED pushback with RetryInfo, and a
-// BREAKER_OPEN from a hop below; client errors (INVALID_ARGUMENT, NOT_FOUND, ...,
-// ABORTED) are successes, since the target answered; UNAVAILABLE, INTERNAL, UNKNOWN,
-// DATA_LOSS, RESOURCE_EXHAUSTED without RetryInfo, and a DEADLINE_EXCEEDED the target gave
-// while its caller still had time are failures.
+// caller's own short budget, a RESOURCE_EXHAUSTED pushback with RetryInfo, and failures
+// relayed from below the target (marked BREAKER_OPEN, RETRIES_EXHAUSTED, or by [Relay]);
+// client errors (INVALID_ARGUMENT, NOT_FOUND, ..., ABORTED) are successes, since the
+// target answered; UNAVAILABLE, INTERNAL, UNKNOWN, DATA_LOSS, RESOURCE_EXHAUSTED without
+// RetryInfo, and a DEADLINE_EXCEEDED the target gave while its caller still had time are
+// failures.
 //
 // # Use
 //
@@ -67,4 +68,6 @@
 //
 // Every series of a target exists from its breaker's creation, at 0 where nothing
 // happened yet.
+//
+// docs/breakers.md is the operator's view: states, what counts, the chain order, flags.
 package breaker

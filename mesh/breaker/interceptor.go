@@ -6,8 +6,6 @@ import (
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
-
-	"github.com/curfew-mesh/curfew/mesh/retry"
 )
 
 // UnaryClientInterceptor guards unary calls to target with the set's breaker for it
@@ -22,9 +20,9 @@ func (s *Set) UnaryClientInterceptor(target string) grpc.UnaryClientInterceptor 
 	}
 	b := s.Get(target)
 	return func(ctx context.Context, method string, req, reply any, cc *grpc.ClientConn, invoker grpc.UnaryInvoker, opts ...grpc.CallOption) (err error) {
-		done, err := b.Allow(ctx)
+		done, err := b.allow(ctx, true)
 		if err != nil {
-			return noRetry(err)
+			return err
 		}
 		returned := false
 		defer func() {
@@ -54,9 +52,9 @@ func (s *Set) StreamClientInterceptor(target string) grpc.StreamClientIntercepto
 	}
 	b := s.Get(target)
 	return func(ctx context.Context, desc *grpc.StreamDesc, cc *grpc.ClientConn, method string, streamer grpc.Streamer, opts ...grpc.CallOption) (_ grpc.ClientStream, err error) {
-		done, err := b.Allow(ctx)
+		done, err := b.allow(ctx, true)
 		if err != nil {
-			return nil, noRetry(err)
+			return nil, err
 		}
 		returned := false
 		defer func() {
@@ -76,6 +74,3 @@ func (s *Set) StreamClientInterceptor(target string) grpc.StreamClientIntercepto
 		return cs, nil
 	}
 }
-
-// noRetry marks a refusal so that no retry layer retries it (see the package doc).
-func noRetry(err error) error { return retry.MarkExhausted(err, 0) }

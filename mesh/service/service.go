@@ -6,6 +6,7 @@ import (
 	"flag"
 	"fmt"
 	"log/slog"
+	"math"
 	"net"
 	"net/http"
 	"os"
@@ -22,6 +23,7 @@ import (
 	"google.golang.org/grpc/reflection"
 
 	"github.com/curfew-mesh/curfew/mesh"
+	"github.com/curfew-mesh/curfew/mesh/breaker"
 	"github.com/curfew-mesh/curfew/mesh/deadline"
 	"github.com/curfew-mesh/curfew/mesh/retry"
 	"github.com/curfew-mesh/curfew/mesh/retryid"
@@ -31,6 +33,13 @@ import (
 const (
 	DefaultShutdownGrace = 10 * time.Second
 	DefaultLogLevel      = "info"
+	// DefaultBreakerOff keeps the services' breakers (one per service dialled) off unless
+	// --breaker-off=false. A service relays the failures of its own dependencies (a tool's
+	// backend, a model) with their codes, so one failing tool would open the breaker for
+	// the whole toolrunner, and one failing model that for modelproxy, for every run.
+	// Until those relayed failures carry breaker.Relay's marker, the breakers are opt-in.
+	// modelproxy's breakers per provider are its own and not affected.
+	DefaultBreakerOff = true
 )
 
 // Options are the flags every service has.
@@ -51,6 +60,8 @@ type Options struct {
 	LogLevel string
 	// Retry configures the retries of this service's outgoing calls.
 	Retry RetryOptions
+	// Breaker configures the circuit breakers of this service's outgoing calls.
+	Breaker BreakerOptions
 
 	fs *flag.FlagSet // where the flags were registered, to tell which were set
 }
@@ -65,6 +76,21 @@ type RetryOptions struct {
 	BudgetRatio float64
 	BudgetRPS   float64
 	Throttle    bool
+}
+
+// BreakerOptions are the circuit breaker flags: one breaker per downstream service name
+// given to Runtime.Dial (package breaker). Set without flags (Register not called), a
+// zero field means breaker.Config's default for it, and Off is false. Set by flags, whose
+// defaults are breaker's (and DefaultBreakerOff), a zero is refused, except
+// --breaker-jitter=0, which means no jitter.
+type BreakerOptions struct {
+	Off         bool
+	Failures    uint
+	Ratio       float64
+	MinRequests uint
+	Window      time.Duration
+	OpenTimeout time.Duration
+	Jitter      float64
 }
 
 // Register adds the common flags to fs with the given default listen addresses.
@@ -85,6 +111,62 @@ func (o *Options) Register(fs *flag.FlagSet, name, addr, admin string) {
 	fs.Float64Var(&r.BudgetRatio, "retry-budget-ratio", retry.DefaultBudgetRatio, "retries may add at most this share of calls per target")
 	fs.Float64Var(&r.BudgetRPS, "retry-budget-per-second", retry.DefaultBudgetPerSecond, "retries allowed per second beyond the ratio")
 	fs.BoolVar(&r.Throttle, "retry-throttle", false, "client-side adaptive throttling (SRE book)")
+	b := &o.Breaker
+	fs.BoolVar(&b.Off, "breaker-off", DefaultBreakerOff, "no circuit breakers on calls to other services (on by --breaker-off=false; see docs/breakers.md)")
+	fs.UintVar(&b.Failures, "breaker-failures", breaker.DefaultConsecutiveFailures, "a target's breaker opens after this many consecutive failures")
+	fs.Float64Var(&b.Ratio, "breaker-ratio", breaker.DefaultFailureRatio, "a target's breaker also opens when at least this share (0 to 1] of its calls in the window failed")
+	fs.UintVar(&b.MinRequests, "breaker-min-requests", breaker.DefaultMinRequests, "fewest judged calls in the window before --breaker-ratio applies")
+	fs.DurationVar(&b.Window, "breaker-window", breaker.DefaultWindow, "rolling window over which a breaker counts outcomes")
+	fs.DurationVar(&b.OpenTimeout, "breaker-open-timeout", breaker.DefaultOpenTimeout, "how long an open breaker refuses calls before one probe goes through")
+	fs.Float64Var(&b.Jitter, "breaker-jitter", breaker.DefaultJitter, "each open period is --breaker-open-timeout ± this fraction, in [0, 1); 0 for none")
+}
+
+// breakerFlags names the flag of each breaker.Config field.
+var breakerFlags = map[string]string{
+	"ConsecutiveFailures": "--breaker-failures", "FailureRatio": "--breaker-ratio", "MinRequests": "--breaker-min-requests",
+	"Window": "--breaker-window", "OpenTimeout": "--breaker-open-timeout", "Jitter": "--breaker-jitter",
+}
+
+// config returns the breaker.Config of the options; fromFlags says whether they were
+// registered as flags (see BreakerOptions).
+func (b BreakerOptions) config(fromFlags bool) (breaker.Config, error) {
+	if fromFlags {
+		switch {
+		case b.Failures == 0:
+			return breaker.Config{}, errors.New("--breaker-failures must be at least 1")
+		case b.MinRequests == 0:
+			return breaker.Config{}, errors.New("--breaker-min-requests must be at least 1")
+		case b.Ratio == 0:
+			return breaker.Config{}, errors.New("--breaker-ratio must be in (0, 1], got 0")
+		case b.Window == 0:
+			return breaker.Config{}, fmt.Errorf("--breaker-window must be at least %v, got 0s", breaker.MinWindow)
+		case b.OpenTimeout == 0:
+			return breaker.Config{}, fmt.Errorf("--breaker-open-timeout must be at least %v, got 0s", breaker.MinOpenTimeout)
+		case b.Jitter < 0:
+			return breaker.Config{}, fmt.Errorf("--breaker-jitter must be in [0, 1), got %v", b.Jitter)
+		}
+	}
+	if b.Failures > math.MaxUint32 || b.MinRequests > math.MaxUint32 {
+		return breaker.Config{}, fmt.Errorf("--breaker-failures and --breaker-min-requests must be at most %d", uint32(math.MaxUint32))
+	}
+	jitter := b.Jitter
+	if fromFlags && jitter == 0 {
+		jitter = -1 // none
+	}
+	cfg := breaker.Config{Off: b.Off, ConsecutiveFailures: uint32(b.Failures), FailureRatio: b.Ratio, MinRequests: uint32(b.MinRequests),
+		Window: b.Window, OpenTimeout: b.OpenTimeout, Jitter: jitter}
+	if err := cfg.Validate(); err != nil {
+		var ce *breaker.ConfigError
+		if errors.As(err, &ce) {
+			v := ce.Value
+			if ce.Field == "Jitter" {
+				v = b.Jitter
+			}
+			return breaker.Config{}, fmt.Errorf("%s %v: %s", breakerFlags[ce.Field], v, ce.Reason)
+		}
+		return breaker.Config{}, err
+	}
+	return cfg, nil
 }
 
 // load builds the retry file from RetryOptions: the file if given, then explicit flags.
@@ -145,6 +227,9 @@ func (o *Options) Validate() error {
 	if _, err := parseLevel(o.LogLevel); err != nil {
 		return err
 	}
+	if _, err := o.Breaker.config(o.fs != nil); err != nil {
+		return err
+	}
 	return nil
 }
 
@@ -200,6 +285,11 @@ type Runtime struct {
 
 	retries      *retry.File
 	retryMetrics *retry.Metrics
+
+	// Breakers are the circuit breakers of this service's outgoing calls, one per service
+	// name given to Dial, with their metrics on Registry. Code that calls other targets
+	// (modelproxy's providers) may take breakers from it under names of its own.
+	Breakers *breaker.Set
 }
 
 // New builds the runtime: it listens on both addresses (so start-up errors surface here),
@@ -233,6 +323,8 @@ func New(ctx context.Context, o Options, minTime map[string]time.Duration) (*Run
 	}
 	rt.Registry.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	rt.retryMetrics = retry.NewMetrics(rt.Registry)
+	bcfg, _ := o.Breaker.config(o.fs != nil) // checked by Validate
+	rt.Breakers = breaker.NewSet(bcfg, rt.Registry)
 	//nolint:contextcheck // the interceptors take each call's own context; none is needed here
 	rt.Server = grpc.NewServer(mesh.ServerOptions(mesh.ServerConfig{
 		Deadline: deadline.Policy{Default: o.DefaultDeadline, Max: o.MaxDeadline},
@@ -265,11 +357,13 @@ func Dial(target string) (*grpc.ClientConn, error) {
 }
 
 // Dial returns a client connection to the service name at target with the mesh client
-// chain and this service's retry policy for that target (metrics on the admin port).
+// chain, this service's retry policy for that target, and the breaker of name from
+// rt.Breakers (metrics on the admin port). Connections dialled with one name share its
+// breaker.
 func (rt *Runtime) Dial(name, target string) (*grpc.ClientConn, error) {
 	rc := rt.retries.For(name)
 	rc.Metrics, rc.Logger = rt.retryMetrics, rt.Log
-	opts := append(mesh.DialOptions(mesh.ClientConfig{Retry: rc}), grpc.WithTransportCredentials(insecure.NewCredentials()))
+	opts := append(mesh.DialOptions(mesh.ClientConfig{Retry: rc, Breakers: rt.Breakers}), grpc.WithTransportCredentials(insecure.NewCredentials()))
 	return grpc.NewClient(target, opts...)
 }
 

@@ -7,6 +7,7 @@ import (
 	"io"
 	"net"
 	"net/http"
+	"strconv"
 	"strings"
 	"sync/atomic"
 	"testing"
@@ -20,6 +21,7 @@ import (
 	"google.golang.org/grpc/status"
 
 	toolrunnerv1 "github.com/curfew-mesh/curfew/gen/curfew/toolrunner/v1"
+	"github.com/curfew-mesh/curfew/mesh/breaker"
 	"github.com/curfew-mesh/curfew/mesh/service"
 )
 
@@ -354,5 +356,161 @@ func TestEvery(t *testing.T) {
 	case <-done:
 	case <-time.After(3 * time.Second):
 		t.Fatal("Every did not return after ctx was cancelled")
+	}
+}
+
+func TestBreakerFlags(t *testing.T) {
+	fs, o := newFlags()
+	err := service.Parse(fs, []string{"--addr=127.0.0.1:0", "--admin-addr=127.0.0.1:0", "--breaker-ratio=0.7", "--breaker-jitter=0"}, env(map[string]string{
+		"CURFEW_BREAKER_OFF":          "false",
+		"CURFEW_BREAKER_FAILURES":     "3",
+		"CURFEW_BREAKER_MIN_REQUESTS": "8",
+		"CURFEW_BREAKER_WINDOW":       "30s",
+		"CURFEW_BREAKER_OPEN_TIMEOUT": "2s",
+		"CURFEW_BREAKER_RATIO":        "0.9", // the flag wins
+	}))
+	if err != nil {
+		t.Fatal(err)
+	}
+	r := start(t, *o, nil)
+	want := breaker.Config{ConsecutiveFailures: 3, FailureRatio: 0.7, MinRequests: 8, Window: 30 * time.Second,
+		OpenTimeout: 2 * time.Second, Jitter: -1}
+	if got := r.rt.Breakers.Config(); got != want {
+		t.Errorf("breaker config = %+v, want %+v", got, want)
+	}
+
+	// The flags' defaults are breaker's, off (DefaultBreakerOff); a zero BreakerOptions
+	// without flags is breaker's defaults, on.
+	fs, o = newFlags()
+	if err := service.Parse(fs, []string{"--addr=127.0.0.1:0", "--admin-addr=127.0.0.1:0"}, env(nil)); err != nil {
+		t.Fatal(err)
+	}
+	def := breaker.Config{}.WithDefaults()
+	off := def
+	off.Off = service.DefaultBreakerOff
+	if got := start(t, *o, nil).rt.Breakers.Config(); got != off {
+		t.Errorf("default flags: breaker config = %+v, want %+v", got, off)
+	}
+	if got := start(t, validOptions(), nil).rt.Breakers.Config(); got != def {
+		t.Errorf("options without flags: breaker config = %+v, want %+v", got, def)
+	}
+}
+
+func TestBreakerFlagErrors(t *testing.T) {
+	cases := []struct {
+		args []string
+		want string
+	}{
+		{[]string{"--breaker-failures=0"}, "--breaker-failures must be at least 1"},
+		{[]string{"--breaker-failures=5000000000"}, "at most 4294967295"},
+		{[]string{"--breaker-min-requests=0"}, "--breaker-min-requests must be at least 1"},
+		{[]string{"--breaker-ratio=0"}, "--breaker-ratio must be in (0, 1]"},
+		{[]string{"--breaker-ratio=1.5"}, "--breaker-ratio 1.5: must be in (0, 1]"},
+		{[]string{"--breaker-ratio=NaN"}, "--breaker-ratio NaN: must be in (0, 1]"},
+		{[]string{"--breaker-window=0s"}, "--breaker-window must be at least 10ms"},
+		{[]string{"--breaker-window=5ms"}, "--breaker-window 5ms: must be at least 10ms"},
+		{[]string{"--breaker-open-timeout=0s"}, "--breaker-open-timeout must be at least 1ms"},
+		{[]string{"--breaker-open-timeout=-1s"}, "--breaker-open-timeout -1s: must be at least 1ms"},
+		{[]string{"--breaker-jitter=-0.1"}, "--breaker-jitter must be in [0, 1)"},
+		{[]string{"--breaker-jitter=1"}, "--breaker-jitter 1: must be below 1"},
+		{[]string{"--breaker-open-timeout=2ms", "--breaker-jitter=0.9"}, "--breaker-jitter 0.9: leaves an open period shorter than 1ms"},
+	}
+	for _, tc := range cases {
+		fs, o := newFlags()
+		if err := service.Parse(fs, tc.args, env(nil)); err != nil {
+			t.Errorf("%v: Parse = %v", tc.args, err)
+			continue
+		}
+		if err := o.Validate(); err == nil || !strings.Contains(err.Error(), tc.want) {
+			t.Errorf("%v: Validate = %v, want %q", tc.args, err, tc.want)
+		}
+	}
+	fs, _ := newFlags()
+	if err := service.Parse(fs, nil, env(map[string]string{"CURFEW_BREAKER_WINDOW": "soon"})); err == nil ||
+		!strings.Contains(err.Error(), "CURFEW_BREAKER_WINDOW") || !strings.Contains(err.Error(), "--breaker-window") {
+		t.Errorf("bad env value: %v", err)
+	}
+}
+
+// failing is a ToolRunnerService whose Execute always fails with UNAVAILABLE.
+type failing struct {
+	toolrunnerv1.UnimplementedToolRunnerServiceServer
+	calls atomic.Int64
+}
+
+func (f *failing) Execute(*toolrunnerv1.ExecuteRequest, grpc.ServerStreamingServer[toolrunnerv1.ExecuteResponse]) error {
+	f.calls.Add(1)
+	return status.Error(codes.Unavailable, "down")
+}
+
+func execute(t *testing.T, cc *grpc.ClientConn) error {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	st, err := toolrunnerv1.NewToolRunnerServiceClient(cc).Execute(ctx, &toolrunnerv1.ExecuteRequest{Name: "x"})
+	if err != nil {
+		return err
+	}
+	_, err = st.Recv()
+	return err
+}
+
+func TestDialGuardsEachTargetWithItsBreaker(t *testing.T) {
+	f := &failing{}
+	server := start(t, validOptions(), func(s *grpc.Server) { toolrunnerv1.RegisterToolRunnerServiceServer(s, f) })
+
+	for _, off := range []bool{false, true} {
+		f.calls.Store(0)
+		fs, o := newFlags()
+		args := []string{"--addr=127.0.0.1:0", "--admin-addr=127.0.0.1:0", "--retry-off", "--breaker-failures=2", "--breaker-open-timeout=1h",
+			"--breaker-off=" + strconv.FormatBool(off)}
+		if err := service.Parse(fs, args, env(nil)); err != nil {
+			t.Fatal(err)
+		}
+		client := start(t, *o, nil)
+		cc, err := client.rt.Dial("toolrunner", server.rt.Addr())
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { _ = cc.Close() })
+		for range 5 {
+			_ = execute(t, cc)
+		}
+		if off {
+			if n := f.calls.Load(); n != 5 {
+				t.Errorf("--breaker-off: server saw %d calls, want 5", n)
+			}
+			continue
+		}
+		err = execute(t, cc)
+		if oe, ok := breaker.Open(err); !ok || oe.Target != "toolrunner" {
+			t.Fatalf("call to an open target: %v, want a BREAKER_OPEN refusal for toolrunner", err)
+		}
+		if n := f.calls.Load(); n != 2 {
+			t.Errorf("server saw %d calls, want 2 (then the breaker opened)", n)
+		}
+		// Another service name has a breaker of its own.
+		other, err := client.rt.Dial("subagent", server.rt.Addr())
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { _ = other.Close() })
+		if err := execute(t, other); breaker.IsOpen(err) {
+			t.Errorf("subagent's breaker refused: %v", err)
+		}
+		if n := f.calls.Load(); n != 3 {
+			t.Errorf("server saw %d calls, want 3", n)
+		}
+		_, body := get(t, client.admin+"/metrics")
+		for _, line := range []string{
+			`curfew_circuit_breaker_state{state="open",target="toolrunner"} 1`,
+			`curfew_circuit_breaker_state{state="closed",target="toolrunner"} 0`,
+			`curfew_circuit_breaker_transitions_total{from="closed",target="toolrunner",to="open"} 1`,
+			`curfew_circuit_breaker_state{state="closed",target="subagent"} 1`,
+		} {
+			if !strings.Contains(body, line) {
+				t.Errorf("/metrics lacks %s", line)
+			}
+		}
 	}
 }
