@@ -356,10 +356,7 @@ func (s *openAIStream) Recv() (*Chunk, error) {
 func (s *openAIStream) next() error {
 	if !s.upstream.Next() {
 		err := s.upstream.Err()
-		stage := "stream"
-		if !s.first {
-			stage = "first chunk"
-		}
+		const stage = "first chunk" // the provider's timeout ends only the wait for it
 		if err == nil && s.sctx.Err() != nil {
 			// The SDK ends quietly when Close won the race with its read.
 			err = context.Cause(s.sctx)
