@@ -11,6 +11,7 @@ import (
 	"slices"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	openai "github.com/openai/openai-go/v3"
@@ -202,17 +203,75 @@ func (p *OpenAI) Stream(ctx context.Context, req *Request) (Stream, error) {
 	}
 	sctx, cancel := context.WithCancelCause(ctx)
 	timer := time.AfterFunc(p.timeout, func() { cancel(errProviderTimeout) })
-	var resp *http.Response
-	upstream := p.chat.NewStreaming(sctx, params, option.WithResponseInto(&resp))
+	var (
+		resp *http.Response
+		body *heldBody
+	)
+	hold := func(r *http.Request, next option.MiddlewareNext) (*http.Response, error) {
+		res, err := next(r)
+		if res != nil && res.Body != nil {
+			body = &heldBody{rc: res.Body}
+			res.Body = body
+		}
+		return res, err
+	}
+	upstream := p.chat.NewStreaming(sctx, params, option.WithResponseInto(&resp), option.WithMiddleware(hold))
 	if err := upstream.Err(); err != nil {
 		timer.Stop()
 		cancel(nil)
 		_ = upstream.Close()
+		body.close()
 		return nil, p.status(ctx, sctx, resp, err, "response headers")
 	}
-	return &openAIStream{p: p, ctx: ctx, sctx: sctx, cancel: cancel, timer: timer, upstream: upstream,
+	return &openAIStream{p: p, ctx: ctx, sctx: sctx, cancel: cancel, timer: timer, upstream: upstream, body: body,
 		calls: map[int64]*modelproxyv1.ToolCall{}}, nil
 }
+
+// heldBody is the upstream response body with the SDK's Close taken away from it. The
+// SDK closes the body as soon as it reads [DONE], before the response's own end (the
+// chunked encoding's last chunk) has been read, and net/http drops a connection closed
+// early: every streamed call would then pay for a new connection (a TLS handshake to a
+// remote provider). The stream closes the body itself instead, after reading the
+// response's end when it finished normally, so the connection goes back to the pool.
+type heldBody struct {
+	rc   io.ReadCloser
+	once sync.Once
+}
+
+func (b *heldBody) Read(p []byte) (int, error) { return b.rc.Read(p) }
+
+// Close is the SDK's close: nothing; the stream calls close or drainAndClose.
+func (b *heldBody) Close() error { return nil }
+
+// close closes the body. Safe on nil and more than once.
+func (b *heldBody) close() {
+	if b == nil {
+		return
+	}
+	b.once.Do(func() { _ = b.rc.Close() })
+}
+
+// drainAndClose reads what is left of a finished response, at most drainMax bytes and
+// for at most drainWait (then cancel ends the request), and closes the body.
+func (b *heldBody) drainAndClose(cancel func()) {
+	if b == nil {
+		return
+	}
+	b.once.Do(func() {
+		t := time.AfterFunc(drainWait, cancel)
+		_, _ = io.CopyN(io.Discard, b.rc, drainMax)
+		t.Stop()
+		_ = b.rc.Close()
+	})
+}
+
+// How long and how much Close reads of a response after its [DONE] to keep the connection:
+// a server normally ends the response right after [DONE], so this costs microseconds; one
+// that keeps it open loses the connection.
+const (
+	drainWait = 20 * time.Millisecond
+	drainMax  = 64 << 10
+)
 
 // chatParams maps a Request onto the chat completions body.
 func chatParams(req *Request) (openai.ChatCompletionNewParams, error) {
@@ -324,8 +383,10 @@ type openAIStream struct {
 	cancel   context.CancelCauseFunc
 	timer    *time.Timer // the first-chunk timeout, stopped at the first chunk
 	upstream *ssestream.Stream[openai.ChatCompletionChunk]
+	body     *heldBody // nil when no response arrived
 
 	closeOnce sync.Once
+	finished  atomic.Bool // the upstream sent its whole answer: Close may keep the connection
 
 	// Owned by Recv.
 	first   bool
@@ -365,12 +426,16 @@ func (s *openAIStream) next() error {
 			s.end()
 			return s.p.status(s.ctx, s.sctx, nil, err, stage)
 		}
-		s.end()
 		if s.finish == "" {
 			// Without [DONE] or a finish reason the answer may be cut: the upstream went
 			// away cleanly mid-answer.
+			s.end()
 			return s.p.unavailable(ReasonServerError, 0, "stream ended without a finish reason")
 		}
+		// The request stays open until Close, which reads the response's end so that
+		// the connection can be reused.
+		s.timer.Stop()
+		s.finished.Store(true)
 		s.pending = append(s.pending, s.final())
 		return io.EOF
 	}
@@ -438,22 +503,28 @@ func (s *openAIStream) final() *Chunk {
 	return c
 }
 
-// end releases the request once the stream is over: it stops the timer and cancels the
-// request's context, closing the upstream body.
+// end releases a request that failed: it stops the timer, cancels the request's context
+// (which drops the connection) and closes the upstream body.
 func (s *openAIStream) end() {
 	s.timer.Stop()
 	s.cancel(nil)
 	_ = s.upstream.Close()
+	s.body.close()
 }
 
-// Close ends the stream and closes the upstream response at once.
+// Close ends the stream and closes the upstream response at once. After a complete
+// answer it first reads the response's end (bounded by drainWait) to keep the connection.
 func (s *openAIStream) Close() error {
 	s.closeOnce.Do(func() {
 		s.timer.Stop()
+		if s.finished.Load() {
+			s.body.drainAndClose(func() { s.cancel(errStreamClosed) })
+		}
 		// Cancelling the request's context makes the transport close the connection at
 		// once, even while Recv is blocked reading it; closing the body then is cleanup.
 		s.cancel(errStreamClosed)
 		_ = s.upstream.Close()
+		s.body.close()
 	})
 	return nil
 }

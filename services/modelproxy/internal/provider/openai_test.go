@@ -869,3 +869,45 @@ func TestRetryAfterParsing(t *testing.T) {
 		}
 	}
 }
+
+// A stream that finished keeps its connection for the next call; one that failed or was
+// cancelled does not.
+func TestConnectionReusedAfterCompleteStream(t *testing.T) {
+	srv := openaitest.New(t)
+	p := newProvider(t, srv, 0)
+	for range 3 {
+		st, err := p.Stream(context.Background(), userRequest("hi"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if _, err := drain(t, st); err != nil {
+			t.Fatal(err)
+		}
+	}
+	reqs := srv.Requests()
+	if reqs[0].RemoteAddr != reqs[1].RemoteAddr || reqs[1].RemoteAddr != reqs[2].RemoteAddr {
+		t.Fatalf("three streams over %s, %s, %s: want one connection", reqs[0].RemoteAddr, reqs[1].RemoteAddr, reqs[2].RemoteAddr)
+	}
+	// A cancelled stream's connection is gone: the next call opens another.
+	srv.Enqueue(openaitest.Reply{Content: openaitest.Tokens(1000), Interval: 5 * time.Millisecond})
+	ctx, cancel := context.WithCancel(context.Background())
+	st, err := p.Stream(ctx, userRequest("hi"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := st.Recv(); err != nil {
+		t.Fatal(err)
+	}
+	cancel()
+	_, _ = drain(t, st)
+	st, err = p.Stream(context.Background(), userRequest("hi"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := drain(t, st); err != nil {
+		t.Fatal(err)
+	}
+	if reqs = srv.Requests(); reqs[4].RemoteAddr == reqs[3].RemoteAddr {
+		t.Fatalf("the call after a cancelled stream reused its connection %s", reqs[3].RemoteAddr)
+	}
+}

@@ -30,7 +30,10 @@ type Server struct {
 type Request struct {
 	Method string
 	Path   string
-	Header http.Header
+	// RemoteAddr is the client's address: requests with the same one came over the same
+	// connection.
+	RemoteAddr string
+	Header     http.Header
 	// Body is the raw body.
 	Body []byte
 	// Chat is the body decoded (zero when it did not decode).
@@ -237,7 +240,7 @@ func (s *Server) chat(w http.ResponseWriter, r *http.Request) {
 	// Reading the body to its end lets net/http watch the connection, so that the
 	// request's context ends when the client goes away.
 	body, err := io.ReadAll(r.Body)
-	c := &Call{Start: time.Now(), Request: Request{Method: r.Method, Path: r.URL.Path, Header: r.Header.Clone(), Body: body}}
+	c := &Call{Start: time.Now(), Request: Request{Method: r.Method, Path: r.URL.Path, RemoteAddr: r.RemoteAddr, Header: r.Header.Clone(), Body: body}}
 	decodeErr := err
 	if err == nil {
 		decodeErr = json.Unmarshal(body, &c.Request.Chat)
