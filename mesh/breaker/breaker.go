@@ -4,7 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"math/rand/v2"
+	"math/rand/v2" //nolint:gosec // jitter, not secrets
 	"sync"
 	"sync/atomic"
 	"time"
@@ -115,6 +115,8 @@ type Set struct {
 	cfg   Config
 	m     *metrics
 	epoch time.Time // monotonic origin of the breakers' open deadlines
+	// rand draws the open periods' jitter, uniform in [0, 1); tests replace it.
+	rand func() float64
 
 	mu       sync.RWMutex
 	breakers map[string]*Breaker
@@ -127,7 +129,7 @@ func NewSet(cfg Config, reg prometheus.Registerer) *Set {
 	if err := cfg.Validate(); err != nil {
 		panic(err.Error())
 	}
-	return &Set{cfg: cfg.WithDefaults(), m: newMetrics(reg), epoch: time.Now(), breakers: map[string]*Breaker{}}
+	return &Set{cfg: cfg.WithDefaults(), m: newMetrics(reg), epoch: time.Now(), rand: rand.Float64, breakers: map[string]*Breaker{}}
 }
 
 // Config returns the set's configuration, defaults applied.
@@ -223,7 +225,7 @@ func (s *Set) newBreaker(target string) *Breaker {
 func (b *Breaker) changed(_ string, from, to gobreaker.State) {
 	if to == gobreaker.StateOpen {
 		now := b.set.now()
-		period := b.set.cfg.openPeriod(rand.Float64()) //nolint:gosec // jitter, not secrets
+		period := b.set.cfg.openPeriod(b.set.rand())
 		b.openUntil.Store(now + int64(period))
 		// Half-open on time even with no call to notice it, so that the state gauge and
 		// State tell the truth. Harmless when a call notices first.

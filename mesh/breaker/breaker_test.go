@@ -363,3 +363,45 @@ func TestSetsShareARegistry(t *testing.T) {
 		t.Error("Get returned two breakers for one target")
 	}
 }
+
+func TestStaysOpenForTheDrawnPeriod(t *testing.T) {
+	// OpenTimeout 2s ± 50 % with the highest draw: gobreaker's own timeout is the shortest
+	// period, 1s; the drawn one is just under 3s.
+	set := breaker.NewSet(breaker.Config{ConsecutiveFailures: 1, OpenTimeout: 2 * time.Second, Jitter: 0.5}, nil)
+	set.SetRand(func() float64 { return 0.999 })
+	b := set.Get("m")
+	tripped := time.Now()
+	trip(t, b)
+	time.Sleep(1500 * time.Millisecond)
+	st := b.State()
+	done, err := b.Allow(t.Context())
+	el := time.Since(tripped)
+	if el >= 2900*time.Millisecond {
+		t.Skipf("the machine took %v to check a breaker it tripped at 0; cannot tell", el)
+	}
+	if st != breaker.StateOpen || err == nil {
+		if done != nil {
+			done(nil)
+		}
+		t.Fatalf("%v after the trip, past gobreaker's 1s but within the drawn ~3s: state %s, Allow error %v; want open and refused", el, st, err)
+	}
+	wantOpen(t, err, "m", "open", 2800*time.Millisecond-el, 3100*time.Millisecond-el)
+	waitState(t, b, breaker.StateHalfOpen, 10*time.Second)
+	if el := time.Since(tripped); el < 2990*time.Millisecond {
+		t.Errorf("half-open %v after the trip, before the drawn period of ~2.998s", el)
+	}
+}
+
+func TestHalfOpensWithoutTraffic(t *testing.T) {
+	reg := prometheus.NewRegistry()
+	b := breaker.NewSet(breaker.Config{ConsecutiveFailures: 1, OpenTimeout: 50 * time.Millisecond, Jitter: -1}, reg).Get("idle")
+	trip(t, b)
+	// Nothing asks the breaker: only its timer can move the gauge.
+	end := time.Now().Add(5 * time.Second)
+	for stateGauges(t, reg, "idle") != [3]float64{0, 1, 0} {
+		if time.Now().After(end) {
+			t.Fatalf("gauges %v 5s after a 50ms open period, want [0 1 0]", stateGauges(t, reg, "idle"))
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+}
