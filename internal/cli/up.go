@@ -68,8 +68,20 @@ func cmdUp(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	grace := fs.Duration("shutdown-grace", 10*time.Second, "how long each service gets to stop before it is killed")
 	startTimeout := fs.Duration("start-timeout", 30*time.Second, "how long to wait for every service to report SERVING")
 	asJSON := fs.Bool("json", false, "print the endpoints as JSON")
+	providers := fs.String("providers-config", "", "modelproxy's providers file (docs/providers.md); default $CURFEW_PROVIDERS_CONFIG, else only the sim model")
 	if _, err := parse(fs, args); err != nil {
 		return usageErr(stderr, "up", err)
+	}
+	var extra []string // flags for modelproxy
+	if *providers != "" {
+		abs, err := filepath.Abs(*providers)
+		if err == nil {
+			_, err = os.Stat(abs)
+		}
+		if err != nil {
+			return usageErr(stderr, "up", fmt.Errorf("--providers-config: %w", err))
+		}
+		extra = append(extra, "--providers-config", abs)
 	}
 	if *basePort < 0 || *basePort > 65535-8 {
 		return usageErr(stderr, "up", fmt.Errorf("--base-port must be 0 or between 1 and %d", 65535-8))
@@ -98,7 +110,7 @@ func cmdUp(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		}
 	}
 	for _, name := range services {
-		c, err := startChild(name, bins[name], eps, *dataDir)
+		c, err := startChild(name, bins[name], eps, *dataDir, extra)
 		if err != nil {
 			fmt.Fprintln(stderr, "curfew up:", err)
 			shutdown()
@@ -199,7 +211,8 @@ func allocate(base int) (map[string]Endpoint, error) {
 	return eps, nil
 }
 
-func startChild(name, bin string, eps map[string]Endpoint, dataDir string) (*child, error) {
+// startChild starts one service; modelproxyArgs are extra flags for modelproxy.
+func startChild(name, bin string, eps map[string]Endpoint, dataDir string, modelproxyArgs []string) (*child, error) {
 	ep := eps[name]
 	args := []string{"--addr", ep.Addr, "--admin-addr", ep.AdminAddr}
 	switch name {
@@ -209,6 +222,8 @@ func startChild(name, bin string, eps map[string]Endpoint, dataDir string) (*chi
 		args = append(args, "--subagent", eps["subagent"].Addr)
 	case "subagent":
 		args = append(args, "--modelproxy", eps["modelproxy"].Addr, "--toolrunner", eps["toolrunner"].Addr)
+	case "modelproxy":
+		args = append(args, modelproxyArgs...)
 	}
 	logf, err := os.OpenFile(filepath.Join(dataDir, "logs", name+".log"), os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o644)
 	if err != nil {

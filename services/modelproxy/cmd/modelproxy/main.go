@@ -1,5 +1,6 @@
 // Command modelproxy serves curfew.modelproxy.v1.ModelProxyService: the built-in `sim`
-// decoder and its token ledger. It only wires; the logic is in internal/modelproxy.
+// decoder, OpenAI-compatible providers behind fallback chains and breakers, and its
+// token ledger. It only wires; the logic is in internal/modelproxy.
 package main
 
 import (
@@ -24,6 +25,7 @@ func run(args []string) int {
 	var o service.Options
 	o.Register(fs, "modelproxy", "127.0.0.1:7706", "127.0.0.1:7707")
 	minDecode := fs.Duration("min-decode-time", 50*time.Millisecond, "least time left to start a decoder; less fails fast with DEADLINE_EXCEEDED")
+	providers := fs.String("providers-config", "", "JSON file of OpenAI-compatible providers and model aliases (see docs/providers.md); only the built-in sim model when empty")
 	if err := service.Parse(fs, args, os.Getenv); err != nil {
 		fmt.Fprintln(os.Stderr, "modelproxy:", err)
 		return 2
@@ -36,6 +38,15 @@ func run(args []string) int {
 		fmt.Fprintln(os.Stderr, "modelproxy: --min-decode-time must not be negative")
 		return 2
 	}
+	var file *modelproxy.File
+	if *providers != "" {
+		f, err := modelproxy.LoadFile(*providers)
+		if err != nil {
+			fmt.Fprintln(os.Stderr, "modelproxy: --providers-config:", err)
+			return 2
+		}
+		file = f
+	}
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
 	rt, err := service.New(ctx, o, map[string]time.Duration{
@@ -46,6 +57,14 @@ func run(args []string) int {
 		return 1
 	}
 	srv := modelproxy.New()
+	if file != nil {
+		if srv.Router, err = modelproxy.NewRouter(file, modelproxy.RouterOptions{Registry: rt.Registry, Log: rt.Log}); err != nil {
+			fmt.Fprintln(os.Stderr, "modelproxy: --providers-config:", err)
+			return 2
+		}
+		rt.Log.Info("providers configured", "models", srv.Router.Models())
+		defer srv.Router.Close()
+	}
 	modelproxyv1.RegisterModelProxyServiceServer(rt.Server, srv)
 	meshv1.RegisterNodeReportServiceServer(rt.Server, srv.Report())
 	go service.Every(ctx, time.Minute, srv.Sweep)

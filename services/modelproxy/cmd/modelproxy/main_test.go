@@ -1,6 +1,8 @@
 package main
 
 import (
+	"os"
+	"path/filepath"
 	"testing"
 
 	"go.uber.org/goleak"
@@ -17,6 +19,18 @@ func TestRunRejectsBadConfiguration(t *testing.T) {
 		{Name: "negative decode time from env", Env: map[string]string{"CURFEW_MIN_DECODE_TIME": "-5ms"}, Want: "--min-decode-time must not be negative"},
 		{Name: "bad decode time from env", Env: map[string]string{"CURFEW_MIN_DECODE_TIME": "fast"}, Want: "CURFEW_MIN_DECODE_TIME"},
 		{Name: "flag wins over env", Args: []string{"--min-decode-time=-1s"}, Env: map[string]string{"CURFEW_MIN_DECODE_TIME": "fast"}, Want: "must not be negative"},
+		{Name: "missing providers file", Args: []string{"--providers-config=/nonexistent/providers.json"}, Want: "--providers-config"},
+		{Name: "invalid providers file from env", Env: map[string]string{"CURFEW_PROVIDERS_CONFIG": badProviders(t)}, Want: "unknown provider"},
 	}...)
 	meshtest.RunFlagCases(t, "modelproxy", run, cases)
+}
+
+// badProviders writes a providers file whose alias names a provider that does not exist.
+func badProviders(t *testing.T) string {
+	p := filepath.Join(t.TempDir(), "providers.json")
+	b := `{"providers": [{"name": "p", "base_url": "http://127.0.0.1:1/v1", "models": ["m"]}], "models": {"a": {"chain": ["q/m"]}}}`
+	if err := os.WriteFile(p, []byte(b), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	return p
 }

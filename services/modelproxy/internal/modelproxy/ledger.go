@@ -26,6 +26,23 @@ func (l *Ledger) Record(run, node string, at time.Time) {
 	m[node] = append(m[node], at.UnixNano())
 }
 
+// RecordN adds n tokens emitted at instant at.
+func (l *Ledger) RecordN(run, node string, at time.Time, n int) {
+	if n <= 0 {
+		return
+	}
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	m := l.runs[run]
+	if m == nil {
+		m = make(map[string][]int64)
+		l.runs[run] = m
+	}
+	for range n {
+		m[node] = append(m[node], at.UnixNano())
+	}
+}
+
 // Figures returns the node's token count, and its split at cancelAt (all tokens count as
 // before when cancelAt is zero).
 func (l *Ledger) Figures(run, node string, cancelAt time.Time) (total, before, after int64) {

@@ -4,6 +4,8 @@ import (
 	"context"
 	"fmt"
 	"math/rand/v2"
+	"slices"
+	"strings"
 	"time"
 
 	"google.golang.org/grpc/codes"
@@ -28,6 +30,8 @@ type Server struct {
 	modelproxyv1.UnimplementedModelProxyServiceServer
 	Nodes  *nodes.Table
 	Ledger *Ledger
+	// Router serves every model other than sim; nil serves sim only.
+	Router *Router
 	// now is the clock; tests may replace it.
 	now func() time.Time
 }
@@ -73,12 +77,23 @@ func (s *Server) Generate(req *modelproxyv1.GenerateRequest, stream modelproxyv1
 	if model == "" {
 		model = SimModel
 	}
-	if model != SimModel {
-		return status.Errorf(codes.NotFound, "unknown model %q (configured: %s)", model, SimModel)
-	}
-	step, err := simStep(req.GetMessages())
-	if err != nil {
-		return err
+	var (
+		rt   *route
+		step *step
+		err  error
+	)
+	if model == SimModel {
+		if step, err = simStep(req.GetMessages()); err != nil {
+			return err
+		}
+	} else {
+		ok := false
+		if s.Router != nil {
+			rt, ok = s.Router.resolve(model)
+		}
+		if !ok {
+			return status.Errorf(codes.NotFound, "unknown model %q (configured: %s)", model, strings.Join(s.models(), ", "))
+		}
 	}
 	id := md.IdentityFrom(ctx)
 	run, node := id.RunID, id.NodeID
@@ -96,13 +111,28 @@ func (s *Server) Generate(req *modelproxyv1.GenerateRequest, stream modelproxyv1
 		n.Deadline = timestamppb.New(dl)
 	}
 	ctx, _ = s.Nodes.Begin(ctx, run, n)
-	err = s.decode(ctx, stream, run, node, step)
+	if rt != nil {
+		err = s.Router.generate(ctx, s, rt, req, stream, run, node)
+	} else {
+		err = s.decode(ctx, stream, run, node, step)
+	}
 	s.Nodes.Finish(ctx, run, node, err, func(n *meshv1.Node) {
 		if ctx.Err() != nil {
 			n.CancelledAt = timestamppb.New(s.now())
 		}
 	})
 	return err
+}
+
+// models lists the model names served, sim first.
+func (s *Server) models() []string {
+	out := []string{SimModel}
+	if s.Router != nil {
+		ms := s.Router.Models()
+		slices.Sort(ms)
+		out = append(out, ms...)
+	}
+	return out
 }
 
 type step struct {
