@@ -226,10 +226,11 @@ func (b *Breaker) changed(_ string, from, to gobreaker.State) {
 	if to == gobreaker.StateOpen {
 		now := b.set.now()
 		period := b.set.cfg.openPeriod(b.set.rand())
-		b.openUntil.Store(now + int64(period))
+		until := now + int64(period)
+		b.openUntil.Store(until)
 		// Half-open on time even with no call to notice it, so that the state gauge and
 		// State tell the truth. Harmless when a call notices first.
-		time.AfterFunc(period, b.wake)
+		time.AfterFunc(period, func() { b.wake(until) })
 	} else {
 		b.openUntil.Store(0)
 	}
@@ -241,7 +242,18 @@ func (b *Breaker) changed(_ string, from, to gobreaker.State) {
 	}
 }
 
-func (b *Breaker) wake() { _ = b.State() }
+// wake asks the breaker for its state when the open period ending at until is over, which
+// turns it half-open. gobreaker's timeout ends no later, but it compares strictly, so at
+// the very same nanosecond it still says open: then wake asks again a millisecond later.
+// A timer of an earlier open period finds another until and does nothing.
+func (b *Breaker) wake(until int64) {
+	if b.openUntil.Load() != until {
+		return
+	}
+	if b.State() == StateOpen && b.openUntil.Load() == until {
+		time.AfterFunc(time.Millisecond, func() { b.wake(until) })
+	}
+}
 
 // Target returns the breaker's target.
 func (b *Breaker) Target() string { return b.target }
