@@ -158,10 +158,22 @@ func applyDeadline(ctx context.Context, cfg ServerConfig, log *slog.Logger, meth
 	return context.WithDeadline(ctx, dl)
 }
 
+// An UNAVAILABLE or RESOURCE_EXHAUSTED that a handler returns is marked relayed
+// (breaker.Relay): the service answered, so the failure is something it depends on (a
+// tool's backend, a model provider, a service further down) and not the service itself.
+// Callers' breakers for this service then ignore it, and one failing tool or model does
+// not fence off the whole service for every other call. What still counts against a
+// service is what only the service can cause: the transport's UNAVAILABLE (it is down,
+// unreachable or refusing streams), INTERNAL and UNKNOWN (its own bugs), and a
+// DEADLINE_EXCEEDED it gave up with while its caller still had time.
 func mapStatus(ctx context.Context, log *slog.Logger, method string, err error) error {
 	out, internal := toStatus(err)
 	if internal {
 		log.ErrorContext(ctx, "internal error", "method", method, "error", err.Error())
+		return out
+	}
+	if c := status.Code(out); c == codes.Unavailable || c == codes.ResourceExhausted {
+		return breaker.Relay(out)
 	}
 	return out
 }

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"io"
 	"log/slog"
+	"net"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -60,6 +61,27 @@ func serve(t testing.TB, cfg mesh.ServerConfig, h *health, tools *meshtest.Tools
 	return conn.Target()
 }
 
+// serveBare starts a plain grpc-go server, without curfew's server chain, on loopback:
+// a target whose handlers' UNAVAILABLE is its own failure. (curfew's server chain marks a
+// handler's UNAVAILABLE as a dependency's, relayed, which breakers ignore.)
+func serveBare(t testing.TB, h *health, tools *meshtest.Tools) string {
+	t.Helper()
+	lis, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	s := grpc.NewServer()
+	if h != nil {
+		healthpb.RegisterHealthServer(s, h)
+	}
+	if tools != nil {
+		tools.Register(s)
+	}
+	go func() { _ = s.Serve(lis) }()
+	t.Cleanup(s.Stop)
+	return lis.Addr().String()
+}
+
 // dial connects to addr with the mesh client chain: rc's retries (Target "svc") and the
 // set's breaker for "svc".
 func dial(t testing.TB, addr string, set *breaker.Set, rc retry.Config) *grpc.ClientConn {
@@ -92,7 +114,7 @@ func TestOpenFailsFastAndSendsNothing(t *testing.T) {
 	h := &health{fn: func(context.Context, int64) error { return status.Error(codes.Unavailable, "down") }}
 	reg := prometheus.NewRegistry()
 	set := breaker.NewSet(breaker.Config{ConsecutiveFailures: 3, OpenTimeout: time.Hour}, reg)
-	cc := dial(t, serve(t, mesh.ServerConfig{}, h, nil), set, noRetries)
+	cc := dial(t, serveBare(t, h, nil), set, noRetries)
 	for i := range 3 {
 		err := check(timeout(t, 10*time.Second), cc)
 		if breaker.IsOpen(err) || status.Code(err) != codes.Unavailable {
@@ -141,7 +163,7 @@ func TestRetryLayerDoesNotRetryARefusal(t *testing.T) {
 	h := &health{fn: func(context.Context, int64) error { return status.Error(codes.Unavailable, "down") }}
 	set := breaker.NewSet(breaker.Config{ConsecutiveFailures: 2, OpenTimeout: time.Hour}, nil)
 	sl := &sleeper{}
-	cc := dial(t, serve(t, mesh.ServerConfig{}, h, nil), set, retry.Config{Default: retry.Policy{MaxAttempts: 3}, Sleep: sl.Sleep})
+	cc := dial(t, serveBare(t, h, nil), set, retry.Config{Default: retry.Policy{MaxAttempts: 3}, Sleep: sl.Sleep})
 
 	// Attempt 1 fails, the retry layer waits, attempt 2 fails and trips the breaker, the
 	// retry layer waits its backoff once more (it judges the server's UNAVAILABLE), and
@@ -188,7 +210,7 @@ func TestHalfOpenProbeOverGRPC(t *testing.T) {
 		}}
 		reg := prometheus.NewRegistry()
 		set := breaker.NewSet(breaker.Config{ConsecutiveFailures: 1, OpenTimeout: 100 * time.Millisecond, Jitter: -1}, reg)
-		cc := dial(t, serve(t, mesh.ServerConfig{}, h, nil), set, noRetries)
+		cc := dial(t, serveBare(t, h, nil), set, noRetries)
 		b := set.Get("svc")
 		if err := check(timeout(t, 10*time.Second), cc); status.Code(err) != codes.Unavailable || breaker.IsOpen(err) {
 			t.Fatalf("first call: %v", err)
@@ -254,11 +276,12 @@ func TestHalfOpenProbeOverGRPC(t *testing.T) {
 
 func TestCancellationIsNotAFailure(t *testing.T) {
 	// The server: "hang" waits for the caller to go away; "bad-*" are client errors;
-	// anything else fails with UNAVAILABLE once the test flips broken.
+	// anything else fails with INTERNAL once the test flips broken (a curfew server's own
+	// failure; its handlers' UNAVAILABLE would be relayed, see mesh.ServerInterceptors).
 	var broken atomic.Bool
 	h := &health{fn: func(ctx context.Context, _ int64) error {
 		if broken.Load() {
-			return status.Error(codes.Unavailable, "down")
+			return status.Error(codes.Internal, "broken")
 		}
 		<-ctx.Done()
 		return ctx.Err()
@@ -362,7 +385,7 @@ func TestStreamOutcomes(t *testing.T) {
 	})
 	reg := prometheus.NewRegistry()
 	set := breaker.NewSet(breaker.Config{ConsecutiveFailures: 2, OpenTimeout: time.Hour}, reg)
-	cc := dial(t, serve(t, mesh.ServerConfig{}, nil, tools), set, noRetries)
+	cc := dial(t, serveBare(t, nil, tools), set, noRetries)
 	tr := toolrunnerv1.NewToolRunnerServiceClient(cc)
 	calls := func(o string) float64 {
 		return metric(t, reg, "curfew_circuit_breaker_calls_total", map[string]string{"target": "svc", "outcome": o})
@@ -428,7 +451,7 @@ func TestStreamAbandonedByCancelIsReportedOnce(t *testing.T) {
 	})
 	reg := prometheus.NewRegistry()
 	set := breaker.NewSet(breaker.Config{ConsecutiveFailures: 1, OpenTimeout: time.Hour}, reg)
-	cc := dial(t, serve(t, mesh.ServerConfig{}, nil, tools), set, noRetries)
+	cc := dial(t, serveBare(t, nil, tools), set, noRetries)
 	tr := toolrunnerv1.NewToolRunnerServiceClient(cc)
 	const n = 30
 	for range n {

@@ -33,13 +33,11 @@ import (
 const (
 	DefaultShutdownGrace = 10 * time.Second
 	DefaultLogLevel      = "info"
-	// DefaultBreakerOff keeps the services' breakers (one per service dialled) off unless
-	// --breaker-off=false. A service relays the failures of its own dependencies (a tool's
-	// backend, a model) with their codes, so one failing tool would open the breaker for
-	// the whole toolrunner, and one failing model that for modelproxy, for every run.
-	// Until those relayed failures carry breaker.Relay's marker, the breakers are opt-in.
-	// modelproxy's breakers per provider are its own and not affected.
-	DefaultBreakerOff = true
+	// DefaultBreakerOff: the services' breakers (one per service dialled) are on. A
+	// service's own dependencies' failures it relays carry breaker.Relay's marker (the
+	// server chain adds it, see mesh.ServerInterceptors), so they do not open a breaker
+	// for the whole service.
+	DefaultBreakerOff = false
 )
 
 // Options are the flags every service has.
@@ -112,7 +110,7 @@ func (o *Options) Register(fs *flag.FlagSet, name, addr, admin string) {
 	fs.Float64Var(&r.BudgetRPS, "retry-budget-per-second", retry.DefaultBudgetPerSecond, "retries allowed per second beyond the ratio")
 	fs.BoolVar(&r.Throttle, "retry-throttle", false, "client-side adaptive throttling (SRE book)")
 	b := &o.Breaker
-	fs.BoolVar(&b.Off, "breaker-off", DefaultBreakerOff, "no circuit breakers on calls to other services (on by --breaker-off=false; see docs/breakers.md)")
+	fs.BoolVar(&b.Off, "breaker-off", DefaultBreakerOff, "no circuit breakers on calls to other services (see docs/breakers.md)")
 	fs.UintVar(&b.Failures, "breaker-failures", breaker.DefaultConsecutiveFailures, "a target's breaker opens after this many consecutive failures")
 	fs.Float64Var(&b.Ratio, "breaker-ratio", breaker.DefaultFailureRatio, "a target's breaker also opens when at least this share (0 to 1] of its calls in the window failed")
 	fs.UintVar(&b.MinRequests, "breaker-min-requests", breaker.DefaultMinRequests, "fewest judged calls in the window before --breaker-ratio applies")

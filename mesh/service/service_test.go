@@ -379,7 +379,7 @@ func TestBreakerFlags(t *testing.T) {
 		t.Errorf("breaker config = %+v, want %+v", got, want)
 	}
 
-	// The flags' defaults are breaker's, off (DefaultBreakerOff); a zero BreakerOptions
+	// The flags' defaults are breaker's (and DefaultBreakerOff); a zero BreakerOptions
 	// without flags is breaker's defaults, on.
 	fs, o = newFlags()
 	if err := service.Parse(fs, []string{"--addr=127.0.0.1:0", "--admin-addr=127.0.0.1:0"}, env(nil)); err != nil {
@@ -436,11 +436,12 @@ func TestBreakerFlagErrors(t *testing.T) {
 type failing struct {
 	toolrunnerv1.UnimplementedToolRunnerServiceServer
 	calls atomic.Int64
+	code  codes.Code
 }
 
 func (f *failing) Execute(*toolrunnerv1.ExecuteRequest, grpc.ServerStreamingServer[toolrunnerv1.ExecuteResponse]) error {
 	f.calls.Add(1)
-	return status.Error(codes.Unavailable, "down")
+	return status.Error(f.code, "broken")
 }
 
 func execute(t *testing.T, cc *grpc.ClientConn) error {
@@ -455,8 +456,36 @@ func execute(t *testing.T, cc *grpc.ClientConn) error {
 	return err
 }
 
+// A handler's UNAVAILABLE is its dependency's failure, relayed by the server chain: the
+// service answered, so its callers' breakers stay closed.
+func TestRelayedFailuresDoNotOpenTheBreaker(t *testing.T) {
+	f := &failing{code: codes.Unavailable}
+	server := start(t, validOptions(), func(s *grpc.Server) { toolrunnerv1.RegisterToolRunnerServiceServer(s, f) })
+	fs, o := newFlags()
+	if err := service.Parse(fs, []string{"--addr=127.0.0.1:0", "--admin-addr=127.0.0.1:0", "--retry-off", "--breaker-failures=2", "--breaker-open-timeout=1h"}, env(nil)); err != nil {
+		t.Fatal(err)
+	}
+	client := start(t, *o, nil)
+	cc, err := client.rt.Dial("toolrunner", server.rt.Addr())
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = cc.Close() })
+	for i := range 10 {
+		if err := execute(t, cc); status.Code(err) != codes.Unavailable || breaker.IsOpen(err) {
+			t.Fatalf("call %d: %v, want the handler's UNAVAILABLE", i, err)
+		}
+	}
+	if n := f.calls.Load(); n != 10 {
+		t.Fatalf("server saw %d calls, want 10", n)
+	}
+	if st := client.rt.Breakers.Get("toolrunner").State(); st != breaker.StateClosed {
+		t.Fatalf("breaker %v after relayed failures", st)
+	}
+}
+
 func TestDialGuardsEachTargetWithItsBreaker(t *testing.T) {
-	f := &failing{}
+	f := &failing{code: codes.Internal}
 	server := start(t, validOptions(), func(s *grpc.Server) { toolrunnerv1.RegisterToolRunnerServiceServer(s, f) })
 
 	for _, off := range []bool{false, true} {
