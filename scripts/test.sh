@@ -31,6 +31,38 @@ fi
 export CURFEW_OLLAMA
 echo "   $CURFEW_OLLAMA"
 
+# --- store: PostgreSQL (begin) -----------------------------------------------------------
+# mesh/store/postgres runs the store's contract suite against the real server: each test in
+# its own schema of the database named by CURFEW_TEST_POSTGRES_DSN. Under CI=true those
+# tests fail, not skip, when the server is unreachable, so make sure it is up.
+echo "== postgresql (the store's contract tests)"
+if [[ -z "${CURFEW_TEST_POSTGRES_DSN:-}" ]]; then
+  CURFEW_TEST_POSTGRES_DSN="postgres://postgres@127.0.0.1:5432/test?sslmode=disable"
+  if command -v pg_isready >/dev/null 2>&1 && ! pg_isready -q -h 127.0.0.1 -p 5432; then
+    echo "   not running: starting it"
+    if [[ -d /etc/postgresql ]]; then
+      pg_ctlcluster --skip-systemctl-redirect "$(ls /etc/postgresql | sort -V | tail -n 1)" main start || true
+    fi
+    for _ in $(seq 30); do pg_isready -q -h 127.0.0.1 -p 5432 && break; sleep 1; done
+  fi
+  if command -v psql >/dev/null 2>&1 && pg_isready -q -h 127.0.0.1 -p 5432 &&
+    ! psql -h 127.0.0.1 -U postgres -d postgres -tAc "SELECT 1 FROM pg_database WHERE datname = 'test'" | grep -q 1; then
+    createdb -h 127.0.0.1 -U postgres test
+  fi
+fi
+export CURFEW_TEST_POSTGRES_DSN
+echo "   $(pg_isready -h 127.0.0.1 -p 5432 2>&1 || true)"
+# --- store: PostgreSQL (end) -------------------------------------------------------------
+
+echo "== otelcol (the OTLP receiver of the tracing test; cached outside the repo)"
+# scripts/otelcol.sh builds the OpenTelemetry Collector once (a few minutes) and then reuses
+# it; the tracing test reads CURFEW_OTELCOL (it skips without it, and fails under CI=true).
+if [[ -z "${CURFEW_OTELCOL:-}" ]]; then
+  CURFEW_OTELCOL="$(bash scripts/otelcol.sh)"
+fi
+export CURFEW_OTELCOL
+echo "   $CURFEW_OTELCOL"
+
 echo "== tests (race detector on)"
 # The e2e tests assert real-time properties (at most 1 token after a cancel at 40 tokens/s)
 # on the service binaries they build; those are built without -race, as shipped. The

@@ -1,0 +1,54 @@
+// Package sqlcore implements store.Store once, in SQL that SQLite (3.35+) and
+// PostgreSQL both accept ($N placeholders, ON CONFLICT, RETURNING), over a small driver
+// abstraction that the sqlite and postgres packages implement with database/sql and
+// pgxpool. The backends differ only in the driver, the DDL (migrations) and the row
+// locking clause (FOR UPDATE on PostgreSQL; SQLite's write transactions are BEGIN
+// IMMEDIATE and so already serialized).
+package sqlcore
+
+import (
+	"context"
+	"errors"
+)
+
+// ErrNoRows is what a driver's Row.Scan returns for an empty result.
+var ErrNoRows = errors.New("sqlcore: no rows")
+
+// Row is a single-row result.
+type Row interface{ Scan(dest ...any) error }
+
+// Rows is a multi-row result; Close must be called.
+type Rows interface {
+	Next() bool
+	Scan(dest ...any) error
+	Err() error
+	Close()
+}
+
+// Querier runs statements, inside or outside a transaction.
+type Querier interface {
+	Exec(ctx context.Context, sql string, args ...any) (rowsAffected int64, err error)
+	QueryRow(ctx context.Context, sql string, args ...any) Row
+	Query(ctx context.Context, sql string, args ...any) (Rows, error)
+}
+
+// Driver is one backend's connection pool.
+type Driver interface {
+	// Read returns a Querier for reads outside a transaction.
+	Read() Querier
+	// Tx runs fn in one write transaction (READ COMMITTED on PostgreSQL, BEGIN
+	// IMMEDIATE on SQLite), committing if fn returns nil.
+	Tx(ctx context.Context, fn func(q Querier) error) error
+	Close() error
+}
+
+// Dialect is what differs in the SQL.
+type Dialect struct {
+	Name string // "sqlite" or "postgres": the migrations directory
+	// ForUpdate is appended to a SELECT that locks the row for the rest of the
+	// transaction.
+	ForUpdate string
+	// MigrationLock is run first in the migration transaction, to serialize replicas
+	// migrating at once ("" for none).
+	MigrationLock string
+}

@@ -1,0 +1,56 @@
+package postgres_test
+
+import (
+	"context"
+	"errors"
+	"testing"
+
+	"github.com/jackc/pgx/v5"
+	"go.uber.org/goleak"
+
+	"github.com/curfew-mesh/curfew/mesh/store"
+	"github.com/curfew-mesh/curfew/mesh/store/postgres"
+	"github.com/curfew-mesh/curfew/mesh/store/storetest"
+)
+
+func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
+
+func fresh(t *testing.T) string { return storetest.PostgresDSN(t) }
+
+func TestContract(t *testing.T) { storetest.Run(t, fresh) }
+
+// TestSchemaTooNew: a database migrated by a newer curfew is refused, not modified.
+func TestSchemaTooNew(t *testing.T) {
+	ctx := context.Background()
+	dsn := fresh(t)
+	s, err := postgres.Open(ctx, dsn)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := s.Close(); err != nil {
+		t.Fatal(err)
+	}
+	conn, err := pgx.Connect(ctx, dsn)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = conn.Close(ctx) }()
+	if _, err := conn.Exec(ctx, "INSERT INTO schema_migrations (version, name, applied_ms) VALUES (999, 'future', 1)"); err != nil {
+		t.Fatal(err)
+	}
+	_, err = store.Open(ctx, dsn)
+	if !errors.Is(err, store.ErrSchemaTooNew) {
+		t.Fatalf("open a newer schema: %v, want ErrSchemaTooNew", err)
+	}
+	t.Logf("error: %v", err)
+}
+
+func TestBadDSN(t *testing.T) {
+	if _, err := postgres.Open(context.Background(), "postgres://%zz"); !errors.Is(err, store.ErrInvalidArgument) {
+		t.Fatalf("bad DSN: %v", err)
+	}
+}
+
+func BenchmarkCheckpoint(b *testing.B) {
+	storetest.BenchmarkCheckpoint(b, storetest.PostgresDSN(b))
+}

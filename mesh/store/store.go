@@ -1,0 +1,149 @@
+package store
+
+import (
+	"context"
+	"time"
+)
+
+// Store is curfew's durable state: runs and their leases, checkpoints, tool idempotency
+// records with their side effects, dead letters and the token ledger. It is the union of
+// the narrower interfaces below; a component should depend on the narrowest one it uses.
+// Implementations are safe for concurrent use by many goroutines and by many processes
+// sharing one database.
+type Store interface {
+	Runs
+	Checkpoints
+	Tools
+	DeadLetters
+	Ledger
+	// Close releases the connections. Calls after Close fail.
+	Close() error
+}
+
+// Runs holds run records and the leases that say which orchestrator advances a run.
+//
+// A lease is (owner, epoch, expiry). Every claim increments the run's epoch; every write
+// made on behalf of a run (checkpoint, heartbeat, finish, release) carries the writer's
+// Lease and is rejected with ErrStaleEpoch once the epoch has moved on. Expiry only
+// decides when a run may be claimed by someone else (liveness); the epoch alone decides
+// whether a write is accepted (safety), so clock skew between hosts can delay a takeover
+// but never lets two owners advance one run.
+type Runs interface {
+	// CreateRun inserts a run in StatusPending, or, with NewRun.Owner set, already
+	// claimed by that owner at epoch 1 in StatusRunning. With a non-empty
+	// IdempotencyKey that already names a run of the tenant it inserts nothing and
+	// returns that run with created=false, atomically: concurrent calls with one key
+	// create one run. The caller should compare the returned run's Task with its own to
+	// detect a key reused for a different request.
+	CreateRun(ctx context.Context, r NewRun) (run Run, created bool, err error)
+	// GetRun returns the tenant's run, or ErrNotFound (also for another tenant's run).
+	GetRun(ctx context.Context, tenant, runID string) (Run, error)
+	// ListRuns pages through the tenant's runs newest first (run IDs are UUIDv7).
+	// next is the cursor of the following page, "" after the last one.
+	ListRuns(ctx context.Context, q RunQuery) (runs []Run, next string, err error)
+	// FinishRun ends the run with a terminal status, fenced by the lease: ErrStaleEpoch
+	// if the lease is no longer current, ErrRunFinished if the run had already ended
+	// with another result. Repeating the same finish under the same lease returns the
+	// stored run (a commit whose answer was lost can be retried).
+	FinishRun(ctx context.Context, l Lease, res RunResult) (Run, error)
+
+	// ClaimRun takes the lease of a run that is unowned, whose lease has expired, or
+	// that this owner already holds, incrementing its epoch; a pending run becomes
+	// running. It fails with ErrLeaseHeld (a *LeaseHeldError) while another owner's lease
+	// is live, ErrRunFinished for an ended run, ErrNotFound.
+	ClaimRun(ctx context.Context, tenant, runID, owner string, ttl time.Duration) (Run, error)
+	// ClaimExpiredRuns claims, across all tenants, up to limit unfinished runs that are
+	// unowned or whose lease expired, oldest first, for takeover after an owner died.
+	// Runs claimed concurrently by someone else are skipped, not reported.
+	ClaimExpiredRuns(ctx context.Context, owner string, ttl time.Duration, limit int) ([]Run, error)
+	// HeartbeatRun extends a live lease to now+ttl and returns it. ErrStaleEpoch if the
+	// run was claimed by someone else meanwhile, ErrRunFinished if it ended. A lease
+	// that expired but was not claimed by anyone is still current and is extended.
+	HeartbeatRun(ctx context.Context, l Lease, ttl time.Duration) (Lease, error)
+	// ReleaseRun gives the lease up so that another owner can claim the run at once
+	// (graceful shutdown). The epoch is kept. ErrStaleEpoch if it was no longer ours.
+	ReleaseRun(ctx context.Context, l Lease) error
+}
+
+// Checkpoints holds one row per completed agent step of a run.
+type Checkpoints interface {
+	// PutCheckpoint stores a completed step, fenced by the lease in the same
+	// transaction: ErrStaleEpoch if the run's epoch or owner moved on, ErrRunFinished if
+	// it ended. The row keeps the epoch it was written under. A step is written once:
+	// writing an existing step again with identical content under the same epoch
+	// succeeds (retry of a lost commit); anything else is ErrConflict.
+	PutCheckpoint(ctx context.Context, l Lease, c Checkpoint) error
+	// ListCheckpoints returns the run's checkpoints by ascending step, for resume.
+	ListCheckpoints(ctx context.Context, tenant, runID string) ([]Checkpoint, error)
+}
+
+// Tools holds idempotency records of tool calls and the state of the side-effect
+// built-ins (kv, outbox), which are written only together with a record's completion.
+type Tools interface {
+	// BeginTool starts a tool call under its idempotency key, or tells the caller why
+	// not. The returned Begin says which of the four outcomes it is:
+	//   - BeginStarted: the caller owns the record (Claim) and must Complete, Fail or
+	//     Release it; Claim.Epoch > 1 means an expired record was taken over.
+	//   - BeginInProgress: another owner holds a live lease; Record.LeaseExpires says
+	//     until when. Wait with [WaitTool], then Begin again.
+	//   - BeginDone: Record.Result is the stored result; do not execute.
+	//   - BeginFailed: Record.Error is the stored permanent failure; do not execute.
+	BeginTool(ctx context.Context, b ToolBegin) (Begin, error)
+	// HeartbeatTool extends the claim's lease to now+ttl. ErrStaleEpoch if the record
+	// was taken over or finished.
+	HeartbeatTool(ctx context.Context, c ToolClaim, ttl time.Duration) error
+	// CompleteTool marks the record done with result and applies effects, all in one
+	// transaction: either the record is done and every effect took place, or nothing
+	// changed. Fenced by the claim: ErrStaleEpoch if the record was taken over or is no
+	// longer in progress.
+	CompleteTool(ctx context.Context, c ToolClaim, result []byte, effects ...Effect) error
+	// FailTool marks the record failed for good (a non-retryable error): later Begins
+	// return BeginFailed. Fenced like CompleteTool. For a retryable failure use
+	// ReleaseTool instead.
+	FailTool(ctx context.Context, c ToolClaim, errType, errMsg string) error
+	// ReleaseTool abandons an in-progress record without a result (the call failed
+	// before any side effect, or was cancelled), so the next Begin starts at once
+	// instead of waiting for the lease to expire. Fenced like CompleteTool.
+	ReleaseTool(ctx context.Context, c ToolClaim) error
+	// GetTool returns the record, or ErrNotFound.
+	GetTool(ctx context.Context, tenant, key string) (ToolRecord, error)
+
+	// GetKV returns the tenant's kv entry written by a KVPut effect, or ErrNotFound.
+	GetKV(ctx context.Context, tenant, key string) (KV, error)
+	// ListOutbox returns the tenant's outbox entries (Notify effects) with ID > after,
+	// by ascending ID, at most limit (0: 100).
+	ListOutbox(ctx context.Context, tenant string, after int64, limit int) ([]OutboxEntry, error)
+}
+
+// DeadLetters holds steps and runs that failed for good, for operators. Tenant "" in
+// ListDeadLetters, DeadLetterDepth, PurgeDeadLetters, GetDeadLetter and MarkReplayed is
+// the operator's view across all tenants; any other tenant sees only its own.
+type DeadLetters interface {
+	// AddDeadLetter records d, idempotent on (tenant, run, step): if an open dead
+	// letter exists for them it is returned unchanged with added=false. If the
+	// existing one was replayed (the replay failed again), it is reopened with d's
+	// error, attempts and payload, ReplayedAt cleared and ReplayCount kept, added=true.
+	// ID and CreatedAt are assigned by the store.
+	AddDeadLetter(ctx context.Context, d DeadLetter) (dl DeadLetter, added bool, err error)
+	// GetDeadLetter returns one dead letter, or ErrNotFound.
+	GetDeadLetter(ctx context.Context, tenant, id string) (DeadLetter, error)
+	// ListDeadLetters pages newest first.
+	ListDeadLetters(ctx context.Context, q DeadLetterQuery) (dls []DeadLetter, next string, err error)
+	// MarkReplayed records that the dead letter is being replayed and returns it; call
+	// it before re-running the step. A second call fails with ErrAlreadyReplayed (and
+	// returns the record), so replaying twice runs the step once.
+	MarkReplayed(ctx context.Context, tenant, id string) (DeadLetter, error)
+	// PurgeDeadLetters deletes the dead letters q selects and returns how many.
+	PurgeDeadLetters(ctx context.Context, q PurgeQuery) (int64, error)
+	// DeadLetterDepth counts the dead letters not yet replayed (curfew_dlq_depth).
+	DeadLetterDepth(ctx context.Context, tenant string) (int64, error)
+}
+
+// Ledger persists token spend per run and node.
+type Ledger interface {
+	// AddTokens appends e. With a non-empty e.Key the append is idempotent per
+	// tenant: a second entry with the same key is ignored (added=false).
+	AddTokens(ctx context.Context, e LedgerEntry) (added bool, err error)
+	// TokenUsage sums the run's entries, in total and per node.
+	TokenUsage(ctx context.Context, tenant, runID string) (Usage, error)
+}

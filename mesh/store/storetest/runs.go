@@ -1,0 +1,248 @@
+package storetest
+
+import (
+	"bytes"
+	"errors"
+	"fmt"
+	"sync"
+	"sync/atomic"
+	"time"
+
+	"github.com/curfew-mesh/curfew/mesh/store"
+)
+
+const (
+	tenantA = "tenant-a"
+	tenantB = "tenant-b"
+)
+
+func (e *env) create(tenant, key, owner string) store.Run {
+	e.t.Helper()
+	r, _, err := e.s.CreateRun(e.ctx, store.NewRun{
+		Tenant: tenant, IdempotencyKey: key, Task: []byte(`{"steps":[{"answer_tokens":5}]}`), Model: "sim",
+		Deadline: e.clock.Now().Add(time.Minute), Owner: owner, LeaseTTL: 10 * time.Second,
+	})
+	if err != nil {
+		e.t.Fatalf("create run: %v", err)
+	}
+	return r
+}
+
+func (e *env) claim(tenant, runID, owner string, ttl time.Duration) store.Run {
+	e.t.Helper()
+	r, err := e.s.ClaimRun(e.ctx, tenant, runID, owner, ttl)
+	if err != nil {
+		e.t.Fatalf("claim %s by %s: %v", runID, owner, err)
+	}
+	return r
+}
+
+func wantErr(t tb, err, want error, what string) {
+	t.Helper()
+	if !errors.Is(err, want) {
+		t.Fatalf("%s: error %v, want %v", what, err, want)
+	}
+}
+
+// tb is the part of testing.TB the helpers use, so they also run in goroutines'
+// reporting wrappers.
+type tb interface {
+	Helper()
+	Fatalf(format string, args ...any)
+}
+
+var runTests = map[string]func(*env){
+	"CreateAndGet": func(e *env) {
+		deadline := e.clock.Now().Add(90 * time.Second)
+		r, created, err := e.s.CreateRun(e.ctx, store.NewRun{
+			Tenant: tenantA, Task: []byte(`{"plan":1}`), Model: "sim", Deadline: deadline,
+		})
+		if err != nil || !created {
+			e.t.Fatalf("create: created=%v err=%v", created, err)
+		}
+		if r.RunID == "" || r.Status != store.StatusPending || r.Epoch != 0 || r.Owner != "" || !r.LeaseExpires.IsZero() {
+			e.t.Fatalf("new run %+v: want an ID, pending, epoch 0, unowned", r)
+		}
+		if !r.Deadline.Equal(deadline) || !r.CreatedAt.Equal(e.clock.Now()) || !r.EndedAt.IsZero() {
+			e.t.Fatalf("times: deadline %v created %v ended %v", r.Deadline, r.CreatedAt, r.EndedAt)
+		}
+		got, err := e.s.GetRun(e.ctx, tenantA, r.RunID)
+		if err != nil {
+			e.t.Fatal(err)
+		}
+		if got.RunID != r.RunID || got.Tenant != tenantA || string(got.Task) != `{"plan":1}` || got.Model != "sim" ||
+			!got.Deadline.Equal(deadline) || got.Status != store.StatusPending {
+			e.t.Fatalf("get %+v, want %+v", got, r)
+		}
+		_, err = e.s.GetRun(e.ctx, tenantB, r.RunID)
+		wantErr(e.t, err, store.ErrNotFound, "another tenant's run")
+		_, err = e.s.GetRun(e.ctx, tenantA, "nope")
+		wantErr(e.t, err, store.ErrNotFound, "unknown run")
+	},
+	"CreateValidates": func(e *env) {
+		_, _, err := e.s.CreateRun(e.ctx, store.NewRun{Deadline: e.clock.Now()})
+		wantErr(e.t, err, store.ErrInvalidArgument, "no tenant")
+		_, _, err = e.s.CreateRun(e.ctx, store.NewRun{Tenant: tenantA})
+		wantErr(e.t, err, store.ErrInvalidArgument, "no deadline")
+		_, _, err = e.s.CreateRun(e.ctx, store.NewRun{Tenant: tenantA, Deadline: e.clock.Now(), Owner: "o"})
+		wantErr(e.t, err, store.ErrInvalidArgument, "owner without TTL")
+	},
+	"CreateClaimed": func(e *env) {
+		r := e.create(tenantA, "", "orch-1")
+		if r.Status != store.StatusRunning || r.Owner != "orch-1" || r.Epoch != 1 ||
+			!r.LeaseExpires.Equal(e.clock.Now().Add(10*time.Second)) {
+			e.t.Fatalf("run created with owner: %+v", r)
+		}
+	},
+	"CallerRunIDTaken": func(e *env) {
+		r := e.create(tenantA, "", "")
+		_, _, err := e.s.CreateRun(e.ctx, store.NewRun{Tenant: tenantA, RunID: r.RunID, Deadline: e.clock.Now()})
+		wantErr(e.t, err, store.ErrAlreadyExists, "taken run ID")
+	},
+	"IdempotencyKey": func(e *env) {
+		r1 := e.create(tenantA, "start-1", "")
+		r2, created, err := e.s.CreateRun(e.ctx, store.NewRun{Tenant: tenantA, IdempotencyKey: "start-1", Deadline: e.clock.Now()})
+		if err != nil || created || r2.RunID != r1.RunID || r2.IdempotencyKey != "start-1" {
+			e.t.Fatalf("second create with the key: run %s created=%v err=%v, want %s, false", r2.RunID, created, err, r1.RunID)
+		}
+		r3, created, err := e.s.CreateRun(e.ctx, store.NewRun{Tenant: tenantB, IdempotencyKey: "start-1", Deadline: e.clock.Now()})
+		if err != nil || !created || r3.RunID == r1.RunID {
+			e.t.Fatalf("same key in another tenant: created=%v err=%v: keys are per tenant", created, err)
+		}
+		r4, created, err := e.s.CreateRun(e.ctx, store.NewRun{Tenant: tenantA, Deadline: e.clock.Now()})
+		r5, created2, err2 := e.s.CreateRun(e.ctx, store.NewRun{Tenant: tenantA, Deadline: e.clock.Now()})
+		if err != nil || err2 != nil || !created || !created2 || r4.RunID == r5.RunID {
+			e.t.Fatal("runs without a key are never deduplicated")
+		}
+	},
+	"IdempotencyKeyConcurrent": func(e *env) {
+		// Two replicas (two Stores on one database), 8 callers each.
+		stores := []store.Store{e.s, e.open()}
+		const n = 16
+		var (
+			mu      sync.Mutex
+			ids     = map[string]int{}
+			created atomic.Int32
+			errs    []error
+		)
+		parallel(n, func(i int) {
+			r, c, err := stores[i%2].CreateRun(e.ctx, store.NewRun{
+				Tenant: tenantA, IdempotencyKey: "dup", Deadline: e.clock.Now().Add(time.Minute),
+			})
+			mu.Lock()
+			defer mu.Unlock()
+			if err != nil {
+				errs = append(errs, err)
+				return
+			}
+			ids[r.RunID]++
+			if c {
+				created.Add(1)
+			}
+		})
+		if len(errs) > 0 || len(ids) != 1 || created.Load() != 1 {
+			e.t.Fatalf("%d concurrent creates with one key: runs %v, created %d, errors %v; want one run, created once",
+				n, ids, created.Load(), errs)
+		}
+		runs, _, err := e.s.ListRuns(e.ctx, store.RunQuery{Tenant: tenantA})
+		if err != nil || len(runs) != 1 {
+			e.t.Fatalf("list: %d runs, %v", len(runs), err)
+		}
+	},
+	"ListPagesNewestFirst": func(e *env) {
+		var ids []string
+		for range 7 {
+			ids = append(ids, e.create(tenantA, "", "").RunID)
+		}
+		e.create(tenantB, "", "")
+		claimed := e.claim(tenantA, ids[3], "o", time.Second)
+		var got []string
+		after := ""
+		for page := 0; ; page++ {
+			runs, next, err := e.s.ListRuns(e.ctx, store.RunQuery{Tenant: tenantA, After: after, Limit: 3})
+			if err != nil {
+				e.t.Fatal(err)
+			}
+			if page > 3 || len(runs) > 3 {
+				e.t.Fatalf("page %d has %d runs", page, len(runs))
+			}
+			for _, r := range runs {
+				got = append(got, r.RunID)
+			}
+			if next == "" {
+				break
+			}
+			after = next
+		}
+		if len(got) != 7 {
+			e.t.Fatalf("listed %d runs of tenant A, want 7", len(got))
+		}
+		for i := range got {
+			if got[i] != ids[6-i] {
+				e.t.Fatalf("list order %v, want newest first %v", got, ids)
+			}
+		}
+		runs, _, err := e.s.ListRuns(e.ctx, store.RunQuery{Tenant: tenantA, Status: store.StatusRunning})
+		if err != nil || len(runs) != 1 || runs[0].RunID != claimed.RunID {
+			e.t.Fatalf("status filter: %d runs, %v", len(runs), err)
+		}
+		_, _, err = e.s.ListRuns(e.ctx, store.RunQuery{})
+		wantErr(e.t, err, store.ErrInvalidArgument, "list without tenant")
+	},
+	"Finish": func(e *env) {
+		r := e.create(tenantA, "", "orch-1")
+		e.clock.Advance(time.Second)
+		_, err := e.s.FinishRun(e.ctx, r.Lease(), store.RunResult{Status: store.StatusRunning})
+		wantErr(e.t, err, store.ErrInvalidArgument, "non-terminal status")
+		res := store.RunResult{Status: store.StatusSucceeded, Answer: []byte("42")}
+		f, err := e.s.FinishRun(e.ctx, r.Lease(), res)
+		if err != nil {
+			e.t.Fatal(err)
+		}
+		if f.Status != store.StatusSucceeded || string(f.Answer) != "42" || !f.EndedAt.Equal(e.clock.Now()) || !f.LeaseExpires.IsZero() {
+			e.t.Fatalf("finished run %+v", f)
+		}
+		if _, err := e.s.FinishRun(e.ctx, r.Lease(), res); err != nil {
+			e.t.Fatalf("the same finish again (a retried commit): %v", err)
+		}
+		_, err = e.s.FinishRun(e.ctx, r.Lease(), store.RunResult{Status: store.StatusFailed, Error: "x"})
+		wantErr(e.t, err, store.ErrRunFinished, "finish with another result")
+		_, err = e.s.ClaimRun(e.ctx, tenantA, r.RunID, "orch-2", time.Second)
+		wantErr(e.t, err, store.ErrRunFinished, "claim a finished run")
+		_, err = e.s.HeartbeatRun(e.ctx, r.Lease(), time.Second)
+		wantErr(e.t, err, store.ErrRunFinished, "heartbeat a finished run")
+		if err := e.s.ReleaseRun(e.ctx, r.Lease()); err != nil {
+			e.t.Fatalf("release after finish: %v", err)
+		}
+		got, _ := e.s.GetRun(e.ctx, tenantA, r.RunID)
+		if got.Status != store.StatusSucceeded || string(got.Answer) != "42" {
+			e.t.Fatalf("stored %+v", got)
+		}
+	},
+	"FinishFencedAndCause": func(e *env) {
+		r := e.create(tenantA, "", "orch-1")
+		e.clock.Advance(11 * time.Second)
+		r2 := e.claim(tenantA, r.RunID, "orch-2", 10*time.Second)
+		_, err := e.s.FinishRun(e.ctx, r.Lease(), store.RunResult{Status: store.StatusSucceeded})
+		wantErr(e.t, err, store.ErrStaleEpoch, "finish by the old owner")
+		f, err := e.s.FinishRun(e.ctx, r2.Lease(), store.RunResult{Status: store.StatusDeadlineExceeded, Cause: "deadline", Error: "no time left"})
+		if err != nil || f.Cause != "deadline" || f.Error != "no time left" || f.Status != store.StatusDeadlineExceeded {
+			e.t.Fatalf("finish by the new owner: %+v %v", f, err)
+		}
+	},
+}
+
+// checkpointBytes is a model output of a typical step: an assistant message with two
+// tool calls.
+func checkpointBytes(step int) (model, tools []byte) {
+	model = fmt.Appendf(nil, `{"role":"assistant","content":"step %d","tool_calls":[`+
+		`{"id":"call_%d_0","name":"kv_put","args":{"key":"k%d","value":"v"}},`+
+		`{"id":"call_%d_1","name":"notify","args":{"channel":"ops","text":"done"}}]}`, step, step, step, step)
+	tools = fmt.Appendf(nil, `[{"id":"call_%d_0","result":"ok"},{"id":"call_%d_1","result":"sent"}]`, step, step)
+	return model, tools
+}
+
+func sameCheckpoint(a, b store.Checkpoint) bool {
+	return a.Step == b.Step && bytes.Equal(a.ModelOutput, b.ModelOutput) && bytes.Equal(a.ToolResults, b.ToolResults) &&
+		a.Tokens == b.Tokens
+}
