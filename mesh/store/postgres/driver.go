@@ -17,6 +17,11 @@ type driver struct{ pool *pgxpool.Pool }
 // Read implements Driver.
 func (d driver) Read() sqlcore.Querier { return pgxQuerier{d.pool} }
 
+// Exec implements Driver.
+func (d driver) Exec(ctx context.Context, s string, args ...any) (int64, error) {
+	return pgxQuerier{d.pool}.Exec(ctx, s, args...)
+}
+
 // Tx implements Driver: READ COMMITTED; the statements lock what they need (ON CONFLICT,
 // UPDATE ... WHERE re-checked after a concurrent commit, SELECT ... FOR UPDATE).
 func (d driver) Tx(ctx context.Context, fn func(sqlcore.Querier) error) error {

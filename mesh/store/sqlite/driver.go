@@ -17,6 +17,11 @@ type driver struct {
 // Read implements Driver.
 func (d driver) Read() sqlcore.Querier { return sqlQuerier{d.r} }
 
+// Exec implements Driver, on the writer connection.
+func (d driver) Exec(ctx context.Context, s string, args ...any) (int64, error) {
+	return sqlQuerier{d.w}.Exec(ctx, s, args...)
+}
+
 // Tx implements Driver.
 func (d driver) Tx(ctx context.Context, fn func(sqlcore.Querier) error) (err error) {
 	tx, err := d.w.BeginTx(ctx, nil)

@@ -18,7 +18,8 @@ import (
 
 func init() { store.Register("sqlite", Open) }
 
-var dialect = sqlcore.Dialect{Name: "sqlite"} // BEGIN IMMEDIATE already locks: no FOR UPDATE
+// BEGIN IMMEDIATE already locks the database: no FOR UPDATE.
+var dialect = sqlcore.Dialect{Name: "sqlite", Blob: "BLOB"}
 
 // Open opens (creating it and its directory if needed) the SQLite database at
 // dsnOrPath, a path or a sqlite:// URL (sqlite:///abs/path, sqlite://rel/path), and

@@ -36,6 +36,8 @@ type Querier interface {
 type Driver interface {
 	// Read returns a Querier for reads outside a transaction.
 	Read() Querier
+	// Exec runs one write statement in its own (implicit) transaction: one round trip.
+	Exec(ctx context.Context, sql string, args ...any) (rowsAffected int64, err error)
 	// Tx runs fn in one write transaction (READ COMMITTED on PostgreSQL, BEGIN
 	// IMMEDIATE on SQLite), committing if fn returns nil.
 	Tx(ctx context.Context, fn func(q Querier) error) error
@@ -51,4 +53,7 @@ type Dialect struct {
 	// MigrationLock is run first in the migration transaction, to serialize replicas
 	// migrating at once ("" for none).
 	MigrationLock string
+	// Blob is the binary column type, for CASTs of parameters whose type the
+	// statement does not otherwise fix.
+	Blob string
 }

@@ -15,6 +15,21 @@ func (s *Store) PutCheckpoint(ctx context.Context, l store.Lease, c store.Checkp
 	if c.Step < 0 {
 		return invalid("checkpoint of run %s with step %d", l.RunID, c.Step)
 	}
+	// Fast path, one statement and one round trip: insert only if the lease is
+	// current, locking the run row (FOR UPDATE re-checks the WHERE after a concurrent
+	// claim commits, so a claim either waits for this insert or fences it off).
+	n, err := s.d.Exec(ctx, `WITH r AS (SELECT 1 FROM runs
+			WHERE tenant = $1 AND run_id = $2 AND owner = $3 AND epoch = $4 AND ended_ms = 0`+s.dl.ForUpdate+`)
+		INSERT INTO checkpoints (run_id, step, tenant, epoch, model_output, tool_results, tokens, created_ms)
+		SELECT $2, CAST($5 AS INTEGER), $1, $4, CAST($6 AS `+s.dl.Blob+`), CAST($7 AS `+s.dl.Blob+`),
+			CAST($8 AS BIGINT), CAST($9 AS BIGINT) FROM r WHERE true
+		ON CONFLICT (run_id, step) DO NOTHING`,
+		l.Tenant, l.RunID, l.Owner, l.Epoch, c.Step, blob(c.ModelOutput), blob(c.ToolResults), c.Tokens, s.nowMs())
+	if err != nil || n == 1 {
+		return err
+	}
+	// Nothing inserted: the lease is stale or the step exists. Find out which, under
+	// the lock, in a transaction.
 	return s.d.Tx(ctx, func(q Querier) error {
 		// Lock the run row for the transaction: a concurrent claim (which bumps the
 		// epoch) waits for this commit, or this read sees its new epoch.
