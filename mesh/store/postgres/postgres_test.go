@@ -54,3 +54,10 @@ func TestBadDSN(t *testing.T) {
 func BenchmarkCheckpoint(b *testing.B) {
 	storetest.BenchmarkCheckpoint(b, storetest.PostgresDSN(b))
 }
+
+// BenchmarkCheckpointNoSyncCommit is the same with synchronous_commit=off for the
+// session: the cost without waiting for the WAL flush, to tell the statement's cost
+// from the disk's. Not a recommended setting (a crash may lose the last commits).
+func BenchmarkCheckpointNoSyncCommit(b *testing.B) {
+	storetest.BenchmarkCheckpoint(b, storetest.PostgresDSN(b)+"&synchronous_commit=off")
+}
