@@ -53,6 +53,27 @@ fi
 export CURFEW_TEST_POSTGRES_DSN
 echo "   $(pg_isready -h 127.0.0.1 -p 5432 2>&1 || true)"
 # --- store: PostgreSQL (end) -------------------------------------------------------------
+# --- broker: NATS JetStream (begin) ------------------------------------------------------
+# The dead-letter tests (mesh/dlq) publish to a real NATS JetStream on 127.0.0.1:4222, each
+# to a stream of its own that it deletes; under CI=true they fail without it. Start it if it
+# is not running (the machine's Debian nats-server, JetStream on).
+if [[ -z "${CURFEW_TEST_NATS_URL:-}" ]]; then
+  CURFEW_TEST_NATS_URL="nats://127.0.0.1:4222"
+  if ! (exec 3<>/dev/tcp/127.0.0.1/4222) 2>/dev/null; then
+    echo "   starting nats-server"
+    if command -v nats-server >/dev/null 2>&1 || [[ -x /usr/sbin/nats-server ]]; then
+      mkdir -p /var/lib/nats-server 2>/dev/null || true
+      start-stop-daemon --start --oknodo --background --exec /usr/sbin/nats-server -- \
+        -a 127.0.0.1 -p 4222 -js -sd /var/lib/nats-server -l /var/log/nats-server.log || true
+      for _ in $(seq 1 50); do (exec 3<>/dev/tcp/127.0.0.1/4222) 2>/dev/null && break; sleep 0.1; done
+    else
+      echo "   nats-server not installed (apt-get install nats-server)" >&2
+    fi
+  fi
+fi
+export CURFEW_TEST_NATS_URL
+echo "   NATS $CURFEW_TEST_NATS_URL"
+# --- broker: NATS JetStream (end) --------------------------------------------------------
 
 echo "== otelcol (the OTLP receiver of the tracing test; cached outside the repo)"
 # scripts/otelcol.sh builds the OpenTelemetry Collector once (a few minutes) and then reuses
