@@ -97,7 +97,7 @@ func (c *common) orchestratorAddr() string {
 }
 
 func (c *common) dial() (*grpc.ClientConn, error) {
-	return grpc.NewClient(c.orchestratorAddr(), grpc.WithTransportCredentials(insecure.NewCredentials()))
+	return grpc.NewClient(c.orchestratorAddr(), grpc.WithTransportCredentials(insecure.NewCredentials()), withTracing())
 }
 
 // parse parses interspersed flags and positional arguments.

@@ -4,11 +4,13 @@ import (
 	"context"
 	"errors"
 
+	"go.opentelemetry.io/otel/trace"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 
 	meshv1 "github.com/curfew-mesh/curfew/gen/curfew/mesh/v1"
 	"github.com/curfew-mesh/curfew/mesh/cancel"
+	"github.com/curfew-mesh/curfew/mesh/tracing"
 )
 
 // Outcome is how a node ended.
@@ -53,9 +55,11 @@ func ErrOutcome(err error) Outcome {
 }
 
 // Finish records the end of node id of run with the outcome of (ctx, err). fn, if not nil,
-// may set further fields.
+// may set further fields. The outcome (status and cancel cause) also goes on ctx's span,
+// the span of the call that executed the node (package tracing).
 func (t *Table) Finish(ctx context.Context, runID, id string, err error, fn func(*meshv1.Node)) *meshv1.Node {
 	o := OutcomeOf(ctx, err)
+	tracing.EndNode(trace.SpanFromContext(ctx), o.Status, o.Cause, o.Code, o.Message)
 	return t.End(runID, id, o.Status, o.Cause, o.Code, o.Message, fn)
 }
 

@@ -27,6 +27,7 @@ import (
 	"github.com/curfew-mesh/curfew/mesh/deadline"
 	"github.com/curfew-mesh/curfew/mesh/retry"
 	"github.com/curfew-mesh/curfew/mesh/retryid"
+	"github.com/curfew-mesh/curfew/mesh/tracing"
 )
 
 // Defaults of the common flags.
@@ -288,6 +289,9 @@ type Runtime struct {
 	// name given to Dial, with their metrics on Registry. Code that calls other targets
 	// (modelproxy's providers) may take breakers from it under names of its own.
 	Breakers *breaker.Set
+
+	tracing *tracing.Provider // see tracing.go
+	onStop  []func()
 }
 
 // New builds the runtime: it listens on both addresses (so start-up errors surface here),
@@ -323,13 +327,20 @@ func New(ctx context.Context, o Options, minTime map[string]time.Duration) (*Run
 	rt.retryMetrics = retry.NewMetrics(rt.Registry)
 	bcfg, _ := o.Breaker.config(o.fs != nil) // checked by Validate
 	rt.Breakers = breaker.NewSet(bcfg, rt.Registry)
+	if err := rt.startTracing(ctx); err != nil {
+		_ = lis.Close()
+		if rt.admin != nil {
+			_ = rt.admin.Close()
+		}
+		return nil, err
+	}
 	//nolint:contextcheck // the interceptors take each call's own context; none is needed here
-	rt.Server = grpc.NewServer(mesh.ServerOptions(mesh.ServerConfig{
+	rt.Server = grpc.NewServer(append(mesh.ServerOptions(mesh.ServerConfig{
 		Deadline: deadline.Policy{Default: o.DefaultDeadline, Max: o.MaxDeadline},
 		MinTime:  minTime,
 		Logger:   log,
 		RetryIDs: retryid.New(0, rt.Registry),
-	})...)
+	}), rt.serverTracing())...)
 	rt.Health = health.NewServer()
 	healthpb.RegisterHealthServer(rt.Server, rt.Health)
 	reflection.Register(rt.Server)
@@ -361,7 +372,8 @@ func Dial(target string) (*grpc.ClientConn, error) {
 func (rt *Runtime) Dial(name, target string) (*grpc.ClientConn, error) {
 	rc := rt.retries.For(name)
 	rc.Metrics, rc.Logger = rt.retryMetrics, rt.Log
-	opts := append(mesh.DialOptions(mesh.ClientConfig{Retry: rc, Breakers: rt.Breakers}), grpc.WithTransportCredentials(insecure.NewCredentials()))
+	opts := append(mesh.DialOptions(mesh.ClientConfig{Retry: rc, Breakers: rt.Breakers}), grpc.WithTransportCredentials(insecure.NewCredentials()),
+		rt.clientTracing())
 	return grpc.NewClient(target, opts...)
 }
 
@@ -415,6 +427,7 @@ func (rt *Runtime) Serve(ctx context.Context) error {
 		defer cancel()
 		_ = hs.Shutdown(sctx)
 	}
+	rt.stopped(ctx)
 	rt.Log.Info("stopped")
 	return serveErr
 }

@@ -111,11 +111,13 @@ func (s *Server) Generate(req *modelproxyv1.GenerateRequest, stream modelproxyv1
 		n.Deadline = timestamppb.New(dl)
 	}
 	ctx, _ = s.Nodes.Begin(ctx, run, n)
+	tokens := s.traceTokens(ctx, run, node)
 	if rt != nil {
 		err = s.Router.generate(ctx, s, rt, req, stream, run, node)
 	} else {
 		err = s.decode(ctx, stream, run, node, step)
 	}
+	tokens.end()
 	s.Nodes.Finish(ctx, run, node, err, func(n *meshv1.Node) {
 		if ctx.Err() != nil {
 			n.CancelledAt = timestamppb.New(s.now())

@@ -82,8 +82,10 @@ func run(args []string) int {
 	})
 	orchestratorv1.RegisterOrchestratorServiceServer(rt.Server, srv)
 	go service.Every(ctx, time.Minute, srv.Sweep)
+	// Detached runs outlive the server's calls: they end once the server has stopped, and
+	// before the runtime flushes their spans.
+	rt.OnStop(func() { srv.Shutdown(o.ShutdownGrace) })
 	err = rt.Serve(ctx)
-	srv.Shutdown(o.ShutdownGrace)
 	if err != nil {
 		rt.Log.Error("serve", "error", err.Error())
 		return 1

@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/google/uuid"
+	"go.opentelemetry.io/otel/trace"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/proto"
@@ -23,6 +24,7 @@ import (
 	"github.com/curfew-mesh/curfew/mesh/md"
 	"github.com/curfew-mesh/curfew/mesh/nodes"
 	"github.com/curfew-mesh/curfew/mesh/plan"
+	"github.com/curfew-mesh/curfew/mesh/tracing"
 )
 
 // Defaults of Config's zero fields.
@@ -98,6 +100,8 @@ type runState struct {
 	broadcast   func(cause error)
 	broadcasted bool
 	subs        map[chan *orchestratorv1.RunResponse]struct{} // nil when there are none
+	// span is the run's span (package tracing): every call the run makes is its child.
+	span trace.Span
 }
 
 func (rs *runState) publish(ev *orchestratorv1.RunResponse) {
@@ -274,9 +278,10 @@ func (s *Server) start(ctx context.Context, req *orchestratorv1.RunRequest) (*ru
 	// would stay reachable for the whole run after a detached client's call has ended.
 	rctx, cancelDL := context.WithDeadlineCause(md.WithIdentity(context.Background(), ident), dl, cancel.ErrDeadline)
 	rctx, cancelRun := context.WithCancelCause(rctx)
+	rctx, span := tracing.StartRun(ctx, rctx, ident)
 	now := time.Now()
 	rs := &runState{
-		id: runID, dl: dl, cancel: cancelRun, done: make(chan struct{}),
+		id: runID, dl: dl, cancel: cancelRun, done: make(chan struct{}), span: span,
 		rec: &orchestratorv1.Run{RunId: runID, Tenant: ident.Tenant, Status: orchestratorv1.RunStatus_RUN_STATUS_RUNNING,
 			Deadline: timestamppb.New(dl), CreatedAt: timestamppb.New(now), Model: model, Task: req.GetTask()},
 	}
@@ -382,7 +387,9 @@ func (s *Server) execute(rctx context.Context, rs *runState, model, task string)
 		r.CancelledAt = timestamppb.New(cancelAt)
 	}
 	setNodes(r, ns)
+	tokens, after := r.Tokens, r.TokensAfterCancel
 	rs.mu.Unlock()
+	tracing.EndRun(rs.span, o.Status, o.Cause, o.Code, o.Message, tokens, after)
 	close(rs.done)
 }
 
