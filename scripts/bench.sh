@@ -2,7 +2,7 @@
 # Runs the benchmarks recorded in docs/benchmarks.md and prints their results.
 #
 #   scripts/bench.sh                 # all three (about 9 minutes on 2 cores)
-#   ONLY=chain scripts/bench.sh      # one of: chain, cancel, memory, amplify
+#   ONLY=chain scripts/bench.sh      # one of: chain, cancel, memory, amplify, tracing
 #
 # Knobs (environment): OUT (results directory, default a new temp dir), CHAIN_COUNT (10),
 # CHAIN_ROUNDS (100), CANCEL_ITERS (50, trees of 1 and 8 leaves), CANCEL_ITERS_64 (100,
@@ -99,13 +99,24 @@ run_amplify() {
     tee "$OUT/amplify.txt"
 }
 
+run_tracing() {
+  # Without CURFEW_OTELCOL only chain, off and noop are measured (no export).
+  export CURFEW_OTELCOL="${CURFEW_OTELCOL:-$(bash scripts/otelcol.sh)}"
+  echo
+  echo "## tracing overhead on the chain: none, off, no-op handlers, export to a collector on loopback"
+  "$BT" -test.run '^$' -test.bench '^BenchmarkChainTracing$' -test.count 3 | tee "$OUT/tracing.txt"
+  "$BT" -test.run '^$' -test.bench '^BenchmarkChainTracingLatency$' -test.count 3 \
+    -test.benchtime "${CHAIN_ROUNDS}x" | tee "$OUT/tracing-latency.txt"
+}
+
 case "$ONLY" in
   all) run_chain; run_cancel; run_memory ;;
   amplify) run_amplify ;;
+  tracing) run_tracing ;;
   chain) run_chain ;;
   cancel) run_cancel ;;
   memory) run_memory ;;
-  *) echo "ONLY must be all, chain, cancel, memory or amplify" >&2; exit 2 ;;
+  *) echo "ONLY must be all, chain, cancel, memory, amplify or tracing" >&2; exit 2 ;;
 esac
 echo
 echo "load at end: $(cut -d' ' -f1-3 /proc/loadavg)"
