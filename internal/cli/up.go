@@ -69,10 +69,11 @@ func cmdUp(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	startTimeout := fs.Duration("start-timeout", 30*time.Second, "how long to wait for every service to report SERVING")
 	asJSON := fs.Bool("json", false, "print the endpoints as JSON")
 	providers := fs.String("providers-config", "", "modelproxy's providers file (docs/providers.md); default $CURFEW_PROVIDERS_CONFIG, else only the sim model")
+	storeDSN := fs.String("store", "", "the durable store: a postgres:// DSN, or a SQLite path (default: curfew.db in --data-dir)")
 	if _, err := parse(fs, args); err != nil {
 		return usageErr(stderr, "up", err)
 	}
-	var extra []string // flags for modelproxy
+	extra := map[string][]string{} // extra flags per service
 	if *providers != "" {
 		abs, err := filepath.Abs(*providers)
 		if err == nil {
@@ -81,8 +82,17 @@ func cmdUp(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		if err != nil {
 			return usageErr(stderr, "up", fmt.Errorf("--providers-config: %w", err))
 		}
-		extra = append(extra, "--providers-config", abs)
+		extra["modelproxy"] = append(extra["modelproxy"], "--providers-config", abs)
 	}
+	dsn := *storeDSN
+	if dsn == "" {
+		abs, err := filepath.Abs(filepath.Join(*dataDir, "curfew.db"))
+		if err != nil {
+			return usageErr(stderr, "up", fmt.Errorf("--data-dir: %w", err))
+		}
+		dsn = "sqlite://" + abs
+	}
+	extra["toolrunner"] = append(extra["toolrunner"], "--store", dsn)
 	if *basePort < 0 || *basePort > 65535-8 {
 		return usageErr(stderr, "up", fmt.Errorf("--base-port must be 0 or between 1 and %d", 65535-8))
 	}
@@ -110,7 +120,7 @@ func cmdUp(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		}
 	}
 	for _, name := range services {
-		c, err := startChild(name, bins[name], eps, *dataDir, extra)
+		c, err := startChild(name, bins[name], eps, *dataDir, extra[name])
 		if err != nil {
 			fmt.Fprintln(stderr, "curfew up:", err)
 			shutdown()
@@ -211,8 +221,8 @@ func allocate(base int) (map[string]Endpoint, error) {
 	return eps, nil
 }
 
-// startChild starts one service; modelproxyArgs are extra flags for modelproxy.
-func startChild(name, bin string, eps map[string]Endpoint, dataDir string, modelproxyArgs []string) (*child, error) {
+// startChild starts one service with its addresses and extra flags.
+func startChild(name, bin string, eps map[string]Endpoint, dataDir string, extra []string) (*child, error) {
 	ep := eps[name]
 	args := []string{"--addr", ep.Addr, "--admin-addr", ep.AdminAddr}
 	switch name {
@@ -222,9 +232,8 @@ func startChild(name, bin string, eps map[string]Endpoint, dataDir string, model
 		args = append(args, "--subagent", eps["subagent"].Addr)
 	case "subagent":
 		args = append(args, "--modelproxy", eps["modelproxy"].Addr, "--toolrunner", eps["toolrunner"].Addr)
-	case "modelproxy":
-		args = append(args, modelproxyArgs...)
 	}
+	args = append(args, extra...)
 	logf, err := os.OpenFile(filepath.Join(dataDir, "logs", name+".log"), os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o644)
 	if err != nil {
 		return nil, err

@@ -22,6 +22,7 @@ import (
 	toolrunnerv1 "github.com/curfew-mesh/curfew/gen/curfew/toolrunner/v1"
 	"github.com/curfew-mesh/curfew/mesh/cancel"
 	"github.com/curfew-mesh/curfew/mesh/deadline"
+	"github.com/curfew-mesh/curfew/mesh/idempotency"
 	"github.com/curfew-mesh/curfew/mesh/md"
 	"github.com/curfew-mesh/curfew/mesh/nodes"
 	"github.com/curfew-mesh/curfew/mesh/plan"
@@ -290,7 +291,18 @@ func (l *Loop) callTool(ctx context.Context, id string, c *modelproxyv1.ToolCall
 		// Retried only with an idempotency key: a second run of it is a second effect.
 		opts = append(opts, retry.SideEffect())
 	}
-	if k := c.GetIdempotencyKey(); k != "" {
+	k := c.GetIdempotencyKey()
+	if k == "" && plan.Durable(c.GetName()) {
+		// kv_put and notify keep their effect in toolrunner's store under a key: without the
+		// caller's, one derived from the call's place in the run and its arguments makes
+		// every retry of this call the same call.
+		dk, err := idempotency.DeriveKey(md.IdentityFrom(ctx).RunID, id, c.GetName(), []byte(c.GetArgsJson()))
+		if err != nil {
+			return "", status.Errorf(codes.InvalidArgument, "tool %s: %v", c.GetName(), err)
+		}
+		k = dk
+	}
+	if k != "" {
 		cctx = metadata.AppendToOutgoingContext(cctx, md.IdempotencyKey, k)
 	}
 	// The caller's view of the tool node, for progress: toolrunner streams only the nodes

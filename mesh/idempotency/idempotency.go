@@ -70,6 +70,10 @@ type Call struct {
 type Result struct {
 	Value   []byte
 	Effects []store.Effect
+	// RequireLive: the effects are irreversible, so they are applied only while the
+	// call's context is live; a call cancelled after its function returned releases the
+	// record instead of completing it.
+	RequireLive bool
 }
 
 // Outcome says how Do answered.
@@ -162,6 +166,10 @@ func (e *Executor) run(ctx context.Context, claim store.ToolClaim, fn func(ctx c
 			_ = e.cfg.Store.ReleaseTool(sctx, claim)
 		}
 		return nil, err
+	}
+	if res.RequireLive && ctx.Err() != nil {
+		_ = e.cfg.Store.ReleaseTool(sctx, claim)
+		return nil, status.FromContextError(ctx.Err()).Err()
 	}
 	if lost != nil {
 		return nil, status.Errorf(codes.Aborted, "idempotency: the record of %q was taken over while this call ran", claim.Key)

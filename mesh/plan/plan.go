@@ -30,6 +30,19 @@ const (
 	ToolSpawnSubagent = "spawn_subagent"
 	ToolDeploy        = "deploy"
 	ToolFail          = "fail"
+	// ToolKVPut and ToolNotify have side effects kept in toolrunner's durable store: they
+	// happen once per idempotency key (the caller's, or one derived from run, node, tool
+	// and arguments), so they are always safe to retry.
+	ToolKVPut  = "kv_put"
+	ToolNotify = "notify"
+)
+
+// Limits of the durable built-ins' arguments.
+const (
+	MaxKVKeyLen        = 256
+	MaxKVValueBytes    = 64 << 10
+	MaxNotifyBytes     = 16 << 10
+	DefaultNotifyGrace = 500 // ms
 )
 
 // Plan scripts the sim model.
@@ -83,7 +96,30 @@ const MaxKeyLen = 128
 // SideEffects reports whether a built-in tool changes the world (so that running it twice
 // differs from running it once): deploy starts a job. Such calls are retried only with an
 // idempotency key.
-func SideEffects(name string) bool { return name == ToolDeploy }
+func SideEffects(name string) bool {
+	return name == ToolDeploy || name == ToolKVPut || name == ToolNotify
+}
+
+// Durable reports whether a built-in's effect is kept in toolrunner's store under an
+// idempotency key, so that a call without the caller's key gets a derived one and may be
+// retried (kv_put, notify).
+func Durable(name string) bool { return name == ToolKVPut || name == ToolNotify }
+
+// KVPutArgs are the arguments of kv_put: write Value (any JSON) under Key in the
+// tenant's key-value table.
+type KVPutArgs struct {
+	Key   string          `json:"key"`
+	Value json.RawMessage `json:"value"`
+}
+
+// NotifyArgs are the arguments of notify: append Message to the tenant's outbox on
+// Channel. It is irreversible, so it never fires once its node is cancelled, nor with
+// less time left than GraceMS (DefaultNotifyGrace when 0).
+type NotifyArgs struct {
+	Channel string `json:"channel"`
+	Message string `json:"message"`
+	GraceMS int    `json:"grace_ms,omitempty"`
+}
 
 // SleepArgs are the arguments of the sleep tool.
 type SleepArgs struct {
@@ -227,7 +263,7 @@ func parse(data []byte, path string, depth int) (*Plan, error) {
 // IsBuiltin reports whether name is a built-in tool.
 func IsBuiltin(name string) bool {
 	switch name {
-	case ToolSleep, ToolSpawnSubagent, ToolDeploy, ToolFail:
+	case ToolSleep, ToolSpawnSubagent, ToolDeploy, ToolFail, ToolKVPut, ToolNotify:
 		return true
 	}
 	return false
@@ -291,6 +327,34 @@ func validateTool(t Tool, path string, depth int) error {
 				return &Error{ap + ".code", err.Error()}
 			}
 		}
+	case ToolKVPut:
+		var a KVPutArgs
+		if err := strict(t.Args, &a, ap); err != nil {
+			return err
+		}
+		if a.Key == "" || len(a.Key) > MaxKVKeyLen || strings.ContainsFunc(a.Key, func(r rune) bool { return r < 0x20 || r == 0x7f }) {
+			return &Error{ap + ".key", fmt.Sprintf("1 to %d printable characters", MaxKVKeyLen)}
+		}
+		if len(a.Value) == 0 {
+			return &Error{ap + ".value", "is required (any JSON value)"}
+		}
+		if len(a.Value) > MaxKVValueBytes {
+			return &Error{ap + ".value", fmt.Sprintf("at most %d bytes", MaxKVValueBytes)}
+		}
+	case ToolNotify:
+		var a NotifyArgs
+		if err := strict(t.Args, &a, ap); err != nil {
+			return err
+		}
+		if a.Channel == "" || len(a.Channel) > MaxKVKeyLen {
+			return &Error{ap + ".channel", fmt.Sprintf("1 to %d characters", MaxKVKeyLen)}
+		}
+		if len(a.Message) > MaxNotifyBytes {
+			return &Error{ap + ".message", fmt.Sprintf("at most %d bytes", MaxNotifyBytes)}
+		}
+		if a.GraceMS < 0 || a.GraceMS > MaxSleepMS {
+			return &Error{ap + ".grace_ms", fmt.Sprintf("must be between 0 and %d", MaxSleepMS)}
+		}
 	case ToolSpawnSubagent:
 		var a SpawnArgs
 		if err := strict(t.Args, &a, ap); err != nil {
@@ -305,7 +369,7 @@ func validateTool(t Tool, path string, depth int) error {
 	case "":
 		return &Error{join(path, "name"), "is required"}
 	default:
-		return &Error{join(path, "name"), fmt.Sprintf("unknown tool %q (known: deploy, fail, sleep, spawn_subagent)", t.Name)}
+		return &Error{join(path, "name"), fmt.Sprintf("unknown tool %q (known: deploy, fail, kv_put, notify, sleep, spawn_subagent)", t.Name)}
 	}
 	return nil
 }

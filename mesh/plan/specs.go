@@ -31,6 +31,21 @@ func ToolSpecs() []*modelproxyv1.ToolSpec {
 				`"cleanup_ms": ` + ms("the budget for aborting after a cancel", 0) + `}}`,
 		},
 		{
+			Name: ToolKVPut,
+			Description: "Write a JSON value under a key in the tenant's key-value store. Durable and idempotent: " +
+				"the same call in the same place of a run writes once, however often it is retried.",
+			ParametersJson: fmt.Sprintf(`{"type": "object", "additionalProperties": false, "required": ["key", "value"], "properties": {`+
+				`"key": {"type": "string", "minLength": 1, "maxLength": %d}, "value": {"description": "any JSON value"}}}`, MaxKVKeyLen),
+		},
+		{
+			Name: ToolNotify,
+			Description: "Send a notification (appended to the tenant's outbox). Irreversible: it happens once per call, " +
+				"never after the run is cancelled, and not when less than grace_ms is left.",
+			ParametersJson: fmt.Sprintf(`{"type": "object", "additionalProperties": false, "required": ["channel"], "properties": {`+
+				`"channel": {"type": "string", "minLength": 1, "maxLength": %d}, "message": {"type": "string", "maxLength": %d}, `+
+				`"grace_ms": {"type": "integer", "minimum": 0, "maximum": %d}}}`, MaxKVKeyLen, MaxNotifyBytes, MaxSleepMS),
+		},
+		{
 			Name:        ToolSpawnSubagent,
 			Description: "Run a nested agent on a plan (the sim model's JSON plan format, see the README) under the run's deadline.",
 			ParametersJson: `{"type": "object", "additionalProperties": false, "required": ["plan"], "properties": {` +

@@ -3,6 +3,7 @@ package plan_test
 import (
 	"encoding/json"
 	"errors"
+	"strings"
 	"testing"
 
 	"github.com/curfew-mesh/curfew/mesh/plan"
@@ -53,6 +54,8 @@ func TestToolSpecs(t *testing.T) {
 		plan.ToolSleep:         `{"ms": 5}`,
 		plan.ToolDeploy:        `{"duration_ms": 10, "poll_ms": 1}`,
 		plan.ToolSpawnSubagent: `{"plan": {"steps": [{"answer_tokens": 1}]}}`,
+		plan.ToolKVPut:         `{"key": "release", "value": {"version": 3}}`,
+		plan.ToolNotify:        `{"channel": "ops", "message": "deployed"}`,
 	}
 	specs := plan.ToolSpecs()
 	if len(specs) != len(examples) {
@@ -69,5 +72,29 @@ func TestToolSpecs(t *testing.T) {
 		if err := plan.ValidateTool(s.GetName(), []byte(examples[s.GetName()])); err != nil {
 			t.Errorf("%s: example rejected: %v", s.GetName(), err)
 		}
+	}
+}
+
+func TestDurableToolArgs(t *testing.T) {
+	for _, tc := range []struct{ name, args, want string }{
+		{plan.ToolKVPut, `{"value": 1}`, "args.key"},
+		{plan.ToolKVPut, `{"key": "a"}`, "args.value"},
+		{plan.ToolKVPut, `{"key": "a\n", "value": 1}`, "args.key"},
+		{plan.ToolKVPut, `{"key": "a", "value": 1, "extra": 2}`, "extra"},
+		{plan.ToolNotify, `{"message": "x"}`, "args.channel"},
+		{plan.ToolNotify, `{"channel": "c", "grace_ms": -1}`, "args.grace_ms"},
+	} {
+		err := plan.ValidateTool(tc.name, []byte(tc.args))
+		if err == nil || !strings.Contains(err.Error(), tc.want) {
+			t.Errorf("%s %s: %v, want an error naming %s", tc.name, tc.args, err, tc.want)
+		}
+	}
+	for _, n := range []string{plan.ToolKVPut, plan.ToolNotify} {
+		if !plan.Durable(n) || !plan.SideEffects(n) || !plan.IsBuiltin(n) {
+			t.Errorf("%s: durable %v, side effects %v, built-in %v", n, plan.Durable(n), plan.SideEffects(n), plan.IsBuiltin(n))
+		}
+	}
+	if plan.Durable(plan.ToolDeploy) {
+		t.Error("deploy is not kept in the store")
 	}
 }

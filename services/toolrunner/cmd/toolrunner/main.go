@@ -11,10 +11,15 @@ import (
 	"syscall"
 	"time"
 
+	"github.com/google/uuid"
+
 	meshv1 "github.com/curfew-mesh/curfew/gen/curfew/mesh/v1"
 	subagentv1 "github.com/curfew-mesh/curfew/gen/curfew/subagent/v1"
 	toolrunnerv1 "github.com/curfew-mesh/curfew/gen/curfew/toolrunner/v1"
 	"github.com/curfew-mesh/curfew/mesh/service"
+	"github.com/curfew-mesh/curfew/mesh/store"
+	_ "github.com/curfew-mesh/curfew/mesh/store/postgres" // postgres:// DSNs
+	_ "github.com/curfew-mesh/curfew/mesh/store/sqlite"   // SQLite paths
 	"github.com/curfew-mesh/curfew/services/toolrunner/internal/toolrunner"
 )
 
@@ -28,6 +33,7 @@ func run(args []string) int {
 	minTool := fs.Duration("min-tool-time", 10*time.Millisecond, "least time left to start a tool; less fails fast with DEADLINE_EXCEEDED")
 	maxDepth := fs.Int("max-subagent-depth", toolrunner.DefaultMaxSubagentDepth, "deepest subagent nesting spawn_subagent may create")
 	maxFanout := fs.Int("max-subagent-fanout", toolrunner.DefaultMaxSubagentFanout, "most subagents one run may have in flight on this process")
+	storeDSN := fs.String("store", "", "durable store of kv_put and notify: a SQLite path (sqlite:///path/curfew.db) or a postgres:// DSN; `curfew up` passes one under its data directory; without one those tools fail")
 	if err := service.Parse(fs, args, os.Getenv); err != nil {
 		fmt.Fprintln(os.Stderr, "toolrunner:", err)
 		return 2
@@ -46,6 +52,16 @@ func run(args []string) int {
 	}
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
+	var st store.Store
+	if *storeDSN != "" {
+		s, err := store.Open(ctx, *storeDSN)
+		if err != nil {
+			fmt.Fprintln(os.Stderr, "toolrunner: --store:", err)
+			return 2
+		}
+		defer func() { _ = s.Close() }()
+		st = s
+	}
 	rt, err := service.New(ctx, o, map[string]time.Duration{toolrunnerv1.ToolRunnerService_Execute_FullMethodName: *minTool})
 	if err != nil {
 		fmt.Fprintln(os.Stderr, "toolrunner:", err)
@@ -57,13 +73,17 @@ func run(args []string) int {
 		return 2
 	}
 	defer sc.Close()
-	srv := toolrunner.New(toolrunner.Config{
+	cfg := toolrunner.Config{
 		Subagent:          subagentv1.NewSubagentServiceClient(sc),
 		SubagentNodes:     meshv1.NewNodeReportServiceClient(sc),
 		MaxSubagentDepth:  *maxDepth,
 		MaxSubagentFanout: *maxFanout,
 		Registerer:        rt.Registry,
-	})
+	}
+	if st != nil {
+		cfg.Store, cfg.Owner = st, owner()
+	}
+	srv := toolrunner.New(cfg)
 	toolrunnerv1.RegisterToolRunnerServiceServer(rt.Server, srv)
 	meshv1.RegisterNodeReportServiceServer(rt.Server, srv.Report())
 	go service.Every(ctx, time.Minute, srv.Sweep)
@@ -72,4 +92,11 @@ func run(args []string) int {
 		return 1
 	}
 	return 0
+}
+
+// owner names this process incarnation in the store's leases: host, pid and a random
+// suffix, so a restarted toolrunner never mistakes its predecessor's records for its own.
+func owner() string {
+	host, _ := os.Hostname()
+	return fmt.Sprintf("toolrunner/%s/%d/%s", host, os.Getpid(), uuid.NewString()[:8])
 }

@@ -16,6 +16,8 @@ func TestRunRejectsBadConfiguration(t *testing.T) {
 		{Name: "negative tool time", Args: []string{"--min-tool-time=-1s"}, Want: "--min-tool-time must not be negative"},
 		{Name: "zero depth", Args: []string{"--max-subagent-depth=0"}, Want: "at least 1"},
 		{Name: "zero fanout from env", Env: map[string]string{"CURFEW_MAX_SUBAGENT_FANOUT": "0"}, Want: "at least 1"},
+		{Name: "unknown store scheme", Args: []string{"--store=mysql://db/curfew"}, Want: "--store"},
+		{Name: "unreachable store from env", Env: map[string]string{"CURFEW_STORE": "postgres://nobody@127.0.0.1:1/none?connect_timeout=2"}, Want: "--store"},
 		{Name: "bad fanout from env", Env: map[string]string{"CURFEW_MAX_SUBAGENT_FANOUT": "many"}, Want: "CURFEW_MAX_SUBAGENT_FANOUT"},
 	}...)
 	meshtest.RunFlagCases(t, "toolrunner", run, cases)

@@ -26,10 +26,12 @@ import (
 	toolrunnerv1 "github.com/curfew-mesh/curfew/gen/curfew/toolrunner/v1"
 	"github.com/curfew-mesh/curfew/mesh/agent"
 	"github.com/curfew-mesh/curfew/mesh/cancel"
+	"github.com/curfew-mesh/curfew/mesh/idempotency"
 	"github.com/curfew-mesh/curfew/mesh/md"
 	"github.com/curfew-mesh/curfew/mesh/nodes"
 	"github.com/curfew-mesh/curfew/mesh/plan"
 	"github.com/curfew-mesh/curfew/mesh/retry"
+	"github.com/curfew-mesh/curfew/mesh/store"
 )
 
 // Defaults of Config's zero fields.
@@ -54,6 +56,12 @@ type Config struct {
 	SettleTimeout time.Duration
 	// Registerer, if set, receives the toolrunner's metrics.
 	Registerer prometheus.Registerer
+	// Store keeps the durable built-ins' records and effects (kv_put, notify); without
+	// it those tools fail with FAILED_PRECONDITION. Owner names this process incarnation
+	// in the records' leases; LeaseTTL is their lease (idempotency.DefaultLeaseTTL when 0).
+	Store    store.Tools
+	Owner    string
+	LeaseTTL time.Duration
 }
 
 // Server implements ToolRunnerService.
@@ -63,6 +71,7 @@ type Server struct {
 	Nodes *nodes.Table
 	jobs  *jobs
 	keys  *keys
+	idem  *idempotency.Executor // nil without a store
 	// effects counts side effects actually performed, by tool.
 	effects *prometheus.CounterVec
 
@@ -86,8 +95,18 @@ func New(cfg Config) *Server {
 			Name: "curfew_tool_effects_total",
 			Help: "Side effects tools actually performed (a deploy job started), by tool; a retry with an idempotency key adds none.",
 		}, []string{"tool"})}
+	s.effects.WithLabelValues("deploy") // the one built-in with side effects: exported at 0
 	if cfg.Registerer != nil {
 		cfg.Registerer.MustRegister(s.effects)
+	}
+	if cfg.Store != nil {
+		idem, err := idempotency.New(idempotency.Config{Store: cfg.Store, Owner: cfg.Owner, LeaseTTL: cfg.LeaseTTL})
+		if err != nil {
+			panic(err) // only for a missing Owner: a wiring bug
+		}
+		s.idem = idem
+		s.effects.WithLabelValues(plan.ToolKVPut)
+		s.effects.WithLabelValues(plan.ToolNotify)
 	}
 	return s
 }
@@ -115,7 +134,8 @@ func (s *Server) Execute(req *toolrunnerv1.ExecuteRequest, stream toolrunnerv1.T
 	if err := ctx.Err(); err != nil {
 		return err // never start a tool for a call already cancelled
 	}
-	if k := md.IdempotencyKeyFrom(ctx); k != "" {
+	if k := md.IdempotencyKeyFrom(ctx); k != "" && !plan.Durable(req.GetName()) {
+		// (kv_put and notify keep their keys in the store, see durable.go.)
 		finish, rec := s.keys.claim(keyOf(ctx, k))
 		if rec != nil {
 			// Done: replay the stored result. In progress: join it. Either way, no second run.
@@ -184,7 +204,7 @@ func (s *Server) prepare(ctx context.Context, req *toolrunnerv1.ExecuteRequest, 
 	case name == "":
 		return nil, status.Error(codes.InvalidArgument, "tool name is required")
 	case !plan.IsBuiltin(name):
-		return nil, status.Errorf(codes.NotFound, "unknown tool %q (built-ins: deploy, fail, sleep, spawn_subagent)", name)
+		return nil, status.Errorf(codes.NotFound, "unknown tool %q (built-ins: deploy, fail, kv_put, notify, sleep, spawn_subagent)", name)
 	}
 	if err := plan.ValidateTool(name, raw); err != nil {
 		var pe *plan.Error
@@ -192,6 +212,9 @@ func (s *Server) prepare(ctx context.Context, req *toolrunnerv1.ExecuteRequest, 
 			return nil, status.Errorf(codes.InvalidArgument, "tool %s: %s: %s", name, pe.Path, pe.Msg)
 		}
 		return nil, status.Errorf(codes.InvalidArgument, "tool %s: %v", name, err)
+	}
+	if plan.Durable(name) {
+		return s.durable(name, raw), nil
 	}
 	switch name {
 	case plan.ToolSleep:
