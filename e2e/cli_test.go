@@ -6,6 +6,7 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
+	"math"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -179,5 +180,110 @@ func TestUpAndAdmin(t *testing.T) {
 				t.Errorf("%s /metrics lacks the Go collector", svc)
 			}
 		}
+	}
+}
+
+// `curfew trace` on a cancelled run shows the cancel instant, and every node ended within
+// the bound after it (as the node's executor recorded its end); --json gives the same
+// figures. The text view marks the cancel on the bars' axis.
+func TestCLITraceCancelledRun(t *testing.T) {
+	t.Parallel()
+	plan := filepath.Join(t.TempDir(), "plan.json")
+	if err := os.WriteFile(plan, []byte(`{"tokens_per_second": 40, "steps": [
+	  {"think_tokens": 10, "tools": [{"name": "sleep", "args": {"ms": 20000}},
+	    {"name": "spawn_subagent", "args": {"plan": {"tokens_per_second": 40, "steps": [
+	      {"think_tokens": 5, "tools": [{"name": "spawn_subagent", "args": {"plan": {"steps": [{"answer_tokens": 800}]}}}]},
+	      {"answer_tokens": 5}]}}}]},
+	  {"answer_tokens": 10}]}`), 0o644); err != nil {
+		t.Fatal(err)
+	}
+	out, stderr, code := curfew(t, "run", "--plan", plan, "--deadline", "15s", "--cancel-after", "1.5s", "--json")
+	if code != 1 {
+		t.Fatalf("exit %d, want 1 for a cancelled run; stderr %s", code, stderr)
+	}
+	var first struct {
+		Started struct {
+			RunID string `json:"run_id"`
+		} `json:"started"`
+	}
+	if err := json.Unmarshal([]byte(strings.SplitN(out, "\n", 2)[0]), &first); err != nil || first.Started.RunID == "" {
+		t.Fatalf("no run id in %q: %v", out, err)
+	}
+	id := first.Started.RunID
+
+	out, stderr, code = curfew(t, "trace", id, "--json")
+	if code != 0 {
+		t.Fatalf("trace --json: exit %d: %s", code, stderr)
+	}
+	var tl struct {
+		RunID             string   `json:"run_id"`
+		Status            string   `json:"status"`
+		CancelMS          *float64 `json:"cancel_ms"`
+		DeadlineMS        *float64 `json:"deadline_ms"`
+		TokensAfterCancel int64    `json:"tokens_after_cancel"`
+		Nodes             []struct {
+			ID                string   `json:"id"`
+			StartMS           *float64 `json:"start_ms"`
+			EndMS             *float64 `json:"end_ms"`
+			EndAfterCancelMS  *float64 `json:"end_after_cancel_ms"`
+			TokensAfterCancel int64    `json:"tokens_after_cancel"`
+		} `json:"nodes"`
+	}
+	if err := json.Unmarshal([]byte(out), &tl); err != nil {
+		t.Fatalf("trace --json is not one JSON object: %v\n%s", err, out)
+	}
+	if tl.RunID != id || tl.Status != "cancelled" || tl.CancelMS == nil || tl.DeadlineMS == nil {
+		t.Fatalf("trace --json: %s", out)
+	}
+	// The client cancelled 1.5 s after it started the call; the run started a little
+	// after that call did.
+	if *tl.CancelMS < 1000 || *tl.CancelMS > 1500+750 || *tl.DeadlineMS < 14000 || *tl.DeadlineMS > 15000 {
+		t.Errorf("cancel at %vms and deadline at %vms on the run's axis, want about 1500 and 15000", *tl.CancelMS, *tl.DeadlineMS)
+	}
+	// The same bound as the deadline drill: every node ended within 750 ms of the cancel.
+	const boundMS = 750
+	want := map[string]bool{"root": false, "root/s0.t0": false, "root/s0.t1/sub/s0.t0/sub/m0": false}
+	for _, n := range tl.Nodes {
+		if _, ok := want[n.ID]; ok {
+			want[n.ID] = true
+		}
+		if n.EndMS == nil || n.EndAfterCancelMS == nil {
+			t.Errorf("node %s has no end", n.ID)
+			continue
+		}
+		if d := *n.EndAfterCancelMS; d > boundMS || math.Abs(d-(*n.EndMS-*tl.CancelMS)) > 0.01 {
+			t.Errorf("node %s: end %vms, %vms after the cancel at %vms; want an end within %dms of the cancel", n.ID, *n.EndMS, d, *tl.CancelMS, boundMS)
+		}
+		if n.TokensAfterCancel > 1 {
+			t.Errorf("node %s decoded %d tokens after the cancel", n.ID, n.TokensAfterCancel)
+		}
+	}
+	for id, seen := range want {
+		if !seen {
+			t.Errorf("trace lacks node %s:\n%s", id, out)
+		}
+	}
+
+	out, _, code = curfew(t, "trace", id)
+	if code != 0 {
+		t.Fatalf("trace: exit %d", code)
+	}
+	for _, want := range []string{"run " + id + "  cancelled (cause client_disconnect)", "cancel +", "AFTER_CANCEL", "sub", "m0"} {
+		if !strings.Contains(out, want) {
+			t.Errorf("trace output lacks %q:\n%s", want, out)
+		}
+	}
+	// Every node's row carries the axis, and the cancel marker ('|' or ':' over a bar) sits
+	// in the same column on each.
+	lines := strings.Split(strings.TrimRight(out, "\n"), "\n")
+	axis := strings.Index(lines[2], "0 .. ")
+	col := -1
+	for _, l := range lines[3:] {
+		bar := l[min(axis, len(l)):]
+		i := strings.IndexAny(bar, "|:")
+		if i < 0 || (col >= 0 && i != col) {
+			t.Errorf("row %q: cancel marker at %d, want one at the same column on every row (%d)", l, i, col)
+		}
+		col = i
 	}
 }

@@ -30,6 +30,10 @@ type ServerConfig struct {
 	// RetryIDs is the in-flight table of attempts by retry-id; nil means a table with the
 	// default grace and unregistered metrics.
 	RetryIDs *retryid.Table
+	// Metrics, when set, records the standard gRPC server metrics (an interceptor
+	// outside the whole chain, so it sees every call and the final status code) and the
+	// deadline slack on arrival (in the deadline layer); nil records none.
+	Metrics *ServerMetrics
 }
 
 func (c ServerConfig) logger() *slog.Logger {
@@ -42,6 +46,10 @@ func (c ServerConfig) logger() *slog.Logger {
 // ServerOptions returns the grpc.ServerOptions that install curfew's server chain.
 func ServerOptions(cfg ServerConfig) []grpc.ServerOption {
 	u, s := ServerInterceptors(cfg)
+	if m := cfg.Metrics; m != nil {
+		u = append([]grpc.UnaryServerInterceptor{m.unary}, u...)
+		s = append([]grpc.StreamServerInterceptor{m.stream}, s...)
+	}
 	return []grpc.ServerOption{grpc.ChainUnaryInterceptor(u...), grpc.ChainStreamInterceptor(s...)}
 }
 
@@ -68,21 +76,24 @@ type serverChain struct {
 }
 
 // unary is the whole chain for a unary call: recovery outermost, then the status mapping,
-// deadline, identity and fast-fail (enter), and retry-id, then the handler.
+// deadline, identity and fast-fail (enter), and retry-id, then the handler. Its end is
+// logged (finished) with the code the caller receives.
 func (c *serverChain) unary(ctx context.Context, req any, info *grpc.UnaryServerInfo, h grpc.UnaryHandler) (_ any, err error) {
+	start := time.Now()
 	panicked := true
 	defer func() {
 		if p := recover(); p != nil || panicked {
 			err = c.recovered(ctx, p)
 		}
+		finished(ctx, c.log, info.FullMethod, start, err)
 	}()
-	resp, err := c.unaryInner(ctx, req, info, h)
+	resp, err := c.unaryInner(ctx, req, info, h, start)
 	panicked = false
 	return resp, mapStatus(ctx, c.log, info.FullMethod, err)
 }
 
-func (c *serverChain) unaryInner(ctx context.Context, req any, info *grpc.UnaryServerInfo, h grpc.UnaryHandler) (any, error) {
-	ctx, cancel := applyDeadline(ctx, c.cfg, c.log, info.FullMethod)
+func (c *serverChain) unaryInner(ctx context.Context, req any, info *grpc.UnaryServerInfo, h grpc.UnaryHandler, start time.Time) (any, error) {
+	ctx, cancel := applyDeadline(ctx, c.cfg, c.log, info.FullMethod, start)
 	if cancel != nil {
 		defer cancel()
 	}
@@ -97,19 +108,21 @@ func (c *serverChain) unaryInner(ctx context.Context, req any, info *grpc.UnaryS
 // final context.
 func (c *serverChain) stream(srv any, ss grpc.ServerStream, info *grpc.StreamServerInfo, h grpc.StreamHandler) (err error) {
 	ctx := ss.Context()
+	start := time.Now()
 	panicked := true
 	defer func() {
 		if p := recover(); p != nil || panicked {
 			err = c.recovered(ctx, p)
 		}
+		finished(ctx, c.log, info.FullMethod, start, err)
 	}()
-	err = c.streamInner(ctx, srv, ss, info, h)
+	err = c.streamInner(ctx, srv, ss, info, h, start)
 	panicked = false
 	return mapStatus(ctx, c.log, info.FullMethod, err)
 }
 
-func (c *serverChain) streamInner(ctx context.Context, srv any, ss grpc.ServerStream, info *grpc.StreamServerInfo, h grpc.StreamHandler) error {
-	ctx, cancel := applyDeadline(ctx, c.cfg, c.log, info.FullMethod)
+func (c *serverChain) streamInner(ctx context.Context, srv any, ss grpc.ServerStream, info *grpc.StreamServerInfo, h grpc.StreamHandler, start time.Time) error {
+	ctx, cancel := applyDeadline(ctx, c.cfg, c.log, info.FullMethod, start)
 	if cancel != nil {
 		defer cancel()
 	}
@@ -142,15 +155,18 @@ func (c *serverChain) recovered(ctx context.Context, p any) error {
 // the caller's absolute curfew-deadline so that it is never later than the caller's. The
 // final deadline is computed first and at most one context is derived; cancel is nil when
 // the call's own deadline stands.
-func applyDeadline(ctx context.Context, cfg ServerConfig, log *slog.Logger, method string) (context.Context, context.CancelFunc) {
+func applyDeadline(ctx context.Context, cfg ServerConfig, log *slog.Logger, method string, now time.Time) (context.Context, context.CancelFunc) {
 	cur, had := ctx.Deadline()
-	dl := cfg.Deadline.Resolve(cur, had, time.Now()).Deadline
+	dl := cfg.Deadline.Resolve(cur, had, now).Deadline
 	if abs, ok := md.IncomingDeadline(ctx); ok {
 		var skew time.Duration
 		if dl, skew = deadline.Reconciled(dl, abs, deadline.DefaultSkewTolerance); skew > 0 {
 			log.WarnContext(ctx, "curfew-deadline disagrees with grpc-timeout; clocks may be skewed, keeping grpc-timeout",
 				"method", method, "skew_ms", skew.Milliseconds())
 		}
+	}
+	if cfg.Metrics != nil {
+		cfg.Metrics.observeSlack(method, dl, now)
 	}
 	if had && !dl.Before(cur) {
 		return ctx, nil
@@ -205,6 +221,10 @@ type ClientConfig struct {
 	// set's breaker for Retry.Target (the downstream service's name): one breaker per
 	// target, shared by every connection to it that uses the same set.
 	Breakers *breaker.Set
+	// Metrics, when set, records the standard gRPC client metrics, outermost: one
+	// logical call each, whatever its attempts (curfew_retry_attempts_total counts
+	// those). nil records none.
+	Metrics *ClientMetrics
 }
 
 // DialOptions returns the grpc.DialOptions that install curfew's client chain on one
@@ -212,6 +232,8 @@ type ClientConfig struct {
 //
 // Client chain, outermost first:
 //
+//  0. metrics (ClientConfig.Metrics, when set): the standard gRPC client metrics, one
+//     logical call each, with its final code and whole duration, retries included.
 //  1. stamp: identity and curfew-deadline go on the outgoing metadata, once per logical
 //     call, the same on every attempt.
 //  2. retry: one logical call, its attempts (same retry-id, curfew-attempt numbered),
@@ -235,9 +257,14 @@ func DialOptions(cfg ClientConfig) []grpc.DialOption {
 	rc := cfg.Retry
 	rc.StampIdentity = true
 	ru, rs := retry.ClientInterceptors(rc)
-	if cfg.Breakers == nil || cfg.Breakers.Config().Off {
-		return []grpc.DialOption{grpc.WithChainUnaryInterceptor(ru), grpc.WithChainStreamInterceptor(rs)}
+	us, ss := []grpc.UnaryClientInterceptor{ru}, []grpc.StreamClientInterceptor{rs}
+	if m := cfg.Metrics; m != nil {
+		us = append([]grpc.UnaryClientInterceptor{m.unary}, us...)
+		ss = append([]grpc.StreamClientInterceptor{m.stream}, ss...)
 	}
-	bu, bs := cfg.Breakers.UnaryClientInterceptor(rc.Target), cfg.Breakers.StreamClientInterceptor(rc.Target)
-	return []grpc.DialOption{grpc.WithChainUnaryInterceptor(ru, bu), grpc.WithChainStreamInterceptor(rs, bs)}
+	if cfg.Breakers != nil && !cfg.Breakers.Config().Off {
+		us = append(us, cfg.Breakers.UnaryClientInterceptor(rc.Target))
+		ss = append(ss, cfg.Breakers.StreamClientInterceptor(rc.Target))
+	}
+	return []grpc.DialOption{grpc.WithChainUnaryInterceptor(us...), grpc.WithChainStreamInterceptor(ss...)}
 }

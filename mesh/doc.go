@@ -8,6 +8,9 @@
 //
 // Server chain, outermost first:
 //
+//  0. metrics (ServerConfig.Metrics, when set): the standard gRPC server metrics of
+//     go-grpc-middleware's Prometheus provider. Outside recovery and status so it counts
+//     every call with the code the caller receives.
 //  1. recovery: a panic anywhere below becomes INTERNAL instead of killing the process
 //     and every in-flight run with it. Outermost so it also guards the other interceptors.
 //  2. status: every error leaving a handler becomes a gRPC status with the documented
@@ -17,7 +20,8 @@
 //     maximum is capped; then the relative gRPC deadline is reconciled with the caller's
 //     absolute curfew-deadline, so that a child never sees a later deadline than its
 //     parent (a gap over a second is logged as clock skew and the gRPC deadline kept). It
-//     only ever shortens. Before anything that measures time left.
+//     only ever shortens. Before anything that measures time left. With metrics, the
+//     final deadline's time left is observed here (curfew_deadline_slack_seconds).
 //  4. identity: curfew-tenant, curfew-run-id, curfew-node-id and curfew-attempt become
 //     the context's md.Identity, so handlers and their outgoing calls carry them.
 //  5. fast-fail: a method with a configured minimum is refused with DEADLINE_EXCEEDED
@@ -29,7 +33,8 @@
 //     teardown, or is refused with ABORTED past the grace (package retryid). Last, so the
 //     handler's context is the one the supersede cancels.
 //
-// Client chain (see [DialOptions]), outermost first: identity and deadline are stamped on
+// Client chain (see [DialOptions]), outermost first: the standard gRPC client metrics
+// when ClientConfig.Metrics is set (one logical call each), then identity and deadline are stamped on
 // every outgoing call (curfew-deadline is the context's deadline in Unix ms; gRPC itself
 // sends grpc-timeout from the same deadline), then the retry layer (package retry) runs
 // the logical call's attempts, then the target's circuit breaker (package breaker) admits

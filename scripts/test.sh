@@ -22,6 +22,16 @@ if [[ "${1:-}" != "--short" ]]; then
   bash scripts/lint.sh
 fi
 
+echo "== promtool: alerting rules (the e2e tests also check every service's /metrics with it)"
+# scripts/promtool.sh unpacks promtool from Debian's prometheus package into the cache
+# without installing the package, so no Prometheus server starts and no port is taken.
+if [[ -z "${CURFEW_PROMTOOL:-}" ]]; then
+  CURFEW_PROMTOOL="$(bash scripts/promtool.sh)"
+fi
+export CURFEW_PROMTOOL
+"$CURFEW_PROMTOOL" check rules k8s/monitoring/curfew-alerts.yml
+"$CURFEW_PROMTOOL" test rules k8s/monitoring/curfew-alerts.test.yml
+
 echo "== ollama (the real inference server of the provider tests; cached outside the repo)"
 # scripts/ollama.sh builds ollama v0.6.8 from source once (several minutes) and then reuses
 # it; the tests that need it read CURFEW_OLLAMA (they skip without it, and fail under CI=true).

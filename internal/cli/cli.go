@@ -33,6 +33,7 @@ Usage:
   curfew get     RUN [--json]
   curfew ls      [--limit N] [--json]
   curfew cancel  RUN [--reason TEXT] [--json]
+  curfew trace   RUN [--width N] [--json]
 
 Every command except up takes --addr (default: the orchestrator in DIR/endpoints.json,
 else 127.0.0.1:7700) and --data-dir (default $CURFEW_DATA_DIR, else ~/.curfew).
@@ -45,7 +46,7 @@ func Main(ctx context.Context, args []string, stdin io.Reader, stdout, stderr io
 		return ExitUsage
 	}
 	cmds := map[string]func(context.Context, []string, io.Writer, io.Writer) int{
-		"up": cmdUp, "run": cmdRun, "get": cmdGet, "ls": cmdLs, "cancel": cmdCancel,
+		"up": cmdUp, "run": cmdRun, "get": cmdGet, "ls": cmdLs, "cancel": cmdCancel, "trace": cmdTrace,
 	}
 	switch args[0] {
 	case "help", "-h", "--help":

@@ -19,6 +19,13 @@ type Server struct {
 	// Decorate, if set, fills in figures the table does not hold (modelproxy's token
 	// ledger) on every node listed.
 	Decorate func(runID string, req *meshv1.ListNodesRequest, n *meshv1.Node)
+	// Metrics, if set, observe the cancel propagation of every cancelled node a summary
+	// lists (see Summarized).
+	Metrics *Metrics
+	// Summarized, if set, is called once for each ended node, after Decorate, the first
+	// time a ListNodes that carries the run's cancel instant lists it: that is the
+	// orchestrator assembling the run's summary, with final token figures.
+	Summarized func(runID string, n *meshv1.Node)
 }
 
 // CancelNodes implements NodeReportService: it cancels the selected running nodes with the
@@ -48,6 +55,18 @@ func (s *Server) ListNodes(ctx context.Context, req *meshv1.ListNodesRequest) (*
 	if s.Decorate != nil {
 		for _, n := range ns {
 			s.Decorate(req.GetRunId(), req, n)
+		}
+	}
+	if at := req.GetCancelAt(); at != nil && (s.Metrics != nil || s.Summarized != nil) {
+		cancelAt := at.AsTime()
+		for _, n := range ns {
+			if n.GetKind() == meshv1.NodeKind_NODE_KIND_UNSPECIFIED || isRunning(n) || !s.Table.firstSummary(req.GetRunId(), n.GetId()) {
+				continue // a note, or not over yet, or already counted
+			}
+			s.Metrics.observe(n, cancelAt)
+			if s.Summarized != nil {
+				s.Summarized(req.GetRunId(), n)
+			}
 		}
 	}
 	return &meshv1.ListNodesResponse{Nodes: ns, Settled: settled}, nil

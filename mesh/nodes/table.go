@@ -33,6 +33,9 @@ type run struct {
 	lastEnd time.Time
 	// waiters are the Lists waiting for their selected nodes to end.
 	waiters []*waiter
+	// summarized are the ended nodes a summary has listed (Server.Summarized); nil
+	// until the first.
+	summarized map[string]struct{}
 }
 
 // waiter is a List waiting until no node it selects is running. Ends and starts count
@@ -291,6 +294,25 @@ func (t *Table) List(ctx context.Context, runID string, prefixes []string, settl
 	t.mu.Unlock()
 	sortNodes(out)
 	return out, running == 0
+}
+
+// firstSummary reports whether node id of run is listed by a summary for the first
+// time, and remembers that it has been.
+func (t *Table) firstSummary(runID, id string) bool {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	r := t.runs[runID]
+	if r == nil {
+		return false
+	}
+	if _, ok := r.summarized[id]; ok {
+		return false
+	}
+	if r.summarized == nil {
+		r.summarized = map[string]struct{}{}
+	}
+	r.summarized[id] = struct{}{}
+	return true
 }
 
 // dropWaiterLocked removes w from r's waiters, if it is still there.

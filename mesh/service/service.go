@@ -284,6 +284,7 @@ type Runtime struct {
 
 	retries      *retry.File
 	retryMetrics *retry.Metrics
+	metrics      *metrics
 
 	// Breakers are the circuit breakers of this service's outgoing calls, one per service
 	// name given to Dial, with their metrics on Registry. Code that calls other targets
@@ -325,6 +326,7 @@ func New(ctx context.Context, o Options, minTime map[string]time.Duration) (*Run
 	}
 	rt.Registry.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	rt.retryMetrics = retry.NewMetrics(rt.Registry)
+	rt.metrics = newMetrics(rt.Registry)
 	bcfg, _ := o.Breaker.config(o.fs != nil) // checked by Validate
 	rt.Breakers = breaker.NewSet(bcfg, rt.Registry)
 	if err := rt.startTracing(ctx); err != nil {
@@ -340,6 +342,7 @@ func New(ctx context.Context, o Options, minTime map[string]time.Duration) (*Run
 		MinTime:  minTime,
 		Logger:   log,
 		RetryIDs: retryid.New(0, rt.Registry),
+		Metrics:  rt.metrics.server,
 	}), rt.serverTracing())...)
 	rt.Health = health.NewServer()
 	healthpb.RegisterHealthServer(rt.Server, rt.Health)
@@ -372,7 +375,7 @@ func Dial(target string) (*grpc.ClientConn, error) {
 func (rt *Runtime) Dial(name, target string) (*grpc.ClientConn, error) {
 	rc := rt.retries.For(name)
 	rc.Metrics, rc.Logger = rt.retryMetrics, rt.Log
-	opts := append(mesh.DialOptions(mesh.ClientConfig{Retry: rc, Breakers: rt.Breakers}), grpc.WithTransportCredentials(insecure.NewCredentials()),
+	opts := append(mesh.DialOptions(mesh.ClientConfig{Retry: rc, Breakers: rt.Breakers, Metrics: rt.metrics.client}), grpc.WithTransportCredentials(insecure.NewCredentials()),
 		rt.clientTracing())
 	return grpc.NewClient(target, opts...)
 }

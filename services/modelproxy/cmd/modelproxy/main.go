@@ -14,6 +14,7 @@ import (
 
 	meshv1 "github.com/curfew-mesh/curfew/gen/curfew/mesh/v1"
 	modelproxyv1 "github.com/curfew-mesh/curfew/gen/curfew/modelproxy/v1"
+	"github.com/curfew-mesh/curfew/mesh/nodes"
 	"github.com/curfew-mesh/curfew/mesh/service"
 	"github.com/curfew-mesh/curfew/services/modelproxy/internal/modelproxy"
 )
@@ -57,6 +58,7 @@ func run(args []string) int {
 		return 1
 	}
 	srv := modelproxy.New()
+	srv.Metrics = modelproxy.NewMetrics(rt.Registry)
 	if file != nil {
 		if srv.Router, err = modelproxy.NewRouter(file, modelproxy.RouterOptions{Registry: rt.Registry, Log: rt.Log}); err != nil {
 			fmt.Fprintln(os.Stderr, "modelproxy: --providers-config:", err)
@@ -66,7 +68,9 @@ func run(args []string) int {
 		defer srv.Router.Close()
 	}
 	modelproxyv1.RegisterModelProxyServiceServer(rt.Server, srv)
-	meshv1.RegisterNodeReportServiceServer(rt.Server, srv.Report())
+	report := srv.Report()
+	report.Metrics = nodes.NewMetrics(rt.Registry, meshv1.NodeKind_NODE_KIND_MODEL)
+	meshv1.RegisterNodeReportServiceServer(rt.Server, report)
 	go service.Every(ctx, time.Minute, srv.Sweep)
 	if err := rt.Serve(ctx); err != nil {
 		rt.Log.Error("serve", "error", err.Error())

@@ -140,7 +140,34 @@ func NewRouter(f *File, o RouterOptions) (*Router, error) {
 			r.shedQ = s.Quantile
 		}
 	}
+	r.m.init(f)
 	return r, nil
+}
+
+// fallbackReasons are every Reason*, for init.
+var fallbackReasons = []string{ReasonBreakerOpen, ReasonUnavailable, ReasonRateLimited, ReasonTimeout, ReasonServerError, ReasonShed, ReasonInvalidOutput}
+
+// init makes the series of every configured alias and provider of its chain exist at 0,
+// so that rate() and the alerting rules see 0 rather than nothing before the first event.
+// Their number is bounded by the file: aliases × chain targets × reasons.
+func (m *routerMetrics) init(f *File) {
+	for alias, a := range f.Models {
+		m.sheds.WithLabelValues(alias)
+		targets := a.Chain
+		if a.DegradeTo != "" {
+			targets = append(targets[:len(targets):len(targets)], a.DegradeTo)
+		}
+		for _, s := range targets {
+			t, err := ParseTarget(s)
+			if err != nil {
+				continue // validated
+			}
+			m.validationFailures.WithLabelValues(alias, t.Provider)
+			for _, reason := range fallbackReasons {
+				m.fallbacks.WithLabelValues(alias, t.Provider, reason)
+			}
+		}
+	}
 }
 
 // Close releases the providers' idle upstream connections.
@@ -431,6 +458,7 @@ func (c *call) stream1(ctx context.Context, t Target, lat *latency) (_ *cached, 
 			last = now
 			counted += int64(ch.Tokens)
 			c.s.Ledger.RecordN(c.run, c.node, now, ch.Tokens)
+			c.s.Metrics.addTokens(c.rt.alias, t.Provider, ch.Tokens)
 		}
 		if ch.FinishReason != "" || ch.Usage != nil || len(ch.ToolCalls) > 0 {
 			final = ch
@@ -458,6 +486,7 @@ func (c *call) stream1(ctx context.Context, t Target, lat *latency) (_ *cached, 
 	} else if extra := usage.GetCompletionTokens() - counted; extra > 0 {
 		// The provider's count is authoritative; record what the stream did not show.
 		c.s.Ledger.RecordN(c.run, c.node, time.Now(), int(extra))
+		c.s.Metrics.addTokens(c.rt.alias, t.Provider, int(extra))
 	}
 	if !first.IsZero() {
 		lat.observe(first.Sub(start), int(counted), last.Sub(first))

@@ -32,6 +32,8 @@ type Server struct {
 	Ledger *Ledger
 	// Router serves every model other than sim; nil serves sim only.
 	Router *Router
+	// Metrics, if set, count the tokens decoders emit and, per summary, the orphan tokens.
+	Metrics *Metrics
 	// now is the clock; tests may replace it.
 	now func() time.Time
 }
@@ -44,7 +46,7 @@ func New() *Server {
 // Report returns the NodeReportService of this server's decoders, with token figures
 // read from the ledger.
 func (s *Server) Report() *nodes.Server {
-	return &nodes.Server{Table: s.Nodes, Decorate: func(run string, req *meshv1.ListNodesRequest, n *meshv1.Node) {
+	return &nodes.Server{Table: s.Nodes, Summarized: s.Metrics.summarized, Decorate: func(run string, req *meshv1.ListNodesRequest, n *meshv1.Node) {
 		var at time.Time
 		if req.GetCancelAt() != nil {
 			at = req.GetCancelAt().AsTime()
@@ -195,6 +197,7 @@ func (s *Server) decode(ctx context.Context, stream modelproxyv1.ModelProxyServi
 	start := s.now().Add(time.Duration(st.FirstTokenDelayMS) * time.Millisecond)
 	timer := time.NewTimer(time.Hour)
 	defer timer.Stop()
+	counted := s.Metrics.counter(SimModel, SimProvider)
 	for i := 0; i < n; i++ {
 		due := start.Add(time.Duration(i+1) * interval)
 		if wait := due.Sub(s.now()); wait > 0 {
@@ -211,6 +214,9 @@ func (s *Server) decode(ctx context.Context, stream modelproxyv1.ModelProxyServi
 			return err
 		}
 		s.Ledger.Record(run, node, s.now())
+		if counted != nil {
+			counted.Inc()
+		}
 		if err := stream.Send(&modelproxyv1.GenerateResponse{Delta: words[i%len(words)] + " ", Tokens: 1}); err != nil {
 			return err
 		}

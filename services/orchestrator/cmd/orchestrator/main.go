@@ -34,6 +34,7 @@ func run(args []string) int {
 	model := fs.String("model", agent.DefaultModel, "model of runs that name none")
 	maxRuns := fs.Int("max-runs", orchestrator.DefaultMaxRuns, "runs kept in memory; the oldest ended ones are forgotten first")
 	minRun := fs.Duration("min-run-time", orchestrator.DefaultMinRunTime, "least time left to admit a run; less fails fast with DEADLINE_EXCEEDED")
+	logPrompts := fs.Bool("log-prompts", false, "log each run's task (its prompt) when it starts; off by default, since tasks may hold private data")
 	if err := service.Parse(fs, args, os.Getenv); err != nil {
 		fmt.Fprintln(os.Stderr, "orchestrator:", err)
 		return 2
@@ -79,6 +80,7 @@ func run(args []string) int {
 		MaxRuns:    *maxRuns,
 		MinRunTime: *minRun,
 		Log:        rt.Log,
+		LogPrompts: *logPrompts,
 	})
 	orchestratorv1.RegisterOrchestratorServiceServer(rt.Server, srv)
 	go service.Every(ctx, time.Minute, srv.Sweep)

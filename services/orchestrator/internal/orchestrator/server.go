@@ -53,6 +53,8 @@ type Config struct {
 	// agent.DefaultSettleTimeout when 0.
 	SettleTimeout time.Duration
 	Log           *slog.Logger
+	// LogPrompts logs each run's task (its prompt) when it starts; off by default.
+	LogPrompts bool
 }
 
 // Server implements OrchestratorService.
@@ -294,6 +296,7 @@ func (s *Server) start(ctx context.Context, req *orchestratorv1.RunRequest) (*ru
 		}()
 	}
 	s.add(rs)
+	s.logStarted(ctx, rs, model, req.GetTask())
 	sub := rs.subscribe()
 	task := req.GetTask() // not req: the run should not hold the request
 	s.wg.Add(1)
@@ -391,6 +394,7 @@ func (s *Server) execute(rctx context.Context, rs *runState, model, task string)
 	rs.mu.Unlock()
 	tracing.EndRun(rs.span, o.Status, o.Cause, o.Code, o.Message, tokens, after)
 	close(rs.done)
+	s.logFinished(rctx, rs.snapshot())
 }
 
 // broadcastTimeout bounds the one-hop cancel broadcast to the executors.

@@ -16,6 +16,7 @@ import (
 	subagentv1 "github.com/curfew-mesh/curfew/gen/curfew/subagent/v1"
 	toolrunnerv1 "github.com/curfew-mesh/curfew/gen/curfew/toolrunner/v1"
 	"github.com/curfew-mesh/curfew/mesh/agent"
+	"github.com/curfew-mesh/curfew/mesh/nodes"
 	"github.com/curfew-mesh/curfew/mesh/service"
 	"github.com/curfew-mesh/curfew/services/subagent/internal/subagent"
 )
@@ -70,7 +71,9 @@ func run(args []string) int {
 		ModelName:  *model,
 	}})
 	subagentv1.RegisterSubagentServiceServer(rt.Server, srv)
-	meshv1.RegisterNodeReportServiceServer(rt.Server, srv.Report())
+	report := srv.Report()
+	report.Metrics = nodes.NewMetrics(rt.Registry, meshv1.NodeKind_NODE_KIND_SUBAGENT)
+	meshv1.RegisterNodeReportServiceServer(rt.Server, report)
 	go service.Every(ctx, time.Minute, srv.Nodes.Sweep)
 	if err := rt.Serve(ctx); err != nil {
 		rt.Log.Error("serve", "error", err.Error())

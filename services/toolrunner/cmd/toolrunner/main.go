@@ -16,6 +16,7 @@ import (
 	meshv1 "github.com/curfew-mesh/curfew/gen/curfew/mesh/v1"
 	subagentv1 "github.com/curfew-mesh/curfew/gen/curfew/subagent/v1"
 	toolrunnerv1 "github.com/curfew-mesh/curfew/gen/curfew/toolrunner/v1"
+	"github.com/curfew-mesh/curfew/mesh/nodes"
 	"github.com/curfew-mesh/curfew/mesh/service"
 	"github.com/curfew-mesh/curfew/mesh/store"
 	_ "github.com/curfew-mesh/curfew/mesh/store/postgres" // postgres:// DSNs
@@ -85,7 +86,9 @@ func run(args []string) int {
 	}
 	srv := toolrunner.New(cfg)
 	toolrunnerv1.RegisterToolRunnerServiceServer(rt.Server, srv)
-	meshv1.RegisterNodeReportServiceServer(rt.Server, srv.Report())
+	report := srv.Report()
+	report.Metrics = nodes.NewMetrics(rt.Registry, meshv1.NodeKind_NODE_KIND_TOOL)
+	meshv1.RegisterNodeReportServiceServer(rt.Server, report)
 	go service.Every(ctx, time.Minute, srv.Sweep)
 	if err := rt.Serve(ctx); err != nil {
 		rt.Log.Error("serve", "error", err.Error())
