@@ -94,15 +94,6 @@ fi
 export CURFEW_OTELCOL
 echo "   $CURFEW_OTELCOL"
 
-echo "== otelcol (the OTLP receiver of the tracing test; cached outside the repo)"
-# scripts/otelcol.sh builds the OpenTelemetry Collector once (a few minutes) and then reuses
-# it; the tracing test reads CURFEW_OTELCOL (it skips without it, and fails under CI=true).
-if [[ -z "${CURFEW_OTELCOL:-}" ]]; then
-  CURFEW_OTELCOL="$(bash scripts/otelcol.sh)"
-fi
-export CURFEW_OTELCOL
-echo "   $CURFEW_OTELCOL"
-
 echo "== tests (race detector on)"
 # The e2e tests assert real-time properties (at most 1 token after a cancel at 40 tokens/s)
 # on the service binaries they build; those are built without -race, as shipped. The
