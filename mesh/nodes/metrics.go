@@ -41,14 +41,23 @@ func KindName(k meshv1.NodeKind) string {
 	return strings.ToLower(strings.TrimPrefix(k.String(), "NODE_KIND_"))
 }
 
-// observe records n's cancel propagation if it stopped after the run's cancel instant.
-// A node stopped before it was stopped by something else (a failed sibling, a newer
-// attempt): it is not this cancel's propagation.
+// observe records n's cancel propagation if it stopped after the run's cancel instant:
+// at its cancelled_at, or at its end when it has none (it stopped on a cancelled child's
+// error a moment before its own cancel arrived). A node stopped before the instant was
+// stopped by something else (a failed sibling, a newer attempt): it is not this cancel's
+// propagation.
 func (m *Metrics) observe(n *meshv1.Node, cancelAt time.Time) {
-	if m == nil || n.GetCancelledAt() == nil || !stopped(n.GetStatus()) {
+	if m == nil || !stopped(n.GetStatus()) {
 		return
 	}
-	d := n.GetCancelledAt().AsTime().Sub(cancelAt)
+	at := n.GetCancelledAt()
+	if at == nil {
+		at = n.GetEndedAt()
+	}
+	if at == nil {
+		return
+	}
+	d := at.AsTime().Sub(cancelAt)
 	if d < 0 {
 		return
 	}

@@ -8,6 +8,8 @@ import (
 
 	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/testutil"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/types/known/timestamppb"
 
 	meshv1 "github.com/curfew-mesh/curfew/gen/curfew/mesh/v1"
@@ -42,6 +44,10 @@ func TestSummaryMetrics(t *testing.T) {
 	c2 := begin("root/s0.t0", meshv1.NodeKind_NODE_KIND_TOOL)
 	tab.Cancel("r", []string{"root/s0.t0"}, errors.New("sibling"))
 	tab.Finish(c2, "r", "root/s0.t0", c2.Err(), func(n *meshv1.Node) { n.CancelledAt = timestamppb.New(cancelAt.Add(-time.Second)) })
+	// Stopped on a cancelled child's error before its own cancel arrived: no
+	// cancelled_at, observed at its end (at least 0 s after the cancel, within the test).
+	c5 := begin("root/s0.t4", meshv1.NodeKind_NODE_KIND_TOOL)
+	tab.Finish(c5, "r", "root/s0.t4", status.Error(codes.Canceled, "child cancelled"), nil)
 	// Succeeded.
 	c3 := begin("root/s0.t1", meshv1.NodeKind_NODE_KIND_TOOL)
 	tab.Finish(c3, "r", "root/s0.t1", nil, nil)
@@ -62,8 +68,8 @@ func TestSummaryMetrics(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	if got := len(summarized); got != 3 || summarized[0] != "r root/m0" {
-		t.Errorf("summarized %v, want the 3 ended nodes once each", summarized)
+	if got := len(summarized); got != 4 || summarized[0] != "r root/m0" {
+		t.Errorf("summarized %v, want the 4 ended nodes once each", summarized)
 	}
 	mfs, err := reg.Gather()
 	if err != nil {
@@ -77,15 +83,15 @@ func TestSummaryMetrics(t *testing.T) {
 			sum += s.GetHistogram().GetSampleSum()
 		}
 	}
-	if counts["model"] != 1 || counts["tool"] != 0 || sum < 0.0069 || sum > 0.0071 {
-		t.Errorf("propagation observed %v with sum %.4fs, want one model node at 7 ms", counts, sum)
+	if counts["model"] != 1 || counts["tool"] != 1 || sum < 0.0069 || sum > 0.0071+time.Since(cancelAt).Seconds() {
+		t.Errorf("propagation observed %v with sum %.4fs, want one model node at 7 ms and one tool node at its end", counts, sum)
 	}
 	// The running node ends later: the next summary counts it.
 	tab.Finish(c4, "r", "root/s0.t2", nil, nil)
 	if _, err := srv.ListNodes(ctx, req); err != nil {
 		t.Fatal(err)
 	}
-	if len(summarized) != 4 || summarized[3] != "r root/s0.t2" {
+	if len(summarized) != 5 || summarized[4] != "r root/s0.t2" {
 		t.Errorf("summarized %v, want root/s0.t2 added", summarized)
 	}
 	if nodes.KindName(meshv1.NodeKind_NODE_KIND_SUBAGENT) != "subagent" {
