@@ -23,21 +23,14 @@ func cmdGet(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	if len(pos) != 1 {
 		return usageErr(stderr, "get", errors.New("give one RUN id"))
 	}
-	conn, err := c.dial()
-	if err != nil {
-		return callErr(stderr, "dial", err)
-	}
-	defer conn.Close()
-	ctx, cancel := context.WithTimeout(ctx, callTimeout)
-	defer cancel()
-	resp, err := orchestratorv1.NewOrchestratorServiceClient(conn).GetRun(ctx, &orchestratorv1.GetRunRequest{RunId: pos[0]})
-	if err != nil {
-		return callErr(stderr, "get", err)
+	run, code := c.getRun(ctx, stderr, "get", pos[0])
+	if run == nil {
+		return code
 	}
 	if c.json {
-		printJSON(stdout, resp.GetRun())
+		printJSON(stdout, run)
 	} else {
-		printSummary(stdout, resp.GetRun())
+		printSummary(stdout, run)
 	}
 	return ExitOK
 }
@@ -115,4 +108,21 @@ func cmdCancel(ctx context.Context, args []string, stdout, stderr io.Writer) int
 		printSummary(stdout, resp.GetRun())
 	}
 	return ExitOK
+}
+
+// getRun fetches one run for command cmd; on failure it has reported the error and
+// returns nil and the exit code.
+func (c *common) getRun(ctx context.Context, stderr io.Writer, cmd, id string) (*orchestratorv1.Run, int) {
+	conn, err := c.dial()
+	if err != nil {
+		return nil, callErr(stderr, "dial", err)
+	}
+	defer conn.Close()
+	ctx, cancel := context.WithTimeout(ctx, callTimeout)
+	defer cancel()
+	resp, err := orchestratorv1.NewOrchestratorServiceClient(conn).GetRun(ctx, &orchestratorv1.GetRunRequest{RunId: id})
+	if err != nil {
+		return nil, callErr(stderr, cmd, err)
+	}
+	return resp.GetRun(), ExitOK
 }

@@ -80,18 +80,11 @@ func cmdTrace(ctx context.Context, args []string, stdout, stderr io.Writer) int 
 	if *width < 10 || *width > 400 {
 		return usageErr(stderr, "trace", errors.New("--width must be between 10 and 400"))
 	}
-	conn, err := c.dial()
-	if err != nil {
-		return callErr(stderr, "dial", err)
+	run, code := c.getRun(ctx, stderr, "trace", pos[0])
+	if run == nil {
+		return code
 	}
-	defer conn.Close()
-	ctx, cancel := context.WithTimeout(ctx, callTimeout)
-	defer cancel()
-	resp, err := orchestratorv1.NewOrchestratorServiceClient(conn).GetRun(ctx, &orchestratorv1.GetRunRequest{RunId: pos[0]})
-	if err != nil {
-		return callErr(stderr, "trace", err)
-	}
-	tl := NewTimeline(resp.GetRun())
+	tl := NewTimeline(run)
 	if c.json {
 		b, err := json.Marshal(tl)
 		if err != nil {
