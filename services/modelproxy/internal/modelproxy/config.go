@@ -13,6 +13,7 @@ import (
 	"time"
 
 	"github.com/curfew-mesh/curfew/mesh/breaker"
+	"github.com/curfew-mesh/curfew/mesh/retry"
 )
 
 // Defaults of the providers file's optional fields.
@@ -102,28 +103,9 @@ type ShedConfig struct {
 	Quantile float64 `json:"quantile,omitempty"`
 }
 
-// Duration is a time.Duration written as a Go duration string ("250ms", "5s").
-type Duration time.Duration
-
-// UnmarshalJSON implements json.Unmarshaler.
-func (d *Duration) UnmarshalJSON(b []byte) error {
-	var s string
-	if err := json.Unmarshal(b, &s); err != nil {
-		return fmt.Errorf("a duration is a string such as \"5s\", not %s", b)
-	}
-	v, err := time.ParseDuration(s)
-	if err != nil {
-		return err
-	}
-	if v < 0 {
-		return fmt.Errorf("duration %q is negative", s)
-	}
-	*d = Duration(v)
-	return nil
-}
-
-// MarshalJSON implements json.Marshaler.
-func (d Duration) MarshalJSON() ([]byte, error) { return json.Marshal(time.Duration(d).String()) }
+// Duration is a time.Duration written as a Go duration string ("250ms", "5s"), the
+// format of the retry config file too.
+type Duration = retry.Duration
 
 var nameRE = regexp.MustCompile(`^[a-z0-9][a-z0-9_-]{0,62}$`)
 
@@ -197,6 +179,9 @@ func (f *File) Validate() error {
 		if p.TokensPerSecond < 0 {
 			bad("%s.expected_tokens_per_second must not be negative", at)
 		}
+		if p.Timeout < 0 || p.TTFT < 0 {
+			bad("%s: timeout and expected_ttft must not be negative", at)
+		}
 		ms := map[string]bool{}
 		for _, m := range p.Models {
 			if m == "" {
@@ -239,8 +224,8 @@ func (f *File) Validate() error {
 	if err := f.BreakerSettings().Validate(); err != nil {
 		bad("breaker: %v", err)
 	}
-	if c := f.Cache; c != nil && c.MaxEntries < 0 {
-		bad("cache.max_entries must not be negative")
+	if c := f.Cache; c != nil && (c.MaxEntries < 0 || c.TTL < 0) {
+		bad("cache.max_entries and cache.ttl must not be negative")
 	}
 	if s := f.Shed; s != nil && (s.Quantile < 0 || s.Quantile >= 1) {
 		bad("shed.quantile must be in [0, 1)")

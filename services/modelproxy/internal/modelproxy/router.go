@@ -391,12 +391,7 @@ func (c *call) try(ctx context.Context, t Target) (_ *cached, reason string, _ e
 // provider, "" when the error is the caller's.
 func fallbackReason(err error) string {
 	s, _ := status.FromError(err)
-	reason := ""
-	for _, d := range s.Details() {
-		if ei, ok := d.(*errdetails.ErrorInfo); ok {
-			reason = ei.GetReason()
-		}
-	}
+	reason, _ := provider.ErrorReason(err)
 	switch {
 	case reason == invalidOutputReason:
 		return ReasonInvalidOutput

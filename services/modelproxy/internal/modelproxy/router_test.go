@@ -380,6 +380,7 @@ func TestParseFileErrors(t *testing.T) {
 		{`{"providers": [{"name": "p", "base_url": "http://x/v1", "models": ["m"]}], "models": {"a": {"chain": ["p/m"], "degrade_to": "p"}}}`, "degrade_to"},
 		{`{"providers": [{"name": "p", "base_url": "http://x/v1", "models": ["m"], "timeout": "soon"}]}`, "soon"},
 		{`{"providers": [], "cache": {"max_entries": -1}}`, "max_entries"},
+		{`{"providers": [{"name": "p", "base_url": "http://x/v1", "models": ["m"], "timeout": "-1s"}]}`, "must not be negative"},
 		{`{"providers": [], "breaker": {"ratio": 2}}`, "breaker"},
 		{`{"providers": [], "extra": 1}`, "unknown field"},
 	} {
@@ -417,5 +418,37 @@ func TestCacheExpires(t *testing.T) {
 	}
 	if c.Len() != 2 {
 		t.Fatalf("len %d, want 2 (max entries)", c.Len())
+	}
+}
+
+// A 429 and a provider that does not answer within its timeout fall back too, each with
+// its reason on the node; an alias marked cacheable caches a non-deterministic call.
+func TestFallbackReasonsAndCacheableAlias(t *testing.T) {
+	pe := newProviderEnv(t, `{"providers": [
+	    {"name": "limited", "base_url": "{limited}", "models": ["m"]},
+	    {"name": "slow", "base_url": "{slow}", "models": ["m"], "timeout": "200ms"},
+	    {"name": "backup", "base_url": "{backup}", "models": ["m"]}],
+	  "models": {"chain": {"chain": ["limited/m", "slow/m", "backup/m"], "cacheable": true}}}`, "limited", "slow", "backup")
+	pe.up["limited"].Enqueue(openaitest.Reply{Status: 429, RetryAfter: "1", Error: ptr(openaitest.ErrorFor(429))})
+	pe.up["slow"].Enqueue(openaitest.Reply{HeaderDelay: 3 * time.Second, Content: openaitest.Tokens(2)})
+	pe.up["backup"].Handle(func(openaitest.Request) openaitest.Reply { return openaitest.Reply{Content: openaitest.Tokens(3)} })
+	req := &modelproxyv1.GenerateRequest{Model: "chain", Messages: userMsg("x")}
+	chunks, err := generate(ident("rr", "root/m0"), t, pe.model, req)
+	if err != nil || last(chunks).GetProvider() != "backup" {
+		t.Fatalf("%v from %v", err, last(chunks))
+	}
+	n := meshtest.WaitNode(t, pe.srv.Nodes, "rr", "root/m0")
+	fb := n.GetFallbacks()
+	if len(fb) != 2 || fb[0].GetProvider() != "limited" || fb[0].GetReason() != ReasonRateLimited ||
+		fb[1].GetProvider() != "slow" || fb[1].GetReason() != ReasonTimeout {
+		t.Fatalf("fallbacks %v", fb)
+	}
+	// The alias is cacheable: the same call again is answered from the cache.
+	again, err := generate(ident("rr", "root/m1"), t, pe.model, req)
+	if err != nil || !last(again).GetCached() {
+		t.Fatalf("second call: %v, %v", err, last(again))
+	}
+	if got := pe.up["backup"].Count(); got != 1 {
+		t.Fatalf("backup saw %d requests, want 1", got)
 	}
 }
