@@ -22,7 +22,6 @@ import (
 	toolrunnerv1 "github.com/curfew-mesh/curfew/gen/curfew/toolrunner/v1"
 	"github.com/curfew-mesh/curfew/mesh/cancel"
 	"github.com/curfew-mesh/curfew/mesh/deadline"
-	"github.com/curfew-mesh/curfew/mesh/idempotency"
 	"github.com/curfew-mesh/curfew/mesh/md"
 	"github.com/curfew-mesh/curfew/mesh/nodes"
 	"github.com/curfew-mesh/curfew/mesh/plan"
@@ -149,12 +148,7 @@ func (l *Loop) modelStep(ctx context.Context, id, model string, msgs []*modelpro
 	defer stop()
 	node := &meshv1.Node{Id: id, Kind: meshv1.NodeKind_NODE_KIND_MODEL, Name: model,
 		Status: meshv1.NodeStatus_NODE_STATUS_RUNNING, StartedAt: timestamppb.Now()}
-	req := &modelproxyv1.GenerateRequest{Model: model, Messages: msgs}
-	if model != DefaultModel {
-		// A real model is told the tools; the sim model reads its plan instead.
-		req.Tools = toolSpecs
-	}
-	st, err := l.cfg.Model.Generate(cctx, req)
+	st, err := l.cfg.Model.Generate(cctx, &modelproxyv1.GenerateRequest{Model: model, Messages: msgs, Tools: toolSpecs})
 	if err != nil {
 		return nil, l.failed(ctx, l.cfg.ModelNodes, id, err)
 	}
@@ -291,18 +285,9 @@ func (l *Loop) callTool(ctx context.Context, id string, c *modelproxyv1.ToolCall
 		// Retried only with an idempotency key: a second run of it is a second effect.
 		opts = append(opts, retry.SideEffect())
 	}
-	k := c.GetIdempotencyKey()
-	if k == "" && plan.Durable(c.GetName()) {
-		// kv_put and notify keep their effect in toolrunner's store under a key: without the
-		// caller's, one derived from the call's place in the run and its arguments makes
-		// every retry of this call the same call.
-		dk, err := idempotency.DeriveKey(md.IdentityFrom(ctx).RunID, id, c.GetName(), []byte(c.GetArgsJson()))
-		if err != nil {
-			return "", status.Errorf(codes.InvalidArgument, "tool %s: %v", c.GetName(), err)
-		}
-		k = dk
-	}
-	if k != "" {
+	// kv_put and notify without a key of the caller's get one from toolrunner, derived
+	// from the call's identity and arguments, the same on every attempt.
+	if k := c.GetIdempotencyKey(); k != "" {
 		cctx = metadata.AppendToOutgoingContext(cctx, md.IdempotencyKey, k)
 	}
 	// The caller's view of the tool node, for progress: toolrunner streams only the nodes

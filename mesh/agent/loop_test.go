@@ -24,6 +24,7 @@ import (
 	"github.com/curfew-mesh/curfew/mesh/md"
 	"github.com/curfew-mesh/curfew/mesh/meshtest"
 	"github.com/curfew-mesh/curfew/mesh/nodes"
+	"github.com/curfew-mesh/curfew/mesh/plan"
 )
 
 func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
@@ -166,6 +167,16 @@ func TestRunTwoStepsWithParallelTools(t *testing.T) {
 	}
 	if models[0].Name != agent.DefaultModel {
 		t.Errorf("model = %q, want the default %q", models[0].Name, agent.DefaultModel)
+	}
+	// Every model step is told the built-in tools.
+	var builtins []string
+	for _, ts := range plan.ToolSpecs() {
+		builtins = append(builtins, ts.GetName())
+	}
+	for _, c := range models {
+		if !slices.Equal(c.Tools, builtins) {
+			t.Errorf("%s was told tools %q, want %q", c.ID.NodeID, c.Tools, builtins)
+		}
 	}
 	// Parallel: each tool started before the other ended.
 	if !tools[0].Start.Before(tools[1].End) || !tools[1].Start.Before(tools[0].End) {

@@ -28,6 +28,8 @@ type Call struct {
 	Args string
 	// Messages are the messages of a Generate call.
 	Messages []*modelproxyv1.Message
+	// Tools are the names of the tools a Generate call told the model about.
+	Tools []string
 	// Deadline is the handler context's deadline, zero when it had none.
 	Deadline time.Time
 	// Start is when the handler began; End when it returned (zero while it runs).
@@ -126,6 +128,9 @@ func (m *Model) Register(s *grpc.Server) {
 func (m *Model) Generate(req *modelproxyv1.GenerateRequest, ss grpc.ServerStreamingServer[modelproxyv1.GenerateResponse]) (err error) {
 	ctx := ss.Context()
 	c := &Call{Name: req.GetModel(), Messages: req.GetMessages()}
+	for _, t := range req.GetTools() {
+		c.Tools = append(c.Tools, t.GetName())
+	}
 	ctx = m.start(ctx, c)
 	defer func() { m.end(ctx, c, err) }()
 	turn := 0

@@ -93,16 +93,15 @@ type Tool struct {
 // MaxKeyLen bounds an idempotency key.
 const MaxKeyLen = 128
 
-// SideEffects reports whether a built-in tool changes the world (so that running it twice
-// differs from running it once): deploy starts a job. Such calls are retried only with an
-// idempotency key.
-func SideEffects(name string) bool {
-	return name == ToolDeploy || name == ToolKVPut || name == ToolNotify
-}
+// SideEffects reports whether a built-in tool changes the world in a way a second run
+// would repeat, so that it is retried only with the caller's idempotency key: deploy
+// starts a job. kv_put and notify change the world too, but toolrunner keys them itself
+// (Durable), so every attempt of a call is the same call and they are always retried.
+func SideEffects(name string) bool { return name == ToolDeploy }
 
 // Durable reports whether a built-in's effect is kept in toolrunner's store under an
-// idempotency key, so that a call without the caller's key gets a derived one and may be
-// retried (kv_put, notify).
+// idempotency key: the caller's, or one toolrunner derives from run, node, tool and the
+// canonical arguments, which every attempt of a call shares (kv_put, notify).
 func Durable(name string) bool { return name == ToolKVPut || name == ToolNotify }
 
 // KVPutArgs are the arguments of kv_put: write Value (any JSON) under Key in the

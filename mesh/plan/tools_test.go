@@ -90,9 +90,13 @@ func TestDurableToolArgs(t *testing.T) {
 		}
 	}
 	for _, n := range []string{plan.ToolKVPut, plan.ToolNotify} {
-		if !plan.Durable(n) || !plan.SideEffects(n) || !plan.IsBuiltin(n) {
-			t.Errorf("%s: durable %v, side effects %v, built-in %v", n, plan.Durable(n), plan.SideEffects(n), plan.IsBuiltin(n))
+		// Keyed by toolrunner itself: retried freely, unlike deploy.
+		if !plan.Durable(n) || plan.SideEffects(n) || !plan.IsBuiltin(n) {
+			t.Errorf("%s: durable %v, retried only with a key %v, built-in %v", n, plan.Durable(n), plan.SideEffects(n), plan.IsBuiltin(n))
 		}
+	}
+	if !plan.SideEffects(plan.ToolDeploy) {
+		t.Error("deploy is retried only with a key")
 	}
 	if plan.Durable(plan.ToolDeploy) {
 		t.Error("deploy is not kept in the store")
