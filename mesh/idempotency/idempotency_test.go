@@ -277,3 +277,29 @@ func TestDeriveKey(t *testing.T) {
 		t.Error("New without a store accepted")
 	}
 }
+
+// An irreversible effect (RequireLive) whose call is cancelled after its function returned
+// is not applied: the record is released, and the next attempt runs it.
+func TestRequireLiveCancelledBeforeCommit(t *testing.T) {
+	backends(t, func(t *testing.T, s store.Store) {
+		e := executor(t, s, "o", 30*time.Second)
+		ctx, cancel := context.WithCancel(ctxT(t))
+		_, _, err := e.Do(ctx, idempotency.Call{Tenant: "t1", Key: "late"}, func(context.Context) (idempotency.Result, error) {
+			cancel() // the caller goes away between the function's last check and the commit
+			return idempotency.Result{Value: []byte("sent"), RequireLive: true,
+				Effects: []store.Effect{store.Notify{Channel: "late", Payload: []byte("x")}}}, nil
+		})
+		if status.Code(err) != codes.Canceled {
+			t.Fatalf("cancelled before the commit: %v", err)
+		}
+		if out, _ := s.ListOutbox(context.Background(), "t1", 0, 0); len(out) != 0 {
+			t.Fatalf("the irreversible effect was applied: %+v", out)
+		}
+		_, o, err := e.Do(ctxT(t), idempotency.Call{Tenant: "t1", Key: "late"}, func(context.Context) (idempotency.Result, error) {
+			return idempotency.Result{Value: []byte("sent")}, nil
+		})
+		if err != nil || o != idempotency.Executed {
+			t.Fatalf("next attempt: %v %v", o, err)
+		}
+	})
+}
