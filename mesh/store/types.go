@@ -60,6 +60,9 @@ type Run struct {
 	Owner          string    // "" when unowned (never claimed, or released)
 	Epoch          int64     // incremented by every claim; 0 before the first
 	LeaseExpires   time.Time // zero when unowned
+	// Summary is what the finisher stored with the result (the orchestrator's encoded
+	// run summary), empty while live.
+	Summary []byte
 }
 
 // Lease returns the run's current lease, to pass to fenced writes.
@@ -82,6 +85,8 @@ type RunResult struct {
 	Cause  string
 	Error  string
 	Answer []byte
+	// Summary is opaque to the store: the finisher's full account of the run.
+	Summary []byte
 }
 
 // RunQuery selects a page of a tenant's runs.
@@ -94,7 +99,10 @@ type RunQuery struct {
 
 // Checkpoint is one completed agent step.
 type Checkpoint struct {
-	Step int // 0-based index of the model step in the run
+	// Step is the checkpoint's 0-based position in the run's journal. The agent loop
+	// (mesh/agent.Journal) writes two per agent step: the model step's output as soon as
+	// the model step completes, then the step's tool results.
+	Step int
 	// ModelOutput is the assistant message of the step, including its tool calls,
 	// serialized by the caller (JSON); ToolResults the results of those calls.
 	ModelOutput []byte

@@ -194,7 +194,7 @@ var runTests = map[string]func(*env){
 		e.clock.Advance(time.Second)
 		_, err := e.s.FinishRun(e.ctx, r.Lease(), store.RunResult{Status: store.StatusRunning})
 		wantErr(e.t, err, store.ErrInvalidArgument, "non-terminal status")
-		res := store.RunResult{Status: store.StatusSucceeded, Answer: []byte("42")}
+		res := store.RunResult{Status: store.StatusSucceeded, Answer: []byte("42"), Summary: []byte{0, 1, 2, 0xff}}
 		f, err := e.s.FinishRun(e.ctx, r.Lease(), res)
 		if err != nil {
 			e.t.Fatal(err)
@@ -215,7 +215,7 @@ var runTests = map[string]func(*env){
 			e.t.Fatalf("release after finish: %v", err)
 		}
 		got, _ := e.s.GetRun(e.ctx, tenantA, r.RunID)
-		if got.Status != store.StatusSucceeded || string(got.Answer) != "42" {
+		if got.Status != store.StatusSucceeded || string(got.Answer) != "42" || string(got.Summary) != string(res.Summary) {
 			e.t.Fatalf("stored %+v", got)
 		}
 	},

@@ -80,7 +80,7 @@ func pageLimit(n int) int {
 }
 
 const runCols = `run_id, tenant, COALESCE(idempotency_key, ''), task, model, deadline_ms, status,
-	cause, error, answer, created_ms, ended_ms, owner, epoch, lease_expires_ms`
+	cause, error, answer, created_ms, ended_ms, owner, epoch, lease_expires_ms, summary`
 
 func scanRun(r Row) (store.Run, error) {
 	var (
@@ -89,7 +89,7 @@ func scanRun(r Row) (store.Run, error) {
 		deadline, created, ended, leaseExpires int64
 	)
 	err := r.Scan(&run.RunID, &run.Tenant, &run.IdempotencyKey, &run.Task, &run.Model, &deadline, &status,
-		&run.Cause, &run.Error, &run.Answer, &created, &ended, &run.Owner, &run.Epoch, &leaseExpires)
+		&run.Cause, &run.Error, &run.Answer, &created, &ended, &run.Owner, &run.Epoch, &leaseExpires, &run.Summary)
 	if err != nil {
 		return store.Run{}, err
 	}
@@ -235,10 +235,10 @@ func (s *Store) FinishRun(ctx context.Context, l store.Lease, res store.RunResul
 	err := s.d.Tx(ctx, func(q Querier) error {
 		var err error
 		run, err = scanRun(q.QueryRow(ctx, `UPDATE runs SET status = $1, cause = $2, error = $3, answer = $4,
-			ended_ms = $5, lease_expires_ms = 0
+			ended_ms = $5, lease_expires_ms = 0, summary = $10
 			WHERE tenant = $6 AND run_id = $7 AND owner = $8 AND epoch = $9 AND ended_ms = 0
 			RETURNING `+runCols,
-			string(res.Status), res.Cause, res.Error, blob(res.Answer), s.nowMs(), l.Tenant, l.RunID, l.Owner, l.Epoch))
+			string(res.Status), res.Cause, res.Error, blob(res.Answer), s.nowMs(), l.Tenant, l.RunID, l.Owner, l.Epoch, blob(res.Summary)))
 		if !errors.Is(err, ErrNoRows) {
 			return err
 		}
