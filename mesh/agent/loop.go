@@ -104,17 +104,59 @@ func New(cfg Config) *Loop {
 // base/m<i> and tools base/s<i>.t<j>. model overrides the configured model when not empty.
 // It returns the answer, or a gRPC status error.
 func (l *Loop) Run(ctx context.Context, base, model, task string) (string, error) {
+	return l.RunJournaled(ctx, base, model, task, nil)
+}
+
+// RunJournaled is Run with a journal: it first replays the entries an earlier incarnation
+// of the loop recorded (a completed model step is not generated again, completed tools
+// are not called again), then records every model step and every step's tool results as
+// they complete, before going on. A Record error stops the loop with that error. A nil
+// journal records nothing.
+func (l *Loop) RunJournaled(ctx context.Context, base, model, task string, j Journal) (string, error) {
 	if model == "" {
 		model = l.cfg.ModelName
+	}
+	var prior []Entry
+	if j != nil {
+		prior = j.Replay()
+	}
+	next := func(step int, kind EntryKind) *Entry { // the recorded entry for (step, kind), if any
+		if len(prior) == 0 || prior[0].Step != step || prior[0].Kind != kind {
+			return nil
+		}
+		e := &prior[0]
+		prior = prior[1:]
+		return e
+	}
+	record := func(e Entry) error {
+		if j == nil {
+			return nil
+		}
+		return j.Record(ctx, e)
 	}
 	msgs := []*modelproxyv1.Message{{Role: modelproxyv1.Role_ROLE_USER, Content: task}}
 	for i := 0; i < l.cfg.MaxSteps; i++ {
 		if err := ctx.Err(); err != nil {
 			return "", ctxStatus(ctx)
 		}
-		res, err := l.modelStep(ctx, fmt.Sprintf("%s/m%d", base, i), model, msgs)
-		if err != nil {
-			return "", err
+		var res *stepResult
+		if e := next(i, EntryModel); e != nil {
+			res = &stepResult{GenerateResponse: &modelproxyv1.GenerateResponse{
+				FinishReason: e.FinishReason, ToolCalls: e.ToolCalls}, text: e.Text}
+		} else {
+			if len(prior) > 0 {
+				return "", status.Errorf(codes.Internal, "journal of %s does not match the loop: entry %d of step %d (%s) where step %d's model output belongs",
+					base, prior[0].Seq, prior[0].Step, prior[0].Kind, i)
+			}
+			var err error
+			res, err = l.modelStep(ctx, fmt.Sprintf("%s/m%d", base, i), model, msgs)
+			if err != nil {
+				return "", err
+			}
+			if err := record(Entry{Step: i, Kind: EntryModel, Text: res.text, FinishReason: res.GetFinishReason(),
+				ToolCalls: res.GetToolCalls(), Tokens: res.tokens}); err != nil {
+				return "", err
+			}
 		}
 		// The step answers unless it asked for tools. A step may think without calling
 		// any tool (finish reason "tool_calls" with none, as the sim model sends for a
@@ -124,9 +166,21 @@ func (l *Loop) Run(ctx context.Context, base, model, task string) (string, error
 		}
 		calls := res.GetToolCalls() // res (the step's last chunk) is not kept while its tools run
 		msgs = append(msgs, &modelproxyv1.Message{Role: modelproxyv1.Role_ROLE_ASSISTANT, Content: res.text, ToolCalls: calls})
-		outs, err := l.toolStep(ctx, fmt.Sprintf("%s/s%d", base, i), calls)
-		if err != nil {
-			return "", err
+		var outs []string
+		if e := next(i, EntryTools); e != nil && len(e.ToolOutputs) == len(calls) {
+			outs = e.ToolOutputs
+		} else {
+			if e != nil || len(prior) > 0 {
+				return "", status.Errorf(codes.Internal, "journal of %s does not match the loop at step %d's tool results", base, i)
+			}
+			var err error
+			outs, err = l.toolStep(ctx, fmt.Sprintf("%s/s%d", base, i), calls)
+			if err != nil {
+				return "", err
+			}
+			if err := record(Entry{Step: i, Kind: EntryTools, ToolOutputs: outs}); err != nil {
+				return "", err
+			}
 		}
 		for j, c := range calls {
 			msgs = append(msgs, &modelproxyv1.Message{Role: modelproxyv1.Role_ROLE_TOOL, ToolCallId: c.GetId(), Content: outs[j]})
@@ -138,6 +192,7 @@ func (l *Loop) Run(ctx context.Context, base, model, task string) (string, error
 type stepResult struct {
 	*modelproxyv1.GenerateResponse // the final chunk
 	text                           string
+	tokens                         int64 // the step's output tokens, as streamed
 }
 
 func (l *Loop) modelStep(ctx context.Context, id, model string, msgs []*modelproxyv1.Message) (*stepResult, error) {
@@ -183,7 +238,7 @@ func (l *Loop) modelStep(ctx context.Context, id, model string, msgs []*modelpro
 		return nil, err
 	}
 	l.endModel(node, nil)
-	return &stepResult{GenerateResponse: final, text: text.String()}, nil
+	return &stepResult{GenerateResponse: final, text: text.String(), tokens: node.Tokens}, nil
 }
 
 func (l *Loop) endModel(n *meshv1.Node, err error) {
