@@ -1,6 +1,7 @@
 // Command modelproxy serves curfew.modelproxy.v1.ModelProxyService: the built-in `sim`
 // decoder, OpenAI-compatible providers behind fallback chains and breakers, and its
-// token ledger. It only wires; the logic is in internal/modelproxy.
+// token ledger, persisted with --store. It only wires; the logic is in
+// internal/modelproxy.
 package main
 
 import (
@@ -16,6 +17,9 @@ import (
 	modelproxyv1 "github.com/curfew-mesh/curfew/gen/curfew/modelproxy/v1"
 	"github.com/curfew-mesh/curfew/mesh/nodes"
 	"github.com/curfew-mesh/curfew/mesh/service"
+	"github.com/curfew-mesh/curfew/mesh/store"
+	_ "github.com/curfew-mesh/curfew/mesh/store/postgres" // postgres:// DSNs
+	_ "github.com/curfew-mesh/curfew/mesh/store/sqlite"   // SQLite paths
 	"github.com/curfew-mesh/curfew/services/modelproxy/internal/modelproxy"
 )
 
@@ -27,6 +31,7 @@ func run(args []string) int {
 	o.Register(fs, "modelproxy", "127.0.0.1:7706", "127.0.0.1:7707")
 	minDecode := fs.Duration("min-decode-time", 50*time.Millisecond, "least time left to start a decoder; less fails fast with DEADLINE_EXCEEDED")
 	providers := fs.String("providers-config", "", "JSON file of OpenAI-compatible providers and model aliases (see docs/providers.md); only the built-in sim model when empty")
+	storeDSN := fs.String("store", "", "durable store of the token ledger: a SQLite path (sqlite:///path/curfew.db) or a postgres:// DSN; `curfew up` passes one under its data directory; without one the ledger is kept in memory only and a run's spend does not survive a restart")
 	if err := service.Parse(fs, args, os.Getenv); err != nil {
 		fmt.Fprintln(os.Stderr, "modelproxy:", err)
 		return 2
@@ -50,6 +55,16 @@ func run(args []string) int {
 	}
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
+	var st store.Store
+	if *storeDSN != "" {
+		s, err := store.Open(ctx, *storeDSN)
+		if err != nil {
+			fmt.Fprintln(os.Stderr, "modelproxy: --store:", err)
+			return 2
+		}
+		defer func() { _ = s.Close() }()
+		st = s
+	}
 	rt, err := service.New(ctx, o, map[string]time.Duration{
 		modelproxyv1.ModelProxyService_Generate_FullMethodName: *minDecode,
 	})
@@ -59,6 +74,11 @@ func run(args []string) int {
 	}
 	srv := modelproxy.New()
 	srv.Metrics = modelproxy.NewMetrics(rt.Registry)
+	srv.Log = rt.Log
+	if st != nil {
+		srv.Store = st
+		defer srv.Flush() // the last decoders' entries, before the store closes
+	}
 	if file != nil {
 		if srv.Router, err = modelproxy.NewRouter(file, modelproxy.RouterOptions{Registry: rt.Registry, Log: rt.Log}); err != nil {
 			fmt.Fprintln(os.Stderr, "modelproxy: --providers-config:", err)

@@ -21,6 +21,8 @@ func TestRunRejectsBadConfiguration(t *testing.T) {
 		{Name: "flag wins over env", Args: []string{"--min-decode-time=-1s"}, Env: map[string]string{"CURFEW_MIN_DECODE_TIME": "fast"}, Want: "must not be negative"},
 		{Name: "missing providers file", Args: []string{"--providers-config=/nonexistent/providers.json"}, Want: "--providers-config"},
 		{Name: "invalid providers file from env", Env: map[string]string{"CURFEW_PROVIDERS_CONFIG": badProviders(t)}, Want: "unknown provider"},
+		{Name: "unknown store scheme", Args: []string{"--store=mysql://db/curfew"}, Want: "--store"},
+		{Name: "unreachable store from env", Env: map[string]string{"CURFEW_STORE": "postgres://nobody@127.0.0.1:1/none?connect_timeout=2"}, Want: "--store"},
 	}...)
 	meshtest.RunFlagCases(t, "modelproxy", run, cases)
 }

@@ -2,7 +2,9 @@
 // package holds the built-in `sim` provider (a decoder scripted by a JSON plan, see
 // package plan) and the token ledger that records every token a decoder emits, keyed by
 // task (run and node) with its wall-clock instant, so that tokens spent after a cancel are
-// measurable from the decoder's own record.
+// measurable from the decoder's own record. With a durable store (Server.Store) each
+// decoder also appends its tokens to the store's ledger when it ends (persist.go), so a
+// run's spend survives restarts.
 //
 // A decoder stops at the next token boundary once its context is cancelled: the wait for
 // each token selects on the context, so a cancel costs at most the token being emitted.

@@ -243,6 +243,7 @@ type call struct {
 	stream modelproxyv1.ModelProxyService_GenerateServer
 	run    string
 	node   string
+	spend  *spend // the decoder's tokens
 	schema *jsonschema.Schema
 	// fallbacks so far, recorded on the node
 	fallbacks []*meshv1.Fallback
@@ -250,8 +251,8 @@ type call struct {
 
 // generate answers req through the route. It returns a gRPC status error.
 func (r *Router) generate(ctx context.Context, s *Server, rt *route, req *modelproxyv1.GenerateRequest,
-	stream modelproxyv1.ModelProxyService_GenerateServer, run, node string) error {
-	c := &call{r: r, s: s, rt: rt, req: req, stream: stream, run: run, node: node}
+	stream modelproxyv1.ModelProxyService_GenerateServer, sp *spend) error {
+	c := &call{r: r, s: s, rt: rt, req: req, stream: stream, run: sp.run, node: sp.node, spend: sp}
 	if sc := req.GetResponseSchema(); sc != nil {
 		sch, err := compileSchema(sc.GetSchemaJson())
 		if err != nil {
@@ -452,7 +453,7 @@ func (c *call) stream1(ctx context.Context, t Target, lat *latency) (_ *cached, 
 			}
 			last = now
 			counted += int64(ch.Tokens)
-			c.s.Ledger.RecordN(c.run, c.node, now, ch.Tokens)
+			c.spend.record(now, ch.Tokens)
 			c.s.Metrics.addTokens(c.rt.alias, t.Provider, ch.Tokens)
 		}
 		if ch.FinishReason != "" || ch.Usage != nil || len(ch.ToolCalls) > 0 {
@@ -480,7 +481,7 @@ func (c *call) stream1(ctx context.Context, t Target, lat *latency) (_ *cached, 
 		usage = &modelproxyv1.Usage{CompletionTokens: counted}
 	} else if extra := usage.GetCompletionTokens() - counted; extra > 0 {
 		// The provider's count is authoritative; record what the stream did not show.
-		c.s.Ledger.RecordN(c.run, c.node, time.Now(), int(extra))
+		c.spend.record(time.Now(), int(extra))
 		c.s.Metrics.addTokens(c.rt.alias, t.Provider, int(extra))
 	}
 	if !first.IsZero() {

@@ -3,6 +3,7 @@ package modelproxy
 import (
 	"context"
 	"fmt"
+	"log/slog"
 	"math/rand/v2"
 	"slices"
 	"strings"
@@ -34,13 +35,20 @@ type Server struct {
 	Router *Router
 	// Metrics, if set, count the tokens decoders emit and, per summary, the orphan tokens.
 	Metrics *Metrics
+	// Store, if set, persists the ledger: each decoder appends its tokens when it ends
+	// (see persist). nil keeps the ledger in memory only. Call Flush before closing it.
+	Store LedgerStore
+	// Log receives the appends that failed; nil is slog.Default().
+	Log *slog.Logger
+	// persister keys and tracks the appends in flight.
+	persister persister
 	// now is the clock; tests may replace it.
 	now func() time.Time
 }
 
 // New returns a server with an empty node table and ledger.
 func New() *Server {
-	return &Server{Nodes: nodes.New(0), Ledger: NewLedger(), now: time.Now}
+	return &Server{Nodes: nodes.New(0), Ledger: NewLedger(), persister: persister{nonce: newNonce()}, now: time.Now}
 }
 
 // Report returns the NodeReportService of this server's decoders, with token figures
@@ -114,17 +122,20 @@ func (s *Server) Generate(req *modelproxyv1.GenerateRequest, stream modelproxyv1
 	}
 	ctx, _ = s.Nodes.Begin(ctx, run, n)
 	tokens := s.traceTokens(ctx, run, node)
+	sp := s.newSpend(ctx, run, node)
 	if rt != nil {
-		err = s.Router.generate(ctx, s, rt, req, stream, run, node)
+		err = s.Router.generate(ctx, s, rt, req, stream, sp)
 	} else {
-		err = s.decode(ctx, stream, run, node, step)
+		err = s.decode(ctx, stream, sp, step)
 	}
+	output, orphan := sp.end()
 	tokens.end()
 	s.Nodes.Finish(ctx, run, node, err, func(n *meshv1.Node) {
 		if ctx.Err() != nil {
 			n.CancelledAt = timestamppb.New(s.now())
 		}
 	})
+	s.persist(ctx, node, output, orphan)
 	return err
 }
 
@@ -177,7 +188,7 @@ var words = []string{"the", "deadline", "reaches", "every", "leaf", "and", "the"
 
 // decode emits the step's tokens at the plan's rate, on an absolute schedule so that the
 // rate does not drift, stopping at the next token boundary when ctx is done.
-func (s *Server) decode(ctx context.Context, stream modelproxyv1.ModelProxyService_GenerateServer, run, node string, st *step) error {
+func (s *Server) decode(ctx context.Context, stream modelproxyv1.ModelProxyService_GenerateServer, sp *spend, st *step) error {
 	attempt := md.IdentityFrom(ctx).Attempt
 	if attempt == 0 {
 		attempt = 1
@@ -213,7 +224,7 @@ func (s *Server) decode(ctx context.Context, stream modelproxyv1.ModelProxyServi
 		if err := ctx.Err(); err != nil {
 			return err
 		}
-		s.Ledger.Record(run, node, s.now())
+		sp.record(s.now(), 1)
 		if counted != nil {
 			counted.Inc()
 		}

@@ -1,0 +1,306 @@
+package modelproxy
+
+import (
+	"context"
+	"database/sql"
+	"log/slog"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/metadata"
+	"google.golang.org/grpc/status"
+
+	meshv1 "github.com/curfew-mesh/curfew/gen/curfew/mesh/v1"
+	modelproxyv1 "github.com/curfew-mesh/curfew/gen/curfew/modelproxy/v1"
+	"github.com/curfew-mesh/curfew/mesh"
+	"github.com/curfew-mesh/curfew/mesh/md"
+	"github.com/curfew-mesh/curfew/mesh/meshtest"
+	"github.com/curfew-mesh/curfew/mesh/store"
+	"github.com/curfew-mesh/curfew/mesh/store/sqlite"
+)
+
+const testTenant = "acme"
+
+// durable is a SQLite store in a test directory, and a read-only view of its ledger rows.
+type durable struct {
+	path string
+	s    store.Store
+}
+
+func openDurable(t *testing.T, path string) *durable {
+	t.Helper()
+	if path == "" {
+		path = filepath.Join(t.TempDir(), "curfew.db")
+	}
+	s, err := sqlite.Open(context.Background(), path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = s.Close() })
+	return &durable{path: path, s: s}
+}
+
+// row is one token_ledger row.
+type row struct {
+	tenant, run, node, kind, key string
+	tokens                       int64
+}
+
+// rows reads the run's ledger rows in insertion order, straight from the database file.
+func (d *durable) rows(t *testing.T, run string) []row {
+	t.Helper()
+	db, err := sql.Open("sqlite", "file:"+d.path+"?_pragma=query_only(1)")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = db.Close() }()
+	rs, err := db.QueryContext(context.Background(), `SELECT tenant, run_id, node_id, kind, COALESCE(entry_key, ''), tokens
+		FROM token_ledger WHERE run_id = ? ORDER BY id`, run)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = rs.Close() }()
+	var out []row
+	for rs.Next() {
+		var r row
+		if err := rs.Scan(&r.tenant, &r.run, &r.node, &r.kind, &r.key, &r.tokens); err != nil {
+			t.Fatal(err)
+		}
+		out = append(out, r)
+	}
+	if err := rs.Err(); err != nil {
+		t.Fatal(err)
+	}
+	return out
+}
+
+func (d *durable) usage(t *testing.T, run string) store.Usage {
+	t.Helper()
+	u, err := d.s.TokenUsage(context.Background(), testTenant, run)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return u
+}
+
+// persistEnv is newEnv with the server persisting its ledger to d.
+func persistEnv(t *testing.T, d *durable) *env {
+	t.Helper()
+	srv := New()
+	srv.Store = d.s
+	srv.Log = slog.New(slog.DiscardHandler)
+	cc := meshtest.Serve(t, mesh.ServerConfig{Logger: slog.New(slog.DiscardHandler)}, func(gs *grpc.Server) {
+		modelproxyv1.RegisterModelProxyServiceServer(gs, srv)
+		meshv1.RegisterNodeReportServiceServer(gs, srv.Report())
+	})
+	t.Cleanup(srv.Flush) // runs before the store closes (cleanups run last-in first-out)
+	return &env{srv: srv, model: modelproxyv1.NewModelProxyServiceClient(cc), report: meshv1.NewNodeReportServiceClient(cc)}
+}
+
+// tenantIdent is ident with a tenant.
+func tenantIdent(run, node string) context.Context {
+	return md.WithIdentity(context.Background(), md.Identity{Tenant: testTenant, RunID: run, NodeID: node})
+}
+
+// delivered sums the tokens of the chunks a caller received.
+func delivered(chunks []*modelproxyv1.GenerateResponse) int64 {
+	var n int64
+	for _, c := range chunks {
+		n += int64(c.GetTokens())
+	}
+	return n
+}
+
+const fivePlan = `{"tokens_per_second":1000,"steps":[{"answer_tokens":5}]}`
+
+// One decoder appends one entry with the tokens it streamed; the same node decoded again
+// (in this process, and by a restarted modelproxy on the same database) appends a new
+// entry each time, so a regenerated step's spend is visible, and the store's usage of
+// the node is what the streams delivered.
+func TestLedgerPersistsOneEntryPerDecoder(t *testing.T) {
+	d := openDurable(t, "")
+	e := persistEnv(t, d)
+	const run, node = "r-persist", "root/m0"
+	ctx := metadata.AppendToOutgoingContext(tenantIdent(run, node), md.RetryID, "retry-1", md.Attempt, "2")
+	chunks, err := generate(ctx, t, e.model, &modelproxyv1.GenerateRequest{Messages: conversation(fivePlan, 0)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	e.srv.Flush()
+	first := delivered(chunks)
+	if first != 5 {
+		t.Fatalf("delivered %d tokens, want 5", first)
+	}
+	rows := d.rows(t, run)
+	if len(rows) != 1 {
+		t.Fatalf("ledger rows = %+v, want one", rows)
+	}
+	r := rows[0]
+	if r.tenant != testTenant || r.node != node || r.kind != KindOutput || r.tokens != first {
+		t.Fatalf("row = %+v, want tenant %s, node %s, kind output, %d tokens", r, testTenant, node, first)
+	}
+	if want := "modelproxy/" + run + "/" + node + "/retry-1/2/"; !strings.HasPrefix(r.key, want) {
+		t.Fatalf("key %q, want the prefix %q (run/node/retry-id/attempt) and the decoder's nonce", r.key, want)
+	}
+
+	// The same node again (a new call: the client mints a new retry id): a second entry.
+	chunks, err = generate(tenantIdent(run, node), t, e.model, &modelproxyv1.GenerateRequest{Messages: conversation(fivePlan, 0)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	e.srv.Flush()
+	second := delivered(chunks)
+	rows = d.rows(t, run)
+	if len(rows) != 2 || rows[1].tokens != second || rows[1].key == rows[0].key || !strings.HasPrefix(rows[1].key, "modelproxy/"+run+"/"+node+"/") {
+		t.Fatalf("after a second decode rows = %+v, want a second output entry of %d tokens under its own key", rows, second)
+	}
+
+	// A restarted modelproxy (new server, the store reopened) decodes the node again.
+	if err := d.s.Close(); err != nil {
+		t.Fatal(err)
+	}
+	d = openDurable(t, d.path)
+	e = persistEnv(t, d)
+	chunks, err = generate(tenantIdent(run, node), t, e.model, &modelproxyv1.GenerateRequest{Messages: conversation(fivePlan, 0)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	e.srv.Flush()
+	third := delivered(chunks)
+	if rows = d.rows(t, run); len(rows) != 3 {
+		t.Fatalf("after a restart rows = %+v, want three entries", rows)
+	}
+	u := d.usage(t, run)
+	if want := first + second + third; u.ByNode[node] != want || u.Total != want {
+		t.Fatalf("usage = %+v, want %d tokens on %s (what the three streams delivered)", u, want, node)
+	}
+	if u, _ := d.s.TokenUsage(context.Background(), md.DefaultTenant, run); u.Total != 0 {
+		t.Fatalf("another tenant sees %+v", u)
+	}
+}
+
+// A cancelled decoder appends the tokens it emitted up to the cancel.
+func TestLedgerPersistsCancelledDecoder(t *testing.T) {
+	d := openDurable(t, "")
+	e := persistEnv(t, d)
+	const run, node = "r-persist-cancel", "root/m0"
+	// 20 tokens/s: 50 ms between tokens, ample time for the RST_STREAM to arrive.
+	p := `{"tokens_per_second":20,"steps":[{"answer_tokens":1000}]}`
+	ctx, cancel := context.WithCancel(tenantIdent(run, node))
+	defer cancel()
+	st, err := e.model.Generate(ctx, &modelproxyv1.GenerateRequest{Messages: conversation(p, 0)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var received int64
+	for range 3 {
+		c, err := st.Recv()
+		if err != nil {
+			t.Fatal(err)
+		}
+		received += int64(c.GetTokens())
+	}
+	cancel()
+	if _, err := meshtest.Drain(st); status.Code(err) != codes.Canceled {
+		t.Fatalf("stream after cancel: %v, want CANCELED", err)
+	}
+	// The caller does not wait for the decoder to end: wait for its node, then for its append.
+	meshtest.WaitNode(t, e.srv.Nodes, run, node)
+	var rows []row
+	for deadline := time.Now().Add(5 * time.Second); ; time.Sleep(5 * time.Millisecond) {
+		e.srv.Flush()
+		if rows = d.rows(t, run); len(rows) > 0 || time.Now().After(deadline) {
+			break
+		}
+	}
+	emitted, _, _ := e.srv.Ledger.Figures(run, node, time.Time{})
+	if len(rows) != 1 || rows[0].kind != KindOutput || rows[0].tokens != emitted || emitted < received {
+		t.Fatalf("rows = %+v, want one output entry of the %d tokens the decoder emitted (%d received)", rows, emitted, received)
+	}
+	if u := d.usage(t, run); u.ByNode[node] != emitted {
+		t.Fatalf("usage = %+v, want %d on %s", u, emitted, node)
+	}
+}
+
+// A call without a run id, and a decoder that emitted nothing, append nothing.
+func TestLedgerNotPersistedWithoutRunOrTokens(t *testing.T) {
+	d := openDurable(t, "")
+	e := persistEnv(t, d)
+	if _, err := generate(context.Background(), t, e.model, &modelproxyv1.GenerateRequest{Messages: conversation(fivePlan, 0)}); err != nil {
+		t.Fatal(err)
+	}
+	fault := `{"steps":[{"answer_tokens":3,"model_error":{"attempts":1}}]}`
+	_, err := generate(tenantIdent("r-none", "root/m0"), t, e.model, &modelproxyv1.GenerateRequest{Messages: conversation(fault, 0)})
+	meshtest.WantCode(t, err, codes.Unavailable)
+	e.srv.Flush()
+	for _, run := range []string{"", unattributed, "r-none"} {
+		if rows := d.rows(t, run); len(rows) != 0 {
+			t.Fatalf("run %q has rows %+v, want none", run, rows)
+		}
+	}
+	if total, _, _ := e.srv.Ledger.Figures(unattributed, unattributed, time.Time{}); total != 5 {
+		t.Fatalf("the in-memory ledger has %d unattributed tokens, want 5 as before", total)
+	}
+}
+
+// Tokens recorded after the decoder's context was cancelled are appended as a separate
+// orphan entry; the two entries together are what the decoder emitted.
+func TestLedgerPersistsOrphanTokens(t *testing.T) {
+	d := openDurable(t, "")
+	s := New()
+	s.Store = d.s
+	defer s.Flush()
+	base := time.Unix(1_700_000_000, 0)
+	clock := base
+	s.now = func() time.Time { return clock }
+
+	const run, node = "r-orphan", "root/m0"
+	ctx, cancel := context.WithCancel(md.WithIdentity(context.Background(), md.Identity{Tenant: testTenant, RunID: run, NodeID: node}))
+	sp := s.newSpend(ctx, run, node)
+	sp.record(base.Add(10*time.Millisecond), 3)
+	clock = base.Add(20 * time.Millisecond)
+	cancel() // the cancel instant is the clock's: +20 ms
+	sp.record(base.Add(30*time.Millisecond), 2)
+	output, orphan := sp.end()
+	if output != 3 || orphan != 2 {
+		t.Fatalf("split = %d output, %d orphan; want 3 and 2", output, orphan)
+	}
+	if total, before, after := s.Ledger.Figures(run, node, clock); total != 5 || before != 3 || after != 2 {
+		t.Fatalf("in-memory figures = %d, %d, %d; want 5, 3, 2", total, before, after)
+	}
+	s.persist(ctx, node, output, orphan)
+	s.Flush()
+	rows := d.rows(t, run)
+	if len(rows) != 2 || rows[0].kind != KindOutput || rows[0].tokens != 3 || rows[1].kind != KindOrphan || rows[1].tokens != 2 ||
+		rows[1].key != rows[0].key+"/orphan" || !strings.HasPrefix(rows[0].key, "modelproxy/"+run+"/"+node+"/-/1/") {
+		t.Fatalf("rows = %+v, want output 3 and orphan 2 under the decoder's key", rows)
+	}
+	if u := d.usage(t, run); u.ByNode[node] != 5 {
+		t.Fatalf("usage = %+v, want 5 on %s", u, node)
+	}
+
+	// Without a cancel every token is output.
+	sp = s.newSpend(md.WithIdentity(context.Background(), md.Identity{RunID: run, NodeID: node}), run, node)
+	sp.record(clock, 4)
+	if output, orphan := sp.end(); output != 4 || orphan != 0 {
+		t.Fatalf("uncancelled split = %d, %d; want 4, 0", output, orphan)
+	}
+}
+
+// A failing store costs a log line, not the call.
+func TestLedgerStoreFailureDoesNotFailTheCall(t *testing.T) {
+	d := openDurable(t, "")
+	e := persistEnv(t, d)
+	if err := d.s.Close(); err != nil { // every append now fails
+		t.Fatal(err)
+	}
+	chunks, err := generate(tenantIdent("r-closed", "root/m0"), t, e.model, &modelproxyv1.GenerateRequest{Messages: conversation(fivePlan, 0)})
+	if err != nil || delivered(chunks) != 5 {
+		t.Fatalf("call with a failing store: %d tokens, %v; want 5, nil", delivered(chunks), err)
+	}
+	e.srv.Flush()
+}
