@@ -161,6 +161,13 @@ var deadLetterTests = map[string]func(*env){
 		if _, err := e.s.MarkReplayed(e.ctx, tenantA, replayed.ID); err != nil {
 			e.t.Fatal(err)
 		}
+		// A time at or before the Unix epoch selects nothing (it must not read as "no
+		// time filter").
+		for _, at := range []time.Time{time.Unix(0, 0), time.Unix(-5, 0)} {
+			if n, err := e.s.PurgeDeadLetters(e.ctx, store.PurgeQuery{Before: at}); err != nil || n != 0 {
+				e.t.Fatalf("purge before %v: %d %v, want nothing purged", at, n, err)
+			}
+		}
 		n, err := e.s.PurgeDeadLetters(e.ctx, store.PurgeQuery{Tenant: tenantA, OnlyReplayed: true})
 		if err != nil || n != 1 {
 			e.t.Fatalf("purge replayed: %d %v", n, err)

@@ -142,13 +142,21 @@ func (s *Store) PurgeDeadLetters(ctx context.Context, q store.PurgeQuery) (int64
 	if q.OnlyReplayed {
 		only = 1
 	}
+	before := int64(0) // no time filter
+	if !q.Before.IsZero() {
+		// At or before the Unix epoch nothing was created; -1 keeps the filter on (0
+		// would read as "no filter" and purge everything).
+		if before = ms(q.Before); before <= 0 {
+			before = -1
+		}
+	}
 	var n int64
 	err := s.d.Tx(ctx, func(qr Querier) error {
 		var err error
 		n, err = qr.Exec(ctx, `DELETE FROM dead_letters
 			WHERE ($1 = '' OR tenant = $1) AND ($2 = '' OR id = $2)
 			  AND (CAST($3 AS BIGINT) = 0 OR created_ms < $3) AND ($4 = 0 OR replayed_ms <> 0)`,
-			q.Tenant, q.ID, ms(q.Before), only)
+			q.Tenant, q.ID, before, only)
 		return err
 	})
 	return n, err
