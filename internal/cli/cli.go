@@ -34,6 +34,10 @@ Usage:
   curfew ls      [--limit N] [--json]
   curfew cancel  RUN [--reason TEXT] [--json]
   curfew trace   RUN [--width N] [--json]
+  curfew dlq     ls [--run RUN] [--all] [--limit N] [--json]
+  curfew dlq     show ID [--json]
+  curfew dlq     replay ID [--timeout D] [--json]
+  curfew dlq     purge (--id ID | --before TIME | --replayed) [--json]
 
 Every command except up takes --addr (default: the orchestrator in DIR/endpoints.json,
 else 127.0.0.1:7700) and --data-dir (default $CURFEW_DATA_DIR, else ~/.curfew).
@@ -47,6 +51,7 @@ func Main(ctx context.Context, args []string, stdin io.Reader, stdout, stderr io
 	}
 	cmds := map[string]func(context.Context, []string, io.Writer, io.Writer) int{
 		"up": cmdUp, "run": cmdRun, "get": cmdGet, "ls": cmdLs, "cancel": cmdCancel, "trace": cmdTrace,
+		"dlq": cmdDlq,
 	}
 	switch args[0] {
 	case "help", "-h", "--help":

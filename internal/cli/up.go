@@ -92,7 +92,9 @@ func cmdUp(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		}
 		dsn = "sqlite://" + abs
 	}
-	extra["toolrunner"] = append(extra["toolrunner"], "--store", dsn)
+	for _, svc := range []string{"toolrunner", "orchestrator", "modelproxy"} { // the services that keep durable state
+		extra[svc] = append(extra[svc], "--store", dsn)
+	}
 	if *basePort < 0 || *basePort > 65535-8 {
 		return usageErr(stderr, "up", fmt.Errorf("--base-port must be 0 or between 1 and %d", 65535-8))
 	}

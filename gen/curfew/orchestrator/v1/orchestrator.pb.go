@@ -10,6 +10,7 @@ import (
 	v1 "github.com/curfew-mesh/curfew/gen/curfew/mesh/v1"
 	protoreflect "google.golang.org/protobuf/reflect/protoreflect"
 	protoimpl "google.golang.org/protobuf/runtime/protoimpl"
+	durationpb "google.golang.org/protobuf/types/known/durationpb"
 	timestamppb "google.golang.org/protobuf/types/known/timestamppb"
 	reflect "reflect"
 	sync "sync"
@@ -106,8 +107,13 @@ type Run struct {
 	TokensAfterCancel int64  `protobuf:"varint,14,opt,name=tokens_after_cancel,json=tokensAfterCancel,proto3" json:"tokens_after_cancel,omitempty"`
 	Model             string `protobuf:"bytes,15,opt,name=model,proto3" json:"model,omitempty"`
 	Task              string `protobuf:"bytes,16,opt,name=task,proto3" json:"task,omitempty"`
-	unknownFields     protoimpl.UnknownFields
-	sizeCache         protoimpl.SizeCache
+	// The StartRun idempotency key the run was started with, if any.
+	IdempotencyKey string `protobuf:"bytes,17,opt,name=idempotency_key,json=idempotencyKey,proto3" json:"idempotency_key,omitempty"`
+	// How many times the run was claimed by an orchestrator: 1 for a run that was never
+	// taken over, more after a crashed owner's run was resumed. 0 without a durable store.
+	Epoch         int64 `protobuf:"varint,18,opt,name=epoch,proto3" json:"epoch,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
 }
 
 func (x *Run) Reset() {
@@ -250,6 +256,20 @@ func (x *Run) GetTask() string {
 		return x.Task
 	}
 	return ""
+}
+
+func (x *Run) GetIdempotencyKey() string {
+	if x != nil {
+		return x.IdempotencyKey
+	}
+	return ""
+}
+
+func (x *Run) GetEpoch() int64 {
+	if x != nil {
+		return x.Epoch
+	}
+	return 0
 }
 
 // RunRequest starts a run. The run's absolute deadline comes from the call's gRPC deadline,
@@ -473,6 +493,282 @@ func (*RunResponse_Node) isRunResponse_Event() {}
 
 func (*RunResponse_Finished) isRunResponse_Event() {}
 
+// StartRunRequest starts a detached run: it goes on after the caller leaves, until it
+// ends or its deadline passes. Watch it with WatchRun, stop it with CancelRun.
+type StartRunRequest struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// As in RunRequest.
+	Task  string `protobuf:"bytes,1,opt,name=task,proto3" json:"task,omitempty"`
+	Model string `protobuf:"bytes,2,opt,name=model,proto3" json:"model,omitempty"`
+	// Makes the start idempotent: a StartRun with a key the tenant has used before starts
+	// nothing and returns the first run (created is false). Keys are scoped to the tenant.
+	// The curfew-idempotency-key header is read when this field is empty. A key reused
+	// with a different task or model fails with ALREADY_EXISTS.
+	IdempotencyKey string `protobuf:"bytes,3,opt,name=idempotency_key,json=idempotencyKey,proto3" json:"idempotency_key,omitempty"`
+	// The run's time from now: its absolute deadline, capped at the service maximum. When
+	// unset, the StartRun call's own gRPC deadline is the run's deadline (the service
+	// default when the call has none).
+	Timeout       *durationpb.Duration `protobuf:"bytes,4,opt,name=timeout,proto3" json:"timeout,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *StartRunRequest) Reset() {
+	*x = StartRunRequest{}
+	mi := &file_curfew_orchestrator_v1_orchestrator_proto_msgTypes[4]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *StartRunRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*StartRunRequest) ProtoMessage() {}
+
+func (x *StartRunRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_curfew_orchestrator_v1_orchestrator_proto_msgTypes[4]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use StartRunRequest.ProtoReflect.Descriptor instead.
+func (*StartRunRequest) Descriptor() ([]byte, []int) {
+	return file_curfew_orchestrator_v1_orchestrator_proto_rawDescGZIP(), []int{4}
+}
+
+func (x *StartRunRequest) GetTask() string {
+	if x != nil {
+		return x.Task
+	}
+	return ""
+}
+
+func (x *StartRunRequest) GetModel() string {
+	if x != nil {
+		return x.Model
+	}
+	return ""
+}
+
+func (x *StartRunRequest) GetIdempotencyKey() string {
+	if x != nil {
+		return x.IdempotencyKey
+	}
+	return ""
+}
+
+func (x *StartRunRequest) GetTimeout() *durationpb.Duration {
+	if x != nil {
+		return x.Timeout
+	}
+	return nil
+}
+
+// StartRunResponse holds the run as started, or as found under the idempotency key.
+type StartRunResponse struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	Run   *Run                   `protobuf:"bytes,1,opt,name=run,proto3" json:"run,omitempty"`
+	// False when the idempotency key named an existing run: nothing was started.
+	Created       bool `protobuf:"varint,2,opt,name=created,proto3" json:"created,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *StartRunResponse) Reset() {
+	*x = StartRunResponse{}
+	mi := &file_curfew_orchestrator_v1_orchestrator_proto_msgTypes[5]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *StartRunResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*StartRunResponse) ProtoMessage() {}
+
+func (x *StartRunResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_curfew_orchestrator_v1_orchestrator_proto_msgTypes[5]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use StartRunResponse.ProtoReflect.Descriptor instead.
+func (*StartRunResponse) Descriptor() ([]byte, []int) {
+	return file_curfew_orchestrator_v1_orchestrator_proto_rawDescGZIP(), []int{5}
+}
+
+func (x *StartRunResponse) GetRun() *Run {
+	if x != nil {
+		return x.Run
+	}
+	return nil
+}
+
+func (x *StartRunResponse) GetCreated() bool {
+	if x != nil {
+		return x.Created
+	}
+	return false
+}
+
+// WatchRunRequest names a run to follow.
+type WatchRunRequest struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	RunId         string                 `protobuf:"bytes,1,opt,name=run_id,json=runId,proto3" json:"run_id,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *WatchRunRequest) Reset() {
+	*x = WatchRunRequest{}
+	mi := &file_curfew_orchestrator_v1_orchestrator_proto_msgTypes[6]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *WatchRunRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*WatchRunRequest) ProtoMessage() {}
+
+func (x *WatchRunRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_curfew_orchestrator_v1_orchestrator_proto_msgTypes[6]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use WatchRunRequest.ProtoReflect.Descriptor instead.
+func (*WatchRunRequest) Descriptor() ([]byte, []int) {
+	return file_curfew_orchestrator_v1_orchestrator_proto_rawDescGZIP(), []int{6}
+}
+
+func (x *WatchRunRequest) GetRunId() string {
+	if x != nil {
+		return x.RunId
+	}
+	return ""
+}
+
+// WatchRunResponse is one event of a watched run, in the order Run sends them.
+type WatchRunResponse struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// Types that are valid to be assigned to Event:
+	//
+	//	*WatchRunResponse_Started
+	//	*WatchRunResponse_Node
+	//	*WatchRunResponse_Finished
+	Event         isWatchRunResponse_Event `protobuf_oneof:"event"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *WatchRunResponse) Reset() {
+	*x = WatchRunResponse{}
+	mi := &file_curfew_orchestrator_v1_orchestrator_proto_msgTypes[7]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *WatchRunResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*WatchRunResponse) ProtoMessage() {}
+
+func (x *WatchRunResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_curfew_orchestrator_v1_orchestrator_proto_msgTypes[7]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use WatchRunResponse.ProtoReflect.Descriptor instead.
+func (*WatchRunResponse) Descriptor() ([]byte, []int) {
+	return file_curfew_orchestrator_v1_orchestrator_proto_rawDescGZIP(), []int{7}
+}
+
+func (x *WatchRunResponse) GetEvent() isWatchRunResponse_Event {
+	if x != nil {
+		return x.Event
+	}
+	return nil
+}
+
+func (x *WatchRunResponse) GetStarted() *RunStarted {
+	if x != nil {
+		if x, ok := x.Event.(*WatchRunResponse_Started); ok {
+			return x.Started
+		}
+	}
+	return nil
+}
+
+func (x *WatchRunResponse) GetNode() *v1.Node {
+	if x != nil {
+		if x, ok := x.Event.(*WatchRunResponse_Node); ok {
+			return x.Node
+		}
+	}
+	return nil
+}
+
+func (x *WatchRunResponse) GetFinished() *Run {
+	if x != nil {
+		if x, ok := x.Event.(*WatchRunResponse_Finished); ok {
+			return x.Finished
+		}
+	}
+	return nil
+}
+
+type isWatchRunResponse_Event interface {
+	isWatchRunResponse_Event()
+}
+
+type WatchRunResponse_Started struct {
+	Started *RunStarted `protobuf:"bytes,1,opt,name=started,proto3,oneof"`
+}
+
+type WatchRunResponse_Node struct {
+	Node *v1.Node `protobuf:"bytes,2,opt,name=node,proto3,oneof"`
+}
+
+type WatchRunResponse_Finished struct {
+	Finished *Run `protobuf:"bytes,3,opt,name=finished,proto3,oneof"`
+}
+
+func (*WatchRunResponse_Started) isWatchRunResponse_Event() {}
+
+func (*WatchRunResponse_Node) isWatchRunResponse_Event() {}
+
+func (*WatchRunResponse_Finished) isWatchRunResponse_Event() {}
+
 // GetRunRequest names a run.
 type GetRunRequest struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
@@ -483,7 +779,7 @@ type GetRunRequest struct {
 
 func (x *GetRunRequest) Reset() {
 	*x = GetRunRequest{}
-	mi := &file_curfew_orchestrator_v1_orchestrator_proto_msgTypes[4]
+	mi := &file_curfew_orchestrator_v1_orchestrator_proto_msgTypes[8]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -495,7 +791,7 @@ func (x *GetRunRequest) String() string {
 func (*GetRunRequest) ProtoMessage() {}
 
 func (x *GetRunRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_curfew_orchestrator_v1_orchestrator_proto_msgTypes[4]
+	mi := &file_curfew_orchestrator_v1_orchestrator_proto_msgTypes[8]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -508,7 +804,7 @@ func (x *GetRunRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetRunRequest.ProtoReflect.Descriptor instead.
 func (*GetRunRequest) Descriptor() ([]byte, []int) {
-	return file_curfew_orchestrator_v1_orchestrator_proto_rawDescGZIP(), []int{4}
+	return file_curfew_orchestrator_v1_orchestrator_proto_rawDescGZIP(), []int{8}
 }
 
 func (x *GetRunRequest) GetRunId() string {
@@ -528,7 +824,7 @@ type GetRunResponse struct {
 
 func (x *GetRunResponse) Reset() {
 	*x = GetRunResponse{}
-	mi := &file_curfew_orchestrator_v1_orchestrator_proto_msgTypes[5]
+	mi := &file_curfew_orchestrator_v1_orchestrator_proto_msgTypes[9]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -540,7 +836,7 @@ func (x *GetRunResponse) String() string {
 func (*GetRunResponse) ProtoMessage() {}
 
 func (x *GetRunResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_curfew_orchestrator_v1_orchestrator_proto_msgTypes[5]
+	mi := &file_curfew_orchestrator_v1_orchestrator_proto_msgTypes[9]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -553,7 +849,7 @@ func (x *GetRunResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetRunResponse.ProtoReflect.Descriptor instead.
 func (*GetRunResponse) Descriptor() ([]byte, []int) {
-	return file_curfew_orchestrator_v1_orchestrator_proto_rawDescGZIP(), []int{5}
+	return file_curfew_orchestrator_v1_orchestrator_proto_rawDescGZIP(), []int{9}
 }
 
 func (x *GetRunResponse) GetRun() *Run {
@@ -576,7 +872,7 @@ type ListRunsRequest struct {
 
 func (x *ListRunsRequest) Reset() {
 	*x = ListRunsRequest{}
-	mi := &file_curfew_orchestrator_v1_orchestrator_proto_msgTypes[6]
+	mi := &file_curfew_orchestrator_v1_orchestrator_proto_msgTypes[10]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -588,7 +884,7 @@ func (x *ListRunsRequest) String() string {
 func (*ListRunsRequest) ProtoMessage() {}
 
 func (x *ListRunsRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_curfew_orchestrator_v1_orchestrator_proto_msgTypes[6]
+	mi := &file_curfew_orchestrator_v1_orchestrator_proto_msgTypes[10]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -601,7 +897,7 @@ func (x *ListRunsRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListRunsRequest.ProtoReflect.Descriptor instead.
 func (*ListRunsRequest) Descriptor() ([]byte, []int) {
-	return file_curfew_orchestrator_v1_orchestrator_proto_rawDescGZIP(), []int{6}
+	return file_curfew_orchestrator_v1_orchestrator_proto_rawDescGZIP(), []int{10}
 }
 
 func (x *ListRunsRequest) GetPageSize() int32 {
@@ -629,7 +925,7 @@ type ListRunsResponse struct {
 
 func (x *ListRunsResponse) Reset() {
 	*x = ListRunsResponse{}
-	mi := &file_curfew_orchestrator_v1_orchestrator_proto_msgTypes[7]
+	mi := &file_curfew_orchestrator_v1_orchestrator_proto_msgTypes[11]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -641,7 +937,7 @@ func (x *ListRunsResponse) String() string {
 func (*ListRunsResponse) ProtoMessage() {}
 
 func (x *ListRunsResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_curfew_orchestrator_v1_orchestrator_proto_msgTypes[7]
+	mi := &file_curfew_orchestrator_v1_orchestrator_proto_msgTypes[11]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -654,7 +950,7 @@ func (x *ListRunsResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListRunsResponse.ProtoReflect.Descriptor instead.
 func (*ListRunsResponse) Descriptor() ([]byte, []int) {
-	return file_curfew_orchestrator_v1_orchestrator_proto_rawDescGZIP(), []int{7}
+	return file_curfew_orchestrator_v1_orchestrator_proto_rawDescGZIP(), []int{11}
 }
 
 func (x *ListRunsResponse) GetRuns() []*Run {
@@ -683,7 +979,7 @@ type CancelRunRequest struct {
 
 func (x *CancelRunRequest) Reset() {
 	*x = CancelRunRequest{}
-	mi := &file_curfew_orchestrator_v1_orchestrator_proto_msgTypes[8]
+	mi := &file_curfew_orchestrator_v1_orchestrator_proto_msgTypes[12]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -695,7 +991,7 @@ func (x *CancelRunRequest) String() string {
 func (*CancelRunRequest) ProtoMessage() {}
 
 func (x *CancelRunRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_curfew_orchestrator_v1_orchestrator_proto_msgTypes[8]
+	mi := &file_curfew_orchestrator_v1_orchestrator_proto_msgTypes[12]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -708,7 +1004,7 @@ func (x *CancelRunRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CancelRunRequest.ProtoReflect.Descriptor instead.
 func (*CancelRunRequest) Descriptor() ([]byte, []int) {
-	return file_curfew_orchestrator_v1_orchestrator_proto_rawDescGZIP(), []int{8}
+	return file_curfew_orchestrator_v1_orchestrator_proto_rawDescGZIP(), []int{12}
 }
 
 func (x *CancelRunRequest) GetRunId() string {
@@ -735,7 +1031,7 @@ type CancelRunResponse struct {
 
 func (x *CancelRunResponse) Reset() {
 	*x = CancelRunResponse{}
-	mi := &file_curfew_orchestrator_v1_orchestrator_proto_msgTypes[9]
+	mi := &file_curfew_orchestrator_v1_orchestrator_proto_msgTypes[13]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -747,7 +1043,7 @@ func (x *CancelRunResponse) String() string {
 func (*CancelRunResponse) ProtoMessage() {}
 
 func (x *CancelRunResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_curfew_orchestrator_v1_orchestrator_proto_msgTypes[9]
+	mi := &file_curfew_orchestrator_v1_orchestrator_proto_msgTypes[13]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -760,7 +1056,7 @@ func (x *CancelRunResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CancelRunResponse.ProtoReflect.Descriptor instead.
 func (*CancelRunResponse) Descriptor() ([]byte, []int) {
-	return file_curfew_orchestrator_v1_orchestrator_proto_rawDescGZIP(), []int{9}
+	return file_curfew_orchestrator_v1_orchestrator_proto_rawDescGZIP(), []int{13}
 }
 
 func (x *CancelRunResponse) GetRun() *Run {
@@ -774,7 +1070,7 @@ var File_curfew_orchestrator_v1_orchestrator_proto protoreflect.FileDescriptor
 
 const file_curfew_orchestrator_v1_orchestrator_proto_rawDesc = "" +
 	"\n" +
-	")curfew/orchestrator/v1/orchestrator.proto\x12\x16curfew.orchestrator.v1\x1a\x19curfew/mesh/v1/mesh.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"\x85\x05\n" +
+	")curfew/orchestrator/v1/orchestrator.proto\x12\x16curfew.orchestrator.v1\x1a\x19curfew/mesh/v1/mesh.proto\x1a\x1egoogle/protobuf/duration.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"\xc4\x05\n" +
 	"\x03Run\x12\x15\n" +
 	"\x06run_id\x18\x01 \x01(\tR\x05runId\x12\x16\n" +
 	"\x06tenant\x18\x02 \x01(\tR\x06tenant\x129\n" +
@@ -794,7 +1090,9 @@ const file_curfew_orchestrator_v1_orchestrator_proto_rawDesc = "" +
 	"\x06tokens\x18\r \x01(\x03R\x06tokens\x12.\n" +
 	"\x13tokens_after_cancel\x18\x0e \x01(\x03R\x11tokensAfterCancel\x12\x14\n" +
 	"\x05model\x18\x0f \x01(\tR\x05model\x12\x12\n" +
-	"\x04task\x18\x10 \x01(\tR\x04task\"l\n" +
+	"\x04task\x18\x10 \x01(\tR\x04task\x12'\n" +
+	"\x0fidempotency_key\x18\x11 \x01(\tR\x0eidempotencyKey\x12\x14\n" +
+	"\x05epoch\x18\x12 \x01(\x03R\x05epoch\"l\n" +
 	"\n" +
 	"RunRequest\x12\x12\n" +
 	"\x04task\x18\x01 \x01(\tR\x04task\x12\x14\n" +
@@ -805,6 +1103,21 @@ const file_curfew_orchestrator_v1_orchestrator_proto_rawDesc = "" +
 	"\x06run_id\x18\x01 \x01(\tR\x05runId\x126\n" +
 	"\bdeadline\x18\x02 \x01(\v2\x1a.google.protobuf.TimestampR\bdeadline\"\xbd\x01\n" +
 	"\vRunResponse\x12>\n" +
+	"\astarted\x18\x01 \x01(\v2\".curfew.orchestrator.v1.RunStartedH\x00R\astarted\x12*\n" +
+	"\x04node\x18\x02 \x01(\v2\x14.curfew.mesh.v1.NodeH\x00R\x04node\x129\n" +
+	"\bfinished\x18\x03 \x01(\v2\x1b.curfew.orchestrator.v1.RunH\x00R\bfinishedB\a\n" +
+	"\x05event\"\x99\x01\n" +
+	"\x0fStartRunRequest\x12\x12\n" +
+	"\x04task\x18\x01 \x01(\tR\x04task\x12\x14\n" +
+	"\x05model\x18\x02 \x01(\tR\x05model\x12'\n" +
+	"\x0fidempotency_key\x18\x03 \x01(\tR\x0eidempotencyKey\x123\n" +
+	"\atimeout\x18\x04 \x01(\v2\x19.google.protobuf.DurationR\atimeout\"[\n" +
+	"\x10StartRunResponse\x12-\n" +
+	"\x03run\x18\x01 \x01(\v2\x1b.curfew.orchestrator.v1.RunR\x03run\x12\x18\n" +
+	"\acreated\x18\x02 \x01(\bR\acreated\"(\n" +
+	"\x0fWatchRunRequest\x12\x15\n" +
+	"\x06run_id\x18\x01 \x01(\tR\x05runId\"\xc2\x01\n" +
+	"\x10WatchRunResponse\x12>\n" +
 	"\astarted\x18\x01 \x01(\v2\".curfew.orchestrator.v1.RunStartedH\x00R\astarted\x12*\n" +
 	"\x04node\x18\x02 \x01(\v2\x14.curfew.mesh.v1.NodeH\x00R\x04node\x129\n" +
 	"\bfinished\x18\x03 \x01(\v2\x1b.curfew.orchestrator.v1.RunH\x00R\bfinishedB\a\n" +
@@ -831,9 +1144,11 @@ const file_curfew_orchestrator_v1_orchestrator_proto_rawDesc = "" +
 	"\x14RUN_STATUS_SUCCEEDED\x10\x02\x12\x15\n" +
 	"\x11RUN_STATUS_FAILED\x10\x03\x12\x18\n" +
 	"\x14RUN_STATUS_CANCELLED\x10\x04\x12 \n" +
-	"\x1cRUN_STATUS_DEADLINE_EXCEEDED\x10\x052\x81\x03\n" +
+	"\x1cRUN_STATUS_DEADLINE_EXCEEDED\x10\x052\xc1\x04\n" +
 	"\x13OrchestratorService\x12P\n" +
-	"\x03Run\x12\".curfew.orchestrator.v1.RunRequest\x1a#.curfew.orchestrator.v1.RunResponse0\x01\x12W\n" +
+	"\x03Run\x12\".curfew.orchestrator.v1.RunRequest\x1a#.curfew.orchestrator.v1.RunResponse0\x01\x12]\n" +
+	"\bStartRun\x12'.curfew.orchestrator.v1.StartRunRequest\x1a(.curfew.orchestrator.v1.StartRunResponse\x12_\n" +
+	"\bWatchRun\x12'.curfew.orchestrator.v1.WatchRunRequest\x1a(.curfew.orchestrator.v1.WatchRunResponse0\x01\x12W\n" +
 	"\x06GetRun\x12%.curfew.orchestrator.v1.GetRunRequest\x1a&.curfew.orchestrator.v1.GetRunResponse\x12]\n" +
 	"\bListRuns\x12'.curfew.orchestrator.v1.ListRunsRequest\x1a(.curfew.orchestrator.v1.ListRunsResponse\x12`\n" +
 	"\tCancelRun\x12(.curfew.orchestrator.v1.CancelRunRequest\x1a).curfew.orchestrator.v1.CancelRunResponseB\xf2\x01\n" +
@@ -852,51 +1167,65 @@ func file_curfew_orchestrator_v1_orchestrator_proto_rawDescGZIP() []byte {
 }
 
 var file_curfew_orchestrator_v1_orchestrator_proto_enumTypes = make([]protoimpl.EnumInfo, 1)
-var file_curfew_orchestrator_v1_orchestrator_proto_msgTypes = make([]protoimpl.MessageInfo, 10)
+var file_curfew_orchestrator_v1_orchestrator_proto_msgTypes = make([]protoimpl.MessageInfo, 14)
 var file_curfew_orchestrator_v1_orchestrator_proto_goTypes = []any{
 	(RunStatus)(0),                // 0: curfew.orchestrator.v1.RunStatus
 	(*Run)(nil),                   // 1: curfew.orchestrator.v1.Run
 	(*RunRequest)(nil),            // 2: curfew.orchestrator.v1.RunRequest
 	(*RunStarted)(nil),            // 3: curfew.orchestrator.v1.RunStarted
 	(*RunResponse)(nil),           // 4: curfew.orchestrator.v1.RunResponse
-	(*GetRunRequest)(nil),         // 5: curfew.orchestrator.v1.GetRunRequest
-	(*GetRunResponse)(nil),        // 6: curfew.orchestrator.v1.GetRunResponse
-	(*ListRunsRequest)(nil),       // 7: curfew.orchestrator.v1.ListRunsRequest
-	(*ListRunsResponse)(nil),      // 8: curfew.orchestrator.v1.ListRunsResponse
-	(*CancelRunRequest)(nil),      // 9: curfew.orchestrator.v1.CancelRunRequest
-	(*CancelRunResponse)(nil),     // 10: curfew.orchestrator.v1.CancelRunResponse
-	(v1.CancelCause)(0),           // 11: curfew.mesh.v1.CancelCause
-	(*timestamppb.Timestamp)(nil), // 12: google.protobuf.Timestamp
-	(*v1.Node)(nil),               // 13: curfew.mesh.v1.Node
+	(*StartRunRequest)(nil),       // 5: curfew.orchestrator.v1.StartRunRequest
+	(*StartRunResponse)(nil),      // 6: curfew.orchestrator.v1.StartRunResponse
+	(*WatchRunRequest)(nil),       // 7: curfew.orchestrator.v1.WatchRunRequest
+	(*WatchRunResponse)(nil),      // 8: curfew.orchestrator.v1.WatchRunResponse
+	(*GetRunRequest)(nil),         // 9: curfew.orchestrator.v1.GetRunRequest
+	(*GetRunResponse)(nil),        // 10: curfew.orchestrator.v1.GetRunResponse
+	(*ListRunsRequest)(nil),       // 11: curfew.orchestrator.v1.ListRunsRequest
+	(*ListRunsResponse)(nil),      // 12: curfew.orchestrator.v1.ListRunsResponse
+	(*CancelRunRequest)(nil),      // 13: curfew.orchestrator.v1.CancelRunRequest
+	(*CancelRunResponse)(nil),     // 14: curfew.orchestrator.v1.CancelRunResponse
+	(v1.CancelCause)(0),           // 15: curfew.mesh.v1.CancelCause
+	(*timestamppb.Timestamp)(nil), // 16: google.protobuf.Timestamp
+	(*v1.Node)(nil),               // 17: curfew.mesh.v1.Node
+	(*durationpb.Duration)(nil),   // 18: google.protobuf.Duration
 }
 var file_curfew_orchestrator_v1_orchestrator_proto_depIdxs = []int32{
 	0,  // 0: curfew.orchestrator.v1.Run.status:type_name -> curfew.orchestrator.v1.RunStatus
-	11, // 1: curfew.orchestrator.v1.Run.cause:type_name -> curfew.mesh.v1.CancelCause
-	12, // 2: curfew.orchestrator.v1.Run.deadline:type_name -> google.protobuf.Timestamp
-	12, // 3: curfew.orchestrator.v1.Run.created_at:type_name -> google.protobuf.Timestamp
-	12, // 4: curfew.orchestrator.v1.Run.ended_at:type_name -> google.protobuf.Timestamp
-	12, // 5: curfew.orchestrator.v1.Run.cancelled_at:type_name -> google.protobuf.Timestamp
-	13, // 6: curfew.orchestrator.v1.Run.nodes:type_name -> curfew.mesh.v1.Node
-	12, // 7: curfew.orchestrator.v1.RunStarted.deadline:type_name -> google.protobuf.Timestamp
+	15, // 1: curfew.orchestrator.v1.Run.cause:type_name -> curfew.mesh.v1.CancelCause
+	16, // 2: curfew.orchestrator.v1.Run.deadline:type_name -> google.protobuf.Timestamp
+	16, // 3: curfew.orchestrator.v1.Run.created_at:type_name -> google.protobuf.Timestamp
+	16, // 4: curfew.orchestrator.v1.Run.ended_at:type_name -> google.protobuf.Timestamp
+	16, // 5: curfew.orchestrator.v1.Run.cancelled_at:type_name -> google.protobuf.Timestamp
+	17, // 6: curfew.orchestrator.v1.Run.nodes:type_name -> curfew.mesh.v1.Node
+	16, // 7: curfew.orchestrator.v1.RunStarted.deadline:type_name -> google.protobuf.Timestamp
 	3,  // 8: curfew.orchestrator.v1.RunResponse.started:type_name -> curfew.orchestrator.v1.RunStarted
-	13, // 9: curfew.orchestrator.v1.RunResponse.node:type_name -> curfew.mesh.v1.Node
+	17, // 9: curfew.orchestrator.v1.RunResponse.node:type_name -> curfew.mesh.v1.Node
 	1,  // 10: curfew.orchestrator.v1.RunResponse.finished:type_name -> curfew.orchestrator.v1.Run
-	1,  // 11: curfew.orchestrator.v1.GetRunResponse.run:type_name -> curfew.orchestrator.v1.Run
-	1,  // 12: curfew.orchestrator.v1.ListRunsResponse.runs:type_name -> curfew.orchestrator.v1.Run
-	1,  // 13: curfew.orchestrator.v1.CancelRunResponse.run:type_name -> curfew.orchestrator.v1.Run
-	2,  // 14: curfew.orchestrator.v1.OrchestratorService.Run:input_type -> curfew.orchestrator.v1.RunRequest
-	5,  // 15: curfew.orchestrator.v1.OrchestratorService.GetRun:input_type -> curfew.orchestrator.v1.GetRunRequest
-	7,  // 16: curfew.orchestrator.v1.OrchestratorService.ListRuns:input_type -> curfew.orchestrator.v1.ListRunsRequest
-	9,  // 17: curfew.orchestrator.v1.OrchestratorService.CancelRun:input_type -> curfew.orchestrator.v1.CancelRunRequest
-	4,  // 18: curfew.orchestrator.v1.OrchestratorService.Run:output_type -> curfew.orchestrator.v1.RunResponse
-	6,  // 19: curfew.orchestrator.v1.OrchestratorService.GetRun:output_type -> curfew.orchestrator.v1.GetRunResponse
-	8,  // 20: curfew.orchestrator.v1.OrchestratorService.ListRuns:output_type -> curfew.orchestrator.v1.ListRunsResponse
-	10, // 21: curfew.orchestrator.v1.OrchestratorService.CancelRun:output_type -> curfew.orchestrator.v1.CancelRunResponse
-	18, // [18:22] is the sub-list for method output_type
-	14, // [14:18] is the sub-list for method input_type
-	14, // [14:14] is the sub-list for extension type_name
-	14, // [14:14] is the sub-list for extension extendee
-	0,  // [0:14] is the sub-list for field type_name
+	18, // 11: curfew.orchestrator.v1.StartRunRequest.timeout:type_name -> google.protobuf.Duration
+	1,  // 12: curfew.orchestrator.v1.StartRunResponse.run:type_name -> curfew.orchestrator.v1.Run
+	3,  // 13: curfew.orchestrator.v1.WatchRunResponse.started:type_name -> curfew.orchestrator.v1.RunStarted
+	17, // 14: curfew.orchestrator.v1.WatchRunResponse.node:type_name -> curfew.mesh.v1.Node
+	1,  // 15: curfew.orchestrator.v1.WatchRunResponse.finished:type_name -> curfew.orchestrator.v1.Run
+	1,  // 16: curfew.orchestrator.v1.GetRunResponse.run:type_name -> curfew.orchestrator.v1.Run
+	1,  // 17: curfew.orchestrator.v1.ListRunsResponse.runs:type_name -> curfew.orchestrator.v1.Run
+	1,  // 18: curfew.orchestrator.v1.CancelRunResponse.run:type_name -> curfew.orchestrator.v1.Run
+	2,  // 19: curfew.orchestrator.v1.OrchestratorService.Run:input_type -> curfew.orchestrator.v1.RunRequest
+	5,  // 20: curfew.orchestrator.v1.OrchestratorService.StartRun:input_type -> curfew.orchestrator.v1.StartRunRequest
+	7,  // 21: curfew.orchestrator.v1.OrchestratorService.WatchRun:input_type -> curfew.orchestrator.v1.WatchRunRequest
+	9,  // 22: curfew.orchestrator.v1.OrchestratorService.GetRun:input_type -> curfew.orchestrator.v1.GetRunRequest
+	11, // 23: curfew.orchestrator.v1.OrchestratorService.ListRuns:input_type -> curfew.orchestrator.v1.ListRunsRequest
+	13, // 24: curfew.orchestrator.v1.OrchestratorService.CancelRun:input_type -> curfew.orchestrator.v1.CancelRunRequest
+	4,  // 25: curfew.orchestrator.v1.OrchestratorService.Run:output_type -> curfew.orchestrator.v1.RunResponse
+	6,  // 26: curfew.orchestrator.v1.OrchestratorService.StartRun:output_type -> curfew.orchestrator.v1.StartRunResponse
+	8,  // 27: curfew.orchestrator.v1.OrchestratorService.WatchRun:output_type -> curfew.orchestrator.v1.WatchRunResponse
+	10, // 28: curfew.orchestrator.v1.OrchestratorService.GetRun:output_type -> curfew.orchestrator.v1.GetRunResponse
+	12, // 29: curfew.orchestrator.v1.OrchestratorService.ListRuns:output_type -> curfew.orchestrator.v1.ListRunsResponse
+	14, // 30: curfew.orchestrator.v1.OrchestratorService.CancelRun:output_type -> curfew.orchestrator.v1.CancelRunResponse
+	25, // [25:31] is the sub-list for method output_type
+	19, // [19:25] is the sub-list for method input_type
+	19, // [19:19] is the sub-list for extension type_name
+	19, // [19:19] is the sub-list for extension extendee
+	0,  // [0:19] is the sub-list for field type_name
 }
 
 func init() { file_curfew_orchestrator_v1_orchestrator_proto_init() }
@@ -909,13 +1238,18 @@ func file_curfew_orchestrator_v1_orchestrator_proto_init() {
 		(*RunResponse_Node)(nil),
 		(*RunResponse_Finished)(nil),
 	}
+	file_curfew_orchestrator_v1_orchestrator_proto_msgTypes[7].OneofWrappers = []any{
+		(*WatchRunResponse_Started)(nil),
+		(*WatchRunResponse_Node)(nil),
+		(*WatchRunResponse_Finished)(nil),
+	}
 	type x struct{}
 	out := protoimpl.TypeBuilder{
 		File: protoimpl.DescBuilder{
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_curfew_orchestrator_v1_orchestrator_proto_rawDesc), len(file_curfew_orchestrator_v1_orchestrator_proto_rawDesc)),
 			NumEnums:      1,
-			NumMessages:   10,
+			NumMessages:   14,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

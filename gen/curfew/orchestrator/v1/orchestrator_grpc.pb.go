@@ -20,6 +20,8 @@ const _ = grpc.SupportPackageIsVersion9
 
 const (
 	OrchestratorService_Run_FullMethodName       = "/curfew.orchestrator.v1.OrchestratorService/Run"
+	OrchestratorService_StartRun_FullMethodName  = "/curfew.orchestrator.v1.OrchestratorService/StartRun"
+	OrchestratorService_WatchRun_FullMethodName  = "/curfew.orchestrator.v1.OrchestratorService/WatchRun"
 	OrchestratorService_GetRun_FullMethodName    = "/curfew.orchestrator.v1.OrchestratorService/GetRun"
 	OrchestratorService_ListRuns_FullMethodName  = "/curfew.orchestrator.v1.OrchestratorService/ListRuns"
 	OrchestratorService_CancelRun_FullMethodName = "/curfew.orchestrator.v1.OrchestratorService/CancelRun"
@@ -35,6 +37,13 @@ type OrchestratorServiceClient interface {
 	// ends with the run's status. A client disconnect cancels the run unless
 	// continue_on_disconnect is set.
 	Run(ctx context.Context, in *RunRequest, opts ...grpc.CallOption) (grpc.ServerStreamingClient[RunResponse], error)
+	// StartRun starts a detached run and returns at once. With an idempotency key, a
+	// retried StartRun returns the same run.
+	StartRun(ctx context.Context, in *StartRunRequest, opts ...grpc.CallOption) (*StartRunResponse, error)
+	// WatchRun streams a run's events as Run does (started, nodes, then the summary), for a
+	// run started elsewhere. Leaving it does not cancel the run. A run that has already
+	// ended gets its started event and its summary.
+	WatchRun(ctx context.Context, in *WatchRunRequest, opts ...grpc.CallOption) (grpc.ServerStreamingClient[WatchRunResponse], error)
 	// GetRun returns a run and its summary.
 	GetRun(ctx context.Context, in *GetRunRequest, opts ...grpc.CallOption) (*GetRunResponse, error)
 	// ListRuns lists runs, newest first.
@@ -69,6 +78,35 @@ func (c *orchestratorServiceClient) Run(ctx context.Context, in *RunRequest, opt
 
 // This type alias is provided for backwards compatibility with existing code that references the prior non-generic stream type by name.
 type OrchestratorService_RunClient = grpc.ServerStreamingClient[RunResponse]
+
+func (c *orchestratorServiceClient) StartRun(ctx context.Context, in *StartRunRequest, opts ...grpc.CallOption) (*StartRunResponse, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(StartRunResponse)
+	err := c.cc.Invoke(ctx, OrchestratorService_StartRun_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
+func (c *orchestratorServiceClient) WatchRun(ctx context.Context, in *WatchRunRequest, opts ...grpc.CallOption) (grpc.ServerStreamingClient[WatchRunResponse], error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	stream, err := c.cc.NewStream(ctx, &OrchestratorService_ServiceDesc.Streams[1], OrchestratorService_WatchRun_FullMethodName, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	x := &grpc.GenericClientStream[WatchRunRequest, WatchRunResponse]{ClientStream: stream}
+	if err := x.ClientStream.SendMsg(in); err != nil {
+		return nil, err
+	}
+	if err := x.ClientStream.CloseSend(); err != nil {
+		return nil, err
+	}
+	return x, nil
+}
+
+// This type alias is provided for backwards compatibility with existing code that references the prior non-generic stream type by name.
+type OrchestratorService_WatchRunClient = grpc.ServerStreamingClient[WatchRunResponse]
 
 func (c *orchestratorServiceClient) GetRun(ctx context.Context, in *GetRunRequest, opts ...grpc.CallOption) (*GetRunResponse, error) {
 	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
@@ -110,6 +148,13 @@ type OrchestratorServiceServer interface {
 	// ends with the run's status. A client disconnect cancels the run unless
 	// continue_on_disconnect is set.
 	Run(*RunRequest, grpc.ServerStreamingServer[RunResponse]) error
+	// StartRun starts a detached run and returns at once. With an idempotency key, a
+	// retried StartRun returns the same run.
+	StartRun(context.Context, *StartRunRequest) (*StartRunResponse, error)
+	// WatchRun streams a run's events as Run does (started, nodes, then the summary), for a
+	// run started elsewhere. Leaving it does not cancel the run. A run that has already
+	// ended gets its started event and its summary.
+	WatchRun(*WatchRunRequest, grpc.ServerStreamingServer[WatchRunResponse]) error
 	// GetRun returns a run and its summary.
 	GetRun(context.Context, *GetRunRequest) (*GetRunResponse, error)
 	// ListRuns lists runs, newest first.
@@ -128,6 +173,12 @@ type UnimplementedOrchestratorServiceServer struct{}
 
 func (UnimplementedOrchestratorServiceServer) Run(*RunRequest, grpc.ServerStreamingServer[RunResponse]) error {
 	return status.Error(codes.Unimplemented, "method Run not implemented")
+}
+func (UnimplementedOrchestratorServiceServer) StartRun(context.Context, *StartRunRequest) (*StartRunResponse, error) {
+	return nil, status.Error(codes.Unimplemented, "method StartRun not implemented")
+}
+func (UnimplementedOrchestratorServiceServer) WatchRun(*WatchRunRequest, grpc.ServerStreamingServer[WatchRunResponse]) error {
+	return status.Error(codes.Unimplemented, "method WatchRun not implemented")
 }
 func (UnimplementedOrchestratorServiceServer) GetRun(context.Context, *GetRunRequest) (*GetRunResponse, error) {
 	return nil, status.Error(codes.Unimplemented, "method GetRun not implemented")
@@ -169,6 +220,35 @@ func _OrchestratorService_Run_Handler(srv interface{}, stream grpc.ServerStream)
 
 // This type alias is provided for backwards compatibility with existing code that references the prior non-generic stream type by name.
 type OrchestratorService_RunServer = grpc.ServerStreamingServer[RunResponse]
+
+func _OrchestratorService_StartRun_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(StartRunRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(OrchestratorServiceServer).StartRun(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: OrchestratorService_StartRun_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(OrchestratorServiceServer).StartRun(ctx, req.(*StartRunRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
+func _OrchestratorService_WatchRun_Handler(srv interface{}, stream grpc.ServerStream) error {
+	m := new(WatchRunRequest)
+	if err := stream.RecvMsg(m); err != nil {
+		return err
+	}
+	return srv.(OrchestratorServiceServer).WatchRun(m, &grpc.GenericServerStream[WatchRunRequest, WatchRunResponse]{ServerStream: stream})
+}
+
+// This type alias is provided for backwards compatibility with existing code that references the prior non-generic stream type by name.
+type OrchestratorService_WatchRunServer = grpc.ServerStreamingServer[WatchRunResponse]
 
 func _OrchestratorService_GetRun_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
 	in := new(GetRunRequest)
@@ -232,6 +312,10 @@ var OrchestratorService_ServiceDesc = grpc.ServiceDesc{
 	HandlerType: (*OrchestratorServiceServer)(nil),
 	Methods: []grpc.MethodDesc{
 		{
+			MethodName: "StartRun",
+			Handler:    _OrchestratorService_StartRun_Handler,
+		},
+		{
 			MethodName: "GetRun",
 			Handler:    _OrchestratorService_GetRun_Handler,
 		},
@@ -248,6 +332,11 @@ var OrchestratorService_ServiceDesc = grpc.ServiceDesc{
 		{
 			StreamName:    "Run",
 			Handler:       _OrchestratorService_Run_Handler,
+			ServerStreams: true,
+		},
+		{
+			StreamName:    "WatchRun",
+			Handler:       _OrchestratorService_WatchRun_Handler,
 			ServerStreams: true,
 		},
 	},

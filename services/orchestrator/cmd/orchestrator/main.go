@@ -17,8 +17,14 @@ import (
 	orchestratorv1 "github.com/curfew-mesh/curfew/gen/curfew/orchestrator/v1"
 	toolrunnerv1 "github.com/curfew-mesh/curfew/gen/curfew/toolrunner/v1"
 	"github.com/curfew-mesh/curfew/mesh/agent"
+	"github.com/curfew-mesh/curfew/mesh/dlq"
 	"github.com/curfew-mesh/curfew/mesh/service"
+	"github.com/curfew-mesh/curfew/mesh/store"
+	_ "github.com/curfew-mesh/curfew/mesh/store/postgres" // postgres:// DSNs
+	_ "github.com/curfew-mesh/curfew/mesh/store/sqlite"   // SQLite paths
 	"github.com/curfew-mesh/curfew/services/orchestrator/internal/orchestrator"
+	"github.com/google/uuid"
+	"github.com/nats-io/nats.go"
 	"google.golang.org/grpc"
 )
 
@@ -35,6 +41,10 @@ func run(args []string) int {
 	maxRuns := fs.Int("max-runs", orchestrator.DefaultMaxRuns, "runs kept in memory; the oldest ended ones are forgotten first")
 	minRun := fs.Duration("min-run-time", orchestrator.DefaultMinRunTime, "least time left to admit a run; less fails fast with DEADLINE_EXCEEDED")
 	logPrompts := fs.Bool("log-prompts", false, "log each run's task (its prompt) when it starts; off by default, since tasks may hold private data")
+	storeDSN := fs.String("store", "", "durable store of runs, checkpoints, leases and dead letters: a SQLite path (sqlite:///path/curfew.db) or a postgres:// DSN; `curfew up` passes one under its data directory; without one, runs live in memory only and are lost with the process")
+	leaseTTL := fs.Duration("lease-ttl", orchestrator.DefaultLeaseTTL, "run lease TTL (with --store): heartbeats every third of it; a dead orchestrator's runs are taken over about this long after it died")
+	natsURL := fs.String("nats", "", "NATS server (nats://host:4222) whose JetStream also receives dead letters (with --store); none by default")
+	dlqStream := fs.String("dlq-stream", dlq.DefaultStream, "JetStream stream of dead letters (with --nats)")
 	if err := service.Parse(fs, args, os.Getenv); err != nil {
 		fmt.Fprintln(os.Stderr, "orchestrator:", err)
 		return 2
@@ -47,12 +57,50 @@ func run(args []string) int {
 		fmt.Fprintln(os.Stderr, "orchestrator: --max-runs must be at least 1 and --min-run-time not negative")
 		return 2
 	}
+	if *leaseTTL < 30*time.Millisecond {
+		fmt.Fprintln(os.Stderr, "orchestrator: --lease-ttl must be at least 30ms")
+		return 2
+	}
+	if *natsURL != "" && *storeDSN == "" {
+		fmt.Fprintln(os.Stderr, "orchestrator: --nats needs --store: dead letters are kept in the store first")
+		return 2
+	}
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
+	var st store.Store
+	if *storeDSN != "" {
+		s, err := store.Open(ctx, *storeDSN)
+		if err != nil {
+			fmt.Fprintln(os.Stderr, "orchestrator: --store:", err)
+			return 2
+		}
+		defer func() { _ = s.Close() }()
+		st = s
+	}
 	rt, err := service.New(ctx, o, nil)
 	if err != nil {
 		fmt.Fprintln(os.Stderr, "orchestrator:", err)
 		return 1
+	}
+	var dead orchestrator.DeadLetterRecorder
+	if st != nil {
+		rec := &dlq.Recorder{Store: st, Log: rt.Log}
+		if *natsURL != "" {
+			nc, err := nats.Connect(*natsURL, nats.Name("curfew-orchestrator"))
+			if err != nil {
+				fmt.Fprintln(os.Stderr, "orchestrator: --nats:", err)
+				return 2
+			}
+			defer nc.Close()
+			js, err := dlq.NewJetStream(ctx, nc, dlq.Config{Stream: *dlqStream})
+			if err != nil {
+				fmt.Fprintln(os.Stderr, "orchestrator: --nats:", err)
+				return 2
+			}
+			rec.Publisher = js
+		}
+		dead = rec
+		rt.Registry.MustRegister(dlq.DepthCollector(st, time.Second))
 	}
 	conns := map[string]string{"--modelproxy": *modelAddr, "--toolrunner": *toolAddr, "--subagent": *subAddr}
 	cc := map[string]*grpcConn{}
@@ -77,12 +125,21 @@ func run(args []string) int {
 		Reports: []meshv1.NodeReportServiceClient{
 			meshv1.NewNodeReportServiceClient(mc), meshv1.NewNodeReportServiceClient(tc), meshv1.NewNodeReportServiceClient(sc),
 		},
-		MaxRuns:    *maxRuns,
-		MinRunTime: *minRun,
-		Log:        rt.Log,
-		LogPrompts: *logPrompts,
+		MaxRuns:     *maxRuns,
+		MinRunTime:  *minRun,
+		MaxRunTime:  o.MaxDeadline,
+		Log:         rt.Log,
+		LogPrompts:  *logPrompts,
+		Store:       st,
+		Owner:       owner(),
+		LeaseTTL:    *leaseTTL,
+		DeadLetters: dead,
 	})
 	orchestratorv1.RegisterOrchestratorServiceServer(rt.Server, srv)
+	if st != nil {
+		orchestratorv1.RegisterDeadLetterServiceServer(rt.Server, orchestrator.NewDeadLetterServer(st, srv.Replay))
+	}
+	srv.Start(ctx)
 	go service.Every(ctx, time.Minute, srv.Sweep)
 	// Detached runs outlive the server's calls: they end once the server has stopped, and
 	// before the runtime flushes their spans.
@@ -96,3 +153,10 @@ func run(args []string) int {
 }
 
 type grpcConn = grpc.ClientConn
+
+// owner names this process incarnation in run leases: host, pid and a random suffix, so
+// that a restarted orchestrator is a new owner and fencing tells the two apart.
+func owner() string {
+	host, _ := os.Hostname()
+	return fmt.Sprintf("orchestrator/%s/%d/%s", host, os.Getpid(), uuid.NewString()[:8])
+}

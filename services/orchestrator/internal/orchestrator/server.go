@@ -24,6 +24,7 @@ import (
 	"github.com/curfew-mesh/curfew/mesh/md"
 	"github.com/curfew-mesh/curfew/mesh/nodes"
 	"github.com/curfew-mesh/curfew/mesh/plan"
+	"github.com/curfew-mesh/curfew/mesh/store"
 	"github.com/curfew-mesh/curfew/mesh/tracing"
 )
 
@@ -55,6 +56,21 @@ type Config struct {
 	Log           *slog.Logger
 	// LogPrompts logs each run's task (its prompt) when it starts; off by default.
 	LogPrompts bool
+	// MaxRunTime caps a StartRun timeout; deadline.DefaultMax when 0.
+	MaxRunTime time.Duration
+
+	// Store, when set, makes runs durable: every run is recorded and leased in it, every
+	// agent step is checkpointed, and runs whose owner died are resumed (see durable.go).
+	// nil keeps runs in this process's memory only.
+	Store store.Store
+	// Owner names this process incarnation in run leases; required with Store.
+	Owner string
+	// LeaseTTL is how long a run's lease lasts without a heartbeat; DefaultLeaseTTL when
+	// 0. The owner heartbeats every third of it. A dead owner's runs are taken over
+	// about LeaseTTL after its last heartbeat.
+	LeaseTTL time.Duration
+	// DeadLetters, when set, records runs that fail for good (mesh/dlq.Recorder).
+	DeadLetters DeadLetterRecorder
 }
 
 // Server implements OrchestratorService.
@@ -66,7 +82,12 @@ type Server struct {
 	mu    sync.Mutex
 	runs  map[string]*runState
 	order []string // run ids, oldest first (sorted: UUIDv7)
-	wg    sync.WaitGroup
+	// keys maps tenant and StartRun idempotency key to a run id, without a Store.
+	keys map[string]string
+	wg   sync.WaitGroup
+	// The lease loops of Start: heartbeats and takeovers, each stopped on its own.
+	bg                          sync.WaitGroup
+	stopHeartbeat, stopTakeover context.CancelFunc
 }
 
 // New returns a server.
@@ -83,7 +104,13 @@ func New(cfg Config) *Server {
 	if cfg.Log == nil {
 		cfg.Log = slog.Default()
 	}
-	return &Server{cfg: cfg, nodes: nodes.New(0), runs: map[string]*runState{}}
+	if cfg.MaxRunTime == 0 {
+		cfg.MaxRunTime = deadline.DefaultMax
+	}
+	if cfg.LeaseTTL == 0 {
+		cfg.LeaseTTL = DefaultLeaseTTL
+	}
+	return &Server{cfg: cfg, nodes: nodes.New(0), runs: map[string]*runState{}, keys: map[string]string{}}
 }
 
 // Wait blocks until every run's background work has finished.
@@ -104,6 +131,13 @@ type runState struct {
 	subs        map[chan *orchestratorv1.RunResponse]struct{} // nil when there are none
 	// span is the run's span (package tracing): every call the run makes is its child.
 	span trace.Span
+
+	// With a Store (all guarded by mu): the run's lease, and why this process stopped
+	// advancing the run without ending it.
+	lease     store.Lease
+	finishing bool // the result is being committed: heartbeats no longer matter
+	lost      bool // another orchestrator claimed the run
+	handover  bool // shutting down: release the lease for another orchestrator
 }
 
 func (rs *runState) publish(ev *orchestratorv1.RunResponse) {
@@ -197,6 +231,9 @@ func (s *Server) Run(req *orchestratorv1.RunRequest, stream orchestratorv1.Orche
 					more = false
 				}
 			}
+			if err := rs.movedErr(); err != nil {
+				return err
+			}
 			run := rs.snapshot()
 			if err := stream.Send(&orchestratorv1.RunResponse{Event: &orchestratorv1.RunResponse_Finished{Finished: run}}); err != nil {
 				return err
@@ -238,74 +275,159 @@ func runErr(r *orchestratorv1.Run) error {
 	return status.Error(c, r.GetErrorMessage())
 }
 
-// start validates a request and starts its run in the background. It returns the root
-// node as it started, for the caller's second event. The returned subscription exists
-// before the run starts, so that no event is missed.
-//
-//nolint:contextcheck // the run's context is deliberately not derived from the call's (see below)
-func (s *Server) start(ctx context.Context, req *orchestratorv1.RunRequest) (*runState, *meshv1.Node, chan *orchestratorv1.RunResponse, error) {
-	model := req.GetModel()
+// validate checks a run's task and model and returns the model to run.
+func (s *Server) validate(task, model string) (string, error) {
 	if model == "" {
 		model = s.cfg.Loop.ModelName
 	}
 	if model == "" {
 		model = agent.DefaultModel
 	}
-	if req.GetTask() == "" {
-		return nil, nil, nil, status.Error(codes.InvalidArgument, "task is required")
+	if task == "" {
+		return "", status.Error(codes.InvalidArgument, "task is required")
 	}
 	if model == agent.DefaultModel {
-		if !plan.LooksLikePlan(req.GetTask()) {
-			return nil, nil, nil, status.Error(codes.InvalidArgument, "the sim model takes a JSON plan as its task (see the README's plan format)")
+		if !plan.LooksLikePlan(task) {
+			return "", status.Error(codes.InvalidArgument, "the sim model takes a JSON plan as its task (see the README's plan format)")
 		}
-		if _, err := plan.Parse([]byte(req.GetTask())); err != nil {
-			return nil, nil, nil, status.Error(codes.InvalidArgument, err.Error())
+		if _, err := plan.Parse([]byte(task)); err != nil {
+			return "", status.Error(codes.InvalidArgument, err.Error())
 		}
+	}
+	return model, nil
+}
+
+// start validates a Run request and starts its run in the background. It returns the
+// root node as it started, for the caller's second event. The returned subscription
+// exists before the run starts, so that no event is missed.
+func (s *Server) start(ctx context.Context, req *orchestratorv1.RunRequest) (*runState, *meshv1.Node, chan *orchestratorv1.RunResponse, error) {
+	model, err := s.validate(req.GetTask(), req.GetModel())
+	if err != nil {
+		return nil, nil, nil, err
 	}
 	if err := deadline.Check(ctx, s.cfg.MinRunTime, "run"); err != nil {
 		return nil, nil, nil, err
 	}
 	dl, _ := ctx.Deadline() // the server chain always sets one
-	id, err := uuid.NewV7()
+	rs, _, err := s.create(ctx, md.IdentityFrom(ctx).Tenant, "", model, req.GetTask(), dl)
 	if err != nil {
-		return nil, nil, nil, status.Error(codes.Internal, "internal error")
+		return nil, nil, nil, err
 	}
-	runID := id.String()
+	root, sub := s.launch(ctx, rs, nil, true)
+	return rs, root, sub, nil
+}
+
+// newRunState returns the in-memory state of a run, not yet started.
+func newRunState(id, tenant, key, model, task string, dl, created time.Time) *runState {
+	return &runState{
+		id: id, dl: dl, done: make(chan struct{}),
+		rec: &orchestratorv1.Run{RunId: id, Tenant: tenant, Status: orchestratorv1.RunStatus_RUN_STATUS_RUNNING,
+			Deadline: timestamppb.New(dl), CreatedAt: timestamppb.New(created), Model: model, Task: task, IdempotencyKey: key},
+	}
+}
+
+// create records a new run, owned by this process, and returns its state, not yet
+// launched. With an idempotency key that names an existing run of the tenant it creates
+// nothing and returns that run instead (rs is nil).
+func (s *Server) create(ctx context.Context, tenant, key, model, task string, dl time.Time) (rs *runState, existing *orchestratorv1.Run, err error) {
+	if s.cfg.Store == nil {
+		if key != "" {
+			s.mu.Lock()
+			id, ok := s.keys[tenant+"\x00"+key]
+			s.mu.Unlock()
+			if ok {
+				if old, err := s.get(id); err == nil {
+					return nil, old.snapshot(), nil
+				}
+			}
+		}
+		id, err := uuid.NewV7()
+		if err != nil {
+			return nil, nil, status.Error(codes.Internal, "internal error")
+		}
+		rs := newRunState(id.String(), tenant, key, model, task, dl, time.Now())
+		if key != "" {
+			s.mu.Lock()
+			if other, ok := s.keys[tenant+"\x00"+key]; ok { // a concurrent start won
+				s.mu.Unlock()
+				if old, err := s.get(other); err == nil {
+					return nil, old.snapshot(), nil
+				}
+				return nil, nil, status.Error(codes.Aborted, "a concurrent StartRun with this key is starting; retry")
+			}
+			s.keys[tenant+"\x00"+key] = rs.id
+			s.mu.Unlock()
+		}
+		return rs, nil, nil
+	}
+	began := time.Now()
+	run, created, err := s.cfg.Store.CreateRun(ctx, store.NewRun{Tenant: tenant, IdempotencyKey: key, Task: []byte(task),
+		Model: model, Deadline: dl, Owner: s.cfg.Owner, LeaseTTL: s.cfg.LeaseTTL})
+	if err != nil {
+		return nil, nil, runStoreErr(ctx, s.cfg.Log, "create run", err)
+	}
+	if created && time.Since(began) > s.cfg.LeaseTTL/3 {
+		// A slow store ate into the new lease before the heartbeats know the run: extend
+		// it now rather than let another orchestrator claim a run that is starting.
+		if l, err := s.cfg.Store.HeartbeatRun(ctx, run.Lease(), s.cfg.LeaseTTL); err == nil {
+			run.LeaseExpires = l.Expires
+		}
+	}
+	if !created {
+		if string(run.Task) != task || run.Model != model {
+			return nil, nil, status.Errorf(codes.AlreadyExists, "idempotency key %q already started run %s with another task or model", key, run.RunID)
+		}
+		return nil, s.fromStore(ctx, run), nil
+	}
+	rs = newRunState(run.RunID, tenant, key, model, task, dl, run.CreatedAt)
+	rs.lease = run.Lease()
+	rs.rec.Epoch = run.Epoch
+	return rs, nil, nil
+}
+
+// launch starts rs in the background, resuming from prior (the journal of an earlier
+// owner), and returns its root node as it started and, when subscribe is set, a
+// subscription made before the run started.
+//
+//nolint:contextcheck // the run's context is deliberately not derived from the call's (see below)
+func (s *Server) launch(ctx context.Context, rs *runState, prior []agent.Entry, subscribe bool) (*meshv1.Node, chan *orchestratorv1.RunResponse) {
 	ident := md.IdentityFrom(ctx)
-	ident.RunID, ident.NodeID = runID, RootNode
+	ident.Tenant, ident.RunID, ident.NodeID = rs.rec.GetTenant(), rs.id, RootNode
 	// The run lives on its own context: detached from the call (so that
 	// continue_on_disconnect works and the disconnect is seen as a cause, not an error),
 	// bounded by the same absolute deadline, cancelled with a cause. It carries only the
 	// run's identity, not the call's values: those (the call's stream, metadata and peer)
 	// would stay reachable for the whole run after a detached client's call has ended.
-	rctx, cancelDL := context.WithDeadlineCause(md.WithIdentity(context.Background(), ident), dl, cancel.ErrDeadline)
+	rctx, cancelDL := context.WithDeadlineCause(md.WithIdentity(context.Background(), ident), rs.dl, cancel.ErrDeadline)
 	rctx, cancelRun := context.WithCancelCause(rctx)
 	rctx, span := tracing.StartRun(ctx, rctx, ident)
-	now := time.Now()
-	rs := &runState{
-		id: runID, dl: dl, cancel: cancelRun, done: make(chan struct{}), span: span,
-		rec: &orchestratorv1.Run{RunId: runID, Tenant: ident.Tenant, Status: orchestratorv1.RunStatus_RUN_STATUS_RUNNING,
-			Deadline: timestamppb.New(dl), CreatedAt: timestamppb.New(now), Model: model, Task: req.GetTask()},
-	}
-	root := s.nodes.Start(runID, &meshv1.Node{Id: RootNode, Kind: meshv1.NodeKind_NODE_KIND_RUN, Name: "run", Deadline: timestamppb.New(dl)})
+	rs.cancel, rs.span = cancelRun, span
+	root := s.nodes.Start(rs.id, &meshv1.Node{Id: RootNode, Kind: meshv1.NodeKind_NODE_KIND_RUN, Name: "run", Deadline: timestamppb.New(rs.dl)})
 	rs.broadcast = func(cause error) {
 		s.wg.Add(1)
 		go func() {
 			defer s.wg.Done()
-			s.broadcastCancel(rctx, runID, cause)
+			s.broadcastCancel(rctx, rs.id, cause)
 		}()
 	}
 	s.add(rs)
-	s.logStarted(ctx, rs, model, req.GetTask())
-	sub := rs.subscribe()
-	task := req.GetTask() // not req: the run should not hold the request
+	s.logStarted(ctx, rs, rs.rec.GetModel(), rs.rec.GetTask())
+	var sub chan *orchestratorv1.RunResponse
+	if subscribe {
+		sub = rs.subscribe()
+	}
+	var j agent.Journal
+	if s.cfg.Store != nil {
+		j = &runJournal{s: s, rs: rs, prior: prior, next: len(prior)}
+	}
+	model, task := rs.rec.GetModel(), rs.rec.GetTask()
 	s.wg.Add(1)
 	go func() {
 		defer s.wg.Done()
 		defer cancelDL()
-		s.execute(rctx, rs, model, task)
+		s.execute(rctx, rs, model, task, j)
 	}()
-	return rs, root, sub, nil
+	return root, sub
 }
 
 func (s *Server) add(rs *runState) {
@@ -342,13 +464,17 @@ func (s *Server) add(rs *runState) {
 
 // execute runs the loop, then ends the root node, waits for the tree's teardown,
 // assembles the summary and publishes it.
-func (s *Server) execute(rctx context.Context, rs *runState, model, task string) {
+func (s *Server) execute(rctx context.Context, rs *runState, model, task string, j agent.Journal) {
 	lc := s.cfg.Loop
 	lc.Notes = s.nodes
 	lc.Emit = func(n *meshv1.Node) {
 		rs.publish(&orchestratorv1.RunResponse{Event: &orchestratorv1.RunResponse_Node{Node: n}})
 	}
-	answer, err := agent.New(lc).Run(rctx, RootNode, model, task)
+	answer, err := s.runLoop(rctx, rs, agent.New(lc), model, task, j)
+	if rs.moved() {
+		s.abandon(rctx, rs)
+		return
+	}
 	o := nodes.OutcomeOf(rctx, err)
 	if o.Status == meshv1.NodeStatus_NODE_STATUS_DEADLINE_EXCEEDED {
 		o.Cause = meshv1.CancelCause_CANCEL_CAUSE_DEADLINE
@@ -391,8 +517,13 @@ func (s *Server) execute(rctx context.Context, rs *runState, model, task string)
 	}
 	setNodes(r, ns)
 	tokens, after := r.Tokens, r.TokensAfterCancel
+	rs.finishing = true
 	rs.mu.Unlock()
 	tracing.EndRun(rs.span, o.Status, o.Cause, o.Code, o.Message, tokens, after)
+	if s.cfg.Store != nil && !s.commit(rctx, rs) {
+		s.abandon(rctx, rs)
+		return
+	}
 	close(rs.done)
 	s.logFinished(rctx, rs.snapshot())
 }
@@ -490,7 +621,14 @@ func (s *Server) get(id string) (*runState, error) {
 func (s *Server) GetRun(ctx context.Context, req *orchestratorv1.GetRunRequest) (*orchestratorv1.GetRunResponse, error) {
 	rs, err := s.get(req.GetRunId())
 	if err != nil {
-		return nil, err
+		if s.cfg.Store == nil || status.Code(err) != codes.NotFound {
+			return nil, err
+		}
+		r, err := s.stored(ctx, req.GetRunId())
+		if err != nil {
+			return nil, err
+		}
+		return &orchestratorv1.GetRunResponse{Run: r}, nil
 	}
 	select {
 	case <-rs.done:
@@ -511,7 +649,7 @@ const (
 // ListRuns implements OrchestratorService.ListRuns: newest first, without nodes. The page
 // token is the id of the last run of the previous page; run ids are UUIDv7, ordered by
 // creation, so pages stay stable while new runs arrive.
-func (s *Server) ListRuns(_ context.Context, req *orchestratorv1.ListRunsRequest) (*orchestratorv1.ListRunsResponse, error) {
+func (s *Server) ListRuns(ctx context.Context, req *orchestratorv1.ListRunsRequest) (*orchestratorv1.ListRunsResponse, error) {
 	size := int(req.GetPageSize())
 	switch {
 	case size < 0:
@@ -526,6 +664,9 @@ func (s *Server) ListRuns(_ context.Context, req *orchestratorv1.ListRunsRequest
 		if _, err := uuid.Parse(after); err != nil {
 			return nil, status.Error(codes.InvalidArgument, "page_token is not one this service issued")
 		}
+	}
+	if s.cfg.Store != nil {
+		return s.listStored(ctx, size, after)
 	}
 	s.mu.Lock()
 	states := make([]*runState, 0, size+1)
@@ -554,7 +695,14 @@ func (s *Server) ListRuns(_ context.Context, req *orchestratorv1.ListRunsRequest
 func (s *Server) CancelRun(ctx context.Context, req *orchestratorv1.CancelRunRequest) (*orchestratorv1.CancelRunResponse, error) {
 	rs, err := s.get(req.GetRunId())
 	if err != nil {
-		return nil, err
+		if s.cfg.Store == nil || status.Code(err) != codes.NotFound {
+			return nil, err
+		}
+		r, err := s.cancelElsewhere(ctx, req)
+		if err != nil {
+			return nil, err
+		}
+		return &orchestratorv1.CancelRunResponse{Run: r}, nil
 	}
 	select {
 	case <-rs.done:
@@ -575,8 +723,13 @@ func (s *Server) CancelRun(ctx context.Context, req *orchestratorv1.CancelRunReq
 func (s *Server) Sweep(now time.Time) { s.nodes.Sweep(now) }
 
 // Shutdown waits up to grace for runs still in flight (detached runs go on after their
-// clients leave), then cancels the rest with cause operator and waits for their teardown.
+// clients leave), then stops the rest and waits for their teardown. Without a Store the
+// rest are cancelled with cause operator. With one they are handed over: this process
+// stops advancing them and releases their leases, and another orchestrator (or this one,
+// restarted) resumes them from their last checkpoint. Shutdown takes over no more runs.
 func (s *Server) Shutdown(grace time.Duration) {
+	s.stopTakeovers()
+	defer s.stopLeases()
 	done := make(chan struct{})
 	go func() { s.wg.Wait(); close(done) }()
 	t := time.NewTimer(grace)
@@ -591,7 +744,11 @@ func (s *Server) Shutdown(grace time.Duration) {
 		select {
 		case <-rs.done:
 		default:
-			rs.cancelWith(cancel.ErrOperator)
+			if s.cfg.Store != nil {
+				rs.handOver()
+			} else {
+				rs.cancelWith(cancel.ErrOperator)
+			}
 		}
 	}
 	s.mu.Unlock()

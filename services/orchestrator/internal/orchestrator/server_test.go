@@ -144,6 +144,21 @@ func (f *fakeModel) decode(ctx context.Context, stream modelproxyv1.ModelProxySe
 type fakeTools struct {
 	toolrunnerv1.UnimplementedToolRunnerServiceServer
 	table *nodes.Table
+
+	mu    sync.Mutex
+	calls map[string]int // calls per run and node
+}
+
+// call counts a call of node and returns how many there were before it.
+func (f *fakeTools) call(id md.Identity) int {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if f.calls == nil {
+		f.calls = map[string]int{}
+	}
+	n := f.calls[id.RunID+"|"+id.NodeID]
+	f.calls[id.RunID+"|"+id.NodeID]++
+	return n
 }
 
 func (f *fakeTools) Execute(req *toolrunnerv1.ExecuteRequest, stream toolrunnerv1.ToolRunnerService_ExecuteServer) error {
@@ -151,6 +166,16 @@ func (f *fakeTools) Execute(req *toolrunnerv1.ExecuteRequest, stream toolrunnerv
 	id := md.IdentityFrom(ctx)
 	send := func(n *meshv1.Node) {
 		_ = stream.Send(&toolrunnerv1.ExecuteResponse{Event: &toolrunnerv1.ExecuteResponse_Node{Node: n}})
+	}
+	before := f.call(id)
+	if req.GetName() == plan.ToolFail { // fails with args.code on its first args.times calls
+		var a plan.FailArgs
+		_ = plan.Args([]byte(req.GetArgsJson()), &a)
+		var c codes.Code
+		_ = c.UnmarshalJSON([]byte(`"` + a.Code + `"`))
+		if before < a.Times {
+			return status.Error(c, "fail: not yet")
+		}
 	}
 	send(f.table.Start(id.RunID, &meshv1.Node{Id: id.NodeID, Kind: meshv1.NodeKind_NODE_KIND_TOOL, Name: req.GetName()}))
 	var err error
@@ -176,9 +201,16 @@ type env struct {
 	srv   *Server
 	orch  orchestratorv1.OrchestratorServiceClient
 	model *fakeModel
+	tools *fakeTools
 }
 
 func newEnv(t *testing.T, scfg mesh.ServerConfig, fm *fakeModel) *env {
+	t.Helper()
+	return newEnvWith(t, scfg, fm, nil)
+}
+
+// newEnvWith is newEnv with a hook on the server's Config (nil: none).
+func newEnvWith(t *testing.T, scfg mesh.ServerConfig, fm *fakeModel, hook func(*Config)) *env {
 	t.Helper()
 	if fm == nil {
 		fm = &fakeModel{}
@@ -194,7 +226,7 @@ func newEnv(t *testing.T, scfg mesh.ServerConfig, fm *fakeModel) *env {
 		meshv1.RegisterNodeReportServiceServer(gs, &nodes.Server{Table: ft.table})
 	})
 	modelNodes, toolNodes := meshv1.NewNodeReportServiceClient(mc), meshv1.NewNodeReportServiceClient(tc)
-	srv := New(Config{
+	cfg := Config{
 		Loop: agent.Config{
 			Model:         modelproxyv1.NewModelProxyServiceClient(mc),
 			ModelNodes:    modelNodes,
@@ -205,11 +237,17 @@ func newEnv(t *testing.T, scfg mesh.ServerConfig, fm *fakeModel) *env {
 		Reports:       []meshv1.NodeReportServiceClient{modelNodes, toolNodes},
 		SettleTimeout: time.Second,
 		Log:           quiet,
-	})
+	}
+	if hook != nil {
+		hook(&cfg)
+	}
+	srv := New(cfg)
 	scfg.Logger = quiet
 	oc := meshtest.Serve(t, scfg, func(gs *grpc.Server) { orchestratorv1.RegisterOrchestratorServiceServer(gs, srv) })
-	t.Cleanup(func() { srv.Shutdown(0) }) // runs first: the fakes are still serving
-	return &env{srv: srv, orch: orchestratorv1.NewOrchestratorServiceClient(oc), model: fm}
+	ctx, stop := context.WithCancel(context.Background())
+	srv.Start(ctx)
+	t.Cleanup(func() { srv.Shutdown(0); stop() }) // runs first: the fakes are still serving
+	return &env{srv: srv, orch: orchestratorv1.NewOrchestratorServiceClient(oc), model: fm, tools: ft}
 }
 
 // runStream is a Run call's stream; events come in as they are received.

@@ -1,0 +1,282 @@
+package orchestrator
+
+import (
+	"context"
+	"fmt"
+	"path/filepath"
+	"slices"
+	"strings"
+	"testing"
+	"time"
+
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/metadata"
+	"google.golang.org/protobuf/types/known/durationpb"
+
+	modelproxyv1 "github.com/curfew-mesh/curfew/gen/curfew/modelproxy/v1"
+	orchestratorv1 "github.com/curfew-mesh/curfew/gen/curfew/orchestrator/v1"
+	"github.com/curfew-mesh/curfew/mesh"
+	"github.com/curfew-mesh/curfew/mesh/agent"
+	"github.com/curfew-mesh/curfew/mesh/md"
+	"github.com/curfew-mesh/curfew/mesh/meshtest"
+	"github.com/curfew-mesh/curfew/mesh/store"
+	_ "github.com/curfew-mesh/curfew/mesh/store/sqlite"
+)
+
+func openStore(t *testing.T) store.Store {
+	t.Helper()
+	st, err := store.Open(context.Background(), filepath.Join(t.TempDir(), "curfew.db"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = st.Close() })
+	return st
+}
+
+// deadLetters records into the store, as mesh/dlq.Recorder does without a broker.
+type deadLetters struct{ st store.Store }
+
+func (d deadLetters) Record(ctx context.Context, dl store.DeadLetter) (store.DeadLetter, bool, error) {
+	return d.st.AddDeadLetter(ctx, dl)
+}
+
+func newDurableEnv(t *testing.T, st store.Store, owner string, ttl time.Duration) *env {
+	t.Helper()
+	return newEnvWith(t, mesh.ServerConfig{}, nil, func(c *Config) {
+		c.Store, c.Owner, c.LeaseTTL, c.DeadLetters = st, owner, ttl, deadLetters{st}
+	})
+}
+
+// drainStarted empties the fake model's record of started decoders.
+func (e *env) decoders() []string {
+	var out []string
+	for {
+		select {
+		case n := <-e.model.started:
+			out = append(out, n)
+		default:
+			return out
+		}
+	}
+}
+
+// StartRun with one key twice starts one run, which is recorded, checkpointed and
+// finished in the store, and a second server on the same store serves it.
+func TestStartRunIdempotentAndStored(t *testing.T) {
+	st := openStore(t)
+	e := newDurableEnv(t, st, "orch-a", time.Second)
+	ctx := metadata.AppendToOutgoingContext(context.Background(), md.Tenant, "acme")
+	req := &orchestratorv1.StartRunRequest{Task: fastPlan, IdempotencyKey: "k-1", Timeout: durationpb.New(10 * time.Second)}
+	first, err := e.orch.StartRun(ctx, req)
+	if err != nil || !first.GetCreated() {
+		t.Fatalf("first StartRun: %v created=%v", err, first.GetCreated())
+	}
+	second, err := e.orch.StartRun(ctx, req)
+	if err != nil || second.GetCreated() || second.GetRun().GetRunId() != first.GetRun().GetRunId() {
+		t.Fatalf("second StartRun: %v created=%v run %s, want run %s again", err, second.GetCreated(), second.GetRun().GetRunId(), first.GetRun().GetRunId())
+	}
+	other := &orchestratorv1.StartRunRequest{Task: tinyPlan, IdempotencyKey: "k-1"}
+	_, err = e.orch.StartRun(ctx, other)
+	meshtest.WantCode(t, err, codes.AlreadyExists)
+	id := first.GetRun().GetRunId()
+	if dl := first.GetRun().GetDeadline().AsTime(); time.Until(dl) > 10*time.Second || time.Until(dl) < 8*time.Second {
+		t.Errorf("deadline %v is not 10 s from the start", dl)
+	}
+
+	// Follow it to the end.
+	w, err := e.orch.WatchRun(ctx, &orchestratorv1.WatchRunRequest{RunId: id})
+	if err != nil {
+		t.Fatal(err)
+	}
+	evs, err := meshtest.Drain(w)
+	if err != nil || len(evs) < 2 || evs[0].GetStarted().GetRunId() != id || evs[len(evs)-1].GetFinished() == nil {
+		t.Fatalf("watch: %v, %d events", err, len(evs))
+	}
+	fin := evs[len(evs)-1].GetFinished()
+	if fin.GetStatus() != orchestratorv1.RunStatus_RUN_STATUS_SUCCEEDED || fin.GetEpoch() != 1 {
+		t.Fatalf("finished %v epoch %d", fin.GetStatus(), fin.GetEpoch())
+	}
+	cps, err := st.ListCheckpoints(context.Background(), "acme", id)
+	if err != nil || len(cps) != 3 { // model 0, tools 0, model 1
+		t.Fatalf("checkpoints: %d, %v", len(cps), err)
+	}
+	for _, c := range cps {
+		if c.Epoch != 1 {
+			t.Errorf("checkpoint %d under epoch %d", c.Step, c.Epoch)
+		}
+	}
+	if cps[0].Tokens != 10 || cps[2].Tokens != 5 {
+		t.Errorf("checkpoint tokens %d, %d, want 10, 5", cps[0].Tokens, cps[2].Tokens)
+	}
+
+	// Another server on the same store: GetRun, ListRuns, WatchRun of an ended run.
+	e2 := newDurableEnv(t, st, "orch-b", time.Second)
+	got, err := e2.orch.GetRun(ctx, &orchestratorv1.GetRunRequest{RunId: id})
+	if err != nil || got.GetRun().GetStatus() != orchestratorv1.RunStatus_RUN_STATUS_SUCCEEDED || len(got.GetRun().GetNodes()) == 0 ||
+		got.GetRun().GetTokens() != fin.GetTokens() || got.GetRun().GetIdempotencyKey() != "k-1" {
+		t.Fatalf("GetRun elsewhere: %v %v", err, got.GetRun())
+	}
+	_, err = e2.orch.GetRun(context.Background(), &orchestratorv1.GetRunRequest{RunId: id}) // the default tenant
+	meshtest.WantCode(t, err, codes.NotFound)
+	list, err := e2.orch.ListRuns(ctx, &orchestratorv1.ListRunsRequest{})
+	if err != nil || len(list.GetRuns()) != 1 || list.GetRuns()[0].GetRunId() != id {
+		t.Fatalf("ListRuns elsewhere: %v %v", err, list.GetRuns())
+	}
+	w2, err := e2.orch.WatchRun(ctx, &orchestratorv1.WatchRunRequest{RunId: id})
+	if err != nil {
+		t.Fatal(err)
+	}
+	evs, err = meshtest.Drain(w2)
+	if err != nil || len(evs) != 2 || evs[1].GetFinished().GetStatus() != orchestratorv1.RunStatus_RUN_STATUS_SUCCEEDED {
+		t.Fatalf("watch elsewhere: %v %v", err, evs)
+	}
+}
+
+// A run whose owner died mid-run is taken over once its lease expires, and resumed from
+// its checkpoints: its completed model step is not generated again.
+func TestTakeoverResumesFromCheckpoints(t *testing.T) {
+	st := openStore(t)
+	ctx := context.Background()
+	plan := `{"tokens_per_second":200,"steps":[
+	  {"think_tokens":4,"tools":[{"name":"sleep","args":{"ms":1}}]},
+	  {"think_tokens":3,"tools":[{"name":"sleep","args":{"ms":1}}]},
+	  {"answer_tokens":2}]}`
+	// A dead owner's run: step 0 complete, step 1's model output recorded.
+	run, _, err := st.CreateRun(ctx, store.NewRun{Tenant: "acme", Task: []byte(plan), Model: agent.DefaultModel,
+		Deadline: time.Now().Add(20 * time.Second), Owner: "dead", LeaseTTL: 50 * time.Millisecond})
+	if err != nil {
+		t.Fatal(err)
+	}
+	entries := []agent.Entry{
+		{Step: 0, Kind: agent.EntryModel, Text: "w w w w ", FinishReason: "tool_calls", Tokens: 4,
+			ToolCalls: e2eCalls(0, `{"ms":1}`)},
+		{Step: 0, Kind: agent.EntryTools, ToolOutputs: []string{`{"ok":true}`}},
+		{Step: 1, Kind: agent.EntryModel, Text: "w w w ", FinishReason: "tool_calls", Tokens: 3,
+			ToolCalls: e2eCalls(1, `{"ms":1}`)},
+	}
+	for i, en := range entries {
+		b, err := agent.MarshalEntry(en)
+		if err != nil {
+			t.Fatal(err)
+		}
+		c := store.Checkpoint{Step: i, Tokens: en.Tokens}
+		if en.Kind == agent.EntryModel {
+			c.ModelOutput = b
+		} else {
+			c.ToolResults = b
+		}
+		if err := st.PutCheckpoint(ctx, run.Lease(), c); err != nil {
+			t.Fatal(err)
+		}
+	}
+	e := newDurableEnv(t, st, "orch-b", 200*time.Millisecond)
+	actx := metadata.AppendToOutgoingContext(ctx, md.Tenant, "acme")
+	w, err := e.orch.WatchRun(actx, &orchestratorv1.WatchRunRequest{RunId: run.RunID})
+	if err != nil {
+		t.Fatal(err)
+	}
+	evs, err := meshtest.Drain(w)
+	if err != nil {
+		t.Fatal(err)
+	}
+	fin := evs[len(evs)-1].GetFinished()
+	if fin.GetStatus() != orchestratorv1.RunStatus_RUN_STATUS_SUCCEEDED || fin.GetEpoch() != 2 {
+		t.Fatalf("resumed run ended %v at epoch %d: %s", fin.GetStatus(), fin.GetEpoch(), fin.GetErrorMessage())
+	}
+	if got := e.decoders(); !slices.Equal(got, []string{"root/m2"}) {
+		t.Errorf("decoders after takeover: %v, want only root/m2", got)
+	}
+	cps, _ := st.ListCheckpoints(ctx, "acme", run.RunID)
+	var epochs []int64
+	for _, c := range cps {
+		epochs = append(epochs, c.Epoch)
+	}
+	if !slices.Equal(epochs, []int64{1, 1, 1, 2, 2}) {
+		t.Errorf("checkpoint epochs %v, want the first three by the dead owner and the rest by the new one", epochs)
+	}
+}
+
+func e2eCalls(step int, args string) []*modelproxyv1.ToolCall {
+	return []*modelproxyv1.ToolCall{{Id: fmt.Sprintf("call_%d_0", step), Name: "sleep", ArgsJson: args}}
+}
+
+// A run whose deadline passed while it had no owner ends DEADLINE_EXCEEDED and becomes a
+// dead letter.
+func TestExpiredUnownedRunIsDeadLettered(t *testing.T) {
+	st := openStore(t)
+	ctx := context.Background()
+	run, _, err := st.CreateRun(ctx, store.NewRun{Tenant: "acme", Task: []byte(tinyPlan), Model: agent.DefaultModel,
+		Deadline: time.Now().Add(100 * time.Millisecond), Owner: "dead", LeaseTTL: 50 * time.Millisecond, IdempotencyKey: "late"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	time.Sleep(150 * time.Millisecond)
+	e := newDurableEnv(t, st, "orch-b", 200*time.Millisecond)
+	r := e.waitEndedTenant(t, "acme", run.RunID)
+	if r.GetStatus() != orchestratorv1.RunStatus_RUN_STATUS_DEADLINE_EXCEEDED {
+		t.Fatalf("status %v", r.GetStatus())
+	}
+	dls, _, err := st.ListDeadLetters(ctx, store.DeadLetterQuery{Tenant: "acme"})
+	if err != nil || len(dls) != 1 || dls[0].RunID != run.RunID || dls[0].ErrorType != "deadline_exceeded" || dls[0].IdempotencyKey != "late" {
+		t.Fatalf("dead letters %+v %v", dls, err)
+	}
+}
+
+func (e *env) waitEndedTenant(t *testing.T, tenant, id string) *orchestratorv1.Run {
+	t.Helper()
+	ctx := metadata.AppendToOutgoingContext(context.Background(), md.Tenant, tenant)
+	until := time.Now().Add(5 * time.Second)
+	for {
+		resp, err := e.orch.GetRun(ctx, &orchestratorv1.GetRunRequest{RunId: id})
+		if err == nil && resp.GetRun().GetStatus() != orchestratorv1.RunStatus_RUN_STATUS_RUNNING {
+			return resp.GetRun()
+		}
+		if time.Now().After(until) {
+			t.Fatalf("run %s not ended after 5s: %v", id, err)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+}
+
+// A durable run whose step fails with a transient error beyond the call's own retries
+// resumes from its journal after a backoff instead of failing: the tool is tried again,
+// the completed model step is not.
+func TestTransientStepFailureResumesFromJournal(t *testing.T) {
+	st := openStore(t)
+	e := newDurableEnv(t, st, "orch-a", time.Second)
+	plan := `{"tokens_per_second":500,"steps":[
+	  {"think_tokens":3,"tools":[{"name":"sleep","args":{"ms":1}}]},
+	  {"answer_tokens":2}]}`
+	plan = strings.Replace(plan, `"sleep","args":{"ms":1}`, `"fail","args":{"times":2,"code":"UNAVAILABLE"}`, 1)
+	ctx := context.Background()
+	res, err := e.orch.StartRun(ctx, &orchestratorv1.StartRunRequest{Task: plan, Timeout: durationpb.New(20 * time.Second)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	r := e.waitEndedTenant(t, md.DefaultTenant, res.GetRun().GetRunId())
+	if r.GetStatus() != orchestratorv1.RunStatus_RUN_STATUS_SUCCEEDED {
+		t.Fatalf("run %v: %s", r.GetStatus(), r.GetErrorMessage())
+	}
+	if got := e.decoders(); !slices.Equal(got, []string{"root/m0", "root/m1"}) {
+		t.Errorf("decoders %v, want each step once", got)
+	}
+	if n := e.tools.call(md.Identity{RunID: r.GetRunId(), NodeID: "root/s0.t0"}); n != 3 {
+		t.Errorf("flaky tool called %d times, want 3 (two failures, then success)", n)
+	}
+}
+
+// Without a store there is no journal to resume from: the same failure fails the run.
+func TestTransientStepFailureFailsWithoutStore(t *testing.T) {
+	e := newEnv(t, mesh.ServerConfig{}, nil)
+	plan := `{"tokens_per_second":500,"steps":[
+	  {"think_tokens":3,"tools":[{"name":"fail","args":{"times":1,"code":"UNAVAILABLE"}}]},
+	  {"answer_tokens":2}]}`
+	res, err := e.orch.StartRun(context.Background(), &orchestratorv1.StartRunRequest{Task: plan})
+	if err != nil {
+		t.Fatal(err)
+	}
+	r := e.waitEndedTenant(t, md.DefaultTenant, res.GetRun().GetRunId())
+	if r.GetStatus() != orchestratorv1.RunStatus_RUN_STATUS_FAILED || r.GetErrorCode() != "UNAVAILABLE" {
+		t.Fatalf("run %v %s", r.GetStatus(), r.GetErrorCode())
+	}
+}
