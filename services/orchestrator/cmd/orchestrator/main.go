@@ -134,6 +134,7 @@ func run(args []string) int {
 		Owner:       owner(),
 		LeaseTTL:    *leaseTTL,
 		DeadLetters: dead,
+		Registerer:  rt.Registry,
 	})
 	orchestratorv1.RegisterOrchestratorServiceServer(rt.Server, srv)
 	if st != nil {

@@ -277,6 +277,7 @@ func (s *Server) resume(ctx context.Context, r store.Run) {
 		rec.ErrorCode, rec.ErrorMessage = "DEADLINE_EXCEEDED", "the run's deadline passed while no orchestrator owned it"
 		rec.EndedAt, rec.CancelledAt = timestamppb.Now(), timestamppb.New(r.Deadline)
 		if s.commit(ctx, rs) {
+			s.leaseMetrics.takeover(takeoverDeadline)
 			s.deadLetter(ctx, rs.snapshot(), "deadline_exceeded")
 		}
 		return
@@ -308,6 +309,7 @@ func (s *Server) resume(ctx context.Context, r store.Run) {
 	rs := newRunState(r.RunID, r.Tenant, r.IdempotencyKey, r.Model, string(r.Task), r.Deadline, r.CreatedAt)
 	rs.lease, rs.rec.Epoch = r.Lease(), r.Epoch
 	log.InfoContext(ctx, "resuming run", "checkpoints", len(prior), "time_left_ms", time.Until(r.Deadline).Milliseconds())
+	s.leaseMetrics.takeover(takeoverResumed)
 	s.launch(md.WithIdentity(ctx, md.Identity{Tenant: r.Tenant}), rs, prior, false)
 }
 
@@ -491,6 +493,9 @@ func (s *Server) abandon(ctx context.Context, rs *runState) {
 	rs.span.End()
 	s.forget(rs)
 	close(rs.done)
+	if !handover {
+		s.leaseMetrics.leaseLost()
+	}
 	s.cfg.Log.InfoContext(ctx, "run handed to another orchestrator", "run_id", rs.id, "handover", handover)
 }
 

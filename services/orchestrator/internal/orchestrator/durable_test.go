@@ -9,6 +9,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/testutil"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/metadata"
 	"google.golang.org/protobuf/types/known/durationpb"
@@ -169,7 +171,10 @@ func TestTakeoverResumesFromCheckpoints(t *testing.T) {
 			t.Fatal(err)
 		}
 	}
-	e := newDurableEnv(t, st, "orch-b", 200*time.Millisecond)
+	reg := prometheus.NewRegistry()
+	e := newEnvWith(t, mesh.ServerConfig{}, nil, func(c *Config) {
+		c.Store, c.Owner, c.LeaseTTL, c.DeadLetters, c.Registerer = st, "orch-b", 200*time.Millisecond, deadLetters{st}, reg
+	})
 	actx := metadata.AppendToOutgoingContext(ctx, md.Tenant, "acme")
 	w, err := e.orch.WatchRun(actx, &orchestratorv1.WatchRunRequest{RunId: run.RunID})
 	if err != nil {
@@ -193,6 +198,15 @@ func TestTakeoverResumesFromCheckpoints(t *testing.T) {
 	}
 	if !slices.Equal(epochs, []int64{1, 1, 1, 2, 2}) {
 		t.Errorf("checkpoint epochs %v, want the first three by the dead owner and the rest by the new one", epochs)
+	}
+	if n := testutil.ToFloat64(e.srv.leaseMetrics.takeovers.WithLabelValues(takeoverResumed)); n != 1 {
+		t.Errorf("curfew_run_takeovers_total{outcome=resumed} = %v, want 1", n)
+	}
+	if n := testutil.ToFloat64(e.srv.leaseMetrics.lost); n != 0 {
+		t.Errorf("curfew_run_leases_lost_total = %v, want 0", n)
+	}
+	if n, err := testutil.GatherAndCount(reg, "curfew_run_leases_held", "curfew_run_lease_heartbeat_age_seconds"); err != nil || n != 2 {
+		t.Errorf("lease gauges: %d series, %v", n, err)
 	}
 }
 

@@ -9,6 +9,7 @@ import (
 	"time"
 
 	"github.com/google/uuid"
+	"github.com/prometheus/client_golang/prometheus"
 	"go.opentelemetry.io/otel/trace"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
@@ -71,6 +72,8 @@ type Config struct {
 	LeaseTTL time.Duration
 	// DeadLetters, when set, records runs that fail for good (mesh/dlq.Recorder).
 	DeadLetters DeadLetterRecorder
+	// Registerer, when set with a Store, receives the run-lease metrics.
+	Registerer prometheus.Registerer
 }
 
 // Server implements OrchestratorService.
@@ -88,6 +91,7 @@ type Server struct {
 	// The lease loops of Start: heartbeats and takeovers, each stopped on its own.
 	bg                          sync.WaitGroup
 	stopHeartbeat, stopTakeover context.CancelFunc
+	leaseMetrics                *leaseMetrics // nil without a Store or a Registerer
 }
 
 // New returns a server.
@@ -110,7 +114,11 @@ func New(cfg Config) *Server {
 	if cfg.LeaseTTL == 0 {
 		cfg.LeaseTTL = DefaultLeaseTTL
 	}
-	return &Server{cfg: cfg, nodes: nodes.New(0), runs: map[string]*runState{}, keys: map[string]string{}}
+	s := &Server{cfg: cfg, nodes: nodes.New(0), runs: map[string]*runState{}, keys: map[string]string{}}
+	if cfg.Store != nil && cfg.Registerer != nil {
+		s.leaseMetrics = newLeaseMetrics(cfg.Registerer, s)
+	}
+	return s
 }
 
 // Wait blocks until every run's background work has finished.

@@ -1,0 +1,73 @@
+package orchestrator
+
+import (
+	"time"
+
+	"github.com/prometheus/client_golang/prometheus"
+)
+
+// leaseMetrics are the durable server's run-lease metrics; nil fields count nothing.
+type leaseMetrics struct {
+	takeovers *prometheus.CounterVec // by outcome: resumed, deadline_exceeded
+	lost      prometheus.Counter
+}
+
+// Takeover outcomes.
+const (
+	takeoverResumed  = "resumed"
+	takeoverDeadline = "deadline_exceeded"
+)
+
+func newLeaseMetrics(reg prometheus.Registerer, s *Server) *leaseMetrics {
+	m := &leaseMetrics{
+		takeovers: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "curfew_run_takeovers_total",
+			Help: "Runs this orchestrator claimed after their owner's lease expired: resumed from their checkpoints, or ended deadline_exceeded because their deadline passed while unowned.",
+		}, []string{"outcome"}),
+		lost: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "curfew_run_leases_lost_total",
+			Help: "Runs this orchestrator stopped advancing because another orchestrator had claimed them (a fenced write or heartbeat).",
+		}),
+	}
+	for _, o := range []string{takeoverResumed, takeoverDeadline} {
+		m.takeovers.WithLabelValues(o)
+	}
+	held := prometheus.NewGaugeFunc(prometheus.GaugeOpts{
+		Name: "curfew_run_leases_held",
+		Help: "Run leases this orchestrator holds: its live durable runs.",
+	}, func() float64 { return float64(len(s.live())) })
+	oldest := prometheus.NewGaugeFunc(prometheus.GaugeOpts{
+		Name: "curfew_run_lease_heartbeat_age_seconds",
+		Help: "Time since the least recently renewed run lease this orchestrator holds was last renewed (created, claimed or heartbeated); it should stay under the lease TTL (alert CurfewRunLeaseStale).",
+	}, func() float64 { return s.oldestLeaseAge(time.Now()).Seconds() })
+	reg.MustRegister(m.takeovers, m.lost, held, oldest)
+	return m
+}
+
+func (m *leaseMetrics) takeover(outcome string) {
+	if m != nil {
+		m.takeovers.WithLabelValues(outcome).Inc()
+	}
+}
+
+func (m *leaseMetrics) leaseLost() {
+	if m != nil {
+		m.lost.Inc()
+	}
+}
+
+// oldestLeaseAge is how long ago the least recently renewed lease of a live run was
+// renewed: expiry minus TTL is the renewal instant. 0 without live runs.
+func (s *Server) oldestLeaseAge(now time.Time) time.Duration {
+	var age time.Duration
+	for _, rs := range s.live() {
+		rs.mu.Lock()
+		exp := rs.lease.Expires
+		rs.mu.Unlock()
+		if exp.IsZero() {
+			continue
+		}
+		age = max(age, now.Sub(exp.Add(-s.cfg.LeaseTTL)))
+	}
+	return age
+}
