@@ -294,3 +294,22 @@ func TestTransientStepFailureFailsWithoutStore(t *testing.T) {
 		t.Fatalf("run %v %s", r.GetStatus(), r.GetErrorCode())
 	}
 }
+
+// Without a store, StartRun's key still names one run while the run is remembered.
+func TestStartRunIdempotentInMemory(t *testing.T) {
+	e := newEnv(t, mesh.ServerConfig{}, nil)
+	req := &orchestratorv1.StartRunRequest{Task: tinyPlan, IdempotencyKey: "mem-1"}
+	a, err := e.orch.StartRun(context.Background(), req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	b, err := e.orch.StartRun(context.Background(), req)
+	if err != nil || !a.GetCreated() || b.GetCreated() || a.GetRun().GetRunId() != b.GetRun().GetRunId() {
+		t.Fatalf("%v: %s/%v then %s/%v", err, a.GetRun().GetRunId(), a.GetCreated(), b.GetRun().GetRunId(), b.GetCreated())
+	}
+	_, err = e.orch.StartRun(context.Background(), &orchestratorv1.StartRunRequest{Task: fastPlan, IdempotencyKey: "mem-1"})
+	meshtest.WantCode(t, err, codes.AlreadyExists)
+	_, err = e.orch.StartRun(context.Background(), &orchestratorv1.StartRunRequest{Task: tinyPlan, Timeout: durationpb.New(-time.Second)})
+	meshtest.WantCode(t, err, codes.InvalidArgument)
+	e.waitEndedTenant(t, md.DefaultTenant, a.GetRun().GetRunId())
+}

@@ -345,7 +345,11 @@ func (s *Server) create(ctx context.Context, tenant, key, model, task string, dl
 			s.mu.Unlock()
 			if ok {
 				if old, err := s.get(id); err == nil {
-					return nil, old.snapshot(), nil
+					r := old.snapshot()
+					if r.GetTask() != task || r.GetModel() != model {
+						return nil, nil, status.Errorf(codes.AlreadyExists, "idempotency key %q already started run %s with another task or model", key, id)
+					}
+					return nil, r, nil
 				}
 			}
 		}
@@ -459,6 +463,9 @@ func (s *Server) add(rs *runState) {
 		if excess > 0 {
 			select {
 			case <-s.runs[id].done:
+				if k := s.runs[id].rec.GetIdempotencyKey(); k != "" && s.cfg.Store == nil {
+					delete(s.keys, s.runs[id].rec.GetTenant()+"\x00"+k) // the key goes with its run
+				}
 				delete(s.runs, id)
 				excess--
 				continue
