@@ -11,7 +11,6 @@ import (
 	"sync"
 	"time"
 
-	"google.golang.org/genproto/googleapis/rpc/errdetails"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/proto"
@@ -23,6 +22,7 @@ import (
 	"github.com/curfew-mesh/curfew/mesh/breaker"
 	"github.com/curfew-mesh/curfew/mesh/cancel"
 	"github.com/curfew-mesh/curfew/mesh/md"
+	"github.com/curfew-mesh/curfew/mesh/plan"
 	"github.com/curfew-mesh/curfew/mesh/store"
 )
 
@@ -354,35 +354,40 @@ func (j *runJournal) Record(ctx context.Context, e agent.Entry) error {
 	}
 }
 
-// Step retries of a durable run: a step that failed with a transient error after its
-// call-level retries (a dependency down or fenced off by its breaker, say a toolrunner
-// restarting) does not fail the run while the run has time. The loop starts again from
-// the run's journal after a backoff, so nothing completed is repeated.
+// Parking on an open breaker. A durable run whose step was refused by an open breaker
+// (its dependency is fenced off: say a toolrunner restarting) does not fail while it has
+// time: it waits the breaker's RetryInfo, then the loop starts again from the run's
+// journal, so nothing completed is repeated. Only a refusal qualifies: the refused call
+// was never sent, and a step is resumed only if every tool of it is safe to run again
+// (no side-effect tool without an idempotency key: a sibling cancelled mid-call may
+// have had its effect). Any other failure, retried to exhaustion by the call's own retry
+// layer, fails the run as before: one retrying layer, no amplification.
 const (
 	stepRetries      = 8
 	stepRetryBackoff = 250 * time.Millisecond
 	stepRetryMax     = 5 * time.Second
 )
 
-// runLoop runs the agent loop, and with a journal runs it again after a transient
-// failure, up to stepRetries times, while the run has time left for the wait.
+// runLoop runs the agent loop and, with a journal, runs it again after a breaker
+// refusal, up to stepRetries times, while the run has time left for the wait.
 func (s *Server) runLoop(rctx context.Context, rs *runState, loop *agent.Loop, model, task string, j agent.Journal) (string, error) {
 	wait := stepRetryBackoff
 	for attempt := 1; ; attempt++ {
 		answer, err := loop.RunJournaled(rctx, RootNode, model, task, j)
-		if err == nil || j == nil || rs.moved() || rctx.Err() != nil || attempt > stepRetries || !transient(err) {
+		if err == nil || j == nil || rs.moved() || rctx.Err() != nil || attempt > stepRetries {
 			return answer, err
 		}
-		d := wait
-		if oe, ok := breaker.Open(err); ok && oe.RetryAfter > d {
-			d = oe.RetryAfter
+		oe, refused := breaker.Open(err)
+		if !refused || !safeToResume(j.Replay()) {
+			return answer, err
 		}
-		d += time.Duration(rand.Int64N(int64(d)/5 + 1)) // spread the runs a dependency failed together
+		d := max(wait, oe.RetryAfter)
+		d += time.Duration(rand.Int64N(int64(d)/5 + 1)) // spread the runs one breaker refused together
 		if time.Until(rs.dl) < d+s.cfg.MinRunTime {
 			return answer, err
 		}
-		s.cfg.Log.WarnContext(rctx, "a step failed with a transient error; the run resumes from its journal after a backoff",
-			"run_id", rs.id, "attempt", attempt, "backoff_ms", d.Milliseconds(), "error", err.Error())
+		s.cfg.Log.WarnContext(rctx, "a step was refused by an open breaker; the run resumes from its journal after the breaker's delay",
+			"run_id", rs.id, "attempt", attempt, "target", oe.Target, "backoff_ms", d.Milliseconds())
 		t := time.NewTimer(d)
 		select {
 		case <-rctx.Done():
@@ -394,22 +399,22 @@ func (s *Server) runLoop(rctx context.Context, rs *runState, loop *agent.Loop, m
 	}
 }
 
-// transient reports whether a step's error may pass if the step is tried again later:
-// UNAVAILABLE, ABORTED, and RESOURCE_EXHAUSTED that says when to come back (pushback
-// with RetryInfo; not a limit such as the loop's step limit).
-func transient(err error) bool {
-	st := status.Convert(err)
-	switch st.Code() {
-	case codes.Unavailable, codes.Aborted:
+// safeToResume reports whether the step the journal stopped in may run again: its
+// tool calls (if its model output was recorded) have no side effect without a key.
+func safeToResume(entries []agent.Entry) bool {
+	if len(entries) == 0 {
 		return true
-	case codes.ResourceExhausted:
-		for _, d := range st.Details() {
-			if _, ok := d.(*errdetails.RetryInfo); ok {
-				return true
-			}
+	}
+	last := entries[len(entries)-1]
+	if last.Kind != agent.EntryModel {
+		return true // the failure was in a model step: nothing of it was done
+	}
+	for _, c := range last.ToolCalls {
+		if plan.SideEffects(c.GetName()) && c.GetIdempotencyKey() == "" {
+			return false
 		}
 	}
-	return false
+	return true
 }
 
 // retryStore runs fn a few times on a context that outlives the run's cancellation by

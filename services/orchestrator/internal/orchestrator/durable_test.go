@@ -5,7 +5,6 @@ import (
 	"fmt"
 	"path/filepath"
 	"slices"
-	"strings"
 	"testing"
 	"time"
 
@@ -252,18 +251,16 @@ func (e *env) waitEndedTenant(t *testing.T, tenant, id string) *orchestratorv1.R
 	}
 }
 
-// A durable run whose step fails with a transient error beyond the call's own retries
-// resumes from its journal after a backoff instead of failing: the tool is tried again,
-// the completed model step is not.
-func TestTransientStepFailureResumesFromJournal(t *testing.T) {
+// A durable run whose step is refused by an open breaker parks and resumes from its
+// journal after the breaker's delay instead of failing: the tool is tried again, the
+// completed model step is not.
+func TestBreakerRefusedStepResumesFromJournal(t *testing.T) {
 	st := openStore(t)
 	e := newDurableEnv(t, st, "orch-a", time.Second)
 	plan := `{"tokens_per_second":500,"steps":[
-	  {"think_tokens":3,"tools":[{"name":"sleep","args":{"ms":1}}]},
+	  {"think_tokens":3,"tools":[{"name":"fail","args":{"times":2,"code":"UNAVAILABLE","retry_info_ms":50}}]},
 	  {"answer_tokens":2}]}`
-	plan = strings.Replace(plan, `"sleep","args":{"ms":1}`, `"fail","args":{"times":2,"code":"UNAVAILABLE"}`, 1)
-	ctx := context.Background()
-	res, err := e.orch.StartRun(ctx, &orchestratorv1.StartRunRequest{Task: plan, Timeout: durationpb.New(20 * time.Second)})
+	res, err := e.orch.StartRun(context.Background(), &orchestratorv1.StartRunRequest{Task: plan, Timeout: durationpb.New(20 * time.Second)})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -275,15 +272,44 @@ func TestTransientStepFailureResumesFromJournal(t *testing.T) {
 		t.Errorf("decoders %v, want each step once", got)
 	}
 	if n := e.tools.call(md.Identity{RunID: r.GetRunId(), NodeID: "root/s0.t0"}); n != 3 {
-		t.Errorf("flaky tool called %d times, want 3 (two failures, then success)", n)
+		t.Errorf("refused tool called %d times, want 3 (two refusals, then success)", n)
 	}
 }
 
-// Without a store there is no journal to resume from: the same failure fails the run.
-func TestTransientStepFailureFailsWithoutStore(t *testing.T) {
+// Any other failure fails the durable run (one retrying layer: the call's own retries
+// were spent), and so does a refusal in a step with a side effect that has no key.
+func TestOtherFailuresFailDurableRun(t *testing.T) {
+	st := openStore(t)
+	e := newDurableEnv(t, st, "orch-a", time.Second)
+	for name, plan := range map[string]string{
+		"unavailable": `{"tokens_per_second":500,"steps":[
+		  {"think_tokens":3,"tools":[{"name":"fail","args":{"times":1,"code":"UNAVAILABLE"}}]},
+		  {"answer_tokens":2}]}`,
+		"deploy sibling": `{"tokens_per_second":500,"steps":[
+		  {"think_tokens":3,"tools":[{"name":"deploy","args":{"duration_ms":1}},
+		                             {"name":"fail","args":{"times":1,"code":"UNAVAILABLE","retry_info_ms":50}}]},
+		  {"answer_tokens":2}]}`,
+	} {
+		res, err := e.orch.StartRun(context.Background(), &orchestratorv1.StartRunRequest{Task: plan, Timeout: durationpb.New(20 * time.Second)})
+		if err != nil {
+			t.Fatalf("%s: %v", name, err)
+		}
+		r := e.waitEndedTenant(t, md.DefaultTenant, res.GetRun().GetRunId())
+		if r.GetStatus() != orchestratorv1.RunStatus_RUN_STATUS_FAILED || r.GetErrorCode() != "UNAVAILABLE" {
+			t.Errorf("%s: run %v %s, want failed UNAVAILABLE", name, r.GetStatus(), r.GetErrorCode())
+		}
+	}
+	dls, _, err := st.ListDeadLetters(context.Background(), store.DeadLetterQuery{Tenant: md.DefaultTenant})
+	if err != nil || len(dls) != 2 {
+		t.Fatalf("dead letters: %d %v, want one per failed run", len(dls), err)
+	}
+}
+
+// Without a store there is no journal to resume from: a refusal fails the run.
+func TestBreakerRefusalFailsWithoutStore(t *testing.T) {
 	e := newEnv(t, mesh.ServerConfig{}, nil)
 	plan := `{"tokens_per_second":500,"steps":[
-	  {"think_tokens":3,"tools":[{"name":"fail","args":{"times":1,"code":"UNAVAILABLE"}}]},
+	  {"think_tokens":3,"tools":[{"name":"fail","args":{"times":1,"code":"UNAVAILABLE","retry_info_ms":50}}]},
 	  {"answer_tokens":2}]}`
 	res, err := e.orch.StartRun(context.Background(), &orchestratorv1.StartRunRequest{Task: plan})
 	if err != nil {

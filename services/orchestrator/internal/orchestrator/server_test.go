@@ -12,8 +12,10 @@ import (
 
 	"go.uber.org/goleak"
 	"google.golang.org/grpc"
+	"google.golang.org/genproto/googleapis/rpc/errdetails"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/types/known/durationpb"
 
 	meshv1 "github.com/curfew-mesh/curfew/gen/curfew/mesh/v1"
 	modelproxyv1 "github.com/curfew-mesh/curfew/gen/curfew/modelproxy/v1"
@@ -21,6 +23,7 @@ import (
 	toolrunnerv1 "github.com/curfew-mesh/curfew/gen/curfew/toolrunner/v1"
 	"github.com/curfew-mesh/curfew/mesh"
 	"github.com/curfew-mesh/curfew/mesh/agent"
+	"github.com/curfew-mesh/curfew/mesh/breaker"
 	"github.com/curfew-mesh/curfew/mesh/deadline"
 	"github.com/curfew-mesh/curfew/mesh/md"
 	"github.com/curfew-mesh/curfew/mesh/meshtest"
@@ -171,9 +174,15 @@ func (f *fakeTools) Execute(req *toolrunnerv1.ExecuteRequest, stream toolrunnerv
 	if req.GetName() == plan.ToolFail { // fails with args.code on its first args.times calls
 		var a plan.FailArgs
 		_ = plan.Args([]byte(req.GetArgsJson()), &a)
-		var c codes.Code
-		_ = c.UnmarshalJSON([]byte(`"` + a.Code + `"`))
 		if before < a.Times {
+			if a.RetryInfoMS != nil { // here: refused as an open breaker in front of it refuses
+				st, _ := status.New(codes.Unavailable, "breaker open").WithDetails(
+					&errdetails.ErrorInfo{Reason: breaker.Reason, Domain: breaker.Domain, Metadata: map[string]string{"target": "toolrunner", "state": "open"}},
+					&errdetails.RetryInfo{RetryDelay: durationpb.New(time.Duration(*a.RetryInfoMS) * time.Millisecond)})
+				return st.Err()
+			}
+			var c codes.Code
+			_ = c.UnmarshalJSON([]byte(`"` + a.Code + `"`))
 			return status.Error(c, "fail: not yet")
 		}
 	}
