@@ -1,0 +1,133 @@
+package admission
+
+import (
+	"time"
+)
+
+// Condition is a fail-closed condition of the overflow pool: evidence that the cancel
+// path is not proven (seed 003's "reject overflow admission when any line below is
+// true").
+type Condition string
+
+// Conditions.
+const (
+	// ConditionOrphanTokens: a finished run spent tokens after it was cancelled.
+	ConditionOrphanTokens Condition = "orphan_tokens"
+	// ConditionSlowCancel: a cancel took longer to propagate than the slack it had.
+	ConditionSlowCancel Condition = "slow_cancel_propagation"
+	// ConditionRetryWithoutID: a retry arrived without its retry-id.
+	ConditionRetryWithoutID Condition = "retry_without_id"
+)
+
+// conditions indexes Controller.lastFailure.
+var conditions = [...]Condition{orphanIdx: ConditionOrphanTokens, slowCancelIdx: ConditionSlowCancel, noRetryIDIdx: ConditionRetryWithoutID}
+
+// Indexes of conditions.
+const (
+	orphanIdx = iota
+	slowCancelIdx
+	noRetryIDIdx
+)
+
+// ObserveOrphanTokens reports a finished run's orphan tokens (spent after it was
+// cancelled). Any n > 0 closes the overflow pool for Config.FailClosedWindow.
+func (c *Controller) ObserveOrphanTokens(n int64) {
+	if n > 0 {
+		c.fail(orphanIdx)
+	}
+}
+
+// ObserveCancelPropagation reports that a cancel took d to reach the leaves of a run
+// whose deadline slack was slack when it was cancelled. Propagation slower than the slack
+// closes the overflow pool for Config.FailClosedWindow. A slack ≤ 0 (the cancel was the
+// deadline itself) is judged against Config.CancelGrace instead: tokens must freeze
+// within one cancel grace.
+func (c *Controller) ObserveCancelPropagation(d, slack time.Duration) {
+	bound := slack
+	if bound <= 0 {
+		bound = c.cfg.CancelGrace
+	}
+	if d > bound {
+		c.fail(slowCancelIdx)
+	}
+}
+
+// ObserveRetryWithoutID reports a retry that arrived without its retry-id. It closes the
+// overflow pool for Config.FailClosedWindow.
+func (c *Controller) ObserveRetryWithoutID() { c.fail(noRetryIDIdx) }
+
+// fail records an occurrence of conditions[i] and sheds the overflow pool's queue.
+func (c *Controller) fail(i int) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	now := c.now()
+	if now.After(c.lastFailure[i]) {
+		c.lastFailure[i] = now
+	}
+	if c.overflow == nil || c.closed {
+		return
+	}
+	e := c.closedShed(c.overflow, "", now)
+	if e == nil { // a zero FailClosedWindow cannot happen (defaulted); be safe
+		return
+	}
+	c.dropAll(c.overflow, func(w *waiter) *ShedError {
+		we := *e
+		we.Tenant = w.req.Tenant
+		return &we
+	}, now)
+}
+
+// failedClosed lists the conditions active at now (comma-separated, "" when none) and
+// when the last of them expires.
+func (c *Controller) failedClosed(now time.Time) (conds string, until time.Time) {
+	for i, last := range c.lastFailure {
+		if last.IsZero() {
+			continue
+		}
+		end := last.Add(c.cfg.FailClosedWindow)
+		if !now.Before(end) {
+			continue
+		}
+		if conds != "" {
+			conds += ","
+		}
+		conds += string(conditions[i])
+		if end.After(until) {
+			until = end
+		}
+	}
+	return conds, until
+}
+
+// closedShed refuses a run for p while p is the overflow pool and has failed closed.
+func (c *Controller) closedShed(p *pool, tenantName string, now time.Time) *ShedError {
+	if p != c.overflow {
+		return nil
+	}
+	conds, until := c.failedClosed(now)
+	if conds == "" {
+		return nil
+	}
+	return &ShedError{Reason: ReasonPoolClosed, RetryAfter: until.Sub(now), Pool: p.cfg.Name, Tenant: tenantName,
+		Condition: conds, Detail: "the overflow pool has failed closed, the cancel path is not proven: " + conds}
+}
+
+// Closed reports whether the named pool refuses every run, and why: the overflow pool
+// while a fail-closed condition is within its window (reason: the conditions,
+// comma-separated), any pool after Close (reason "shutdown"). An unknown pool is open.
+func (c *Controller) Closed(pool string) (closed bool, reason string) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	p := c.byName[pool]
+	switch {
+	case p == nil:
+		return false, ""
+	case c.closed:
+		return true, string(ReasonShutdown)
+	case p != c.overflow:
+		return false, ""
+	}
+	conds, _ := c.failedClosed(c.now())
+	return conds != "", conds
+}

@@ -1,0 +1,70 @@
+package admission
+
+import (
+	"fmt"
+
+	"github.com/prometheus/client_golang/prometheus"
+)
+
+// queueAgeBuckets span an immediate admission (0) to the longest sensible queue age.
+var queueAgeBuckets = []float64{0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60}
+
+// metrics are a Controller's collectors. Labels are bounded: pool names from the config
+// and the fixed Reasons, never tenants or run ids.
+type metrics struct {
+	depth    *prometheus.GaugeVec
+	age      *prometheus.HistogramVec
+	inFlight *prometheus.GaugeVec
+	shed     *prometheus.CounterVec
+	closed   []prometheus.GaugeFunc
+}
+
+func newMetrics(service string) *metrics {
+	return &metrics{
+		depth: prometheus.NewGaugeVec(prometheus.GaugeOpts{
+			Name: "curfew_admission_queue_depth",
+			Help: "Runs waiting in the admission queue per pool.",
+		}, []string{"pool"}),
+		age: prometheus.NewHistogramVec(prometheus.HistogramOpts{
+			Name:    "curfew_admission_queue_age_seconds",
+			Help:    "Time runs waited in the admission queue per pool before they were admitted (0 when admitted at once) or shed from the queue.",
+			Buckets: queueAgeBuckets,
+		}, []string{"pool"}),
+		inFlight: prometheus.NewGaugeVec(prometheus.GaugeOpts{
+			Name: "curfew_admission_in_flight",
+			Help: "Runs admitted and not yet released per pool (the pool's leases in use).",
+		}, []string{"pool"}),
+		shed: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "curfew_shed_total",
+			Help: "Runs refused by admission control, by reason: deadline_slack, queue_age, queue_full, pool_closed, tenant_concurrency, budget, shutdown; cancelled counts runs whose caller left while queued (not a refusal).",
+		}, []string{"service", "reason"}),
+	}
+}
+
+// closedGauge adds the curfew_admission_pool_closed gauge of pool, read from f at scrape
+// time so that it drops to 0 when the fail-closed window ends without any traffic.
+func (m *metrics) closedGauge(pool string, f func() float64) {
+	m.closed = append(m.closed, prometheus.NewGaugeFunc(prometheus.GaugeOpts{
+		Name:        "curfew_admission_pool_closed",
+		Help:        "1 while the pool has failed closed (the overflow pool, while the cancel path is not proven, or any pool after shutdown), else 0.",
+		ConstLabels: prometheus.Labels{"pool": pool},
+	}, f))
+}
+
+// register registers every collector with reg, undoing the registrations made so far
+// when one fails.
+func (m *metrics) register(reg prometheus.Registerer) error {
+	cs := []prometheus.Collector{m.depth, m.age, m.inFlight, m.shed}
+	for _, g := range m.closed {
+		cs = append(cs, g)
+	}
+	for i, c := range cs {
+		if err := reg.Register(c); err != nil {
+			for _, done := range cs[:i] {
+				reg.Unregister(done)
+			}
+			return fmt.Errorf("admission: registering metrics: %w", err)
+		}
+	}
+	return nil
+}
