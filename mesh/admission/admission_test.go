@@ -112,7 +112,7 @@ func TestInvalidRequest(t *testing.T) {
 // The seed's rule, at arrival: shed when expected service time + cancel grace > deadline
 // slack, before the run holds anything.
 func TestDeadlineSlackShedAtArrival(t *testing.T) {
-	c, reg := newController(t, admission.DefaultConfig())
+	c, reg := newController(t, slackOnPaid(admission.DefaultConfig()))
 	withDeadline := func(d time.Duration) context.Context {
 		ctx, cancel := context.WithTimeout(t.Context(), d)
 		t.Cleanup(cancel)
@@ -164,10 +164,33 @@ func TestDeadlineSlackShedAtArrival(t *testing.T) {
 	}
 }
 
+// slackOnPaid turns the deadline-slack rule on for the first pool (by default it sheds the
+// overflow pool only).
+func slackOnPaid(cfg admission.Config) admission.Config {
+	on := true
+	cfg.Pools = append([]admission.PoolConfig(nil), cfg.Pools...)
+	cfg.Pools[0].SlackShed = &on
+	return cfg
+}
+
+// By default the rule sheds sheddable work (the overflow pool) only: critical work on the
+// paid pool is admitted with too little slack, and each hop fails it fast instead.
+func TestDeadlineSlackShedsOverflowOnlyByDefault(t *testing.T) {
+	c, _ := newController(t, admission.DefaultConfig())
+	ctx, cancel := context.WithTimeout(t.Context(), 500*time.Millisecond)
+	defer cancel()
+	tk := admitIn(t, c, ctx, admission.Request{Criticality: admission.Critical})
+	tk.Release(admission.Outcome{})
+	_, err := c.Admit(ctx, admission.Request{Criticality: admission.Sheddable})
+	if se := wantShed(t, err, admission.ReasonDeadlineSlack); se.Pool != "overflow" {
+		t.Errorf("shed from pool %q, want overflow", se.Pool)
+	}
+}
+
 // The rule again when a run leaves the queue: the estimate rose while it waited, so it is
 // shed instead of started.
 func TestDeadlineSlackRecheckedWhenDequeued(t *testing.T) {
-	c, _ := newController(t, onePool(1, 10))
+	c, _ := newController(t, slackOnPaid(onePool(1, 10)))
 	holder := mustAdmit(t, c, admission.Request{Class: "m"})
 	ctx, cancel := context.WithTimeout(t.Context(), 5*time.Second)
 	defer cancel()
@@ -184,10 +207,10 @@ func TestDeadlineSlackRecheckedWhenDequeued(t *testing.T) {
 
 // A queued run whose slack runs out while it waits is shed then, before its deadline.
 func TestDeadlineSlackRunsOutWhileQueued(t *testing.T) {
-	c, _ := newController(t, admission.Config{
+	c, _ := newController(t, slackOnPaid(admission.Config{
 		CancelGrace: 200 * time.Millisecond,
 		Pools:       []admission.PoolConfig{{Name: "paid", MaxInFlight: 1}},
-	})
+	}))
 	holder := mustAdmit(t, c, admission.Request{})
 	defer holder.Release(admission.Outcome{})
 	ctx, cancel := context.WithTimeout(t.Context(), 400*time.Millisecond)

@@ -85,6 +85,11 @@ type PoolConfig struct {
 	// Overflow marks the optional-capacity pool: sheddable work goes there, and it fails
 	// closed while the cancel path is not proven.
 	Overflow bool
+	// SlackShed says whether the deadline-slack rule sheds this pool's requests. nil
+	// means the default: true for the overflow pool, false for the others. The seed sheds
+	// overflow work on slack; hard-deadline work on a paid pool runs until its deadline,
+	// and each hop still fails it fast when too little time is left to start.
+	SlackShed *bool
 }
 
 // TenantLimits are one tenant's limits. Zero fields are no limit.
@@ -158,6 +163,10 @@ func (c Config) WithDefaults() Config {
 		}
 		if p.MaxQueueAge == 0 {
 			p.MaxQueueAge = DefaultMaxQueueAge
+		}
+		if p.SlackShed == nil {
+			v := p.Overflow
+			p.SlackShed = &v
 		}
 		pools[i] = p
 	}
@@ -265,6 +274,7 @@ type filePool struct {
 	MaxQueue    int      `json:"max_queue"`
 	MaxQueueAge duration `json:"max_queue_age"`
 	Overflow    bool     `json:"overflow"`
+	SlackShed   *bool    `json:"slack_shed"`
 }
 
 type fileTenant struct {
@@ -329,7 +339,7 @@ func Decode(r io.Reader) (Config, error) {
 	}
 	for _, p := range f.Pools {
 		cfg.Pools = append(cfg.Pools, PoolConfig{Name: p.Name, MaxInFlight: p.MaxInFlight, MaxQueue: p.MaxQueue,
-			MaxQueueAge: time.Duration(p.MaxQueueAge), Overflow: p.Overflow})
+			MaxQueueAge: time.Duration(p.MaxQueueAge), Overflow: p.Overflow, SlackShed: p.SlackShed})
 	}
 	if f.Tenants != nil {
 		cfg.Tenants = make(map[string]TenantLimits, len(f.Tenants))

@@ -405,7 +405,7 @@ func (c *Controller) expected(req Request) time.Duration {
 
 // slackShed applies the seed's rule: shed when expected + cancel grace > deadline slack.
 func (c *Controller) slackShed(p *pool, req Request, deadline, now time.Time) *ShedError {
-	if deadline.IsZero() {
+	if deadline.IsZero() || !*p.cfg.SlackShed {
 		return nil
 	}
 	exp, slack := c.expected(req), deadline.Sub(now)
