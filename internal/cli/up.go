@@ -69,6 +69,7 @@ func cmdUp(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	startTimeout := fs.Duration("start-timeout", 30*time.Second, "how long to wait for every service to report SERVING")
 	asJSON := fs.Bool("json", false, "print the endpoints as JSON")
 	providers := fs.String("providers-config", "", "modelproxy's providers file (docs/providers.md); default $CURFEW_PROVIDERS_CONFIG, else only the sim model")
+	admissionFile := fs.String("admission-config", "", "orchestrator's admission file: pools, tenant limits, token budgets (docs/admission.md); default $CURFEW_ADMISSION_CONFIG, else the built-in pools")
 	storeDSN := fs.String("store", "", "the durable store: a postgres:// DSN, or a SQLite path (default: curfew.db in --data-dir)")
 	if _, err := parse(fs, args); err != nil {
 		return usageErr(stderr, "up", err)
@@ -83,6 +84,16 @@ func cmdUp(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 			return usageErr(stderr, "up", fmt.Errorf("--providers-config: %w", err))
 		}
 		extra["modelproxy"] = append(extra["modelproxy"], "--providers-config", abs)
+	}
+	if *admissionFile != "" {
+		abs, err := filepath.Abs(*admissionFile)
+		if err == nil {
+			_, err = os.Stat(abs)
+		}
+		if err != nil {
+			return usageErr(stderr, "up", fmt.Errorf("--admission-config: %w", err))
+		}
+		extra["orchestrator"] = append(extra["orchestrator"], "--admission-config", abs)
 	}
 	dsn := *storeDSN
 	if dsn == "" {

@@ -16,6 +16,7 @@ import (
 	modelproxyv1 "github.com/curfew-mesh/curfew/gen/curfew/modelproxy/v1"
 	orchestratorv1 "github.com/curfew-mesh/curfew/gen/curfew/orchestrator/v1"
 	toolrunnerv1 "github.com/curfew-mesh/curfew/gen/curfew/toolrunner/v1"
+	"github.com/curfew-mesh/curfew/mesh/admission"
 	"github.com/curfew-mesh/curfew/mesh/agent"
 	"github.com/curfew-mesh/curfew/mesh/dlq"
 	"github.com/curfew-mesh/curfew/mesh/service"
@@ -45,6 +46,8 @@ func run(args []string) int {
 	leaseTTL := fs.Duration("lease-ttl", orchestrator.DefaultLeaseTTL, "run lease TTL (with --store): heartbeats every third of it; a dead orchestrator's runs are taken over about this long after it died")
 	natsURL := fs.String("nats", "", "NATS server (nats://host:4222) whose JetStream also receives dead letters (with --store); none by default")
 	dlqStream := fs.String("dlq-stream", dlq.DefaultStream, "JetStream stream of dead letters (with --nats)")
+	admissionFile := fs.String("admission-config", "", "JSON file of admission pools, tenant limits and token budgets (docs/admission.md); default: a paid pool of 512 and an overflow pool of 128 runs, no tenant limits")
+	admissionOff := fs.Bool("admission-off", false, "admit every run at once: no pools, queue, budgets or shedding")
 	if err := service.Parse(fs, args, os.Getenv); err != nil {
 		fmt.Fprintln(os.Stderr, "orchestrator:", err)
 		return 2
@@ -60,6 +63,15 @@ func run(args []string) int {
 	if *leaseTTL < 30*time.Millisecond {
 		fmt.Fprintln(os.Stderr, "orchestrator: --lease-ttl must be at least 30ms")
 		return 2
+	}
+	admCfg := orchestrator.DefaultAdmission()
+	if *admissionFile != "" {
+		c, err := admission.Load(*admissionFile)
+		if err != nil {
+			fmt.Fprintln(os.Stderr, "orchestrator: --admission-config:", err)
+			return 2
+		}
+		admCfg = c
 	}
 	if *natsURL != "" && *storeDSN == "" {
 		fmt.Fprintln(os.Stderr, "orchestrator: --nats needs --store: dead letters are kept in the store first")
@@ -81,6 +93,14 @@ func run(args []string) int {
 	if err != nil {
 		fmt.Fprintln(os.Stderr, "orchestrator:", err)
 		return 1
+	}
+	var adm *admission.Controller
+	if !*admissionOff {
+		adm, err = admission.New(admCfg, rt.Registry)
+		if err != nil {
+			fmt.Fprintln(os.Stderr, "orchestrator: admission:", err)
+			return 2
+		}
 	}
 	var dead orchestrator.DeadLetterRecorder
 	if st != nil {
@@ -135,6 +155,7 @@ func run(args []string) int {
 		LeaseTTL:    *leaseTTL,
 		DeadLetters: dead,
 		Registerer:  rt.Registry,
+		Admission:   adm,
 	})
 	orchestratorv1.RegisterOrchestratorServiceServer(rt.Server, srv)
 	if st != nil {

@@ -18,6 +18,7 @@ import (
 
 	meshv1 "github.com/curfew-mesh/curfew/gen/curfew/mesh/v1"
 	orchestratorv1 "github.com/curfew-mesh/curfew/gen/curfew/orchestrator/v1"
+	"github.com/curfew-mesh/curfew/mesh/admission"
 	"github.com/curfew-mesh/curfew/mesh/agent"
 	"github.com/curfew-mesh/curfew/mesh/breaker"
 	"github.com/curfew-mesh/curfew/mesh/cancel"
@@ -496,6 +497,7 @@ func (s *Server) abandon(ctx context.Context, rs *runState) {
 		}
 	}
 	rs.span.End()
+	rs.ticket.Release(admission.Outcome{Ended: admission.EndUnknown})
 	s.forget(rs)
 	close(rs.done)
 	if !handover {
@@ -604,13 +606,21 @@ func (s *Server) startDetached(ctx context.Context, tenant, key, model, task str
 	if left := time.Until(dl); left < s.cfg.MinRunTime {
 		return nil, false, status.Errorf(codes.DeadlineExceeded, "no time left to start run: %v left, needs %v", left.Round(time.Millisecond), s.cfg.MinRunTime)
 	}
-	rs, existing, err := s.create(ctx, tenant, key, model, task, dl)
+	// Admission waits on the run's own deadline, not the StartRun call's, and stops
+	// waiting when the caller leaves.
+	actx, stop := context.WithDeadline(context.WithoutCancel(ctx), dl)
+	defer stop()
+	defer context.AfterFunc(ctx, stop)()
+	tk, err := s.admit(actx, model, task)
 	if err != nil {
 		return nil, false, err
 	}
-	if rs == nil {
-		return existing, false, nil
+	rs, existing, err := s.create(ctx, tenant, key, model, task, dl)
+	if err != nil || rs == nil {
+		tk.Release(admission.Outcome{Ended: admission.EndFailed})
+		return existing, false, err
 	}
+	rs.ticket = tk
 	s.launch(ctx, rs, nil, false)
 	return rs.snapshot(), true, nil
 }

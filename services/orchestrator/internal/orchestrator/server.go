@@ -19,6 +19,7 @@ import (
 
 	meshv1 "github.com/curfew-mesh/curfew/gen/curfew/mesh/v1"
 	orchestratorv1 "github.com/curfew-mesh/curfew/gen/curfew/orchestrator/v1"
+	"github.com/curfew-mesh/curfew/mesh/admission"
 	"github.com/curfew-mesh/curfew/mesh/agent"
 	"github.com/curfew-mesh/curfew/mesh/cancel"
 	"github.com/curfew-mesh/curfew/mesh/deadline"
@@ -74,6 +75,8 @@ type Config struct {
 	DeadLetters DeadLetterRecorder
 	// Registerer, when set with a Store, receives the run-lease metrics.
 	Registerer prometheus.Registerer
+	// Admission, when set, admits every new run (see admission.go); nil admits all.
+	Admission *admission.Controller
 }
 
 // Server implements OrchestratorService.
@@ -146,6 +149,10 @@ type runState struct {
 	finishing bool // the result is being committed: heartbeats no longer matter
 	lost      bool // another orchestrator claimed the run
 	handover  bool // shutting down: release the lease for another orchestrator
+
+	// ticket is the run's admission, released when the run ends here (nil: not admitted
+	// by this process, as a run taken over from a dead owner).
+	ticket *admission.Ticket
 }
 
 func (rs *runState) publish(ev *orchestratorv1.RunResponse) {
@@ -317,10 +324,16 @@ func (s *Server) start(ctx context.Context, req *orchestratorv1.RunRequest) (*ru
 		return nil, nil, nil, err
 	}
 	dl, _ := ctx.Deadline() // the server chain always sets one
-	rs, _, err := s.create(ctx, md.IdentityFrom(ctx).Tenant, "", model, req.GetTask(), dl)
+	tk, err := s.admit(ctx, model, req.GetTask())
 	if err != nil {
 		return nil, nil, nil, err
 	}
+	rs, _, err := s.create(ctx, md.IdentityFrom(ctx).Tenant, "", model, req.GetTask(), dl)
+	if err != nil {
+		tk.Release(admission.Outcome{Ended: admission.EndFailed})
+		return nil, nil, nil, err
+	}
+	rs.ticket = tk
 	root, sub := s.launch(ctx, rs, nil, true)
 	return rs, root, sub, nil
 }
@@ -535,6 +548,7 @@ func (s *Server) execute(rctx context.Context, rs *runState, model, task string,
 	rs.finishing = true
 	rs.mu.Unlock()
 	tracing.EndRun(rs.span, o.Status, o.Cause, o.Code, o.Message, tokens, after)
+	s.settle(rs, rs.snapshot())
 	if s.cfg.Store != nil && !s.commit(rctx, rs) {
 		s.abandon(rctx, rs)
 		return
@@ -744,6 +758,9 @@ func (s *Server) Sweep(now time.Time) { s.nodes.Sweep(now) }
 // restarted) resumes them from their last checkpoint. Shutdown takes over no more runs.
 func (s *Server) Shutdown(grace time.Duration) {
 	s.stopTakeovers()
+	if s.cfg.Admission != nil {
+		s.cfg.Admission.Close() // sheds what is queued: nothing new starts here
+	}
 	defer s.stopLeases()
 	done := make(chan struct{})
 	go func() { s.wg.Wait(); close(done) }()
