@@ -24,6 +24,11 @@ const (
 	// MinDecodeCPU: while the stream runs, the runner must use at least this share of a CPU,
 	// which shows the CPU measure can see decoding at all.
 	MinDecodeCPU = 0.3
+	// TokensAfterCancelBound: tokens the caller may still see after it cancelled. A chunk
+	// already read from the connection when the cancel is issued is delivered (at 170
+	// tokens/s one arrives every 6 ms): at most one per decoder, never a stream that goes
+	// on. The runner's CPU bound above is what proves decoding stopped.
+	TokensAfterCancelBound = 1
 
 	chatPath = "POST /v1/chat/completions"
 )
@@ -147,7 +152,7 @@ func (r CancelResult) Check(t testing.TB) {
 		t.Errorf("the runner used %v of CPU in the %v after the request ended; want ≤ %v: it is still decoding",
 			r.CPUAfterEnd, CPUFlatWindow, CPUFlatBound)
 	}
-	if r.TokensAfterCancel > 0 {
-		t.Errorf("%d tokens reached the caller after it cancelled", r.TokensAfterCancel)
+	if r.TokensAfterCancel > TokensAfterCancelBound {
+		t.Errorf("%d tokens reached the caller after it cancelled; want ≤ %d", r.TokensAfterCancel, TokensAfterCancelBound)
 	}
 }
