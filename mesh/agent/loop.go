@@ -9,6 +9,7 @@ import (
 	"sync"
 	"time"
 
+	"github.com/google/uuid"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/metadata"
@@ -22,6 +23,7 @@ import (
 	toolrunnerv1 "github.com/curfew-mesh/curfew/gen/curfew/toolrunner/v1"
 	"github.com/curfew-mesh/curfew/mesh/cancel"
 	"github.com/curfew-mesh/curfew/mesh/deadline"
+	"github.com/curfew-mesh/curfew/mesh/decoderlease"
 	"github.com/curfew-mesh/curfew/mesh/md"
 	"github.com/curfew-mesh/curfew/mesh/nodes"
 	"github.com/curfew-mesh/curfew/mesh/plan"
@@ -65,6 +67,13 @@ type Config struct {
 	// Emit, if set, receives progress: model nodes as their tokens arrive, and the nodes
 	// the tools report. It is called from several goroutines.
 	Emit func(*meshv1.Node)
+	// Leases renews the leases of the decoders this loop streams from (docs/leases.md).
+	// When nil, New takes the process-wide keeper of Model with LeaseOptions
+	// (decoderlease.Shared), so every loop of the process renews in the same calls.
+	Leases *decoderlease.Keeper
+	// LeaseOptions configure that keeper when Leases is nil: its renewal period and the
+	// TTL it asks for. Zero fields take decoderlease's defaults (4 s, 3 × the period).
+	LeaseOptions decoderlease.Options
 }
 
 // toolSpecs are the built-in tools, described once.
@@ -95,6 +104,9 @@ func New(cfg Config) *Loop {
 	}
 	if cfg.Emit == nil {
 		cfg.Emit = func(*meshv1.Node) {}
+	}
+	if cfg.Leases == nil && cfg.Model != nil {
+		cfg.Leases = decoderlease.Shared(cfg.Model, cfg.LeaseOptions)
 	}
 	return &Loop{cfg: cfg}
 }
@@ -203,8 +215,25 @@ func (l *Loop) modelStep(ctx context.Context, id, model string, msgs []*modelpro
 	defer stop()
 	node := &meshv1.Node{Id: id, Kind: meshv1.NodeKind_NODE_KIND_MODEL, Name: model,
 		Status: meshv1.NodeStatus_NODE_STATUS_RUNNING, StartedAt: timestamppb.Now()}
-	st, err := l.cfg.Model.Generate(cctx, &modelproxyv1.GenerateRequest{Model: model, Messages: msgs, Tools: toolSpecs})
+	req := &modelproxyv1.GenerateRequest{Model: model, Messages: msgs, Tools: toolSpecs}
+	// The decoder's lease, renewed from when the stream opens until it ends, and released
+	// on every way out of the stream before anything else: a cancelled step's settle wait
+	// must not keep renewing a decoder whose cancel may have been lost. It is keyed by
+	// task and retry-id, so the retry-id is minted here rather than by the retry layer
+	// (which keeps one it finds on the call). nil without a keeper.
+	var lease *decoderlease.Lease
+	if l.cfg.Leases != nil {
+		var rid string
+		var err error
+		if cctx, rid, err = withRetryID(cctx); err != nil {
+			return nil, err
+		}
+		lease = l.cfg.Leases.Hold(cctx, decoderlease.Key{RunID: md.IdentityFrom(ctx).RunID, NodeID: id, RetryID: rid})
+		req.LeaseTtl = l.cfg.Leases.TTLProto()
+	}
+	st, err := l.cfg.Model.Generate(cctx, req)
 	if err != nil {
+		lease.Release()
 		return nil, l.failed(ctx, l.cfg.ModelNodes, id, err)
 	}
 	l.cfg.Emit(cloneNode(node)) // a snapshot: node changes as tokens arrive
@@ -219,6 +248,7 @@ func (l *Loop) modelStep(ctx context.Context, id, model string, msgs []*modelpro
 			break
 		}
 		if err != nil {
+			lease.Release()
 			l.endModel(node, err)
 			return nil, l.failed(ctx, l.cfg.ModelNodes, id, err)
 		}
@@ -232,6 +262,7 @@ func (l *Loop) modelStep(ctx context.Context, id, model string, msgs []*modelpro
 			l.cfg.Emit(cloneNode(node))
 		}
 	}
+	lease.Release()
 	if final == nil {
 		err := status.Error(codes.Internal, "model stream ended without a finish reason")
 		l.endModel(node, err)
@@ -239,6 +270,20 @@ func (l *Loop) modelStep(ctx context.Context, id, model string, msgs []*modelpro
 	}
 	l.endModel(node, nil)
 	return &stepResult{GenerateResponse: final, text: text.String(), tokens: node.Tokens}, nil
+}
+
+// withRetryID returns ctx and the retry-id on its outgoing metadata, minting one (a
+// UUIDv7, as the retry layer would) and adding it when there is none.
+func withRetryID(ctx context.Context) (context.Context, string, error) {
+	if v := metadata.ValueFromOutgoingContext(ctx, md.RetryID); len(v) > 0 && v[0] != "" {
+		return ctx, v[0], nil
+	}
+	u, err := uuid.NewV7()
+	if err != nil {
+		return nil, "", status.Error(codes.Internal, "internal error")
+	}
+	id := u.String()
+	return metadata.AppendToOutgoingContext(ctx, md.RetryID, id), id, nil
 }
 
 func (l *Loop) endModel(n *meshv1.Node, err error) {

@@ -17,6 +17,7 @@ var (
 	ErrSiblingFailed    = errors.New("a sibling failed")
 	ErrSuperseded       = errors.New("superseded by a newer attempt")
 	ErrBudget           = errors.New("budget exhausted")
+	ErrLeaseExpired     = errors.New("decoder lease expired")
 )
 
 // DefaultCleanupBudget is the time cleanup gets after a cancel when the caller names none.
@@ -49,6 +50,8 @@ func FromError(err error) meshv1.CancelCause {
 		return meshv1.CancelCause_CANCEL_CAUSE_SUPERSEDED
 	case errors.Is(err, ErrBudget):
 		return meshv1.CancelCause_CANCEL_CAUSE_BUDGET
+	case errors.Is(err, ErrLeaseExpired):
+		return meshv1.CancelCause_CANCEL_CAUSE_LEASE_EXPIRED
 	}
 	return meshv1.CancelCause_CANCEL_CAUSE_UNSPECIFIED
 }
@@ -68,6 +71,8 @@ func ErrorOf(c meshv1.CancelCause) error {
 		return ErrSuperseded
 	case meshv1.CancelCause_CANCEL_CAUSE_BUDGET:
 		return ErrBudget
+	case meshv1.CancelCause_CANCEL_CAUSE_LEASE_EXPIRED:
+		return ErrLeaseExpired
 	}
 	return nil
 }

@@ -27,6 +27,7 @@ var causes = []struct {
 	{cancel.ErrSiblingFailed, meshv1.CancelCause_CANCEL_CAUSE_SIBLING_FAILED, "sibling_failed"},
 	{cancel.ErrSuperseded, meshv1.CancelCause_CANCEL_CAUSE_SUPERSEDED, "superseded"},
 	{cancel.ErrBudget, meshv1.CancelCause_CANCEL_CAUSE_BUDGET, "budget"},
+	{cancel.ErrLeaseExpired, meshv1.CancelCause_CANCEL_CAUSE_LEASE_EXPIRED, "lease_expired"},
 }
 
 func TestCauseOf(t *testing.T) {

@@ -41,6 +41,10 @@ const (
 	CancelCause_CANCEL_CAUSE_SUPERSEDED CancelCause = 5
 	// The tenant's budget ran out.
 	CancelCause_CANCEL_CAUSE_BUDGET CancelCause = 6
+	// The decoder's lease lapsed: its caller stopped renewing it (see
+	// ModelProxyService.RenewLeases), so the decoder stopped by itself. Defence in depth
+	// for a cancel signal that was lost on the way.
+	CancelCause_CANCEL_CAUSE_LEASE_EXPIRED CancelCause = 7
 )
 
 // Enum value maps for CancelCause.
@@ -53,6 +57,7 @@ var (
 		4: "CANCEL_CAUSE_SIBLING_FAILED",
 		5: "CANCEL_CAUSE_SUPERSEDED",
 		6: "CANCEL_CAUSE_BUDGET",
+		7: "CANCEL_CAUSE_LEASE_EXPIRED",
 	}
 	CancelCause_value = map[string]int32{
 		"CANCEL_CAUSE_UNSPECIFIED":       0,
@@ -62,6 +67,7 @@ var (
 		"CANCEL_CAUSE_SIBLING_FAILED":    4,
 		"CANCEL_CAUSE_SUPERSEDED":        5,
 		"CANCEL_CAUSE_BUDGET":            6,
+		"CANCEL_CAUSE_LEASE_EXPIRED":     7,
 	}
 )
 
@@ -1003,7 +1009,7 @@ const file_curfew_mesh_v1_mesh_proto_rawDesc = "" +
 	"\rnode_prefixes\x18\x02 \x03(\tR\fnodePrefixes\x121\n" +
 	"\x05cause\x18\x03 \x01(\x0e2\x1b.curfew.mesh.v1.CancelCauseR\x05cause\"3\n" +
 	"\x13CancelNodesResponse\x12\x1c\n" +
-	"\tcancelled\x18\x01 \x01(\x05R\tcancelled*\xdc\x01\n" +
+	"\tcancelled\x18\x01 \x01(\x05R\tcancelled*\xfc\x01\n" +
 	"\vCancelCause\x12\x1c\n" +
 	"\x18CANCEL_CAUSE_UNSPECIFIED\x10\x00\x12\"\n" +
 	"\x1eCANCEL_CAUSE_CLIENT_DISCONNECT\x10\x01\x12\x19\n" +
@@ -1011,7 +1017,8 @@ const file_curfew_mesh_v1_mesh_proto_rawDesc = "" +
 	"\x15CANCEL_CAUSE_OPERATOR\x10\x03\x12\x1f\n" +
 	"\x1bCANCEL_CAUSE_SIBLING_FAILED\x10\x04\x12\x1b\n" +
 	"\x17CANCEL_CAUSE_SUPERSEDED\x10\x05\x12\x17\n" +
-	"\x13CANCEL_CAUSE_BUDGET\x10\x06*y\n" +
+	"\x13CANCEL_CAUSE_BUDGET\x10\x06\x12\x1e\n" +
+	"\x1aCANCEL_CAUSE_LEASE_EXPIRED\x10\a*y\n" +
 	"\bNodeKind\x12\x19\n" +
 	"\x15NODE_KIND_UNSPECIFIED\x10\x00\x12\x11\n" +
 	"\rNODE_KIND_RUN\x10\x01\x12\x13\n" +

@@ -9,6 +9,7 @@ package modelproxyv1
 import (
 	protoreflect "google.golang.org/protobuf/reflect/protoreflect"
 	protoimpl "google.golang.org/protobuf/runtime/protoimpl"
+	durationpb "google.golang.org/protobuf/types/known/durationpb"
 	reflect "reflect"
 	sync "sync"
 	unsafe "unsafe"
@@ -243,7 +244,13 @@ type GenerateRequest struct {
 	Seed *int64 `protobuf:"varint,7,opt,name=seed,proto3,oneof" json:"seed,omitempty"`
 	// Marks the request cacheable even when it is not deterministic: an identical request
 	// within the cache's TTL is answered from the cache.
-	Cacheable     bool `protobuf:"varint,8,opt,name=cacheable,proto3" json:"cacheable,omitempty"`
+	Cacheable bool `protobuf:"varint,8,opt,name=cacheable,proto3" json:"cacheable,omitempty"`
+	// The lease TTL the caller will keep the decoder alive with: the decoder holds a lease
+	// keyed by (tenant, run, node, retry-id) that lapses this long after its start or its
+	// last renewal (RenewLeases), and a decoder whose lease lapsed stops by itself with
+	// cause lease_expired. Unset or 0 means the server's default (--decoder-lease-ttl);
+	// otherwise at least 50ms (less, or negative, is INVALID_ARGUMENT).
+	LeaseTtl      *durationpb.Duration `protobuf:"bytes,9,opt,name=lease_ttl,json=leaseTtl,proto3" json:"lease_ttl,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -332,6 +339,13 @@ func (x *GenerateRequest) GetCacheable() bool {
 		return x.Cacheable
 	}
 	return false
+}
+
+func (x *GenerateRequest) GetLeaseTtl() *durationpb.Duration {
+	if x != nil {
+		return x.LeaseTtl
+	}
+	return nil
 }
 
 // ToolSpec describes a tool to the model.
@@ -612,11 +626,177 @@ func (x *GenerateResponse) GetCached() bool {
 	return false
 }
 
+// LeaseKey names one decoder's lease. The tenant is not part of the message: it is the
+// curfew-tenant of the call that registers or renews the lease, so a tenant can renew
+// only its own decoders' leases.
+type LeaseKey struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	RunId         string                 `protobuf:"bytes,1,opt,name=run_id,json=runId,proto3" json:"run_id,omitempty"`
+	NodeId        string                 `protobuf:"bytes,2,opt,name=node_id,json=nodeId,proto3" json:"node_id,omitempty"`
+	RetryId       string                 `protobuf:"bytes,3,opt,name=retry_id,json=retryId,proto3" json:"retry_id,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *LeaseKey) Reset() {
+	*x = LeaseKey{}
+	mi := &file_curfew_modelproxy_v1_modelproxy_proto_msgTypes[7]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *LeaseKey) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*LeaseKey) ProtoMessage() {}
+
+func (x *LeaseKey) ProtoReflect() protoreflect.Message {
+	mi := &file_curfew_modelproxy_v1_modelproxy_proto_msgTypes[7]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use LeaseKey.ProtoReflect.Descriptor instead.
+func (*LeaseKey) Descriptor() ([]byte, []int) {
+	return file_curfew_modelproxy_v1_modelproxy_proto_rawDescGZIP(), []int{7}
+}
+
+func (x *LeaseKey) GetRunId() string {
+	if x != nil {
+		return x.RunId
+	}
+	return ""
+}
+
+func (x *LeaseKey) GetNodeId() string {
+	if x != nil {
+		return x.NodeId
+	}
+	return ""
+}
+
+func (x *LeaseKey) GetRetryId() string {
+	if x != nil {
+		return x.RetryId
+	}
+	return ""
+}
+
+// RenewLeasesRequest renews a batch of decoder leases: a caller sends one per connection
+// and tenant per heartbeat, with every decoder it is streaming from.
+type RenewLeasesRequest struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	Keys  []*LeaseKey            `protobuf:"bytes,1,rep,name=keys,proto3" json:"keys,omitempty"`
+	// The leases' new time to live, from the instant the server renews them; unset or 0
+	// keeps each lease's own TTL (the one its Generate asked for, or the server's default).
+	// Otherwise at least 50ms.
+	Ttl           *durationpb.Duration `protobuf:"bytes,2,opt,name=ttl,proto3" json:"ttl,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *RenewLeasesRequest) Reset() {
+	*x = RenewLeasesRequest{}
+	mi := &file_curfew_modelproxy_v1_modelproxy_proto_msgTypes[8]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *RenewLeasesRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*RenewLeasesRequest) ProtoMessage() {}
+
+func (x *RenewLeasesRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_curfew_modelproxy_v1_modelproxy_proto_msgTypes[8]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use RenewLeasesRequest.ProtoReflect.Descriptor instead.
+func (*RenewLeasesRequest) Descriptor() ([]byte, []int) {
+	return file_curfew_modelproxy_v1_modelproxy_proto_rawDescGZIP(), []int{8}
+}
+
+func (x *RenewLeasesRequest) GetKeys() []*LeaseKey {
+	if x != nil {
+		return x.Keys
+	}
+	return nil
+}
+
+func (x *RenewLeasesRequest) GetTtl() *durationpb.Duration {
+	if x != nil {
+		return x.Ttl
+	}
+	return nil
+}
+
+// RenewLeasesResponse lists the keys the server does not hold a live lease for: their
+// decoder has ended, has not started yet, lapsed, or belongs to another tenant.
+type RenewLeasesResponse struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Unknown       []*LeaseKey            `protobuf:"bytes,1,rep,name=unknown,proto3" json:"unknown,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *RenewLeasesResponse) Reset() {
+	*x = RenewLeasesResponse{}
+	mi := &file_curfew_modelproxy_v1_modelproxy_proto_msgTypes[9]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *RenewLeasesResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*RenewLeasesResponse) ProtoMessage() {}
+
+func (x *RenewLeasesResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_curfew_modelproxy_v1_modelproxy_proto_msgTypes[9]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use RenewLeasesResponse.ProtoReflect.Descriptor instead.
+func (*RenewLeasesResponse) Descriptor() ([]byte, []int) {
+	return file_curfew_modelproxy_v1_modelproxy_proto_rawDescGZIP(), []int{9}
+}
+
+func (x *RenewLeasesResponse) GetUnknown() []*LeaseKey {
+	if x != nil {
+		return x.Unknown
+	}
+	return nil
+}
+
 var File_curfew_modelproxy_v1_modelproxy_proto protoreflect.FileDescriptor
 
 const file_curfew_modelproxy_v1_modelproxy_proto_rawDesc = "" +
 	"\n" +
-	"%curfew/modelproxy/v1/modelproxy.proto\x12\x14curfew.modelproxy.v1\"t\n" +
+	"%curfew/modelproxy/v1/modelproxy.proto\x12\x14curfew.modelproxy.v1\x1a\x1egoogle/protobuf/duration.proto\"t\n" +
 	"\bToolCall\x12\x0e\n" +
 	"\x02id\x18\x01 \x01(\tR\x02id\x12\x12\n" +
 	"\x04name\x18\x02 \x01(\tR\x04name\x12\x1b\n" +
@@ -628,7 +808,7 @@ const file_curfew_modelproxy_v1_modelproxy_proto_rawDesc = "" +
 	"\n" +
 	"tool_calls\x18\x03 \x03(\v2\x1e.curfew.modelproxy.v1.ToolCallR\ttoolCalls\x12 \n" +
 	"\ftool_call_id\x18\x04 \x01(\tR\n" +
-	"toolCallId\"\xfd\x02\n" +
+	"toolCallId\"\xb5\x03\n" +
 	"\x0fGenerateRequest\x12\x14\n" +
 	"\x05model\x18\x01 \x01(\tR\x05model\x129\n" +
 	"\bmessages\x18\x02 \x03(\v2\x1d.curfew.modelproxy.v1.MessageR\bmessages\x12\x1d\n" +
@@ -638,7 +818,8 @@ const file_curfew_modelproxy_v1_modelproxy_proto_rawDesc = "" +
 	"\x0fresponse_schema\x18\x05 \x01(\v2$.curfew.modelproxy.v1.ResponseSchemaR\x0eresponseSchema\x12%\n" +
 	"\vtemperature\x18\x06 \x01(\x01H\x00R\vtemperature\x88\x01\x01\x12\x17\n" +
 	"\x04seed\x18\a \x01(\x03H\x01R\x04seed\x88\x01\x01\x12\x1c\n" +
-	"\tcacheable\x18\b \x01(\bR\tcacheableB\x0e\n" +
+	"\tcacheable\x18\b \x01(\bR\tcacheable\x126\n" +
+	"\tlease_ttl\x18\t \x01(\v2\x19.google.protobuf.DurationR\bleaseTtlB\x0e\n" +
 	"\f_temperatureB\a\n" +
 	"\x05_seed\"i\n" +
 	"\bToolSpec\x12\x12\n" +
@@ -661,15 +842,25 @@ const file_curfew_modelproxy_v1_modelproxy_proto_rawDesc = "" +
 	"\x05usage\x18\x05 \x01(\v2\x1b.curfew.modelproxy.v1.UsageR\x05usage\x12\x1a\n" +
 	"\bprovider\x18\x06 \x01(\tR\bprovider\x12!\n" +
 	"\fserved_model\x18\a \x01(\tR\vservedModel\x12\x16\n" +
-	"\x06cached\x18\b \x01(\bR\x06cached*_\n" +
+	"\x06cached\x18\b \x01(\bR\x06cached\"U\n" +
+	"\bLeaseKey\x12\x15\n" +
+	"\x06run_id\x18\x01 \x01(\tR\x05runId\x12\x17\n" +
+	"\anode_id\x18\x02 \x01(\tR\x06nodeId\x12\x19\n" +
+	"\bretry_id\x18\x03 \x01(\tR\aretryId\"u\n" +
+	"\x12RenewLeasesRequest\x122\n" +
+	"\x04keys\x18\x01 \x03(\v2\x1e.curfew.modelproxy.v1.LeaseKeyR\x04keys\x12+\n" +
+	"\x03ttl\x18\x02 \x01(\v2\x19.google.protobuf.DurationR\x03ttl\"O\n" +
+	"\x13RenewLeasesResponse\x128\n" +
+	"\aunknown\x18\x01 \x03(\v2\x1e.curfew.modelproxy.v1.LeaseKeyR\aunknown*_\n" +
 	"\x04Role\x12\x14\n" +
 	"\x10ROLE_UNSPECIFIED\x10\x00\x12\x0f\n" +
 	"\vROLE_SYSTEM\x10\x01\x12\r\n" +
 	"\tROLE_USER\x10\x02\x12\x12\n" +
 	"\x0eROLE_ASSISTANT\x10\x03\x12\r\n" +
-	"\tROLE_TOOL\x10\x042p\n" +
+	"\tROLE_TOOL\x10\x042\xd4\x01\n" +
 	"\x11ModelProxyService\x12[\n" +
-	"\bGenerate\x12%.curfew.modelproxy.v1.GenerateRequest\x1a&.curfew.modelproxy.v1.GenerateResponse0\x01B\xe2\x01\n" +
+	"\bGenerate\x12%.curfew.modelproxy.v1.GenerateRequest\x1a&.curfew.modelproxy.v1.GenerateResponse0\x01\x12b\n" +
+	"\vRenewLeases\x12(.curfew.modelproxy.v1.RenewLeasesRequest\x1a).curfew.modelproxy.v1.RenewLeasesResponseB\xe2\x01\n" +
 	"\x18com.curfew.modelproxy.v1B\x0fModelproxyProtoP\x01ZCgithub.com/curfew-mesh/curfew/gen/curfew/modelproxy/v1;modelproxyv1\xa2\x02\x03CMX\xaa\x02\x14Curfew.Modelproxy.V1\xca\x02\x14Curfew\\Modelproxy\\V1\xe2\x02 Curfew\\Modelproxy\\V1\\GPBMetadata\xea\x02\x16Curfew::Modelproxy::V1b\x06proto3"
 
 var (
@@ -685,32 +876,42 @@ func file_curfew_modelproxy_v1_modelproxy_proto_rawDescGZIP() []byte {
 }
 
 var file_curfew_modelproxy_v1_modelproxy_proto_enumTypes = make([]protoimpl.EnumInfo, 1)
-var file_curfew_modelproxy_v1_modelproxy_proto_msgTypes = make([]protoimpl.MessageInfo, 7)
+var file_curfew_modelproxy_v1_modelproxy_proto_msgTypes = make([]protoimpl.MessageInfo, 10)
 var file_curfew_modelproxy_v1_modelproxy_proto_goTypes = []any{
-	(Role)(0),                // 0: curfew.modelproxy.v1.Role
-	(*ToolCall)(nil),         // 1: curfew.modelproxy.v1.ToolCall
-	(*Message)(nil),          // 2: curfew.modelproxy.v1.Message
-	(*GenerateRequest)(nil),  // 3: curfew.modelproxy.v1.GenerateRequest
-	(*ToolSpec)(nil),         // 4: curfew.modelproxy.v1.ToolSpec
-	(*ResponseSchema)(nil),   // 5: curfew.modelproxy.v1.ResponseSchema
-	(*Usage)(nil),            // 6: curfew.modelproxy.v1.Usage
-	(*GenerateResponse)(nil), // 7: curfew.modelproxy.v1.GenerateResponse
+	(Role)(0),                   // 0: curfew.modelproxy.v1.Role
+	(*ToolCall)(nil),            // 1: curfew.modelproxy.v1.ToolCall
+	(*Message)(nil),             // 2: curfew.modelproxy.v1.Message
+	(*GenerateRequest)(nil),     // 3: curfew.modelproxy.v1.GenerateRequest
+	(*ToolSpec)(nil),            // 4: curfew.modelproxy.v1.ToolSpec
+	(*ResponseSchema)(nil),      // 5: curfew.modelproxy.v1.ResponseSchema
+	(*Usage)(nil),               // 6: curfew.modelproxy.v1.Usage
+	(*GenerateResponse)(nil),    // 7: curfew.modelproxy.v1.GenerateResponse
+	(*LeaseKey)(nil),            // 8: curfew.modelproxy.v1.LeaseKey
+	(*RenewLeasesRequest)(nil),  // 9: curfew.modelproxy.v1.RenewLeasesRequest
+	(*RenewLeasesResponse)(nil), // 10: curfew.modelproxy.v1.RenewLeasesResponse
+	(*durationpb.Duration)(nil), // 11: google.protobuf.Duration
 }
 var file_curfew_modelproxy_v1_modelproxy_proto_depIdxs = []int32{
-	0, // 0: curfew.modelproxy.v1.Message.role:type_name -> curfew.modelproxy.v1.Role
-	1, // 1: curfew.modelproxy.v1.Message.tool_calls:type_name -> curfew.modelproxy.v1.ToolCall
-	2, // 2: curfew.modelproxy.v1.GenerateRequest.messages:type_name -> curfew.modelproxy.v1.Message
-	4, // 3: curfew.modelproxy.v1.GenerateRequest.tools:type_name -> curfew.modelproxy.v1.ToolSpec
-	5, // 4: curfew.modelproxy.v1.GenerateRequest.response_schema:type_name -> curfew.modelproxy.v1.ResponseSchema
-	1, // 5: curfew.modelproxy.v1.GenerateResponse.tool_calls:type_name -> curfew.modelproxy.v1.ToolCall
-	6, // 6: curfew.modelproxy.v1.GenerateResponse.usage:type_name -> curfew.modelproxy.v1.Usage
-	3, // 7: curfew.modelproxy.v1.ModelProxyService.Generate:input_type -> curfew.modelproxy.v1.GenerateRequest
-	7, // 8: curfew.modelproxy.v1.ModelProxyService.Generate:output_type -> curfew.modelproxy.v1.GenerateResponse
-	8, // [8:9] is the sub-list for method output_type
-	7, // [7:8] is the sub-list for method input_type
-	7, // [7:7] is the sub-list for extension type_name
-	7, // [7:7] is the sub-list for extension extendee
-	0, // [0:7] is the sub-list for field type_name
+	0,  // 0: curfew.modelproxy.v1.Message.role:type_name -> curfew.modelproxy.v1.Role
+	1,  // 1: curfew.modelproxy.v1.Message.tool_calls:type_name -> curfew.modelproxy.v1.ToolCall
+	2,  // 2: curfew.modelproxy.v1.GenerateRequest.messages:type_name -> curfew.modelproxy.v1.Message
+	4,  // 3: curfew.modelproxy.v1.GenerateRequest.tools:type_name -> curfew.modelproxy.v1.ToolSpec
+	5,  // 4: curfew.modelproxy.v1.GenerateRequest.response_schema:type_name -> curfew.modelproxy.v1.ResponseSchema
+	11, // 5: curfew.modelproxy.v1.GenerateRequest.lease_ttl:type_name -> google.protobuf.Duration
+	1,  // 6: curfew.modelproxy.v1.GenerateResponse.tool_calls:type_name -> curfew.modelproxy.v1.ToolCall
+	6,  // 7: curfew.modelproxy.v1.GenerateResponse.usage:type_name -> curfew.modelproxy.v1.Usage
+	8,  // 8: curfew.modelproxy.v1.RenewLeasesRequest.keys:type_name -> curfew.modelproxy.v1.LeaseKey
+	11, // 9: curfew.modelproxy.v1.RenewLeasesRequest.ttl:type_name -> google.protobuf.Duration
+	8,  // 10: curfew.modelproxy.v1.RenewLeasesResponse.unknown:type_name -> curfew.modelproxy.v1.LeaseKey
+	3,  // 11: curfew.modelproxy.v1.ModelProxyService.Generate:input_type -> curfew.modelproxy.v1.GenerateRequest
+	9,  // 12: curfew.modelproxy.v1.ModelProxyService.RenewLeases:input_type -> curfew.modelproxy.v1.RenewLeasesRequest
+	7,  // 13: curfew.modelproxy.v1.ModelProxyService.Generate:output_type -> curfew.modelproxy.v1.GenerateResponse
+	10, // 14: curfew.modelproxy.v1.ModelProxyService.RenewLeases:output_type -> curfew.modelproxy.v1.RenewLeasesResponse
+	13, // [13:15] is the sub-list for method output_type
+	11, // [11:13] is the sub-list for method input_type
+	11, // [11:11] is the sub-list for extension type_name
+	11, // [11:11] is the sub-list for extension extendee
+	0,  // [0:11] is the sub-list for field type_name
 }
 
 func init() { file_curfew_modelproxy_v1_modelproxy_proto_init() }
@@ -725,7 +926,7 @@ func file_curfew_modelproxy_v1_modelproxy_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_curfew_modelproxy_v1_modelproxy_proto_rawDesc), len(file_curfew_modelproxy_v1_modelproxy_proto_rawDesc)),
 			NumEnums:      1,
-			NumMessages:   7,
+			NumMessages:   10,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

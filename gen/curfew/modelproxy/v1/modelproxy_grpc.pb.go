@@ -19,7 +19,8 @@ import (
 const _ = grpc.SupportPackageIsVersion9
 
 const (
-	ModelProxyService_Generate_FullMethodName = "/curfew.modelproxy.v1.ModelProxyService/Generate"
+	ModelProxyService_Generate_FullMethodName    = "/curfew.modelproxy.v1.ModelProxyService/Generate"
+	ModelProxyService_RenewLeases_FullMethodName = "/curfew.modelproxy.v1.ModelProxyService/RenewLeases"
 )
 
 // ModelProxyServiceClient is the client API for ModelProxyService service.
@@ -30,6 +31,9 @@ const (
 type ModelProxyServiceClient interface {
 	// Generate streams one model step. Cancelling the call stops the decoder at the next token.
 	Generate(ctx context.Context, in *GenerateRequest, opts ...grpc.CallOption) (grpc.ServerStreamingClient[GenerateResponse], error)
+	// RenewLeases extends the leases of decoders in flight (the caller's heartbeat); see
+	// GenerateRequest.lease_ttl and docs/leases.md.
+	RenewLeases(ctx context.Context, in *RenewLeasesRequest, opts ...grpc.CallOption) (*RenewLeasesResponse, error)
 }
 
 type modelProxyServiceClient struct {
@@ -59,6 +63,16 @@ func (c *modelProxyServiceClient) Generate(ctx context.Context, in *GenerateRequ
 // This type alias is provided for backwards compatibility with existing code that references the prior non-generic stream type by name.
 type ModelProxyService_GenerateClient = grpc.ServerStreamingClient[GenerateResponse]
 
+func (c *modelProxyServiceClient) RenewLeases(ctx context.Context, in *RenewLeasesRequest, opts ...grpc.CallOption) (*RenewLeasesResponse, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(RenewLeasesResponse)
+	err := c.cc.Invoke(ctx, ModelProxyService_RenewLeases_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
 // ModelProxyServiceServer is the server API for ModelProxyService service.
 // All implementations must embed UnimplementedModelProxyServiceServer
 // for forward compatibility.
@@ -67,6 +81,9 @@ type ModelProxyService_GenerateClient = grpc.ServerStreamingClient[GenerateRespo
 type ModelProxyServiceServer interface {
 	// Generate streams one model step. Cancelling the call stops the decoder at the next token.
 	Generate(*GenerateRequest, grpc.ServerStreamingServer[GenerateResponse]) error
+	// RenewLeases extends the leases of decoders in flight (the caller's heartbeat); see
+	// GenerateRequest.lease_ttl and docs/leases.md.
+	RenewLeases(context.Context, *RenewLeasesRequest) (*RenewLeasesResponse, error)
 	mustEmbedUnimplementedModelProxyServiceServer()
 }
 
@@ -79,6 +96,9 @@ type UnimplementedModelProxyServiceServer struct{}
 
 func (UnimplementedModelProxyServiceServer) Generate(*GenerateRequest, grpc.ServerStreamingServer[GenerateResponse]) error {
 	return status.Error(codes.Unimplemented, "method Generate not implemented")
+}
+func (UnimplementedModelProxyServiceServer) RenewLeases(context.Context, *RenewLeasesRequest) (*RenewLeasesResponse, error) {
+	return nil, status.Error(codes.Unimplemented, "method RenewLeases not implemented")
 }
 func (UnimplementedModelProxyServiceServer) mustEmbedUnimplementedModelProxyServiceServer() {}
 func (UnimplementedModelProxyServiceServer) testEmbeddedByValue()                           {}
@@ -112,13 +132,36 @@ func _ModelProxyService_Generate_Handler(srv interface{}, stream grpc.ServerStre
 // This type alias is provided for backwards compatibility with existing code that references the prior non-generic stream type by name.
 type ModelProxyService_GenerateServer = grpc.ServerStreamingServer[GenerateResponse]
 
+func _ModelProxyService_RenewLeases_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(RenewLeasesRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(ModelProxyServiceServer).RenewLeases(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: ModelProxyService_RenewLeases_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(ModelProxyServiceServer).RenewLeases(ctx, req.(*RenewLeasesRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
 // ModelProxyService_ServiceDesc is the grpc.ServiceDesc for ModelProxyService service.
 // It's only intended for direct use with grpc.RegisterService,
 // and not to be introspected or modified (even as a copy)
 var ModelProxyService_ServiceDesc = grpc.ServiceDesc{
 	ServiceName: "curfew.modelproxy.v1.ModelProxyService",
 	HandlerType: (*ModelProxyServiceServer)(nil),
-	Methods:     []grpc.MethodDesc{},
+	Methods: []grpc.MethodDesc{
+		{
+			MethodName: "RenewLeases",
+			Handler:    _ModelProxyService_RenewLeases_Handler,
+		},
+	},
 	Streams: []grpc.StreamDesc{
 		{
 			StreamName:    "Generate",

@@ -31,6 +31,7 @@ func run(args []string) int {
 	o.Register(fs, "modelproxy", "127.0.0.1:7706", "127.0.0.1:7707")
 	minDecode := fs.Duration("min-decode-time", 50*time.Millisecond, "least time left to start a decoder; less fails fast with DEADLINE_EXCEEDED")
 	providers := fs.String("providers-config", "", "JSON file of OpenAI-compatible providers and model aliases (see docs/providers.md); only the built-in sim model when empty")
+	leaseTTL := fs.Duration("decoder-lease-ttl", modelproxy.DefaultLeaseTTL, "TTL of a decoder's lease when its caller names none (GenerateRequest.lease_ttl): a decoder whose caller has not renewed its lease (RenewLeases) for this long stops by itself, cause lease_expired (see docs/leases.md); 0 gives such decoders no lease")
 	storeDSN := fs.String("store", "", "durable store of the token ledger: a SQLite path (sqlite:///path/curfew.db) or a postgres:// DSN; `curfew up` passes one under its data directory; without one the ledger is kept in memory only and a run's spend does not survive a restart")
 	if err := service.Parse(fs, args, os.Getenv); err != nil {
 		fmt.Fprintln(os.Stderr, "modelproxy:", err)
@@ -42,6 +43,10 @@ func run(args []string) int {
 	}
 	if *minDecode < 0 {
 		fmt.Fprintln(os.Stderr, "modelproxy: --min-decode-time must not be negative")
+		return 2
+	}
+	if err := modelproxy.ValidateLeaseTTL(*leaseTTL); err != nil {
+		fmt.Fprintln(os.Stderr, "modelproxy: --decoder-lease-ttl:", err)
 		return 2
 	}
 	var file *modelproxy.File
@@ -75,6 +80,8 @@ func run(args []string) int {
 	srv := modelproxy.New()
 	srv.Metrics = modelproxy.NewMetrics(rt.Registry)
 	srv.Log = rt.Log
+	srv.Leases.TTL = *leaseTTL
+	rt.Registry.MustRegister(srv.Leases.Collector())
 	if st != nil {
 		srv.Store = st
 		defer srv.Flush() // the last decoders' entries, before the store closes

@@ -8,4 +8,8 @@
 //
 // A decoder stops at the next token boundary once its context is cancelled: the wait for
 // each token selects on the context, so a cancel costs at most the token being emitted.
+//
+// Every decoder also holds a lease (lease.go, docs/leases.md) that its caller renews with
+// RenewLeases; a decoder whose lease lapses is cancelled with cause lease_expired, so it
+// stops by itself when its caller's cancel was lost.
 package modelproxy

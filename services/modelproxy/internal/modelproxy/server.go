@@ -38,8 +38,12 @@ type Server struct {
 	// Store, if set, persists the ledger: each decoder appends its tokens when it ends
 	// (see persist). nil keeps the ledger in memory only. Call Flush before closing it.
 	Store LedgerStore
-	// Log receives the appends that failed; nil is slog.Default().
+	// Log receives the appends that failed and the leases that lapsed; nil is
+	// slog.Default().
 	Log *slog.Logger
+	// Leases is the decoder lease table (lease.go); its TTL is the default of decoders
+	// whose caller names none (DefaultLeaseTTL from New; 0 gives those no lease).
+	Leases *Leases
 	// persister keys and tracks the appends in flight.
 	persister persister
 	// now is the clock; tests may replace it.
@@ -48,7 +52,9 @@ type Server struct {
 
 // New returns a server with an empty node table and ledger.
 func New() *Server {
-	return &Server{Nodes: nodes.New(0), Ledger: NewLedger(), persister: persister{nonce: newNonce()}, now: time.Now}
+	s := &Server{Nodes: nodes.New(0), Ledger: NewLedger(), persister: persister{nonce: newNonce()}, now: time.Now}
+	s.Leases = newLeases(DefaultLeaseTTL, s.leaseLapsed)
+	return s
 }
 
 // Report returns the NodeReportService of this server's decoders, with token figures
@@ -105,6 +111,10 @@ func (s *Server) Generate(req *modelproxyv1.GenerateRequest, stream modelproxyv1
 			return status.Errorf(codes.NotFound, "unknown model %q (configured: %s)", model, strings.Join(s.models(), ", "))
 		}
 	}
+	ttl, err := s.Leases.requestTTL(req.GetLeaseTtl(), "lease_ttl")
+	if err != nil {
+		return err
+	}
 	id := md.IdentityFrom(ctx)
 	run, node := id.RunID, id.NodeID
 	if run == "" {
@@ -121,6 +131,11 @@ func (s *Server) Generate(req *modelproxyv1.GenerateRequest, stream modelproxyv1
 		n.Deadline = timestamppb.New(dl)
 	}
 	ctx, _ = s.Nodes.Begin(ctx, run, n)
+	tenant := id.Tenant
+	if tenant == "" {
+		tenant = md.DefaultTenant
+	}
+	lease := s.Leases.hold(leaseKey{tenant, run, node, id.RetryID}, ttl)
 	tokens := s.traceTokens(ctx, run, node)
 	sp := s.newSpend(ctx, run, node)
 	if rt != nil {
@@ -128,6 +143,8 @@ func (s *Server) Generate(req *modelproxyv1.GenerateRequest, stream modelproxyv1
 	} else {
 		err = s.decode(ctx, stream, sp, step)
 	}
+	s.Leases.end(lease)
+	err = leaseErr(ctx, err)
 	output, orphan := sp.end()
 	tokens.end()
 	s.Nodes.Finish(ctx, run, node, err, func(n *meshv1.Node) {

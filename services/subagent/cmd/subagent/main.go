@@ -16,6 +16,7 @@ import (
 	subagentv1 "github.com/curfew-mesh/curfew/gen/curfew/subagent/v1"
 	toolrunnerv1 "github.com/curfew-mesh/curfew/gen/curfew/toolrunner/v1"
 	"github.com/curfew-mesh/curfew/mesh/agent"
+	"github.com/curfew-mesh/curfew/mesh/decoderlease"
 	"github.com/curfew-mesh/curfew/mesh/nodes"
 	"github.com/curfew-mesh/curfew/mesh/service"
 	"github.com/curfew-mesh/curfew/services/subagent/internal/subagent"
@@ -69,6 +70,9 @@ func run(args []string) int {
 		Tools:      toolrunnerv1.NewToolRunnerServiceClient(tc),
 		ToolNodes:  meshv1.NewNodeReportServiceClient(tc),
 		ModelName:  *model,
+		// The process-wide keeper of the model client renews the decoders' leases
+		// (docs/leases.md); its warnings go to the service's log.
+		LeaseOptions: decoderlease.Options{Log: rt.Log},
 	}})
 	subagentv1.RegisterSubagentServiceServer(rt.Server, srv)
 	report := srv.Report()
