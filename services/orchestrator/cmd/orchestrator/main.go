@@ -18,6 +18,7 @@ import (
 	toolrunnerv1 "github.com/curfew-mesh/curfew/gen/curfew/toolrunner/v1"
 	"github.com/curfew-mesh/curfew/mesh/admission"
 	"github.com/curfew-mesh/curfew/mesh/agent"
+	"github.com/curfew-mesh/curfew/mesh/decoderlease"
 	"github.com/curfew-mesh/curfew/mesh/dlq"
 	"github.com/curfew-mesh/curfew/mesh/service"
 	"github.com/curfew-mesh/curfew/mesh/store"
@@ -141,6 +142,8 @@ func run(args []string) int {
 			Tools:      toolrunnerv1.NewToolRunnerServiceClient(tc),
 			ToolNodes:  meshv1.NewNodeReportServiceClient(tc),
 			ModelName:  *model,
+			// The decoder-lease keeper's renewal warnings go to the service's log.
+			LeaseOptions: decoderlease.Options{Log: rt.Log},
 		},
 		Reports: []meshv1.NodeReportServiceClient{
 			meshv1.NewNodeReportServiceClient(mc), meshv1.NewNodeReportServiceClient(tc), meshv1.NewNodeReportServiceClient(sc),
