@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Regenerates gen/ from proto/ with the pinned local plugins (scripts/tools.sh).
+# Regenerates gen/ from proto/ with the pinned local plugins (scripts/tools.sh): Go under
+# gen/curfew, TypeScript under gen/ts (protoc-gen-es from npm, scripts/node.sh).
 #   scripts/generate.sh          rewrite gen/
 #   scripts/generate.sh --check  fail if gen/ differs from what proto/ generates
 set -euo pipefail
@@ -11,12 +12,12 @@ if [[ "${1:-}" == "--check" ]]; then
   tmp=$(mktemp -d)
   trap 'rm -rf "$tmp"' EXIT
   buf generate --template buf.gen.yaml -o "$tmp"
-  if ! diff -r "$tmp/gen/curfew" gen/curfew; then
+  if ! diff -r "$tmp/gen/curfew" gen/curfew || ! diff -r "$tmp/gen/ts" gen/ts; then
     echo "gen/ is stale: run scripts/generate.sh and commit the result" >&2
     exit 1
   fi
   echo "gen/ is up to date"
 else
-  rm -rf gen/curfew
+  rm -rf gen/curfew gen/ts
   buf generate
 fi

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Installs the pinned code-generation and lint tools into ./bin (idempotent).
+# Installs the pinned code-generation and lint tools into .tools/bin (idempotent); the npm
+# plugins through scripts/node.sh.
 # Versions are pinned here and nowhere else; bump them in one commit.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -10,6 +11,8 @@ BUF_VERSION=v1.75.0
 PROTOC_GEN_GO_VERSION=v1.36.12
 PROTOC_GEN_GO_GRPC_VERSION=v1.6.2
 GOLANGCI_LINT_VERSION=v2.15.0
+# grpcurl runs the README's recipes in e2e/grpcurl_test.go (Debian has no package of it).
+GRPCURL_VERSION=v1.9.4
 
 need() { # name version-string-marker
   [[ -x "$GOBIN/$1" && -f "$GOBIN/.$1.$2" ]]
@@ -26,6 +29,9 @@ install() { # name module version
 install protoc-gen-go google.golang.org/protobuf/cmd/protoc-gen-go "$PROTOC_GEN_GO_VERSION"
 install protoc-gen-go-grpc google.golang.org/grpc/cmd/protoc-gen-go-grpc "$PROTOC_GEN_GO_GRPC_VERSION"
 install buf github.com/bufbuild/buf/cmd/buf "$BUF_VERSION"
+install grpcurl github.com/fullstorydev/grpcurl/cmd/grpcurl "$GRPCURL_VERSION"
+# The npm plugins of buf.gen.yaml (protoc-gen-es), pinned by scripts/node-tools/package-lock.json.
+bash scripts/node.sh tools
 if [[ "${CURFEW_SKIP_LINT_INSTALL:-}" != 1 ]]; then
   install golangci-lint github.com/golangci/golangci-lint/v2/cmd/golangci-lint "$GOLANGCI_LINT_VERSION"
 fi
