@@ -4,6 +4,7 @@ import (
 	"context"
 	"log/slog"
 	"runtime/debug"
+	"sync"
 	"time"
 
 	"google.golang.org/grpc"
@@ -34,6 +35,10 @@ type ServerConfig struct {
 	// outside the whole chain, so it sees every call and the final status code) and the
 	// deadline slack on arrival (in the deadline layer); nil records none.
 	Metrics *ServerMetrics
+	// Chaos honours the curfew-chaos header (package chaos): the drill's fault switches.
+	// Off (the default), the chain clears it from the call's identity, so it is neither
+	// acted on nor sent on, and logs a warning the first time it sees one.
+	Chaos bool
 }
 
 func (c ServerConfig) logger() *slog.Logger {
@@ -73,6 +78,7 @@ type serverChain struct {
 	log       *slog.Logger
 	idsUnary  grpc.UnaryServerInterceptor
 	idsStream grpc.StreamServerInterceptor
+	chaosSeen sync.Once // the warning for a curfew-chaos header ignored
 }
 
 // unary is the whole chain for a unary call: recovery outermost, then the status mapping,
@@ -135,7 +141,14 @@ func (c *serverChain) streamInner(ctx context.Context, srv any, ss grpc.ServerSt
 
 // enter runs the layers between the deadline and the retry-id: identity, fast-fail.
 func (c *serverChain) enter(ctx context.Context, method string) (context.Context, error) {
-	ctx = md.WithIdentity(ctx, md.FromIncoming(ctx))
+	id := md.FromIncoming(ctx)
+	if id.Chaos != "" && !c.cfg.Chaos {
+		c.chaosSeen.Do(func() {
+			c.log.WarnContext(ctx, "ignoring the curfew-chaos header: this service was not started with --chaos", "method", method, "chaos", id.Chaos)
+		})
+		id.Chaos = ""
+	}
+	ctx = md.WithIdentity(ctx, id)
 	if min, ok := c.cfg.MinTime[method]; ok {
 		if err := deadline.Check(ctx, min, method); err != nil {
 			return nil, err

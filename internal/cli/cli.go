@@ -38,6 +38,7 @@ Usage:
   curfew dlq     show ID [--json]
   curfew dlq     replay ID [--timeout D] [--json]
   curfew dlq     purge (--id ID | --before TIME | --replayed) [--json]
+  curfew drill   [--mode shed|orphan] [--fault N] [--tasks N] [--deadline D] [--cancel-at D] [--tps N] [--heartbeat D] [--json]
 
 Every command except up takes --addr (default: the orchestrator in DIR/endpoints.json,
 else 127.0.0.1:7700) and --data-dir (default $CURFEW_DATA_DIR, else ~/.curfew).
@@ -51,7 +52,7 @@ func Main(ctx context.Context, args []string, stdin io.Reader, stdout, stderr io
 	}
 	cmds := map[string]func(context.Context, []string, io.Writer, io.Writer) int{
 		"up": cmdUp, "run": cmdRun, "get": cmdGet, "ls": cmdLs, "cancel": cmdCancel, "trace": cmdTrace,
-		"dlq": cmdDlq,
+		"dlq": cmdDlq, "drill": cmdDrill,
 	}
 	switch args[0] {
 	case "help", "-h", "--help":

@@ -756,3 +756,25 @@ func TestCancelRacingAdmission(t *testing.T) {
 		}
 	}
 }
+
+// A heartbeat period above a third of the slack closes the overflow pool (seed 003:
+// "heartbeat period is larger than one third of the deadline"); one within it does not.
+func TestFailClosedOnSlowHeartbeat(t *testing.T) {
+	clk := newClock()
+	cfg := admission.DefaultConfig()
+	cfg.Now = clk.Now
+	c, _ := newController(t, cfg)
+	c.ObserveHeartbeat(4*time.Second, 12*time.Second)
+	c.ObserveHeartbeat(time.Second, 0)
+	if closed, why := c.Closed("overflow"); closed {
+		t.Fatalf("closed (%q) by a heartbeat of a third of the slack", why)
+	}
+	c.ObserveHeartbeat(5*time.Second, 12*time.Second)
+	if closed, why := c.Closed("overflow"); !closed || why != "slow_heartbeat" {
+		t.Fatalf("after a 5s heartbeat with 12s of slack: closed %v (%q), want slow_heartbeat", closed, why)
+	}
+	_, err := c.Admit(context.Background(), admission.Request{Criticality: admission.Sheddable})
+	if se := wantShed(t, err, admission.ReasonPoolClosed); se.Condition != "slow_heartbeat" {
+		t.Errorf("condition %q", se.Condition)
+	}
+}

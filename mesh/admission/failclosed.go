@@ -17,16 +17,21 @@ const (
 	ConditionSlowCancel Condition = "slow_cancel_propagation"
 	// ConditionRetryWithoutID: a retry arrived without its retry-id.
 	ConditionRetryWithoutID Condition = "retry_without_id"
+	// ConditionSlowHeartbeat: a run's decoder-lease heartbeat period is larger than one
+	// third of its deadline.
+	ConditionSlowHeartbeat Condition = "slow_heartbeat"
 )
 
 // conditions indexes Controller.lastFailure.
-var conditions = [...]Condition{orphanIdx: ConditionOrphanTokens, slowCancelIdx: ConditionSlowCancel, noRetryIDIdx: ConditionRetryWithoutID}
+var conditions = [...]Condition{orphanIdx: ConditionOrphanTokens, slowCancelIdx: ConditionSlowCancel, noRetryIDIdx: ConditionRetryWithoutID,
+	slowHeartbeatIdx: ConditionSlowHeartbeat}
 
 // Indexes of conditions.
 const (
 	orphanIdx = iota
 	slowCancelIdx
 	noRetryIDIdx
+	slowHeartbeatIdx
 )
 
 // ObserveOrphanTokens reports a finished run's orphan tokens (spent after it was
@@ -55,6 +60,17 @@ func (c *Controller) ObserveCancelPropagation(d, slack time.Duration) {
 // ObserveRetryWithoutID reports a retry that arrived without its retry-id. It closes the
 // overflow pool for Config.FailClosedWindow.
 func (c *Controller) ObserveRetryWithoutID() { c.fail(noRetryIDIdx) }
+
+// ObserveHeartbeat reports the decoder-lease heartbeat period of a run with deadline
+// slack: a period larger than one third of the slack (seed 003: "heartbeat period is
+// larger than one third of the deadline") closes the overflow pool for
+// Config.FailClosedWindow, since a lost cancel would then not be caught by a lease lapse
+// before the deadline. A slack ≤ 0 is not judged.
+func (c *Controller) ObserveHeartbeat(period, slack time.Duration) {
+	if slack > 0 && period > slack/3 {
+		c.fail(slowHeartbeatIdx)
+	}
+}
 
 // fail records an occurrence of conditions[i] and sheds the overflow pool's queue.
 func (c *Controller) fail(i int) {

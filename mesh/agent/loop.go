@@ -22,6 +22,7 @@ import (
 	modelproxyv1 "github.com/curfew-mesh/curfew/gen/curfew/modelproxy/v1"
 	toolrunnerv1 "github.com/curfew-mesh/curfew/gen/curfew/toolrunner/v1"
 	"github.com/curfew-mesh/curfew/mesh/cancel"
+	"github.com/curfew-mesh/curfew/mesh/chaos"
 	"github.com/curfew-mesh/curfew/mesh/deadline"
 	"github.com/curfew-mesh/curfew/mesh/decoderlease"
 	"github.com/curfew-mesh/curfew/mesh/md"
@@ -228,7 +229,10 @@ func (l *Loop) modelStep(ctx context.Context, id, model string, msgs []*modelpro
 		if cctx, rid, err = withRetryID(cctx); err != nil {
 			return nil, err
 		}
-		lease = l.cfg.Leases.Hold(cctx, decoderlease.Key{RunID: md.IdentityFrom(ctx).RunID, NodeID: id, RetryID: rid})
+		// chaos slow-heartbeat (a drill's fault; empty unless the service runs with
+		// --chaos): renew only every so often, past the remaining/3 rule.
+		lease = l.cfg.Leases.HoldEvery(cctx, decoderlease.Key{RunID: md.IdentityFrom(ctx).RunID, NodeID: id, RetryID: rid},
+			chaos.From(ctx).SlowHeartbeat)
 		req.LeaseTtl = l.cfg.Leases.TTLProto()
 	}
 	st, err := l.cfg.Model.Generate(cctx, req)

@@ -101,6 +101,7 @@ type Lease struct {
 	tenant   string
 	key      *modelproxyv1.LeaseKey // sent as is in every renewal; never modified
 	deadline time.Time              // the model call's; zero when none
+	every    time.Duration          // HoldEvery's fixed period; 0 for the usual rule
 	// Under k.mu:
 	last   time.Time     // registered or last renewed
 	period time.Duration // the period chosen at last
@@ -173,12 +174,18 @@ func (k *Keeper) Stats() Stats {
 // Hold registers the lease of the decoder named by key, whose call runs under ctx (its
 // tenant and deadline are read from ctx), and keeps renewing it until Release. Call it
 // when the decoder's stream opens.
-func (k *Keeper) Hold(ctx context.Context, key Key) *Lease {
+func (k *Keeper) Hold(ctx context.Context, key Key) *Lease { return k.HoldEvery(ctx, key, 0) }
+
+// HoldEvery is Hold with a fixed renewal period every (> 0) that bypasses both the
+// keeper's Period and the remaining / 3 rule: the chaos setting slow-heartbeat (package
+// chaos), which reproduces seed 003's fault "heartbeats slower than the slack". It is
+// never used outside drills; every <= 0 is Hold.
+func (k *Keeper) HoldEvery(ctx context.Context, key Key, every time.Duration) *Lease {
 	if k == nil {
 		return nil
 	}
 	now := time.Now()
-	l := &Lease{k: k, tenant: md.IdentityFrom(ctx).Tenant, last: now,
+	l := &Lease{k: k, tenant: md.IdentityFrom(ctx).Tenant, last: now, every: max(every, 0),
 		key: &modelproxyv1.LeaseKey{RunId: key.RunID, NodeId: key.NodeID, RetryId: key.RetryID}}
 	if dl, ok := ctx.Deadline(); ok {
 		l.deadline = dl
@@ -228,8 +235,12 @@ func (k *Keeper) signal() {
 	}
 }
 
-// period is the renewal period of l at now: min(Period, remaining / 3), at least MinTick.
+// period is the renewal period of l at now: min(Period, remaining / 3), at least MinTick;
+// HoldEvery's fixed period when it has one.
 func (k *Keeper) period(l *Lease, now time.Time) time.Duration {
+	if l.every > 0 {
+		return max(l.every, k.o.MinTick)
+	}
 	p := k.o.Period
 	if !l.deadline.IsZero() {
 		if r := l.deadline.Sub(now) / 3; r < p {

@@ -277,3 +277,23 @@ func TestSharedKeeperPerClientAndOptions(t *testing.T) {
 		t.Fatalf("TTLProto = %v, want 12s", k.TTLProto().AsDuration())
 	}
 }
+
+func TestKeeperHoldEveryBypassesTheThirdOfTheRemainingDeadline(t *testing.T) {
+	p := &proxy{}
+	c := serve(t, p)
+	k := decoderlease.New(c, decoderlease.Options{Period: 100 * time.Millisecond})
+	ctx := callCtx(t, "", "r-slow", 900*time.Millisecond)
+	start := time.Now()
+	l := k.HoldEvery(ctx, decoderlease.Key{RunID: "r-slow", NodeID: "root/m0", RetryID: "rid-slow"}, 400*time.Millisecond)
+	defer l.Release()
+	time.Sleep(700 * time.Millisecond)
+	calls := p.renewals()
+	// Hold would renew every 100 ms (and faster as the deadline nears); HoldEvery's fixed
+	// 400 ms gives one renewal, at about 400 ms.
+	if len(calls) != 1 {
+		t.Fatalf("%d renewals in 700 ms, want 1 (every 400 ms, whatever the period or deadline)", len(calls))
+	}
+	if gap := calls[0].at.Sub(start); gap < 350*time.Millisecond || gap > 550*time.Millisecond {
+		t.Fatalf("renewal came after %v, want about 400 ms", gap)
+	}
+}

@@ -29,6 +29,10 @@ const (
 	IdempotencyKey = "curfew-idempotency-key"
 	// Criticality is the caller's criticality class (for example "critical", "sheddable").
 	Criticality = "curfew-criticality"
+	// Chaos names the drill's fault switches for this request (package mesh/chaos),
+	// comma-separated. A service honours it only when started with --chaos; it travels to
+	// child calls like the identity headers.
+	Chaos = "curfew-chaos"
 )
 
 // DefaultTenant is used when a caller names no tenant.
@@ -41,6 +45,9 @@ type Identity struct {
 	NodeID  string
 	RetryID string
 	Attempt int // 0 when the caller did not say; treat as 1.
+	// Chaos is the curfew-chaos header (mesh/chaos): the drill's fault switches. The
+	// server chain clears it on a service started without --chaos.
+	Chaos string
 }
 
 type identityKey struct{}
@@ -73,6 +80,7 @@ func FromIncoming(ctx context.Context) Identity {
 		RunID:   incoming(ctx, RunID),
 		NodeID:  incoming(ctx, NodeID),
 		RetryID: incoming(ctx, RetryID),
+		Chaos:   incoming(ctx, Chaos),
 	}
 	if id.Tenant == "" {
 		id.Tenant = DefaultTenant
@@ -104,7 +112,7 @@ func IncomingDeadline(ctx context.Context) (time.Time, bool) {
 // AppendOutgoing writes the context's identity and deadline into the outgoing metadata.
 // Values already set explicitly on the outgoing context win.
 func AppendOutgoing(ctx context.Context) context.Context {
-	var buf [8]string
+	var buf [10]string
 	kv := AppendPairs(buf[:0], ctx)
 	if len(kv) == 0 {
 		return ctx
@@ -124,6 +132,7 @@ func AppendPairs(kv []string, ctx context.Context) []string { //nolint:revive //
 	add(Tenant, id.Tenant)
 	add(RunID, id.RunID)
 	add(NodeID, id.NodeID)
+	add(Chaos, id.Chaos)
 	if dl, ok := ctx.Deadline(); ok {
 		add(Deadline, strconv.FormatInt(dl.UnixMilli(), 10))
 	}

@@ -50,6 +50,9 @@ type Plan struct {
 	// TokensPerSecond is the decode rate; DefaultTokensPerSecond when 0.
 	TokensPerSecond float64 `json:"tokens_per_second,omitempty"`
 	Steps           []Step  `json:"steps"`
+	// Prompt is fixture text the task carries as its prompt (`curfew drill`'s 800-token
+	// fixture); the sim model does not read it.
+	Prompt string `json:"prompt,omitempty"`
 }
 
 // Step is one model turn: decode ThinkTokens then call Tools in parallel, or decode
@@ -195,11 +198,12 @@ func parse(data []byte, path string, depth int) (*Plan, error) {
 	var raw struct {
 		TokensPerSecond *float64          `json:"tokens_per_second"`
 		Steps           []json.RawMessage `json:"steps"`
+		Prompt          string            `json:"prompt"`
 	}
 	if err := strict(data, &raw, path); err != nil {
 		return nil, err
 	}
-	p := &Plan{}
+	p := &Plan{Prompt: raw.Prompt}
 	if raw.TokensPerSecond != nil {
 		tps := *raw.TokensPerSecond
 		if tps <= 0 || tps > MaxTokensPerSecond {

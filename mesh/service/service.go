@@ -61,6 +61,9 @@ type Options struct {
 	Retry RetryOptions
 	// Breaker configures the circuit breakers of this service's outgoing calls.
 	Breaker BreakerOptions
+	// Chaos honours the per-request curfew-chaos header: the drill's fault switches
+	// (package chaos, docs/drill.md). Off by default; never set it in production.
+	Chaos bool
 
 	fs *flag.FlagSet // where the flags were registered, to tell which were set
 }
@@ -101,6 +104,7 @@ func (o *Options) Register(fs *flag.FlagSet, name, addr, admin string) {
 	fs.DurationVar(&o.DefaultDeadline, "default-deadline", deadline.DefaultTimeout, "deadline given to requests without one")
 	fs.DurationVar(&o.MaxDeadline, "max-deadline", deadline.DefaultMax, "cap on any requested deadline")
 	fs.StringVar(&o.LogLevel, "log-level", DefaultLogLevel, "log level: debug, info, warn or error")
+	fs.BoolVar(&o.Chaos, "chaos", false, "chaos settings for drills: honour the per-request curfew-chaos header's fault switches (docs/drill.md); off by default, never in production")
 	r := &o.Retry
 	fs.StringVar(&r.File, "retry-config", "", "JSON file of retry policies per target and method (see the README)")
 	fs.BoolVar(&r.Off, "retry-off", false, "make no retries at all")
@@ -343,6 +347,7 @@ func New(ctx context.Context, o Options, minTime map[string]time.Duration) (*Run
 		Logger:   log,
 		RetryIDs: retryid.New(0, rt.Registry),
 		Metrics:  rt.metrics.server,
+		Chaos:    o.Chaos,
 	}), rt.serverTracing())...)
 	rt.Health = health.NewServer()
 	healthpb.RegisterHealthServer(rt.Server, rt.Health)

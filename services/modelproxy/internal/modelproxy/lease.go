@@ -62,6 +62,9 @@ type lease struct {
 	armed   time.Time // when the timer fires
 	timer   *time.Timer
 	current bool // in the table: ended, lapsed and displaced leases are not
+	// onLapse, when set, also stops the decoder when the lease lapses: a decoder that
+	// ignores its call's cancel (chaos drop-cancel, no-dedupe) is stopped only by it.
+	onLapse func()
 }
 
 // Leases is the decoder lease table of a modelproxy. It is safe for concurrent use. A
@@ -106,12 +109,15 @@ func (t *Leases) requestTTL(d *durationpb.Duration, what string) (time.Duration,
 // hold registers the lease of a decoder starting now, with ttl (no lease when 0). A lease
 // with the same key (an earlier attempt of the same retry-id, being superseded) is
 // displaced: renewals go to the newest, and the earlier one no longer lapses.
-func (t *Leases) hold(key leaseKey, ttl time.Duration) *lease {
+func (t *Leases) hold(key leaseKey, ttl time.Duration) *lease { return t.holdWith(key, ttl, nil) }
+
+// holdWith is hold with a func called, besides the node's cancel, when the lease lapses.
+func (t *Leases) holdWith(key leaseKey, ttl time.Duration, onLapse func()) *lease {
 	if t == nil || ttl <= 0 {
 		return nil
 	}
 	now := time.Now()
-	l := &lease{key: key, ttl: ttl, last: now, expiry: now.Add(ttl), armed: now.Add(ttl), current: true}
+	l := &lease{key: key, ttl: ttl, last: now, expiry: now.Add(ttl), armed: now.Add(ttl), current: true, onLapse: onLapse}
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	if old := t.m[key]; old != nil {
@@ -242,6 +248,9 @@ func (s *Server) RenewLeases(ctx context.Context, req *modelproxyv1.RenewLeasesR
 
 // leaseLapsed cancels the decoder of a lapsed lease with cause lease_expired.
 func (s *Server) leaseLapsed(l *lease) {
+	if l.onLapse != nil {
+		l.onLapse()
+	}
 	if s.Nodes.Cancel(l.key.run, []string{l.key.node}, cancel.ErrLeaseExpired) > 0 {
 		s.log().Warn("decoder lease lapsed: its caller stopped renewing it; the decoder stops by itself",
 			"tenant", l.key.tenant, "run_id", l.key.run, "node_id", l.key.node, "retry_id", l.key.retry, "ttl", l.ttl.String())

@@ -15,6 +15,8 @@ import (
 
 	meshv1 "github.com/curfew-mesh/curfew/gen/curfew/mesh/v1"
 	modelproxyv1 "github.com/curfew-mesh/curfew/gen/curfew/modelproxy/v1"
+	"github.com/curfew-mesh/curfew/mesh/cancel"
+	"github.com/curfew-mesh/curfew/mesh/chaos"
 	"github.com/curfew-mesh/curfew/mesh/md"
 	"github.com/curfew-mesh/curfew/mesh/nodes"
 	"github.com/curfew-mesh/curfew/mesh/plan"
@@ -135,24 +137,46 @@ func (s *Server) Generate(req *modelproxyv1.GenerateRequest, stream modelproxyv1
 	if tenant == "" {
 		tenant = md.DefaultTenant
 	}
-	lease := s.Leases.hold(leaseKey{tenant, run, node, id.RetryID}, ttl)
+	// The drill's chaos settings (package chaos; empty unless modelproxy runs with
+	// --chaos), sim model only: see chaos.go.
+	cs := chaos.From(ctx)
+	if rt != nil {
+		cs = chaos.Settings{}
+	}
+	if step != nil {
+		step.fails = step.ModelError.Fails(max(id.Attempt, 1), rand.Float64)
+		if step.fails && cs.NoDedupe {
+			s.leaveDecoder(ctx, run, node, tenant, ttl, step, cs)
+		}
+	}
+	dctx, stopDecoder := ctx, context.CancelCauseFunc(nil)
+	var onLapse func()
+	if cs.Orphan || cs.DropCancel {
+		dctx, stopDecoder = detach(ctx)
+		defer stopDecoder(nil)
+		stream = &quietStream{ModelProxyService_GenerateServer: stream}
+		if !cs.Orphan { // drop-cancel: the lease still stops it
+			onLapse = func() { stopDecoder(cancel.ErrLeaseExpired) }
+		}
+	}
+	lease := s.Leases.holdWith(leaseKey{tenant, run, node, id.RetryID}, ttl, onLapse)
 	tokens := s.traceTokens(ctx, run, node)
-	sp := s.newSpend(ctx, run, node)
+	sp := s.newSpend(ctx, ledgerRun(run, cs), ledgerNode(node, cs))
 	if rt != nil {
 		err = s.Router.generate(ctx, s, rt, req, stream, sp)
 	} else {
-		err = s.decode(ctx, stream, sp, step)
+		err = s.decode(dctx, stream, sp, step)
 	}
 	s.Leases.end(lease)
-	err = leaseErr(ctx, err)
+	err = leaseErr(dctx, err)
 	output, orphan := sp.end()
 	tokens.end()
-	s.Nodes.Finish(ctx, run, node, err, func(n *meshv1.Node) {
-		if ctx.Err() != nil {
+	s.Nodes.Finish(dctx, run, node, err, func(n *meshv1.Node) {
+		if dctx.Err() != nil {
 			n.CancelledAt = timestamppb.New(s.now())
 		}
 	})
-	s.persist(ctx, node, output, orphan)
+	s.persist(ledgerCtx(ctx, cs), ledgerNode(node, cs), output, orphan)
 	return err
 }
 
@@ -171,6 +195,7 @@ type step struct {
 	plan  *plan.Plan
 	index int
 	plan.Step
+	fails bool // the step's model_error fault fails this attempt
 }
 
 // simStep parses the plan from the conversation's first user message and picks the step
@@ -210,7 +235,7 @@ func (s *Server) decode(ctx context.Context, stream modelproxyv1.ModelProxyServi
 	if attempt == 0 {
 		attempt = 1
 	}
-	if f := st.ModelError; f.Fails(attempt, rand.Float64) {
+	if f := st.ModelError; st.fails {
 		code := codes.Unavailable
 		if f.Code != "" {
 			code, _ = plan.ParseCode(f.Code)

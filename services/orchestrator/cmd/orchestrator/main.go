@@ -48,6 +48,8 @@ func run(args []string) int {
 	natsURL := fs.String("nats", "", "NATS server (nats://host:4222) whose JetStream also receives dead letters (with --store); none by default")
 	dlqStream := fs.String("dlq-stream", dlq.DefaultStream, "JetStream stream of dead letters (with --nats)")
 	admissionFile := fs.String("admission-config", "", "JSON file of admission pools, tenant limits and token budgets (docs/admission.md); default: a paid pool of 512 and an overflow pool of 128 runs, no tenant limits")
+	heartbeat := fs.Duration("decoder-heartbeat", decoderlease.DefaultPeriod, "longest period between two renewals of a decoder's lease (docs/leases.md); each is renewed at least every third of its call's remaining deadline")
+	decoderTTL := fs.Duration("decoder-lease-ttl", 0, "decoder lease TTL asked of modelproxy; default 3 × --decoder-heartbeat")
 	admissionOff := fs.Bool("admission-off", false, "admit every run at once: no pools, queue, budgets or shedding")
 	if err := service.Parse(fs, args, os.Getenv); err != nil {
 		fmt.Fprintln(os.Stderr, "orchestrator:", err)
@@ -59,6 +61,10 @@ func run(args []string) int {
 	}
 	if *maxRuns < 1 || *minRun < 0 {
 		fmt.Fprintln(os.Stderr, "orchestrator: --max-runs must be at least 1 and --min-run-time not negative")
+		return 2
+	}
+	if *heartbeat < decoderlease.DefaultMinTick || (*decoderTTL != 0 && *decoderTTL < *heartbeat) {
+		fmt.Fprintf(os.Stderr, "orchestrator: --decoder-heartbeat must be at least %v and --decoder-lease-ttl 0 or at least the heartbeat\n", decoderlease.DefaultMinTick)
 		return 2
 	}
 	if *leaseTTL < 30*time.Millisecond {
@@ -143,7 +149,7 @@ func run(args []string) int {
 			ToolNodes:  meshv1.NewNodeReportServiceClient(tc),
 			ModelName:  *model,
 			// The decoder-lease keeper's renewal warnings go to the service's log.
-			LeaseOptions: decoderlease.Options{Log: rt.Log},
+			LeaseOptions: decoderlease.Options{Log: rt.Log, Period: *heartbeat, TTL: *decoderTTL},
 		},
 		Reports: []meshv1.NodeReportServiceClient{
 			meshv1.NewNodeReportServiceClient(mc), meshv1.NewNodeReportServiceClient(tc), meshv1.NewNodeReportServiceClient(sc),

@@ -12,6 +12,7 @@ import (
 	orchestratorv1 "github.com/curfew-mesh/curfew/gen/curfew/orchestrator/v1"
 	"github.com/curfew-mesh/curfew/mesh/admission"
 	"github.com/curfew-mesh/curfew/mesh/agent"
+	"github.com/curfew-mesh/curfew/mesh/chaos"
 	"github.com/curfew-mesh/curfew/mesh/md"
 	"github.com/curfew-mesh/curfew/mesh/plan"
 )
@@ -56,6 +57,14 @@ func (s *Server) admit(ctx context.Context, model, task string) (*admission.Tick
 			return nil, status.Errorf(codes.InvalidArgument, "%s: %v", md.Criticality, err)
 		}
 		crit = c
+	}
+	if hb := chaos.From(ctx).SlowHeartbeat; hb > 0 {
+		// chaos slow-heartbeat (a drill's fault 2): this run's decoder leases would be
+		// renewed only every hb. Seed 003: "heartbeat period is larger than one third of
+		// the deadline" fails the overflow pool closed.
+		if dl, ok := ctx.Deadline(); ok {
+			s.cfg.Admission.ObserveHeartbeat(hb, time.Until(dl))
+		}
 	}
 	tk, err := s.cfg.Admission.Admit(ctx, admission.Request{Tenant: id.Tenant, Criticality: crit, Class: model,
 		ExpectedTokens: expectedTokens(model, task)})
@@ -147,4 +156,26 @@ func (s *Server) settle(rs *runState, r *orchestratorv1.Run) {
 	if last.After(at) {
 		s.cfg.Admission.ObserveCancelPropagation(last.Sub(at), rs.dl.Sub(at))
 	}
+}
+
+// withRunChaos returns ctx with the chaos settings (package chaos; empty unless the
+// orchestrator runs with --chaos) that the run's children receive: drop-cancel, seed 003's
+// "drop the cancel event on overflow workers only", goes to sheddable runs only.
+func withRunChaos(ctx context.Context) context.Context {
+	id := md.IdentityFrom(ctx)
+	if id.Chaos == "" {
+		return ctx
+	}
+	cs := chaos.From(ctx)
+	if !cs.DropCancel {
+		return ctx
+	}
+	if v := metadata.ValueFromIncomingContext(ctx, md.Criticality); len(v) > 0 {
+		if c, err := admission.ParseCriticality(v[0]); err == nil && c == admission.Sheddable {
+			return ctx
+		}
+	}
+	cs.DropCancel = false
+	id.Chaos = cs.String()
+	return md.WithIdentity(ctx, id)
 }

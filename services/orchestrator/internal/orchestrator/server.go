@@ -12,6 +12,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 	"go.opentelemetry.io/otel/trace"
 	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/metadata"
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/types/known/durationpb"
@@ -22,6 +23,7 @@ import (
 	"github.com/curfew-mesh/curfew/mesh/admission"
 	"github.com/curfew-mesh/curfew/mesh/agent"
 	"github.com/curfew-mesh/curfew/mesh/cancel"
+	"github.com/curfew-mesh/curfew/mesh/chaos"
 	"github.com/curfew-mesh/curfew/mesh/deadline"
 	"github.com/curfew-mesh/curfew/mesh/md"
 	"github.com/curfew-mesh/curfew/mesh/nodes"
@@ -150,6 +152,10 @@ type runState struct {
 	lost      bool // another orchestrator claimed the run
 	handover  bool // shutting down: release the lease for another orchestrator
 
+	// orphan is the chaos setting orphan (a drill's naive baseline): a client's
+	// disconnect or an operator's cancel is recorded but not acted on.
+	orphan bool
+
 	// ticket is the run's admission, released when the run ends here (nil: not admitted
 	// by this process, as a run taken over from a dead owner).
 	ticket *admission.Ticket
@@ -205,6 +211,17 @@ func (rs *runState) cancelWith(cause error) {
 	}
 }
 
+// markCancel records the cancel instant (the first one wins) without cancelling
+// anything: the chaos setting orphan, whose summary still splits tokens at the instant
+// the client left.
+func (rs *runState) markCancel() {
+	rs.mu.Lock()
+	if rs.cancelAt.IsZero() {
+		rs.cancelAt = time.Now()
+	}
+	rs.mu.Unlock()
+}
+
 func (rs *runState) snapshot() *orchestratorv1.Run {
 	rs.mu.Lock()
 	defer rs.mu.Unlock()
@@ -219,6 +236,10 @@ func (s *Server) Run(req *orchestratorv1.RunRequest, stream orchestratorv1.Orche
 		return err
 	}
 	defer rs.unsubscribe(sub)
+	if c := md.IdentityFrom(ctx).Chaos; c != "" {
+		// Tells a drill that this orchestrator honours its chaos settings (--chaos).
+		_ = stream.SetHeader(metadata.Pairs(md.Chaos, c))
+	}
 	if err := stream.Send(&orchestratorv1.RunResponse{Event: &orchestratorv1.RunResponse_Started{Started: &orchestratorv1.RunStarted{
 		RunId: rs.id, Deadline: timestamppb.New(rs.dl)}}}); err != nil {
 		s.disconnected(ctx, rs, req)
@@ -264,6 +285,10 @@ func (s *Server) Run(req *orchestratorv1.RunRequest, stream orchestratorv1.Orche
 // disconnected handles the end of a Run call's stream before its run ended.
 func (s *Server) disconnected(ctx context.Context, rs *runState, req *orchestratorv1.RunRequest) {
 	if req.GetContinueOnDisconnect() {
+		return
+	}
+	if rs.orphan {
+		rs.markCancel()
 		return
 	}
 	// A client whose own deadline expired cancels its call a little before the server's
@@ -334,7 +359,7 @@ func (s *Server) start(ctx context.Context, req *orchestratorv1.RunRequest) (*ru
 		return nil, nil, nil, err
 	}
 	rs.ticket = tk
-	root, sub := s.launch(ctx, rs, nil, true)
+	root, sub := s.launch(withRunChaos(ctx), rs, nil, true)
 	return rs, root, sub, nil
 }
 
@@ -418,6 +443,7 @@ func (s *Server) create(ctx context.Context, tenant, key, model, task string, dl
 func (s *Server) launch(ctx context.Context, rs *runState, prior []agent.Entry, subscribe bool) (*meshv1.Node, chan *orchestratorv1.RunResponse) {
 	ident := md.IdentityFrom(ctx)
 	ident.Tenant, ident.RunID, ident.NodeID = rs.rec.GetTenant(), rs.id, RootNode
+	rs.orphan = chaos.From(ctx).Orphan
 	// The run lives on its own context: detached from the call (so that
 	// continue_on_disconnect works and the disconnect is seen as a cause, not an error),
 	// bounded by the same absolute deadline, cancelled with a cause. It carries only the
@@ -739,7 +765,11 @@ func (s *Server) CancelRun(ctx context.Context, req *orchestratorv1.CancelRunReq
 	default:
 	}
 	s.cfg.Log.InfoContext(ctx, "run cancelled by operator", "run_id", rs.id, "reason", req.GetReason())
-	rs.cancelWith(cancel.ErrOperator)
+	if rs.orphan {
+		rs.markCancel()
+	} else {
+		rs.cancelWith(cancel.ErrOperator)
+	}
 	select {
 	case <-rs.done:
 	case <-ctx.Done():
