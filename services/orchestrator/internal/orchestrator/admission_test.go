@@ -11,6 +11,7 @@ import (
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/types/known/durationpb"
 
+	meshv1 "github.com/curfew-mesh/curfew/gen/curfew/mesh/v1"
 	orchestratorv1 "github.com/curfew-mesh/curfew/gen/curfew/orchestrator/v1"
 	"github.com/curfew-mesh/curfew/mesh"
 	"github.com/curfew-mesh/curfew/mesh/admission"
@@ -162,5 +163,26 @@ func TestAdmissionOverflowFailsClosedOnOrphanTokens(t *testing.T) {
 	wantShed(t, err, admission.ReasonPoolClosed)
 	if _, err := e.orch.StartRun(context.Background(), &orchestratorv1.StartRunRequest{Task: tinyPlan}); err != nil {
 		t.Fatalf("critical run: %v", err)
+	}
+}
+
+// One token per decoder after the cancel instant is propagation, not an orphan: only the
+// excess feeds the overflow pool's fail-closed condition.
+func TestOrphanTokensBeyondTheInFlightAllowance(t *testing.T) {
+	model := func(after int64) *meshv1.Node {
+		return &meshv1.Node{Kind: meshv1.NodeKind_NODE_KIND_MODEL, TokensAfterCancel: after}
+	}
+	for _, c := range []struct {
+		nodes []*meshv1.Node
+		want  int64
+	}{
+		{nil, 0},
+		{[]*meshv1.Node{model(1), model(1), model(0)}, 0},
+		{[]*meshv1.Node{model(3), model(1)}, 2},
+		{[]*meshv1.Node{model(40), {Kind: meshv1.NodeKind_NODE_KIND_TOOL, TokensAfterCancel: 9}}, 39},
+	} {
+		if got := orphanTokens(&orchestratorv1.Run{Nodes: c.nodes}); got != c.want {
+			t.Errorf("orphanTokens(%v) = %d, want %d", c.nodes, got, c.want)
+		}
 	}
 }
