@@ -101,3 +101,8 @@ echo "== tests (race detector on)"
 # CURFEW_RACE=1 builds the e2e binaries with -race too (slower; timing bounds may not hold).
 # One package at a time keeps the end-to-end timing bounds honest on a 2-core machine.
 go test -race -count=1 -p 1 -timeout 20m work
+
+echo "== fuzz (every Go fuzz target for ${FUZZTIME:-10s}; corpora in testdata/fuzz)"
+# The parsers of what callers and operators send: metadata headers, plans and tool
+# arguments, and the admission, retry and providers files (issue 9, hardened input).
+bash scripts/fuzz.sh
