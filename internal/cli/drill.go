@@ -63,6 +63,10 @@ type DrillRow struct {
 	PromptTokens      int    `json:"prompt_tokens"`
 	DeadlineSlackMS   int64  `json:"deadline_slack_ms"`
 	LeaseAgeMS        int64  `json:"lease_age_ms"`
+	// OrphanTokenDelta is the tokens decoded after the client's cancel beyond the one
+	// token per decoder already being emitted when the stop signal left (the
+	// orchestrator's InFlightTokenAllowance, the same definition admission uses);
+	// TokensAfterCancel below is the raw count.
 	OrphanTokenDelta  int64  `json:"orphan_token_delta"`
 	DuplicateInFlight int    `json:"duplicate_in_flight"`
 	TokensAtCancel    int64  `json:"tokens_at_cancel"`
@@ -75,6 +79,9 @@ type DrillRow struct {
 	StreamedTokens int64  `json:"streamed_tokens"`
 	Decoders       int    `json:"decoders"`
 	StoppedBy      string `json:"stopped_by,omitempty"`
+	// TokensAfterCancel is every token decoded after the cancel instant, the in-flight
+	// one included.
+	TokensAfterCancel int64 `json:"tokens_after_cancel"`
 }
 
 type drillConfig struct {
@@ -457,7 +464,8 @@ func computeDrillRow(row *DrillRow, run *orchestratorv1.Run, cancelAt time.Time,
 		row.Decoders++
 		row.TokensAtCancel += n.GetTokensAtCancel()
 		row.TokensAtDeadline += n.GetTokens()
-		row.OrphanTokenDelta += n.GetTokensAfterCancel()
+		row.TokensAfterCancel += n.GetTokensAfterCancel()
+		row.OrphanTokenDelta += max(0, n.GetTokensAfterCancel()-inFlightTokenAllowance)
 		if main == nil || (!strings.Contains(n.GetId(), "~") && strings.Contains(main.GetId(), "~")) {
 			main = n
 		}
@@ -558,11 +566,15 @@ func dedupe(s []string) []string {
 	return out
 }
 
-// drillBounds are the orphan tokens per decoder each defence allows: a cancel stops a
-// decoder at its next token boundary (1 token); a lease lapse within one lease TTL of
-// decode after the caller's last renewal.
+// inFlightTokenAllowance is the token per decoder that may land after the cancel instant
+// without being an orphan (the orchestrator's InFlightTokenAllowance).
+const inFlightTokenAllowance = 1
+
+// drillBounds are the orphan tokens per decoder each defence allows, beyond the in-flight
+// allowance: a cancel stops a decoder at its next token boundary (none); a lease lapse
+// within one lease TTL of decode after the caller's last renewal.
 func drillBounds(cfg drillConfig) (cancelBound, leaseBound int64) {
-	return 1, int64(math.Ceil(cfg.leaseTTL.Seconds()*cfg.tps)) + 1
+	return 0, int64(math.Ceil(cfg.leaseTTL.Seconds() * cfg.tps))
 }
 
 // drillVerdict judges the rows: the VERDICT line and whether the drill passed (no

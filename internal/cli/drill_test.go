@@ -36,8 +36,8 @@ func TestComputeDrillRow(t *testing.T) {
 	if row.RetryID != "rid" || row.DeadlineSlackMS != 11950 || row.Decoders != 2 {
 		t.Errorf("retry_id %q, slack %d, decoders %d", row.RetryID, row.DeadlineSlackMS, row.Decoders)
 	}
-	if row.TokensAtCancel != 278 || row.TokensAtDeadline != 459 || row.OrphanTokenDelta != 181 {
-		t.Errorf("tokens at cancel %d, at deadline %d, orphan %d", row.TokensAtCancel, row.TokensAtDeadline, row.OrphanTokenDelta)
+	if row.TokensAtCancel != 278 || row.TokensAtDeadline != 459 || row.OrphanTokenDelta != 179 || row.TokensAfterCancel != 181 {
+		t.Errorf("tokens at cancel %d, at deadline %d, orphan %d, after cancel %d", row.TokensAtCancel, row.TokensAtDeadline, row.OrphanTokenDelta, row.TokensAfterCancel)
 	}
 	// Renewals every min(4s, remaining/3): the first would come at 50ms + 3.98s, after
 	// the cancel, so the lease is as old as the decoder.
@@ -56,13 +56,14 @@ func TestComputeDrillRow(t *testing.T) {
 
 func TestDrillVerdict(t *testing.T) {
 	cfg := drillConfig{mode: "shed", heartbeat: 4 * time.Second, leaseTTL: 8 * time.Second, tps: 40}
-	rows := []DrillRow{{Task: "t-0", Criticality: "critical", RunID: "a", Decoders: 1, OrphanTokenDelta: 1, TokensAtCancel: 138, TokensAtDeadline: 139}}
+	// One in-flight token after the cancel is not an orphan (orphan_token_delta 0).
+	rows := []DrillRow{{Task: "t-0", Criticality: "critical", RunID: "a", Decoders: 1, OrphanTokenDelta: 0, TokensAfterCancel: 1, TokensAtCancel: 138, TokensAtDeadline: 139}}
 	if v, ok := drillVerdict(cfg, rows); !ok || !strings.HasPrefix(v, "shed within grace") {
 		t.Errorf("one in-flight token: %q %v", v, ok)
 	}
-	rows[0].OrphanTokenDelta = 2
+	rows[0].OrphanTokenDelta, rows[0].TokensAfterCancel = 1, 2
 	if v, ok := drillVerdict(cfg, rows); ok || !strings.HasPrefix(v, "cancel missed") {
-		t.Errorf("two orphan tokens: %q %v", v, ok)
+		t.Errorf("one orphan token: %q %v", v, ok)
 	}
 	cfg.mode = "orphan"
 	rows[0].OrphanTokenDelta, rows[0].TokensAtDeadline = 339, 477
