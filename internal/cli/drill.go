@@ -57,12 +57,12 @@ var drillFaults = map[int]struct{ name, defence string }{
 
 // DrillRow is one task's line of the drill's output.
 type DrillRow struct {
-	Task              string `json:"task"`
-	RetryID           string `json:"retry_id"`
-	Criticality       string `json:"criticality"`
-	PromptTokens      int    `json:"prompt_tokens"`
-	DeadlineSlackMS   int64  `json:"deadline_slack_ms"`
-	LeaseAgeMS        int64  `json:"lease_age_ms"`
+	Task            string `json:"task"`
+	RetryID         string `json:"retry_id"`
+	Criticality     string `json:"criticality"`
+	PromptTokens    int    `json:"prompt_tokens"`
+	DeadlineSlackMS int64  `json:"deadline_slack_ms"`
+	LeaseAgeMS      int64  `json:"lease_age_ms"`
 	// OrphanTokenDelta is the tokens decoded after the client's cancel beyond the one
 	// token per decoder already being emitted when the stop signal left (the
 	// orchestrator's InFlightTokenAllowance, the same definition admission uses);
