@@ -274,14 +274,19 @@ type LedgerEntry struct {
 	NodeID string
 	Tokens int64
 	Kind   string    // optional: "output", "orphan", ...
+	// RetryID and Provider attribute the tokens further: the logical call (its
+	// curfew-retry-id) and the provider that decoded them ("sim" for the built-in model).
+	RetryID  string
+	Provider string
 	Key    string    // optional idempotency key of the append
 	At     time.Time // zero: the store's clock
 }
 
 // Usage is a run's token spend.
 type Usage struct {
-	Total  int64
-	ByNode map[string]int64
+	Total      int64
+	ByNode     map[string]int64
+	ByProvider map[string]int64 // "" for entries that named none
 }
 
 // WaitTool polls the record under key until it is no longer in progress with a live

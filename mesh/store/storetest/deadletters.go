@@ -202,16 +202,20 @@ var ledgerTests = map[string]func(*env){
 				e.t.Fatalf("add %+v: added=%v %v, want %v", le, added, err, want)
 			}
 		}
-		add(store.LedgerEntry{Tenant: tenantA, RunID: "run-1", NodeID: "root", Tokens: 120, Kind: "output", Key: "run-1/root/0"}, true)
+		add(store.LedgerEntry{Tenant: tenantA, RunID: "run-1", NodeID: "root", Tokens: 120, Kind: "output", Key: "run-1/root/0",
+			RetryID: "rid-1", Provider: "sim"}, true)
 		add(store.LedgerEntry{Tenant: tenantA, RunID: "run-1", NodeID: "root", Tokens: 120, Kind: "output", Key: "run-1/root/0"}, false)
 		add(store.LedgerEntry{Tenant: tenantA, RunID: "run-1", NodeID: "root", Tokens: 80}, true)
 		add(store.LedgerEntry{Tenant: tenantA, RunID: "run-1", NodeID: "root", Tokens: 80}, true)
-		add(store.LedgerEntry{Tenant: tenantA, RunID: "run-1", NodeID: "root/sub-1", Tokens: 400, At: e.clock.Now().Add(-time.Hour)}, true)
+		add(store.LedgerEntry{Tenant: tenantA, RunID: "run-1", NodeID: "root/sub-1", Tokens: 400, At: e.clock.Now().Add(-time.Hour), Provider: "openai"}, true)
 		add(store.LedgerEntry{Tenant: tenantA, RunID: "run-2", NodeID: "root", Tokens: 7}, true)
 		add(store.LedgerEntry{Tenant: tenantB, RunID: "run-1", NodeID: "root", Tokens: 9, Key: "run-1/root/0"}, true)
 		u, err := e.s.TokenUsage(e.ctx, tenantA, "run-1")
 		if err != nil || u.Total != 680 || u.ByNode["root"] != 280 || u.ByNode["root/sub-1"] != 400 || len(u.ByNode) != 2 {
 			e.t.Fatalf("usage %+v %v", u, err)
+		}
+		if u.ByProvider["sim"] != 120 || u.ByProvider["openai"] != 400 || u.ByProvider[""] != 160 || len(u.ByProvider) != 3 {
+			e.t.Fatalf("usage by provider %+v", u.ByProvider)
 		}
 		u, _ = e.s.TokenUsage(e.ctx, tenantB, "run-1")
 		if u.Total != 9 {

@@ -182,9 +182,9 @@ func (s *Store) AddTokens(ctx context.Context, e store.LedgerEntry) (bool, error
 	var n int64
 	err := s.d.Tx(ctx, func(q Querier) error {
 		var err error
-		n, err = q.Exec(ctx, `INSERT INTO token_ledger (tenant, run_id, node_id, tokens, kind, entry_key, at_ms)
-			VALUES ($1, $2, $3, $4, $5, $6, $7) ON CONFLICT (tenant, entry_key) DO NOTHING`,
-			e.Tenant, e.RunID, e.NodeID, e.Tokens, e.Kind, nullable(e.Key), at)
+		n, err = q.Exec(ctx, `INSERT INTO token_ledger (tenant, run_id, node_id, tokens, kind, entry_key, at_ms, retry_id, provider)
+			VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9) ON CONFLICT (tenant, entry_key) DO NOTHING`,
+			e.Tenant, e.RunID, e.NodeID, e.Tokens, e.Kind, nullable(e.Key), at, e.RetryID, e.Provider)
 		return err
 	})
 	return n == 1, err
@@ -192,22 +192,23 @@ func (s *Store) AddTokens(ctx context.Context, e store.LedgerEntry) (bool, error
 
 // TokenUsage implements store.Ledger.
 func (s *Store) TokenUsage(ctx context.Context, tenant, runID string) (store.Usage, error) {
-	rows, err := s.d.Read().Query(ctx, `SELECT node_id, CAST(SUM(tokens) AS BIGINT) FROM token_ledger
-		WHERE tenant = $1 AND run_id = $2 GROUP BY node_id`, tenant, runID)
+	rows, err := s.d.Read().Query(ctx, `SELECT node_id, provider, CAST(SUM(tokens) AS BIGINT) FROM token_ledger
+		WHERE tenant = $1 AND run_id = $2 GROUP BY node_id, provider`, tenant, runID)
 	if err != nil {
 		return store.Usage{}, err
 	}
 	defer rows.Close()
-	u := store.Usage{ByNode: map[string]int64{}}
+	u := store.Usage{ByNode: map[string]int64{}, ByProvider: map[string]int64{}}
 	for rows.Next() {
 		var (
-			node string
-			n    int64
+			node, provider string
+			n              int64
 		)
-		if err := rows.Scan(&node, &n); err != nil {
+		if err := rows.Scan(&node, &provider, &n); err != nil {
 			return store.Usage{}, err
 		}
-		u.ByNode[node] = n
+		u.ByNode[node] += n
+		u.ByProvider[provider] += n
 		u.Total += n
 	}
 	return u, rows.Err()

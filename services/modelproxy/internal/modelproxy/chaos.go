@@ -120,6 +120,6 @@ func (s *Server) leaveDecoder(ctx context.Context, run, node, tenant string, ttl
 				n.CancelledAt = timestamppb.New(s.now())
 			}
 		})
-		s.persist(ledgerCtx(dctx, cs), ledgerNode(left, cs), output, orphan)
+		s.persist(ledgerCtx(dctx, cs), ledgerNode(left, cs), SimModel, output, orphan)
 	}()
 }

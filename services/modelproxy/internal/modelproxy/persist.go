@@ -132,13 +132,14 @@ func (p *persister) wait() {
 // newNonce returns the random part of this process's ledger keys.
 func newNonce() string { return rand.Text()[:12] }
 
-// persist appends the entries of a decoder of node that just ended (its figures from
+// persist appends the entries of a decoder of node that just ended, attributed to the
+// call's tenant, run, node and retry-id and to the provider that decoded (its figures from
 // spend.end): one "output" entry with the tokens it emitted before a cancel, and one
 // "orphan" entry with those after, each only when non-zero, and nothing for a call
 // without a run id. The append runs in its own goroutine on ctx detached from the call's
 // cancellation, bounded by persistTimeout, so the caller's stream ends without waiting
 // for it; a failure is logged. Flush waits for the appends in flight.
-func (s *Server) persist(ctx context.Context, node string, output, orphan int64) {
+func (s *Server) persist(ctx context.Context, node, provider string, output, orphan int64) {
 	if s.Store == nil || (output == 0 && orphan == 0) {
 		return
 	}
@@ -162,10 +163,12 @@ func (s *Server) persist(ctx context.Context, node string, output, orphan int64)
 	key := fmt.Sprintf("modelproxy/%s/%s/%s/%d/%s.%d", id.RunID, node, retry, max(id.Attempt, 1), p.nonce, p.seq.Add(1))
 	entries := make([]store.LedgerEntry, 0, 2)
 	if output > 0 {
-		entries = append(entries, store.LedgerEntry{Tenant: tenant, RunID: id.RunID, NodeID: node, Tokens: output, Kind: KindOutput, Key: key})
+		entries = append(entries, store.LedgerEntry{Tenant: tenant, RunID: id.RunID, NodeID: node, Tokens: output, Kind: KindOutput, Key: key,
+			RetryID: id.RetryID, Provider: provider})
 	}
 	if orphan > 0 {
-		entries = append(entries, store.LedgerEntry{Tenant: tenant, RunID: id.RunID, NodeID: node, Tokens: orphan, Kind: KindOrphan, Key: key + "/" + KindOrphan})
+		entries = append(entries, store.LedgerEntry{Tenant: tenant, RunID: id.RunID, NodeID: node, Tokens: orphan, Kind: KindOrphan, Key: key + "/" + KindOrphan,
+			RetryID: id.RetryID, Provider: provider})
 	}
 	wctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), persistTimeout)
 	p.start()

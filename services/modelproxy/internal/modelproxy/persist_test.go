@@ -175,8 +175,8 @@ func TestLedgerPersistsOneEntryPerDecoder(t *testing.T) {
 		t.Fatalf("after a restart rows = %+v, want three entries", rows)
 	}
 	u := d.usage(t, run)
-	if want := first + second + third; u.ByNode[node] != want || u.Total != want {
-		t.Fatalf("usage = %+v, want %d tokens on %s (what the three streams delivered)", u, want, node)
+	if want := first + second + third; u.ByNode[node] != want || u.Total != want || u.ByProvider[SimModel] != want {
+		t.Fatalf("usage = %+v, want %d tokens on %s, all decoded by %s (what the three streams delivered)", u, want, node, SimModel)
 	}
 	if u, _ := d.s.TokenUsage(context.Background(), md.DefaultTenant, run); u.Total != 0 {
 		t.Fatalf("another tenant sees %+v", u)
@@ -272,7 +272,7 @@ func TestLedgerPersistsOrphanTokens(t *testing.T) {
 	if total, before, after := s.Ledger.Figures(run, node, clock); total != 5 || before != 3 || after != 2 {
 		t.Fatalf("in-memory figures = %d, %d, %d; want 5, 3, 2", total, before, after)
 	}
-	s.persist(ctx, node, output, orphan)
+	s.persist(ctx, node, SimModel, output, orphan)
 	s.Flush()
 	rows := d.rows(t, run)
 	if len(rows) != 2 || rows[0].kind != KindOutput || rows[0].tokens != 3 || rows[1].kind != KindOrphan || rows[1].tokens != 2 ||

@@ -171,12 +171,16 @@ func (s *Server) Generate(req *modelproxyv1.GenerateRequest, stream modelproxyv1
 	err = leaseErr(dctx, err)
 	output, orphan := sp.end()
 	tokens.end()
-	s.Nodes.Finish(dctx, run, node, err, func(n *meshv1.Node) {
+	ended := s.Nodes.Finish(dctx, run, node, err, func(n *meshv1.Node) {
 		if dctx.Err() != nil {
 			n.CancelledAt = timestamppb.New(s.now())
 		}
 	})
-	s.persist(ledgerCtx(ctx, cs), ledgerNode(node, cs), output, orphan)
+	provider := ended.GetProvider()
+	if rt == nil {
+		provider = SimModel
+	}
+	s.persist(ledgerCtx(ctx, cs), ledgerNode(node, cs), provider, output, orphan)
 	return err
 }
 
