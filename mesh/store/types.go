@@ -273,13 +273,13 @@ type LedgerEntry struct {
 	RunID  string
 	NodeID string
 	Tokens int64
-	Kind   string    // optional: "output", "orphan", ...
+	Kind   string // optional: "output", "orphan", ...
 	// RetryID and Provider attribute the tokens further: the logical call (its
 	// curfew-retry-id) and the provider that decoded them ("sim" for the built-in model).
 	RetryID  string
 	Provider string
-	Key    string    // optional idempotency key of the append
-	At     time.Time // zero: the store's clock
+	Key      string    // optional idempotency key of the append
+	At       time.Time // zero: the store's clock
 }
 
 // Usage is a run's token spend.
