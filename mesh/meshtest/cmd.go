@@ -62,6 +62,7 @@ func CommonFlagCases() []FlagCase {
 		{Name: "bad log level", Args: []string{"--log-level=loud"}, Want: "--log-level"},
 		{Name: "zero grace", Args: []string{"--shutdown-grace=0s"}, Want: "--shutdown-grace"},
 		{Name: "bad env value", Env: map[string]string{"CURFEW_MAX_DEADLINE": "forever"}, Want: "CURFEW_MAX_DEADLINE"},
+		{Name: "tiny message limit", Args: []string{"--max-recv-msg-size=10"}, Want: "--max-recv-msg-size"},
 	}
 }
 

@@ -64,9 +64,22 @@ type Options struct {
 	// Chaos honours the per-request curfew-chaos header: the drill's fault switches
 	// (package chaos, docs/drill.md). Off by default; never set it in production.
 	Chaos bool
+	// MaxRecvMsgSize bounds one request message, in bytes; a larger one is refused
+	// with RESOURCE_EXHAUSTED before any handler runs. DefaultMaxRecvMsgSize when 0.
+	MaxRecvMsgSize int
+	// MaxHeaderListSize bounds a request's metadata (all headers), in bytes; a larger
+	// header list is refused by the transport. DefaultMaxHeaderListSize when 0.
+	MaxHeaderListSize int
 
 	fs *flag.FlagSet // where the flags were registered, to tell which were set
 }
+
+// Defaults of the request limits.
+const (
+	DefaultMaxRecvMsgSize    = 4 << 20  // grpc-go's own default, made explicit
+	DefaultMaxHeaderListSize = 64 << 10 // curfew's headers are a few hundred bytes
+	minLimit                 = 1 << 10
+)
 
 // RetryOptions are the retry flags. A flag given explicitly overrides the file's default
 // policy; the file can set per-target and per-method policies (see retry.File).
@@ -104,6 +117,8 @@ func (o *Options) Register(fs *flag.FlagSet, name, addr, admin string) {
 	fs.DurationVar(&o.DefaultDeadline, "default-deadline", deadline.DefaultTimeout, "deadline given to requests without one")
 	fs.DurationVar(&o.MaxDeadline, "max-deadline", deadline.DefaultMax, "cap on any requested deadline")
 	fs.StringVar(&o.LogLevel, "log-level", DefaultLogLevel, "log level: debug, info, warn or error")
+	fs.IntVar(&o.MaxRecvMsgSize, "max-recv-msg-size", DefaultMaxRecvMsgSize, "largest request message accepted, in bytes; larger ones are refused with RESOURCE_EXHAUSTED")
+	fs.IntVar(&o.MaxHeaderListSize, "max-header-list-size", DefaultMaxHeaderListSize, "largest request metadata (all headers) accepted, in bytes")
 	fs.BoolVar(&o.Chaos, "chaos", false, "chaos settings for drills: honour the per-request curfew-chaos header's fault switches (docs/drill.md); off by default, never in production")
 	r := &o.Retry
 	fs.StringVar(&r.File, "retry-config", "", "JSON file of retry policies per target and method (see the README)")
@@ -230,6 +245,15 @@ func (o *Options) Validate() error {
 	if _, err := parseLevel(o.LogLevel); err != nil {
 		return err
 	}
+	if o.MaxRecvMsgSize == 0 {
+		o.MaxRecvMsgSize = DefaultMaxRecvMsgSize
+	}
+	if o.MaxHeaderListSize == 0 {
+		o.MaxHeaderListSize = DefaultMaxHeaderListSize
+	}
+	if o.MaxRecvMsgSize < minLimit || o.MaxHeaderListSize < minLimit || o.MaxHeaderListSize > 1<<30 {
+		return fmt.Errorf("--max-recv-msg-size and --max-header-list-size must be at least %d bytes (and the header list at most 1 GiB)", minLimit)
+	}
 	if _, err := o.Breaker.config(o.fs != nil); err != nil {
 		return err
 	}
@@ -348,7 +372,8 @@ func New(ctx context.Context, o Options, minTime map[string]time.Duration) (*Run
 		RetryIDs: retryid.New(0, rt.Registry),
 		Metrics:  rt.metrics.server,
 		Chaos:    o.Chaos,
-	}), rt.serverTracing())...)
+	}), rt.serverTracing(), grpc.MaxRecvMsgSize(o.MaxRecvMsgSize),
+		grpc.MaxHeaderListSize(uint32(o.MaxHeaderListSize)))...) //nolint:gosec // bounded by Validate
 	rt.Health = health.NewServer()
 	healthpb.RegisterHealthServer(rt.Server, rt.Health)
 	reflection.Register(rt.Server)

@@ -17,6 +17,7 @@ import (
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
+	"google.golang.org/grpc/metadata"
 	reflectionpb "google.golang.org/grpc/reflection/grpc_reflection_v1"
 	"google.golang.org/grpc/status"
 
@@ -541,5 +542,35 @@ func TestDialGuardsEachTargetWithItsBreaker(t *testing.T) {
 				t.Errorf("/metrics lacks %s", line)
 			}
 		}
+	}
+}
+
+// A request message above --max-recv-msg-size is refused RESOURCE_EXHAUSTED before any
+// handler runs; metadata above --max-header-list-size is refused by the transport.
+func TestRequestSizeLimits(t *testing.T) {
+	o := validOptions()
+	o.MaxRecvMsgSize, o.MaxHeaderListSize = 2<<10, 4<<10
+	r := start(t, o, nil)
+	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Second)
+	defer cancel()
+	hc := healthpb.NewHealthClient(r.cc)
+	if _, err := hc.Check(ctx, &healthpb.HealthCheckRequest{Service: strings.Repeat("x", 100)}); status.Code(err) != codes.NotFound {
+		t.Fatalf("a small request: %v, want NOT_FOUND for the unknown service", err)
+	}
+	_, err := hc.Check(ctx, &healthpb.HealthCheckRequest{Service: strings.Repeat("x", 3<<10)})
+	if status.Code(err) != codes.ResourceExhausted {
+		t.Fatalf("a 3 KiB request against a 2 KiB limit: %v, want RESOURCE_EXHAUSTED", err)
+	}
+	big := metadata.AppendToOutgoingContext(ctx, "x-padding", strings.Repeat("y", 8<<10))
+	if _, err := hc.Check(big, &healthpb.HealthCheckRequest{}); err == nil {
+		t.Fatal("8 KiB of metadata against a 4 KiB limit was accepted")
+	}
+	if _, err := hc.Check(ctx, &healthpb.HealthCheckRequest{}); err != nil {
+		t.Fatalf("the connection after the refusals: %v", err)
+	}
+	bad := validOptions()
+	bad.MaxRecvMsgSize = 10
+	if err := bad.Validate(); err == nil || !strings.Contains(err.Error(), "--max-recv-msg-size") {
+		t.Fatalf("a 10-byte limit: %v", err)
 	}
 }
