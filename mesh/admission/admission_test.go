@@ -778,3 +778,42 @@ func TestFailClosedOnSlowHeartbeat(t *testing.T) {
 		t.Errorf("condition %q", se.Condition)
 	}
 }
+
+// A tenant's start rate is a token bucket: its burst is admitted, the next run is shed
+// with rate_limited and a RetryInfo delay of when the next token comes, and the bucket
+// refills with time. Other tenants are not affected.
+func TestTenantRate(t *testing.T) {
+	clk := newClock()
+	cfg := onePool(100, 10)
+	cfg.Now = clk.Now
+	cfg.Tenants = map[string]admission.TenantLimits{"acme": {Rate: 2, Burst: 3}}
+	c, reg := newController(t, cfg)
+	for range 3 {
+		mustAdmit(t, c, admission.Request{Tenant: "acme"}).Release(admission.Outcome{})
+	}
+	_, err := c.Admit(t.Context(), admission.Request{Tenant: "acme"})
+	se := wantShed(t, err, admission.ReasonRateLimited)
+	if se.RetryAfter < 400*time.Millisecond || se.RetryAfter > 500*time.Millisecond {
+		t.Errorf("RetryAfter %v, want ≈ 500ms (one token at 2/s)", se.RetryAfter)
+	}
+	mustAdmit(t, c, admission.Request{Tenant: "other"}).Release(admission.Outcome{})
+	clk.Advance(500 * time.Millisecond)
+	mustAdmit(t, c, admission.Request{Tenant: "acme"}).Release(admission.Outcome{})
+	_, err = c.Admit(t.Context(), admission.Request{Tenant: "acme"})
+	wantShed(t, err, admission.ReasonRateLimited)
+	if v := shedCount(t, reg, admission.ReasonRateLimited); v != 2 {
+		t.Errorf("rate_limited sheds counted %v, want 2", v)
+	}
+	// An idle tenant is not forgotten while its bucket refills (that would refill it).
+	clk.Advance(2 * time.Minute)
+	for range 3 {
+		mustAdmit(t, c, admission.Request{Tenant: "acme"}).Release(admission.Outcome{})
+	}
+	_, err = c.Admit(t.Context(), admission.Request{Tenant: "acme"})
+	wantShed(t, err, admission.ReasonRateLimited)
+	bad := onePool(1, 1)
+	bad.DefaultTenant = admission.TenantLimits{Rate: -1}
+	if err := bad.Validate(); err == nil {
+		t.Error("a negative rate validated")
+	}
+}

@@ -6,6 +6,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"math"
 	"os"
 	"regexp"
 	"time"
@@ -103,6 +104,20 @@ type TenantLimits struct {
 	// Window is the budget's fixed window, aligned to the Unix epoch (an hour window runs
 	// from hh:00 to hh+1:00 UTC); 0 means DefaultBudgetWindow.
 	Window time.Duration
+	// Rate is the most runs per second the tenant may start (a token bucket, refilled at
+	// Rate and holding Burst); 0 is unlimited. A run over it is shed with rate_limited and
+	// a RetryInfo delay of when the next token arrives.
+	Rate float64
+	// Burst is the bucket's size; 0 means max(1, ⌈Rate⌉).
+	Burst int
+}
+
+// burst is the bucket size of l's rate.
+func (l TenantLimits) burst() float64 {
+	if l.Burst > 0 {
+		return float64(l.Burst)
+	}
+	return max(1, math.Ceil(l.Rate))
 }
 
 // LimitSource tells a Controller a tenant's limits. Config implements it from
@@ -253,6 +268,10 @@ func (l TenantLimits) validate(field string) error {
 		return &ConfigError{field + ".token_budget", l.TokenBudget, "must not be negative (0: unlimited)"}
 	case l.Window < 0:
 		return &ConfigError{field + ".window", l.Window, "must not be negative (0: the default)"}
+	case l.Rate < 0 || math.IsNaN(l.Rate) || math.IsInf(l.Rate, 0):
+		return &ConfigError{field + ".rate", l.Rate, "must be a finite number, not negative (0: unlimited)"}
+	case l.Burst < 0:
+		return &ConfigError{field + ".burst", l.Burst, "must not be negative (0: the rate rounded up)"}
 	}
 	return nil
 }
@@ -281,10 +300,13 @@ type fileTenant struct {
 	MaxInFlight int      `json:"max_in_flight"`
 	TokenBudget int64    `json:"token_budget"`
 	Window      duration `json:"window"`
+	Rate        float64  `json:"rate"`
+	Burst       int      `json:"burst"`
 }
 
 func (t fileTenant) limits() TenantLimits {
-	return TenantLimits{MaxInFlight: t.MaxInFlight, TokenBudget: t.TokenBudget, Window: time.Duration(t.Window)}
+	return TenantLimits{MaxInFlight: t.MaxInFlight, TokenBudget: t.TokenBudget, Window: time.Duration(t.Window),
+		Rate: t.Rate, Burst: t.Burst}
 }
 
 // duration is a time.Duration written as a string ("12s").

@@ -281,6 +281,13 @@ func (c *Controller) arrive(req Request, deadline time.Time) (*Ticket, *waiter, 
 	}
 	ten := c.tenantFor(req.Tenant)
 	lim := c.tenantLimits(req.Tenant)
+	if lim.Rate > 0 {
+		if ok, wait := ten.take(now, lim.Rate, lim.burst()); !ok {
+			c.forget(ten, now)
+			return nil, nil, c.refuse(&ShedError{Reason: ReasonRateLimited, RetryAfter: max(wait, MinRetryAfter), Pool: p.cfg.Name,
+				Tenant: req.Tenant, Detail: fmt.Sprintf("the tenant may start %g runs per second (burst %g)", lim.Rate, lim.burst())})
+		}
+	}
 	if lim.MaxInFlight > 0 && ten.outstanding >= lim.MaxInFlight {
 		c.forget(ten, now)
 		return nil, nil, c.refuse(&ShedError{Reason: ReasonTenantConcurrency, RetryAfter: c.cfg.RetryAfter, Pool: p.cfg.Name,

@@ -35,6 +35,8 @@ const (
 	// ReasonBudget: the tenant's spent and reserved tokens plus the run's expected tokens
 	// exceed its token budget for the window.
 	ReasonBudget Reason = "budget"
+	// ReasonRateLimited: the tenant starts runs faster than its rate.
+	ReasonRateLimited Reason = "rate_limited"
 	// ReasonShutdown: the controller was closed (the service is stopping). Its status is
 	// UNAVAILABLE, not RESOURCE_EXHAUSTED: the caller should go to another replica.
 	ReasonShutdown Reason = "shutdown"
@@ -48,7 +50,7 @@ const (
 // Reasons lists every Reason, in a fixed order.
 func Reasons() []Reason {
 	return []Reason{ReasonDeadlineSlack, ReasonQueueAge, ReasonQueueFull, ReasonPoolClosed,
-		ReasonTenantConcurrency, ReasonBudget, ReasonShutdown, ReasonCancelled}
+		ReasonTenantConcurrency, ReasonBudget, ReasonRateLimited, ReasonShutdown, ReasonCancelled}
 }
 
 // ErrorInfoReason is the reason's ErrorInfo reason: "SHED_" + upper-cased reason.

@@ -21,6 +21,27 @@ type tenant struct {
 	// window and windowStart are the current fixed budget window.
 	window      time.Duration
 	windowStart time.Time
+	// The rate's token bucket: tokens at tokensAt, full again at fullAt (the tenant is
+	// not forgotten before, or forgetting would refill it).
+	tokens           float64
+	tokensAt, fullAt time.Time
+}
+
+// take takes one token of the bucket refilled at rate up to burst, or says how long until
+// one is there.
+func (t *tenant) take(now time.Time, rate, burst float64) (bool, time.Duration) {
+	if t.tokensAt.IsZero() {
+		t.tokens = burst
+	} else {
+		t.tokens = min(burst, t.tokens+now.Sub(t.tokensAt).Seconds()*rate)
+	}
+	t.tokensAt = now
+	if t.tokens < 1 {
+		return false, time.Duration((1 - t.tokens) / rate * float64(time.Second))
+	}
+	t.tokens--
+	t.fullAt = now.Add(time.Duration((burst - t.tokens) / rate * float64(time.Second)))
+	return true, 0
 }
 
 // windowStart is the start of the fixed window of length w containing now, aligned to
@@ -86,7 +107,7 @@ func (c *Controller) settle(ten *tenant, reserved, spent int64, now time.Time) {
 // forget deletes ten when nothing refers to it any more and it holds no spend of the
 // current window.
 func (c *Controller) forget(ten *tenant, now time.Time) {
-	if ten.outstanding != 0 || ten.reserved != 0 {
+	if ten.outstanding != 0 || ten.reserved != 0 || now.Before(ten.fullAt) {
 		return
 	}
 	if ten.used != 0 && now.Before(ten.windowStart.Add(ten.window)) {

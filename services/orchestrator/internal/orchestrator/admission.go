@@ -31,13 +31,20 @@ import (
 // DefaultAdmission is the orchestrator's admission without --admission-config: a paid
 // pool for critical work and an overflow pool for sheddable work, wide enough not to
 // limit a single replica's ordinary load, with the library's queue limits, cancel grace
-// and fail-closed window, and no tenant limits or budgets.
+// and fail-closed window; each tenant may start DefaultTenantRate runs per second
+// (burst twice that); no concurrency limits or budgets.
 func DefaultAdmission() admission.Config {
-	return admission.Config{Pools: []admission.PoolConfig{
-		{Name: "paid", MaxInFlight: 512},
-		{Name: "overflow", MaxInFlight: 128, Overflow: true},
-	}}.WithDefaults()
+	return admission.Config{
+		Pools: []admission.PoolConfig{
+			{Name: "paid", MaxInFlight: 512},
+			{Name: "overflow", MaxInFlight: 128, Overflow: true},
+		},
+		DefaultTenant: admission.TenantLimits{Rate: DefaultTenantRate, Burst: 2 * DefaultTenantRate},
+	}.WithDefaults()
 }
+
+// DefaultTenantRate is the runs per second a tenant may start under DefaultAdmission.
+const DefaultTenantRate = 50
 
 // admit admits a new run of the caller. A nil ticket (no admission configured) is valid:
 // Release on it does nothing.
