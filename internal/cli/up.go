@@ -18,7 +18,22 @@ import (
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials/insecure"
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
+
+	"github.com/curfew-mesh/curfew/mesh/store"
+	_ "github.com/curfew-mesh/curfew/mesh/store/postgres" // postgres:// DSNs
+	_ "github.com/curfew-mesh/curfew/mesh/store/sqlite"   // SQLite paths
 )
+
+// prepareStore opens the store at dsn (creating and migrating it) and closes it.
+func prepareStore(ctx context.Context, dsn string) error {
+	ctx, cancel := context.WithTimeout(ctx, 30*time.Second)
+	defer cancel()
+	st, err := store.Open(ctx, dsn)
+	if err != nil {
+		return err
+	}
+	return st.Close()
+}
 
 // Endpoint is where one service listens.
 type Endpoint struct {
@@ -111,6 +126,12 @@ func cmdUp(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	}
 	if err := os.MkdirAll(filepath.Join(*dataDir, "logs"), 0o755); err != nil {
 		return usageErr(stderr, "up", fmt.Errorf("--data-dir: %w", err))
+	}
+	// Open the store once before the services do: three processes creating and migrating
+	// a new SQLite file at the same instant can fail to switch it to WAL (that needs the
+	// file to themselves), and a bad DSN is better reported here than by three services.
+	if err := prepareStore(ctx, dsn); err != nil {
+		return usageErr(stderr, "up", fmt.Errorf("--store: %w", err))
 	}
 	bins, err := findBinaries(*binDir)
 	if err != nil {
