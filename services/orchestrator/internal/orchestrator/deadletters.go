@@ -164,7 +164,7 @@ func (s *DeadLetterServer) PurgeDeadLetters(ctx context.Context, req *orchestrat
 // conditions a caller can act on; an infrastructure failure is UNAVAILABLE with a generic
 // message, so that no SQL text reaches the client.
 func storeStatus(err error, what string) error {
-	return dlStatus(err, what, "dead letter store unavailable")
+	return storeError(err, what, "dead letter store unavailable")
 }
 
 // replayStatus keeps a Replayer's gRPC status and maps anything else.
@@ -172,13 +172,14 @@ func replayStatus(err error) error {
 	if _, ok := status.FromError(err); ok {
 		return err
 	}
-	return dlStatus(err, "replay run", "could not start the replay run")
+	return storeError(err, "replay run", "could not start the replay run")
 }
 
-// dlStatus maps err with store.Code. The store's invalid-argument messages are its own
-// words (never SQL), so they are passed on; other messages are generic: unavailable for
-// an error the store does not classify.
-func dlStatus(err error, what, unavailable string) error {
+// storeError maps a store error (classified by store.Code) to a gRPC status for the
+// caller, never with the store's own text unless the store wrote it for callers
+// (invalid arguments); what names the thing for "not found", unavailable is the message
+// of an unclassified failure. The one mapping for runs and dead letters alike.
+func storeError(err error, what, unavailable string) error {
 	switch c := store.Code(err); c {
 	case codes.NotFound:
 		return status.Error(c, what+" not found")

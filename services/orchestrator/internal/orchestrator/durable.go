@@ -839,19 +839,12 @@ func apiStatusOf(st store.RunStatus) orchestratorv1.RunStatus {
 	return orchestratorv1.RunStatus_RUN_STATUS_FAILED
 }
 
-// runStoreErr maps a store error to the gRPC status the caller gets: NotFound and
-// InvalidArgument as such; the rest as UNAVAILABLE without the store's text (logged).
+// runStoreErr maps a store error of a run operation to the caller's status, with
+// storeError's classification (store.Code); an unclassified failure is logged, and the
+// caller gets UNAVAILABLE without the store's text.
 func runStoreErr(ctx context.Context, log *slog.Logger, op string, err error) error {
-	switch {
-	case errors.Is(err, store.ErrNotFound):
-		return status.Error(codes.NotFound, "run not found")
-	case errors.Is(err, store.ErrInvalidArgument):
-		return status.Errorf(codes.InvalidArgument, "%s: %v", op, err)
-	case errors.Is(err, store.ErrAlreadyExists):
-		return status.Errorf(codes.AlreadyExists, "%s: %v", op, err)
-	case ctx.Err() != nil:
-		return status.FromContextError(ctx.Err()).Err()
+	if store.Code(err) == codes.Internal {
+		log.ErrorContext(ctx, "store call failed", "op", op, "error", err.Error())
 	}
-	log.ErrorContext(ctx, "store call failed", "op", op, "error", err.Error())
-	return status.Errorf(codes.Unavailable, "%s: the run store is unavailable", op)
+	return storeError(err, "run", op+": the run store is unavailable")
 }
