@@ -24,6 +24,7 @@ import (
 	"github.com/curfew-mesh/curfew/mesh/admission"
 	"github.com/curfew-mesh/curfew/mesh/chaos"
 	"github.com/curfew-mesh/curfew/mesh/md"
+	"github.com/curfew-mesh/curfew/mesh/nodes"
 )
 
 // `curfew drill`: seed 003's cancel-and-shed drill across the real services
@@ -65,7 +66,7 @@ type DrillRow struct {
 	LeaseAgeMS      int64  `json:"lease_age_ms"`
 	// OrphanTokenDelta is the tokens decoded after the client's cancel beyond the one
 	// token per decoder already being emitted when the stop signal left (the
-	// orchestrator's InFlightTokenAllowance, the same definition admission uses);
+	// nodes.OrphanTokens, the same definition admission uses);
 	// TokensAfterCancel below is the raw count.
 	OrphanTokenDelta  int64  `json:"orphan_token_delta"`
 	DuplicateInFlight int    `json:"duplicate_in_flight"`
@@ -465,7 +466,7 @@ func computeDrillRow(row *DrillRow, run *orchestratorv1.Run, cancelAt time.Time,
 		row.TokensAtCancel += n.GetTokensAtCancel()
 		row.TokensAtDeadline += n.GetTokens()
 		row.TokensAfterCancel += n.GetTokensAfterCancel()
-		row.OrphanTokenDelta += max(0, n.GetTokensAfterCancel()-inFlightTokenAllowance)
+		row.OrphanTokenDelta += nodes.OrphanTokens(n)
 		if main == nil || (!strings.Contains(n.GetId(), "~") && strings.Contains(main.GetId(), "~")) {
 			main = n
 		}
@@ -565,10 +566,6 @@ func dedupe(s []string) []string {
 	}
 	return out
 }
-
-// inFlightTokenAllowance is the token per decoder that may land after the cancel instant
-// without being an orphan (the orchestrator's InFlightTokenAllowance).
-const inFlightTokenAllowance = 1
 
 // drillBounds are the orphan tokens per decoder each defence allows, beyond the in-flight
 // allowance: a cancel stops a decoder at its next token boundary (none); a lease lapse

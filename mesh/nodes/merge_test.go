@@ -240,3 +240,20 @@ func TestFinish(t *testing.T) {
 		t.Errorf("Finish = %v", n)
 	}
 }
+
+// Tokens after the cancel beyond one per decoder are orphans; other kinds have none.
+func TestOrphanTokens(t *testing.T) {
+	for _, c := range []struct {
+		n    *meshv1.Node
+		want int64
+	}{
+		{&meshv1.Node{Kind: meshv1.NodeKind_NODE_KIND_MODEL}, 0},
+		{&meshv1.Node{Kind: meshv1.NodeKind_NODE_KIND_MODEL, TokensAfterCancel: 1}, 0},
+		{&meshv1.Node{Kind: meshv1.NodeKind_NODE_KIND_MODEL, TokensAfterCancel: 40}, 39},
+		{&meshv1.Node{Kind: meshv1.NodeKind_NODE_KIND_TOOL, TokensAfterCancel: 9}, 0},
+	} {
+		if got := nodes.OrphanTokens(c.n); got != c.want {
+			t.Errorf("OrphanTokens(%v) = %d, want %d", c.n, got, c.want)
+		}
+	}
+}

@@ -9,12 +9,12 @@ import (
 	"google.golang.org/grpc/metadata"
 	"google.golang.org/grpc/status"
 
-	meshv1 "github.com/curfew-mesh/curfew/gen/curfew/mesh/v1"
 	orchestratorv1 "github.com/curfew-mesh/curfew/gen/curfew/orchestrator/v1"
 	"github.com/curfew-mesh/curfew/mesh/admission"
 	"github.com/curfew-mesh/curfew/mesh/agent"
 	"github.com/curfew-mesh/curfew/mesh/chaos"
 	"github.com/curfew-mesh/curfew/mesh/md"
+	"github.com/curfew-mesh/curfew/mesh/nodes"
 	"github.com/curfew-mesh/curfew/mesh/plan"
 )
 
@@ -131,21 +131,13 @@ func planTokens(p *plan.Plan, depth int) int64 {
 	return n
 }
 
-// InFlightTokenAllowance is how many tokens after the cancel instant one decoder may emit
-// without counting as an orphan: the run records its cancel instant just before the stop
-// signal leaves, so a token already being emitted can land in between (the bound every
-// test of the cancel path holds: at most one token per decoder).
-const InFlightTokenAllowance = 1
-
 // orphanTokens are the run's tokens after its cancel beyond the in-flight allowance of
-// each decoder: a decoder that went on decoding. One token per decoder is propagation,
-// and must not close the overflow pool for a minute after every ordinary cancel.
+// each decoder (nodes.OrphanTokens): one token per decoder is propagation, and must not
+// close the overflow pool for a minute after every ordinary cancel.
 func orphanTokens(r *orchestratorv1.Run) int64 {
 	var n int64
 	for _, nd := range r.GetNodes() {
-		if nd.GetKind() == meshv1.NodeKind_NODE_KIND_MODEL {
-			n += max(0, nd.GetTokensAfterCancel()-InFlightTokenAllowance)
-		}
+		n += nodes.OrphanTokens(nd)
 	}
 	return n
 }
