@@ -65,7 +65,7 @@ type DrillRow struct {
 	DeadlineSlackMS int64  `json:"deadline_slack_ms"`
 	LeaseAgeMS      int64  `json:"lease_age_ms"`
 	// OrphanTokenDelta is the tokens decoded after the client's cancel beyond the one
-	// token per decoder already being emitted when the stop signal left (the
+	// token per decoder already being emitted when the stop signal left (
 	// nodes.OrphanTokens, the same definition admission uses);
 	// TokensAfterCancel below is the raw count.
 	OrphanTokenDelta  int64  `json:"orphan_token_delta"`
