@@ -356,3 +356,64 @@ func TestStartRunIdempotentInMemory(t *testing.T) {
 	meshtest.WantCode(t, err, codes.InvalidArgument)
 	e.waitEndedTenant(t, md.DefaultTenant, a.GetRun().GetRunId())
 }
+
+// A run whose lease another orchestrator has claimed stops advancing here: its next
+// fenced write (heartbeat or checkpoint) is refused, it ends on this process without a
+// result, and nothing of it is written under the old epoch after the claim.
+func TestStaleEpochStopsTheRunHere(t *testing.T) {
+	st := openStore(t)
+	reg := prometheus.NewRegistry()
+	e := newEnvWith(t, mesh.ServerConfig{}, nil, func(c *Config) {
+		c.Store, c.Owner, c.LeaseTTL, c.DeadLetters, c.Registerer = st, "orch-a", 600*time.Millisecond, deadLetters{st}, reg
+	})
+	plan := `{"tokens_per_second":200,"steps":[
+	  {"think_tokens":2,"tools":[{"name":"sleep","args":{"ms":1500}}]},
+	  {"think_tokens":2,"tools":[{"name":"sleep","args":{"ms":1}}]},
+	  {"answer_tokens":2}]}`
+	ctx := context.Background()
+	res, err := e.orch.StartRun(ctx, &orchestratorv1.StartRunRequest{Task: plan, Timeout: durationpb.New(20 * time.Second)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	id := res.GetRun().GetRunId()
+	for until := time.Now().Add(5 * time.Second); ; { // in step 0's sleep: its model output is recorded
+		cps, _ := st.ListCheckpoints(ctx, md.DefaultTenant, id)
+		if len(cps) == 1 {
+			break
+		}
+		if time.Now().After(until) {
+			t.Fatalf("%d checkpoints, want step 0's model output", len(cps))
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	// Another orchestrator takes the run: release a's lease behind its back, claim it.
+	run, err := st.GetRun(ctx, md.DefaultTenant, id)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := st.ReleaseRun(ctx, run.Lease()); err != nil {
+		t.Fatal(err)
+	}
+	other, err := st.ClaimRun(ctx, md.DefaultTenant, id, "orch-b", time.Minute)
+	if err != nil || other.Epoch != 2 {
+		t.Fatalf("claim: epoch %d, %v", other.Epoch, err)
+	}
+	for until := time.Now().Add(5 * time.Second); testutil.ToFloat64(e.srv.leaseMetrics.lost) != 1; {
+		if time.Now().After(until) {
+			t.Fatal("orchestrator a did not stop the run it lost")
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	time.Sleep(1700 * time.Millisecond) // past the sleep: a would have written step 0's tools and step 1
+	got, err := st.GetRun(ctx, md.DefaultTenant, id)
+	if err != nil || got.Status.Terminal() || got.Owner != "orch-b" || got.Epoch != 2 {
+		t.Fatalf("run after a lost it: %s owner %q epoch %d (%v), want still running, b's", got.Status, got.Owner, got.Epoch, err)
+	}
+	cps, _ := st.ListCheckpoints(ctx, md.DefaultTenant, id)
+	if len(cps) != 1 || cps[0].Epoch != 1 {
+		t.Fatalf("checkpoints %+v, want only step 0's model output, written under epoch 1", cps)
+	}
+	if got := e.decoders(); !slices.Equal(got, []string{"root/m0"}) {
+		t.Errorf("decoders %v: a must not go on to step 1", got)
+	}
+}
