@@ -86,6 +86,15 @@ func Name(c meshv1.CancelCause) string {
 	return strings.ToLower(strings.TrimPrefix(c.String(), "CANCEL_CAUSE_"))
 }
 
+// Parse is Name's inverse: the cause named name ("client_disconnect", ...), or
+// CANCEL_CAUSE_UNSPECIFIED for "" and for a name it does not know.
+func Parse(name string) meshv1.CancelCause {
+	if name == "" {
+		return meshv1.CancelCause_CANCEL_CAUSE_UNSPECIFIED
+	}
+	return meshv1.CancelCause(meshv1.CancelCause_value["CANCEL_CAUSE_"+strings.ToUpper(name)])
+}
+
 // Cleanup runs fn on a context detached from ctx's cancellation and deadline (its values
 // are kept), bounded by budget (DefaultCleanupBudget when budget <= 0). Use it only on the
 // way out of a cancelled operation, and return the original cancellation afterwards.

@@ -90,6 +90,20 @@ func TestName(t *testing.T) {
 	}
 }
 
+// Parse inverts Name, so a cause stored by name reads back as itself.
+func TestParse(t *testing.T) {
+	for _, c := range causes {
+		if got := cancel.Parse(cancel.Name(c.want)); got != c.want {
+			t.Errorf("Parse(Name(%v)) = %v", c.want, got)
+		}
+	}
+	for _, name := range []string{"", "bogus", "CANCEL_CAUSE_DEADLINE"} {
+		if got := cancel.Parse(name); got != meshv1.CancelCause_CANCEL_CAUSE_UNSPECIFIED {
+			t.Errorf("Parse(%q) = %v, want UNSPECIFIED", name, got)
+		}
+	}
+}
+
 type key struct{}
 
 func TestCleanupRunsDetachedOnItsOwnBudget(t *testing.T) {

@@ -807,9 +807,7 @@ func (s *Server) fromStore(ctx context.Context, run store.Run) *orchestratorv1.R
 	if !run.EndedAt.IsZero() {
 		r.EndedAt = timestamppb.New(run.EndedAt)
 	}
-	if run.Cause != "" {
-		r.Cause = meshv1.CancelCause(meshv1.CancelCause_value["CANCEL_CAUSE_"+strings.ToUpper(run.Cause)])
-	}
+	r.Cause = cancel.Parse(run.Cause)
 	return r
 }
 
