@@ -264,7 +264,6 @@ func (s *Server) resume(ctx context.Context, r store.Run) {
 		// The run goes on, writing under the new lease.
 		rs.mu.Lock()
 		rs.lease = r.Lease()
-		rs.rec.Epoch = r.Epoch
 		rs.mu.Unlock()
 		log.WarnContext(ctx, "run's lease lapsed before its heartbeat; reclaimed it")
 		return
@@ -272,7 +271,7 @@ func (s *Server) resume(ctx context.Context, r store.Run) {
 	if !time.Now().Before(r.Deadline) {
 		log.WarnContext(ctx, "run's deadline passed while no orchestrator owned it")
 		rs := newRunState(r.RunID, r.Tenant, r.IdempotencyKey, r.Model, string(r.Task), r.Deadline, r.CreatedAt)
-		rs.lease, rs.rec.Epoch = r.Lease(), r.Epoch
+		rs.lease = r.Lease()
 		rec := rs.rec
 		rec.Status, rec.Cause = orchestratorv1.RunStatus_RUN_STATUS_DEADLINE_EXCEEDED, meshv1.CancelCause_CANCEL_CAUSE_DEADLINE
 		rec.ErrorCode, rec.ErrorMessage = "DEADLINE_EXCEEDED", "the run's deadline passed while no orchestrator owned it"
@@ -308,7 +307,7 @@ func (s *Server) resume(ctx context.Context, r store.Run) {
 		return
 	}
 	rs := newRunState(r.RunID, r.Tenant, r.IdempotencyKey, r.Model, string(r.Task), r.Deadline, r.CreatedAt)
-	rs.lease, rs.rec.Epoch = r.Lease(), r.Epoch
+	rs.lease = r.Lease()
 	log.InfoContext(ctx, "resuming run", "checkpoints", len(prior), "time_left_ms", time.Until(r.Deadline).Milliseconds())
 	s.leaseMetrics.takeover(takeoverResumed)
 	s.launch(md.WithIdentity(ctx, md.Identity{Tenant: r.Tenant}), rs, prior, false)

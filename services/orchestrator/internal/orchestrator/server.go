@@ -222,10 +222,13 @@ func (rs *runState) markCancel() {
 	rs.mu.Unlock()
 }
 
+// snapshot copies the run's record; its epoch is the lease's (0 without a store).
 func (rs *runState) snapshot() *orchestratorv1.Run {
 	rs.mu.Lock()
 	defer rs.mu.Unlock()
-	return proto.Clone(rs.rec).(*orchestratorv1.Run)
+	r := proto.Clone(rs.rec).(*orchestratorv1.Run)
+	r.Epoch = rs.lease.Epoch
+	return r
 }
 
 // Run implements OrchestratorService.Run.
@@ -431,7 +434,6 @@ func (s *Server) create(ctx context.Context, tenant, key, model, task string, dl
 	}
 	rs = newRunState(run.RunID, tenant, key, model, task, dl, run.CreatedAt)
 	rs.lease = run.Lease()
-	rs.rec.Epoch = run.Epoch
 	return rs, nil, nil
 }
 
