@@ -417,3 +417,55 @@ func TestStaleEpochStopsTheRunHere(t *testing.T) {
 		t.Errorf("decoders %v: a must not go on to step 1", got)
 	}
 }
+
+// blockingFinish is a real store whose FinishRun waits until released: the window
+// between a run's recorded end and its commit, held open.
+type blockingFinish struct {
+	store.Store
+	entered, release chan struct{}
+}
+
+func (b *blockingFinish) FinishRun(ctx context.Context, l store.Lease, res store.RunResult) (store.Run, error) {
+	close(b.entered)
+	<-b.release
+	return b.Store.FinishRun(ctx, l, res)
+}
+
+// GetRun of a run whose end is recorded while its result is still being stored serves
+// the final summary, with the token figures split at the cancel instant, not a live read.
+func TestGetRunWhileTheResultIsStored(t *testing.T) {
+	bf := &blockingFinish{Store: openStore(t), entered: make(chan struct{}), release: make(chan struct{})}
+	e := newDurableEnv(t, bf, "orch-a", time.Second)
+	ctx := context.Background()
+	res, err := e.orch.StartRun(ctx, &orchestratorv1.StartRunRequest{Task: slowPlan, Timeout: durationpb.New(20 * time.Second)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	e.waitDecoder(t)
+	time.Sleep(200 * time.Millisecond) // some tokens before the cancel
+	cancelled := make(chan error, 1)
+	go func() {
+		_, err := e.orch.CancelRun(ctx, &orchestratorv1.CancelRunRequest{RunId: res.GetRun().GetRunId()})
+		cancelled <- err
+	}()
+	select {
+	case <-bf.entered:
+	case <-time.After(5 * time.Second):
+		t.Fatal("the run's result was never stored")
+	}
+	got, err := e.orch.GetRun(ctx, &orchestratorv1.GetRunRequest{RunId: res.GetRun().GetRunId()})
+	close(bf.release)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got.GetRun().GetStatus() != orchestratorv1.RunStatus_RUN_STATUS_CANCELLED {
+		t.Fatalf("status %v", got.GetRun().GetStatus())
+	}
+	m := nodeOf(t, got.GetRun(), "root/m0")
+	if m.GetTokensAtCancel() == 0 || m.GetTokensAtCancel()+m.GetTokensAfterCancel() != m.GetTokens() {
+		t.Errorf("decoder figures %d at + %d after != %d: the summary lost its split at the cancel", m.GetTokensAtCancel(), m.GetTokensAfterCancel(), m.GetTokens())
+	}
+	if err := <-cancelled; err != nil {
+		t.Fatal(err)
+	}
+}

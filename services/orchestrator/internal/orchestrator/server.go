@@ -693,7 +693,12 @@ func (s *Server) GetRun(ctx context.Context, req *orchestratorv1.GetRunRequest) 
 	default:
 	}
 	r := rs.snapshot()
-	setNodes(r, s.collect(ctx, rs.id, time.Time{}, 0))
+	if r.GetStatus() == orchestratorv1.RunStatus_RUN_STATUS_RUNNING {
+		// Live: read the nodes from the executors. A run whose end is recorded but not yet
+		// committed (its result is being stored) already holds its final summary, with
+		// the token figures split at the cancel instant: a live read would lose the split.
+		setNodes(r, s.collect(ctx, rs.id, time.Time{}, 0))
+	}
 	return &orchestratorv1.GetRunResponse{Run: r}, nil
 }
 
