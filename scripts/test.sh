@@ -29,8 +29,8 @@ if [[ -z "${CURFEW_PROMTOOL:-}" ]]; then
   CURFEW_PROMTOOL="$(bash scripts/promtool.sh)"
 fi
 export CURFEW_PROMTOOL
-"$CURFEW_PROMTOOL" check rules k8s/monitoring/curfew-alerts.yml
-"$CURFEW_PROMTOOL" test rules k8s/monitoring/curfew-alerts.test.yml
+"$CURFEW_PROMTOOL" check rules k8s/components/prometheus/curfew-alerts.yml
+"$CURFEW_PROMTOOL" test rules k8s/components/prometheus/curfew-alerts.test.yml
 
 echo "== ollama (the real inference server of the provider tests; cached outside the repo)"
 # scripts/ollama.sh builds ollama v0.6.8 from source once (several minutes) and then reuses
