@@ -16,6 +16,8 @@ import (
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/encoding/protojson"
 	"google.golang.org/protobuf/proto"
+
+	"github.com/curfew-mesh/curfew/mesh/service"
 )
 
 // Exit codes.
@@ -39,6 +41,7 @@ Usage:
   curfew dlq     replay ID [--timeout D] [--json]
   curfew dlq     purge (--id ID | --before TIME | --replayed) [--json]
   curfew drill   [--mode shed|orphan] [--fault N] [--tasks N] [--deadline D] [--cancel-at D] [--tps N] [--heartbeat D] [--json]
+  curfew version
 
 Every command except up takes --addr (default: the orchestrator in DIR/endpoints.json,
 else 127.0.0.1:7700) and --data-dir (default $CURFEW_DATA_DIR, else ~/.curfew).
@@ -57,6 +60,9 @@ func Main(ctx context.Context, args []string, stdin io.Reader, stdout, stderr io
 	switch args[0] {
 	case "help", "-h", "--help":
 		fmt.Fprint(stdout, usage)
+		return ExitOK
+	case "version", "--version":
+		fmt.Fprintln(stdout, "curfew", service.BuildVersion())
 		return ExitOK
 	}
 	cmd, ok := cmds[args[0]]

@@ -26,6 +26,7 @@ func TestMainUsage(t *testing.T) {
 	}{
 		{nil, ExitUsage, "Usage:"},
 		{[]string{"help"}, ExitOK, "curfew up"},
+		{[]string{"version"}, ExitOK, "curfew dev"},
 		{[]string{"launch"}, ExitUsage, `unknown command "launch"`},
 		{[]string{"get"}, ExitUsage, "give one RUN id"},
 		{[]string{"get", "a", "b"}, ExitUsage, "give one RUN id"},

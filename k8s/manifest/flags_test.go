@@ -20,8 +20,8 @@ import (
 	corev1 "k8s.io/api/core/v1"
 )
 
-// The binaries the manifests run, built once per test binary from this checkout (the
-// repository's go.work), as the images build them.
+// The binaries the images ship, built once per test binary from this checkout (the
+// repository's go.work) by the Dockerfiles' own build commands.
 var (
 	buildOnce sync.Once
 	binDir    string
@@ -31,21 +31,16 @@ var (
 func binaries(t *testing.T) string {
 	t.Helper()
 	buildOnce.Do(func() {
-		root, err := filepath.Abs("../..")
-		if err != nil {
-			buildErr = err
-			return
-		}
 		binDir, buildErr = os.MkdirTemp("", "curfew-k8s-bin-")
 		if buildErr != nil {
 			return
 		}
-		for _, c := range components {
-			cmd := exec.Command("go", "build", "-trimpath", "-o", filepath.Join(binDir, c), "./services/"+c+"/cmd/"+c)
-			cmd.Dir = root
-			cmd.Env = append(os.Environ(), "GOWORK="+filepath.Join(root, "go.work"), "CGO_ENABLED=0")
-			if out, err := cmd.CombinedOutput(); err != nil {
-				buildErr = fmt.Errorf("go build %s: %w\n%s", c, err, out)
+		// Each binary is built by its Dockerfile's own go build command, so that what
+		// these tests run is what the images ship.
+		for _, rel := range images {
+			name := filepath.Base(parseDockerfile(t, rel).entrypoint(t)[0])
+			if err := buildLikeDockerfile(t, rel, filepath.Join(binDir, name)); err != nil {
+				buildErr = fmt.Errorf("%s: %w", rel, err)
 				return
 			}
 		}
@@ -355,4 +350,15 @@ func waitReady(ctx context.Context, url string, exited <-chan error) error {
 		case <-time.After(100 * time.Millisecond):
 		}
 	}
+}
+
+// runShell runs a Dockerfile RUN line with sh in dir, in the repository's workspace.
+func runShell(dir, cmdline string, env ...string) error {
+	cmd := exec.Command("sh", "-c", cmdline)
+	cmd.Dir = dir
+	cmd.Env = append(append(os.Environ(), "GOWORK="+filepath.Join(dir, "go.work")), env...)
+	if out, err := cmd.CombinedOutput(); err != nil {
+		return fmt.Errorf("%s: %w\n%s", cmdline, err, out)
+	}
+	return nil
 }

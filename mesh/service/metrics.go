@@ -1,6 +1,8 @@
 package service
 
 import (
+	"runtime"
+
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/curfew-mesh/curfew/mesh"
@@ -15,5 +17,11 @@ type metrics struct {
 }
 
 func newMetrics(reg prometheus.Registerer) *metrics {
+	info := prometheus.NewGaugeVec(prometheus.GaugeOpts{
+		Name: "curfew_build_info",
+		Help: "Always 1; its labels say which curfew version (Version) and Go release built this process.",
+	}, []string{"version", "goversion"})
+	info.WithLabelValues(BuildVersion(), runtime.Version()).Set(1)
+	reg.MustRegister(info)
 	return &metrics{server: mesh.NewServerMetrics(reg), client: mesh.NewClientMetrics(reg)}
 }
