@@ -1,0 +1,11 @@
+//go:build !linux
+
+package apiserver
+
+import "syscall"
+
+// sysProcAttr has nothing to add where there is no parent-death signal: Stop ends the
+// processes.
+func sysProcAttr() *syscall.SysProcAttr {
+	return nil
+}
