@@ -19,6 +19,7 @@ import (
 	"google.golang.org/grpc/credentials/insecure"
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
 
+	"github.com/curfew-mesh/curfew/mesh/service"
 	"github.com/curfew-mesh/curfew/mesh/store"
 	_ "github.com/curfew-mesh/curfew/mesh/store/postgres" // postgres:// DSNs
 	_ "github.com/curfew-mesh/curfew/mesh/store/sqlite"   // SQLite paths
@@ -80,7 +81,7 @@ func cmdUp(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	dataDir := fs.String("data-dir", defaultDataDir(), "data directory: endpoints.json and logs/")
 	basePort := fs.Int("base-port", 7700, "first of 8 consecutive ports (gRPC and admin per service); 0 picks free ports")
 	binDir := fs.String("bin-dir", "", "directory of the service binaries (default: next to curfew, else $PATH)")
-	grace := fs.Duration("shutdown-grace", 10*time.Second, "how long each service gets to stop before it is killed")
+	grace := fs.Duration("shutdown-grace", service.DefaultShutdownGrace, "each service's --shutdown-grace: how long its in-flight calls and runs get to finish on stop; a service still running after its whole stop bound (docs/leases.md#drain) is killed")
 	startTimeout := fs.Duration("start-timeout", 30*time.Second, "how long to wait for every service to report SERVING")
 	asJSON := fs.Bool("json", false, "print the endpoints as JSON")
 	providers := fs.String("providers-config", "", "modelproxy's providers file (docs/providers.md); default $CURFEW_PROVIDERS_CONFIG, else only the sim model")
@@ -118,6 +119,18 @@ func cmdUp(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		}
 		dsn = "sqlite://" + abs
 	}
+	if *grace <= 0 {
+		return usageErr(stderr, "up", fmt.Errorf("--shutdown-grace must be positive, got %v", *grace))
+	}
+	for _, svc := range services {
+		extra[svc] = append(extra[svc], "--shutdown-grace", grace.String())
+	}
+	// A service stops within its drain delay (CURFEW_DRAIN_DELAY, which it inherits; 0 by
+	// default) + --shutdown-grace + service.StopFlush; it is killed only a second after that.
+	killAfter := *grace + service.StopFlush + time.Second
+	if d, err := time.ParseDuration(os.Getenv(service.EnvName("drain-delay"))); err == nil && d > 0 {
+		killAfter += d
+	}
 	for _, svc := range []string{"toolrunner", "orchestrator", "modelproxy"} { // the services that keep durable state
 		extra[svc] = append(extra[svc], "--store", dsn)
 	}
@@ -148,9 +161,10 @@ func cmdUp(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 
 	var children []*child
 	shutdown := func() {
-		// The orchestrator first, so that it cancels its runs while the rest still serve.
+		// The orchestrator first, so that its runs end or are handed over while the rest
+		// still serve.
 		for i := len(children) - 1; i >= 0; i-- {
-			stopChild(children[i], *grace)
+			stopChild(children[i], killAfter)
 		}
 	}
 	for _, name := range services {

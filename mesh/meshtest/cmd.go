@@ -61,6 +61,7 @@ func CommonFlagCases() []FlagCase {
 		{Name: "default beyond max", Args: []string{"--default-deadline=1h", "--max-deadline=1m"}, Want: "exceeds --max-deadline"},
 		{Name: "bad log level", Args: []string{"--log-level=loud"}, Want: "--log-level"},
 		{Name: "zero grace", Args: []string{"--shutdown-grace=0s"}, Want: "--shutdown-grace"},
+		{Name: "negative drain delay", Args: []string{"--drain-delay=-1s"}, Want: "--drain-delay must not be negative"},
 		{Name: "bad env value", Env: map[string]string{"CURFEW_MAX_DEADLINE": "forever"}, Want: "CURFEW_MAX_DEADLINE"},
 		{Name: "tiny message limit", Args: []string{"--max-recv-msg-size=10"}, Want: "--max-recv-msg-size"},
 	}

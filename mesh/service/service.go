@@ -11,6 +11,7 @@ import (
 	"net/http"
 	"os"
 	"strings"
+	"sync"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -34,6 +35,9 @@ import (
 const (
 	DefaultShutdownGrace = 10 * time.Second
 	DefaultLogLevel      = "info"
+	// DefaultDrainDelay: none, so that a local `curfew up` stops at once. Kubernetes
+	// manifests set --drain-delay to a few seconds (see docs/leases.md#drain).
+	DefaultDrainDelay = time.Duration(0)
 	// DefaultBreakerOff: the services' breakers (one per service dialled) are on. A
 	// service's own dependencies' failures it relays carry breaker.Relay's marker (the
 	// server chain adds it, see mesh.ServerInterceptors), so they do not open a breaker
@@ -48,8 +52,13 @@ type Options struct {
 	Addr string
 	// AdminAddr is the admin HTTP listen address (/healthz, /readyz, /metrics).
 	AdminAddr string
-	// ShutdownGrace bounds the graceful stop; in-flight calls still running after it are
-	// cancelled.
+	// DrainDelay is how long the server goes on serving after the stop begins, its health
+	// already NOT_SERVING, before it stops accepting calls: time for Kubernetes endpoints
+	// and clients' health checks to move traffic away (docs/leases.md#drain). 0: none.
+	DrainDelay time.Duration
+	// ShutdownGrace bounds the graceful stop that follows the drain delay: in-flight calls
+	// still running at its end are cancelled, and the OnStop functions must be done by
+	// then too (see Runtime.StopDeadline).
 	ShutdownGrace time.Duration
 	// DefaultDeadline is given to requests that arrive without one.
 	DefaultDeadline time.Duration
@@ -113,7 +122,8 @@ func (o *Options) Register(fs *flag.FlagSet, name, addr, admin string) {
 	o.Name, o.fs = name, fs
 	fs.StringVar(&o.Addr, "addr", addr, "gRPC listen address")
 	fs.StringVar(&o.AdminAddr, "admin-addr", admin, "admin HTTP listen address (/healthz, /readyz, /metrics); empty disables it")
-	fs.DurationVar(&o.ShutdownGrace, "shutdown-grace", DefaultShutdownGrace, "bound on graceful shutdown before in-flight calls are cancelled")
+	fs.DurationVar(&o.DrainDelay, "drain-delay", DefaultDrainDelay, "on SIGTERM, how long to keep serving with health NOT_SERVING before the listener closes; 0 stops at once (local curfew up); Kubernetes manifests set a few seconds so endpoints and clients move away first. A stop takes at most --drain-delay + --shutdown-grace + 2s (docs/leases.md#drain)")
+	fs.DurationVar(&o.ShutdownGrace, "shutdown-grace", DefaultShutdownGrace, "bound on the graceful stop after --drain-delay: in-flight calls still running then are cancelled")
 	fs.DurationVar(&o.DefaultDeadline, "default-deadline", deadline.DefaultTimeout, "deadline given to requests without one")
 	fs.DurationVar(&o.MaxDeadline, "max-deadline", deadline.DefaultMax, "cap on any requested deadline")
 	fs.StringVar(&o.LogLevel, "log-level", DefaultLogLevel, "log level: debug, info, warn or error")
@@ -236,6 +246,9 @@ func (o *Options) Validate() error {
 	if o.ShutdownGrace <= 0 {
 		return fmt.Errorf("--shutdown-grace must be positive, got %v", o.ShutdownGrace)
 	}
+	if o.DrainDelay < 0 {
+		return fmt.Errorf("--drain-delay must not be negative, got %v", o.DrainDelay)
+	}
 	if o.DefaultDeadline <= 0 || o.MaxDeadline <= 0 {
 		return errors.New("--default-deadline and --max-deadline must be positive")
 	}
@@ -320,7 +333,11 @@ type Runtime struct {
 	Breakers *breaker.Set
 
 	tracing *tracing.Provider // see tracing.go
+	onDrain []func()
 	onStop  []func()
+
+	stopMu sync.Mutex
+	stopBy time.Time // see StopDeadline
 }
 
 // New builds the runtime: it listens on both addresses (so start-up errors surface here),
@@ -410,9 +427,43 @@ func (rt *Runtime) Dial(name, target string) (*grpc.ClientConn, error) {
 	return grpc.NewClient(target, opts...)
 }
 
-// Serve serves until ctx is done, then stops gracefully: health turns NOT_SERVING, new
-// calls are refused, and in-flight calls get ShutdownGrace to finish before they are
-// cancelled. It returns nil after a clean stop.
+// StopFlush bounds the last phase of a stop (see Serve): closing the admin port and
+// exporting the spans left.
+const StopFlush = 2 * time.Second
+
+// StopBound is the longest a stop takes from ctx's end to Serve's return:
+// DrainDelay + ShutdownGrace + StopFlush. Kubernetes' terminationGracePeriodSeconds must
+// exceed it (docs/leases.md#drain).
+func (o Options) StopBound() time.Duration { return o.DrainDelay + o.ShutdownGrace + StopFlush }
+
+// OnDrain registers fn to run when the stop begins (see Serve), right after health has
+// turned NOT_SERVING, while the server still serves: a service stops admitting
+// long-lived work there. The functions run in registration order and must not block.
+func (rt *Runtime) OnDrain(fn func()) { rt.onDrain = append(rt.onDrain, fn) }
+
+// StopDeadline is when the graceful stop ends (DrainDelay + ShutdownGrace after the stop
+// began): calls still in flight are cancelled then, and the OnStop functions must have
+// returned by it. It is the zero time until the stop begins; the OnDrain and OnStop
+// functions see it set.
+func (rt *Runtime) StopDeadline() time.Time {
+	rt.stopMu.Lock()
+	defer rt.stopMu.Unlock()
+	return rt.stopBy
+}
+
+// Serve serves until ctx is done, then stops in three phases, within Options.StopBound
+// (DrainDelay + ShutdownGrace + StopFlush) of ctx's end:
+//
+//  1. Drain, for DrainDelay: health turns NOT_SERVING at once (gRPC health and /readyz),
+//     the OnDrain functions run, and the server goes on accepting and serving calls, so
+//     that Kubernetes endpoints and clients move away before the listener closes.
+//     Skipped when DrainDelay is 0 or the server failed.
+//  2. Graceful stop, until StopDeadline (ShutdownGrace after the drain): the listener
+//     closes, new calls are refused, and in-flight calls may finish; those still running
+//     at the deadline are cancelled. Then the OnStop functions run, done by the deadline.
+//  3. Flush, at most StopFlush: the admin port closes and the spans left are exported.
+//
+// It returns nil after a clean stop, else the error that made the server fail.
 func (rt *Runtime) Serve(ctx context.Context) error {
 	rt.Health.SetServingStatus("", healthpb.HealthCheckResponse_SERVING)
 	errc := make(chan error, 2)
@@ -437,31 +488,60 @@ func (rt *Runtime) Serve(ctx context.Context) error {
 			}
 		}()
 	}
-	rt.Log.Info("serving", "addr", rt.Addr(), "admin_addr", rt.AdminAddr())
+	rt.Log.Info("serving", "addr", rt.Addr(), "admin_addr", rt.AdminAddr(), "version", BuildVersion())
 	var serveErr error
 	select {
 	case <-ctx.Done():
 	case serveErr = <-errc:
 	}
+
+	// 1. Drain.
+	begin := time.Now()
+	by := begin.Add(rt.Opts.DrainDelay + rt.Opts.ShutdownGrace)
+	rt.stopMu.Lock()
+	rt.stopBy = by
+	rt.stopMu.Unlock()
 	rt.Health.Shutdown()
+	rt.Log.Info("stopping: health is NOT_SERVING; draining", "drain_delay", rt.Opts.DrainDelay.String(),
+		"shutdown_grace", rt.Opts.ShutdownGrace.String(), "bound", rt.Opts.StopBound().String())
+	for _, fn := range rt.onDrain {
+		fn()
+	}
+	if serveErr == nil && rt.Opts.DrainDelay > 0 {
+		t := time.NewTimer(time.Until(begin.Add(rt.Opts.DrainDelay)))
+		select {
+		case <-t.C:
+		case serveErr = <-errc:
+		}
+		t.Stop()
+	}
+
+	// 2. Graceful stop, then the OnStop functions.
 	done := make(chan struct{})
 	go func() { rt.Server.GracefulStop(); close(done) }()
-	t := time.NewTimer(rt.Opts.ShutdownGrace)
-	defer t.Stop()
+	t := time.NewTimer(time.Until(by))
 	select {
 	case <-done:
 	case <-t.C:
-		rt.Log.Warn("shutdown grace passed; cancelling in-flight calls", "grace", rt.Opts.ShutdownGrace)
+		rt.Log.Warn("shutdown grace passed; cancelling in-flight calls", "grace", rt.Opts.ShutdownGrace.String())
 		rt.Server.Stop()
 		<-done
 	}
+	t.Stop()
+	rt.stopped()
+
+	// 3. Flush.
+	fctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), StopFlush)
+	defer cancel()
 	if hs != nil {
-		sctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), time.Second)
-		defer cancel()
-		_ = hs.Shutdown(sctx)
+		hctx, stop := context.WithTimeout(fctx, StopFlush/2)
+		if err := hs.Shutdown(hctx); err != nil {
+			_ = hs.Close()
+		}
+		stop()
 	}
-	rt.stopped(ctx)
-	rt.Log.Info("stopped")
+	rt.flushTraces(fctx)
+	rt.Log.Info("stopped", "took", time.Since(begin).Round(time.Millisecond).String())
 	return serveErr
 }
 

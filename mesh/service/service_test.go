@@ -45,12 +45,16 @@ func TestParsePrecedence(t *testing.T) {
 		"CURFEW_SHUTDOWN_GRACE":   "3s",             // env fills a flag not given
 		"CURFEW_LOG_LEVEL":        "nonsense",       // ignored: the flag was given
 		"CURFEW_DEFAULT_DEADLINE": "",               // empty means unset
+		"CURFEW_DRAIN_DELAY":      "4s",
 	}))
 	if err != nil {
 		t.Fatal(err)
 	}
 	if o.Name != "svc" || o.Addr != "127.0.0.1:9000" || o.ShutdownGrace != 3*time.Second || o.LogLevel != "warn" {
 		t.Errorf("options = %+v", o)
+	}
+	if o.DrainDelay != 4*time.Second || o.StopBound() != 4*time.Second+3*time.Second+service.StopFlush {
+		t.Errorf("drain delay %v, bound %v", o.DrainDelay, o.StopBound())
 	}
 	if o.AdminAddr != "127.0.0.1:7001" || o.DefaultDeadline != 30*time.Second || o.MaxDeadline != 10*time.Minute {
 		t.Errorf("defaults not kept: %+v", o)
@@ -106,6 +110,8 @@ func TestOptionsValidate(t *testing.T) {
 		{"valid", func(*service.Options) {}, ""},
 		{"no addr", func(o *service.Options) { o.Addr = "" }, "--addr"},
 		{"zero grace", func(o *service.Options) { o.ShutdownGrace = 0 }, "--shutdown-grace"},
+		{"negative drain delay", func(o *service.Options) { o.DrainDelay = -time.Second }, "--drain-delay must not be negative"},
+		{"drain delay", func(o *service.Options) { o.DrainDelay = 5 * time.Second }, ""},
 		{"zero default", func(o *service.Options) { o.DefaultDeadline = 0 }, "--default-deadline"},
 		{"negative max", func(o *service.Options) { o.MaxDeadline = -time.Second }, "--max-deadline"},
 		{"default above max", func(o *service.Options) { o.DefaultDeadline = 2 * time.Minute }, "exceeds --max-deadline"},

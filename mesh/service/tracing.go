@@ -40,18 +40,20 @@ func (rt *Runtime) Tracing() *tracing.Provider { return rt.tracing }
 
 // OnStop registers fn to run when Serve stops, after the gRPC server has stopped and
 // before the spans are flushed: work that outlives the server's calls (the
-// orchestrator's detached runs) ends there, so that its spans are exported too.
+// orchestrator's detached runs) ends there, so that its spans are exported too. The
+// functions run in registration order and must return by StopDeadline.
 func (rt *Runtime) OnStop(fn func()) { rt.onStop = append(rt.onStop, fn) }
 
-// stopped runs the OnStop functions, then flushes the spans and stops the exporter,
-// within the shutdown grace.
-func (rt *Runtime) stopped(ctx context.Context) {
+// stopped runs the OnStop functions.
+func (rt *Runtime) stopped() {
 	for _, fn := range rt.onStop {
 		fn()
 	}
-	fctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), rt.Opts.ShutdownGrace)
-	defer cancel()
-	if err := rt.tracing.Shutdown(fctx); err != nil {
+}
+
+// flushTraces exports the spans left and stops the exporter, within ctx.
+func (rt *Runtime) flushTraces(ctx context.Context) {
+	if err := rt.tracing.Shutdown(ctx); err != nil {
 		rt.Log.Warn("flushing traces", "error", err.Error())
 	}
 }

@@ -170,11 +170,17 @@ func run(args []string) int {
 	if st != nil {
 		orchestratorv1.RegisterDeadLetterServiceServer(rt.Server, orchestrator.NewDeadLetterServer(st, srv.Replay))
 	}
-	srv.Start(ctx)
+	// The lease loops outlive the signal: the runs in flight are heartbeaten through the
+	// drain, until Shutdown stops the loops (Drain stops the takeovers first).
+	srv.Start(context.WithoutCancel(ctx))
 	go service.Every(ctx, time.Minute, srv.Sweep)
-	// Detached runs outlive the server's calls: they end once the server has stopped, and
-	// before the runtime flushes their spans.
-	rt.OnStop(func() { srv.Shutdown(o.ShutdownGrace) })
+	// The drain (docs/leases.md#drain): when the stop begins, no new runs and no more takeovers;
+	// the runs in flight go on until shortly before the stop deadline, when those left are
+	// handed over to another orchestrator (attached Run streams then end, so they do not
+	// hold the server's graceful stop). Shutdown, once the server has stopped and before
+	// the runtime flushes the runs' spans, waits for their teardown until the deadline.
+	rt.OnDrain(func() { srv.Drain(rt.StopDeadline()) })
+	rt.OnStop(func() { srv.Shutdown(rt.StopDeadline()) })
 	err = rt.Serve(ctx)
 	if err != nil {
 		rt.Log.Error("serve", "error", err.Error())

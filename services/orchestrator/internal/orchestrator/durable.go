@@ -4,6 +4,7 @@ import (
 	"context"
 	"encoding/json"
 	"errors"
+	"fmt"
 	"log/slog"
 	"math/rand/v2"
 	"slices"
@@ -87,16 +88,18 @@ func (rs *runState) lose() {
 	rs.cancel(errLeaseLost)
 }
 
-// handOver stops advancing the run so that its lease can be released.
-func (rs *runState) handOver() {
+// handOver stops advancing the run so that its lease can be released. It reports false
+// when the run's result is already being committed: that run ends here.
+func (rs *runState) handOver() bool {
 	rs.mu.Lock()
 	if rs.finishing {
 		rs.mu.Unlock()
-		return
+		return false
 	}
 	rs.handover = true
 	rs.mu.Unlock()
 	rs.cancel(errHandover)
+	return true
 }
 
 // moved reports whether the run was lost or handed over.
@@ -266,6 +269,17 @@ func (s *Server) resume(ctx context.Context, r store.Run) {
 		rs.lease = r.Lease()
 		rs.mu.Unlock()
 		log.WarnContext(ctx, "run's lease lapsed before its heartbeat; reclaimed it")
+		return
+	}
+	if s.draining.Load() {
+		// A scan that raced the drain: give the run straight back for another
+		// orchestrator to take.
+		err := retryStore(ctx, func(ctx context.Context) error { return s.cfg.Store.ReleaseRun(ctx, r.Lease()) })
+		if err != nil && !fenced(err) {
+			log.WarnContext(ctx, "draining: could not release a run claimed during the drain; it is taken over when its lease expires", "error", err.Error())
+			return
+		}
+		log.InfoContext(ctx, "draining: released a run claimed during the drain")
 		return
 	}
 	if !time.Now().Before(r.Deadline) {
@@ -598,6 +612,13 @@ func (s *Server) startDetached(ctx context.Context, tenant, key, model, task str
 	if err != nil {
 		return nil, false, err
 	}
+	if s.draining.Load() {
+		// No new run; a key that already names one of this process's runs still gets it.
+		if r, err := s.existingRun(tenant, key, model, task); r != nil || err != nil {
+			return r, false, err
+		}
+		return nil, false, errDraining()
+	}
 	dl, _ := ctx.Deadline() // the server chain always sets one
 	if timeout > 0 {
 		dl = time.Now().Add(min(timeout, s.cfg.MaxRunTime))
@@ -695,6 +716,10 @@ func (s *Server) WatchRun(req *orchestratorv1.WatchRunRequest, stream orchestrat
 		case <-ctx.Done():
 			t.Stop()
 			return status.FromContextError(ctx.Err()).Err()
+		case <-s.handoff:
+			// Stopping: the watch of a run that goes on elsewhere must not hold the stop.
+			t.Stop()
+			return drainingStatus(fmt.Sprintf("orchestrator is stopping; watch run %s on another replica", req.GetRunId()))
 		case <-t.C:
 		}
 	}

@@ -6,6 +6,7 @@ import (
 	"log/slog"
 	"sort"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/google/uuid"
@@ -97,6 +98,16 @@ type Server struct {
 	bg                          sync.WaitGroup
 	stopHeartbeat, stopTakeover context.CancelFunc
 	leaseMetrics                *leaseMetrics // nil without a Store or a Registerer
+
+	// The drain (drain.go): draining is set when it begins; the runs still here at
+	// handoverAt are handed over (cancelled without a Store), and handoff is closed then.
+	draining    atomic.Bool
+	drainOnce   sync.Once
+	drainBy     time.Time // the stop deadline the drain was given
+	handoverAt  time.Time
+	handoff     chan struct{}
+	handoffOnce sync.Once
+	handedOver  int // runs handed over (cancelled without a Store) at handoff
 }
 
 // New returns a server.
@@ -119,7 +130,7 @@ func New(cfg Config) *Server {
 	if cfg.LeaseTTL == 0 {
 		cfg.LeaseTTL = DefaultLeaseTTL
 	}
-	s := &Server{cfg: cfg, nodes: nodes.New(0), runs: map[string]*runState{}, keys: map[string]string{}}
+	s := &Server{cfg: cfg, nodes: nodes.New(0), runs: map[string]*runState{}, keys: map[string]string{}, handoff: make(chan struct{})}
 	if cfg.Store != nil && cfg.Registerer != nil {
 		s.leaseMetrics = newLeaseMetrics(cfg.Registerer, s)
 	}
@@ -287,7 +298,9 @@ func (s *Server) Run(req *orchestratorv1.RunRequest, stream orchestratorv1.Orche
 
 // disconnected handles the end of a Run call's stream before its run ended.
 func (s *Server) disconnected(ctx context.Context, rs *runState, req *orchestratorv1.RunRequest) {
-	if req.GetContinueOnDisconnect() {
+	if req.GetContinueOnDisconnect() || rs.moved() {
+		// A run that moved is another orchestrator's now: its nodes may be that one's,
+		// and a cancel here would reach them.
 		return
 	}
 	if rs.orphan {
@@ -347,6 +360,9 @@ func (s *Server) start(ctx context.Context, req *orchestratorv1.RunRequest) (*ru
 	model, err := s.validate(req.GetTask(), req.GetModel())
 	if err != nil {
 		return nil, nil, nil, err
+	}
+	if s.draining.Load() {
+		return nil, nil, nil, errDraining()
 	}
 	if err := deadline.Check(ctx, s.cfg.MinRunTime, "run"); err != nil {
 		return nil, nil, nil, err
@@ -787,39 +803,3 @@ func (s *Server) CancelRun(ctx context.Context, req *orchestratorv1.CancelRunReq
 
 // Sweep forgets the node records of runs that ended long ago.
 func (s *Server) Sweep(now time.Time) { s.nodes.Sweep(now) }
-
-// Shutdown waits up to grace for runs still in flight (detached runs go on after their
-// clients leave), then stops the rest and waits for their teardown. Without a Store the
-// rest are cancelled with cause operator. With one they are handed over: this process
-// stops advancing them and releases their leases, and another orchestrator (or this one,
-// restarted) resumes them from their last checkpoint. Shutdown takes over no more runs.
-func (s *Server) Shutdown(grace time.Duration) {
-	s.stopTakeovers()
-	if s.cfg.Admission != nil {
-		s.cfg.Admission.Close() // sheds what is queued: nothing new starts here
-	}
-	defer s.stopLeases()
-	done := make(chan struct{})
-	go func() { s.wg.Wait(); close(done) }()
-	t := time.NewTimer(grace)
-	defer t.Stop()
-	select {
-	case <-done:
-		return
-	case <-t.C:
-	}
-	s.mu.Lock()
-	for _, rs := range s.runs {
-		select {
-		case <-rs.done:
-		default:
-			if s.cfg.Store != nil {
-				rs.handOver()
-			} else {
-				rs.cancelWith(cancel.ErrOperator)
-			}
-		}
-	}
-	s.mu.Unlock()
-	<-done
-}

@@ -1,0 +1,204 @@
+package orchestrator
+
+import (
+	"time"
+
+	"google.golang.org/genproto/googleapis/rpc/errdetails"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+
+	orchestratorv1 "github.com/curfew-mesh/curfew/gen/curfew/orchestrator/v1"
+	"github.com/curfew-mesh/curfew/mesh/admission"
+	"github.com/curfew-mesh/curfew/mesh/cancel"
+)
+
+// The drain (docs/leases.md#drain). A stopping orchestrator has one deadline, by: the service
+// runtime's StopDeadline (SIGTERM + --drain-delay + --shutdown-grace).
+//
+//   - Drain, when the stop begins: no new run is admitted (Run, StartRun and dead-letter
+//     replays are refused UNAVAILABLE with ErrorInfo DRAINING; a StartRun whose
+//     idempotency key names a run of this process still gets it), queued admissions are
+//     shed, and no more runs are taken over. Runs in flight, attached or detached, go on;
+//     their leases are still heartbeaten. Reads (GetRun, ListRuns, WatchRun, dead
+//     letters) keep working.
+//   - At the handover point, by minus a margin (handoverMargin), every run still here is
+//     handed over: it stops advancing and its lease is released, so that another
+//     orchestrator on the store resumes it from its last checkpoint within one scan
+//     (without a Store it is cancelled with cause operator). Attached Run streams of those
+//     runs end UNAVAILABLE ("moved to another orchestrator; follow it with WatchRun"), and
+//     WatchRun streams still polling a run end UNAVAILABLE with DRAINING, so that no
+//     stream holds the server's graceful stop.
+//   - Shutdown, after the server stopped, waits for the runs' teardown until by and stops
+//     the lease loops.
+
+// DrainingReason is the ErrorInfo reason (domain curfew.dev) of a call refused because
+// the orchestrator is draining.
+const DrainingReason = "DRAINING"
+
+// Bounds of the handover margin: the time between the handover point and the stop
+// deadline, for the runs' teardown and lease releases. It is a fifth of the drain's
+// whole window, within these bounds (never more than the window itself).
+const (
+	minHandoverMargin = 100 * time.Millisecond
+	maxHandoverMargin = 2 * time.Second
+)
+
+// handoverPoint is when the runs still in flight are handed over, for a drain from now
+// to by.
+func handoverPoint(now, by time.Time) time.Time {
+	window := by.Sub(now)
+	if window <= 0 {
+		return now
+	}
+	margin := min(max(window/5, minHandoverMargin), maxHandoverMargin, window)
+	return by.Add(-margin)
+}
+
+// drainingStatus is UNAVAILABLE with msg and ErrorInfo DRAINING: retry elsewhere.
+func drainingStatus(msg string) error {
+	st := status.New(codes.Unavailable, msg)
+	if d, err := st.WithDetails(&errdetails.ErrorInfo{Reason: DrainingReason, Domain: admission.Domain,
+		Metadata: map[string]string{"service": "orchestrator"}}); err == nil {
+		st = d
+	}
+	return st.Err()
+}
+
+// errDraining refuses a new run during the drain.
+func errDraining() error {
+	return drainingStatus("orchestrator is draining; retry on another replica")
+}
+
+// Draining reports whether the drain has begun.
+func (s *Server) Draining() bool { return s.draining.Load() }
+
+// Drain begins the stop (see above): no new runs, no more takeovers, and the runs still
+// here at the handover point before by are handed over. Only the first call counts. It
+// does not block.
+func (s *Server) Drain(by time.Time) {
+	s.drainOnce.Do(func() {
+		now := time.Now()
+		s.draining.Store(true)
+		s.stopTakeovers()
+		if s.cfg.Admission != nil {
+			s.cfg.Admission.Close() // sheds what is queued
+		}
+		s.drainBy, s.handoverAt = by, handoverPoint(now, by)
+		s.cfg.Log.Info("draining: new runs are refused; runs in flight go on until the handover point",
+			"runs", len(s.live()), "handover_in_ms", s.handoverAt.Sub(now).Milliseconds(), "stop_in_ms", by.Sub(now).Milliseconds())
+		s.bg.Add(1)
+		go func() {
+			defer s.bg.Done()
+			t := time.NewTimer(time.Until(s.handoverAt))
+			defer t.Stop()
+			select {
+			case <-t.C:
+				s.handOff()
+			case <-s.handoff: // Shutdown came first
+			}
+		}()
+	})
+}
+
+// handOff hands over (cancels, without a Store) every run still in flight, once, and
+// closes handoff.
+func (s *Server) handOff() {
+	s.handoffOnce.Do(func() {
+		handed, ending := 0, 0
+		s.mu.Lock()
+		for _, rs := range s.runs {
+			select {
+			case <-rs.done:
+				continue
+			default:
+			}
+			switch {
+			case s.cfg.Store == nil:
+				rs.cancelWith(cancel.ErrOperator)
+				handed++
+			case rs.handOver():
+				handed++
+			default:
+				ending++ // its result is being committed
+			}
+		}
+		s.mu.Unlock()
+		s.handedOver = handed
+		close(s.handoff)
+		switch {
+		case handed == 0:
+			s.cfg.Log.Info("drain: no run left to hand over", "committing", ending)
+		case s.cfg.Store == nil:
+			s.cfg.Log.Warn("drain: runs still in flight at the handover point are cancelled (no store to hand them over)", "runs", handed)
+		default:
+			s.cfg.Log.Info("drain: handing over the runs still in flight; another orchestrator resumes them from their checkpoints",
+				"runs", handed, "committing", ending)
+		}
+	})
+}
+
+// Shutdown ends the stop that Drain began (it drains first if Drain was not called):
+// it waits for the runs in flight until the handover point, hands over the rest (without
+// a Store, cancels them), waits for their teardown until by, and stops the lease loops.
+// A by earlier than the drain's brings the handover point forward with it. A run still
+// tearing down at by is left: its lease lapses and another orchestrator takes it over.
+func (s *Server) Shutdown(by time.Time) {
+	s.Drain(by)
+	if s.drainBy.Before(by) {
+		by = s.drainBy
+	}
+	handover := handoverPoint(time.Now(), by)
+	if s.handoverAt.Before(handover) {
+		handover = s.handoverAt
+	}
+	done := make(chan struct{})
+	go func() { s.wg.Wait(); close(done) }()
+	t := time.NewTimer(time.Until(handover))
+	select {
+	case <-done:
+	case <-t.C:
+	case <-s.handoff:
+	}
+	t.Stop()
+	s.handOff()
+	t = time.NewTimer(time.Until(by))
+	select {
+	case <-done:
+		s.cfg.Log.Info("drain: done; every run ended here or was handed over", "handed_over", s.handedOver)
+	case <-t.C:
+		s.cfg.Log.Warn("drain: runs still tearing down at the stop deadline; their leases lapse and another orchestrator takes them over",
+			"runs", len(s.live()))
+	}
+	t.Stop()
+	s.stopLeases()
+}
+
+// existingRun is the run of this process that key (of tenant) already started, for a
+// StartRun during the drain; nil when there is none. With a Store only the runs this
+// process holds are searched: another replica finds the rest in the store.
+func (s *Server) existingRun(tenant, key, model, task string) (*orchestratorv1.Run, error) {
+	if key == "" {
+		return nil, nil
+	}
+	var found *runState
+	s.mu.Lock()
+	if s.cfg.Store == nil {
+		found = s.runs[s.keys[tenant+"\x00"+key]]
+	} else {
+		for _, rs := range s.runs {
+			if rs.rec.GetTenant() == tenant && rs.rec.GetIdempotencyKey() == key {
+				found = rs
+				break
+			}
+		}
+	}
+	s.mu.Unlock()
+	if found == nil {
+		return nil, nil
+	}
+	r := found.snapshot()
+	if r.GetTask() != task || r.GetModel() != model {
+		return nil, status.Errorf(codes.AlreadyExists, "idempotency key %q already started run %s with another task or model", key, r.GetRunId())
+	}
+	return r, nil
+}
