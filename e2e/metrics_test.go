@@ -377,7 +377,7 @@ func TestMonitoringUsesDocumentedMetrics(t *testing.T) {
 	}
 	metricName := regexp.MustCompile(`\b((?:curfew|grpc)_[a-z0-9_]+)`)
 	for _, f := range []string{"curfew-alerts.yml", "curfew-dashboard.json"} {
-		b, err := os.ReadFile(filepath.Join(repo, "k8s", "monitoring", f))
+		b, err := os.ReadFile(filepath.Join(repo, "k8s", "components", "prometheus", f))
 		if err != nil {
 			t.Fatal(err)
 		}

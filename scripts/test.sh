@@ -94,6 +94,21 @@ fi
 export CURFEW_OTELCOL
 echo "   $CURFEW_OTELCOL"
 
+echo "== etcd and kube-apiserver (the Kubernetes manifests' server-side dry-run; cached outside the repo)"
+# scripts/etcd.sh installs Debian's etcd-server (no service is left running: the test starts
+# its own etcd on free loopback ports); scripts/kube-apiserver.sh builds kube-apiserver from
+# the pinned k8s/tools/kube-apiserver once (7.5 to 30 minutes) and then reuses it. The test in
+# k8s/apiserver reads both (it skips without them, and fails under CI=true).
+if [[ -z "${CURFEW_ETCD:-}" ]]; then
+  CURFEW_ETCD="$(bash scripts/etcd.sh)"
+fi
+if [[ -z "${CURFEW_KUBE_APISERVER:-}" ]]; then
+  CURFEW_KUBE_APISERVER="$(bash scripts/kube-apiserver.sh)"
+fi
+export CURFEW_ETCD CURFEW_KUBE_APISERVER
+echo "   $CURFEW_ETCD"
+echo "   $CURFEW_KUBE_APISERVER"
+
 echo "== tests (race detector on)"
 # The e2e tests assert real-time properties (at most 1 token after a cancel at 40 tokens/s)
 # on the service binaries they build; those are built without -race, as shipped. The
@@ -101,6 +116,9 @@ echo "== tests (race detector on)"
 # CURFEW_RACE=1 builds the e2e binaries with -race too (slower; timing bounds may not hold).
 # One package at a time keeps the end-to-end timing bounds honest on a 2-core machine.
 go test -race -count=1 -p 1 -timeout 20m work
+
+echo "== k8s module (manifests, images, and their server-side dry-run on a real kube-apiserver; not in go.work)"
+(cd k8s && GOWORK=off go test -race -count=1 -timeout 20m ./...)
 
 echo "== fuzz (every Go fuzz target for ${FUZZTIME:-10s}; corpora in testdata/fuzz)"
 # The parsers of what callers and operators send: metadata headers, plans and tool
