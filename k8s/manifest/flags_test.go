@@ -89,7 +89,7 @@ func envFlag(name string) (string, bool) {
 
 // otherEnv are the variables a manifest may set that are not curfew flags.
 func otherEnv(name string) bool {
-	return name == "GOMEMLIMIT" || name == "GOGC" || strings.HasPrefix(name, "OTEL_")
+	return name == "GOMEMLIMIT" || name == "GOGC" || name == "POD_IP" || strings.HasPrefix(name, "OTEL_")
 }
 
 // Every flag a manifest passes, and every CURFEW_* variable it sets (directly or from a
@@ -140,7 +140,7 @@ func envOf(t *testing.T, s *set, ctr corev1.Container, secrets map[string]string
 	for _, e := range ctr.Env {
 		switch vf := e.ValueFrom; {
 		case vf == nil:
-			env[e.Name] = e.Value
+			env[e.Name] = expandEnv(e.Value, env)
 		case vf.ConfigMapKeyRef != nil:
 			cm := s.configMaps[vf.ConfigMapKeyRef.Name]
 			if cm == nil {
@@ -158,6 +158,8 @@ func envOf(t *testing.T, s *set, ctr corev1.Container, secrets map[string]string
 			}
 		case vf.ResourceFieldRef != nil:
 			env[e.Name] = "536870912" // limits.memory of a test process
+		case vf.FieldRef != nil && vf.FieldRef.FieldPath == "status.podIP":
+			env[e.Name] = podIP
 		default:
 			t.Fatalf("%s: %s: unsupported valueFrom", ctr.Name, e.Name)
 		}
@@ -361,4 +363,20 @@ func runShell(dir, cmdline string, env ...string) error {
 		return fmt.Errorf("%s: %w\n%s", cmdline, err, out)
 	}
 	return nil
+}
+
+// podIP is the pod IP the tests give the downward API's status.podIP.
+const podIP = "127.0.0.1"
+
+var envRef = regexp.MustCompile(`\$\(([A-Za-z_][A-Za-z0-9_]*)\)`)
+
+// expandEnv expands $(VAR) references to variables defined before, as the kubelet does;
+// an undefined reference stays as written.
+func expandEnv(v string, env map[string]string) string {
+	return envRef.ReplaceAllStringFunc(v, func(ref string) string {
+		if val, ok := env[ref[2:len(ref)-1]]; ok {
+			return val
+		}
+		return ref
+	})
 }

@@ -224,6 +224,9 @@ func TestPortsInServicesProbesAndFlagsAgree(t *testing.T) {
 		for caller, callees := range flagGraph(t, s) {
 			args := flagArgs(container(t, s.deployments[caller]).Args)
 			for callee := range callees {
+				if callee == caller {
+					continue // CancelRun forwarding: checked below
+				}
 				target := args[callee]
 				host, p := dnsTarget(t, caller, callee, target)
 				svc := s.services[host]
@@ -247,6 +250,21 @@ func TestPortsInServicesProbesAndFlagsAgree(t *testing.T) {
 					t.Errorf("%s --%s=%s: Service %s has no port %d", caller, callee, target, host, p)
 				}
 			}
+		}
+	})
+}
+
+// The orchestrator advertises its pod's gRPC port for CancelRun forwarding.
+func TestOrchestratorAdvertisesItsGRPCPort(t *testing.T) {
+	each(t, func(t *testing.T, s *set) {
+		ctr := container(t, s.deployments["orchestrator"])
+		adv := envOf(t, s, ctr, nil)["CURFEW_ADVERTISE_ADDR"]
+		host, p, err := net.SplitHostPort(adv)
+		if err != nil || host != podIP {
+			t.Fatalf("CURFEW_ADVERTISE_ADDR %q; want the pod IP and gRPC port", adv)
+		}
+		if want := strconv.Itoa(int(containerPort(ctr, "grpc"))); p != want {
+			t.Errorf("CURFEW_ADVERTISE_ADDR port %s, the gRPC port is %s", p, want)
 		}
 	})
 }

@@ -15,7 +15,7 @@ import (
 // outside it.
 var callGraph = map[string][]string{
 	"client":       {"orchestrator"},
-	"orchestrator": {"toolrunner", "subagent", "modelproxy"},
+	"orchestrator": {"orchestrator", "toolrunner", "subagent", "modelproxy"}, // itself: CancelRun forwarding
 	"toolrunner":   {"subagent"},
 	"subagent":     {"toolrunner", "modelproxy"},
 	"modelproxy":   nil,
@@ -127,6 +127,9 @@ func flagGraph(t *testing.T, s *set) map[string]map[string]bool {
 			if _, ok := args[callee]; ok {
 				g[caller][callee] = true
 			}
+		}
+		if caller == "orchestrator" && envOf(t, s, container(t, s.deployments[caller]), nil)["CURFEW_ADVERTISE_ADDR"] != "" {
+			g[caller][caller] = true // leases name its address: CancelRun is forwarded to a run's owner
 		}
 	}
 	return g

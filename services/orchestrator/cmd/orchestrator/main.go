@@ -6,9 +6,11 @@ import (
 	"context"
 	"flag"
 	"fmt"
+	"net"
 	"os"
 	"os/signal"
 	"strings"
+	"sync"
 	"syscall"
 	"time"
 
@@ -44,6 +46,7 @@ func run(args []string) int {
 	minRun := fs.Duration("min-run-time", orchestrator.DefaultMinRunTime, "least time left to admit a run; less fails fast with DEADLINE_EXCEEDED")
 	logPrompts := fs.Bool("log-prompts", false, "log each run's task (its prompt) when it starts; off by default, since tasks may hold private data")
 	storeDSN := fs.String("store", "", "durable store of runs, checkpoints, leases and dead letters: a SQLite path (sqlite:///path/curfew.db) or a postgres:// DSN; `curfew up` passes one under its data directory; without one, runs live in memory only and are lost with the process")
+	advertise := fs.String("advertise-addr", "", "address other orchestrators reach this one at (with --store), named in its run leases so that a CancelRun received elsewhere is forwarded to the run's owner; default: --addr when it names a host, else none (Kubernetes: $(POD_IP):port)")
 	leaseTTL := fs.Duration("lease-ttl", orchestrator.DefaultLeaseTTL, "run lease TTL (with --store): heartbeats every third of it; a dead orchestrator's runs are taken over about this long after it died")
 	natsURL := fs.String("nats", "", "NATS server (nats://host:4222) whose JetStream also receives dead letters (with --store); none by default")
 	dlqStream := fs.String("dlq-stream", dlq.DefaultStream, "JetStream stream of dead letters (with --nats)")
@@ -101,6 +104,15 @@ func run(args []string) int {
 		fmt.Fprintln(os.Stderr, "orchestrator:", err)
 		return 1
 	}
+	adv := advertiseAddr(*advertise, rt.Addr())
+	if st != nil {
+		if adv == "" {
+			rt.Log.Warn("no --advertise-addr: a CancelRun of a run this orchestrator owns, received by another one, reaches only the run's leaves")
+		} else {
+			rt.Log.Info("run leases name this orchestrator's address for cancel forwarding", "advertise_addr", adv)
+		}
+	}
+	peers := &peerConns{}
 	var adm *admission.Controller
 	if !*admissionOff {
 		adm, err = admission.New(admCfg, rt.Registry)
@@ -160,7 +172,8 @@ func run(args []string) int {
 		Log:         rt.Log,
 		LogPrompts:  *logPrompts,
 		Store:       st,
-		Owner:       owner(),
+		Owner:       orchestrator.OwnerName(owner(), adv),
+		Peers:       peers.client,
 		LeaseTTL:    *leaseTTL,
 		DeadLetters: dead,
 		Registerer:  rt.Registry,
@@ -181,6 +194,7 @@ func run(args []string) int {
 	// the runtime flushes the runs' spans, waits for their teardown until the deadline.
 	rt.OnDrain(func() { srv.Drain(rt.StopDeadline()) })
 	rt.OnStop(func() { srv.Shutdown(rt.StopDeadline()) })
+	rt.OnStop(peers.close)
 	err = rt.Serve(ctx)
 	if err != nil {
 		rt.Log.Error("serve", "error", err.Error())
@@ -196,4 +210,60 @@ type grpcConn = grpc.ClientConn
 func owner() string {
 	host, _ := os.Hostname()
 	return fmt.Sprintf("orchestrator/%s/%d/%s", host, os.Getpid(), uuid.NewString()[:8])
+}
+
+// advertiseAddr is --advertise-addr, else the bound gRPC address when its host is a
+// specific one (not 0.0.0.0 or ::), else "".
+func advertiseAddr(flagValue, bound string) string {
+	if flagValue != "" {
+		return flagValue
+	}
+	host, _, err := net.SplitHostPort(bound)
+	if ip := net.ParseIP(host); err != nil || host == "" || (ip != nil && ip.IsUnspecified()) {
+		return ""
+	}
+	return bound
+}
+
+// peerConns are the connections to other orchestrators, one per address, for CancelRun
+// forwarding: the mesh client chain without retries (the caller falls back when the
+// owner is unreachable).
+type peerConns struct {
+	mu    sync.Mutex
+	conns map[string]*grpc.ClientConn
+}
+
+// maxPeerConns bounds the connections kept to other orchestrators.
+const maxPeerConns = 64
+
+func (p *peerConns) client(addr string) (orchestratorv1.OrchestratorServiceClient, error) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	c := p.conns[addr]
+	if c == nil {
+		var err error
+		if c, err = service.Dial(addr); err != nil {
+			return nil, err
+		}
+		if len(p.conns) >= maxPeerConns { // owners come and go (pods): start afresh
+			for _, old := range p.conns {
+				_ = old.Close()
+			}
+			p.conns = nil
+		}
+		if p.conns == nil {
+			p.conns = map[string]*grpc.ClientConn{}
+		}
+		p.conns[addr] = c
+	}
+	return orchestratorv1.NewOrchestratorServiceClient(c), nil
+}
+
+func (p *peerConns) close() {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	for _, c := range p.conns {
+		_ = c.Close()
+	}
+	p.conns = nil
 }

@@ -282,6 +282,10 @@ func (s *Server) resume(ctx context.Context, r store.Run) {
 		log.InfoContext(ctx, "draining: released a run claimed during the drain")
 		return
 	}
+	if s.cancelRequested(r.RunID) {
+		s.endCancelled(ctx, r)
+		return
+	}
 	if !time.Now().Before(r.Deadline) {
 		log.WarnContext(ctx, "run's deadline passed while no orchestrator owned it")
 		rs := newRunState(r.RunID, r.Tenant, r.IdempotencyKey, r.Model, string(r.Task), r.Deadline, r.CreatedAt)
@@ -787,31 +791,6 @@ func (s *Server) listStored(ctx context.Context, size int, after string) (*orche
 		resp.Runs = append(resp.Runs, r)
 	}
 	return resp, nil
-}
-
-// cancelElsewhere cancels a run that another orchestrator owns: the executors cancel
-// its nodes with cause operator (the owner's loop then ends the run as cancelled), and
-// the call returns once the owner has stored the end, or ctx ends.
-func (s *Server) cancelElsewhere(ctx context.Context, req *orchestratorv1.CancelRunRequest) (*orchestratorv1.Run, error) {
-	r, err := s.stored(ctx, req.GetRunId())
-	if err != nil || r.GetStatus() != orchestratorv1.RunStatus_RUN_STATUS_RUNNING {
-		return r, err
-	}
-	s.cfg.Log.InfoContext(ctx, "run owned by another orchestrator cancelled by operator", "run_id", r.GetRunId(), "reason", req.GetReason())
-	s.broadcastCancel(ctx, r.GetRunId(), cancel.ErrOperator)
-	for {
-		t := time.NewTimer(watchPoll)
-		select {
-		case <-ctx.Done():
-			t.Stop()
-			return nil, status.FromContextError(ctx.Err()).Err()
-		case <-t.C:
-		}
-		r, err = s.stored(ctx, req.GetRunId())
-		if err != nil || r.GetStatus() != orchestratorv1.RunStatus_RUN_STATUS_RUNNING {
-			return r, err
-		}
-	}
 }
 
 // fromStore turns a stored run into the API's: its stored summary when it ended here or

@@ -16,6 +16,8 @@ type leaseMetrics struct {
 const (
 	takeoverResumed  = "resumed"
 	takeoverDeadline = "deadline_exceeded"
+	// takeoverCancelled: cancelled by an operator while its owner was unreachable.
+	takeoverCancelled = "cancelled"
 )
 
 func newLeaseMetrics(reg prometheus.Registerer, s *Server) *leaseMetrics {
@@ -29,7 +31,7 @@ func newLeaseMetrics(reg prometheus.Registerer, s *Server) *leaseMetrics {
 			Help: "Runs this orchestrator stopped advancing because another orchestrator had claimed them (a fenced write or heartbeat).",
 		}),
 	}
-	for _, o := range []string{takeoverResumed, takeoverDeadline} {
+	for _, o := range []string{takeoverResumed, takeoverDeadline, takeoverCancelled} {
 		m.takeovers.WithLabelValues(o)
 	}
 	held := prometheus.NewGaugeFunc(prometheus.GaugeOpts{

@@ -68,8 +68,14 @@ type Config struct {
 	// agent step is checkpointed, and runs whose owner died are resumed (see durable.go).
 	// nil keeps runs in this process's memory only.
 	Store store.Store
-	// Owner names this process incarnation in run leases; required with Store.
+	// Owner names this process incarnation in run leases; required with Store. Name it
+	// with OwnerName to give other orchestrators its address for CancelRun forwarding.
 	Owner string
+	// Peers, when set with a Store, returns a client of the orchestrator at addr (an
+	// owner's address, see OwnerName): a CancelRun of a run another orchestrator owns is
+	// forwarded to it (cancelfwd.go). Without it such a cancel reaches only the run's
+	// leaves and is kept for a takeover.
+	Peers func(addr string) (orchestratorv1.OrchestratorServiceClient, error)
 	// LeaseTTL is how long a run's lease lasts without a heartbeat; DefaultLeaseTTL when
 	// 0. The owner heartbeats every third of it. A dead owner's runs are taken over
 	// about LeaseTTL after its last heartbeat.
@@ -108,6 +114,10 @@ type Server struct {
 	handoff     chan struct{}
 	handoffOnce sync.Once
 	handedOver  int // runs handed over (cancelled without a Store) at handoff
+
+	// cancels are the runs owned elsewhere whose CancelRun could not reach their owner,
+	// with when: a takeover of one here ends it cancelled (cancelfwd.go).
+	cancels map[string]time.Time
 }
 
 // New returns a server.
@@ -782,9 +792,18 @@ func (s *Server) CancelRun(ctx context.Context, req *orchestratorv1.CancelRunReq
 		}
 		return &orchestratorv1.CancelRunResponse{Run: r}, nil
 	}
+	r, err := s.cancelHere(ctx, rs, req)
+	if err != nil {
+		return nil, err
+	}
+	return &orchestratorv1.CancelRunResponse{Run: r}, nil
+}
+
+// cancelHere cancels a run this process holds and waits for its tree to stop.
+func (s *Server) cancelHere(ctx context.Context, rs *runState, req *orchestratorv1.CancelRunRequest) (*orchestratorv1.Run, error) {
 	select {
 	case <-rs.done:
-		return &orchestratorv1.CancelRunResponse{Run: rs.snapshot()}, nil
+		return rs.snapshot(), nil
 	default:
 	}
 	s.cfg.Log.InfoContext(ctx, "run cancelled by operator", "run_id", rs.id, "reason", req.GetReason())
@@ -798,7 +817,7 @@ func (s *Server) CancelRun(ctx context.Context, req *orchestratorv1.CancelRunReq
 	case <-ctx.Done():
 		return nil, status.FromContextError(ctx.Err()).Err()
 	}
-	return &orchestratorv1.CancelRunResponse{Run: rs.snapshot()}, nil
+	return rs.snapshot(), nil
 }
 
 // Sweep forgets the node records of runs that ended long ago.
