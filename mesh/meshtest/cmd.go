@@ -62,6 +62,7 @@ func CommonFlagCases() []FlagCase {
 		{Name: "bad log level", Args: []string{"--log-level=loud"}, Want: "--log-level"},
 		{Name: "zero grace", Args: []string{"--shutdown-grace=0s"}, Want: "--shutdown-grace"},
 		{Name: "negative drain delay", Args: []string{"--drain-delay=-1s"}, Want: "--drain-delay must not be negative"},
+		{Name: "tiny connection age", Args: []string{"--max-connection-age=10ms"}, Want: "--max-connection-age"},
 		{Name: "bad env value", Env: map[string]string{"CURFEW_MAX_DEADLINE": "forever"}, Want: "CURFEW_MAX_DEADLINE"},
 		{Name: "tiny message limit", Args: []string{"--max-recv-msg-size=10"}, Want: "--max-recv-msg-size"},
 	}

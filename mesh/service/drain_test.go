@@ -246,3 +246,26 @@ func TestStopBoundHoldsWithACallThatNeverEnds(t *testing.T) {
 		t.Errorf("client saw %v, want UNAVAILABLE or CANCELED", err)
 	}
 }
+
+// --max-connection-age closes each connection gracefully after about the age: the
+// client's connection goes idle (GOAWAY) with no call failing, and its next call
+// connects again, re-resolving its target (a headless Service's new replicas).
+func TestMaxConnectionAgeCyclesConnectionsWithoutFailingCalls(t *testing.T) {
+	o := validOptions()
+	o.MaxConnectionAge = time.Second
+	r := startHooked(t, o, func(s *grpc.Server) { toolrunnerv1.RegisterToolRunnerServiceServer(s, quick{}) }, nil)
+	ctx := t.Context()
+	if _, err := executeOnce(ctx, r.cc, "first"); err != nil {
+		t.Fatal(err)
+	}
+	wctx, cancel := context.WithTimeout(ctx, 10*time.Second) // age 1 s ± 10 %, with margin
+	defer cancel()
+	for st := r.cc.GetState(); st.String() != "IDLE"; st = r.cc.GetState() {
+		if !r.cc.WaitForStateChange(wctx, st) {
+			t.Fatalf("connection still %s 10 s after a 1 s max age", st)
+		}
+	}
+	if out, err := executeOnce(ctx, r.cc, "after"); err != nil || out != `"after"` {
+		t.Fatalf("call after the connection cycled: %q, %v", out, err)
+	}
+}

@@ -21,6 +21,7 @@ import (
 	"google.golang.org/grpc/credentials/insecure"
 	"google.golang.org/grpc/health"
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
+	"google.golang.org/grpc/keepalive"
 	"google.golang.org/grpc/reflection"
 
 	"github.com/curfew-mesh/curfew/mesh"
@@ -56,6 +57,12 @@ type Options struct {
 	// already NOT_SERVING, before it stops accepting calls: time for Kubernetes endpoints
 	// and clients' health checks to move traffic away (docs/leases.md#drain). 0: none.
 	DrainDelay time.Duration
+	// MaxConnectionAge, when positive, makes the server close each client connection
+	// gracefully (GOAWAY) after about this long; calls in flight then get MaxDeadline to
+	// finish. Clients dialling a headless Service with dns:/// then re-resolve it and
+	// reach replicas an autoscaler added, which a long-lived connection never would.
+	// 0 (the default): connections live as long as their clients keep them.
+	MaxConnectionAge time.Duration
 	// ShutdownGrace bounds the graceful stop that follows the drain delay: in-flight calls
 	// still running at its end are cancelled, and the OnStop functions must be done by
 	// then too (see Runtime.StopDeadline).
@@ -123,6 +130,7 @@ func (o *Options) Register(fs *flag.FlagSet, name, addr, admin string) {
 	fs.StringVar(&o.Addr, "addr", addr, "gRPC listen address")
 	fs.StringVar(&o.AdminAddr, "admin-addr", admin, "admin HTTP listen address (/healthz, /readyz, /metrics); empty disables it")
 	fs.DurationVar(&o.DrainDelay, "drain-delay", DefaultDrainDelay, "on SIGTERM, how long to keep serving with health NOT_SERVING before the listener closes; 0 stops at once (local curfew up); Kubernetes manifests set a few seconds so endpoints and clients move away first. A stop takes at most --drain-delay + --shutdown-grace + 2s (docs/leases.md#drain)")
+	fs.DurationVar(&o.MaxConnectionAge, "max-connection-age", 0, "close each client connection gracefully after about this long (0: never), so that clients of a headless Service re-resolve it and reach new replicas; in-flight calls get --max-deadline to finish")
 	fs.DurationVar(&o.ShutdownGrace, "shutdown-grace", DefaultShutdownGrace, "bound on the graceful stop after --drain-delay: in-flight calls still running then are cancelled")
 	fs.DurationVar(&o.DefaultDeadline, "default-deadline", deadline.DefaultTimeout, "deadline given to requests without one")
 	fs.DurationVar(&o.MaxDeadline, "max-deadline", deadline.DefaultMax, "cap on any requested deadline")
@@ -248,6 +256,9 @@ func (o *Options) Validate() error {
 	}
 	if o.DrainDelay < 0 {
 		return fmt.Errorf("--drain-delay must not be negative, got %v", o.DrainDelay)
+	}
+	if o.MaxConnectionAge < 0 || (o.MaxConnectionAge > 0 && o.MaxConnectionAge < time.Second) {
+		return fmt.Errorf("--max-connection-age must be 0 (off) or at least 1s, got %v", o.MaxConnectionAge)
 	}
 	if o.DefaultDeadline <= 0 || o.MaxDeadline <= 0 {
 		return errors.New("--default-deadline and --max-deadline must be positive")
@@ -390,7 +401,8 @@ func New(ctx context.Context, o Options, minTime map[string]time.Duration) (*Run
 		Metrics:  rt.metrics.server,
 		Chaos:    o.Chaos,
 	}), rt.serverTracing(), grpc.MaxRecvMsgSize(o.MaxRecvMsgSize),
-		grpc.MaxHeaderListSize(uint32(o.MaxHeaderListSize)))...) //nolint:gosec // bounded by Validate
+		grpc.MaxHeaderListSize(uint32(o.MaxHeaderListSize)), //nolint:gosec // bounded by Validate
+		connectionAge(o.MaxConnectionAge, o.MaxDeadline))...)
 	rt.Health = health.NewServer()
 	healthpb.RegisterHealthServer(rt.Server, rt.Health)
 	reflection.Register(rt.Server)
@@ -557,4 +569,13 @@ func Every(ctx context.Context, period time.Duration, fn func(time.Time)) {
 			fn(now)
 		}
 	}
+}
+
+// connectionAge is the server option of Options.MaxConnectionAge: grpc-go adds ±10 %
+// jitter to the age, so that a fleet's connections do not all cycle at once.
+func connectionAge(age, maxDeadline time.Duration) grpc.ServerOption {
+	if age <= 0 {
+		return grpc.EmptyServerOption{}
+	}
+	return grpc.KeepaliveParams(keepalive.ServerParameters{MaxConnectionAge: age, MaxConnectionAgeGrace: maxDeadline})
 }
