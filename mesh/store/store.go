@@ -6,7 +6,7 @@ import (
 )
 
 // Store is curfew's durable state: runs and their leases, checkpoints, tool idempotency
-// records with their side effects, dead letters and the token ledger. It is the union of
+// records with their side effects, dead letters, the token ledger and tenants' API keys. It is the union of
 // the narrower interfaces below; a component should depend on the narrowest one it uses.
 // Implementations are safe for concurrent use by many goroutines and by many processes
 // sharing one database.
@@ -16,6 +16,7 @@ type Store interface {
 	Tools
 	DeadLetters
 	Ledger
+	APIKeys
 	// Close releases the connections. Calls after Close fail.
 	Close() error
 }
@@ -146,4 +147,22 @@ type Ledger interface {
 	AddTokens(ctx context.Context, e LedgerEntry) (added bool, err error)
 	// TokenUsage sums the run's entries, in total and per node.
 	TokenUsage(ctx context.Context, tenant, runID string) (Usage, error)
+}
+
+// APIKeys holds tenants' API keys: each key's public id, its tenant and a hash of its
+// secret, never the secret itself (package mesh/apikey makes and checks keys).
+type APIKeys interface {
+	// CreateAPIKey stores k (ID, Tenant and a Hash required; CreatedAt is the store's
+	// clock) and returns it. With revokeOthers, the tenant's other keys are revoked in
+	// the same transaction (a rotation) and how many is returned. An ID that exists is
+	// ErrAlreadyExists.
+	CreateAPIKey(ctx context.Context, k APIKey, revokeOthers bool) (created APIKey, revoked int64, err error)
+	// GetAPIKey returns the key with id, revoked or not, or ErrNotFound.
+	GetAPIKey(ctx context.Context, id string) (APIKey, error)
+	// RevokeAPIKey revokes one key and returns it (a revoked key stays revoked, at its
+	// first revocation time), or ErrNotFound.
+	RevokeAPIKey(ctx context.Context, id string) (APIKey, error)
+	// ListAPIKeys returns the tenant's keys, or every tenant's for "", by tenant, then
+	// oldest first.
+	ListAPIKeys(ctx context.Context, tenant string) ([]APIKey, error)
 }

@@ -322,3 +322,15 @@ func WaitTool(ctx context.Context, s Tools, tenant, key string, maxPoll time.Dur
 		poll = min(2*poll, maxPoll)
 	}
 }
+
+// APIKey is a tenant's API key as the store keeps it.
+type APIKey struct {
+	ID        string // the key's public part, which a presented key names
+	Tenant    string
+	Hash      []byte // of the key's secret
+	CreatedAt time.Time
+	RevokedAt time.Time // zero while the key is valid
+}
+
+// Revoked reports whether the key has been revoked.
+func (k APIKey) Revoked() bool { return !k.RevokedAt.IsZero() }

@@ -86,6 +86,7 @@ func Run(t *testing.T, fresh func(t *testing.T) string) {
 		{"Tools", toolTests},
 		{"DeadLetters", deadLetterTests},
 		{"Ledger", ledgerTests},
+		{"APIKeys", apiKeyTests},
 		{"Migrations", migrationTests},
 	}
 	for _, g := range groups {
