@@ -41,6 +41,7 @@ Usage:
   curfew dlq     replay ID [--timeout D] [--json]
   curfew dlq     purge (--id ID | --before TIME | --replayed) [--json]
   curfew drill   [--mode shed|orphan] [--fault N] [--tasks N] [--deadline D] [--cancel-at D] [--tps N] [--heartbeat D] [--json]
+  curfew tenant  (create TENANT | rotate-key TENANT | revoke KEY_ID | ls [TENANT]) [--store DSN] [--json]
   curfew version
 
 Every command except up takes --addr (default: the orchestrator in DIR/endpoints.json,
@@ -55,7 +56,7 @@ func Main(ctx context.Context, args []string, stdin io.Reader, stdout, stderr io
 	}
 	cmds := map[string]func(context.Context, []string, io.Writer, io.Writer) int{
 		"up": cmdUp, "run": cmdRun, "get": cmdGet, "ls": cmdLs, "cancel": cmdCancel, "trace": cmdTrace,
-		"dlq": cmdDlq, "drill": cmdDrill,
+		"dlq": cmdDlq, "drill": cmdDrill, "tenant": cmdTenant,
 	}
 	switch args[0] {
 	case "help", "-h", "--help":

@@ -1,0 +1,171 @@
+package apikey
+
+import (
+	"context"
+	"crypto/rand"
+	"crypto/sha256"
+	"crypto/subtle"
+	"encoding/base32"
+	"encoding/base64"
+	"errors"
+	"fmt"
+	"log/slog"
+	"strings"
+
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/metadata"
+	"google.golang.org/grpc/status"
+
+	"github.com/curfew-mesh/curfew/mesh/store"
+)
+
+// Prefix starts every key, so that secret scanners and people can recognise one.
+const Prefix = "cfk_"
+
+const (
+	idLen     = 16 // base32 characters: 80 bits
+	secretLen = 43 // base64url characters without padding: 256 bits
+)
+
+var idEncoding = base32.NewEncoding("abcdefghijklmnopqrstuvwxyz234567").WithPadding(base32.NoPadding)
+
+// Key is a new API key: the full key, shown once, and what the store keeps of it.
+type Key struct {
+	Secret string       // the whole key, cfk_<id>_<secret>; never stored or logged
+	Record store.APIKey // id, tenant and hash, for store.APIKeys.CreateAPIKey
+}
+
+// New makes a key for tenant.
+func New(tenant string) (Key, error) {
+	if tenant == "" {
+		return Key{}, errors.New("apikey: a key needs a tenant")
+	}
+	idb := make([]byte, 10)
+	sec := make([]byte, 32)
+	if _, err := rand.Read(idb); err != nil {
+		return Key{}, err
+	}
+	if _, err := rand.Read(sec); err != nil {
+		return Key{}, err
+	}
+	id := idEncoding.EncodeToString(idb)
+	secret := base64.RawURLEncoding.EncodeToString(sec)
+	return Key{Secret: Prefix + id + "_" + secret, Record: store.APIKey{ID: id, Tenant: tenant, Hash: hash(secret)}}, nil
+}
+
+// ErrMalformed is Parse's error for anything that is not a curfew API key.
+var ErrMalformed = errors.New("apikey: not a curfew API key")
+
+// Parse splits a key into its id and secret.
+func Parse(key string) (id, secret string, err error) {
+	rest, ok := strings.CutPrefix(key, Prefix)
+	if !ok || len(rest) != idLen+1+secretLen || rest[idLen] != '_' {
+		return "", "", ErrMalformed
+	}
+	id, secret = rest[:idLen], rest[idLen+1:]
+	if _, err := idEncoding.DecodeString(id); err != nil {
+		return "", "", ErrMalformed
+	}
+	if _, err := base64.RawURLEncoding.DecodeString(secret); err != nil {
+		return "", "", ErrMalformed
+	}
+	return id, secret, nil
+}
+
+// ID returns the public id of a key, or "" when it is malformed: what may be logged.
+func ID(key string) string {
+	id, _, err := Parse(key)
+	if err != nil {
+		return ""
+	}
+	return id
+}
+
+func hash(secret string) []byte {
+	h := sha256.Sum256([]byte(secret))
+	return h[:]
+}
+
+// Authenticator checks bearer API keys against the store.
+type Authenticator struct {
+	Keys store.APIKeys
+	Log  *slog.Logger // nil: slog.Default()
+}
+
+// errUnauthenticated is every refused key's status, alike on purpose.
+var errUnauthenticated = status.Error(codes.Unauthenticated, "invalid API key")
+
+// Tenant returns the tenant of the call's bearer key (metadata authorization: Bearer
+// cfk_…). A call without one, or with a key that is malformed, unknown, revoked or
+// wrong, is UNAUTHENTICATED; a store failure is UNAVAILABLE.
+func (a *Authenticator) Tenant(ctx context.Context) (string, error) {
+	vals := metadata.ValueFromIncomingContext(ctx, "authorization")
+	if len(vals) == 0 {
+		return "", status.Error(codes.Unauthenticated, "missing API key: send metadata authorization: Bearer <key> (curfew tenant create makes one)")
+	}
+	if len(vals) > 1 {
+		return "", status.Error(codes.Unauthenticated, "more than one authorization header")
+	}
+	scheme, key, ok := strings.Cut(vals[0], " ")
+	if !ok || !strings.EqualFold(scheme, "bearer") {
+		return "", status.Error(codes.Unauthenticated, "authorization must be: Bearer <key>")
+	}
+	id, secret, err := Parse(strings.TrimSpace(key))
+	if err != nil {
+		a.log().DebugContext(ctx, "API key refused", "reason", "malformed")
+		return "", errUnauthenticated
+	}
+	rec, err := a.Keys.GetAPIKey(ctx, id)
+	switch {
+	case errors.Is(err, store.ErrNotFound):
+		a.log().DebugContext(ctx, "API key refused", "key_id", id, "reason", "unknown")
+		return "", errUnauthenticated
+	case err != nil:
+		a.log().WarnContext(ctx, "API key lookup failed", "key_id", id, "error", err.Error())
+		return "", status.Error(codes.Unavailable, "cannot check the API key now; retry")
+	}
+	if subtle.ConstantTimeCompare(rec.Hash, hash(secret)) != 1 {
+		a.log().DebugContext(ctx, "API key refused", "key_id", id, "reason", "wrong secret")
+		return "", errUnauthenticated
+	}
+	if rec.Revoked() {
+		a.log().DebugContext(ctx, "API key refused", "key_id", id, "reason", "revoked", "revoked_at", rec.RevokedAt)
+		return "", errUnauthenticated
+	}
+	return rec.Tenant, nil
+}
+
+func (a *Authenticator) log() *slog.Logger {
+	if a.Log != nil {
+		return a.Log
+	}
+	return slog.Default()
+}
+
+// Redact replaces every curfew API key in s by its prefix and id, for text that may hold
+// one (an error, a log line).
+func Redact(s string) string {
+	if !strings.Contains(s, Prefix) {
+		return s
+	}
+	var b strings.Builder
+	for {
+		i := strings.Index(s, Prefix)
+		if i < 0 {
+			b.WriteString(s)
+			return b.String()
+		}
+		b.WriteString(s[:i])
+		rest := s[i:]
+		n := len(Prefix) + idLen + 1 + secretLen
+		if len(rest) >= n {
+			if id, _, err := Parse(rest[:n]); err == nil {
+				fmt.Fprintf(&b, "%s%s_[REDACTED]", Prefix, id)
+				s = rest[n:]
+				continue
+			}
+		}
+		b.WriteString(Prefix)
+		s = rest[len(Prefix):]
+	}
+}
