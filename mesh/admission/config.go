@@ -110,6 +110,11 @@ type TenantLimits struct {
 	Rate float64
 	// Burst is the bucket's size; 0 means max(1, ⌈Rate⌉).
 	Burst int
+	// MaxDeadline is the longest deadline (time left at arrival) a run of the tenant may
+	// ask for; 0 is no limit beyond the service's --max-deadline. A longer one is refused
+	// (OUT_OF_RANGE) before anything starts: the caller asked for more time than its
+	// tenant is granted, which a silent cap would hide.
+	MaxDeadline time.Duration
 }
 
 // burst is the bucket size of l's rate.
@@ -272,6 +277,8 @@ func (l TenantLimits) validate(field string) error {
 		return &ConfigError{field + ".rate", l.Rate, "must be a finite number, not negative (0: unlimited)"}
 	case l.Burst < 0:
 		return &ConfigError{field + ".burst", l.Burst, "must not be negative (0: the rate rounded up)"}
+	case l.MaxDeadline < 0:
+		return &ConfigError{field + ".max_deadline", l.MaxDeadline, "must not be negative (0: no tenant limit)"}
 	}
 	return nil
 }
@@ -302,11 +309,12 @@ type fileTenant struct {
 	Window      duration `json:"window"`
 	Rate        float64  `json:"rate"`
 	Burst       int      `json:"burst"`
+	MaxDeadline duration `json:"max_deadline"`
 }
 
 func (t fileTenant) limits() TenantLimits {
 	return TenantLimits{MaxInFlight: t.MaxInFlight, TokenBudget: t.TokenBudget, Window: time.Duration(t.Window),
-		Rate: t.Rate, Burst: t.Burst}
+		Rate: t.Rate, Burst: t.Burst, MaxDeadline: time.Duration(t.MaxDeadline)}
 }
 
 // duration is a time.Duration written as a string ("12s").

@@ -40,7 +40,7 @@ const exampleFile = `{
   "retry_after": "1s",
   "default_tenant": {"max_in_flight": 16},
   "tenants": {
-    "acme": {"max_in_flight": 4, "token_budget": 200000, "window": "1h"}
+    "acme": {"max_in_flight": 4, "token_budget": 200000, "window": "1h", "max_deadline": "2m"}
   }
 }`
 
@@ -59,7 +59,7 @@ func TestLoad(t *testing.T) {
 	if p := cfg.Pools[0]; p.MaxQueue != 1000 || p.MaxQueueAge != 30*time.Second {
 		t.Errorf("paid pool %+v", p)
 	}
-	if l := cfg.TenantLimits("acme"); l != (admission.TenantLimits{MaxInFlight: 4, TokenBudget: 200000, Window: time.Hour}) {
+	if l := cfg.TenantLimits("acme"); l != (admission.TenantLimits{MaxInFlight: 4, TokenBudget: 200000, Window: time.Hour, MaxDeadline: 2 * time.Minute}) {
 		t.Errorf("acme %+v", l)
 	}
 	if l := cfg.TenantLimits("other"); l != (admission.TenantLimits{MaxInFlight: 16, Window: admission.DefaultBudgetWindow}) {
@@ -93,6 +93,7 @@ func TestDecodeErrors(t *testing.T) {
 		{"first pool overflow", `{"pools": [{"name": "free", "max_in_flight": 1, "overflow": true}]}`, `cannot be the overflow pool`},
 		{"negative grace", `{` + pools + `, "cancel_grace": "-1s"}`, `cancel_grace`},
 		{"negative budget", `{` + pools + `, "tenants": {"acme": {"token_budget": -5}}}`, `tenants["acme"].token_budget -5`},
+		{"negative max deadline", `{` + pools + `, "tenants": {"acme": {"max_deadline": "-1s"}}}`, `tenants["acme"].max_deadline -1s`},
 		{"empty tenant", `{` + pools + `, "tenants": {"": {"token_budget": 5}}}`, `a tenant id must not be empty`},
 		{"negative default", `{` + pools + `, "default_tenant": {"max_in_flight": -1}}`, `default_tenant.max_in_flight`},
 	} {

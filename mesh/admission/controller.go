@@ -227,6 +227,9 @@ func New(cfg Config, reg prometheus.Registerer) (*Controller, error) {
 // Config returns the controller's configuration, defaults applied.
 func (c *Controller) Config() Config { return c.cfg }
 
+// TenantLimits returns tenant's limits from the controller's LimitSource.
+func (c *Controller) TenantLimits(tenant string) TenantLimits { return c.limits.TenantLimits(tenant) }
+
 // Admit asks for a run's admission. It returns at once when the run is admitted or shed,
 // and otherwise blocks while the run is queued, until it is admitted, shed from the queue
 // (queue_age, deadline_slack, queue_full eviction, pool_closed, shutdown) or ctx ends.

@@ -3,8 +3,10 @@ package orchestrator
 import (
 	"context"
 	"errors"
+	"fmt"
 	"time"
 
+	"google.golang.org/genproto/googleapis/rpc/errdetails"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/metadata"
 	"google.golang.org/grpc/status"
@@ -197,4 +199,30 @@ func withRunChaos(ctx context.Context) context.Context {
 	cs.DropCancel = false
 	id.Chaos = cs.String()
 	return md.WithIdentity(ctx, id)
+}
+
+// deadlineSlack absorbs the time a run's request spent reaching create: a deadline the
+// caller set to exactly its tenant's maximum is not refused for the milliseconds lost on
+// the way.
+const deadlineSlack = time.Second
+
+// checkTenantDeadline refuses a run whose deadline is further away than its tenant's
+// max_deadline (admission config), OUT_OF_RANGE with the limit in a BadRequest detail,
+// before anything is recorded or started.
+func (s *Server) checkTenantDeadline(tenant string, dl time.Time) error {
+	if s.cfg.Admission == nil {
+		return nil
+	}
+	limit := s.cfg.Admission.TenantLimits(tenant).MaxDeadline
+	left := time.Until(dl)
+	if limit <= 0 || left <= limit+deadlineSlack {
+		return nil
+	}
+	st := status.Newf(codes.OutOfRange, "deadline %v away exceeds tenant %q's max_deadline %v: ask for %v or less",
+		left.Round(time.Millisecond), tenant, limit, limit)
+	if d, err := st.WithDetails(&errdetails.BadRequest{FieldViolations: []*errdetails.BadRequest_FieldViolation{{
+		Field: "deadline", Description: fmt.Sprintf("at most %v for tenant %q (admission max_deadline)", limit, tenant)}}}); err == nil {
+		st = d
+	}
+	return st.Err()
 }

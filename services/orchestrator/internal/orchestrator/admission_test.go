@@ -2,6 +2,7 @@ package orchestrator
 
 import (
 	"context"
+	"strings"
 	"testing"
 	"time"
 
@@ -184,5 +185,47 @@ func TestOrphanTokensBeyondTheInFlightAllowance(t *testing.T) {
 		if got := orphanTokens(&orchestratorv1.Run{Nodes: c.nodes}); got != c.want {
 			t.Errorf("orphanTokens(%v) = %d, want %d", c.nodes, got, c.want)
 		}
+	}
+}
+
+// A tenant's max_deadline refuses a run that asks for more time (OUT_OF_RANGE, the limit
+// in a BadRequest detail) before anything starts, for StartRun and Run alike; a run
+// within it, and another tenant's longer run, start.
+func TestAdmissionTenantMaxDeadline(t *testing.T) {
+	cfg := DefaultAdmission()
+	cfg.Tenants = map[string]admission.TenantLimits{"acme": {MaxDeadline: 5 * time.Second}}
+	e, _ := newAdmittedEnv(t, cfg, nil)
+	acme := metadata.AppendToOutgoingContext(context.Background(), md.Tenant, "acme")
+	_, err := e.orch.StartRun(acme, &orchestratorv1.StartRunRequest{Task: tinyPlan, Timeout: durationpb.New(time.Minute)})
+	st := status.Convert(err)
+	if st.Code() != codes.OutOfRange || !strings.Contains(st.Message(), "max_deadline 5s") {
+		t.Fatalf("StartRun for 1m: %v, want OUT_OF_RANGE naming max_deadline 5s", err)
+	}
+	var field bool
+	for _, d := range st.Details() {
+		if br, ok := d.(*errdetails.BadRequest); ok && len(br.GetFieldViolations()) == 1 && br.GetFieldViolations()[0].GetField() == "deadline" {
+			field = true
+		}
+	}
+	if !field {
+		t.Errorf("no BadRequest detail on field deadline: %v", st.Details())
+	}
+	ctx, cancel := context.WithTimeout(acme, time.Minute)
+	defer cancel()
+	st2, err := e.orch.Run(ctx, &orchestratorv1.RunRequest{Task: tinyPlan})
+	if err == nil {
+		_, err = st2.Recv()
+	}
+	if status.Code(err) != codes.OutOfRange {
+		t.Errorf("Run with a 1m deadline: %v, want OUT_OF_RANGE", err)
+	}
+	if got := e.decoders(); len(got) != 0 {
+		t.Fatalf("decoders %v started for refused runs", got)
+	}
+	if _, err := e.orch.StartRun(acme, &orchestratorv1.StartRunRequest{Task: tinyPlan, Timeout: durationpb.New(5 * time.Second)}); err != nil {
+		t.Errorf("StartRun for exactly the maximum: %v", err)
+	}
+	if _, err := e.orch.StartRun(context.Background(), &orchestratorv1.StartRunRequest{Task: tinyPlan, Timeout: durationpb.New(time.Minute)}); err != nil {
+		t.Errorf("another tenant's 1m run: %v", err)
 	}
 }

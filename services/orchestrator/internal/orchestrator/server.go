@@ -405,6 +405,9 @@ func newRunState(id, tenant, key, model, task string, dl, created time.Time) *ru
 // launched. With an idempotency key that names an existing run of the tenant it creates
 // nothing and returns that run instead (rs is nil).
 func (s *Server) create(ctx context.Context, tenant, key, model, task string, dl time.Time) (rs *runState, existing *orchestratorv1.Run, err error) {
+	if err := s.checkTenantDeadline(tenant, dl); err != nil {
+		return nil, nil, err
+	}
 	if s.cfg.Store == nil {
 		if key != "" {
 			s.mu.Lock()
