@@ -39,6 +39,12 @@ type ServerConfig struct {
 	// Off (the default), the chain clears it from the call's identity, so it is neither
 	// acted on nor sent on, and logs a warning the first time it sees one.
 	Chaos bool
+	// Authorize, when set, decides whether the caller of ctx may call fullMethod (a
+	// meshtls.Policy's Authorize): a non-nil error, a status, refuses the call before the
+	// deadline layer, so a refused call holds no deadline, identity or retry-id. It runs
+	// inside metrics, recovery and status, so refusals are counted and logged with their
+	// code. nil authorizes every call (plaintext, where there are no identities).
+	Authorize func(ctx context.Context, fullMethod string) error
 }
 
 func (c ServerConfig) logger() *slog.Logger {
@@ -82,7 +88,7 @@ type serverChain struct {
 }
 
 // unary is the whole chain for a unary call: recovery outermost, then the status mapping,
-// deadline, identity and fast-fail (enter), and retry-id, then the handler. Its end is
+// authorization, deadline, identity and fast-fail (enter), and retry-id, then the handler. Its end is
 // logged (finished) with the code the caller receives.
 func (c *serverChain) unary(ctx context.Context, req any, info *grpc.UnaryServerInfo, h grpc.UnaryHandler) (_ any, err error) {
 	start := time.Now()
@@ -99,6 +105,11 @@ func (c *serverChain) unary(ctx context.Context, req any, info *grpc.UnaryServer
 }
 
 func (c *serverChain) unaryInner(ctx context.Context, req any, info *grpc.UnaryServerInfo, h grpc.UnaryHandler, start time.Time) (any, error) {
+	if a := c.cfg.Authorize; a != nil {
+		if err := a(ctx, info.FullMethod); err != nil {
+			return nil, err
+		}
+	}
 	ctx, cancel := applyDeadline(ctx, c.cfg, c.log, info.FullMethod, start)
 	if cancel != nil {
 		defer cancel()
@@ -128,6 +139,11 @@ func (c *serverChain) stream(srv any, ss grpc.ServerStream, info *grpc.StreamSer
 }
 
 func (c *serverChain) streamInner(ctx context.Context, srv any, ss grpc.ServerStream, info *grpc.StreamServerInfo, h grpc.StreamHandler, start time.Time) error {
+	if a := c.cfg.Authorize; a != nil {
+		if err := a(ctx, info.FullMethod); err != nil {
+			return err
+		}
+	}
 	ctx, cancel := applyDeadline(ctx, c.cfg, c.log, info.FullMethod, start)
 	if cancel != nil {
 		defer cancel()

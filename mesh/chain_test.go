@@ -432,3 +432,34 @@ func TestChainReconcilesCurfewDeadline(t *testing.T) {
 		})
 	}
 }
+
+// ServerConfig.Authorize refuses a call before the deadline layer and the handler, with
+// the status it returns, on both paths; it sees each call's method.
+func TestChainAuthorize(t *testing.T) {
+	for _, p := range paths {
+		t.Run(p.name, func(t *testing.T) {
+			var seen atomic.Value
+			cfg := mesh.ServerConfig{
+				// A minimum no call meets: were the deadline layers first, they would refuse.
+				MinTime: map[string]time.Duration{p.method: time.Hour},
+				Authorize: func(_ context.Context, method string) error {
+					seen.Store(method)
+					return status.Errorf(codes.PermissionDenied, "x may not call %s", method)
+				},
+			}
+			pr, cc := serveProbe(t, cfg, func(context.Context) error { return nil })
+			ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+			defer cancel()
+			err := p.call(ctx, cc)
+			if status.Code(err) != codes.PermissionDenied || !strings.Contains(status.Convert(err).Message(), p.method) {
+				t.Fatalf("call: %v, want PERMISSION_DENIED naming %s", err, p.method)
+			}
+			if got, _ := seen.Load().(string); got != p.method {
+				t.Errorf("Authorize saw method %q, want %q", got, p.method)
+			}
+			if n := pr.calls.Load(); n != 0 {
+				t.Errorf("handler ran %d times; a refused call must not reach it", n)
+			}
+		})
+	}
+}

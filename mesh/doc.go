@@ -16,19 +16,24 @@
 //  2. status: every error leaving a handler becomes a gRPC status with the documented
 //     code; internal error text is logged, never sent. Outside the deadline layer so the
 //     fast-fail statuses it makes pass through unchanged.
-//  3. deadline: a request without a deadline gets the service default, one beyond the
+//  3. authorization (ServerConfig.Authorize, with mTLS: a meshtls.Policy): a caller the
+//     call graph does not allow is refused with PERMISSION_DENIED (UNAUTHENTICATED
+//     without a mesh identity) before anything else runs. Inside metrics, recovery and
+//     status, so refusals are counted and logged; before the deadline, so a refused
+//     call takes no deadline, identity or retry-id.
+//  4. deadline: a request without a deadline gets the service default, one beyond the
 //     maximum is capped; then the relative gRPC deadline is reconciled with the caller's
 //     absolute curfew-deadline, so that a child never sees a later deadline than its
 //     parent (a gap over a second is logged as clock skew and the gRPC deadline kept). It
 //     only ever shortens. Before anything that measures time left. With metrics, the
 //     final deadline's time left is observed here (curfew_deadline_slack_seconds).
-//  4. identity: curfew-tenant, curfew-run-id, curfew-node-id and curfew-attempt become
+//  5. identity: curfew-tenant, curfew-run-id, curfew-node-id and curfew-attempt become
 //     the context's md.Identity, so handlers and their outgoing calls carry them.
-//  5. fast-fail: a method with a configured minimum is refused with DEADLINE_EXCEEDED
+//  6. fast-fail: a method with a configured minimum is refused with DEADLINE_EXCEEDED
 //     ("no time left to start X") when less than that remains. After the deadline layer,
 //     so it sees the final deadline; before retry-id, so a doomed attempt does not
 //     supersede one that is still running.
-//  6. retry-id: at most one attempt per (tenant, method, retry-id) runs; a newer attempt
+//  7. retry-id: at most one attempt per (tenant, method, retry-id) runs; a newer attempt
 //     supersedes (cancels with cause superseded) the earlier one and starts only after its
 //     teardown, or is refused with ABORTED past the grace (package retryid). Last, so the
 //     handler's context is the one the supersede cancels.

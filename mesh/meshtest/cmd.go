@@ -64,6 +64,8 @@ func CommonFlagCases() []FlagCase {
 		{Name: "negative drain delay", Args: []string{"--drain-delay=-1s"}, Want: "--drain-delay must not be negative"},
 		{Name: "tiny connection age", Args: []string{"--max-connection-age=10ms"}, Want: "--max-connection-age"},
 		{Name: "bad env value", Env: map[string]string{"CURFEW_MAX_DEADLINE": "forever"}, Want: "CURFEW_MAX_DEADLINE"},
+		{Name: "tls and insecure", Args: []string{"--tls-dir=/nonexistent", "--insecure"}, Want: "--tls-dir and --insecure are exclusive"},
+		{Name: "tls and insecure from env", Args: []string{"--insecure"}, Env: map[string]string{"CURFEW_TLS_DIR": "/nonexistent"}, Want: "exclusive"},
 		{Name: "tiny message limit", Args: []string{"--max-recv-msg-size=10"}, Want: "--max-recv-msg-size"},
 	}
 }

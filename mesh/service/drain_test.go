@@ -39,7 +39,7 @@ func startHooked(t *testing.T, o service.Options, register func(*grpc.Server), s
 	if setup != nil {
 		setup(rt)
 	}
-	cc, err := service.Dial(rt.Addr())
+	cc, err := service.Dial(rt.Addr(), nil)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -18,6 +18,7 @@ import (
 	"github.com/prometheus/client_golang/prometheus/collectors"
 	"github.com/prometheus/client_golang/prometheus/promhttp"
 	"google.golang.org/grpc"
+	"google.golang.org/grpc/credentials"
 	"google.golang.org/grpc/credentials/insecure"
 	"google.golang.org/grpc/health"
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
@@ -53,6 +54,19 @@ type Options struct {
 	Addr string
 	// AdminAddr is the admin HTTP listen address (/healthz, /readyz, /metrics).
 	AdminAddr string
+	// HealthAddr, when set, is a second, plaintext gRPC listen address serving only
+	// grpc.health.v1 (the same health as Addr), for probes that cannot do mTLS:
+	// Kubernetes' native gRPC probes. Empty (the default): none.
+	HealthAddr string
+	// TLSDir is the directory of the mesh's mTLS files (package meshtls): ca.crt and
+	// <Name>.crt/.key. With it the server requires mesh client certificates (the
+	// orchestrator verifies one if given) and authorizes calls by the call graph
+	// (meshtls.DefaultPolicy), and Runtime.Dial's connections present Name's
+	// certificate. The files are reloaded when rotated.
+	TLSDir string
+	// Insecure runs plaintext without mTLS, for local debugging: it says so in a warning
+	// at start. Exclusive with TLSDir.
+	Insecure bool
 	// DrainDelay is how long the server goes on serving after the stop begins, its health
 	// already NOT_SERVING, before it stops accepting calls: time for Kubernetes endpoints
 	// and clients' health checks to move traffic away (docs/leases.md#drain). 0: none.
@@ -129,6 +143,9 @@ func (o *Options) Register(fs *flag.FlagSet, name, addr, admin string) {
 	o.Name, o.fs = name, fs
 	fs.StringVar(&o.Addr, "addr", addr, "gRPC listen address")
 	fs.StringVar(&o.AdminAddr, "admin-addr", admin, "admin HTTP listen address (/healthz, /readyz, /metrics); empty disables it")
+	fs.StringVar(&o.HealthAddr, "health-addr", "", "plaintext gRPC listen address serving only grpc.health.v1, for probes that cannot do mTLS (Kubernetes gRPC probes); empty (the default) disables it")
+	fs.StringVar(&o.TLSDir, "tls-dir", "", "directory of the mesh's mTLS files: ca.crt and <service>.crt/.key (curfew up writes them under its data directory); calls are then mutually authenticated and authorized by the call graph, and rotated files are reloaded without a restart")
+	fs.BoolVar(&o.Insecure, "insecure", false, "plaintext, no mTLS: every caller may call every method; only for local debugging (a warning says so at start); exclusive with --tls-dir")
 	fs.DurationVar(&o.DrainDelay, "drain-delay", DefaultDrainDelay, "on SIGTERM, how long to keep serving with health NOT_SERVING before the listener closes; 0 stops at once (local curfew up); Kubernetes manifests set a few seconds so endpoints and clients move away first. A stop takes at most --drain-delay + --shutdown-grace + 2s (docs/leases.md#drain)")
 	fs.DurationVar(&o.MaxConnectionAge, "max-connection-age", 0, "close each client connection gracefully after about this long (0: never), so that clients of a headless Service re-resolve it and reach new replicas; in-flight calls get --max-deadline to finish")
 	fs.DurationVar(&o.ShutdownGrace, "shutdown-grace", DefaultShutdownGrace, "bound on the graceful stop after --drain-delay: in-flight calls still running then are cancelled")
@@ -251,6 +268,9 @@ func (o *Options) Validate() error {
 	if o.Addr == "" {
 		return errors.New("--addr must not be empty")
 	}
+	if err := o.validateTLS(); err != nil {
+		return err
+	}
 	if o.ShutdownGrace <= 0 {
 		return fmt.Errorf("--shutdown-grace must be positive, got %v", o.ShutdownGrace)
 	}
@@ -344,8 +364,12 @@ type Runtime struct {
 	Breakers *breaker.Set
 
 	tracing *tracing.Provider // see tracing.go
-	onDrain []func()
-	onStop  []func()
+	tls     *tlsState         // see tls.go; nil when plaintext
+
+	healthLis net.Listener // --health-addr, or nil
+	healthSrv *grpc.Server
+	onDrain   []func()
+	onStop    []func()
 
 	stopMu sync.Mutex
 	stopBy time.Time // see StopDeadline
@@ -385,11 +409,25 @@ func New(ctx context.Context, o Options, minTime map[string]time.Duration) (*Run
 	rt.metrics = newMetrics(rt.Registry)
 	bcfg, _ := o.Breaker.config(o.fs != nil) // checked by Validate
 	rt.Breakers = breaker.NewSet(bcfg, rt.Registry)
-	if err := rt.startTracing(ctx); err != nil {
+	closeListeners := func() {
 		_ = lis.Close()
 		if rt.admin != nil {
 			_ = rt.admin.Close()
 		}
+		if rt.healthLis != nil {
+			_ = rt.healthLis.Close()
+		}
+	}
+	if err := rt.listenHealth(ctx); err != nil {
+		closeListeners()
+		return nil, err
+	}
+	if rt.tls, err = newTLS(o, log, rt.Registry); err != nil {
+		closeListeners()
+		return nil, err
+	}
+	if err := rt.startTracing(ctx); err != nil {
+		closeListeners()
 		return nil, err
 	}
 	//nolint:contextcheck // the interceptors take each call's own context; none is needed here
@@ -400,12 +438,18 @@ func New(ctx context.Context, o Options, minTime map[string]time.Duration) (*Run
 		RetryIDs: retryid.New(0, rt.Registry),
 		Metrics:  rt.metrics.server,
 		Chaos:    o.Chaos,
-	}), rt.serverTracing(), grpc.MaxRecvMsgSize(o.MaxRecvMsgSize),
+		// After the metrics, before the deadline and retry-id layers (mesh's doc).
+		Authorize: rt.tls.authorize(),
+	}), rt.tls.serverCreds(o.Name), rt.serverTracing(), grpc.MaxRecvMsgSize(o.MaxRecvMsgSize),
 		grpc.MaxHeaderListSize(uint32(o.MaxHeaderListSize)), //nolint:gosec // bounded by Validate
 		connectionAge(o.MaxConnectionAge, o.MaxDeadline))...)
 	rt.Health = health.NewServer()
 	healthpb.RegisterHealthServer(rt.Server, rt.Health)
 	reflection.Register(rt.Server)
+	if rt.healthLis != nil {
+		rt.healthSrv = grpc.NewServer()
+		healthpb.RegisterHealthServer(rt.healthSrv, rt.Health)
+	}
 	return rt, nil
 }
 
@@ -421,20 +465,25 @@ func (rt *Runtime) AdminAddr() string {
 }
 
 // Dial returns a client connection to target with the mesh client chain and default
-// retries. Connections are lazy, so services that call each other can start in any order.
-func Dial(target string) (*grpc.ClientConn, error) {
-	opts := append(mesh.DialOptions(mesh.ClientConfig{}), grpc.WithTransportCredentials(insecure.NewCredentials()))
+// retries, over creds (Runtime.Credentials; nil: plaintext). Connections are lazy, so
+// services that call each other can start in any order.
+func Dial(target string, creds credentials.TransportCredentials) (*grpc.ClientConn, error) {
+	if creds == nil {
+		creds = insecure.NewCredentials()
+	}
+	opts := append(mesh.DialOptions(mesh.ClientConfig{}), grpc.WithTransportCredentials(creds))
 	return grpc.NewClient(target, opts...)
 }
 
 // Dial returns a client connection to the service name at target with the mesh client
 // chain, this service's retry policy for that target, and the breaker of name from
 // rt.Breakers (metrics on the admin port). Connections dialled with one name share its
-// breaker.
+// breaker. With --tls-dir the connection is mTLS (Credentials(name)): name must then be
+// the server's mesh identity.
 func (rt *Runtime) Dial(name, target string) (*grpc.ClientConn, error) {
 	rc := rt.retries.For(name)
 	rc.Metrics, rc.Logger = rt.retryMetrics, rt.Log
-	opts := append(mesh.DialOptions(mesh.ClientConfig{Retry: rc, Breakers: rt.Breakers, Metrics: rt.metrics.client}), grpc.WithTransportCredentials(insecure.NewCredentials()),
+	opts := append(mesh.DialOptions(mesh.ClientConfig{Retry: rc, Breakers: rt.Breakers, Metrics: rt.metrics.client}), grpc.WithTransportCredentials(rt.Credentials(name)),
 		rt.clientTracing())
 	return grpc.NewClient(target, opts...)
 }
@@ -478,8 +527,11 @@ func (rt *Runtime) StopDeadline() time.Time {
 // It returns nil after a clean stop, else the error that made the server fail.
 func (rt *Runtime) Serve(ctx context.Context) error {
 	rt.Health.SetServingStatus("", healthpb.HealthCheckResponse_SERVING)
-	errc := make(chan error, 2)
+	errc := make(chan error, 3) // the gRPC, admin and health servers
 	go func() { errc <- rt.Server.Serve(rt.lis) }()
+	if rt.healthSrv != nil {
+		go func() { errc <- rt.healthSrv.Serve(rt.healthLis) }()
+	}
 	var hs *http.Server
 	if rt.admin != nil {
 		mux := http.NewServeMux()
@@ -500,7 +552,7 @@ func (rt *Runtime) Serve(ctx context.Context) error {
 			}
 		}()
 	}
-	rt.Log.Info("serving", "addr", rt.Addr(), "admin_addr", rt.AdminAddr(), "version", BuildVersion())
+	rt.Log.Info("serving", "addr", rt.Addr(), "admin_addr", rt.AdminAddr(), "health_addr", rt.HealthAddr(), "tls", rt.tls != nil, "version", BuildVersion())
 	var serveErr error
 	select {
 	case <-ctx.Done():
@@ -540,6 +592,9 @@ func (rt *Runtime) Serve(ctx context.Context) error {
 		<-done
 	}
 	t.Stop()
+	if rt.healthSrv != nil {
+		rt.healthSrv.Stop() // health checks are short; NOT_SERVING since the drain began
+	}
 	rt.stopped()
 
 	// 3. Flush.

@@ -182,7 +182,7 @@ func start(t *testing.T, o service.Options, register func(*grpc.Server)) *runnin
 	if register != nil {
 		register(rt.Server)
 	}
-	cc, err := service.Dial(rt.Addr())
+	cc, err := service.Dial(rt.Addr(), nil)
 	if err != nil {
 		t.Fatal(err)
 	}

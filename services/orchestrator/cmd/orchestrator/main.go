@@ -22,6 +22,7 @@ import (
 	"github.com/curfew-mesh/curfew/mesh/agent"
 	"github.com/curfew-mesh/curfew/mesh/decoderlease"
 	"github.com/curfew-mesh/curfew/mesh/dlq"
+	"github.com/curfew-mesh/curfew/mesh/meshtls"
 	"github.com/curfew-mesh/curfew/mesh/service"
 	"github.com/curfew-mesh/curfew/mesh/store"
 	_ "github.com/curfew-mesh/curfew/mesh/store/postgres" // postgres:// DSNs
@@ -30,6 +31,7 @@ import (
 	"github.com/google/uuid"
 	"github.com/nats-io/nats.go"
 	"google.golang.org/grpc"
+	"google.golang.org/grpc/credentials"
 )
 
 func main() { os.Exit(run(os.Args[1:])) }
@@ -112,7 +114,9 @@ func run(args []string) int {
 			rt.Log.Info("run leases name this orchestrator's address for cancel forwarding", "advertise_addr", adv)
 		}
 	}
-	peers := &peerConns{}
+	// Other orchestrators are reached as the mesh service "orchestrator", with this one's
+	// certificate under --tls-dir.
+	peers := &peerConns{creds: rt.Credentials(meshtls.Orchestrator)}
 	var adm *admission.Controller
 	if !*admissionOff {
 		adm, err = admission.New(admCfg, rt.Registry)
@@ -229,6 +233,7 @@ func advertiseAddr(flagValue, bound string) string {
 // forwarding: the mesh client chain without retries (the caller falls back when the
 // owner is unreachable).
 type peerConns struct {
+	creds credentials.TransportCredentials
 	mu    sync.Mutex
 	conns map[string]*grpc.ClientConn
 }
@@ -242,7 +247,7 @@ func (p *peerConns) client(addr string) (orchestratorv1.OrchestratorServiceClien
 	c := p.conns[addr]
 	if c == nil {
 		var err error
-		if c, err = service.Dial(addr); err != nil {
+		if c, err = service.Dial(addr, p.creds); err != nil {
 			return nil, err
 		}
 		if len(p.conns) >= maxPeerConns { // owners come and go (pods): start afresh
