@@ -10,8 +10,6 @@ import (
 
 	"github.com/nats-io/nats.go"
 	"github.com/nats-io/nats.go/jetstream"
-	"google.golang.org/grpc"
-	"google.golang.org/grpc/credentials/insecure"
 	"google.golang.org/protobuf/types/known/durationpb"
 
 	orchestratorv1 "github.com/curfew-mesh/curfew/gen/curfew/orchestrator/v1"
@@ -171,7 +169,7 @@ func TestStartRunDetachedAndIdempotent(t *testing.T) {
 	  {"answer_tokens": 5}]}`
 	req := &orchestratorv1.StartRunRequest{Task: plan, IdempotencyKey: key, Timeout: durationpb.New(20 * time.Second)}
 	// A client of its own, closed right after the two starts: the run must not notice.
-	conn, err := grpc.NewClient(mesh.Endpoints.Services["orchestrator"].Addr, grpc.WithTransportCredentials(insecure.NewCredentials()))
+	conn, err := mesh.Conn("orchestrator")
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -19,6 +19,7 @@ import (
 	orchestratorv1 "github.com/curfew-mesh/curfew/gen/curfew/orchestrator/v1"
 	"github.com/curfew-mesh/curfew/mesh/decoderlease"
 	"github.com/curfew-mesh/curfew/mesh/md"
+	"github.com/curfew-mesh/curfew/mesh/meshtls"
 )
 
 // Decoder leases across the real processes (docs/leases.md): runs complete with leases on
@@ -52,7 +53,7 @@ func TestDecoderLeases(t *testing.T) {
 		}
 	})
 
-	conn, err := mesh.Conn("modelproxy") // closed with the mesh
+	conn, err := mesh.ConnAs(meshtls.Orchestrator, "modelproxy") // as a caller of Generate; closed with the mesh
 	if err != nil {
 		t.Fatal(err)
 	}

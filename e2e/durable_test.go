@@ -15,6 +15,7 @@ import (
 	orchestratorv1 "github.com/curfew-mesh/curfew/gen/curfew/orchestrator/v1"
 	toolrunnerv1 "github.com/curfew-mesh/curfew/gen/curfew/toolrunner/v1"
 	"github.com/curfew-mesh/curfew/mesh/md"
+	"github.com/curfew-mesh/curfew/mesh/meshtls"
 	"github.com/curfew-mesh/curfew/mesh/store"
 	_ "github.com/curfew-mesh/curfew/mesh/store/sqlite"
 )
@@ -81,7 +82,7 @@ func TestDurableToolsTakeEffectOnce(t *testing.T) {
 
 	// The same notify call again, as a retry would send it (same run, node and
 	// arguments, no key of its own): replayed, no second row.
-	conn, err := mesh.Conn("toolrunner")
+	conn, err := mesh.ConnAs(meshtls.Orchestrator, "toolrunner") // as a caller of Execute
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -58,7 +58,7 @@ func TestGrpcurlReadmeRecipes(t *testing.T) {
 	defer cancel()
 	cmd := exec.CommandContext(ctx, "bash", "-euo", "pipefail", "-c", script)
 	cmd.Env = append(os.Environ(), "PATH="+tools+string(os.PathListSeparator)+os.Getenv("PATH"),
-		"CURFEW_ADDR="+mesh.Endpoints.Services["orchestrator"].Addr)
+		"CURFEW_ADDR="+mesh.Endpoints.Services["orchestrator"].Addr, "CURFEW_TLS="+mesh.Endpoints.TLSDir)
 	out, err := cmd.CombinedOutput()
 	t.Logf("recipes:\n%s\noutput:\n%s", script, out)
 	if err != nil {

@@ -249,7 +249,7 @@ func TestMetricsAfterRuns(t *testing.T) {
 			withProviders = append(withProviders, r)
 			continue
 		}
-		if r.tls && !meshTLS {
+		if r.tls && !mesh.TLS() {
 			continue
 		}
 		for _, n := range r.names {
@@ -414,7 +414,3 @@ func TestMonitoringUsesDocumentedMetrics(t *testing.T) {
 		}
 	}
 }
-
-// meshTLS says whether the shared mesh runs with mTLS (its services were given
-// --tls-dir), so that the rows of docs/metrics.md that say --tls-dir are checked.
-var meshTLS = false

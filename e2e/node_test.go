@@ -98,7 +98,11 @@ func startNode(t *testing.T, args ...string) *nodeProc {
 	t.Helper()
 	script := nodeClient(t)
 	addr := mesh.Endpoints.Services["orchestrator"].Addr
-	cmd := exec.Command("node", append([]string{script, "--addr", addr, "--json"}, args...)...) //nolint:noctx // the test signals and kills it itself
+	base := []string{script, "--addr", addr, "--json"}
+	if mesh.TLS() { // TLS trusting the mesh CA; the public API needs no client certificate
+		base = append(base, "--ca", filepath.Join(mesh.Endpoints.TLSDir, "ca.crt"))
+	}
+	cmd := exec.Command("node", append(base, args...)...) //nolint:noctx // the test signals and kills it itself
 	p := &nodeProc{cmd: cmd, events: make(chan nodeEvent, 4096), done: make(chan error, 1)}
 	cmd.Stderr = &p.stderr
 	out, err := cmd.StdoutPipe()

@@ -21,6 +21,7 @@ import (
 	modelproxyv1 "github.com/curfew-mesh/curfew/gen/curfew/modelproxy/v1"
 	"github.com/curfew-mesh/curfew/internal/meshproc"
 	"github.com/curfew-mesh/curfew/internal/ollamatest"
+	"github.com/curfew-mesh/curfew/mesh/meshtls"
 )
 
 // TestModelProxyRealInferenceServer: modelproxy streams completions through its OpenAI
@@ -66,7 +67,7 @@ func TestModelProxyRealInferenceServer(t *testing.T) {
 			t.Errorf("curfew up did not stop cleanly: %v", err)
 		}
 	})
-	conn, err := m.Conn("modelproxy")
+	conn, err := m.ConnAs(meshtls.Orchestrator, "modelproxy") // as a caller of Generate
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -24,6 +24,7 @@ import (
 	modelproxyv1 "github.com/curfew-mesh/curfew/gen/curfew/modelproxy/v1"
 	orchestratorv1 "github.com/curfew-mesh/curfew/gen/curfew/orchestrator/v1"
 	"github.com/curfew-mesh/curfew/internal/meshproc"
+	"github.com/curfew-mesh/curfew/mesh/meshtls"
 )
 
 // upstream is an openaitest server process: an HTTP server that speaks the OpenAI chat
@@ -212,7 +213,7 @@ func TestProvidersOverRealProcesses(t *testing.T) {
 		}
 	})
 
-	conn, err := m.Conn("modelproxy")
+	conn, err := m.ConnAs(meshtls.Orchestrator, "modelproxy") // as a caller of Generate
 	if err != nil {
 		t.Fatal(err)
 	}

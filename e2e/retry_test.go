@@ -15,7 +15,6 @@ import (
 
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
-	"google.golang.org/grpc/credentials/insecure"
 	"google.golang.org/grpc/metadata"
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/types/known/durationpb"
@@ -26,6 +25,7 @@ import (
 	orchestratorv1 "github.com/curfew-mesh/curfew/gen/curfew/orchestrator/v1"
 	toolrunnerv1 "github.com/curfew-mesh/curfew/gen/curfew/toolrunner/v1"
 	"github.com/curfew-mesh/curfew/internal/meshproc"
+	"github.com/curfew-mesh/curfew/mesh/meshtls"
 )
 
 // The retry tests read counters on the services' /metrics and time the gaps between
@@ -464,7 +464,8 @@ func supersede(ctx context.Context, t *testing.T, run, node, rid string) (s1, s2
 	t.Helper()
 	const plan = `{"tokens_per_second": 40, "steps": [{"answer_tokens": 400}]}`
 	const few = 3
-	conn, err := grpc.NewClient(mesh.Endpoints.Services["modelproxy"].Addr, grpc.WithTransportCredentials(insecure.NewCredentials()))
+	// As the orchestrator: with mTLS, modelproxy serves Generate to the mesh's callers only.
+	conn, err := mesh.ConnAs(meshtls.Orchestrator, "modelproxy")
 	if err != nil {
 		t.Fatal(err)
 	}

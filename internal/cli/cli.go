@@ -12,11 +12,11 @@ import (
 	"strings"
 
 	"google.golang.org/grpc"
-	"google.golang.org/grpc/credentials/insecure"
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/encoding/protojson"
 	"google.golang.org/protobuf/proto"
 
+	"github.com/curfew-mesh/curfew/mesh/meshtls"
 	"github.com/curfew-mesh/curfew/mesh/service"
 )
 
@@ -30,7 +30,7 @@ const (
 const usage = `curfew: one absolute deadline and one stop signal for agent trees.
 
 Usage:
-  curfew up      [--data-dir DIR] [--base-port N] [--bin-dir DIR] [--json]
+  curfew up      [--data-dir DIR] [--base-port N] [--bin-dir DIR] [--insecure] [--json]
   curfew run     (--plan FILE | TASK) [--deadline D] [--model M] [--continue] [--cancel-after D] [--json]
   curfew get     RUN [--json]
   curfew ls      [--limit N] [--json]
@@ -45,7 +45,9 @@ Usage:
   curfew version
 
 Every command except up takes --addr (default: the orchestrator in DIR/endpoints.json,
-else 127.0.0.1:7700) and --data-dir (default $CURFEW_DATA_DIR, else ~/.curfew).
+else 127.0.0.1:7700) and --data-dir (default $CURFEW_DATA_DIR, else ~/.curfew). They
+connect with mTLS as curfew-cli (DIR/tls) when the mesh runs it, and in plaintext with
+--insecure.
 `
 
 // Main runs the command line and returns the exit code.
@@ -76,15 +78,17 @@ func Main(ctx context.Context, args []string, stdin io.Reader, stdout, stderr io
 
 // common flags of the client commands.
 type common struct {
-	addr    string
-	dataDir string
-	json    bool
+	addr     string
+	dataDir  string
+	json     bool
+	insecure bool
 }
 
 func (c *common) register(fs *flag.FlagSet) {
 	fs.StringVar(&c.addr, "addr", os.Getenv("CURFEW_ADDR"), "orchestrator address (default: from endpoints.json, else 127.0.0.1:7700)")
 	fs.StringVar(&c.dataDir, "data-dir", defaultDataDir(), "data directory of `curfew up`")
 	fs.BoolVar(&c.json, "json", false, "print JSON for scripts")
+	fs.BoolVar(&c.insecure, "insecure", false, "connect in plaintext, to a mesh started with `curfew up --insecure` (default: mTLS with DIR/tls when the mesh runs it)")
 }
 
 func defaultDataDir() string {
@@ -111,7 +115,11 @@ func (c *common) orchestratorAddr() string {
 }
 
 func (c *common) dial() (*grpc.ClientConn, error) {
-	return grpc.NewClient(c.orchestratorAddr(), grpc.WithTransportCredentials(insecure.NewCredentials()), withTracing())
+	creds, err := c.credentials(meshtls.Orchestrator)
+	if err != nil {
+		return nil, err
+	}
+	return grpc.NewClient(c.orchestratorAddr(), grpc.WithTransportCredentials(creds), withTracing())
 }
 
 // parse parses interspersed flags and positional arguments.

@@ -16,7 +16,6 @@ import (
 	"time"
 
 	"google.golang.org/grpc"
-	"google.golang.org/grpc/credentials/insecure"
 	"google.golang.org/grpc/metadata"
 
 	meshv1 "github.com/curfew-mesh/curfew/gen/curfew/mesh/v1"
@@ -24,6 +23,7 @@ import (
 	"github.com/curfew-mesh/curfew/mesh/admission"
 	"github.com/curfew-mesh/curfew/mesh/chaos"
 	"github.com/curfew-mesh/curfew/mesh/md"
+	"github.com/curfew-mesh/curfew/mesh/meshtls"
 	"github.com/curfew-mesh/curfew/mesh/nodes"
 )
 
@@ -156,9 +156,9 @@ func cmdDrill(ctx context.Context, args []string, stdout, stderr io.Writer) int 
 	case cfg.heartbeat < 50*time.Millisecond || cfg.leaseTTL < cfg.heartbeat:
 		return usageErr(stderr, "drill", errors.New("--heartbeat must be at least 50ms and --lease-ttl at least the heartbeat"))
 	}
-	addr := ""
+	addr, tlsDir := "", ""
 	if set["addr"] || set["data-dir"] || c.addr != "" {
-		addr = c.orchestratorAddr()
+		addr, tlsDir = c.orchestratorAddr(), c.tlsDir()
 	} else {
 		// Free ports are picked, released, then bound by the services: another process
 		// may take one meanwhile (drills run side by side), so try a few times.
@@ -174,9 +174,13 @@ func cmdDrill(ctx context.Context, args []string, stdout, stderr io.Writer) int 
 			return ExitFail
 		}
 		defer m.stop()
-		addr = m.addr
+		addr, tlsDir = m.addr, m.tlsDir
 	}
-	conn, err := grpc.NewClient(addr, grpc.WithTransportCredentials(insecure.NewCredentials()), withTracing())
+	creds, err := clientCredentials(tlsDir, meshtls.Orchestrator)
+	if err != nil {
+		return callErr(stderr, "drill", err)
+	}
+	conn, err := grpc.NewClient(addr, grpc.WithTransportCredentials(creds), withTracing())
 	if err != nil {
 		return callErr(stderr, "drill", err)
 	}
@@ -206,6 +210,7 @@ func cmdDrill(ctx context.Context, args []string, stdout, stderr io.Writer) int 
 // it down).
 type drillMesh struct {
 	addr     string
+	tlsDir   string // its mTLS files, under dir
 	dir      string
 	children []*child
 }
@@ -239,19 +244,23 @@ func startDrillMesh(ctx context.Context, cfg drillConfig, binDir string) (*drill
 		m.stop()
 		return nil, err
 	}
+	if m.tlsDir, err = prepareTLS(filepath.Join(dir, TLSSubdir)); err != nil {
+		m.stop()
+		return nil, err
+	}
 	extra := map[string][]string{
 		"orchestrator": {"--admission-config", admFile, "--decoder-heartbeat", cfg.heartbeat.String(), "--decoder-lease-ttl", cfg.leaseTTL.String()},
 		"modelproxy":   {"--decoder-lease-ttl", cfg.leaseTTL.String()},
 	}
 	for _, name := range services {
-		ch, err := startChild(name, bins[name], eps, dir, append([]string{"--chaos", "--shutdown-grace", "2s"}, extra[name]...))
+		ch, err := startChild(name, bins[name], eps, dir, append([]string{"--chaos", "--shutdown-grace", "2s", "--tls-dir", m.tlsDir}, extra[name]...))
 		if err != nil {
 			m.stop()
 			return nil, err
 		}
 		m.children = append(m.children, ch)
 	}
-	if err := waitServing(ctx, m.children, 30*time.Second); err != nil {
+	if err := waitServing(ctx, m.children, 30*time.Second, m.tlsDir); err != nil {
 		m.stop()
 		return nil, fmt.Errorf("%w (logs in %s)", err, filepath.Join(dir, "logs"))
 	}

@@ -16,7 +16,6 @@ import (
 	"time"
 
 	"google.golang.org/grpc"
-	"google.golang.org/grpc/credentials/insecure"
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
 
 	"github.com/curfew-mesh/curfew/mesh/service"
@@ -47,6 +46,9 @@ type Endpoint struct {
 type Endpoints struct {
 	Services  map[string]Endpoint `json:"services"`
 	StartedAt time.Time           `json:"started_at"`
+	// TLSDir is the directory of the mesh's mTLS files (DIR/tls, absolute) when the
+	// services run mTLS, "" when they run plaintext (curfew up --insecure).
+	TLSDir string `json:"tls_dir,omitempty"`
 }
 
 // EndpointsFile is the name of the endpoints file in the data directory.
@@ -87,6 +89,7 @@ func cmdUp(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	providers := fs.String("providers-config", "", "modelproxy's providers file (docs/providers.md); default $CURFEW_PROVIDERS_CONFIG, else only the sim model")
 	admissionFile := fs.String("admission-config", "", "orchestrator's admission file: pools, tenant limits, token budgets (docs/admission.md); default $CURFEW_ADMISSION_CONFIG, else the built-in pools")
 	storeDSN := fs.String("store", "", "the durable store: a postgres:// DSN, or a SQLite path (default: curfew.db in --data-dir)")
+	insecureFlag := fs.Bool("insecure", false, "run the services plaintext, without mTLS: only for local debugging (default: a local CA and per-service certificates in --data-dir/tls, re-issued at each start)")
 	if _, err := parse(fs, args); err != nil {
 		return usageErr(stderr, "up", err)
 	}
@@ -140,6 +143,21 @@ func cmdUp(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	if err := os.MkdirAll(filepath.Join(*dataDir, "logs"), 0o755); err != nil {
 		return usageErr(stderr, "up", fmt.Errorf("--data-dir: %w", err))
 	}
+	tlsDir := ""
+	if *insecureFlag {
+		fmt.Fprintln(stderr, insecureWarning)
+		for _, svc := range services {
+			extra[svc] = append(extra[svc], "--insecure")
+		}
+	} else {
+		var err error
+		if tlsDir, err = prepareTLS(filepath.Join(*dataDir, TLSSubdir)); err != nil {
+			return usageErr(stderr, "up", fmt.Errorf("--data-dir: mTLS certificates: %w", err))
+		}
+		for _, svc := range services {
+			extra[svc] = append(extra[svc], "--tls-dir", tlsDir)
+		}
+	}
 	// Open the store once before the services do: three processes creating and migrating
 	// a new SQLite file at the same instant can fail to switch it to WAL (that needs the
 	// file to themselves), and a bad DSN is better reported here than by three services.
@@ -176,12 +194,12 @@ func cmdUp(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		}
 		children = append(children, c)
 	}
-	if err := waitServing(ctx, children, *startTimeout); err != nil {
+	if err := waitServing(ctx, children, *startTimeout, tlsDir); err != nil {
 		fmt.Fprintln(stderr, "curfew up:", err, "(see", filepath.Join(*dataDir, "logs")+")")
 		shutdown()
 		return ExitFail
 	}
-	out := Endpoints{Services: map[string]Endpoint{}, StartedAt: time.Now().UTC()}
+	out := Endpoints{Services: map[string]Endpoint{}, StartedAt: time.Now().UTC(), TLSDir: tlsDir}
 	for _, c := range children {
 		out.Services[c.name] = c.ep
 	}
@@ -201,6 +219,11 @@ func cmdUp(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 			fmt.Fprintf(stdout, "%-13s %-21s admin http://%s  pid %d\n", c.name, c.ep.Addr, c.ep.AdminAddr, c.ep.PID)
 		}
 		fmt.Fprintf(stdout, "endpoints     %s\nlogs          %s\n", filepath.Join(*dataDir, EndpointsFile), filepath.Join(*dataDir, "logs"))
+		if tlsDir != "" {
+			fmt.Fprintf(stdout, "mtls          %s\n", tlsDir)
+		} else {
+			fmt.Fprintln(stdout, "mtls          off (--insecure)")
+		}
 		fmt.Fprintln(stdout, "ready")
 	}
 
@@ -323,11 +346,17 @@ func stopChild(c *child, grace time.Duration) {
 	}
 }
 
-func waitServing(ctx context.Context, children []*child, timeout time.Duration) error {
+// waitServing waits until every child's gRPC health is SERVING, asking as curfew-cli
+// with the mTLS files in tlsDir ("" for plaintext).
+func waitServing(ctx context.Context, children []*child, timeout time.Duration, tlsDir string) error {
 	ctx, cancel := context.WithTimeout(ctx, timeout)
 	defer cancel()
 	for _, c := range children {
-		conn, err := grpc.NewClient(c.ep.Addr, grpc.WithTransportCredentials(insecure.NewCredentials()))
+		creds, err := clientCredentials(tlsDir, c.name)
+		if err != nil {
+			return err
+		}
+		conn, err := grpc.NewClient(c.ep.Addr, grpc.WithTransportCredentials(creds))
 		if err != nil {
 			return err
 		}

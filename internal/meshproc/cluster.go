@@ -19,7 +19,8 @@ import (
 
 // Cluster is a mesh whose service processes a test starts, kills and restarts one by
 // one (`curfew up` stops the whole mesh when one of them dies): a modelproxy, a
-// subagent, a toolrunner and any number of orchestrators, all on one durable store.
+// subagent, a toolrunner and any number of orchestrators, all on one durable store. Its
+// processes run plaintext (--insecure); Mesh runs mTLS.
 type Cluster struct {
 	Dir   string // logs go to Dir/<name>.log
 	Store string // the store DSN every service gets
@@ -78,7 +79,8 @@ func (c *Cluster) Add(ctx context.Context, service, name string, args ...string)
 		return nil, err
 	}
 	p := &Proc{Name: name, Addr: addr, AdminAddr: admin, bin: filepath.Join(c.bin, service),
-		args: append([]string{"--addr", addr, "--admin-addr", admin, "--log-level", "debug"}, args...),
+		// Plaintext: the processes' TLS is not what these tests are about.
+		args: append([]string{"--addr", addr, "--admin-addr", admin, "--log-level", "debug", "--insecure"}, args...),
 		log:  filepath.Join(c.Dir, name+".log")}
 	c.mu.Lock()
 	c.procs[name] = p

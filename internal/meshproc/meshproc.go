@@ -16,10 +16,12 @@ import (
 	"time"
 
 	"google.golang.org/grpc"
+	"google.golang.org/grpc/credentials"
 	"google.golang.org/grpc/credentials/insecure"
 
 	meshv1 "github.com/curfew-mesh/curfew/gen/curfew/mesh/v1"
 	orchestratorv1 "github.com/curfew-mesh/curfew/gen/curfew/orchestrator/v1"
+	"github.com/curfew-mesh/curfew/mesh/meshtls"
 )
 
 // Repo returns the repository root (the directory holding go.work).
@@ -110,6 +112,8 @@ type Mesh struct {
 			AdminAddr string `json:"admin_addr"`
 			PID       int    `json:"pid"`
 		} `json:"services"`
+		// TLSDir holds the mesh's mTLS files; "" when it runs plaintext (Options.Insecure).
+		TLSDir string `json:"tls_dir"`
 	}
 	up    *exec.Cmd
 	mu    sync.Mutex // guards conns: parallel tests open connections
@@ -122,6 +126,8 @@ type Options struct {
 	// Env is added to the environment of `curfew up` and so of every service
 	// (for example CURFEW_MAX_DEADLINE=1m).
 	Env []string
+	// Insecure starts `curfew up --insecure`: plaintext, no mTLS.
+	Insecure bool
 }
 
 // Start builds the binaries if needed and starts `curfew up --base-port 0` in dataDir,
@@ -133,7 +139,11 @@ func Start(ctx context.Context, dataDir string, o Options) (*Mesh, error) {
 	}
 	m := &Mesh{Dir: dataDir, Bin: bin, done: make(chan error, 1)}
 	// Not CommandContext: Stop ends curfew up with SIGTERM so it can stop the services in order.
-	m.up = exec.Command(filepath.Join(bin, "curfew"), "up", "--data-dir", dataDir, "--base-port", "0", "--bin-dir", bin, "--json") //nolint:noctx // see above
+	args := []string{"up", "--data-dir", dataDir, "--base-port", "0", "--bin-dir", bin, "--json"}
+	if o.Insecure {
+		args = append(args, "--insecure")
+	}
+	m.up = exec.Command(filepath.Join(bin, "curfew"), args...) //nolint:noctx // see above
 	m.up.Env = append(os.Environ(), o.Env...)
 	m.up.Stderr = os.Stderr
 	m.up.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGTERM}
@@ -183,13 +193,36 @@ func Start(ctx context.Context, dataDir string, o Options) (*Mesh, error) {
 	return m, nil
 }
 
-// Conn returns a client connection to a service ("orchestrator", "modelproxy", ...).
+// TLS reports whether the mesh runs mTLS.
+func (m *Mesh) TLS() bool { return m.Endpoints.TLSDir != "" }
+
+// Conn returns a client connection to a service ("orchestrator", "modelproxy", ...): as
+// curfew-cli when the mesh runs mTLS, else plaintext.
 func (m *Mesh) Conn(service string) (*grpc.ClientConn, error) {
+	return m.ConnAs(meshtls.CLI, service)
+}
+
+// ConnAs returns a client connection to a service presenting identity's certificate
+// from the mesh's mTLS files (plaintext when the mesh runs none).
+func (m *Mesh) ConnAs(identity, service string) (*grpc.ClientConn, error) {
+	creds := insecure.NewCredentials()
+	if m.TLS() {
+		src, err := meshtls.NewSource(m.Endpoints.TLSDir, identity)
+		if err != nil {
+			return nil, err
+		}
+		creds = meshtls.ClientCredentials(src, service)
+	}
+	return m.ConnWith(service, creds)
+}
+
+// ConnWith returns a client connection to a service with the given credentials.
+func (m *Mesh) ConnWith(service string, creds credentials.TransportCredentials) (*grpc.ClientConn, error) {
 	ep, ok := m.Endpoints.Services[service]
 	if !ok {
 		return nil, fmt.Errorf("meshproc: no service %q", service)
 	}
-	c, err := grpc.NewClient(ep.Addr, grpc.WithTransportCredentials(insecure.NewCredentials()))
+	c, err := grpc.NewClient(ep.Addr, grpc.WithTransportCredentials(creds))
 	if err != nil {
 		return nil, err
 	}

@@ -7,6 +7,8 @@
 //   node dist/client.js cancel RUN_ID [--reason TEXT]
 //
 // Common flags: --addr HOST:PORT (else $CURFEW_ADDR, else 127.0.0.1:7700), --tenant NAME,
+// --ca FILE (else $CURFEW_CA: the mesh CA, `curfew up`'s DATA_DIR/tls/ca.crt, to call a
+// mesh that runs mTLS; the orchestrator's public API needs no client certificate),
 // --json (one JSON object per line instead of text). See README.md beside this file and
 // docs/api.md for the contract it follows.
 import { readFileSync } from "node:fs";
@@ -43,12 +45,13 @@ const usage = `usage:
   curfew-node start (--plan FILE | --task TEXT) [--key KEY] [--timeout 5m]
   curfew-node get RUN_ID
   curfew-node cancel RUN_ID [--reason TEXT]
-flags: --addr HOST:PORT ($CURFEW_ADDR, 127.0.0.1:7700) --tenant NAME --json`;
+flags: --addr HOST:PORT ($CURFEW_ADDR, 127.0.0.1:7700) --ca FILE ($CURFEW_CA) --tenant NAME --json`;
 
 const { values: flags, positionals } = parseArgs({
   allowPositionals: true,
   options: {
     addr: { type: "string" },
+    ca: { type: "string" },
     tenant: { type: "string" },
     json: { type: "boolean", default: false },
     plan: { type: "string" },
@@ -294,7 +297,16 @@ async function start(c: Orchestrator): Promise<number> {
 async function main(): Promise<number> {
   const [cmd, arg] = positionals;
   const addr = flags.addr ?? process.env.CURFEW_ADDR ?? "127.0.0.1:7700";
-  const transport = createGrpcTransport({ baseUrl: addr.includes("://") ? addr : `http://${addr}` });
+  // With the mesh CA: TLS to a mesh that runs mTLS (curfew up without --insecure); the
+  // server's certificate carries 127.0.0.1, ::1 and localhost, so the usual host name check
+  // holds. Without it: plaintext (curfew up --insecure).
+  const ca = flags.ca ?? process.env.CURFEW_CA;
+  const transport = ca
+    ? createGrpcTransport({
+        baseUrl: addr.includes("://") ? addr.replace(/^http:/, "https:") : `https://${addr}`,
+        nodeOptions: { ca: readFileSync(ca) },
+      })
+    : createGrpcTransport({ baseUrl: addr.includes("://") ? addr : `http://${addr}` });
   const c = createClient(OrchestratorService, transport);
   try {
     switch (cmd) {
