@@ -43,7 +43,8 @@ func newHealthPair(tb testing.TB, sopts []grpc.ServerOption, dopts []grpc.DialOp
 	hs.SetServingStatus("", healthpb.HealthCheckResponse_SERVING)
 	healthpb.RegisterHealthServer(srv, hs)
 	go func() { _ = srv.Serve(lis) }()
-	conn, err := grpc.NewClient(lis.Addr().String(), append(dopts, grpc.WithTransportCredentials(insecure.NewCredentials()))...)
+	// Plaintext unless dopts bring their own transport credentials (the last one wins).
+	conn, err := grpc.NewClient(lis.Addr().String(), append([]grpc.DialOption{grpc.WithTransportCredentials(insecure.NewCredentials())}, dopts...)...)
 	if err != nil {
 		tb.Fatal(err)
 	}

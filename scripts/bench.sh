@@ -2,7 +2,7 @@
 # Runs the benchmarks recorded in docs/benchmarks.md and prints their results.
 #
 #   scripts/bench.sh                 # all three (about 9 minutes on 2 cores)
-#   ONLY=chain scripts/bench.sh      # one of: chain, cancel, memory, amplify, tracing
+#   ONLY=chain scripts/bench.sh      # one of: chain, cancel, memory, amplify, tracing, mtls
 #
 # Knobs (environment): OUT (results directory, default a new temp dir), CHAIN_COUNT (10),
 # CHAIN_ROUNDS (100), CANCEL_ITERS (50, trees of 1 and 8 leaves), CANCEL_ITERS_64 (100,
@@ -109,14 +109,22 @@ run_tracing() {
     -test.benchtime "${CHAIN_ROUNDS}x" | tee "$OUT/tracing-latency.txt"
 }
 
+run_mtls() {
+  echo
+  echo "## mTLS on the hop: the hop as served, plaintext vs mTLS (--tls-dir), interleaved"
+  "$BT" -test.run '^$' -test.bench '^BenchmarkHopMTLS$' -test.count 3 \
+    -test.benchtime "${CHAIN_ROUNDS}x" | tee "$OUT/mtls.txt"
+}
+
 case "$ONLY" in
   all) run_chain; run_cancel; run_memory ;;
+  mtls) run_mtls ;;
   amplify) run_amplify ;;
   tracing) run_tracing ;;
   chain) run_chain ;;
   cancel) run_cancel ;;
   memory) run_memory ;;
-  *) echo "ONLY must be all, chain, cancel, memory, amplify or tracing" >&2; exit 2 ;;
+  *) echo "ONLY must be all, chain, cancel, memory, amplify, tracing or mtls" >&2; exit 2 ;;
 esac
 echo
 echo "load at end: $(cut -d' ' -f1-3 /proc/loadavg)"
