@@ -48,6 +48,9 @@ type FlagCase struct {
 	Env map[string]string
 	// Want is text that stderr must contain.
 	Want string
+	// Bare runs the case without the --insecure that RunFlagCases otherwise puts first,
+	// so that the service's required transport flag does not fail every other case.
+	Bare bool
 }
 
 // CommonFlagCases returns the usage errors of the flags every service command shares:
@@ -64,6 +67,7 @@ func CommonFlagCases() []FlagCase {
 		{Name: "negative drain delay", Args: []string{"--drain-delay=-1s"}, Want: "--drain-delay must not be negative"},
 		{Name: "tiny connection age", Args: []string{"--max-connection-age=10ms"}, Want: "--max-connection-age"},
 		{Name: "bad env value", Env: map[string]string{"CURFEW_MAX_DEADLINE": "forever"}, Want: "CURFEW_MAX_DEADLINE"},
+		{Name: "neither tls nor insecure", Bare: true, Want: "mTLS is required: give --tls-dir"},
 		{Name: "tls and insecure", Args: []string{"--tls-dir=/nonexistent", "--insecure"}, Want: "--tls-dir and --insecure are exclusive"},
 		{Name: "tls and insecure from env", Args: []string{"--insecure"}, Env: map[string]string{"CURFEW_TLS_DIR": "/nonexistent"}, Want: "exclusive"},
 		{Name: "tiny message limit", Args: []string{"--max-recv-msg-size=10"}, Want: "--max-recv-msg-size"},
@@ -71,8 +75,9 @@ func CommonFlagCases() []FlagCase {
 }
 
 // RunFlagCases runs each case as a subtest of t: it sets the case's Env, runs run with
-// its Args through [RunMain], and fails unless run returns exit code 2 and stderr
-// contains the case's Want and names the command ("name:").
+// --insecure (unless the case is Bare) and its Args through [RunMain], and fails unless
+// run returns exit code 2 and stderr contains the case's Want and names the command
+// ("name:").
 func RunFlagCases(t *testing.T, name string, run func(args []string) int, cases []FlagCase) {
 	t.Helper()
 	for _, tc := range cases {
@@ -80,7 +85,11 @@ func RunFlagCases(t *testing.T, name string, run func(args []string) int, cases 
 			for k, v := range tc.Env {
 				t.Setenv(k, v)
 			}
-			code, stderr := RunMain(t, run, tc.Args...)
+			args := tc.Args
+			if !tc.Bare {
+				args = append([]string{"--insecure"}, args...)
+			}
+			code, stderr := RunMain(t, run, args...)
 			if code != 2 {
 				t.Fatalf("exit code %d, want 2 (stderr: %s)", code, stderr)
 			}

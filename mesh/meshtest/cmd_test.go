@@ -38,10 +38,11 @@ func TestRunFlagCasesPassesArgsAndEnv(t *testing.T) {
 		return 2
 	}
 	meshtest.RunFlagCases(t, "fake", run, []meshtest.FlagCase{
-		{Name: "args", Args: []string{"--x", "y"}, Want: "args=--x,y env=\n"},
-		{Name: "env", Env: map[string]string{key: "v"}, Want: "args= env=v\n"},
+		{Name: "args", Args: []string{"--x", "y"}, Want: "args=--insecure,--x,y env=\n"},
+		{Name: "env", Env: map[string]string{key: "v"}, Want: "args=--insecure env=v\n"},
+		{Name: "bare", Args: []string{"--x"}, Bare: true, Want: "args=--x env=\n"},
 	})
-	if n := calls.Load(); n != 2 {
+	if n := calls.Load(); n != 3 {
 		t.Fatalf("run called %d times, want once per case", n)
 	}
 	if v, ok := os.LookupEnv(key); ok {
@@ -67,9 +68,9 @@ func svcRun(args []string) int {
 }
 
 func TestCommonFlagCasesMatchServiceOptions(t *testing.T) {
-	// Without the cases' flags the command line is valid: each case is refused for what
-	// it adds.
-	if code, stderr := meshtest.RunMain(t, svcRun); code != 0 {
+	// Without the cases' flags the command line (--insecure, as RunFlagCases adds it) is
+	// valid: each case is refused for what it adds.
+	if code, stderr := meshtest.RunMain(t, svcRun, "--insecure"); code != 0 {
 		t.Fatalf("svcRun() = %d (stderr %q), want 0", code, stderr)
 	}
 	cases := meshtest.CommonFlagCases()

@@ -65,7 +65,7 @@ type Options struct {
 	// certificate. The files are reloaded when rotated.
 	TLSDir string
 	// Insecure runs plaintext without mTLS, for local debugging: it says so in a warning
-	// at start. Exclusive with TLSDir.
+	// at start. Exactly one of TLSDir and Insecure must be given: mTLS is the default.
 	Insecure bool
 	// DrainDelay is how long the server goes on serving after the stop begins, its health
 	// already NOT_SERVING, before it stops accepting calls: time for Kubernetes endpoints
@@ -145,7 +145,7 @@ func (o *Options) Register(fs *flag.FlagSet, name, addr, admin string) {
 	fs.StringVar(&o.AdminAddr, "admin-addr", admin, "admin HTTP listen address (/healthz, /readyz, /metrics); empty disables it")
 	fs.StringVar(&o.HealthAddr, "health-addr", "", "plaintext gRPC listen address serving only grpc.health.v1, for probes that cannot do mTLS (Kubernetes gRPC probes); empty (the default) disables it")
 	fs.StringVar(&o.TLSDir, "tls-dir", "", "directory of the mesh's mTLS files: ca.crt and <service>.crt/.key (curfew up writes them under its data directory); calls are then mutually authenticated and authorized by the call graph, and rotated files are reloaded without a restart")
-	fs.BoolVar(&o.Insecure, "insecure", false, "plaintext, no mTLS: every caller may call every method; only for local debugging (a warning says so at start); exclusive with --tls-dir")
+	fs.BoolVar(&o.Insecure, "insecure", false, "plaintext, no mTLS: every caller may call every method; only for local debugging (a warning says so at start). Exactly one of --tls-dir and --insecure is required")
 	fs.DurationVar(&o.DrainDelay, "drain-delay", DefaultDrainDelay, "on SIGTERM, how long to keep serving with health NOT_SERVING before the listener closes; 0 stops at once (local curfew up); Kubernetes manifests set a few seconds so endpoints and clients move away first. A stop takes at most --drain-delay + --shutdown-grace + 2s (docs/leases.md#drain)")
 	fs.DurationVar(&o.MaxConnectionAge, "max-connection-age", 0, "close each client connection gracefully after about this long (0: never), so that clients of a headless Service re-resolve it and reach new replicas; in-flight calls get --max-deadline to finish")
 	fs.DurationVar(&o.ShutdownGrace, "shutdown-grace", DefaultShutdownGrace, "bound on the graceful stop after --drain-delay: in-flight calls still running then are cancelled")
@@ -301,7 +301,7 @@ func (o *Options) Validate() error {
 	if _, err := o.Breaker.config(o.fs != nil); err != nil {
 		return err
 	}
-	return nil
+	return o.requireTransport()
 }
 
 // Parse parses args into fs, then fills every flag not given on the command line from its

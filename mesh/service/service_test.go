@@ -40,7 +40,7 @@ func newFlags() (*flag.FlagSet, *service.Options) {
 
 func TestParsePrecedence(t *testing.T) {
 	fs, o := newFlags()
-	err := service.Parse(fs, []string{"--addr", "127.0.0.1:9000", "--log-level=warn"}, env(map[string]string{
+	err := service.Parse(fs, []string{"--addr", "127.0.0.1:9000", "--log-level=warn", "--insecure"}, env(map[string]string{
 		"CURFEW_ADDR":             "127.0.0.1:9999", // the flag wins
 		"CURFEW_SHUTDOWN_GRACE":   "3s",             // env fills a flag not given
 		"CURFEW_LOG_LEVEL":        "nonsense",       // ignored: the flag was given
@@ -98,7 +98,7 @@ func TestEnvName(t *testing.T) {
 
 func validOptions() service.Options {
 	return service.Options{Name: "test", Addr: "127.0.0.1:0", AdminAddr: "127.0.0.1:0", ShutdownGrace: time.Second,
-		DefaultDeadline: time.Second, MaxDeadline: time.Minute, LogLevel: "error"}
+		DefaultDeadline: time.Second, MaxDeadline: time.Minute, LogLevel: "error", Insecure: true}
 }
 
 func TestOptionsValidate(t *testing.T) {
@@ -368,7 +368,7 @@ func TestEvery(t *testing.T) {
 
 func TestBreakerFlags(t *testing.T) {
 	fs, o := newFlags()
-	err := service.Parse(fs, []string{"--addr=127.0.0.1:0", "--admin-addr=127.0.0.1:0", "--breaker-ratio=0.7", "--breaker-jitter=0"}, env(map[string]string{
+	err := service.Parse(fs, []string{"--addr=127.0.0.1:0", "--admin-addr=127.0.0.1:0", "--insecure", "--breaker-ratio=0.7", "--breaker-jitter=0"}, env(map[string]string{
 		"CURFEW_BREAKER_OFF":          "false",
 		"CURFEW_BREAKER_FAILURES":     "3",
 		"CURFEW_BREAKER_MIN_REQUESTS": "8",
@@ -389,7 +389,7 @@ func TestBreakerFlags(t *testing.T) {
 	// The flags' defaults are breaker's (and DefaultBreakerOff); a zero BreakerOptions
 	// without flags is breaker's defaults, on.
 	fs, o = newFlags()
-	if err := service.Parse(fs, []string{"--addr=127.0.0.1:0", "--admin-addr=127.0.0.1:0"}, env(nil)); err != nil {
+	if err := service.Parse(fs, []string{"--addr=127.0.0.1:0", "--admin-addr=127.0.0.1:0", "--insecure"}, env(nil)); err != nil {
 		t.Fatal(err)
 	}
 	def := breaker.Config{}.WithDefaults()
@@ -469,7 +469,7 @@ func TestRelayedFailuresDoNotOpenTheBreaker(t *testing.T) {
 	f := &failing{code: codes.Unavailable}
 	server := start(t, validOptions(), func(s *grpc.Server) { toolrunnerv1.RegisterToolRunnerServiceServer(s, f) })
 	fs, o := newFlags()
-	if err := service.Parse(fs, []string{"--addr=127.0.0.1:0", "--admin-addr=127.0.0.1:0", "--retry-off", "--breaker-failures=2", "--breaker-open-timeout=1h"}, env(nil)); err != nil {
+	if err := service.Parse(fs, []string{"--addr=127.0.0.1:0", "--admin-addr=127.0.0.1:0", "--insecure", "--retry-off", "--breaker-failures=2", "--breaker-open-timeout=1h"}, env(nil)); err != nil {
 		t.Fatal(err)
 	}
 	client := start(t, *o, nil)
@@ -498,7 +498,7 @@ func TestDialGuardsEachTargetWithItsBreaker(t *testing.T) {
 	for _, off := range []bool{false, true} {
 		f.calls.Store(0)
 		fs, o := newFlags()
-		args := []string{"--addr=127.0.0.1:0", "--admin-addr=127.0.0.1:0", "--retry-off", "--breaker-failures=2", "--breaker-open-timeout=1h",
+		args := []string{"--addr=127.0.0.1:0", "--admin-addr=127.0.0.1:0", "--insecure", "--retry-off", "--breaker-failures=2", "--breaker-open-timeout=1h",
 			"--breaker-off=" + strconv.FormatBool(off)}
 		if err := service.Parse(fs, args, env(nil)); err != nil {
 			t.Fatal(err)

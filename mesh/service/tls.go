@@ -22,10 +22,20 @@ type tlsState struct {
 	policy *meshtls.Policy
 }
 
-// validateTLS checks the transport flags.
+// validateTLS checks the transport flags: exactly one of --tls-dir and --insecure.
 func (o *Options) validateTLS() error {
 	if o.TLSDir != "" && o.Insecure {
 		return errors.New("--tls-dir and --insecure are exclusive: give --tls-dir for mTLS, or --insecure for plaintext (local debugging only)")
+	}
+	return nil
+}
+
+// requireTransport refuses options that say neither --tls-dir nor --insecure: mTLS is
+// the default, so plaintext must be asked for. Checked last by Validate, so that the
+// other flags' errors come first.
+func (o *Options) requireTransport() error {
+	if o.TLSDir == "" && !o.Insecure {
+		return errors.New("mTLS is required: give --tls-dir DIR (ca.crt and <service>.crt/.key, as curfew up writes them under its data directory), or --insecure for plaintext, only for local debugging")
 	}
 	return nil
 }
@@ -34,13 +44,8 @@ func (o *Options) validateTLS() error {
 // registers the TLS metrics; nil, nil without --tls-dir. The identity is the service's
 // name.
 func newTLS(o Options, log *slog.Logger, reg prometheus.Registerer) (*tlsState, error) {
-	if o.TLSDir == "" {
-		switch {
-		case o.Insecure:
-			log.Warn("mTLS is off (--insecure): calls are plaintext and unauthenticated, and every caller may call every method; use this only for local debugging")
-		default:
-			log.Warn("mTLS is off: no --tls-dir was given, so calls are plaintext and unauthenticated, and every caller may call every method; give --tls-dir (curfew up does), or --insecure to say this is local debugging")
-		}
+	if o.TLSDir == "" { // --insecure (Validate refuses neither)
+		log.Warn("mTLS is off (--insecure): calls are plaintext and unauthenticated, and every caller may call every method; use this only for local debugging")
 		return nil, nil
 	}
 	src, err := meshtls.NewSource(o.TLSDir, o.Name, meshtls.WithLogger(log))

@@ -42,7 +42,7 @@ func meshDir(t *testing.T) (string, *meshtls.CA) {
 
 func tlsOptions(name, dir string) service.Options {
 	o := validOptions()
-	o.Name, o.TLSDir = name, dir
+	o.Name, o.TLSDir, o.Insecure = name, dir, false
 	return o
 }
 
@@ -183,13 +183,16 @@ func TestTLSFlags(t *testing.T) {
 		t.Errorf("--tls-dir with --insecure: %v", err)
 	}
 	o = validOptions()
+	o.Insecure = false
+	if err := o.Validate(); err == nil || !strings.Contains(err.Error(), "mTLS is required") {
+		t.Errorf("neither --tls-dir nor --insecure: %v", err)
+	}
 	o.Name, o.TLSDir = meshtls.ToolRunner, t.TempDir()
 	if _, err := service.New(context.Background(), o, nil); err == nil || !strings.Contains(err.Error(), "--tls-dir") {
 		t.Errorf("New with an empty --tls-dir: %v", err)
 	}
 	dir, _ := meshDir(t)
-	o = validOptions() // "test" is no mesh identity
-	o.TLSDir = dir
+	o = tlsOptions("test", dir) // "test" is no mesh identity
 	if _, err := service.New(context.Background(), o, nil); err == nil || !strings.Contains(err.Error(), "--tls-dir") {
 		t.Errorf("New with --tls-dir for a service without an identity: %v", err)
 	}
