@@ -6,6 +6,7 @@ import (
 	"crypto/x509"
 	"math/big"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"strconv"
 	"strings"
@@ -27,6 +28,7 @@ import (
 	orchestratorv1 "github.com/curfew-mesh/curfew/gen/curfew/orchestrator/v1"
 	subagentv1 "github.com/curfew-mesh/curfew/gen/curfew/subagent/v1"
 	toolrunnerv1 "github.com/curfew-mesh/curfew/gen/curfew/toolrunner/v1"
+	"github.com/curfew-mesh/curfew/internal/meshproc"
 	"github.com/curfew-mesh/curfew/mesh/md"
 	"github.com/curfew-mesh/curfew/mesh/meshtls"
 )
@@ -374,5 +376,49 @@ func TestTLSRotationDuringRun(t *testing.T) {
 	}
 	if t.Failed() {
 		t.Log(dump(r))
+	}
+}
+
+// `curfew up --insecure` runs the mesh plaintext, records that in endpoints.json, and
+// each service warns at start that mTLS is off; the client commands follow.
+func TestUpInsecure(t *testing.T) {
+	t.Parallel()
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	dir := t.TempDir()
+	m, err := meshproc.Start(ctx, dir, meshproc.Options{Insecure: true})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() {
+		if err := m.Stop(); err != nil {
+			t.Errorf("curfew up --insecure did not stop cleanly: %v", err)
+		}
+	}()
+	if m.TLS() {
+		t.Fatalf("endpoints.json says mTLS: %q", m.Endpoints.TLSDir)
+	}
+	if _, err := os.Stat(filepath.Join(dir, "tls")); !os.IsNotExist(err) {
+		t.Errorf("curfew up --insecure made %s/tls: %v", dir, err)
+	}
+	// Plaintext works, even for a method the call graph would refuse curfew-cli.
+	cc, err := m.Conn("toolrunner")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := directCall(ctx, cc, "toolrunner"); err != nil {
+		t.Errorf("plaintext Execute: %v", err)
+	}
+	for _, s := range services {
+		b, err := os.ReadFile(filepath.Join(dir, "logs", s+".log"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		if !strings.Contains(string(b), "mTLS is off (--insecure)") || !strings.Contains(string(b), `"level":"WARN"`) {
+			t.Errorf("%s does not warn that mTLS is off:\n%s", s, b)
+		}
+	}
+	if out, err := exec.CommandContext(ctx, filepath.Join(m.Bin, "curfew"), "ls", "--data-dir", dir, "--json").CombinedOutput(); err != nil {
+		t.Errorf("curfew ls on a plaintext mesh: %v %s", err, out)
 	}
 }
