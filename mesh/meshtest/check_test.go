@@ -1,6 +1,7 @@
 package meshtest_test
 
 import (
+	"context"
 	"fmt"
 	"runtime"
 	"strings"
@@ -91,11 +92,12 @@ func TestWaitNode(t *testing.T) {
 	if n.GetId() != "root/a" || n.GetStatus() != meshv1.NodeStatus_NODE_STATUS_SUCCEEDED {
 		t.Fatalf("WaitNode = %v, want root/a SUCCEEDED", n)
 	}
-	select {
-	case <-ended:
-	default:
+	// The table, not the goroutine, says whether root/a/b had ended: the goroutine closes
+	// ended only after End returns, which may be after WaitNode saw the end.
+	if _, settled := tbl.List(context.Background(), run, []string{"root/a"}, 0); !settled {
 		t.Fatal("WaitNode returned before root/a/b ended")
 	}
+	<-ended
 
 	if got := failure(t, func(tb testing.TB) { meshtest.WaitNode(tb, tbl, run, "root/x") }); !strings.Contains(got, "not recorded") {
 		t.Fatalf("WaitNode of an unknown node failed with %q, want not recorded", got)
