@@ -39,8 +39,9 @@ var (
 	openaitestErr  error
 )
 
-// startUpstream builds (once) and starts an openaitest process for the test.
-func startUpstream(t *testing.T) *upstream {
+// startUpstream builds (once) and starts an openaitest process for the test; args are
+// openaitest's flags (-api-key K).
+func startUpstream(t *testing.T, args ...string) *upstream {
 	t.Helper()
 	openaitestOnce.Do(func() {
 		repo, err := meshproc.Repo()
@@ -63,7 +64,7 @@ func startUpstream(t *testing.T) *upstream {
 	if openaitestErr != nil {
 		t.Fatal(openaitestErr)
 	}
-	cmd := exec.Command(openaitestBin, "-addr", "127.0.0.1:0")
+	cmd := exec.Command(openaitestBin, append([]string{"-addr", "127.0.0.1:0"}, args...)...)
 	stdout, err := cmd.StdoutPipe()
 	if err != nil {
 		t.Fatal(err)
@@ -124,8 +125,8 @@ func (u *upstream) calls(t *testing.T) []upstreamCall {
 }
 
 // startProviderMesh starts a mesh whose modelproxy has the providers file fileJSON, with
-// {name} replaced by each upstream's URL.
-func startProviderMesh(t *testing.T, fileJSON string, ups map[string]*upstream) *meshproc.Mesh {
+// {name} replaced by each upstream's URL; env is more of curfew up's environment.
+func startProviderMesh(t *testing.T, fileJSON string, ups map[string]*upstream, env ...string) *meshproc.Mesh {
 	t.Helper()
 	for name, u := range ups {
 		fileJSON = strings.ReplaceAll(fileJSON, "{"+name+"}", u.url)
@@ -136,7 +137,7 @@ func startProviderMesh(t *testing.T, fileJSON string, ups map[string]*upstream) 
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
 	defer cancel()
-	m, err := meshproc.Start(ctx, t.TempDir(), meshproc.Options{Env: []string{"CURFEW_PROVIDERS_CONFIG=" + cfg}})
+	m, err := meshproc.Start(ctx, t.TempDir(), meshproc.Options{Env: append([]string{"CURFEW_PROVIDERS_CONFIG=" + cfg}, env...)})
 	if err != nil {
 		t.Fatalf("start a mesh with providers: %v", err)
 	}

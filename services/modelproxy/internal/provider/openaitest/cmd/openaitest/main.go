@@ -31,6 +31,7 @@ func main() {
 func run() error {
 	addr := flag.String("addr", "127.0.0.1:0", "listen address")
 	repliesFile := flag.String("replies", "", "JSON array of replies, used one per request")
+	apiKey := flag.String("api-key", "", "refuse (401) chat requests without Authorization: Bearer <this key>; empty accepts any")
 	flag.Parse()
 	var replies []openaitest.Reply
 	if *repliesFile != "" {
@@ -51,6 +52,7 @@ func run() error {
 	s := openaitest.Serve(l)
 	defer s.Close()
 	s.Enqueue(replies...)
+	s.RequireAPIKey(*apiKey)
 	fmt.Println(s.URL())
 	<-ctx.Done()
 	return nil
