@@ -5,10 +5,12 @@ import (
 	"database/sql"
 	"errors"
 	"fmt"
+	"math/rand/v2"
 	"os"
 	"path/filepath"
 	"runtime"
 	"strings"
+	"time"
 
 	_ "modernc.org/sqlite" // the pure-Go driver, registered as "sqlite"
 
@@ -43,9 +45,33 @@ func Open(ctx context.Context, dsnOrPath string, opts ...store.Option) (store.St
 	// writers in the pool is cheaper and fairer than letting them spin on the busy
 	// handler. BEGIN IMMEDIATE takes the write lock up front, so a transaction never
 	// fails half-way trying to upgrade a read lock.
+	// A new file's switch to WAL needs the database to itself, and SQLite answers
+	// SQLITE_BUSY at once, without its busy handler, when replicas open it at the same
+	// instant; so those opens are tried again, until the busy timeout.
+	deadline := time.Now().Add(max(o.BusyTimeout, time.Second))
+	for attempt := 0; ; attempt++ {
+		d, err := open(ctx, base, path, o)
+		if err == nil {
+			return sqlcore.New(d, dialect, o), nil
+		}
+		if !busy(err) || time.Now().After(deadline) {
+			return nil, err
+		}
+		t := time.NewTimer(time.Duration(1+rand.IntN(10<<min(attempt, 4))) * time.Millisecond)
+		select {
+		case <-ctx.Done():
+			t.Stop()
+			return nil, errors.Join(err, ctx.Err())
+		case <-t.C:
+		}
+	}
+}
+
+// open opens the writer and reader pools, checks WAL mode and migrates.
+func open(ctx context.Context, base, path string, o store.Options) (driver, error) {
 	w, err := sql.Open("sqlite", base+"&_txlock=immediate")
 	if err != nil {
-		return nil, err
+		return driver{}, err
 	}
 	w.SetMaxOpenConns(1)
 	w.SetMaxIdleConns(1)
@@ -58,18 +84,30 @@ func Open(ctx context.Context, dsnOrPath string, opts ...store.Option) (store.St
 	r, err := sql.Open("sqlite", base+"&_pragma=query_only(1)")
 	if err != nil {
 		_ = w.Close()
-		return nil, err
+		return driver{}, err
 	}
 	r.SetMaxOpenConns(readers)
 	r.SetMaxIdleConns(readers)
 	d := driver{w: w, r: r}
 	if err := check(ctx, w); err != nil {
-		return nil, errors.Join(fmt.Errorf("sqlite %s: %w", path, err), d.Close())
+		return driver{}, errors.Join(fmt.Errorf("sqlite %s: %w", path, err), d.Close())
 	}
 	if _, err := sqlcore.Migrate(ctx, d, dialect, max(o.Clock().UnixMilli(), 1)); err != nil {
-		return nil, errors.Join(fmt.Errorf("sqlite %s: %w", path, err), d.Close())
+		return driver{}, errors.Join(fmt.Errorf("sqlite %s: %w", path, err), d.Close())
 	}
-	return sqlcore.New(d, dialect, o), nil
+	return d, nil
+}
+
+// busy reports whether err is SQLite's SQLITE_BUSY or SQLITE_LOCKED.
+func busy(err error) bool {
+	var c interface{ Code() int }
+	if errors.As(err, &c) {
+		switch c.Code() & 0xff { // the primary result code
+		case 5, 6:
+			return true
+		}
+	}
+	return strings.Contains(err.Error(), "database is locked")
 }
 
 // check makes sure the file opened in WAL mode (it cannot on some network filesystems).
