@@ -111,19 +111,27 @@ func (r *crashRig) client(p *meshproc.Proc) orchestratorv1.OrchestratorServiceCl
 // start starts the runs as detached runs, spread over the orchestrators, each with an
 // idempotency key, and returns once all have started.
 func (r *crashRig) start(orchs ...*meshproc.Proc) {
+	r.startPlans(func(i int) string { return crashPlan(r.tag, i) }, orchs...)
+}
+
+// startPlans is start with plan(i) as run i's task. It returns the requests, so that a
+// test can repeat one (its idempotency key names the run).
+func (r *crashRig) startPlans(plan func(i int) string, orchs ...*meshproc.Proc) []*orchestratorv1.StartRunRequest {
 	r.t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 	defer cancel()
 	r.runIDs = make([]string, crashRuns)
 	var wg sync.WaitGroup
 	errs := make(chan error, crashRuns)
+	reqs := make([]*orchestratorv1.StartRunRequest, crashRuns)
 	for i := range crashRuns {
 		oc := r.client(orchs[i%len(orchs)])
+		reqs[i] = &orchestratorv1.StartRunRequest{Task: plan(i),
+			IdempotencyKey: fmt.Sprintf("%s-%d", r.tag, i), Timeout: durationpb.New(40 * time.Second)}
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			resp, err := oc.StartRun(ctx, &orchestratorv1.StartRunRequest{Task: crashPlan(r.tag, i),
-				IdempotencyKey: fmt.Sprintf("%s-%d", r.tag, i), Timeout: durationpb.New(40 * time.Second)})
+			resp, err := oc.StartRun(ctx, reqs[i])
 			if err != nil {
 				errs <- fmt.Errorf("run %d: %w", i, err)
 				return
@@ -136,6 +144,7 @@ func (r *crashRig) start(orchs ...*meshproc.Proc) {
 	for err := range errs {
 		r.t.Fatal(err)
 	}
+	return reqs
 }
 
 // waitStep waits until every run has recorded at least n checkpoints (n=3: kv_put's step

@@ -6,7 +6,6 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
-	"sync"
 	"testing"
 	"time"
 
@@ -14,7 +13,6 @@ import (
 	"google.golang.org/grpc/codes"
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
 	"google.golang.org/grpc/status"
-	"google.golang.org/protobuf/types/known/durationpb"
 
 	orchestratorv1 "github.com/curfew-mesh/curfew/gen/curfew/orchestrator/v1"
 	"github.com/curfew-mesh/curfew/internal/meshproc"
@@ -90,29 +88,7 @@ func TestDrainHandsRunsOverOnSIGTERM(t *testing.T) {
 	health := healthpb.NewHealthClient(conn)
 
 	// Twenty detached runs on a, each with an idempotency key.
-	reqs := make([]*orchestratorv1.StartRunRequest, crashRuns)
-	r.runIDs = make([]string, crashRuns)
-	var wg sync.WaitGroup
-	errs := make(chan error, crashRuns)
-	for i := range crashRuns {
-		reqs[i] = &orchestratorv1.StartRunRequest{Task: drainPlan(r.tag, i, drainSleep(i)),
-			IdempotencyKey: fmt.Sprintf("%s-%d", r.tag, i), Timeout: durationpb.New(40 * time.Second)}
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			resp, err := ac.StartRun(ctx, reqs[i])
-			if err != nil {
-				errs <- fmt.Errorf("run %d: %w", i, err)
-				return
-			}
-			r.runIDs[i] = resp.GetRun().GetRunId()
-		}()
-	}
-	wg.Wait()
-	close(errs)
-	for err := range errs {
-		t.Fatal(err)
-	}
+	reqs := r.startPlans(func(i int) string { return drainPlan(r.tag, i, drainSleep(i)) }, a)
 	r.waitCheckpoints(3) // every run is in (or past) its sleep
 	if resp, err := health.Check(ctx, &healthpb.HealthCheckRequest{}); err != nil || resp.GetStatus() != healthpb.HealthCheckResponse_SERVING {
 		t.Fatalf("a's health before SIGTERM = %v, %v", resp.GetStatus(), err)

@@ -175,33 +175,7 @@ type running struct {
 
 func start(t *testing.T, o service.Options, register func(*grpc.Server)) *running {
 	t.Helper()
-	rt, err := service.New(context.Background(), o, nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if register != nil {
-		register(rt.Server)
-	}
-	cc, err := service.Dial(rt.Addr(), nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	ctx, stop := context.WithCancel(context.Background())
-	r := &running{rt: rt, cc: cc, stop: stop, done: make(chan error, 1), admin: "http://" + rt.AdminAddr()}
-	go func() { r.done <- rt.Serve(ctx) }()
-	t.Cleanup(func() {
-		stop()
-		select {
-		case err := <-r.done:
-			if err != nil {
-				t.Errorf("Serve = %v", err)
-			}
-		case <-time.After(10 * time.Second):
-			t.Error("Serve did not return")
-		}
-		_ = cc.Close()
-	})
-	return r
+	return startHooked(t, o, register, nil)
 }
 
 var httpClient = &http.Client{Transport: &http.Transport{DisableKeepAlives: true}, Timeout: 3 * time.Second}
