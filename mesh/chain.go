@@ -45,6 +45,15 @@ type ServerConfig struct {
 	// inside metrics, recovery and status, so refusals are counted and logged with their
 	// code. nil authorizes every call (plaintext, where there are no identities).
 	Authorize func(ctx context.Context, fullMethod string) error
+	// Authenticate, when set, decides which tenant the call acts for: it is given the
+	// tenant the call's curfew-tenant header claims (md.DefaultTenant when none) and
+	// returns the tenant the identity carries on, or a status error that refuses the call
+	// (an apikey.Guard's Tenant: the tenant of a verified API key, the claim only from a
+	// trusted mesh peer). It runs after the deadline layer, so a lookup it makes is bounded
+	// by the call's deadline, and before fast-fail and the retry-id table, which therefore
+	// see only authenticated tenants. nil honours the claim (the leaf services, whose
+	// callers mTLS has authenticated as mesh peers).
+	Authenticate func(ctx context.Context, fullMethod, claimed string) (string, error)
 }
 
 func (c ServerConfig) logger() *slog.Logger {
@@ -155,7 +164,8 @@ func (c *serverChain) streamInner(ctx context.Context, srv any, ss grpc.ServerSt
 	return c.idsStream(srv, &chainStream{ServerStream: ss, ctx: ctx}, info, h)
 }
 
-// enter runs the layers between the deadline and the retry-id: identity, fast-fail.
+// enter runs the layers between the deadline and the retry-id: identity (with the tenant
+// Authenticate resolves), fast-fail.
 func (c *serverChain) enter(ctx context.Context, method string) (context.Context, error) {
 	id := md.FromIncoming(ctx)
 	if id.Chaos != "" && !c.cfg.Chaos {
@@ -163,6 +173,13 @@ func (c *serverChain) enter(ctx context.Context, method string) (context.Context
 			c.log.WarnContext(ctx, "ignoring the curfew-chaos header: this service was not started with --chaos", "method", method, "chaos", id.Chaos)
 		})
 		id.Chaos = ""
+	}
+	if a := c.cfg.Authenticate; a != nil {
+		t, err := a(ctx, method, id.Tenant)
+		if err != nil {
+			return nil, err
+		}
+		id.Tenant = t
 	}
 	ctx = md.WithIdentity(ctx, id)
 	if min, ok := c.cfg.MinTime[method]; ok {

@@ -463,3 +463,48 @@ func TestChainAuthorize(t *testing.T) {
 		})
 	}
 }
+
+// ServerConfig.Authenticate replaces the claimed tenant by the one it returns, which the
+// handler sees, and refuses the call with its status before the handler; it is given the
+// claim (md.DefaultTenant when the call names none).
+func TestChainAuthenticate(t *testing.T) {
+	for _, p := range paths {
+		t.Run(p.name, func(t *testing.T) {
+			var claims, seen atomic.Value
+			cfg := mesh.ServerConfig{
+				Authenticate: func(ctx context.Context, method, claimed string) (string, error) {
+					claims.Store(claimed)
+					if len(metadata.ValueFromIncomingContext(ctx, "authorization")) == 0 {
+						return "", status.Error(codes.Unauthenticated, "missing API key")
+					}
+					return "from-key", nil
+				},
+			}
+			pr, cc := serveProbe(t, cfg, func(ctx context.Context) error {
+				seen.Store(md.IdentityFrom(ctx).Tenant)
+				return nil
+			})
+			ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+			defer cancel()
+			if err := p.call(ctx, cc); status.Code(err) != codes.Unauthenticated {
+				t.Fatalf("call without a key: %v, want UNAUTHENTICATED", err)
+			}
+			if got, _ := claims.Load().(string); got != md.DefaultTenant {
+				t.Errorf("claim without a header = %q, want %q", got, md.DefaultTenant)
+			}
+			if n := pr.calls.Load(); n != 0 {
+				t.Fatalf("handler ran %d times; a refused call must not reach it", n)
+			}
+			forged := metadata.AppendToOutgoingContext(ctx, md.Tenant, "victim", "authorization", "Bearer k")
+			if err := p.call(forged, cc); err != nil {
+				t.Fatal(err)
+			}
+			if got, _ := claims.Load().(string); got != "victim" {
+				t.Errorf("claim = %q, want the header's victim", got)
+			}
+			if got, _ := seen.Load().(string); got != "from-key" {
+				t.Errorf("handler's tenant = %q, want from-key: the claim must not reach it", got)
+			}
+		})
+	}
+}

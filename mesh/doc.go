@@ -28,7 +28,11 @@
 //     only ever shortens. Before anything that measures time left. With metrics, the
 //     final deadline's time left is observed here (curfew_deadline_slack_seconds).
 //  5. identity: curfew-tenant, curfew-run-id, curfew-node-id and curfew-attempt become
-//     the context's md.Identity, so handlers and their outgoing calls carry them.
+//     the context's md.Identity, so handlers and their outgoing calls carry them. The
+//     tenant is authenticated here when ServerConfig.Authenticate is set (the
+//     orchestrator: an apikey.Guard): the claimed curfew-tenant is replaced by the
+//     tenant of the caller's verified API key, or kept only from a trusted mesh peer,
+//     and a caller with neither is refused with UNAUTHENTICATED.
 //  6. fast-fail: a method with a configured minimum is refused with DEADLINE_EXCEEDED
 //     ("no time left to start X") when less than that remains. After the deadline layer,
 //     so it sees the final deadline; before retry-id, so a doomed attempt does not

@@ -100,6 +100,11 @@ type Options struct {
 	// MaxHeaderListSize bounds a request's metadata (all headers), in bytes; a larger
 	// header list is refused by the transport. DefaultMaxHeaderListSize when 0.
 	MaxHeaderListSize int
+	// Authenticate, set by the program and not by a flag, resolves the tenant of each
+	// call (mesh.ServerConfig.Authenticate): the orchestrator sets an apikey.Guard's
+	// Tenant, so that its public API acts only for verified tenants. nil honours the
+	// curfew-tenant header, which the leaf services may: mTLS admits only mesh peers.
+	Authenticate func(ctx context.Context, fullMethod, claimed string) (string, error)
 
 	fs *flag.FlagSet // where the flags were registered, to tell which were set
 }
@@ -439,7 +444,8 @@ func New(ctx context.Context, o Options, minTime map[string]time.Duration) (*Run
 		Metrics:  rt.metrics.server,
 		Chaos:    o.Chaos,
 		// After the metrics, before the deadline and retry-id layers (mesh's doc).
-		Authorize: rt.tls.authorize(),
+		Authorize:    rt.tls.authorize(),
+		Authenticate: o.Authenticate,
 	}), rt.tls.serverCreds(o.Name), rt.serverTracing(), grpc.MaxRecvMsgSize(o.MaxRecvMsgSize),
 		grpc.MaxHeaderListSize(uint32(o.MaxHeaderListSize)), //nolint:gosec // bounded by Validate
 		connectionAge(o.MaxConnectionAge, o.MaxDeadline))...)

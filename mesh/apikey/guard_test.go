@@ -1,0 +1,101 @@
+package apikey_test
+
+import (
+	"context"
+	"crypto/tls"
+	"crypto/x509"
+	"path/filepath"
+	"testing"
+
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/credentials"
+	"google.golang.org/grpc/metadata"
+	"google.golang.org/grpc/peer"
+	"google.golang.org/grpc/status"
+
+	"github.com/curfew-mesh/curfew/mesh/apikey"
+	"github.com/curfew-mesh/curfew/mesh/md"
+	"github.com/curfew-mesh/curfew/mesh/meshtls"
+	"github.com/curfew-mesh/curfew/mesh/store"
+)
+
+// peerCtx returns ctx as a server sees a call from the mesh identity id: a verified
+// client certificate issued by the mesh CA.
+func peerCtx(ctx context.Context, t *testing.T, dir, id string) context.Context {
+	t.Helper()
+	ca, err := meshtls.EnsureCA(dir)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := ca.Issue(dir, id, 0); err != nil {
+		t.Fatal(err)
+	}
+	pair, err := tls.LoadX509KeyPair(filepath.Join(dir, id+".crt"), filepath.Join(dir, id+".key"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	leaf, err := x509.ParseCertificate(pair.Certificate[0])
+	if err != nil {
+		t.Fatal(err)
+	}
+	info := credentials.TLSInfo{State: tls.ConnectionState{VerifiedChains: [][]*x509.Certificate{{leaf, ca.Certificate()}}}}
+	return peer.NewContext(ctx, &peer.Peer{AuthInfo: info})
+}
+
+func TestGuard(t *testing.T) {
+	ctx := t.Context()
+	st, err := store.Open(ctx, "sqlite://"+filepath.Join(t.TempDir(), "keys.db"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = st.Close() })
+	k, err := apikey.New("acme")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, _, err := st.CreateAPIKey(ctx, k.Record, false); err != nil {
+		t.Fatal(err)
+	}
+	const api = "/curfew.orchestrator.v1.OrchestratorService/"
+	g := &apikey.Guard{Keys: &apikey.Authenticator{Keys: st}, Methods: []string{api}, Peers: []string{meshtls.CLI, meshtls.Orchestrator}}
+	withKey := func(ctx context.Context, key string) context.Context {
+		return metadata.NewIncomingContext(ctx, metadata.Pairs("authorization", "Bearer "+key, md.Tenant, "globex"))
+	}
+	tlsDir := filepath.Join(t.TempDir(), "tls")
+	cli := peerCtx(ctx, t, tlsDir, meshtls.CLI)
+	toolrunner := peerCtx(ctx, t, tlsDir, meshtls.ToolRunner)
+
+	for _, c := range []struct {
+		name    string
+		ctx     context.Context
+		method  string
+		claimed string
+		want    string
+		code    codes.Code
+	}{
+		{"key: its tenant, the forged header ignored", withKey(ctx, k.Secret), api + "GetRun", "globex", "acme", codes.OK},
+		{"key from a mesh peer: still the key's tenant", withKey(cli, k.Secret), api + "GetRun", "globex", "acme", codes.OK},
+		{"no key, external caller", ctx, api + "GetRun", md.DefaultTenant, "", codes.Unauthenticated},
+		{"no key, forged header, external caller", metadata.NewIncomingContext(ctx, metadata.Pairs(md.Tenant, "acme")), api + "Run", "acme", "", codes.Unauthenticated},
+		{"wrong key", withKey(ctx, k.Secret[:len(k.Secret)-2]+"AA"), api + "Run", "globex", "", codes.Unauthenticated},
+		{"trusted peer names the tenant", cli, api + "CancelRun", "globex", "globex", codes.OK},
+		{"untrusted mesh peer", toolrunner, api + "CancelRun", "globex", "", codes.Unauthenticated},
+		{"unguarded method keeps the claim", ctx, "/grpc.health.v1.Health/Check", md.DefaultTenant, md.DefaultTenant, codes.OK},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			got, err := g.Tenant(c.ctx, c.method, c.claimed)
+			if status.Code(err) != c.code || got != c.want {
+				t.Fatalf("Tenant = %q, %v; want %q, %v", got, err, c.want, c.code)
+			}
+		})
+	}
+
+	// A server without a store refuses keys, and still trusts its peers.
+	noStore := &apikey.Guard{Methods: []string{api}, Peers: []string{meshtls.CLI}}
+	if _, err := noStore.Tenant(withKey(ctx, k.Secret), api+"Run", "globex"); status.Code(err) != codes.Unauthenticated {
+		t.Errorf("no store, a key: %v, want UNAUTHENTICATED", err)
+	}
+	if got, err := noStore.Tenant(cli, api+"Run", "globex"); err != nil || got != "globex" {
+		t.Errorf("no store, the CLI: %q, %v", got, err)
+	}
+}
