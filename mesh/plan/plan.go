@@ -19,7 +19,13 @@ const (
 	// MaxToolsPerStep is the fan-out limit of one step.
 	MaxToolsPerStep = 16
 	// MaxDepth is how deeply spawn_subagent plans may nest.
-	MaxDepth   = 4
+	MaxDepth = 4
+	// MaxToolCalls bounds the tool calls of a whole plan, those of the subagent plans
+	// nested in it included: the per-step and depth limits alone would let one plan of a
+	// few kilobytes fan out into millions of calls.
+	MaxToolCalls = 1024
+	// MaxBytes bounds a plan's JSON, nested plans included.
+	MaxBytes   = 256 << 10
 	MaxTokens  = 1_000_000
 	MaxSleepMS = 3_600_000
 )
@@ -181,7 +187,13 @@ func LooksLikePlan(task string) bool {
 }
 
 // Parse decodes and validates a plan at nesting depth 0.
-func Parse(data []byte) (*Plan, error) { return parse(data, "", 0) }
+func Parse(data []byte) (*Plan, error) {
+	if len(data) > MaxBytes {
+		return nil, &Error{"", fmt.Sprintf("at most %d bytes, got %d", MaxBytes, len(data))}
+	}
+	calls := MaxToolCalls
+	return parse(data, "", 0, &calls)
+}
 
 // TPS returns the plan's decode rate.
 func (p *Plan) TPS() float64 {
@@ -191,7 +203,9 @@ func (p *Plan) TPS() float64 {
 	return p.TokensPerSecond
 }
 
-func parse(data []byte, path string, depth int) (*Plan, error) {
+// parse decodes and validates the plan at path, nested depth deep; calls is what is
+// left of the whole plan's MaxToolCalls.
+func parse(data []byte, path string, depth int, calls *int) (*Plan, error) {
 	if depth > MaxDepth {
 		return nil, &Error{path, fmt.Sprintf("subagent plans nest deeper than %d", MaxDepth)}
 	}
@@ -253,8 +267,11 @@ func parse(data []byte, path string, depth int) (*Plan, error) {
 				}
 			}
 		}
+		if *calls -= len(s.Tools); *calls < 0 {
+			return nil, &Error{sp + ".tools", fmt.Sprintf("the plan calls more than %d tools in all, nested plans included", MaxToolCalls)}
+		}
 		for j, t := range s.Tools {
-			if err := validateTool(t, fmt.Sprintf("%s.tools[%d]", sp, j), depth); err != nil {
+			if err := validateTool(t, fmt.Sprintf("%s.tools[%d]", sp, j), depth, calls); err != nil {
 				return nil, err
 			}
 		}
@@ -275,10 +292,11 @@ func IsBuiltin(name string) bool {
 // ValidateTool checks a built-in tool call's name and arguments as a plan would, with
 // errors naming the field under "args".
 func ValidateTool(name string, args []byte) error {
-	return validateTool(Tool{Name: name, Args: args}, "", 0)
+	calls := MaxToolCalls
+	return validateTool(Tool{Name: name, Args: args}, "", 0, &calls)
 }
 
-func validateTool(t Tool, path string, depth int) error {
+func validateTool(t Tool, path string, depth int, calls *int) error {
 	ap := join(path, "args")
 	if k := t.IdempotencyKey; len(k) > MaxKeyLen || strings.ContainsFunc(k, func(r rune) bool { return r < 0x20 || r == 0x7f }) {
 		return &Error{join(path, "idempotency_key"), fmt.Sprintf("at most %d printable characters", MaxKeyLen)}
@@ -366,7 +384,7 @@ func validateTool(t Tool, path string, depth int) error {
 		if len(a.Plan) == 0 {
 			return &Error{ap + ".plan", "is required"}
 		}
-		if _, err := parse(a.Plan, ap+".plan", depth+1); err != nil {
+		if _, err := parse(a.Plan, ap+".plan", depth+1, calls); err != nil {
 			return err
 		}
 	case "":

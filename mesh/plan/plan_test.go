@@ -33,10 +33,26 @@ var validPlans = map[string]string{
 		          {"name":"deploy","args":{"duration_ms":3000,"poll_ms":100,"abort_ms":200,"cleanup_ms":1000}},
 		          {"name":"fail"}]},
 		{"answer_tokens":5,"model_error":{"attempts":1}}]}`,
-	"max nesting": nest(plan.MaxDepth),
+	"max nesting":    nest(plan.MaxDepth),
+	"max tool calls": wide((plan.MaxToolCalls - plan.MaxToolsPerStep) / plan.MaxToolsPerStep),
 }
 
 // nest returns a valid plan whose spawn_subagent plans nest depth levels deep.
+// wide returns a plan whose first step spawns 16 subagents, each of whose plans calls
+// perSub sleeps (16 per step): 16 + 16 × perSub tool calls in all.
+func wide(perSub int) string {
+	sleeps := func(n int) string {
+		return strings.TrimSuffix(strings.Repeat(`{"name":"sleep","args":{"ms":1}},`, n), ",")
+	}
+	var steps []string
+	for n := perSub; n > 0; n -= plan.MaxToolsPerStep {
+		steps = append(steps, fmt.Sprintf(`{"tools":[%s]}`, sleeps(min(n, plan.MaxToolsPerStep))))
+	}
+	sub := fmt.Sprintf(`{"steps":[%s,{"answer_tokens":1}]}`, strings.Join(steps, ","))
+	spawn := strings.TrimSuffix(strings.Repeat(`{"name":"spawn_subagent","args":{"plan":`+sub+`}},`, plan.MaxToolsPerStep), ",")
+	return fmt.Sprintf(`{"steps":[{"tools":[%s]},{"answer_tokens":1}]}`, spawn)
+}
+
 func nest(depth int) string {
 	p := `{"steps":[{"answer_tokens":1}]}`
 	for range depth {
@@ -150,6 +166,9 @@ func TestParseInvalid(t *testing.T) {
 			"steps[0].tools[0].args.plan.steps[1].answer_tokens", "the last step must answer"},
 		{"spawn nested unknown field", tool(`{"name":"spawn_subagent","args":{"plan":{"stepz":[]}}}`), "steps[0].tools[0].args.plan", `unknown field "stepz"`},
 		{"nesting too deep", nest(plan.MaxDepth + 1), deep, "nest deeper than 4"},
+		// 16 + 16 × 64 calls: the 16th subagent's fourth step crosses 1024.
+		{"too many tool calls in all", wide(64), "steps[0].tools[15].args.plan.steps[3].tools", "more than 1024 tools in all"},
+		{"too many bytes", `{"steps":[{"answer_tokens":1}],"prompt":"` + strings.Repeat("x", plan.MaxBytes) + `"}`, "", "at most 262144 bytes"},
 		{"invalid JSON", `{"steps":[}`, "", "invalid JSON at offset"},
 		{"truncated JSON", `{"steps":[`, "", "ends before the object is complete"},
 		{"trailing data", `{"steps":[{"answer_tokens":1}]} {}`, "", "trailing data"},
