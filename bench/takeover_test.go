@@ -35,7 +35,7 @@ func benchTakeover(b *testing.B, ttl time.Duration) {
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Minute)
 	defer cancel()
 	dir := b.TempDir()
-	c, err := meshproc.NewCluster(dir, "sqlite://"+filepath.Join(dir, "curfew.db"))
+	c, err := meshproc.NewCluster(ctx, dir, "sqlite://"+filepath.Join(dir, "curfew.db"))
 	if err != nil {
 		b.Fatal(err)
 	}

@@ -59,7 +59,7 @@ func newCrashRig(t *testing.T, dsn string) *crashRig {
 	if dsn == "" {
 		dsn = "sqlite://" + filepath.Join(dir, "curfew.db")
 	}
-	c, err := meshproc.NewCluster(dir, dsn)
+	c, err := meshproc.NewCluster(t.Context(), dir, dsn)
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -121,7 +121,8 @@ func TestDeadLetterOnNATSAndReplayOnce(t *testing.T) {
 
 	// Replay twice through the CLI: one replay run.
 	replay := func() orchestratorv1.ReplayDeadLetterResponse {
-		cmd := exec.CommandContext(ctx, r.c.Bin("curfew"), "dlq", "replay", d.ID, "--addr", o.Addr, "--timeout", "20s", "--json")
+		cmd := exec.CommandContext(ctx, r.c.Bin("curfew"), "dlq", "replay", d.ID, "--addr", o.Addr, "--insecure", "--timeout", "20s", "--json")
+		cmd.Env = append(os.Environ(), "CURFEW_API_KEY="+r.c.APIKey) // a plaintext cluster: the CLI authenticates with a key
 		out, err := cmd.Output()
 		if err != nil {
 			t.Fatalf("curfew dlq replay: %v\n%s", err, out)

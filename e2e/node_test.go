@@ -18,6 +18,7 @@ import (
 	meshv1 "github.com/curfew-mesh/curfew/gen/curfew/mesh/v1"
 	orchestratorv1 "github.com/curfew-mesh/curfew/gen/curfew/orchestrator/v1"
 	"github.com/curfew-mesh/curfew/internal/meshproc"
+	"github.com/curfew-mesh/curfew/mesh/md"
 )
 
 // The Node acceptance tests (issue 10) drive examples/node, a Node client built on
@@ -94,6 +95,12 @@ type nodeProc struct {
 	stderr strings.Builder
 }
 
+// nodeKey is the API key the Node example sends, made once.
+var (
+	nodeKeyOnce sync.Once
+	nodeKey     string
+)
+
 func startNode(t *testing.T, args ...string) *nodeProc {
 	t.Helper()
 	script := nodeClient(t)
@@ -103,6 +110,11 @@ func startNode(t *testing.T, args ...string) *nodeProc {
 		base = append(base, "--ca", filepath.Join(mesh.Endpoints.TLSDir, "ca.crt"))
 	}
 	cmd := exec.Command("node", append(base, args...)...) //nolint:noctx // the test signals and kills it itself
+	// A caller from outside the mesh: it authenticates with an API key, of tenant
+	// "default" so that the Go client of the other checks (a mesh peer naming no tenant)
+	// sees its runs.
+	nodeKeyOnce.Do(func() { nodeKey = tenantKey(context.Background(), t, md.DefaultTenant, false) })
+	cmd.Env = append(os.Environ(), "CURFEW_API_KEY="+nodeKey)
 	p := &nodeProc{cmd: cmd, events: make(chan nodeEvent, 4096), done: make(chan error, 1)}
 	cmd.Stderr = &p.stderr
 	out, err := cmd.StdoutPipe()

@@ -9,6 +9,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -38,21 +39,21 @@ func TestSecretsNeverLeak(t *testing.T) {
 	}
 	fileJSON := `{"providers": [{"name": "keyed", "base_url": "{keyed}", "api_key_file": "` + keyFile + `", "models": ["big"]}],
 	  "models": {"agent": {"chain": ["keyed/big"]}}}`
-	// The services inherit curfew up's environment: debug is their most verbose level.
-	m := startProviderMesh(t, fileJSON, map[string]*upstream{"keyed": up}, "CURFEW_LOG_LEVEL=debug")
-	tenantKey, err := apikey.New("acme")
-	if err != nil {
-		t.Fatal(err)
-	}
+	// The services inherit curfew up's environment: debug is their most verbose level,
+	// and their spans go to a real OTLP receiver.
+	col := startCollector(t)
+	m := startProviderMesh(t, fileJSON, map[string]*upstream{"keyed": up}, "CURFEW_LOG_LEVEL=debug",
+		"OTEL_EXPORTER_OTLP_ENDPOINT=http://"+col.addr, "OTEL_EXPORTER_OTLP_PROTOCOL=grpc", "OTEL_TRACES_EXPORTER=otlp", "OTEL_BSP_SCHEDULE_DELAY=200")
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	tenantKey := tenantKeyOf(ctx, t, m, "acme", false)
 
 	up.enqueue(t, `{"content": ["the", " answer"]}`)
 	oc, err := m.Orchestrator()
 	if err != nil {
 		t.Fatal(err)
 	}
-	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
-	defer cancel()
-	ctx = metadata.AppendToOutgoingContext(ctx, "authorization", "Bearer "+tenantKey.Secret)
+	ctx = metadata.AppendToOutgoingContext(ctx, "authorization", "Bearer "+tenantKey)
 	st, err := oc.Run(ctx, &orchestratorv1.RunRequest{Task: "answer", Model: "agent"})
 	if err != nil {
 		t.Fatal(err)
@@ -65,8 +66,8 @@ func TestSecretsNeverLeak(t *testing.T) {
 		}
 		fin = ev.GetFinished()
 	}
-	if fin.GetStatus() != orchestratorv1.RunStatus_RUN_STATUS_SUCCEEDED {
-		t.Fatalf("run ended %v (the provider refuses requests without the key): %s", fin.GetStatus(), dump(fin))
+	if fin.GetStatus() != orchestratorv1.RunStatus_RUN_STATUS_SUCCEEDED || fin.GetTenant() != "acme" {
+		t.Fatalf("run ended %v for tenant %q (the provider refuses requests without the key): %s", fin.GetStatus(), fin.GetTenant(), dump(fin))
 	}
 
 	cmd := exec.Command(filepath.Join(m.Bin, "curfew"), "get", fin.GetRunId(), "--json", "--data-dir", m.Dir)
@@ -90,7 +91,25 @@ func TestSecretsNeverLeak(t *testing.T) {
 		}
 		texts[filepath.Base(l)] = string(b)
 	}
-	_, tenantSecret, _ := apikey.Parse(tenantKey.Secret)
+	// The spans of all four services, once modelproxy's (the provider call) has arrived.
+	for deadline := time.Now().Add(30 * time.Second); ; {
+		b, _ := os.ReadFile(col.out)
+		spans, _ := parseSpans(bytes.NewReader(b))
+		if slices.ContainsFunc(spans, func(s span) bool { return s.service == "modelproxy" && s.attrs["curfew.run_id"] == fin.GetRunId() }) {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("no spans of run %s from modelproxy within 30s", fin.GetRunId())
+		}
+		time.Sleep(200 * time.Millisecond)
+	}
+	col.stop(t)
+	spans, err := os.ReadFile(col.out)
+	if err != nil {
+		t.Fatal(err)
+	}
+	texts["traces (the collector's detailed text)"] = string(spans)
+	_, tenantSecret, _ := apikey.Parse(tenantKey)
 	for where, text := range texts {
 		for name, secret := range map[string]string{"the provider key": providerKey, "the curfew API key's secret": tenantSecret} {
 			if strings.Contains(text, secret) {

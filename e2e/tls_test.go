@@ -127,7 +127,8 @@ func dialDirect(t *testing.T, service string, creds credentials.TransportCredent
 // (a) A client without a mesh certificate cannot call toolrunner or modelproxy: not
 // without a certificate (though it trusts the mesh CA), not with one from another CA,
 // not in plaintext. The same TLS setup with the mesh's curfew-cli certificate gets
-// through the handshake, and the orchestrator's public API needs no certificate.
+// through the handshake, and the orchestrator's public API needs no certificate (but an
+// API key).
 func TestTLSRefusesClientsWithoutMeshCertificate(t *testing.T) {
 	t.Parallel()
 	dir := requireTLS(t)
@@ -162,12 +163,14 @@ func TestTLSRefusesClientsWithoutMeshCertificate(t *testing.T) {
 			t.Errorf("%s health with curfew-cli's certificate: %v", svc, err)
 		}
 	}
-	// The orchestrator serves its public API to a TLS client without a certificate...
+	// The orchestrator takes a TLS client without a certificate, whose public API calls
+	// then need an API key (auth_test.go)...
 	cc := dialDirect(t, "orchestrator", tlsCreds(t, dir, nil))
 	cctx, cancel := context.WithTimeout(ctx, 10*time.Second)
 	defer cancel()
-	if _, err := orchestratorv1.NewOrchestratorServiceClient(cc).ListRuns(cctx, &orchestratorv1.ListRunsRequest{PageSize: 1}); err != nil {
-		t.Errorf("orchestrator ListRuns without a client certificate: %v", err)
+	if _, err := orchestratorv1.NewOrchestratorServiceClient(cc).ListRuns(cctx, &orchestratorv1.ListRunsRequest{PageSize: 1}); status.Code(err) != codes.Unauthenticated ||
+		!strings.Contains(status.Convert(err).Message(), "API key") {
+		t.Errorf("orchestrator ListRuns without a client certificate or a key: %v, want UNAUTHENTICATED asking for an API key", err)
 	}
 	// ... but not its health, which is for mesh identities, nor plaintext.
 	if err := directCall(ctx, cc, "health"); status.Code(err) != codes.Unauthenticated {
@@ -417,6 +420,17 @@ func TestUpInsecure(t *testing.T) {
 		if !strings.Contains(string(b), "mTLS is off (--insecure)") || !strings.Contains(string(b), `"level":"WARN"`) {
 			t.Errorf("%s does not warn that mTLS is off:\n%s", s, b)
 		}
+	}
+	// Without mTLS no caller is a mesh peer, so the orchestrator wants an API key of
+	// every one; the CLI uses the key curfew up made for it (DIR/cli.key).
+	oc, err := grpc.NewClient(m.Endpoints.Services["orchestrator"].Addr, grpc.WithTransportCredentials(insecure.NewCredentials()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer oc.Close()
+	if _, err := orchestratorv1.NewOrchestratorServiceClient(oc).ListRuns(metadata.AppendToOutgoingContext(ctx, md.Tenant, md.DefaultTenant),
+		&orchestratorv1.ListRunsRequest{}); status.Code(err) != codes.Unauthenticated {
+		t.Errorf("plaintext ListRuns without a key: %v, want UNAUTHENTICATED", err)
 	}
 	if out, err := exec.CommandContext(ctx, filepath.Join(m.Bin, "curfew"), "ls", "--data-dir", dir, "--json").CombinedOutput(); err != nil {
 		t.Errorf("curfew ls on a plaintext mesh: %v %s", err, out)

@@ -114,12 +114,23 @@ func (c *common) orchestratorAddr() string {
 	return "127.0.0.1:7700"
 }
 
+// dial connects to the orchestrator: as the mesh peer curfew-cli over mTLS when the mesh
+// runs it, and with an API key (apiKey) when there is one, which then names the tenant.
 func (c *common) dial() (*grpc.ClientConn, error) {
-	creds, err := c.credentials(meshtls.Orchestrator)
+	dir := c.tlsDir()
+	creds, err := clientCredentials(dir, meshtls.Orchestrator)
 	if err != nil {
 		return nil, err
 	}
-	return grpc.NewClient(c.orchestratorAddr(), grpc.WithTransportCredentials(creds), withTracing())
+	key, err := c.apiKey(dir == "")
+	if err != nil {
+		return nil, err
+	}
+	opts := []grpc.DialOption{grpc.WithTransportCredentials(creds), withTracing()}
+	if key != "" {
+		opts = append(opts, grpc.WithPerRPCCredentials(bearer(key)))
+	}
+	return grpc.NewClient(c.orchestratorAddr(), opts...)
 }
 
 // parse parses interspersed flags and positional arguments.

@@ -156,9 +156,13 @@ func cmdDrill(ctx context.Context, args []string, stdout, stderr io.Writer) int 
 	case cfg.heartbeat < 50*time.Millisecond || cfg.leaseTTL < cfg.heartbeat:
 		return usageErr(stderr, "drill", errors.New("--heartbeat must be at least 50ms and --lease-ttl at least the heartbeat"))
 	}
-	addr, tlsDir := "", ""
+	var conn *grpc.ClientConn
 	if set["addr"] || set["data-dir"] || c.addr != "" {
-		addr, tlsDir = c.orchestratorAddr(), c.tlsDir()
+		// Another mesh: the client commands' connection, with its API key if any.
+		var err error
+		if conn, err = c.dial(); err != nil {
+			return callErr(stderr, "drill", err)
+		}
 	} else {
 		// Free ports are picked, released, then bound by the services: another process
 		// may take one meanwhile (drills run side by side), so try a few times.
@@ -174,15 +178,13 @@ func cmdDrill(ctx context.Context, args []string, stdout, stderr io.Writer) int 
 			return ExitFail
 		}
 		defer m.stop()
-		addr, tlsDir = m.addr, m.tlsDir
-	}
-	creds, err := clientCredentials(tlsDir, meshtls.Orchestrator)
-	if err != nil {
-		return callErr(stderr, "drill", err)
-	}
-	conn, err := grpc.NewClient(addr, grpc.WithTransportCredentials(creds), withTracing())
-	if err != nil {
-		return callErr(stderr, "drill", err)
+		creds, err := clientCredentials(m.tlsDir, meshtls.Orchestrator)
+		if err != nil {
+			return callErr(stderr, "drill", err)
+		}
+		if conn, err = grpc.NewClient(m.addr, grpc.WithTransportCredentials(creds), withTracing()); err != nil {
+			return callErr(stderr, "drill", err)
+		}
 	}
 	defer conn.Close()
 	rows, err := runDrill(ctx, orchestratorv1.NewOrchestratorServiceClient(conn), cfg)
@@ -434,7 +436,8 @@ func drillErr(r taskResult, err error) taskResult {
 // awaitEnded reads the run until it has ended, up to limit.
 func awaitEnded(ctx context.Context, client orchestratorv1.OrchestratorServiceClient, id string, limit time.Time) (*orchestratorv1.Run, error) {
 	for {
-		resp, err := client.GetRun(ctx, &orchestratorv1.GetRunRequest{RunId: id})
+		// The run is the drill tenant's: another tenant would be told NOT_FOUND.
+		resp, err := client.GetRun(metadata.AppendToOutgoingContext(ctx, md.Tenant, drillTenant), &orchestratorv1.GetRunRequest{RunId: id})
 		if err != nil {
 			return nil, err
 		}

@@ -65,13 +65,6 @@ func (c *common) tlsDir() string {
 	return ""
 }
 
-// credentials returns the transport credentials of a client command's connection to the
-// mesh service server: mTLS as curfew-cli when the mesh runs it (tlsDir), else
-// plaintext.
-func (c *common) credentials(server string) (credentials.TransportCredentials, error) {
-	return clientCredentials(c.tlsDir(), server)
-}
-
 // clientCredentials returns curfew-cli's credentials for server from the mTLS files in
 // dir, or plaintext when dir is "".
 func clientCredentials(dir, server string) (credentials.TransportCredentials, error) {

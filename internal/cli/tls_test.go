@@ -73,8 +73,10 @@ func TestClientTLSDir(t *testing.T) {
 	if got := c.tlsDir(); got != "" {
 		t.Errorf("--insecure: %q", got)
 	}
-	if _, err := c.credentials(meshtls.Orchestrator); err != nil {
+	if conn, err := c.dial(); err != nil {
 		t.Error(err)
+	} else {
+		_ = conn.Close()
 	}
 	if _, err := clientCredentials(t.TempDir(), meshtls.Orchestrator); err == nil {
 		t.Error("credentials from a directory without curfew-cli's certificate")

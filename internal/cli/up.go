@@ -164,6 +164,11 @@ func cmdUp(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	if err := prepareStore(ctx, dsn); err != nil {
 		return usageErr(stderr, "up", fmt.Errorf("--store: %w", err))
 	}
+	if *insecureFlag { // no mTLS, so the CLI is no mesh peer: it needs an API key
+		if err := prepareCLIKey(ctx, dsn, *dataDir); err != nil {
+			return usageErr(stderr, "up", fmt.Errorf("the CLI's API key: %w", err))
+		}
+	}
 	bins, err := findBinaries(*binDir)
 	if err != nil {
 		return usageErr(stderr, "up", err)

@@ -13,9 +13,28 @@ import (
 	"time"
 
 	"google.golang.org/grpc"
+	"google.golang.org/grpc/credentials"
 	"google.golang.org/grpc/credentials/insecure"
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
+
+	"github.com/curfew-mesh/curfew/mesh/apikey"
+	"github.com/curfew-mesh/curfew/mesh/md"
+	"github.com/curfew-mesh/curfew/mesh/store"
+	_ "github.com/curfew-mesh/curfew/mesh/store/postgres" // postgres:// DSNs
+	_ "github.com/curfew-mesh/curfew/mesh/store/sqlite"   // SQLite paths
 )
+
+// Bearer returns per-call credentials that send key as `authorization: Bearer <key>`,
+// over plaintext too (loopback tests).
+func Bearer(key string) credentials.PerRPCCredentials { return bearer(key) }
+
+type bearer string
+
+func (b bearer) GetRequestMetadata(context.Context, ...string) (map[string]string, error) {
+	return map[string]string{"authorization": "Bearer " + string(b)}, nil
+}
+
+func (b bearer) RequireTransportSecurity() bool { return false }
 
 // Cluster is a mesh whose service processes a test starts, kills and restarts one by
 // one (`curfew up` stops the whole mesh when one of them dies): a modelproxy, a
@@ -24,7 +43,11 @@ import (
 type Cluster struct {
 	Dir   string // logs go to Dir/<name>.log
 	Store string // the store DSN every service gets
-	bin   string
+	// APIKey is an API key of tenant md.DefaultTenant in Store: over plaintext no caller
+	// is a mesh peer, so the orchestrators take only callers with a key. Conn sends it;
+	// give it to the curfew command as $CURFEW_API_KEY.
+	APIKey string
+	bin    string
 
 	mu    sync.Mutex
 	procs map[string]*Proc
@@ -47,13 +70,26 @@ type Proc struct {
 	exitErr error
 }
 
-// NewCluster builds the binaries if needed and returns an empty cluster on store.
-func NewCluster(dir, storeDSN string) (*Cluster, error) {
+// NewCluster builds the binaries if needed and returns an empty cluster on store, which
+// it opens (creating and migrating it) to make the cluster's API key.
+func NewCluster(ctx context.Context, dir, storeDSN string) (*Cluster, error) {
 	bin, err := Build()
 	if err != nil {
 		return nil, err
 	}
-	return &Cluster{Dir: dir, Store: storeDSN, bin: bin, procs: map[string]*Proc{}}, nil
+	st, err := store.Open(ctx, storeDSN)
+	if err != nil {
+		return nil, err
+	}
+	defer func() { _ = st.Close() }()
+	k, err := apikey.New(md.DefaultTenant)
+	if err != nil {
+		return nil, err
+	}
+	if _, _, err := st.CreateAPIKey(ctx, k.Record, false); err != nil {
+		return nil, err
+	}
+	return &Cluster{Dir: dir, Store: storeDSN, APIKey: k.Secret, bin: bin, procs: map[string]*Proc{}}, nil
 }
 
 // freeAddr returns a 127.0.0.1 address nothing listens on at the moment.
@@ -178,9 +214,10 @@ func (p *Proc) Running() bool {
 	return p.cmd != nil
 }
 
-// Conn returns a client connection to proc, closed by Close.
+// Conn returns a client connection to proc that sends the cluster's APIKey, closed by
+// Close.
 func (c *Cluster) Conn(p *Proc) (*grpc.ClientConn, error) {
-	conn, err := grpc.NewClient(p.Addr, grpc.WithTransportCredentials(insecure.NewCredentials()))
+	conn, err := grpc.NewClient(p.Addr, grpc.WithTransportCredentials(insecure.NewCredentials()), grpc.WithPerRPCCredentials(bearer(c.APIKey)))
 	if err != nil {
 		return nil, err
 	}

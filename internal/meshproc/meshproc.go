@@ -203,26 +203,31 @@ func (m *Mesh) Conn(service string) (*grpc.ClientConn, error) {
 }
 
 // ConnAs returns a client connection to a service presenting identity's certificate
-// from the mesh's mTLS files (plaintext when the mesh runs none).
+// from the mesh's mTLS files. When the mesh runs plaintext, the connection sends the
+// API key `curfew up --insecure` made for its CLI instead (DIR/cli.key).
 func (m *Mesh) ConnAs(identity, service string) (*grpc.ClientConn, error) {
-	creds := insecure.NewCredentials()
-	if m.TLS() {
-		src, err := meshtls.NewSource(m.Endpoints.TLSDir, identity)
+	if !m.TLS() {
+		key, err := os.ReadFile(filepath.Join(m.Dir, "cli.key"))
 		if err != nil {
 			return nil, err
 		}
-		creds = meshtls.ClientCredentials(src, service)
+		return m.ConnWith(service, insecure.NewCredentials(), grpc.WithPerRPCCredentials(bearer(strings.TrimSpace(string(key)))))
 	}
-	return m.ConnWith(service, creds)
+	src, err := meshtls.NewSource(m.Endpoints.TLSDir, identity)
+	if err != nil {
+		return nil, err
+	}
+	return m.ConnWith(service, meshtls.ClientCredentials(src, service))
 }
 
-// ConnWith returns a client connection to a service with the given credentials.
-func (m *Mesh) ConnWith(service string, creds credentials.TransportCredentials) (*grpc.ClientConn, error) {
+// ConnWith returns a client connection to a service with the given credentials and
+// options (grpc.WithPerRPCCredentials(Bearer(key)) for an API key, say).
+func (m *Mesh) ConnWith(service string, creds credentials.TransportCredentials, opts ...grpc.DialOption) (*grpc.ClientConn, error) {
 	ep, ok := m.Endpoints.Services[service]
 	if !ok {
 		return nil, fmt.Errorf("meshproc: no service %q", service)
 	}
-	c, err := grpc.NewClient(ep.Addr, grpc.WithTransportCredentials(creds))
+	c, err := grpc.NewClient(ep.Addr, append([]grpc.DialOption{grpc.WithTransportCredentials(creds)}, opts...)...)
 	if err != nil {
 		return nil, err
 	}

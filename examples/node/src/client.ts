@@ -9,7 +9,9 @@
 // Common flags: --addr HOST:PORT (else $CURFEW_ADDR, else 127.0.0.1:7700), --tenant NAME,
 // --ca FILE (else $CURFEW_CA: the mesh CA, `curfew up`'s DATA_DIR/tls/ca.crt, to call a
 // mesh that runs mTLS; the orchestrator's public API needs no client certificate),
-// --json (one JSON object per line instead of text). See README.md beside this file and
+// --json (one JSON object per line instead of text). $CURFEW_API_KEY is the tenant's API
+// key (`curfew tenant create`), sent as `authorization: Bearer`; it names the tenant, so
+// --tenant is then ignored by the orchestrator. See README.md beside this file and
 // docs/api.md for the contract it follows.
 import { readFileSync } from "node:fs";
 import { randomUUID } from "node:crypto";
@@ -136,6 +138,10 @@ function fail(err: unknown): number {
 function headers(extra: Record<string, string> = {}): Record<string, string> {
   const h: Record<string, string> = { [H.retryId]: randomUUID(), [H.attempt]: "1", ...extra };
   if (flags.tenant) h[H.tenant] = flags.tenant;
+  // The orchestrator takes callers from outside the mesh only with an API key; never
+  // from a flag, which other users could read in the process list.
+  const key = process.env.CURFEW_API_KEY;
+  if (key) h["authorization"] = `Bearer ${key}`;
   return h;
 }
 

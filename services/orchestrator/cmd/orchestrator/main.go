@@ -20,6 +20,7 @@ import (
 	toolrunnerv1 "github.com/curfew-mesh/curfew/gen/curfew/toolrunner/v1"
 	"github.com/curfew-mesh/curfew/mesh/admission"
 	"github.com/curfew-mesh/curfew/mesh/agent"
+	"github.com/curfew-mesh/curfew/mesh/apikey"
 	"github.com/curfew-mesh/curfew/mesh/decoderlease"
 	"github.com/curfew-mesh/curfew/mesh/dlq"
 	"github.com/curfew-mesh/curfew/mesh/meshtls"
@@ -101,10 +102,30 @@ func run(args []string) int {
 		defer func() { _ = s.Close() }()
 		st = s
 	}
+	// The public API acts only for authenticated tenants (docs/security.md): a verified
+	// API key names the tenant; another orchestrator forwarding a call, or the curfew CLI,
+	// names it in curfew-tenant; anyone else is refused.
+	guard := &apikey.Guard{
+		Methods: []string{
+			"/" + orchestratorv1.OrchestratorService_ServiceDesc.ServiceName + "/",
+			"/" + orchestratorv1.DeadLetterService_ServiceDesc.ServiceName + "/",
+		},
+		Peers: []string{meshtls.Orchestrator, meshtls.CLI},
+	}
+	if st != nil {
+		guard.Keys = &apikey.Authenticator{Keys: st}
+	}
+	o.Authenticate = guard.Tenant
 	rt, err := service.New(ctx, o, nil)
 	if err != nil {
 		fmt.Fprintln(os.Stderr, "orchestrator:", err)
 		return 1
+	}
+	guard.Log = rt.Log
+	if guard.Keys != nil {
+		guard.Keys.Log = rt.Log
+	} else {
+		rt.Log.Warn("no --store: no API keys, so only mesh peers (the curfew CLI, other orchestrators) may call this orchestrator; over --insecure, no one")
 	}
 	adv := advertiseAddr(*advertise, rt.Addr())
 	if st != nil {

@@ -81,7 +81,7 @@ func (s *Server) cancelElsewhere(ctx context.Context, req *orchestratorv1.Cancel
 			return nil, status.FromContextError(ctx.Err()).Err()
 		case <-t.C:
 		}
-		if rs, err := s.get(id); err == nil { // taken over here meanwhile
+		if rs, err := s.visible(ctx, id); err == nil { // taken over here meanwhile
 			return s.cancelHere(ctx, rs, req)
 		}
 		run, err = s.cfg.Store.GetRun(ctx, tenant, id)
@@ -100,6 +100,19 @@ func (s *Server) cancelElsewhere(ctx context.Context, req *orchestratorv1.Cancel
 	}
 }
 
+// forwardedContext is the context of a call forwarded to another orchestrator: marked
+// forwarded, and carrying the caller's API key when it sent one. The owner authenticates
+// the tenant itself: by the key, or, from this orchestrator as its mesh peer, by the
+// curfew-tenant the client chain sends (the tenant authenticated here). Over plaintext
+// (--insecure) there are no mesh peers, so the key is what lets the call through.
+func forwardedContext(ctx context.Context) context.Context {
+	kv := []string{forwardedHeader, "1"}
+	if auth := metadata.ValueFromIncomingContext(ctx, "authorization"); len(auth) == 1 {
+		kv = append(kv, "authorization", auth[0])
+	}
+	return metadata.AppendToOutgoingContext(ctx, kv...)
+}
+
 // forwardCancel sends the CancelRun to the run's owner; ok is false when the owner has
 // no address, is this process, or could not be reached.
 func (s *Server) forwardCancel(ctx context.Context, run store.Run, req *orchestratorv1.CancelRunRequest) (*orchestratorv1.Run, bool) {
@@ -110,7 +123,7 @@ func (s *Server) forwardCancel(ctx context.Context, run store.Run, req *orchestr
 	peer, err := s.cfg.Peers(addr)
 	if err == nil {
 		var resp *orchestratorv1.CancelRunResponse
-		resp, err = peer.CancelRun(metadata.AppendToOutgoingContext(ctx, forwardedHeader, "1"), req)
+		resp, err = peer.CancelRun(forwardedContext(ctx), req)
 		if err == nil {
 			s.cfg.Log.InfoContext(ctx, "run owned by another orchestrator cancelled by operator, through its owner",
 				"run_id", run.RunID, "owner", run.Owner, "reason", req.GetReason())

@@ -692,7 +692,7 @@ func (s *Server) WatchRun(req *orchestratorv1.WatchRunRequest, stream orchestrat
 		return stream.Send(&orchestratorv1.WatchRunResponse{Event: &orchestratorv1.WatchRunResponse_Finished{Finished: r}})
 	}
 	for {
-		if rs, err := s.get(req.GetRunId()); err == nil {
+		if rs, err := s.visible(ctx, req.GetRunId()); err == nil {
 			sub := rs.subscribe()
 			err := s.follow(ctx, rs, sub, sendStarted, stream)
 			rs.unsubscribe(sub)

@@ -703,9 +703,23 @@ func (s *Server) get(id string) (*runState, error) {
 	return rs, nil
 }
 
+// visible returns the run id this process holds if it belongs to the caller's tenant
+// (md.IdentityFrom: authenticated by the server chain). Another tenant's run is
+// NOT_FOUND, exactly like a run that does not exist, so that its existence does not leak.
+func (s *Server) visible(ctx context.Context, id string) (*runState, error) {
+	rs, err := s.get(id)
+	if err != nil {
+		return nil, err
+	}
+	if rs.rec.GetTenant() != md.IdentityFrom(ctx).Tenant { // rec's tenant is set once, at creation
+		return nil, status.Errorf(codes.NotFound, "run %q not found", id)
+	}
+	return rs, nil
+}
+
 // GetRun implements OrchestratorService.GetRun. A running run's nodes are read live.
 func (s *Server) GetRun(ctx context.Context, req *orchestratorv1.GetRunRequest) (*orchestratorv1.GetRunResponse, error) {
-	rs, err := s.get(req.GetRunId())
+	rs, err := s.visible(ctx, req.GetRunId())
 	if err != nil {
 		if s.cfg.Store == nil || status.Code(err) != codes.NotFound {
 			return nil, err
@@ -737,9 +751,9 @@ const (
 	MaxPageSize     = 500
 )
 
-// ListRuns implements OrchestratorService.ListRuns: newest first, without nodes. The page
-// token is the id of the last run of the previous page; run ids are UUIDv7, ordered by
-// creation, so pages stay stable while new runs arrive.
+// ListRuns implements OrchestratorService.ListRuns: the caller's tenant's runs, newest
+// first, without nodes. The page token is the id of the last run of the previous page;
+// run ids are UUIDv7, ordered by creation, so pages stay stable while new runs arrive.
 func (s *Server) ListRuns(ctx context.Context, req *orchestratorv1.ListRunsRequest) (*orchestratorv1.ListRunsResponse, error) {
 	size := int(req.GetPageSize())
 	switch {
@@ -759,10 +773,11 @@ func (s *Server) ListRuns(ctx context.Context, req *orchestratorv1.ListRunsReque
 	if s.cfg.Store != nil {
 		return s.listStored(ctx, size, after)
 	}
+	tenant := md.IdentityFrom(ctx).Tenant
 	s.mu.Lock()
 	states := make([]*runState, 0, size+1)
 	for i := len(s.order) - 1; i >= 0 && len(states) <= size; i-- {
-		if id := s.order[i]; after == "" || id < after {
+		if id := s.order[i]; (after == "" || id < after) && s.runs[id].rec.GetTenant() == tenant {
 			states = append(states, s.runs[id])
 		}
 	}
@@ -784,7 +799,7 @@ func (s *Server) ListRuns(ctx context.Context, req *orchestratorv1.ListRunsReque
 // operator and returns once its tree has been torn down. Cancelling an ended run returns
 // it unchanged.
 func (s *Server) CancelRun(ctx context.Context, req *orchestratorv1.CancelRunRequest) (*orchestratorv1.CancelRunResponse, error) {
-	rs, err := s.get(req.GetRunId())
+	rs, err := s.visible(ctx, req.GetRunId())
 	if err != nil {
 		if s.cfg.Store == nil || status.Code(err) != codes.NotFound {
 			return nil, err

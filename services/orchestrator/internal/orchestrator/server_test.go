@@ -14,6 +14,7 @@ import (
 	"google.golang.org/genproto/googleapis/rpc/errdetails"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/metadata"
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/types/known/durationpb"
 
@@ -709,5 +710,48 @@ func TestShutdownCancelsLeftoverRuns(t *testing.T) {
 	}
 	if r := e.waitEnded(t, started.GetRunId()); r.GetStatus() != orchestratorv1.RunStatus_RUN_STATUS_CANCELLED || r.GetCause() != meshv1.CancelCause_CANCEL_CAUSE_OPERATOR || r.GetEndedAt() == nil {
 		t.Fatalf("run after Shutdown = %v, want CANCELLED by OPERATOR", r)
+	}
+}
+
+// A run is visible only to its tenant (the identity the server chain authenticated; here
+// the chain honours curfew-tenant): another tenant cannot get, list, watch or cancel it,
+// and is told NOT_FOUND, as for a run that does not exist.
+func TestTenantIsolation(t *testing.T) {
+	e := newEnv(t, mesh.ServerConfig{}, nil)
+	as := func(tenant string) context.Context {
+		return metadata.AppendToOutgoingContext(context.Background(), md.Tenant, tenant)
+	}
+	rs, started := e.start(as("acme"), t, &orchestratorv1.RunRequest{Task: slowPlan})
+	id := started.GetRunId()
+	e.waitDecoder(t)
+
+	other := as("globex")
+	_, err := e.orch.GetRun(other, &orchestratorv1.GetRunRequest{RunId: id})
+	meshtest.WantCode(t, err, codes.NotFound, id)
+	_, err = e.orch.CancelRun(other, &orchestratorv1.CancelRunRequest{RunId: id})
+	meshtest.WantCode(t, err, codes.NotFound, id)
+	w, err := e.orch.WatchRun(other, &orchestratorv1.WatchRunRequest{RunId: id})
+	if err == nil {
+		_, err = w.Recv()
+	}
+	meshtest.WantCode(t, err, codes.NotFound, id)
+	list, err := e.orch.ListRuns(other, &orchestratorv1.ListRunsRequest{})
+	if err != nil || len(list.GetRuns()) != 0 {
+		t.Fatalf("globex's ListRuns = %v, %v; want none of acme's runs", list.GetRuns(), err)
+	}
+
+	// acme's run went on, and acme sees and cancels it.
+	got, err := e.orch.GetRun(as("acme"), &orchestratorv1.GetRunRequest{RunId: id})
+	if err != nil || got.GetRun().GetStatus() != orchestratorv1.RunStatus_RUN_STATUS_RUNNING || got.GetRun().GetTenant() != "acme" {
+		t.Fatalf("acme's GetRun = %v, %v; want its run, still running", got.GetRun(), err)
+	}
+	if list, err := e.orch.ListRuns(as("acme"), &orchestratorv1.ListRunsRequest{}); err != nil || len(list.GetRuns()) != 1 {
+		t.Fatalf("acme's ListRuns = %v, %v; want its one run", list.GetRuns(), err)
+	}
+	if _, err := e.orch.CancelRun(as("acme"), &orchestratorv1.CancelRunRequest{RunId: id}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := rs.rest(); status.Code(err) != codes.Canceled {
+		t.Fatalf("acme's Run stream ended with %v, want CANCELED by acme's own cancel", err)
 	}
 }
