@@ -42,12 +42,14 @@ Usage:
   curfew dlq     purge (--id ID | --before TIME | --replayed) [--json]
   curfew drill   [--mode shed|orphan] [--fault N] [--tasks N] [--deadline D] [--cancel-at D] [--tps N] [--heartbeat D] [--json]
   curfew tenant  (create TENANT | rotate-key TENANT | revoke KEY_ID | ls [TENANT]) [--store DSN] [--json]
+  curfew tls     (init DIR [--host NAME]... | k8s-secrets DIR [--namespace NS])
   curfew version
 
 Every command except up takes --addr (default: the orchestrator in DIR/endpoints.json,
 else 127.0.0.1:7700) and --data-dir (default $CURFEW_DATA_DIR, else ~/.curfew). They
 connect with mTLS as curfew-cli (DIR/tls) when the mesh runs it, and in plaintext with
---insecure.
+--insecure. They send $CURFEW_API_KEY, a tenant's API key, when it is set: the calls then
+act for that tenant.
 `
 
 // Main runs the command line and returns the exit code.
@@ -58,7 +60,7 @@ func Main(ctx context.Context, args []string, stdin io.Reader, stdout, stderr io
 	}
 	cmds := map[string]func(context.Context, []string, io.Writer, io.Writer) int{
 		"up": cmdUp, "run": cmdRun, "get": cmdGet, "ls": cmdLs, "cancel": cmdCancel, "trace": cmdTrace,
-		"dlq": cmdDlq, "drill": cmdDrill, "tenant": cmdTenant,
+		"dlq": cmdDlq, "drill": cmdDrill, "tenant": cmdTenant, "tls": cmdTLS,
 	}
 	switch args[0] {
 	case "help", "-h", "--help":

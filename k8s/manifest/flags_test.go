@@ -18,6 +18,8 @@ import (
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
+
+	"github.com/curfew-mesh/curfew/k8s/manifest"
 )
 
 // The binaries the images ship, built once per test binary from this checkout (the
@@ -226,7 +228,11 @@ func startContainer(t *testing.T, s *set, bin, c, store string) {
 				continue
 			}
 			for _, vm := range ctr.VolumeMounts {
-				if vm.Name == v.Name && vm.MountPath == mp {
+				switch {
+				case vm.Name != v.Name || vm.MountPath != mp:
+				case strings.HasPrefix(v.Secret.SecretName, "curfew-tls-"):
+					tlsSecretFiles(t, bin, v.Secret.SecretName, local)
+				default:
 					fakeSecretFiles(t, mounts, mp, local)
 				}
 			}
@@ -250,6 +256,12 @@ func startContainer(t *testing.T, s *set, bin, c, store string) {
 			a = "--addr=" + addr
 		case "admin-addr":
 			a = "--admin-addr=" + admin
+		case "health-addr": // one port in every pod; here, processes side by side
+			a = "--health-addr=" + freeAddr(t)
+		}
+		if name, v, ok := strings.Cut(a, "="); ok && mounts[v] != "" { // a flag naming a mount (--tls-dir)
+			args = append(args, name+"="+mounts[v])
+			continue
 		}
 		args = append(args, rewrite(a))
 	}
@@ -289,6 +301,59 @@ func startContainer(t *testing.T, s *set, bin, c, store string) {
 	case <-time.After(bound):
 		_ = cmd.Process.Kill()
 		t.Errorf("%s still running %v after SIGTERM\n%s", c, bound, out.String())
+	}
+}
+
+var (
+	tlsOnce    sync.Once
+	tlsSecrets map[string]*corev1.Secret
+	tlsErr     error
+)
+
+// tlsSecretFiles writes the files of the mesh TLS Secret name as the kubelet would mount
+// them: the Secret is the one `curfew tls k8s-secrets` prints for certificates that
+// `curfew tls init` made (once per test binary), so the services start with what the
+// documented commands give an operator.
+func tlsSecretFiles(t *testing.T, bin, name, local string) {
+	t.Helper()
+	tlsOnce.Do(func() {
+		dir, err := os.MkdirTemp("", "curfew-k8s-tls-")
+		if err != nil {
+			tlsErr = err
+			return
+		}
+		defer func() { _ = os.RemoveAll(dir) }()
+		curfew := filepath.Join(bin, "curfew")
+		if out, err := exec.CommandContext(t.Context(), curfew, "tls", "init", dir).CombinedOutput(); err != nil {
+			tlsErr = fmt.Errorf("curfew tls init: %w\n%s", err, out)
+			return
+		}
+		out, err := exec.CommandContext(t.Context(), curfew, "tls", "k8s-secrets", dir).Output()
+		if err != nil {
+			tlsErr = fmt.Errorf("curfew tls k8s-secrets: %w", err)
+			return
+		}
+		objs, err := manifest.Decode(out)
+		if err != nil {
+			tlsErr = fmt.Errorf("curfew tls k8s-secrets printed what does not decode: %w", err)
+			return
+		}
+		tlsSecrets = map[string]*corev1.Secret{}
+		for _, o := range objs {
+			if sec, ok := o.(*corev1.Secret); ok && sec.Namespace == "curfew" {
+				tlsSecrets[sec.Name] = sec
+			}
+		}
+	})
+	if tlsErr != nil {
+		t.Fatal(tlsErr)
+	}
+	sec := tlsSecrets[name]
+	if sec == nil {
+		t.Fatalf("curfew tls k8s-secrets prints no Secret %s in namespace curfew", name)
+	}
+	for k, v := range sec.Data {
+		writeFile(t, filepath.Join(local, k), string(v))
 	}
 }
 

@@ -179,8 +179,8 @@ func TestEveryServiceIsReplicatedAndProtected(t *testing.T) {
 	})
 }
 
-// Ports agree: a service's --addr, its container port "grpc", both probes and its
-// Services; its --admin-addr, container port "admin" and the scrape annotation; and
+// Ports agree: a service's --addr, its container port "grpc" and its Services; its
+// --health-addr, container port "health" and both probes; its --admin-addr, container port "admin" and the scrape annotation; and
 // every client flag (--toolrunner=dns:///curfew-toolrunner:7702, …) names a Service port
 // that reaches the callee's gRPC port.
 func TestPortsInServicesProbesAndFlagsAgree(t *testing.T) {
@@ -198,9 +198,14 @@ func TestPortsInServicesProbesAndFlagsAgree(t *testing.T) {
 			if got := containerPort(ctr, "admin"); got != admin {
 				t.Errorf("%s: container port admin %d, --admin-addr %d", c, got, admin)
 			}
+			// The probes ask the plaintext health listener: the kubelet cannot do mTLS.
+			health := port(t, c, "--health-addr", args["health-addr"])
+			if got := containerPort(ctr, "health"); got != health {
+				t.Errorf("%s: container port health %d, --health-addr %d", c, got, health)
+			}
 			for name, p := range map[string]*corev1.Probe{"readiness": ctr.ReadinessProbe, "liveness": ctr.LivenessProbe} {
-				if p != nil && p.GRPC != nil && p.GRPC.Port != addr {
-					t.Errorf("%s: %s probe on %d, --addr %d", c, name, p.GRPC.Port, addr)
+				if p != nil && p.GRPC != nil && p.GRPC.Port != health {
+					t.Errorf("%s: %s probe on %d, --health-addr %d", c, name, p.GRPC.Port, health)
 				}
 			}
 			if a, ok := d.Spec.Template.Annotations["prometheus.io/port"]; ok && a != strconv.Itoa(int(admin)) {
@@ -381,4 +386,50 @@ func selects(t *testing.T, ls *metav1.LabelSelector, l map[string]string) bool {
 		t.Fatalf("label selector %v: %v", ls, err)
 	}
 	return sel.Matches(labels.Set(l))
+}
+
+// Every curfew service runs mTLS (issue 9): --tls-dir names the mount of a Secret
+// curfew-tls-<service> of its own, read-only and unreadable by others (it holds the key),
+// and no container runs --insecure.
+func TestEveryServiceRunsMTLS(t *testing.T) {
+	each(t, func(t *testing.T, s *set) {
+		for _, c := range components {
+			d := s.deployments[c]
+			ctr := container(t, d)
+			args := flagArgs(ctr.Args)
+			if _, ok := args["insecure"]; ok {
+				t.Errorf("%s runs --insecure", c)
+			}
+			dir := args["tls-dir"]
+			if dir == "" {
+				t.Errorf("%s: no --tls-dir", c)
+				continue
+			}
+			var mount *corev1.VolumeMount
+			for i := range ctr.VolumeMounts {
+				if ctr.VolumeMounts[i].MountPath == dir {
+					mount = &ctr.VolumeMounts[i]
+				}
+			}
+			if mount == nil || !mount.ReadOnly {
+				t.Errorf("%s: --tls-dir %s is not a read-only mount", c, dir)
+				continue
+			}
+			var secret *corev1.SecretVolumeSource
+			for _, v := range d.Spec.Template.Spec.Volumes {
+				if v.Name == mount.Name {
+					secret = v.Secret
+				}
+			}
+			if secret == nil || secret.SecretName != "curfew-tls-"+c {
+				t.Errorf("%s: --tls-dir is not the Secret curfew-tls-%s", c, c)
+				continue
+			}
+			// 0440 (the process reads it through its group, fsGroup): written in octal in
+			// YAML, it must not have been read as decimal 440 (0670, writable).
+			if secret.DefaultMode == nil || *secret.DefaultMode != 0o440 {
+				t.Errorf("%s: the TLS Secret's files must have mode 0440 (defaultMode %v)", c, secret.DefaultMode)
+			}
+		}
+	})
 }
