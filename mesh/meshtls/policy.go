@@ -132,8 +132,9 @@ var (
 // connections; keep them in step. The package doc shows the same table.
 var callGraph = map[string][]Rule{
 	Orchestrator: {
-		// The public API: external callers need no mesh certificate (API keys will
-		// authenticate them); the CLI and mesh peers may call it too.
+		// The public API: external callers need no mesh certificate (their API keys
+		// authenticate them: apikey.Guard in the server chain); the CLI and mesh peers
+		// may call it too.
 		{Method: orchestratorAPI, Public: true},
 		{Method: deadLetterAPI, Public: true},
 	},
