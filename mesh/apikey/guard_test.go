@@ -21,7 +21,7 @@ import (
 
 // peerCtx returns ctx as a server sees a call from the mesh identity id: a verified
 // client certificate issued by the mesh CA.
-func peerCtx(ctx context.Context, t *testing.T, dir, id string) context.Context {
+func peerCtx(ctx context.Context, t testing.TB, dir, id string) context.Context {
 	t.Helper()
 	ca, err := meshtls.EnsureCA(dir)
 	if err != nil {
@@ -97,5 +97,41 @@ func TestGuard(t *testing.T) {
 	}
 	if got, err := noStore.Tenant(cli, api+"Run", "globex"); err != nil || got != "globex" {
 		t.Errorf("no store, the CLI: %q, %v", got, err)
+	}
+}
+
+// BenchmarkGuardTenant is the cost a guarded call pays to learn its tenant: a bearer key
+// checked against a SQLite store (one primary-key read and a SHA-256), and, for
+// comparison, a mesh peer naming its tenant (a certificate already verified).
+func BenchmarkGuardTenant(b *testing.B) {
+	ctx := b.Context()
+	st, err := store.Open(ctx, "sqlite://"+filepath.Join(b.TempDir(), "keys.db"))
+	if err != nil {
+		b.Fatal(err)
+	}
+	b.Cleanup(func() { _ = st.Close() })
+	k, err := apikey.New("acme")
+	if err != nil {
+		b.Fatal(err)
+	}
+	if _, _, err := st.CreateAPIKey(ctx, k.Record, false); err != nil {
+		b.Fatal(err)
+	}
+	const api = "/curfew.orchestrator.v1.OrchestratorService/"
+	g := &apikey.Guard{Keys: &apikey.Authenticator{Keys: st}, Methods: []string{api}, Peers: []string{meshtls.CLI}}
+	for _, c := range []struct {
+		name string
+		ctx  context.Context
+	}{
+		{"api-key-sqlite", metadata.NewIncomingContext(ctx, metadata.Pairs("authorization", "Bearer "+k.Secret))},
+		{"mesh-peer", peerCtx(metadata.NewIncomingContext(ctx, metadata.Pairs(md.Tenant, "acme")), b, filepath.Join(b.TempDir(), "tls"), meshtls.CLI)},
+	} {
+		b.Run(c.name, func(b *testing.B) {
+			for b.Loop() {
+				if t, err := g.Tenant(c.ctx, api+"GetRun", "acme"); err != nil || t != "acme" {
+					b.Fatal(t, err)
+				}
+			}
+		})
 	}
 }
