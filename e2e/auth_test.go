@@ -3,13 +3,16 @@ package e2e
 import (
 	"context"
 	"encoding/json"
+	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strings"
 	"testing"
 	"time"
 
 	"github.com/google/uuid"
+	"google.golang.org/genproto/googleapis/rpc/errdetails"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/metadata"
@@ -314,4 +317,84 @@ func TestAuthRequestLimits(t *testing.T) {
 	if res.err != nil {
 		t.Fatalf("a run after the refusals: %v", res.err)
 	}
+}
+
+// Issue 9's per-tenant request rate: every call of the public API spends a token of its
+// authenticated tenant's bucket; a call over it is RESOURCE_EXHAUSTED with the shed reason
+// and a RetryInfo delay, other tenants go on, and after the delay the tenant may call
+// again. On a mesh of its own, with an admission file that limits one tenant.
+func TestAuthTenantRequestRate(t *testing.T) {
+	t.Parallel()
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	dir := t.TempDir()
+	adm := filepath.Join(dir, "admission.json")
+	// One token per 5 s after a burst of 3: the burst is spent long before a token comes.
+	if err := os.WriteFile(adm, []byte(`{"pools": [{"name": "paid", "max_in_flight": 64}],
+	  "tenants": {"slow": {"request_rate": 0.2, "request_burst": 3}}}`), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	m, err := meshproc.Start(ctx, filepath.Join(dir, "data"), meshproc.Options{Env: []string{"CURFEW_ADMISSION_CONFIG=" + adm}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() {
+		if err := m.Stop(); err != nil {
+			t.Errorf("curfew up did not stop cleanly: %v", err)
+		}
+	}()
+	cc, err := m.ConnWith("orchestrator", tlsCreds(t, m.Endpoints.TLSDir, nil), grpc.WithPerRPCCredentials(meshproc.Bearer(tenantKeyOf(ctx, t, m, "slow", false))))
+	if err != nil {
+		t.Fatal(err)
+	}
+	slow := orchestratorv1.NewOrchestratorServiceClient(cc)
+	other, err := m.Orchestrator() // curfew-cli, tenant default: no request limit
+	if err != nil {
+		t.Fatal(err)
+	}
+	for i := range 3 {
+		if _, err := slow.ListRuns(ctx, &orchestratorv1.ListRunsRequest{}); err != nil {
+			t.Fatalf("call %d of the burst: %v", i+1, err)
+		}
+	}
+	_, err = slow.GetRun(ctx, &orchestratorv1.GetRunRequest{RunId: "any"})
+	st := status.Convert(err)
+	var delay time.Duration
+	var reasons []string
+	for _, d := range st.Details() {
+		switch d := d.(type) {
+		case *errdetails.RetryInfo:
+			delay = d.GetRetryDelay().AsDuration()
+		case *errdetails.ErrorInfo:
+			reasons = append(reasons, d.GetReason())
+		}
+	}
+	if st.Code() != codes.ResourceExhausted || !slices.Contains(reasons, "SHED_REQUEST_RATE_LIMITED") || delay <= 0 || delay > 5*time.Second {
+		t.Fatalf("the call after the burst: %v (reasons %q, retry in %v), want RESOURCE_EXHAUSTED, SHED_REQUEST_RATE_LIMITED, a delay ≤ 5s", err, reasons, delay)
+	}
+	if _, err := other.ListRuns(ctx, &orchestratorv1.ListRunsRequest{}); err != nil {
+		t.Fatalf("another tenant while slow is limited: %v", err)
+	}
+	time.Sleep(delay + 100*time.Millisecond)
+	if _, err := slow.ListRuns(ctx, &orchestratorv1.ListRunsRequest{}); err != nil {
+		t.Fatalf("after the RetryInfo delay: %v", err)
+	}
+	body, err := httpGet("http://" + m.Endpoints.Services["orchestrator"].AdminAddr + "/metrics")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !strings.Contains(body, `curfew_shed_total{reason="request_rate_limited",service="orchestrator"} 1`) {
+		t.Errorf("/metrics does not count the refusal once:\n%s", grepLines(body, "curfew_shed_total"))
+	}
+}
+
+// grepLines returns the lines of s that contain sub.
+func grepLines(s, sub string) string {
+	var out []string
+	for _, l := range strings.Split(s, "\n") {
+		if strings.Contains(l, sub) {
+			out = append(out, l)
+		}
+	}
+	return strings.Join(out, "\n")
 }

@@ -779,6 +779,60 @@ func TestFailClosedOnSlowHeartbeat(t *testing.T) {
 	}
 }
 
+// A tenant's request rate is a token bucket of its own: its burst of calls is allowed,
+// the next is refused with request_rate_limited, RESOURCE_EXHAUSTED and the delay of the
+// next token, and it refills with time; runs' start rate is separate, other tenants are
+// not affected, and a closed controller still allows calls.
+func TestTenantRequestRate(t *testing.T) {
+	clk := newClock()
+	cfg := onePool(100, 10)
+	cfg.Now = clk.Now
+	cfg.Tenants = map[string]admission.TenantLimits{"acme": {RequestRate: 4, RequestBurst: 2}}
+	c, reg := newController(t, cfg)
+	for i := range 2 {
+		if err := c.AllowRequest("acme"); err != nil {
+			t.Fatalf("call %d of the burst: %v", i, err)
+		}
+	}
+	err := c.AllowRequest("acme")
+	se := wantShed(t, err, admission.ReasonRequestRateLimited)
+	if se.RetryAfter < 200*time.Millisecond || se.RetryAfter > 250*time.Millisecond || status.Code(err) != codes.ResourceExhausted ||
+		!strings.Contains(se.Error(), "4 calls per second") {
+		t.Errorf("refusal %v (RetryAfter %v), want RESOURCE_EXHAUSTED in ≈ 250ms (one token at 4/s)", err, se.RetryAfter)
+	}
+	if err := c.AllowRequest("other"); err != nil {
+		t.Errorf("another tenant: %v", err)
+	}
+	mustAdmit(t, c, admission.Request{Tenant: "acme"}).Release(admission.Outcome{}) // runs are not calls
+	clk.Advance(250 * time.Millisecond)
+	if err := c.AllowRequest("acme"); err != nil {
+		t.Errorf("after a token's time: %v", err)
+	}
+	if v := shedCount(t, reg, admission.ReasonRequestRateLimited); v != 1 {
+		t.Errorf("request_rate_limited counted %v, want 1", v)
+	}
+	// Idle past a sweep, the bucket is full again: the tenant was kept until it was.
+	clk.Advance(2 * time.Minute)
+	for range 2 {
+		if err := c.AllowRequest("acme"); err != nil {
+			t.Fatal(err)
+		}
+	}
+	wantShed(t, c.AllowRequest("acme"), admission.ReasonRequestRateLimited)
+	c.Close()
+	clk.Advance(time.Second)
+	if err := c.AllowRequest("acme"); err != nil {
+		t.Errorf("a closed controller refused a call: %v", err)
+	}
+	for _, l := range []admission.TenantLimits{{RequestRate: -1}, {RequestBurst: -1}} {
+		bad := onePool(1, 1)
+		bad.DefaultTenant = l
+		if err := bad.Validate(); err == nil {
+			t.Errorf("%+v validated", l)
+		}
+	}
+}
+
 // A tenant's start rate is a token bucket: its burst is admitted, the next run is shed
 // with rate_limited and a RetryInfo delay of when the next token comes, and the bucket
 // refills with time. Other tenants are not affected.

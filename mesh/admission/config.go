@@ -110,6 +110,14 @@ type TenantLimits struct {
 	Rate float64
 	// Burst is the bucket's size; 0 means max(1, ⌈Rate⌉).
 	Burst int
+	// RequestRate is the most calls per second the tenant may make to the orchestrator's
+	// public API, runs' starts, reads (GetRun, ListRuns, WatchRun), cancels and dead
+	// letters alike (a token bucket, refilled at RequestRate and holding RequestBurst); 0 is
+	// unlimited. A call over it is refused with request_rate_limited and a RetryInfo delay
+	// of when the next token arrives. Rate still bounds run starts within it.
+	RequestRate float64
+	// RequestBurst is the request bucket's size; 0 means max(1, ⌈RequestRate⌉).
+	RequestBurst int
 	// MaxDeadline is the longest deadline (time left at arrival) a run of the tenant may
 	// ask for; 0 is no limit beyond the service's --max-deadline. A longer one is refused
 	// (OUT_OF_RANGE) before anything starts: the caller asked for more time than its
@@ -123,6 +131,14 @@ func (l TenantLimits) burst() float64 {
 		return float64(l.Burst)
 	}
 	return max(1, math.Ceil(l.Rate))
+}
+
+// requestBurst is the bucket size of l's request rate.
+func (l TenantLimits) requestBurst() float64 {
+	if l.RequestBurst > 0 {
+		return float64(l.RequestBurst)
+	}
+	return max(1, math.Ceil(l.RequestRate))
 }
 
 // LimitSource tells a Controller a tenant's limits. Config implements it from
@@ -277,6 +293,10 @@ func (l TenantLimits) validate(field string) error {
 		return &ConfigError{field + ".rate", l.Rate, "must be a finite number, not negative (0: unlimited)"}
 	case l.Burst < 0:
 		return &ConfigError{field + ".burst", l.Burst, "must not be negative (0: the rate rounded up)"}
+	case l.RequestRate < 0 || math.IsNaN(l.RequestRate) || math.IsInf(l.RequestRate, 0):
+		return &ConfigError{field + ".request_rate", l.RequestRate, "must be a finite number, not negative (0: unlimited)"}
+	case l.RequestBurst < 0:
+		return &ConfigError{field + ".request_burst", l.RequestBurst, "must not be negative (0: the request rate rounded up)"}
 	case l.MaxDeadline < 0:
 		return &ConfigError{field + ".max_deadline", l.MaxDeadline, "must not be negative (0: no tenant limit)"}
 	}
@@ -304,17 +324,19 @@ type filePool struct {
 }
 
 type fileTenant struct {
-	MaxInFlight int      `json:"max_in_flight"`
-	TokenBudget int64    `json:"token_budget"`
-	Window      duration `json:"window"`
-	Rate        float64  `json:"rate"`
-	Burst       int      `json:"burst"`
-	MaxDeadline duration `json:"max_deadline"`
+	MaxInFlight  int      `json:"max_in_flight"`
+	TokenBudget  int64    `json:"token_budget"`
+	Window       duration `json:"window"`
+	Rate         float64  `json:"rate"`
+	Burst        int      `json:"burst"`
+	RequestRate  float64  `json:"request_rate"`
+	RequestBurst int      `json:"request_burst"`
+	MaxDeadline  duration `json:"max_deadline"`
 }
 
 func (t fileTenant) limits() TenantLimits {
 	return TenantLimits{MaxInFlight: t.MaxInFlight, TokenBudget: t.TokenBudget, Window: time.Duration(t.Window),
-		Rate: t.Rate, Burst: t.Burst, MaxDeadline: time.Duration(t.MaxDeadline)}
+		Rate: t.Rate, Burst: t.Burst, RequestRate: t.RequestRate, RequestBurst: t.RequestBurst, MaxDeadline: time.Duration(t.MaxDeadline)}
 }
 
 // duration is a time.Duration written as a string ("12s").

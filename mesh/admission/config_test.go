@@ -40,7 +40,8 @@ const exampleFile = `{
   "retry_after": "1s",
   "default_tenant": {"max_in_flight": 16},
   "tenants": {
-    "acme": {"max_in_flight": 4, "token_budget": 200000, "window": "1h", "max_deadline": "2m"}
+    "acme": {"max_in_flight": 4, "token_budget": 200000, "window": "1h", "max_deadline": "2m",
+             "request_rate": 100, "request_burst": 200}
   }
 }`
 
@@ -59,7 +60,8 @@ func TestLoad(t *testing.T) {
 	if p := cfg.Pools[0]; p.MaxQueue != 1000 || p.MaxQueueAge != 30*time.Second {
 		t.Errorf("paid pool %+v", p)
 	}
-	if l := cfg.TenantLimits("acme"); l != (admission.TenantLimits{MaxInFlight: 4, TokenBudget: 200000, Window: time.Hour, MaxDeadline: 2 * time.Minute}) {
+	if l := cfg.TenantLimits("acme"); l != (admission.TenantLimits{MaxInFlight: 4, TokenBudget: 200000, Window: time.Hour, MaxDeadline: 2 * time.Minute,
+		RequestRate: 100, RequestBurst: 200}) {
 		t.Errorf("acme %+v", l)
 	}
 	if l := cfg.TenantLimits("other"); l != (admission.TenantLimits{MaxInFlight: 16, Window: admission.DefaultBudgetWindow}) {
@@ -94,6 +96,7 @@ func TestDecodeErrors(t *testing.T) {
 		{"negative grace", `{` + pools + `, "cancel_grace": "-1s"}`, `cancel_grace`},
 		{"negative budget", `{` + pools + `, "tenants": {"acme": {"token_budget": -5}}}`, `tenants["acme"].token_budget -5`},
 		{"negative max deadline", `{` + pools + `, "tenants": {"acme": {"max_deadline": "-1s"}}}`, `tenants["acme"].max_deadline -1s`},
+		{"negative request rate", `{` + pools + `, "tenants": {"acme": {"request_rate": -2}}}`, `tenants["acme"].request_rate -2`},
 		{"empty tenant", `{` + pools + `, "tenants": {"": {"token_budget": 5}}}`, `a tenant id must not be empty`},
 		{"negative default", `{` + pools + `, "default_tenant": {"max_in_flight": -1}}`, `default_tenant.max_in_flight`},
 	} {

@@ -285,7 +285,7 @@ func (c *Controller) arrive(req Request, deadline time.Time) (*Ticket, *waiter, 
 	ten := c.tenantFor(req.Tenant)
 	lim := c.tenantLimits(req.Tenant)
 	if lim.Rate > 0 {
-		if ok, wait := ten.take(now, lim.Rate, lim.burst()); !ok {
+		if ok, wait := ten.runs.take(now, lim.Rate, lim.burst()); !ok {
 			c.forget(ten, now)
 			return nil, nil, c.refuse(&ShedError{Reason: ReasonRateLimited, RetryAfter: max(wait, MinRetryAfter), Pool: p.cfg.Name,
 				Tenant: req.Tenant, Detail: fmt.Sprintf("the tenant may start %g runs per second (burst %g)", lim.Rate, lim.burst())})
@@ -503,6 +503,30 @@ func (c *Controller) dropAll(p *pool, mk func(*waiter) *ShedError, now time.Time
 			c.drop(w, mk(w), now)
 		}
 	}
+}
+
+// AllowRequest takes one token of tenant's request bucket (TenantLimits.RequestRate):
+// nil when the call may go on, else a ShedError with ReasonRequestRateLimited and the
+// delay until the next token. The orchestrator asks it for every call to its public API
+// once the call's tenant is authenticated. It refuses nothing after Close: a stopping
+// service still answers reads.
+func (c *Controller) AllowRequest(tenant string) error {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	lim := c.tenantLimits(tenant)
+	if lim.RequestRate <= 0 {
+		return nil
+	}
+	now := c.now()
+	if now.After(c.nextSweep) {
+		c.sweepTenants(now)
+	}
+	ten := c.tenantFor(tenant)
+	if ok, wait := ten.requests.take(now, lim.RequestRate, lim.requestBurst()); !ok {
+		return c.refuse(&ShedError{Reason: ReasonRequestRateLimited, RetryAfter: wait, Tenant: tenant,
+			Detail: fmt.Sprintf("the tenant may make %g calls per second (burst %g)", lim.RequestRate, lim.requestBurst())})
+	}
+	return nil
 }
 
 // refuse counts an arrival's shed and returns it.

@@ -37,6 +37,9 @@ const (
 	ReasonBudget Reason = "budget"
 	// ReasonRateLimited: the tenant starts runs faster than its rate.
 	ReasonRateLimited Reason = "rate_limited"
+	// ReasonRequestRateLimited: the tenant calls the public API faster than its request
+	// rate (Controller.AllowRequest); a call, not necessarily a run, is refused.
+	ReasonRequestRateLimited Reason = "request_rate_limited"
 	// ReasonShutdown: the controller was closed (the service is stopping). Its status is
 	// UNAVAILABLE, not RESOURCE_EXHAUSTED: the caller should go to another replica.
 	ReasonShutdown Reason = "shutdown"
@@ -50,7 +53,7 @@ const (
 // Reasons lists every Reason, in a fixed order.
 func Reasons() []Reason {
 	return []Reason{ReasonDeadlineSlack, ReasonQueueAge, ReasonQueueFull, ReasonPoolClosed,
-		ReasonTenantConcurrency, ReasonBudget, ReasonRateLimited, ReasonShutdown, ReasonCancelled}
+		ReasonTenantConcurrency, ReasonBudget, ReasonRateLimited, ReasonRequestRateLimited, ReasonShutdown, ReasonCancelled}
 }
 
 // ErrorInfoReason is the reason's ErrorInfo reason: "SHED_" + upper-cased reason.

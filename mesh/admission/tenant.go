@@ -21,26 +21,31 @@ type tenant struct {
 	// window and windowStart are the current fixed budget window.
 	window      time.Duration
 	windowStart time.Time
-	// The rate's token bucket: tokens at tokensAt, full again at fullAt (the tenant is
-	// not forgotten before, or forgetting would refill it).
+	// The token buckets of the run rate and of the request rate.
+	runs, requests bucket
+}
+
+// bucket is a token bucket: tokens at tokensAt, full again at fullAt (its tenant is not
+// forgotten before, or forgetting would refill it).
+type bucket struct {
 	tokens           float64
 	tokensAt, fullAt time.Time
 }
 
 // take takes one token of the bucket refilled at rate up to burst, or says how long until
 // one is there.
-func (t *tenant) take(now time.Time, rate, burst float64) (bool, time.Duration) {
-	if t.tokensAt.IsZero() {
-		t.tokens = burst
+func (b *bucket) take(now time.Time, rate, burst float64) (bool, time.Duration) {
+	if b.tokensAt.IsZero() {
+		b.tokens = burst
 	} else {
-		t.tokens = min(burst, t.tokens+now.Sub(t.tokensAt).Seconds()*rate)
+		b.tokens = min(burst, b.tokens+now.Sub(b.tokensAt).Seconds()*rate)
 	}
-	t.tokensAt = now
-	if t.tokens < 1 {
-		return false, time.Duration((1 - t.tokens) / rate * float64(time.Second))
+	b.tokensAt = now
+	if b.tokens < 1 {
+		return false, time.Duration((1 - b.tokens) / rate * float64(time.Second))
 	}
-	t.tokens--
-	t.fullAt = now.Add(time.Duration((burst - t.tokens) / rate * float64(time.Second)))
+	b.tokens--
+	b.fullAt = now.Add(time.Duration((burst - b.tokens) / rate * float64(time.Second)))
 	return true, 0
 }
 
@@ -107,7 +112,7 @@ func (c *Controller) settle(ten *tenant, reserved, spent int64, now time.Time) {
 // forget deletes ten when nothing refers to it any more and it holds no spend of the
 // current window.
 func (c *Controller) forget(ten *tenant, now time.Time) {
-	if ten.outstanding != 0 || ten.reserved != 0 || now.Before(ten.fullAt) {
+	if ten.outstanding != 0 || ten.reserved != 0 || now.Before(ten.runs.fullAt) || now.Before(ten.requests.fullAt) {
 		return
 	}
 	if ten.used != 0 && now.Before(ten.windowStart.Add(ten.window)) {

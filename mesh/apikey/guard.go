@@ -37,6 +37,10 @@ type Guard struct {
 	// Peers are the mesh identities (meshtls.Orchestrator, meshtls.CLI) trusted to name
 	// the tenant they act for.
 	Peers []string
+	// Limit, when set, is asked once the tenant of a guarded call is known (after rules
+	// 2 and 3): a non-nil error, a status, refuses the call (the orchestrator's per-tenant
+	// request rate, admission.Controller.AllowRequest).
+	Limit func(tenant string) error
 	// Log receives forged-header notes at debug level; nil: slog.Default().
 	Log *slog.Logger
 }
@@ -58,12 +62,21 @@ func (g *Guard) Tenant(ctx context.Context, fullMethod, claimed string) (string,
 		if claimed != t && len(metadata.ValueFromIncomingContext(ctx, md.Tenant)) > 0 {
 			g.log().DebugContext(ctx, "curfew-tenant header ignored: the API key names the tenant", "method", fullMethod, "tenant", t)
 		}
-		return t, nil
+		return g.limit(t)
 	}
 	if id, ok := meshtls.PeerIdentity(ctx); ok && slices.Contains(g.Peers, id) {
-		return claimed, nil
+		return g.limit(claimed)
 	}
 	return "", status.Errorf(codes.Unauthenticated, "missing API key: send metadata authorization: Bearer <key> (curfew tenant create makes one)")
+}
+
+func (g *Guard) limit(tenant string) (string, error) {
+	if g.Limit != nil {
+		if err := g.Limit(tenant); err != nil {
+			return "", err
+		}
+	}
+	return tenant, nil
 }
 
 func (g *Guard) log() *slog.Logger {

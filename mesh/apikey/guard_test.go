@@ -90,6 +90,30 @@ func TestGuard(t *testing.T) {
 		})
 	}
 
+	// Limit is asked for the authenticated tenant, on both paths, and only for guarded
+	// methods; its refusal is the call's.
+	var asked []string
+	g.Limit = func(tenant string) error {
+		asked = append(asked, tenant)
+		if tenant == "acme" {
+			return status.Error(codes.ResourceExhausted, "acme is over its request rate")
+		}
+		return nil
+	}
+	if _, err := g.Tenant(withKey(ctx, k.Secret), api+"GetRun", "globex"); status.Code(err) != codes.ResourceExhausted {
+		t.Errorf("a limited tenant's key: %v, want the limit's RESOURCE_EXHAUSTED", err)
+	}
+	if got, err := g.Tenant(cli, api+"GetRun", "globex"); err != nil || got != "globex" {
+		t.Errorf("an unlimited peer's tenant: %q, %v", got, err)
+	}
+	if _, err := g.Tenant(ctx, "/grpc.health.v1.Health/Check", "acme"); err != nil {
+		t.Errorf("an unguarded method was limited: %v", err)
+	}
+	if len(asked) != 2 || asked[0] != "acme" || asked[1] != "globex" {
+		t.Errorf("Limit asked for %q, want the key's tenant then the peer's", asked)
+	}
+	g.Limit = nil
+
 	// A server without a store refuses keys, and still trusts its peers.
 	noStore := &apikey.Guard{Methods: []string{api}, Peers: []string{meshtls.CLI}}
 	if _, err := noStore.Tenant(withKey(ctx, k.Secret), api+"Run", "globex"); status.Code(err) != codes.Unauthenticated {

@@ -145,6 +145,9 @@ func run(args []string) int {
 			fmt.Fprintln(os.Stderr, "orchestrator: admission:", err)
 			return 2
 		}
+		// Each authenticated call spends a token of its tenant's request rate. The
+		// server does not serve before rt.Serve, below, so no call sees Limit unset.
+		guard.Limit = adm.AllowRequest
 	}
 	var dead orchestrator.DeadLetterRecorder
 	if st != nil {

@@ -34,19 +34,26 @@ import (
 // pool for critical work and an overflow pool for sheddable work, wide enough not to
 // limit a single replica's ordinary load, with the library's queue limits, cancel grace
 // and fail-closed window; each tenant may start DefaultTenantRate runs per second
-// (burst twice that); no concurrency limits or budgets.
+// (burst twice that) and make DefaultTenantRequestRate calls per second to the public
+// API (burst twice that); no concurrency limits or budgets.
 func DefaultAdmission() admission.Config {
 	return admission.Config{
 		Pools: []admission.PoolConfig{
 			{Name: "paid", MaxInFlight: 512},
 			{Name: "overflow", MaxInFlight: 128, Overflow: true},
 		},
-		DefaultTenant: admission.TenantLimits{Rate: DefaultTenantRate, Burst: 2 * DefaultTenantRate},
+		DefaultTenant: admission.TenantLimits{Rate: DefaultTenantRate, Burst: 2 * DefaultTenantRate,
+			RequestRate: DefaultTenantRequestRate, RequestBurst: 2 * DefaultTenantRequestRate},
 	}.WithDefaults()
 }
 
 // DefaultTenantRate is the runs per second a tenant may start under DefaultAdmission.
 const DefaultTenantRate = 50
+
+// DefaultTenantRequestRate is the calls per second a tenant may make to the public API
+// under DefaultAdmission: far above what a client polling its runs needs, low enough
+// that one tenant cannot keep a replica busy with reads.
+const DefaultTenantRequestRate = 1000
 
 // admit admits a new run of the caller. A nil ticket (no admission configured) is valid:
 // Release on it does nothing.
