@@ -5,6 +5,7 @@ import (
 	"errors"
 	"flag"
 	"fmt"
+	"io"
 	"log/slog"
 	"math"
 	"net"
@@ -25,9 +26,11 @@ import (
 	"google.golang.org/grpc/keepalive"
 	"google.golang.org/grpc/reflection"
 
+	meshv1 "github.com/curfew-mesh/curfew/gen/curfew/mesh/v1"
 	"github.com/curfew-mesh/curfew/mesh"
 	"github.com/curfew-mesh/curfew/mesh/breaker"
 	"github.com/curfew-mesh/curfew/mesh/deadline"
+	"github.com/curfew-mesh/curfew/mesh/replicas"
 	"github.com/curfew-mesh/curfew/mesh/retry"
 	"github.com/curfew-mesh/curfew/mesh/retryid"
 	"github.com/curfew-mesh/curfew/mesh/tracing"
@@ -492,6 +495,29 @@ func (rt *Runtime) Dial(name, target string) (*grpc.ClientConn, error) {
 	opts := append(mesh.DialOptions(mesh.ClientConfig{Retry: rc, Breakers: rt.Breakers, Metrics: rt.metrics.client}), grpc.WithTransportCredentials(rt.Credentials(name)),
 		rt.clientTracing())
 	return grpc.NewClient(target, opts...)
+}
+
+// NodeReports returns the node report client of the service name at target that asks
+// every replica (package replicas): with a dns:/// target (a headless Service), each
+// address the name resolves to; otherwise the target alone. A run's nodes are in the
+// tables of the replicas that ran them, so cancel broadcasts, summaries and teardown
+// waits must reach them all, where the connection Dial makes reaches one per call. Its
+// connections have the mesh client chain, name's retry policy, metrics and tracing, but
+// not name's breaker: one replica's failures must not open the breaker of the calls that
+// any replica can serve. Close the returned closer when done.
+func (rt *Runtime) NodeReports(name, target string) (meshv1.NodeReportServiceClient, io.Closer, error) {
+	rc := rt.retries.For(name)
+	rc.Metrics, rc.Logger = rt.retryMetrics, rt.Log
+	dial := func(addr string) (*grpc.ClientConn, error) {
+		opts := append(mesh.DialOptions(mesh.ClientConfig{Retry: rc, Metrics: rt.metrics.client}), grpc.WithTransportCredentials(rt.Credentials(name)),
+			rt.clientTracing())
+		return grpc.NewClient(addr, opts...)
+	}
+	set, err := replicas.New(target, dial, replicas.WithLogger(rt.Log))
+	if err != nil {
+		return nil, nil, err
+	}
+	return replicas.NodeReports(set), set, nil
 }
 
 // StopFlush bounds the last phase of a stop (see Serve): closing the admin port and

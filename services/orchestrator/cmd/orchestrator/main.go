@@ -172,6 +172,9 @@ func run(args []string) int {
 	conns := map[string]string{"--modelproxy": *modelAddr, "--toolrunner": *toolAddr, "--subagent": *subAddr}
 	cc := map[string]*grpcConn{}
 	for flagName, addr := range conns {
+		if flagName == "--subagent" {
+			continue // read for node reports only, below
+		}
 		c, err := rt.Dial(strings.TrimPrefix(flagName, "--"), addr)
 		if err != nil {
 			fmt.Fprintf(os.Stderr, "orchestrator: %s: %v\n", flagName, err)
@@ -180,20 +183,31 @@ func run(args []string) int {
 		defer c.Close()
 		cc[flagName] = c
 	}
-	mc, tc, sc := cc["--modelproxy"], cc["--toolrunner"], cc["--subagent"]
+	mc, tc := cc["--modelproxy"], cc["--toolrunner"]
+	// Node reports ask every replica of a service (a headless Service resolves to each
+	// ready pod): a run's nodes are in the tables of the replicas that ran them.
+	reports := map[string]meshv1.NodeReportServiceClient{}
+	for flagName, addr := range conns {
+		name := strings.TrimPrefix(flagName, "--")
+		r, closer, err := rt.NodeReports(name, addr)
+		if err != nil {
+			fmt.Fprintf(os.Stderr, "orchestrator: %s: %v\n", flagName, err)
+			return 2
+		}
+		defer closer.Close()
+		reports[name] = r
+	}
 	srv := orchestrator.New(orchestrator.Config{
 		Loop: agent.Config{
 			Model:      modelproxyv1.NewModelProxyServiceClient(mc),
-			ModelNodes: meshv1.NewNodeReportServiceClient(mc),
+			ModelNodes: reports["modelproxy"],
 			Tools:      toolrunnerv1.NewToolRunnerServiceClient(tc),
-			ToolNodes:  meshv1.NewNodeReportServiceClient(tc),
+			ToolNodes:  reports["toolrunner"],
 			ModelName:  *model,
 			// The decoder-lease keeper's renewal warnings go to the service's log.
 			LeaseOptions: decoderlease.Options{Log: rt.Log, Period: *heartbeat, TTL: *decoderTTL},
 		},
-		Reports: []meshv1.NodeReportServiceClient{
-			meshv1.NewNodeReportServiceClient(mc), meshv1.NewNodeReportServiceClient(tc), meshv1.NewNodeReportServiceClient(sc),
-		},
+		Reports:     []meshv1.NodeReportServiceClient{reports["modelproxy"], reports["toolrunner"], reports["subagent"]},
 		MaxRuns:     *maxRuns,
 		MinRunTime:  *minRun,
 		MaxRunTime:  o.MaxDeadline,

@@ -64,11 +64,25 @@ func run(args []string) int {
 		return 2
 	}
 	defer tc.Close()
+	// Node reports ask every replica of the service (package replicas): a cancelled
+	// subtree's teardown is waited for on the replica that ran it.
+	modelNodes, mcl, err := rt.NodeReports("modelproxy", *modelAddr)
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "subagent: --modelproxy:", err)
+		return 2
+	}
+	defer mcl.Close()
+	toolNodes, tcl, err := rt.NodeReports("toolrunner", *toolAddr)
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "subagent: --toolrunner:", err)
+		return 2
+	}
+	defer tcl.Close()
 	srv := subagent.New(subagent.Config{MaxDepth: *maxDepth, Loop: agent.Config{
 		Model:      modelproxyv1.NewModelProxyServiceClient(mc),
-		ModelNodes: meshv1.NewNodeReportServiceClient(mc),
+		ModelNodes: modelNodes,
 		Tools:      toolrunnerv1.NewToolRunnerServiceClient(tc),
-		ToolNodes:  meshv1.NewNodeReportServiceClient(tc),
+		ToolNodes:  toolNodes,
 		ModelName:  *model,
 		// The process-wide keeper of the model client renews the decoders' leases
 		// (docs/leases.md); its warnings go to the service's log.

@@ -74,9 +74,16 @@ func run(args []string) int {
 		return 2
 	}
 	defer sc.Close()
+	// Node reports ask every subagent replica (package replicas).
+	subNodes, scl, err := rt.NodeReports("subagent", *subagentAddr)
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "toolrunner: --subagent:", err)
+		return 2
+	}
+	defer scl.Close()
 	cfg := toolrunner.Config{
 		Subagent:          subagentv1.NewSubagentServiceClient(sc),
-		SubagentNodes:     meshv1.NewNodeReportServiceClient(sc),
+		SubagentNodes:     subNodes,
 		MaxSubagentDepth:  *maxDepth,
 		MaxSubagentFanout: *maxFanout,
 		Registerer:        rt.Registry,
