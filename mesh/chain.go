@@ -299,6 +299,11 @@ type ClientConfig struct {
 // The retry interceptors stamp (retry.Config.StampIdentity) together with the retry-id
 // and attempt, in one metadata append per attempt: the values stamped come from the
 // call's context, so they are the same on every attempt.
+//
+// The connection balances calls over every address its target resolves to
+// (LoadBalancingConfig, round_robin): a dns:/// target of a headless Service reaches every
+// ready replica, where gRPC's default, pick_first, would send every call to one of them
+// and leave replicas the autoscaler adds idle. A target of one address is unaffected.
 func DialOptions(cfg ClientConfig) []grpc.DialOption {
 	rc := cfg.Retry
 	rc.StampIdentity = true
@@ -312,5 +317,11 @@ func DialOptions(cfg ClientConfig) []grpc.DialOption {
 		us = append(us, cfg.Breakers.UnaryClientInterceptor(rc.Target))
 		ss = append(ss, cfg.Breakers.StreamClientInterceptor(rc.Target))
 	}
-	return []grpc.DialOption{grpc.WithChainUnaryInterceptor(us...), grpc.WithChainStreamInterceptor(ss...)}
+	return []grpc.DialOption{grpc.WithChainUnaryInterceptor(us...), grpc.WithChainStreamInterceptor(ss...),
+		grpc.WithDefaultServiceConfig(LoadBalancingConfig)}
 }
+
+// LoadBalancingConfig is the default service config of DialOptions' connections: calls
+// round-robin over every address of the target. A service config the target's resolver
+// returns (DNS TXT records, which grpc-go ignores by default) would override it.
+const LoadBalancingConfig = `{"loadBalancingConfig": [{"round_robin": {}}]}`

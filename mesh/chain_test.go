@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"io"
 	"log/slog"
+	"net"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -16,8 +17,11 @@ import (
 	"go.uber.org/goleak"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/credentials/insecure"
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
 	"google.golang.org/grpc/metadata"
+	"google.golang.org/grpc/resolver"
+	"google.golang.org/grpc/resolver/manual"
 	"google.golang.org/grpc/status"
 
 	meshv1 "github.com/curfew-mesh/curfew/gen/curfew/mesh/v1"
@@ -507,4 +511,51 @@ func TestChainAuthenticate(t *testing.T) {
 			}
 		})
 	}
+}
+
+// DialOptions' connections balance calls over every address the target resolves to (a
+// headless Service's pods), not, as gRPC's default pick_first would, all to the first.
+func TestDialOptionsBalanceOverEveryAddress(t *testing.T) {
+	var hits [2]atomic.Int32
+	var addrs []resolver.Address
+	for i := range hits {
+		var lc net.ListenConfig
+		lis, err := lc.Listen(t.Context(), "tcp", "127.0.0.1:0")
+		if err != nil {
+			t.Fatal(err)
+		}
+		srv := grpc.NewServer()
+		healthpb.RegisterHealthServer(srv, &countingHealth{n: &hits[i]})
+		go func() { _ = srv.Serve(lis) }()
+		t.Cleanup(srv.Stop)
+		addrs = append(addrs, resolver.Address{Addr: lis.Addr().String()})
+	}
+	r := manual.NewBuilderWithScheme("replicas")
+	r.InitialState(resolver.State{Addresses: addrs})
+	cc, err := grpc.NewClient(r.Scheme()+":///svc", append(mesh.DialOptions(mesh.ClientConfig{}),
+		grpc.WithTransportCredentials(insecure.NewCredentials()), grpc.WithResolvers(r))...)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer cc.Close()
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	for range 40 {
+		if _, err := healthpb.NewHealthClient(cc).Check(ctx, &healthpb.HealthCheckRequest{}); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if a, b := hits[0].Load(), hits[1].Load(); a+b != 40 || a < 10 || b < 10 {
+		t.Fatalf("calls per replica %d and %d, want both well used (round_robin)", a, b)
+	}
+}
+
+type countingHealth struct {
+	healthpb.UnimplementedHealthServer
+	n *atomic.Int32
+}
+
+func (h *countingHealth) Check(context.Context, *healthpb.HealthCheckRequest) (*healthpb.HealthCheckResponse, error) {
+	h.n.Add(1)
+	return &healthpb.HealthCheckResponse{Status: healthpb.HealthCheckResponse_SERVING}, nil
 }
