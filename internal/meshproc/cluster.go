@@ -110,6 +110,12 @@ func (c *Cluster) Add(ctx context.Context, service, name string, args ...string)
 	if err != nil {
 		return nil, err
 	}
+	return c.AddAt(ctx, service, name, addr, args...)
+}
+
+// AddAt is Add with the gRPC address given: replicas of one service on the same port
+// and different loopback IPs (127.0.0.1:P, 127.0.0.2:P), as pods behind one name.
+func (c *Cluster) AddAt(ctx context.Context, service, name, addr string, args ...string) (*Proc, error) {
 	admin, err := freeAddr(ctx)
 	if err != nil {
 		return nil, err

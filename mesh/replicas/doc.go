@@ -9,6 +9,8 @@
 // Services a dns:/// target resolves to every ready pod; Set resolves it (at most once a
 // DefaultRefresh, keeping the last good answer when a lookup fails) and keeps a
 // connection per address, and NodeReports is a NodeReportServiceClient that fans each
-// call out to all of them and joins the answers. A target that is not dns:/// (curfew up's
+// call out to all of them and joins the answers. A target naming its DNS server
+// (dns://10.0.0.10:53/curfew-toolrunner:7702) is resolved there, as gRPC's own dns
+// resolver does. A target that is not dns:/// (curfew up's
 // loopback addresses) is one replica, and NodeReports then behaves as a plain client.
 package replicas

@@ -30,6 +30,8 @@ type Set struct {
 	lookup     func(ctx context.Context, host string) ([]string, error)
 	refresh    time.Duration
 	log        *slog.Logger
+	// customLookup: WithLookup was given, and wins over a target's DNS server.
+	customLookup bool
 
 	mu       sync.Mutex
 	conns    map[string]*grpc.ClientConn // by address
@@ -44,7 +46,7 @@ type Option func(*Set)
 // WithLookup sets how host names are resolved to addresses: net.DefaultResolver's
 // LookupHost when not set. Tests resolve a name to loopback addresses with it.
 func WithLookup(f func(ctx context.Context, host string) ([]string, error)) Option {
-	return func(s *Set) { s.lookup = f }
+	return func(s *Set) { s.lookup, s.customLookup = f, true }
 }
 
 // WithRefresh sets how long a resolution is used: DefaultRefresh when not set or not
@@ -79,20 +81,31 @@ func New(target string, dial func(addr string) (*grpc.ClientConn, error), opts .
 		o(s)
 	}
 	if rest, ok := strings.CutPrefix(target, "dns:"); ok {
-		// dns:///host:port, or dns://authority/host:port: the authority (a DNS server) is
-		// not supported; the system resolver is used.
-		rest = strings.TrimPrefix(rest, "//")
-		if i := strings.IndexByte(rest, '/'); i >= 0 {
-			if i > 0 {
-				return nil, fmt.Errorf("replicas: %s: a DNS authority is not supported; use dns:///host:port", target)
+		// dns:///host:port (the system resolver), or dns://server:port/host:port (that DNS
+		// server, as gRPC's own dns resolver does).
+		authority := ""
+		if r, ok := strings.CutPrefix(rest, "//"); ok {
+			i := strings.IndexByte(r, '/')
+			if i < 0 {
+				return nil, fmt.Errorf("replicas: %s: want dns:///host:port or dns://server:port/host:port", target)
 			}
-			rest = rest[i+1:]
+			authority, rest = r[:i], r[i+1:]
 		}
 		host, port, err := net.SplitHostPort(rest)
 		if err != nil || host == "" || port == "" {
-			return nil, fmt.Errorf("replicas: %s: want dns:///host:port", target)
+			return nil, fmt.Errorf("replicas: %s: want dns:///host:port or dns://server:port/host:port", target)
 		}
 		s.host, s.port = host, port
+		if authority != "" && !s.customLookup {
+			if _, _, err := net.SplitHostPort(authority); err != nil {
+				return nil, fmt.Errorf("replicas: %s: the DNS server %q is not host:port", target, authority)
+			}
+			r := &net.Resolver{PreferGo: true, Dial: func(ctx context.Context, network, _ string) (net.Conn, error) {
+				var d net.Dialer
+				return d.DialContext(ctx, network, authority)
+			}}
+			s.lookup = r.LookupHost
+		}
 	}
 	return s, nil
 }

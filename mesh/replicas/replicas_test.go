@@ -184,7 +184,7 @@ func TestSetResolution(t *testing.T) {
 	if got := one.Conns(t.Context()); len(got) != 0 {
 		t.Errorf("conns after Close: %d", len(got))
 	}
-	for _, bad := range []string{"", "dns:///nohost", "dns://8.8.8.8/svc:1", "dns:///:7702"} {
+	for _, bad := range []string{"", "dns:///nohost", "dns://8.8.8.8/svc:1", "dns:///:7702", "dns://svc:1", "dns://no-port/svc:1"} {
 		if _, err := replicas.New(bad, dial); err == nil {
 			t.Errorf("target %q accepted", bad)
 		}
