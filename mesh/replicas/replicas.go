@@ -37,7 +37,9 @@ type Set struct {
 	conns    map[string]*grpc.ClientConn // by address
 	addrs    []string                    // of the last good resolution, sorted
 	resolved time.Time
-	closed   bool
+	// resolving is closed when the resolution under way ends; nil when none is.
+	resolving chan struct{}
+	closed    bool
 }
 
 // Option configures a Set.
@@ -110,24 +112,52 @@ func New(target string, dial func(addr string) (*grpc.ClientConn, error), opts .
 	return s, nil
 }
 
+// LookupTimeout bounds one resolution of a dns:/// target.
+const LookupTimeout = time.Second
+
 // Conns returns a connection to every replica: each address the name resolved to at
 // most the refresh period ago (a failed resolution keeps the last good one, and with none
 // falls back to the target itself, one replica of gRPC's choosing), or the target's one
-// connection. An address it cannot dial is left out and logged.
+// connection. An address it cannot dial is left out and logged. One caller resolves at a
+// time, for at most LookupTimeout, without holding up the others, who use the last
+// addresses meanwhile (or, before the first answer, wait for it).
 func (s *Set) Conns(ctx context.Context) []*grpc.ClientConn {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if s.closed {
 		return nil
 	}
+	if s.host != "" && time.Since(s.resolved) >= s.refresh {
+		switch done := s.resolving; {
+		case done == nil:
+			done = make(chan struct{})
+			s.resolving = done
+			s.mu.Unlock()
+			lctx, cancel := context.WithTimeout(ctx, LookupTimeout)
+			ips, err := s.lookup(lctx, s.host)
+			cancel()
+			s.mu.Lock()
+			s.resolving = nil
+			close(done)
+			if s.closed {
+				return nil
+			}
+			s.apply(ctx, ips, err)
+		case len(s.addrs) == 0: // the first resolution is under way: wait for it
+			s.mu.Unlock()
+			select {
+			case <-done:
+			case <-ctx.Done():
+			}
+			s.mu.Lock()
+			if s.closed {
+				return nil
+			}
+		}
+	}
 	addrs := []string{s.target}
-	if s.host != "" {
-		if time.Since(s.resolved) >= s.refresh {
-			s.resolve(ctx)
-		}
-		if len(s.addrs) > 0 {
-			addrs = s.addrs
-		}
+	if len(s.addrs) > 0 {
+		addrs = s.addrs
 	}
 	out := make([]*grpc.ClientConn, 0, len(addrs))
 	for _, a := range addrs {
@@ -145,10 +175,10 @@ func (s *Set) Conns(ctx context.Context) []*grpc.ClientConn {
 	return out
 }
 
-// resolve looks the host up and replaces the addresses, closing the connections of
-// those gone. Called with s.mu held.
-func (s *Set) resolve(ctx context.Context) {
-	ips, err := s.lookup(ctx, s.host)
+// apply takes a resolution's answer: on success the addresses are replaced and the
+// connections of those gone closed; a failure keeps the last addresses. Called with
+// s.mu held.
+func (s *Set) apply(ctx context.Context, ips []string, err error) {
 	s.resolved = time.Now()
 	if err != nil || len(ips) == 0 {
 		if err == nil {

@@ -190,3 +190,49 @@ func TestSetResolution(t *testing.T) {
 		}
 	}
 }
+
+// One caller resolves at a time and the others are not held up: while a lookup hangs,
+// another caller gets the last addresses at once; a lookup is bounded by LookupTimeout.
+func TestSlowLookupHoldsNoOneUp(t *testing.T) {
+	release := make(chan struct{})
+	var calls atomic.Int32
+	set, err := replicas.New("dns:///svc.test:7702", dial, replicas.WithRefresh(time.Nanosecond),
+		replicas.WithLookup(func(ctx context.Context, _ string) ([]string, error) {
+			if calls.Add(1) == 1 {
+				return []string{"127.0.0.1"}, nil
+			}
+			select { // the second lookup hangs until released or timed out
+			case <-release:
+			case <-ctx.Done():
+				return nil, ctx.Err()
+			}
+			return []string{"127.0.0.1"}, nil
+		}))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = set.Close() }()
+	if got := set.Conns(t.Context()); len(got) != 1 {
+		t.Fatalf("first resolution: %d conns", len(got))
+	}
+	slow := make(chan time.Duration, 1)
+	go func() {
+		t0 := time.Now()
+		set.Conns(t.Context()) // resolves, and hangs in the lookup
+		slow <- time.Since(t0)
+	}()
+	for calls.Load() < 2 {
+		time.Sleep(time.Millisecond)
+	}
+	t0 := time.Now()
+	if got := set.Conns(t.Context()); len(got) != 1 || got[0].Target() != "127.0.0.1:7702" {
+		t.Fatalf("during a hung lookup: %v, want the last address", got)
+	}
+	if d := time.Since(t0); d > replicas.LookupTimeout/2 {
+		t.Errorf("a caller waited %v behind another's lookup", d)
+	}
+	if d := <-slow; d < replicas.LookupTimeout/2 || d > 10*replicas.LookupTimeout {
+		t.Errorf("the hung lookup took %v, want about LookupTimeout (%v)", d, replicas.LookupTimeout)
+	}
+	close(release)
+}
