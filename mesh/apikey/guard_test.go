@@ -17,6 +17,8 @@ import (
 	"github.com/curfew-mesh/curfew/mesh/md"
 	"github.com/curfew-mesh/curfew/mesh/meshtls"
 	"github.com/curfew-mesh/curfew/mesh/store"
+	_ "github.com/curfew-mesh/curfew/mesh/store/postgres" // postgres:// DSNs
+	"github.com/curfew-mesh/curfew/mesh/store/storetest"
 )
 
 // peerCtx returns ctx as a server sees a call from the mesh identity id: a verified
@@ -125,37 +127,40 @@ func TestGuard(t *testing.T) {
 }
 
 // BenchmarkGuardTenant is the cost a guarded call pays to learn its tenant: a bearer key
-// checked against a SQLite store (one primary-key read and a SHA-256), and, for
-// comparison, a mesh peer naming its tenant (a certificate already verified).
+// checked against the store (one primary-key read and a SHA-256), SQLite and PostgreSQL
+// (the test server, skipped when it is unreachable), and, for comparison, a mesh peer
+// naming its tenant (a certificate already verified).
 func BenchmarkGuardTenant(b *testing.B) {
-	ctx := b.Context()
-	st, err := store.Open(ctx, "sqlite://"+filepath.Join(b.TempDir(), "keys.db"))
-	if err != nil {
-		b.Fatal(err)
-	}
-	b.Cleanup(func() { _ = st.Close() })
-	k, err := apikey.New("acme")
-	if err != nil {
-		b.Fatal(err)
-	}
-	if _, _, err := st.CreateAPIKey(ctx, k.Record, false); err != nil {
-		b.Fatal(err)
-	}
 	const api = "/curfew.orchestrator.v1.OrchestratorService/"
-	g := &apikey.Guard{Keys: &apikey.Authenticator{Keys: st}, Methods: []string{api}, Peers: []string{meshtls.CLI}}
-	for _, c := range []struct {
-		name string
-		ctx  context.Context
-	}{
-		{"api-key-sqlite", metadata.NewIncomingContext(ctx, metadata.Pairs("authorization", "Bearer "+k.Secret))},
-		{"mesh-peer", peerCtx(metadata.NewIncomingContext(ctx, metadata.Pairs(md.Tenant, "acme")), b, filepath.Join(b.TempDir(), "tls"), meshtls.CLI)},
-	} {
-		b.Run(c.name, func(b *testing.B) {
-			for b.Loop() {
-				if t, err := g.Tenant(c.ctx, api+"GetRun", "acme"); err != nil || t != "acme" {
-					b.Fatal(t, err)
-				}
+	run := func(b *testing.B, g *apikey.Guard, ctx context.Context) {
+		b.Helper()
+		for b.Loop() {
+			if t, err := g.Tenant(ctx, api+"GetRun", "acme"); err != nil || t != "acme" {
+				b.Fatal(t, err)
 			}
-		})
+		}
 	}
+	keyed := func(b *testing.B, dsn string) {
+		ctx := b.Context()
+		st, err := store.Open(ctx, dsn)
+		if err != nil {
+			b.Fatal(err)
+		}
+		b.Cleanup(func() { _ = st.Close() })
+		k, err := apikey.New("acme")
+		if err != nil {
+			b.Fatal(err)
+		}
+		if _, _, err := st.CreateAPIKey(ctx, k.Record, false); err != nil {
+			b.Fatal(err)
+		}
+		g := &apikey.Guard{Keys: &apikey.Authenticator{Keys: st}, Methods: []string{api}}
+		run(b, g, metadata.NewIncomingContext(ctx, metadata.Pairs("authorization", "Bearer "+k.Secret)))
+	}
+	b.Run("api-key-sqlite", func(b *testing.B) { keyed(b, "sqlite://"+filepath.Join(b.TempDir(), "keys.db")) })
+	b.Run("api-key-postgres", func(b *testing.B) { keyed(b, storetest.PostgresDSN(b)) })
+	b.Run("mesh-peer", func(b *testing.B) {
+		g := &apikey.Guard{Methods: []string{api}, Peers: []string{meshtls.CLI}}
+		run(b, g, peerCtx(metadata.NewIncomingContext(b.Context(), metadata.Pairs(md.Tenant, "acme")), b, filepath.Join(b.TempDir(), "tls"), meshtls.CLI))
+	})
 }
