@@ -16,4 +16,10 @@
 // and returns the key's tenant. Every failure is UNAUTHENTICATED with the same message
 // for an unknown, revoked or wrong key, so that a caller cannot tell them apart; the
 // reason is logged at debug level with the key's id only, never its secret.
+//
+// Guard is the server chain's tenant authentication for a public API
+// (mesh.ServerConfig.Authenticate): a call acts for the tenant of its verified key, or,
+// from a trusted mesh peer without a key, for the tenant its curfew-tenant header names;
+// anyone else is UNAUTHENTICATED, and a Limit (the per-tenant request rate) may refuse a
+// call once its tenant is known. docs/security.md has the whole model.
 package apikey
