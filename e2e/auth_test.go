@@ -22,6 +22,8 @@ import (
 	orchestratorv1 "github.com/curfew-mesh/curfew/gen/curfew/orchestrator/v1"
 	"github.com/curfew-mesh/curfew/internal/meshproc"
 	"github.com/curfew-mesh/curfew/mesh/md"
+	"github.com/curfew-mesh/curfew/mesh/store"
+	_ "github.com/curfew-mesh/curfew/mesh/store/sqlite" // the shared mesh's store
 )
 
 // tenantKey makes an API key for tenant with `curfew tenant create` (rotate-key when
@@ -70,6 +72,15 @@ func newExternal(t *testing.T, key string) external {
 		t.Fatal(err)
 	}
 	return external{orch: orchestratorv1.NewOrchestratorServiceClient(cc), dlq: orchestratorv1.NewDeadLetterServiceClient(cc)}
+}
+
+// twoTenants makes two tenants of the shared mesh, named after a fresh tag, each with a
+// key, and an external client for each.
+func twoTenants(ctx context.Context, t *testing.T) (tag, ta, tb string, a, b external) {
+	t.Helper()
+	tag = uuid.NewString()[:8]
+	ta, tb = "a-"+tag, "b-"+tag
+	return tag, ta, tb, newExternal(t, tenantKey(ctx, t, ta, false)), newExternal(t, tenantKey(ctx, t, tb, false))
 }
 
 // forged returns ctx with a curfew-tenant header naming tenant.
@@ -122,9 +133,7 @@ func TestAuthTenantIsolation(t *testing.T) {
 	t.Parallel()
 	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
 	defer cancel()
-	tag := uuid.NewString()[:8]
-	ta, tb := "a-"+tag, "b-"+tag
-	a, b := newExternal(t, tenantKey(ctx, t, ta, false)), newExternal(t, tenantKey(ctx, t, tb, false))
+	tag, ta, tb, a, b := twoTenants(ctx, t)
 
 	// B's long run, a Run stream under a retry-id, and a run of B's under an
 	// idempotency key.
@@ -214,14 +223,45 @@ func TestAuthTenantIsolation(t *testing.T) {
 	}
 }
 
+// Issue 9's isolation of tool side effects: a kv_put of tenant B with the idempotency key
+// of A's takes effect for B, instead of replaying A's result; each tenant's entry holds its
+// own value, written once.
+func TestAuthToolIdempotencyKeyIsPerTenant(t *testing.T) {
+	t.Parallel()
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	tag, ta, tb, a, b := twoTenants(ctx, t)
+	put := func(c external, value string) {
+		t.Helper()
+		plan := `{"tokens_per_second": 500, "steps": [
+		  {"think_tokens": 1, "tools": [{"name": "kv_put", "idempotency_key": "same-` + tag + `",
+		    "args": {"key": "k-` + tag + `", "value": "` + value + `"}}]},
+		  {"answer_tokens": 1}]}`
+		if res, _ := runPlan(ctx, c.orch, plan, 30*time.Second, 0, false); res.err != nil {
+			t.Fatalf("kv_put %s: %v", value, res.err)
+		}
+	}
+	put(a, "A")
+	put(b, "B")
+	st, err := store.Open(ctx, "sqlite://"+filepath.Join(mesh.Dir, "curfew.db"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = st.Close() }()
+	for tenant, want := range map[string]string{ta: `"A"`, tb: `"B"`} {
+		kv, err := st.GetKV(ctx, tenant, "k-"+tag)
+		if err != nil || string(kv.Value) != want || kv.Version != 1 {
+			t.Errorf("%s's entry = %q (version %d), %v; want %s written once by its own call", tenant, kv.Value, kv.Version, err, want)
+		}
+	}
+}
+
 // Issue 9's isolation of dead letters: B's are invisible to A, and A cannot replay them.
 func TestAuthDeadLetterIsolation(t *testing.T) {
 	t.Parallel()
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 	defer cancel()
-	tag := uuid.NewString()[:8]
-	ta, tb := "a-"+tag, "b-"+tag
-	a, b := newExternal(t, tenantKey(ctx, t, ta, false)), newExternal(t, tenantKey(ctx, t, tb, false))
+	tag, _, tb, a, b := twoTenants(ctx, t)
 	plan := `{"tokens_per_second": 500, "steps": [
 	  {"think_tokens": 2, "tools": [{"name": "fail", "args": {"code": "INVALID_ARGUMENT", "times": 5}}]},
 	  {"answer_tokens": 1}]}`
