@@ -1,7 +1,6 @@
 package apikey_test
 
 import (
-	"path/filepath"
 	"strings"
 	"testing"
 
@@ -10,8 +9,6 @@ import (
 	"google.golang.org/grpc/status"
 
 	"github.com/curfew-mesh/curfew/mesh/apikey"
-	"github.com/curfew-mesh/curfew/mesh/store"
-	_ "github.com/curfew-mesh/curfew/mesh/store/sqlite"
 )
 
 func TestNewAndParse(t *testing.T) {
@@ -46,21 +43,8 @@ func TestNewAndParse(t *testing.T) {
 
 func TestAuthenticator(t *testing.T) {
 	ctx := t.Context()
-	st, err := store.Open(ctx, "sqlite://"+filepath.Join(t.TempDir(), "keys.db"))
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { _ = st.Close() })
-	mk := func(tenant string, rotate bool) apikey.Key {
-		k, err := apikey.New(tenant)
-		if err != nil {
-			t.Fatal(err)
-		}
-		if _, _, err := st.CreateAPIKey(ctx, k.Record, rotate); err != nil {
-			t.Fatal(err)
-		}
-		return k
-	}
+	st := openStore(t, "")
+	mk := func(tenant string, rotate bool) apikey.Key { return makeKey(t, st, tenant, rotate) }
 	acme, other := mk("acme", false), mk("globex", false)
 	a := &apikey.Authenticator{Keys: st}
 	call := func(vals ...string) (string, error) {

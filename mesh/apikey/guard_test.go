@@ -16,8 +16,6 @@ import (
 	"github.com/curfew-mesh/curfew/mesh/apikey"
 	"github.com/curfew-mesh/curfew/mesh/md"
 	"github.com/curfew-mesh/curfew/mesh/meshtls"
-	"github.com/curfew-mesh/curfew/mesh/store"
-	_ "github.com/curfew-mesh/curfew/mesh/store/postgres" // postgres:// DSNs
 	"github.com/curfew-mesh/curfew/mesh/store/storetest"
 )
 
@@ -46,18 +44,8 @@ func peerCtx(ctx context.Context, t testing.TB, dir, id string) context.Context 
 
 func TestGuard(t *testing.T) {
 	ctx := t.Context()
-	st, err := store.Open(ctx, "sqlite://"+filepath.Join(t.TempDir(), "keys.db"))
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { _ = st.Close() })
-	k, err := apikey.New("acme")
-	if err != nil {
-		t.Fatal(err)
-	}
-	if _, _, err := st.CreateAPIKey(ctx, k.Record, false); err != nil {
-		t.Fatal(err)
-	}
+	st := openStore(t, "")
+	k := makeKey(t, st, "acme", false)
 	const api = "/curfew.orchestrator.v1.OrchestratorService/"
 	g := &apikey.Guard{Keys: &apikey.Authenticator{Keys: st}, Methods: []string{api}, Peers: []string{meshtls.CLI, meshtls.Orchestrator}}
 	withKey := func(ctx context.Context, key string) context.Context {
@@ -141,23 +129,12 @@ func BenchmarkGuardTenant(b *testing.B) {
 		}
 	}
 	keyed := func(b *testing.B, dsn string) {
-		ctx := b.Context()
-		st, err := store.Open(ctx, dsn)
-		if err != nil {
-			b.Fatal(err)
-		}
-		b.Cleanup(func() { _ = st.Close() })
-		k, err := apikey.New("acme")
-		if err != nil {
-			b.Fatal(err)
-		}
-		if _, _, err := st.CreateAPIKey(ctx, k.Record, false); err != nil {
-			b.Fatal(err)
-		}
+		st := openStore(b, dsn)
+		k := makeKey(b, st, "acme", false)
 		g := &apikey.Guard{Keys: &apikey.Authenticator{Keys: st}, Methods: []string{api}}
-		run(b, g, metadata.NewIncomingContext(ctx, metadata.Pairs("authorization", "Bearer "+k.Secret)))
+		run(b, g, metadata.NewIncomingContext(b.Context(), metadata.Pairs("authorization", "Bearer "+k.Secret)))
 	}
-	b.Run("api-key-sqlite", func(b *testing.B) { keyed(b, "sqlite://"+filepath.Join(b.TempDir(), "keys.db")) })
+	b.Run("api-key-sqlite", func(b *testing.B) { keyed(b, "") })
 	b.Run("api-key-postgres", func(b *testing.B) { keyed(b, storetest.PostgresDSN(b)) })
 	b.Run("mesh-peer", func(b *testing.B) {
 		g := &apikey.Guard{Methods: []string{api}, Peers: []string{meshtls.CLI}}
