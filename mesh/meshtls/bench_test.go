@@ -1,7 +1,6 @@
 package meshtls_test
 
 import (
-	"net"
 	"slices"
 	"testing"
 	"time"
@@ -40,21 +39,7 @@ func benchmarkUnary(b *testing.B, sc credentials.TransportCredentials, pol *mesh
 	}
 	srv := grpc.NewServer(opts...)
 	healthpb.RegisterHealthServer(srv, health.NewServer())
-	var lc net.ListenConfig
-	lis, err := lc.Listen(b.Context(), "tcp", "127.0.0.1:0")
-	if err != nil {
-		b.Fatal(err)
-	}
-	done := make(chan struct{})
-	go func() {
-		defer close(done)
-		_ = srv.Serve(lis)
-	}()
-	b.Cleanup(func() {
-		srv.Stop()
-		<-done
-	})
-	client := healthpb.NewHealthClient(dial(b, lis.Addr().String(), cc))
+	client := healthpb.NewHealthClient(dial(b, listenAndServe(b, srv), cc))
 	req := &healthpb.HealthCheckRequest{}
 	if _, err := client.Check(b.Context(), req); err != nil { // connect
 		b.Fatal(err)

@@ -168,22 +168,28 @@ func serve(t testing.TB, creds credentials.TransportCredentials, pol *meshtls.Po
 		modelproxyv1.RegisterModelProxyServiceServer(srv, modelproxyv1.UnimplementedModelProxyServiceServer{})
 		meshv1.RegisterNodeReportServiceServer(srv, meshv1.UnimplementedNodeReportServiceServer{})
 	}
+	s.addr = listenAndServe(t, srv)
+	return s
+}
+
+// listenAndServe serves srv on a loopback port until tb ends and returns its address.
+func listenAndServe(tb testing.TB, srv *grpc.Server) string {
+	tb.Helper()
 	var lc net.ListenConfig
-	lis, err := lc.Listen(t.Context(), "tcp", "127.0.0.1:0")
+	lis, err := lc.Listen(tb.Context(), "tcp", "127.0.0.1:0")
 	if err != nil {
-		t.Fatal(err)
+		tb.Fatal(err)
 	}
 	done := make(chan struct{})
 	go func() {
 		defer close(done)
 		_ = srv.Serve(lis)
 	}()
-	t.Cleanup(func() {
+	tb.Cleanup(func() {
 		srv.Stop()
 		<-done
 	})
-	s.addr = lis.Addr().String()
-	return s
+	return lis.Addr().String()
 }
 
 // dial returns a connection to addr with creds, closed by t.Cleanup.
