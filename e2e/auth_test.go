@@ -21,6 +21,7 @@ import (
 
 	orchestratorv1 "github.com/curfew-mesh/curfew/gen/curfew/orchestrator/v1"
 	"github.com/curfew-mesh/curfew/internal/meshproc"
+	"github.com/curfew-mesh/curfew/mesh/apikey"
 	"github.com/curfew-mesh/curfew/mesh/md"
 	"github.com/curfew-mesh/curfew/mesh/store"
 	_ "github.com/curfew-mesh/curfew/mesh/store/sqlite" // the shared mesh's store
@@ -65,7 +66,7 @@ func newExternal(t *testing.T, key string) external {
 	t.Helper()
 	var opts []grpc.DialOption
 	if key != "" {
-		opts = append(opts, grpc.WithPerRPCCredentials(meshproc.Bearer(key)))
+		opts = append(opts, grpc.WithPerRPCCredentials(apikey.Bearer(key)))
 	}
 	cc, err := mesh.ConnWith("orchestrator", tlsCreds(t, requireTLS(t), nil), opts...)
 	if err != nil {
@@ -383,7 +384,7 @@ func TestAuthTenantRequestRate(t *testing.T) {
 			t.Errorf("curfew up did not stop cleanly: %v", err)
 		}
 	}()
-	cc, err := m.ConnWith("orchestrator", tlsCreds(t, m.Endpoints.TLSDir, nil), grpc.WithPerRPCCredentials(meshproc.Bearer(tenantKeyOf(ctx, t, m, "slow", false))))
+	cc, err := m.ConnWith("orchestrator", tlsCreds(t, m.Endpoints.TLSDir, nil), grpc.WithPerRPCCredentials(apikey.Bearer(tenantKeyOf(ctx, t, m, "slow", false))))
 	if err != nil {
 		t.Fatal(err)
 	}

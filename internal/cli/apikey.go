@@ -48,17 +48,6 @@ func (c *common) apiKey(plaintext bool) (string, error) {
 	return strings.TrimSpace(string(b)), nil
 }
 
-// bearer sends an API key with every call (grpc.PerRPCCredentials).
-type bearer string
-
-func (b bearer) GetRequestMetadata(context.Context, ...string) (map[string]string, error) {
-	return map[string]string{"authorization": "Bearer " + string(b)}, nil
-}
-
-// RequireTransportSecurity is false: a mesh started with `curfew up --insecure` is
-// plaintext on loopback, and its CLI must still authenticate.
-func (b bearer) RequireTransportSecurity() bool { return false }
-
 // prepareCLIKey makes sure DIR/cli.key holds a valid API key of tenant "default" in the
 // store at dsn, for the CLI of a plaintext mesh: the key there is kept while the store
 // still accepts it, else a new one is made (other keys of the tenant are left alone).

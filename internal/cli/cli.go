@@ -16,6 +16,7 @@ import (
 	"google.golang.org/protobuf/encoding/protojson"
 	"google.golang.org/protobuf/proto"
 
+	"github.com/curfew-mesh/curfew/mesh/apikey"
 	"github.com/curfew-mesh/curfew/mesh/meshtls"
 	"github.com/curfew-mesh/curfew/mesh/service"
 )
@@ -130,7 +131,7 @@ func (c *common) dial() (*grpc.ClientConn, error) {
 	}
 	opts := []grpc.DialOption{grpc.WithTransportCredentials(creds), withTracing()}
 	if key != "" {
-		opts = append(opts, grpc.WithPerRPCCredentials(bearer(key)))
+		opts = append(opts, grpc.WithPerRPCCredentials(apikey.Bearer(key)))
 	}
 	return grpc.NewClient(c.orchestratorAddr(), opts...)
 }

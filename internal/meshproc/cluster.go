@@ -13,7 +13,6 @@ import (
 	"time"
 
 	"google.golang.org/grpc"
-	"google.golang.org/grpc/credentials"
 	"google.golang.org/grpc/credentials/insecure"
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
 
@@ -23,18 +22,6 @@ import (
 	_ "github.com/curfew-mesh/curfew/mesh/store/postgres" // postgres:// DSNs
 	_ "github.com/curfew-mesh/curfew/mesh/store/sqlite"   // SQLite paths
 )
-
-// Bearer returns per-call credentials that send key as `authorization: Bearer <key>`,
-// over plaintext too (loopback tests).
-func Bearer(key string) credentials.PerRPCCredentials { return bearer(key) }
-
-type bearer string
-
-func (b bearer) GetRequestMetadata(context.Context, ...string) (map[string]string, error) {
-	return map[string]string{"authorization": "Bearer " + string(b)}, nil
-}
-
-func (b bearer) RequireTransportSecurity() bool { return false }
 
 // Cluster is a mesh whose service processes a test starts, kills and restarts one by
 // one (`curfew up` stops the whole mesh when one of them dies): a modelproxy, a
@@ -223,7 +210,7 @@ func (p *Proc) Running() bool {
 // Conn returns a client connection to proc that sends the cluster's APIKey, closed by
 // Close.
 func (c *Cluster) Conn(p *Proc) (*grpc.ClientConn, error) {
-	conn, err := grpc.NewClient(p.Addr, grpc.WithTransportCredentials(insecure.NewCredentials()), grpc.WithPerRPCCredentials(bearer(c.APIKey)))
+	conn, err := grpc.NewClient(p.Addr, grpc.WithTransportCredentials(insecure.NewCredentials()), grpc.WithPerRPCCredentials(apikey.Bearer(c.APIKey)))
 	if err != nil {
 		return nil, err
 	}

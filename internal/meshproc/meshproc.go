@@ -21,6 +21,7 @@ import (
 
 	meshv1 "github.com/curfew-mesh/curfew/gen/curfew/mesh/v1"
 	orchestratorv1 "github.com/curfew-mesh/curfew/gen/curfew/orchestrator/v1"
+	"github.com/curfew-mesh/curfew/mesh/apikey"
 	"github.com/curfew-mesh/curfew/mesh/meshtls"
 )
 
@@ -211,7 +212,7 @@ func (m *Mesh) ConnAs(identity, service string) (*grpc.ClientConn, error) {
 		if err != nil {
 			return nil, err
 		}
-		return m.ConnWith(service, insecure.NewCredentials(), grpc.WithPerRPCCredentials(bearer(strings.TrimSpace(string(key)))))
+		return m.ConnWith(service, insecure.NewCredentials(), grpc.WithPerRPCCredentials(apikey.Bearer(strings.TrimSpace(string(key)))))
 	}
 	src, err := meshtls.NewSource(m.Endpoints.TLSDir, identity)
 	if err != nil {
@@ -221,7 +222,7 @@ func (m *Mesh) ConnAs(identity, service string) (*grpc.ClientConn, error) {
 }
 
 // ConnWith returns a client connection to a service with the given credentials and
-// options (grpc.WithPerRPCCredentials(Bearer(key)) for an API key, say).
+// options (grpc.WithPerRPCCredentials(apikey.Bearer(key)) for an API key, say).
 func (m *Mesh) ConnWith(service string, creds credentials.TransportCredentials, opts ...grpc.DialOption) (*grpc.ClientConn, error) {
 	ep, ok := m.Endpoints.Services[service]
 	if !ok {

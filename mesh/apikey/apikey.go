@@ -13,6 +13,7 @@ import (
 	"strings"
 
 	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/credentials"
 	"google.golang.org/grpc/metadata"
 	"google.golang.org/grpc/status"
 
@@ -21,6 +22,9 @@ import (
 
 // Prefix starts every key, so that secret scanners and people can recognise one.
 const Prefix = "cfk_"
+
+// Header is the metadata a key is sent in, as "Bearer <key>".
+const Header = "authorization"
 
 const (
 	idLen     = 16 // base32 characters: 80 bits
@@ -99,7 +103,7 @@ var errUnauthenticated = status.Error(codes.Unauthenticated, "invalid API key")
 // cfk_…). A call without one, or with a key that is malformed, unknown, revoked or
 // wrong, is UNAUTHENTICATED; a store failure is UNAVAILABLE.
 func (a *Authenticator) Tenant(ctx context.Context) (string, error) {
-	vals := metadata.ValueFromIncomingContext(ctx, "authorization")
+	vals := metadata.ValueFromIncomingContext(ctx, Header)
 	if len(vals) == 0 {
 		return "", status.Error(codes.Unauthenticated, "missing API key: send metadata authorization: Bearer <key> (curfew tenant create makes one)")
 	}
@@ -169,3 +173,17 @@ func Redact(s string) string {
 		s = rest[len(Prefix):]
 	}
 }
+
+// Bearer returns per-call credentials that send key as `authorization: Bearer <key>` on
+// every call of a connection (grpc.WithPerRPCCredentials). They are sent over plaintext
+// too (RequireTransportSecurity is false): a mesh started with `curfew up --insecure` is
+// plaintext on loopback and its callers must still authenticate.
+func Bearer(key string) credentials.PerRPCCredentials { return bearer(key) }
+
+type bearer string
+
+func (b bearer) GetRequestMetadata(context.Context, ...string) (map[string]string, error) {
+	return map[string]string{Header: "Bearer " + string(b)}, nil
+}
+
+func (b bearer) RequireTransportSecurity() bool { return false }

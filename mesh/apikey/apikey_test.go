@@ -123,3 +123,21 @@ func TestRedact(t *testing.T) {
 		t.Errorf("Redact changed text without a key: %q", got)
 	}
 }
+
+// What Bearer sends is what Authenticator reads, over plaintext too.
+func TestBearerRoundTrip(t *testing.T) {
+	st := openStore(t, "")
+	k := makeKey(t, st, "acme", false)
+	creds := apikey.Bearer(k.Secret)
+	if creds.RequireTransportSecurity() {
+		t.Error("Bearer requires TLS; a plaintext (--insecure) mesh's callers could not send keys")
+	}
+	md, err := creds.GetRequestMetadata(t.Context())
+	if err != nil {
+		t.Fatal(err)
+	}
+	tenant, err := (&apikey.Authenticator{Keys: st}).Tenant(metadata.NewIncomingContext(t.Context(), metadata.New(md)))
+	if err != nil || tenant != "acme" {
+		t.Fatalf("the key Bearer sends: %q, %v", tenant, err)
+	}
+}

@@ -51,7 +51,7 @@ func (g *Guard) Tenant(ctx context.Context, fullMethod, claimed string) (string,
 	if !slices.ContainsFunc(g.Methods, func(p string) bool { return strings.HasPrefix(fullMethod, p) }) {
 		return claimed, nil
 	}
-	if len(metadata.ValueFromIncomingContext(ctx, "authorization")) > 0 {
+	if len(metadata.ValueFromIncomingContext(ctx, Header)) > 0 {
 		if g.Keys == nil {
 			return "", status.Error(codes.Unauthenticated, "this server keeps no API keys (it runs without a store); call it as a mesh peer")
 		}

@@ -12,6 +12,7 @@ import (
 
 	meshv1 "github.com/curfew-mesh/curfew/gen/curfew/mesh/v1"
 	orchestratorv1 "github.com/curfew-mesh/curfew/gen/curfew/orchestrator/v1"
+	"github.com/curfew-mesh/curfew/mesh/apikey"
 	"github.com/curfew-mesh/curfew/mesh/cancel"
 	"github.com/curfew-mesh/curfew/mesh/md"
 	"github.com/curfew-mesh/curfew/mesh/store"
@@ -107,8 +108,8 @@ func (s *Server) cancelElsewhere(ctx context.Context, req *orchestratorv1.Cancel
 // (--insecure) there are no mesh peers, so the key is what lets the call through.
 func forwardedContext(ctx context.Context) context.Context {
 	kv := []string{forwardedHeader, "1"}
-	if auth := metadata.ValueFromIncomingContext(ctx, "authorization"); len(auth) == 1 {
-		kv = append(kv, "authorization", auth[0])
+	if auth := metadata.ValueFromIncomingContext(ctx, apikey.Header); len(auth) == 1 {
+		kv = append(kv, apikey.Header, auth[0])
 	}
 	return metadata.AppendToOutgoingContext(ctx, kv...)
 }
