@@ -11,8 +11,6 @@ import (
 	"time"
 
 	"golang.org/x/net/dns/dnsmessage"
-	"google.golang.org/grpc"
-	"google.golang.org/grpc/credentials/insecure"
 	"google.golang.org/protobuf/types/known/durationpb"
 
 	meshv1 "github.com/curfew-mesh/curfew/gen/curfew/mesh/v1"
@@ -138,11 +136,10 @@ func TestReplicasAcrossProcesses(t *testing.T) {
 	// Each replica's own node table, read directly.
 	own := func(p *meshproc.Proc, run string) []*meshv1.Node {
 		t.Helper()
-		conn, err := grpc.NewClient(p.Addr, grpc.WithTransportCredentials(insecure.NewCredentials()))
+		conn, err := c.Conn(p)
 		if err != nil {
 			t.Fatal(err)
 		}
-		defer conn.Close()
 		resp, err := meshv1.NewNodeReportServiceClient(conn).ListNodes(ctx, &meshv1.ListNodesRequest{RunId: run, SettleTimeout: durationpb.New(5 * time.Second)})
 		if err != nil {
 			t.Fatalf("%s ListNodes: %v", p.Name, err)
