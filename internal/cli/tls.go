@@ -6,6 +6,7 @@ import (
 	"io/fs"
 	"os"
 	"path/filepath"
+	"time"
 
 	"google.golang.org/grpc/credentials"
 	"google.golang.org/grpc/credentials/insecure"
@@ -30,19 +31,28 @@ func prepareTLS(dir string) (string, error) {
 	if err != nil {
 		return "", err
 	}
-	if err := os.MkdirAll(abs, 0o700); err != nil {
-		return "", err
-	}
-	ca, err := meshtls.EnsureCA(abs)
+	return abs, issueMesh(abs, nil, 0)
+}
+
+// issueMesh makes or loads the CA in dir (EnsureCA, which creates dir) and issues every
+// identity's certificate, valid for validFor (meshtls.DefaultCertValidity when 0); the
+// orchestrator's also names hosts. `curfew up`, `curfew drill` and `curfew tls init` all
+// issue through it.
+func issueMesh(dir string, hosts []string, validFor time.Duration) error {
+	ca, err := meshtls.EnsureCA(dir)
 	if err != nil {
-		return "", err
+		return err
 	}
 	for _, id := range meshIdentities {
-		if err := ca.Issue(abs, id, 0); err != nil {
-			return "", err
+		var h []string
+		if id == meshtls.Orchestrator {
+			h = hosts
+		}
+		if err := ca.Issue(dir, id, validFor, h...); err != nil {
+			return err
 		}
 	}
-	return abs, nil
+	return nil
 }
 
 // tlsDir is the directory of mTLS files the client commands use, "" for plaintext:

@@ -85,7 +85,7 @@ func cmdTLS(_ context.Context, args []string, stdout, stderr io.Writer) int {
 		if len(hosts) == 0 {
 			hosts = defaultAPIHosts
 		}
-		if err := tlsInit(dir, hosts, *validFor); err != nil {
+		if err := issueMesh(dir, hosts, *validFor); err != nil {
 			fmt.Fprintln(stderr, "curfew tls init:", err)
 			return ExitFail
 		}
@@ -100,25 +100,6 @@ func cmdTLS(_ context.Context, args []string, stdout, stderr io.Writer) int {
 		return ExitFail
 	}
 	return ExitOK
-}
-
-// tlsInit makes or loads the CA in dir and issues every identity's certificate; the
-// orchestrator's names hosts too.
-func tlsInit(dir string, hosts []string, validFor time.Duration) error {
-	ca, err := meshtls.EnsureCA(dir)
-	if err != nil {
-		return err
-	}
-	for _, id := range meshIdentities {
-		var h []string
-		if id == meshtls.Orchestrator {
-			h = hosts
-		}
-		if err := ca.Issue(dir, id, validFor, h...); err != nil {
-			return err
-		}
-	}
-	return nil
 }
 
 // k8sSecrets writes the Secret of each service's files in dir as YAML documents.
