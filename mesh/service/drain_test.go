@@ -2,8 +2,11 @@ package service_test
 
 import (
 	"context"
+	"net"
 	"net/http"
+	"strconv"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -14,6 +17,7 @@ import (
 	"google.golang.org/grpc/status"
 
 	toolrunnerv1 "github.com/curfew-mesh/curfew/gen/curfew/toolrunner/v1"
+	"github.com/curfew-mesh/curfew/mesh"
 	"github.com/curfew-mesh/curfew/mesh/service"
 )
 
@@ -247,25 +251,42 @@ func TestStopBoundHoldsWithACallThatNeverEnds(t *testing.T) {
 	}
 }
 
-// --max-connection-age closes each connection gracefully after about the age: the
-// client's connection goes idle (GOAWAY) with no call failing, and its next call
-// connects again, re-resolving its target (a headless Service's new replicas).
+// --max-connection-age closes each connection gracefully after about the age, with no call
+// failing: the client connects again (re-resolving its target, a headless Service's new
+// replicas) and its calls go on. The client dials through a counting dialer, since with
+// round_robin (mesh.DialOptions) it reconnects at once and its channel need not pass
+// through IDLE where a test could see it.
 func TestMaxConnectionAgeCyclesConnectionsWithoutFailingCalls(t *testing.T) {
 	o := validOptions()
 	o.MaxConnectionAge = time.Second
 	r := startHooked(t, o, func(s *grpc.Server) { toolrunnerv1.RegisterToolRunnerServiceServer(s, quick{}) }, nil)
-	ctx := t.Context()
-	if _, err := executeOnce(ctx, r.cc, "first"); err != nil {
+	var dials atomic.Int32
+	var d net.Dialer
+	cc, err := grpc.NewClient(r.rt.Addr(), append(mesh.DialOptions(mesh.ClientConfig{}),
+		grpc.WithTransportCredentials(insecure.NewCredentials()),
+		grpc.WithContextDialer(func(ctx context.Context, addr string) (net.Conn, error) {
+			dials.Add(1)
+			return d.DialContext(ctx, "tcp", addr)
+		}))...)
+	if err != nil {
 		t.Fatal(err)
 	}
-	wctx, cancel := context.WithTimeout(ctx, 10*time.Second) // age 1 s ± 10 %, with margin
-	defer cancel()
-	for st := r.cc.GetState(); st.String() != "IDLE"; st = r.cc.GetState() {
-		if !r.cc.WaitForStateChange(wctx, st) {
-			t.Fatalf("connection still %s 10 s after a 1 s max age", st)
+	defer func() { _ = cc.Close() }()
+	ctx := t.Context()
+	// Calls every 50 ms until the client has connected three times (two ages of 1 s
+	// ± 10 %), for at most 15 s; every one must succeed.
+	until := time.Now().Add(15 * time.Second)
+	calls := 0
+	for dials.Load() < 3 {
+		if time.Now().After(until) {
+			t.Fatalf("%d connections after 15 s with a 1 s max age (%d calls)", dials.Load(), calls)
 		}
+		name := "call-" + strconv.Itoa(calls)
+		if out, err := executeOnce(ctx, cc, name); err != nil || out != `"`+name+`"` {
+			t.Fatalf("call %d while connections cycle: %q, %v", calls, out, err)
+		}
+		calls++
+		time.Sleep(50 * time.Millisecond)
 	}
-	if out, err := executeOnce(ctx, r.cc, "after"); err != nil || out != `"after"` {
-		t.Fatalf("call after the connection cycled: %q, %v", out, err)
-	}
+	t.Logf("%d calls over %d connections", calls, dials.Load())
 }
