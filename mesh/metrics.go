@@ -4,17 +4,20 @@ import (
 	"sync"
 	"time"
 
-	grpcprom "github.com/grpc-ecosystem/go-grpc-middleware/providers/prometheus"
 	"github.com/prometheus/client_golang/prometheus"
 	"google.golang.org/grpc"
+
+	"github.com/curfew-mesh/curfew/mesh/rpcmetrics"
 )
 
-// The standard gRPC metrics come from go-grpc-middleware v2's Prometheus provider
-// (grpc_server_* and grpc_client_*, the names every gRPC dashboard already queries), not
-// from the OpenTelemetry Prometheus exporter: the services already expose a
-// prometheus.Registry, the provider writes straight into it with no second metrics SDK
-// and no per-scrape translation, and its names and labels are the long-standing ones
-// (see docs/metrics.md).
+// The standard gRPC metrics are go-grpc-middleware v2's Prometheus metrics
+// (grpc_server_* and grpc_client_*, the names every gRPC dashboard already queries),
+// recorded by its reporting interceptors through package rpcmetrics, not the OpenTelemetry
+// Prometheus exporter: the services already expose a prometheus.Registry, these write
+// straight into it with no second metrics SDK and no per-scrape translation, and their
+// names and labels are the long-standing ones (see docs/metrics.md). rpcmetrics records
+// exactly what the provider (providers/prometheus) records, its test checks that against
+// the provider, but resolves each method's series once instead of on every call.
 
 // SlackBuckets are the bucket bounds of curfew_deadline_slack_seconds: from 5 ms (a
 // call that arrives with less is about to be refused by fast-fail) to the default
@@ -24,7 +27,7 @@ var SlackBuckets = []float64{0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5
 // ServerMetrics are the server chain's metrics: the standard gRPC server metrics and the
 // deadline slack of every call on arrival. Make one per server with NewServerMetrics.
 type ServerMetrics struct {
-	grpc   *grpcprom.ServerMetrics
+	grpc   *rpcmetrics.Server
 	unary  grpc.UnaryServerInterceptor
 	stream grpc.StreamServerInterceptor
 	slack  *prometheus.HistogramVec
@@ -36,7 +39,7 @@ type ServerMetrics struct {
 // NewServerMetrics returns the server metrics, registered with reg when not nil.
 func NewServerMetrics(reg prometheus.Registerer) *ServerMetrics {
 	m := &ServerMetrics{
-		grpc: grpcprom.NewServerMetrics(grpcprom.WithServerHandlingTimeHistogram()),
+		grpc: rpcmetrics.NewServer(),
 		slack: prometheus.NewHistogramVec(prometheus.HistogramOpts{
 			Name:    "curfew_deadline_slack_seconds",
 			Help:    "Time left before the call's deadline when it arrived, after the server chain reconciled grpc-timeout with curfew-deadline (and applied the default or the cap), by method.",
@@ -62,14 +65,14 @@ func (m *ServerMetrics) observeSlack(method string, dl, now time.Time) {
 // ClientMetrics are the client chain's metrics: the standard gRPC client metrics, one
 // set per process shared by all its connections. Make one with NewClientMetrics.
 type ClientMetrics struct {
-	grpc   *grpcprom.ClientMetrics
+	grpc   *rpcmetrics.Client
 	unary  grpc.UnaryClientInterceptor
 	stream grpc.StreamClientInterceptor
 }
 
 // NewClientMetrics returns the client metrics, registered with reg when not nil.
 func NewClientMetrics(reg prometheus.Registerer) *ClientMetrics {
-	m := &ClientMetrics{grpc: grpcprom.NewClientMetrics(grpcprom.WithClientHandlingTimeHistogram())}
+	m := &ClientMetrics{grpc: rpcmetrics.NewClient()}
 	m.unary, m.stream = m.grpc.UnaryClientInterceptor(), m.grpc.StreamClientInterceptor()
 	if reg != nil {
 		reg.MustRegister(m.grpc)
