@@ -437,6 +437,57 @@ func TestChainReconcilesCurfewDeadline(t *testing.T) {
 	}
 }
 
+// The handler's context ends at the deadline it reports, the curfew-deadline, with
+// DeadlineExceeded, whether that lies well before the gRPC deadline or only by transit and
+// the millisecond rounding: every hop's own deadline fires before its caller's cancel can
+// arrive, so each node records the deadline as its cause, not a cancel from upstream. (A
+// context that only reported the curfew-deadline and let the later gRPC deadline end the
+// call, saving the timer, failed this: the caller's RST_STREAM won and the handler saw
+// Canceled.)
+func TestChainDeadlineEndsCall(t *testing.T) {
+	for _, p := range paths {
+		t.Run(p.name, func(t *testing.T) {
+			type seen struct {
+				dl    time.Time
+				ended time.Time
+				err   error
+			}
+			got := make(chan seen, 1)
+			_, cc := serveProbe(t, mesh.ServerConfig{Deadline: testPolicy, Logger: slog.New(slog.NewTextHandler(io.Discard, nil))}, func(ctx context.Context) error {
+				dl, _ := ctx.Deadline()
+				<-ctx.Done()
+				got <- seen{dl, time.Now(), ctx.Err()}
+				return ctx.Err()
+			})
+			for _, c := range []struct {
+				name  string
+				early time.Duration // curfew-deadline before the client's deadline
+			}{{"well before", 300 * time.Millisecond}, {"same deadline", 0}} {
+				ctx, cancel := context.WithTimeout(context.Background(), 600*time.Millisecond)
+				grpcDL, _ := ctx.Deadline()
+				abs := grpcDL.Add(-c.early)
+				_ = p.call(metadata.AppendToOutgoingContext(ctx, md.Deadline, fmt.Sprint(abs.UnixMilli())), cc)
+				cancel()
+				s := <-got
+				abs = abs.Truncate(time.Millisecond)
+				if !s.dl.Equal(abs) {
+					t.Errorf("%s: handler deadline %v, want curfew-deadline %v", c.name, s.dl, abs)
+				}
+				if !errors.Is(s.err, context.DeadlineExceeded) {
+					t.Errorf("%s: handler context ended with %v, want deadline exceeded", c.name, s.err)
+				}
+				// Never before the deadline it reports, after it by a loaded machine's delay.
+				if s.ended.Before(abs) {
+					t.Errorf("%s: ended %v before its deadline %v", c.name, abs.Sub(s.ended), abs)
+				}
+				if late := s.ended.Sub(abs); late > 100*time.Millisecond {
+					t.Errorf("%s: ended %v after its deadline (the gRPC deadline is %v after it)", c.name, late, grpcDL.Sub(abs))
+				}
+			}
+		})
+	}
+}
+
 // ServerConfig.Authorize refuses a call before the deadline layer and the handler, with
 // the status it returns, on both paths; it sees each call's method.
 func TestChainAuthorize(t *testing.T) {
