@@ -464,6 +464,13 @@ func (l *Loop) failed(ctx context.Context, reports meshv1.NodeReportServiceClien
 		// transport fires its own copy and resets the stream, which can reach us first.
 		// That error is our deadline, so wait the instant for ctx to say so, and settle.
 		<-ctx.Done()
+	} else if status.Code(err) == codes.Canceled && ctx.Err() == nil {
+		// The child was cancelled while this loop was not: the run's cancel reaches the
+		// decoders first (the orchestrator tells modelproxy before the rest of the tree),
+		// and a broadcast can reach any executor before the RST_STREAM reaches this one.
+		// That is the run's cancel on its way, not a failure of the child: wait for it,
+		// bounded, so that this node and its siblings record the run's cause.
+		awaitCancel(ctx, CancelWait)
 	}
 	if ctx.Err() == nil {
 		return err
@@ -472,6 +479,24 @@ func (l *Loop) failed(ctx context.Context, reports meshv1.NodeReportServiceClien
 		_ = Settle(ctx, reports, id, l.cfg.SettleTimeout)
 	}
 	return ctxStatus(ctx)
+}
+
+// CancelWait bounds how long a loop whose child was cancelled, while the loop itself was
+// not, waits for its own cancel before it takes the child's CANCELLED as the child's
+// error: the run's cancel reaches the decoders first and the loops above them a moment
+// later (about a millisecond; at most the orchestrator's 5 ms wait for modelproxy plus a
+// hop). A child cancelled by something that does not also cancel this loop costs this
+// much before its error is returned.
+const CancelWait = time.Second
+
+// awaitCancel waits until ctx is done or d has passed.
+func awaitCancel(ctx context.Context, d time.Duration) {
+	t := time.NewTimer(d)
+	defer t.Stop()
+	select {
+	case <-ctx.Done():
+	case <-t.C:
+	}
 }
 
 // Settle waits, up to timeout and on a context detached from ctx's cancellation, until

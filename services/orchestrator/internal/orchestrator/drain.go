@@ -114,7 +114,7 @@ func (s *Server) handOff() {
 			}
 			switch {
 			case s.cfg.Store == nil:
-				rs.cancelWith(cancel.ErrOperator)
+				rs.cancelTree(cancel.ErrOperator, false) // under s.mu: no waiting per run
 				handed++
 			case rs.handOver():
 				handed++

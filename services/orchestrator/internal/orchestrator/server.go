@@ -49,7 +49,8 @@ type Config struct {
 	// Loop reaches modelproxy and toolrunner; its Emit and Notes are set per run.
 	Loop agent.Config
 	// Reports are the NodeReportServices of modelproxy, toolrunner and subagent, read to
-	// assemble summaries.
+	// assemble summaries and told to cancel a run's nodes. The first is modelproxy's, the
+	// decoders': a cancel tells it first (see cancelWith).
 	Reports []meshv1.NodeReportServiceClient
 	// MaxRuns is how many runs are kept in memory; DefaultMaxRuns when 0.
 	MaxRuns int
@@ -158,9 +159,12 @@ type runState struct {
 	mu       sync.Mutex
 	rec      *orchestratorv1.Run
 	cancelAt time.Time // first explicit cancel instant
-	// broadcast tells every executor to cancel the run's nodes at once (one hop), beside
-	// the RST_STREAM that travels down the tree hop by hop.
-	broadcast   func(cause error)
+	// broadcast tells the executors to cancel the run's nodes (one hop), beside the
+	// RST_STREAM that travels down the tree hop by hop: with decodersFirst, modelproxy
+	// first, waiting for its answer up to decoderWait, and then the rest; otherwise all
+	// at once. It returns when the rest may go on (the other executors are told in the
+	// background).
+	broadcast   func(cause error, decodersFirst bool)
 	broadcasted bool
 	subs        map[chan *orchestratorv1.RunResponse]struct{} // nil when there are none
 	// span is the run's span (package tracing): every call the run makes is its child.
@@ -213,9 +217,24 @@ func (rs *runState) unsubscribe(c chan *orchestratorv1.RunResponse) {
 	rs.mu.Unlock()
 }
 
-// cancelWith records the cancel instant (the first one wins) and cancels the tree. A
-// deadline cancel's instant is never later than the deadline itself.
-func (rs *runState) cancelWith(cause error) {
+// cancelWith records the cancel instant (the first one wins) and cancels the tree, the
+// decoders first. A deadline cancel's instant is never later than the deadline itself.
+//
+// The decoders first: modelproxy is told to cancel the run's decoders, and only once it
+// has answered (or decoderWait has passed) is the run's context cancelled, which starts
+// the hop-by-hop teardown of the rest of the tree, and are toolrunner and subagent told.
+// That teardown is tens of milliseconds of CPU across the services at 64 leaves; begun
+// at the same time, it kept modelproxy from reading the broadcast for up to several
+// milliseconds on two cores, while its decoders went on spending tokens
+// (docs/benchmarks.md, section 1). The loops above a decoder that stops first see its
+// CANCELLED while their own context is still alive; they take it for the run's cancel on
+// its way and wait for it (agent.CancelWait), so every node still records the run's
+// cause, not a failed sibling.
+func (rs *runState) cancelWith(cause error) { rs.cancelTree(cause, true) }
+
+// cancelTree is cancelWith; decodersFirst false tells every executor at once without
+// waiting (a drain cancelling every run).
+func (rs *runState) cancelTree(cause error, decodersFirst bool) {
 	rs.mu.Lock()
 	if rs.cancelAt.IsZero() {
 		rs.cancelAt = time.Now()
@@ -226,10 +245,10 @@ func (rs *runState) cancelWith(cause error) {
 	first := !rs.broadcasted
 	rs.broadcasted = true
 	rs.mu.Unlock()
-	rs.cancel(cause)
 	if first && rs.broadcast != nil {
-		rs.broadcast(cause)
+		rs.broadcast(cause, decodersFirst)
 	}
+	rs.cancel(cause)
 }
 
 // markCancel records the cancel instant (the first one wins) without cancelling
@@ -485,11 +504,28 @@ func (s *Server) launch(ctx context.Context, rs *runState, prior []agent.Entry, 
 	rctx, span := tracing.StartRun(ctx, rctx, ident)
 	rs.cancel, rs.span = cancelRun, span
 	root := s.nodes.Start(rs.id, &meshv1.Node{Id: RootNode, Kind: meshv1.NodeKind_NODE_KIND_RUN, Name: "run", Deadline: timestamppb.New(rs.dl)})
-	rs.broadcast = func(cause error) {
+	rs.broadcast = func(cause error, decodersFirst bool) {
+		first := 0
+		if decodersFirst && len(s.cfg.Reports) > 1 {
+			first = 1
+			decoders := make(chan struct{})
+			s.wg.Add(1)
+			go func() {
+				defer s.wg.Done()
+				defer close(decoders)
+				s.broadcastCancel(rctx, rs.id, cause, s.cfg.Reports[:1])
+			}()
+			t := time.NewTimer(decoderWait)
+			select {
+			case <-decoders:
+			case <-t.C:
+			}
+			t.Stop()
+		}
 		s.wg.Add(1)
 		go func() {
 			defer s.wg.Done()
-			s.broadcastCancel(rctx, rs.id, cause)
+			s.broadcastCancel(rctx, rs.id, cause, s.cfg.Reports[first:])
 		}()
 	}
 	s.add(rs)
@@ -617,15 +653,20 @@ func (s *Server) execute(rctx context.Context, rs *runState, model, task string,
 // broadcastTimeout bounds the one-hop cancel broadcast to the executors.
 const broadcastTimeout = 2 * time.Second
 
-// broadcastCancel asks every executor to cancel the run's running nodes with cause. The
-// RST_STREAM path reaches them too, hop by hop; this reaches a decoder three subagents
+// decoderWait bounds how long a cancel waits for modelproxy's answer before it cancels
+// the rest of the tree (cancelWith): about 0.3 to 1.3 ms on a loaded two-core machine;
+// a modelproxy slower than this must not hold up the teardown.
+const decoderWait = 5 * time.Millisecond
+
+// broadcastCancel asks the executors of to to cancel the run's running nodes with cause.
+// The RST_STREAM path reaches them too, hop by hop; this reaches a decoder three subagents
 // deep in one hop, and tells it the true cause.
-func (s *Server) broadcastCancel(rctx context.Context, run string, cause error) {
+func (s *Server) broadcastCancel(rctx context.Context, run string, cause error, to []meshv1.NodeReportServiceClient) {
 	ctx, stop := context.WithTimeout(context.WithoutCancel(rctx), broadcastTimeout)
 	defer stop()
 	req := &meshv1.CancelNodesRequest{RunId: run, NodePrefixes: []string{RootNode}, Cause: cancel.FromError(cause)}
 	var wg sync.WaitGroup
-	for _, c := range s.cfg.Reports {
+	for _, c := range to {
 		wg.Add(1)
 		go func() {
 			defer wg.Done()

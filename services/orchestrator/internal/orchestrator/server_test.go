@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"log/slog"
+	"slices"
 	"sort"
 	"strings"
 	"sync"
@@ -105,7 +106,9 @@ func (f *fakeModel) Generate(req *modelproxyv1.GenerateRequest, stream modelprox
 		return status.Error(codes.InvalidArgument, "fake model: bad conversation")
 	}
 	st := p.Steps[turns]
-	f.table.Start(id.RunID, &meshv1.Node{Id: id.NodeID, Kind: meshv1.NodeKind_NODE_KIND_MODEL, Name: req.GetModel()})
+	// Begun, as modelproxy begins its decoders: the orchestrator's cancel broadcast
+	// (CancelNodes) cancels the decoder itself, before anything else hears of the cancel.
+	ctx, _ = f.table.Begin(ctx, id.RunID, &meshv1.Node{Id: id.NodeID, Kind: meshv1.NodeKind_NODE_KIND_MODEL, Name: req.GetModel()})
 	f.started <- id.NodeID
 	err = f.decode(ctx, stream, id, turns, p, st)
 	f.table.Finish(ctx, id.RunID, id.NodeID, err, nil)
@@ -479,7 +482,8 @@ func TestRunClientDisconnectCancelsRun(t *testing.T) {
 	if root.GetStatus() != meshv1.NodeStatus_NODE_STATUS_CANCELLED || root.GetCause() != meshv1.CancelCause_CANCEL_CAUSE_CLIENT_DISCONNECT {
 		t.Fatalf("root = %v", root)
 	}
-	// The decoder saw only an RST_STREAM; the merge gives it the run's cause.
+	// The decoder was told first, by the broadcast, with the run's cause; the loop above
+	// it waited for its own cancel rather than take the decoder's CANCELLED as a failure.
 	m0 := nodeOf(t, r, "root/m0")
 	if m0.GetStatus() != meshv1.NodeStatus_NODE_STATUS_CANCELLED || m0.GetCause() != meshv1.CancelCause_CANCEL_CAUSE_CLIENT_DISCONNECT {
 		t.Fatalf("root/m0 = %v, want CANCELLED with the run's cause", m0)
@@ -511,6 +515,72 @@ func TestRunContinueOnDisconnect(t *testing.T) {
 	if r.GetStatus() != orchestratorv1.RunStatus_RUN_STATUS_SUCCEEDED || r.GetCancelledAt() != nil ||
 		r.GetCause() != meshv1.CancelCause_CANCEL_CAUSE_UNSPECIFIED || r.GetAnswer() == "" || r.GetTokens() != 15 {
 		t.Fatalf("run = %v, want it to go on to success after the client left", r)
+	}
+}
+
+// cancelLog wraps a NodeReportService client and records when its CancelNodes calls
+// began and returned.
+type cancelLog struct {
+	meshv1.NodeReportServiceClient
+	mu              sync.Mutex
+	began, returned []time.Time
+}
+
+func (c *cancelLog) CancelNodes(ctx context.Context, in *meshv1.CancelNodesRequest, opts ...grpc.CallOption) (*meshv1.CancelNodesResponse, error) {
+	c.mu.Lock()
+	c.began = append(c.began, time.Now())
+	c.mu.Unlock()
+	resp, err := c.NodeReportServiceClient.CancelNodes(ctx, in, opts...)
+	c.mu.Lock()
+	c.returned = append(c.returned, time.Now())
+	c.mu.Unlock()
+	return resp, err
+}
+
+func (c *cancelLog) times() (began, returned []time.Time) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return slices.Clone(c.began), slices.Clone(c.returned)
+}
+
+// A cancel tells modelproxy (the first report) before the rest: toolrunner hears of it
+// only once modelproxy has answered, or decoderWait after it was asked.
+func TestCancelTellsDecodersFirst(t *testing.T) {
+	var model, tools *cancelLog
+	e := newEnvWith(t, mesh.ServerConfig{}, nil, func(c *Config) {
+		model = &cancelLog{NodeReportServiceClient: c.Reports[0]}
+		tools = &cancelLog{NodeReportServiceClient: c.Reports[1]}
+		c.Reports = []meshv1.NodeReportServiceClient{model, tools}
+	})
+	for _, how := range []string{"disconnect", "operator"} {
+		rs, started := e.start(context.Background(), t, &orchestratorv1.RunRequest{Task: slowPlan})
+		e.waitDecoder(t)
+		if how == "disconnect" {
+			rs.cancel()
+		} else if _, err := e.orch.CancelRun(context.Background(), &orchestratorv1.CancelRunRequest{RunId: started.GetRunId()}); err != nil {
+			t.Fatal(err)
+		}
+		r := e.waitEnded(t, started.GetRunId())
+		want := meshv1.CancelCause_CANCEL_CAUSE_CLIENT_DISCONNECT
+		if how == "operator" {
+			want = meshv1.CancelCause_CANCEL_CAUSE_OPERATOR
+		}
+		for _, n := range r.GetNodes() {
+			if n.GetCause() != want {
+				t.Errorf("%s: node %s ended with cause %v, want %v", how, n.GetId(), n.GetCause(), want)
+			}
+		}
+		_, _ = rs.rest()
+		mb, mr := model.times()
+		tb, _ := tools.times()
+		if len(mb) == 0 || len(tb) == 0 {
+			t.Fatalf("%s: CancelNodes calls: modelproxy %d, toolrunner %d; want one each", how, len(mb), len(tb))
+		}
+		m, tl := mb[len(mb)-1], tb[len(tb)-1]
+		answered := len(mr) == len(mb) && !tl.Before(mr[len(mr)-1])
+		if !answered && tl.Sub(m) < decoderWait {
+			t.Errorf("%s: toolrunner told %v after modelproxy, before its answer and before decoderWait (%v)", how, tl.Sub(m), decoderWait)
+		}
 	}
 }
 
