@@ -9,8 +9,8 @@
 // Server chain, outermost first:
 //
 //  0. metrics (ServerConfig.Metrics, when set): the standard gRPC server metrics of
-//     go-grpc-middleware's Prometheus provider. Outside recovery and status so it counts
-//     every call with the code the caller receives.
+//     go-grpc-middleware's Prometheus provider, recorded by package rpcmetrics. Outside
+//     recovery and status so it counts every call with the code the caller receives.
 //  1. recovery: a panic anywhere below becomes INTERNAL instead of killing the process
 //     and every in-flight run with it. Outermost so it also guards the other interceptors.
 //  2. status: every error leaving a handler becomes a gRPC status with the documented
