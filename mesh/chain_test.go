@@ -437,13 +437,12 @@ func TestChainReconcilesCurfewDeadline(t *testing.T) {
 	}
 }
 
-// The handler's context ends at the deadline it reports, the curfew-deadline, with
-// DeadlineExceeded, whether that lies well before the gRPC deadline or only by transit and
-// the millisecond rounding: every hop's own deadline fires before its caller's cancel can
-// arrive, so each node records the deadline as its cause, not a cancel from upstream. (A
-// context that only reported the curfew-deadline and let the later gRPC deadline end the
-// call, saving the timer, failed this: the caller's RST_STREAM won and the handler saw
-// Canceled.)
+// The handler's context ends at the deadline it reports, the curfew-deadline, and not
+// at the later gRPC deadline: with DeadlineExceeded when the curfew-deadline lies well
+// before the caller's own deadline; when the two are the same deadline (differing by the
+// millisecond truncation and transit only) the caller's RST_STREAM can win the race
+// against the handler's timer on a loaded machine, so there it may end Canceled, but
+// never before its deadline.
 func TestChainDeadlineEndsCall(t *testing.T) {
 	for _, p := range paths {
 		t.Run(p.name, func(t *testing.T) {
@@ -473,8 +472,12 @@ func TestChainDeadlineEndsCall(t *testing.T) {
 				if !s.dl.Equal(abs) {
 					t.Errorf("%s: handler deadline %v, want curfew-deadline %v", c.name, s.dl, abs)
 				}
-				if !errors.Is(s.err, context.DeadlineExceeded) {
-					t.Errorf("%s: handler context ended with %v, want deadline exceeded", c.name, s.err)
+				switch {
+				case errors.Is(s.err, context.DeadlineExceeded):
+				case c.early == 0 && errors.Is(s.err, context.Canceled) && !s.ended.Before(abs):
+					// the caller's cancel at the same deadline arrived first
+				default:
+					t.Errorf("%s: handler context ended with %v at %v after its deadline, want deadline exceeded", c.name, s.err, s.ended.Sub(abs))
 				}
 				// Never before the deadline it reports, after it by a loaded machine's delay.
 				if s.ended.Before(abs) {
