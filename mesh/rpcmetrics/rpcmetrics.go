@@ -16,12 +16,12 @@ import (
 // Server is the standard gRPC server metrics of one server: grpc_server_started_total,
 // grpc_server_handled_total, grpc_server_msg_received_total, grpc_server_msg_sent_total
 // and grpc_server_handling_seconds. It is a prometheus.Collector; register it once.
-type Server struct{ f family }
+type Server struct{ family }
 
 // NewServer returns the server metrics, not registered.
 func NewServer() *Server {
 	s := &Server{}
-	s.f.init("server",
+	s.init("server",
 		"Total number of RPCs started on the server.",
 		"Total number of RPCs completed on the server, regardless of success or failure.",
 		"Total number of RPC stream messages received on the server.",
@@ -30,17 +30,11 @@ func NewServer() *Server {
 	return s
 }
 
-// Describe implements prometheus.Collector.
-func (s *Server) Describe(ch chan<- *prometheus.Desc) { s.f.describe(ch) }
-
-// Collect implements prometheus.Collector.
-func (s *Server) Collect(ch chan<- prometheus.Metric) { s.f.collect(ch) }
-
 // UnaryServerInterceptor records every unary call the server handles.
 func (s *Server) UnaryServerInterceptor() grpc.UnaryServerInterceptor {
 	return func(ctx context.Context, req any, info *grpc.UnaryServerInfo, handler grpc.UnaryHandler) (any, error) {
 		start := time.Now()
-		m := s.f.unary(info.FullMethod)
+		m := s.unary(info.FullMethod)
 		m.started.Inc()
 		m.received.Inc()
 		resp, err := handler(ctx, req)
@@ -52,19 +46,19 @@ func (s *Server) UnaryServerInterceptor() grpc.UnaryServerInterceptor {
 
 // StreamServerInterceptor records every streaming call the server handles.
 func (s *Server) StreamServerInterceptor() grpc.StreamServerInterceptor {
-	return interceptors.StreamServerInterceptor(reportable{&s.f})
+	return interceptors.StreamServerInterceptor(reportable{&s.family})
 }
 
 // Client is the standard gRPC client metrics: grpc_client_started_total,
 // grpc_client_handled_total, grpc_client_msg_received_total, grpc_client_msg_sent_total
 // and grpc_client_handling_seconds. One per process serves all its connections. It is a
 // prometheus.Collector; register it once.
-type Client struct{ f family }
+type Client struct{ family }
 
 // NewClient returns the client metrics, not registered.
 func NewClient() *Client {
 	c := &Client{}
-	c.f.init("client",
+	c.init("client",
 		"Total number of RPCs started on the client.",
 		"Total number of RPCs completed by the client, regardless of success or failure.",
 		"Total number of RPC stream messages received by the client.",
@@ -73,17 +67,11 @@ func NewClient() *Client {
 	return c
 }
 
-// Describe implements prometheus.Collector.
-func (c *Client) Describe(ch chan<- *prometheus.Desc) { c.f.describe(ch) }
-
-// Collect implements prometheus.Collector.
-func (c *Client) Collect(ch chan<- prometheus.Metric) { c.f.collect(ch) }
-
 // UnaryClientInterceptor records every unary call made on the connection.
 func (c *Client) UnaryClientInterceptor() grpc.UnaryClientInterceptor {
 	return func(ctx context.Context, method string, req, reply any, cc *grpc.ClientConn, invoker grpc.UnaryInvoker, opts ...grpc.CallOption) error {
 		start := time.Now()
-		m := c.f.unary(method)
+		m := c.unary(method)
 		m.started.Inc()
 		m.sent.Inc()
 		err := invoker(ctx, method, req, reply, cc, opts...)
@@ -95,7 +83,7 @@ func (c *Client) UnaryClientInterceptor() grpc.UnaryClientInterceptor {
 
 // StreamClientInterceptor records every streaming call made on the connection.
 func (c *Client) StreamClientInterceptor() grpc.StreamClientInterceptor {
-	return interceptors.StreamClientInterceptor(reportable{&c.f})
+	return interceptors.StreamClientInterceptor(reportable{&c.family})
 }
 
 // family is one side's five metric families and its per-method series.
@@ -122,7 +110,8 @@ func (f *family) init(side, started, handled, received, sent, handling string) {
 	f.methods.Store(&map[key]*series{})
 }
 
-func (f *family) describe(ch chan<- *prometheus.Desc) {
+// Describe implements prometheus.Collector.
+func (f *family) Describe(ch chan<- *prometheus.Desc) {
 	f.started.Describe(ch)
 	f.handled.Describe(ch)
 	f.received.Describe(ch)
@@ -130,7 +119,8 @@ func (f *family) describe(ch chan<- *prometheus.Desc) {
 	f.handling.Describe(ch)
 }
 
-func (f *family) collect(ch chan<- prometheus.Metric) {
+// Collect implements prometheus.Collector.
+func (f *family) Collect(ch chan<- prometheus.Metric) {
 	f.started.Collect(ch)
 	f.handled.Collect(ch)
 	f.received.Collect(ch)
