@@ -464,13 +464,8 @@ func (l *Loop) failed(ctx context.Context, reports meshv1.NodeReportServiceClien
 		// transport fires its own copy and resets the stream, which can reach us first.
 		// That error is our deadline, so wait the instant for ctx to say so, and settle.
 		<-ctx.Done()
-	} else if status.Code(err) == codes.Canceled && ctx.Err() == nil {
-		// The child was cancelled while this loop was not: the run's cancel reaches the
-		// decoders first (the orchestrator tells modelproxy before the rest of the tree),
-		// and a broadcast can reach any executor before the RST_STREAM reaches this one.
-		// That is the run's cancel on its way, not a failure of the child: wait for it,
-		// bounded, so that this node and its siblings record the run's cause.
-		awaitCancel(ctx, CancelWait)
+	} else {
+		AwaitCancel(ctx, err)
 	}
 	if ctx.Err() == nil {
 		return err
@@ -489,9 +484,18 @@ func (l *Loop) failed(ctx context.Context, reports meshv1.NodeReportServiceClien
 // much before its error is returned.
 const CancelWait = time.Second
 
-// awaitCancel waits until ctx is done or d has passed.
-func awaitCancel(ctx context.Context, d time.Duration) {
-	t := time.NewTimer(d)
+// AwaitCancel waits, when err is a child's CANCELLED while ctx is still alive, until ctx
+// ends too or CancelWait has passed. The run's cancel reaches the decoders first (the
+// orchestrator tells modelproxy before the rest of the tree), and a broadcast can reach
+// any executor before the RST_STREAM reaches this one: such a child's CANCELLED is the
+// run's cancel on its way, not a failure, and whoever waits for it records the run's
+// cause (its context's) instead of a failed child's. The agent loop waits before judging
+// a failed model, tool or subagent call; toolrunner before ending a spawn_subagent tool.
+func AwaitCancel(ctx context.Context, err error) {
+	if status.Code(err) != codes.Canceled || ctx.Err() != nil {
+		return
+	}
+	t := time.NewTimer(CancelWait)
 	defer t.Stop()
 	select {
 	case <-ctx.Done():

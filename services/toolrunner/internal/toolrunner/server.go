@@ -378,14 +378,7 @@ func (s *Server) spawn(ctx context.Context, task string, emit func(*meshv1.Node)
 // reach the subagent first): it waits for that, bounded by agent.CancelWait, so the tool
 // node records the run's cause.
 func (s *Server) settle(ctx context.Context, err error) error {
-	if status.Code(err) == codes.Canceled && ctx.Err() == nil {
-		t := time.NewTimer(agent.CancelWait)
-		select {
-		case <-ctx.Done():
-		case <-t.C:
-		}
-		t.Stop()
-	}
+	agent.AwaitCancel(ctx, err)
 	if ctx.Err() != nil && s.cfg.SubagentNodes != nil {
 		_ = agent.Settle(ctx, s.cfg.SubagentNodes, md.IdentityFrom(ctx).NodeID+"/sub", s.cfg.SettleTimeout)
 	}

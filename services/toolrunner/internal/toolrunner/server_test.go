@@ -21,6 +21,7 @@ import (
 	subagentv1 "github.com/curfew-mesh/curfew/gen/curfew/subagent/v1"
 	toolrunnerv1 "github.com/curfew-mesh/curfew/gen/curfew/toolrunner/v1"
 	"github.com/curfew-mesh/curfew/mesh"
+	"github.com/curfew-mesh/curfew/mesh/cancel"
 	"github.com/curfew-mesh/curfew/mesh/deadline"
 	"github.com/curfew-mesh/curfew/mesh/md"
 	"github.com/curfew-mesh/curfew/mesh/meshtest"
@@ -422,6 +423,9 @@ type fakeSubagent struct {
 	hold chan struct{}
 	// teardown is how long a cancelled Spawn takes before its node ends.
 	teardown time.Duration
+	// cancelFirst, when closed during a hold, ends Spawn CANCELLED while its caller is
+	// still alive: the subagent was cancelled by the run's broadcast first.
+	cancelFirst chan struct{}
 }
 
 type spawnCall struct {
@@ -443,6 +447,9 @@ func (f *fakeSubagent) Spawn(req *subagentv1.SpawnRequest, stream subagentv1.Sub
 	if f.hold != nil {
 		select {
 		case <-f.hold:
+		case <-f.cancelFirst:
+			f.table.Finish(ctx, id.RunID, sub, status.Error(codes.Canceled, "cancelled"), nil)
+			return status.Error(codes.Canceled, "cancelled")
 		case <-ctx.Done():
 			time.Sleep(f.teardown)
 			f.table.Finish(ctx, id.RunID, sub, ctx.Err(), nil)
@@ -634,6 +641,40 @@ func TestSpawnSubagentCancelWaitsForTeardown(t *testing.T) {
 	if toolEnd, subEnd := n.GetEndedAt().AsTime(), sub.GetEndedAt().AsTime(); toolEnd.Before(subEnd) || toolEnd.Sub(cancelAt) < 180*time.Millisecond {
 		t.Fatalf("tool node ended at %v (+%v after cancel), subagent at %v: want the tool after the subagent's teardown",
 			toolEnd, toolEnd.Sub(cancelAt), subEnd)
+	}
+}
+
+// A subagent cancelled before its spawn_subagent call (the run's broadcast can reach
+// subagent before toolrunner) is the run's cancel on its way: the tool node waits for its
+// own cancel and records the run's cause, not a CANCELLED without one.
+func TestSpawnSubagentCancelledFirstWaitsForOwnCancel(t *testing.T) {
+	f := &fakeSubagent{hold: make(chan struct{}), cancelFirst: make(chan struct{})}
+	e := newSubagentEnv(t, f, Config{})
+	const run, node = "r-spawnfirst", "root/s0.t0"
+	st, err := e.tools.Execute(ident(run, node), &toolrunnerv1.ExecuteRequest{Name: "spawn_subagent", ArgsJson: spawnArgs})
+	if err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case <-f.entered:
+	case <-time.After(3 * time.Second):
+		t.Fatal("the spawn did not reach the subagent")
+	}
+	close(f.cancelFirst)
+	time.Sleep(100 * time.Millisecond) // the broadcast reaches toolrunner a moment later
+	told := time.Now()
+	if n := e.srv.Nodes.Cancel(run, nil, cancel.ErrClientDisconnect); n != 1 {
+		t.Fatalf("the broadcast cancelled %d nodes, want the tool node", n)
+	}
+	if r := drain(st); status.Code(r.err) != codes.Canceled {
+		t.Fatalf("Execute: %v, want CANCELED", r.err)
+	}
+	n := meshtest.WaitNode(t, e.srv.Nodes, run, node)
+	if n.GetStatus() != meshv1.NodeStatus_NODE_STATUS_CANCELLED || n.GetCause() != meshv1.CancelCause_CANCEL_CAUSE_CLIENT_DISCONNECT {
+		t.Fatalf("tool node = %v, want CANCELLED with the broadcast's cause", n)
+	}
+	if n.GetEndedAt().AsTime().Before(told) {
+		t.Fatalf("tool node ended %v before its own cancel", told.Sub(n.GetEndedAt().AsTime()))
 	}
 }
 
