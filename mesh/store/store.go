@@ -142,9 +142,11 @@ type DeadLetters interface {
 
 // Ledger persists token spend per run and node.
 type Ledger interface {
-	// AddTokens appends e. With a non-empty e.Key the append is idempotent per
-	// tenant: a second entry with the same key is ignored (added=false).
-	AddTokens(ctx context.Context, e LedgerEntry) (added bool, err error)
+	// AddTokens appends the entries in one transaction and returns how many were added.
+	// With a non-empty Key an entry is idempotent per tenant: an entry whose key is
+	// already present (or earlier in es) is skipped. An invalid entry appends none of
+	// them (ErrInvalidArgument).
+	AddTokens(ctx context.Context, es ...LedgerEntry) (added int, err error)
 	// TokenUsage sums the run's entries, in total and per node.
 	TokenUsage(ctx context.Context, tenant, runID string) (Usage, error)
 }

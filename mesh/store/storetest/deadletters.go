@@ -198,7 +198,7 @@ var ledgerTests = map[string]func(*env){
 		add := func(le store.LedgerEntry, want bool) {
 			e.t.Helper()
 			added, err := e.s.AddTokens(e.ctx, le)
-			if err != nil || added != want {
+			if err != nil || (added == 1) != want {
 				e.t.Fatalf("add %+v: added=%v %v, want %v", le, added, err, want)
 			}
 		}
@@ -227,6 +227,38 @@ var ledgerTests = map[string]func(*env){
 		}
 		_, err = e.s.AddTokens(e.ctx, store.LedgerEntry{RunID: "r"})
 		wantErr(e.t, err, store.ErrInvalidArgument, "entry without tenant")
+	},
+	"BatchInOneTransaction": func(e *env) {
+		// Several entries at once: a key already stored, and one repeated within the
+		// batch, are skipped; the rest are added.
+		if n, err := e.s.AddTokens(e.ctx, store.LedgerEntry{Tenant: tenantA, RunID: "run-b", NodeID: "root", Tokens: 1, Key: "k0"}); err != nil || n != 1 {
+			e.t.Fatalf("add k0: %d %v", n, err)
+		}
+		n, err := e.s.AddTokens(e.ctx,
+			store.LedgerEntry{Tenant: tenantA, RunID: "run-b", NodeID: "root", Tokens: 10, Key: "k0"},
+			store.LedgerEntry{Tenant: tenantA, RunID: "run-b", NodeID: "root/m1", Tokens: 20, Key: "k1"},
+			store.LedgerEntry{Tenant: tenantA, RunID: "run-b", NodeID: "root/m1", Tokens: 20, Key: "k1"},
+			store.LedgerEntry{Tenant: tenantA, RunID: "run-b", NodeID: "root/m2", Tokens: 30},
+			store.LedgerEntry{Tenant: tenantB, RunID: "run-b", NodeID: "root", Tokens: 40, Key: "k0"},
+		)
+		if err != nil || n != 3 {
+			e.t.Fatalf("batch: added %d %v, want 3 (k1 once, the keyless entry, tenant B's k0)", n, err)
+		}
+		u, err := e.s.TokenUsage(e.ctx, tenantA, "run-b")
+		if err != nil || u.Total != 51 || u.ByNode["root"] != 1 || u.ByNode["root/m1"] != 20 || u.ByNode["root/m2"] != 30 {
+			e.t.Fatalf("usage after the batch %+v %v, want 1 + 20 + 30", u, err)
+		}
+		// An invalid entry appends none of the batch.
+		n, err = e.s.AddTokens(e.ctx,
+			store.LedgerEntry{Tenant: tenantA, RunID: "run-b", NodeID: "root/m3", Tokens: 5},
+			store.LedgerEntry{Tenant: tenantA, NodeID: "root/m4", Tokens: 5})
+		wantErr(e.t, err, store.ErrInvalidArgument, "batch with an entry without run")
+		if u, _ := e.s.TokenUsage(e.ctx, tenantA, "run-b"); n != 0 || u.Total != 51 {
+			e.t.Fatalf("a failed batch added %d, usage %+v: want nothing added", n, u)
+		}
+		if n, err := e.s.AddTokens(e.ctx); err != nil || n != 0 {
+			e.t.Fatalf("empty batch: %d %v", n, err)
+		}
 	},
 }
 

@@ -171,23 +171,38 @@ func (s *Store) DeadLetterDepth(ctx context.Context, tenant string) (int64, erro
 }
 
 // AddTokens implements store.Ledger.
-func (s *Store) AddTokens(ctx context.Context, e store.LedgerEntry) (bool, error) {
-	if e.Tenant == "" || e.RunID == "" {
-		return false, invalid("ledger entry needs tenant and run")
+func (s *Store) AddTokens(ctx context.Context, es ...store.LedgerEntry) (int, error) {
+	for i, e := range es {
+		if e.Tenant == "" || e.RunID == "" {
+			return 0, invalid("ledger entry %d needs tenant and run", i)
+		}
 	}
-	at := ms(e.At)
-	if at == 0 {
-		at = s.nowMs()
+	if len(es) == 0 {
+		return 0, nil
 	}
-	var n int64
+	now := s.nowMs()
+	var added int
 	err := s.d.Tx(ctx, func(q Querier) error {
-		var err error
-		n, err = q.Exec(ctx, `INSERT INTO token_ledger (tenant, run_id, node_id, tokens, kind, entry_key, at_ms, retry_id, provider)
+		added = 0
+		for _, e := range es {
+			at := ms(e.At)
+			if at == 0 {
+				at = now
+			}
+			n, err := q.Exec(ctx, `INSERT INTO token_ledger (tenant, run_id, node_id, tokens, kind, entry_key, at_ms, retry_id, provider)
 			VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9) ON CONFLICT (tenant, entry_key) DO NOTHING`,
-			e.Tenant, e.RunID, e.NodeID, e.Tokens, e.Kind, nullable(e.Key), at, e.RetryID, e.Provider)
-		return err
+				e.Tenant, e.RunID, e.NodeID, e.Tokens, e.Kind, nullable(e.Key), at, e.RetryID, e.Provider)
+			if err != nil {
+				return err
+			}
+			added += int(n)
+		}
+		return nil
 	})
-	return n == 1, err
+	if err != nil {
+		return 0, err
+	}
+	return added, nil
 }
 
 // TokenUsage implements store.Ledger.
