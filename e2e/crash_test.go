@@ -215,11 +215,8 @@ func (r *crashRig) check(runs []store.Run) (takenOver int) {
 		if err != nil {
 			r.t.Fatal(err)
 		}
-		usage, err := r.st.TokenUsage(ctx, md.DefaultTenant, run.RunID)
-		if err != nil {
-			r.t.Fatal(err)
-		}
 		var epochs []int64
+		steps := map[string]int64{} // model node: its checkpoint's tokens
 		for _, c := range cps {
 			epochs = append(epochs, c.Epoch)
 			if len(c.ModelOutput) == 0 {
@@ -229,10 +226,13 @@ func (r *crashRig) check(runs []store.Run) (takenOver int) {
 			if err != nil {
 				r.t.Fatal(err)
 			}
-			node := fmt.Sprintf("root/m%d", e.Step)
-			if got := usage.ByNode[node]; got != c.Tokens {
+			steps[fmt.Sprintf("root/m%d", e.Step)] = c.Tokens
+		}
+		usage := r.ledger(run.RunID, steps)
+		for node, tokens := range steps {
+			if got := usage.ByNode[node]; got != tokens {
 				r.t.Errorf("run %d: the ledger holds %d tokens for %s, its checkpoint %d: a completed model step was generated again",
-					i, got, node, c.Tokens)
+					i, got, node, tokens)
 			}
 		}
 		if len(cps) != 7 || !slices.IsSorted(epochs) || epochs[len(epochs)-1] > run.Epoch {
@@ -240,6 +240,29 @@ func (r *crashRig) check(runs []store.Run) (takenOver int) {
 		}
 	}
 	return takenOver
+}
+
+// ledger reads the run's persisted token usage once it holds at least the tokens of
+// every node in steps, or after 5 s: modelproxy appends a decoder's entries up to
+// 20 ms after it ends (persistDelay), so the last step's may still be on their way
+// when the run has ended.
+func (r *crashRig) ledger(runID string, steps map[string]int64) store.Usage {
+	r.t.Helper()
+	deadline := time.Now().Add(5 * time.Second)
+	for {
+		usage, err := r.st.TokenUsage(context.Background(), md.DefaultTenant, runID)
+		if err != nil {
+			r.t.Fatal(err)
+		}
+		short := false
+		for node, tokens := range steps {
+			short = short || usage.ByNode[node] < tokens
+		}
+		if !short || time.Now().After(deadline) {
+			return usage
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
 }
 
 // An orchestrator killed mid-run and restarted: every run finishes, effects once, no

@@ -5,6 +5,7 @@ import (
 	"crypto/rand"
 	"fmt"
 	"log/slog"
+	"slices"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -16,7 +17,7 @@ import (
 // LedgerStore persists token spend: the append half of store.Ledger. A *store.Store
 // (sqlite or postgres) is one.
 type LedgerStore interface {
-	AddTokens(ctx context.Context, e store.LedgerEntry) (added bool, err error)
+	AddTokens(ctx context.Context, es ...store.LedgerEntry) (added int, err error)
 }
 
 // Kinds of the entries a decoder appends to the durable ledger.
@@ -28,8 +29,18 @@ const (
 	KindOrphan = "orphan"
 )
 
-// persistTimeout bounds one decoder's append to the store.
+// persistTimeout bounds one batch's append to the store.
 const persistTimeout = 2 * time.Second
+
+// persistDelay is how long entries gather before the writer appends them: decoders that
+// end together (a cancelled tree) end within a few milliseconds of each other, and their
+// entries then cost one transaction after the burst instead of one each during it, when
+// the CPU is better spent stopping the other decoders. It is also the longest an entry
+// waits in memory, and so what a killed modelproxy can lose beyond the appends in flight.
+const persistDelay = 20 * time.Millisecond
+
+// persistBatch bounds the entries appended in one transaction.
+const persistBatch = 512
 
 // spend is one decoder's share of the ledger: it records each token into the server's
 // in-memory Ledger and, when the server persists, keeps the token's instant and the
@@ -91,54 +102,116 @@ func (d *spend) end() (output, orphan int64) {
 	return int64(len(d.at)) - orphan, orphan
 }
 
-// persister appends decoders' ledger entries to the store off the call's path.
+// persister queues decoders' ledger entries and appends them to the store off the
+// calls' path: one writer goroutine, started by the first entry queued while none runs,
+// waits persistDelay, appends what has queued (at most persistBatch) in one transaction,
+// and ends when the queue is empty.
 type persister struct {
 	nonce string        // random per process: keys of a restarted modelproxy never collide
 	seq   atomic.Uint64 // per decoder
 
-	mu       sync.Mutex
-	inflight int
-	idle     sync.Cond // on mu, broadcast when inflight drops to 0
+	mu      sync.Mutex
+	queue   []store.LedgerEntry
+	running bool          // the writer is running
+	delay   time.Duration // persistDelay; tests may change it
+	waiters int           // Flush calls waiting: the writer does not delay
+	hurry   chan struct{} // wakes a delaying writer for Flush (capacity 1)
+	idle    sync.Cond     // on mu, broadcast when the writer ends
 }
 
-// start counts an append in flight; done ends it. Unlike a WaitGroup's Add, start may
-// race with Flush (a call still ending after a forced shutdown).
-func (p *persister) start() {
-	p.mu.Lock()
-	p.inflight++
-	p.mu.Unlock()
-}
-
-func (p *persister) done() {
-	p.mu.Lock()
-	if p.inflight--; p.inflight == 0 && p.idle.L != nil {
-		p.idle.Broadcast()
-	}
-	p.mu.Unlock()
-}
-
-// wait returns once no append is in flight.
-func (p *persister) wait() {
+// enqueue queues es and starts the writer unless it runs. ctx is the queuing call's,
+// detached from its cancellation for the writer.
+func (s *Server) enqueue(ctx context.Context, es ...store.LedgerEntry) {
+	p := &s.persister
 	p.mu.Lock()
 	defer p.mu.Unlock()
+	p.queue = append(p.queue, es...)
+	if p.running {
+		return
+	}
+	p.running = true
+	p.init()
+	go s.write(context.WithoutCancel(ctx))
+}
+
+// init makes what a zero persister lacks; p.mu is held.
+func (p *persister) init() {
 	if p.idle.L == nil {
 		p.idle.L = &p.mu
+		p.hurry = make(chan struct{}, 1)
 	}
-	for p.inflight > 0 {
-		p.idle.Wait()
+}
+
+// write is the writer: it appends the queue in batches until it is empty.
+func (s *Server) write(ctx context.Context) {
+	p := &s.persister
+	for {
+		p.mu.Lock()
+		hurry := p.waiters > 0
+		p.mu.Unlock()
+		if !hurry {
+			t := time.NewTimer(p.delay)
+			select {
+			case <-t.C:
+			case <-p.hurry:
+				t.Stop()
+			}
+		}
+		p.mu.Lock()
+		batch := p.queue
+		if len(batch) > persistBatch {
+			batch = batch[:persistBatch:persistBatch]
+		}
+		p.queue = p.queue[len(batch):]
+		p.mu.Unlock()
+
+		s.append(ctx, batch)
+
+		p.mu.Lock()
+		if len(p.queue) == 0 {
+			p.queue = nil // let the appended entries go
+			p.running = false
+			select { // a Flush's wake-up that came while appending: not the next writer's
+			case <-p.hurry:
+			default:
+			}
+			p.idle.Broadcast()
+			p.mu.Unlock()
+			return
+		}
+		p.mu.Unlock()
+	}
+}
+
+// append writes batch in one transaction, bounded by persistTimeout; a failure is logged
+// (the in-memory ledger still has the tokens).
+func (s *Server) append(ctx context.Context, batch []store.LedgerEntry) {
+	ctx, cancel := context.WithTimeout(ctx, persistTimeout)
+	defer cancel()
+	if _, err := s.Store.AddTokens(ctx, batch...); err != nil {
+		var tokens int64
+		var runs []string
+		for _, e := range batch {
+			tokens += e.Tokens
+			if len(runs) < 8 && !slices.Contains(runs, e.RunID) {
+				runs = append(runs, e.RunID)
+			}
+		}
+		s.log().Warn("token ledger entries not persisted", "entries", len(batch), "tokens", tokens,
+			"runs", runs, "first_key", batch[0].Key, "error", err.Error())
 	}
 }
 
 // newNonce returns the random part of this process's ledger keys.
 func newNonce() string { return rand.Text()[:12] }
 
-// persist appends the entries of a decoder of node that just ended, attributed to the
+// persist queues the entries of a decoder of node that just ended, attributed to the
 // call's tenant, run, node and retry-id and to the provider that decoded (its figures from
 // spend.end): one "output" entry with the tokens it emitted before a cancel, and one
 // "orphan" entry with those after, each only when non-zero, and nothing for a call
-// without a run id. The append runs in its own goroutine on ctx detached from the call's
-// cancellation, bounded by persistTimeout, so the caller's stream ends without waiting
-// for it; a failure is logged. Flush waits for the appends in flight.
+// without a run id. The entries are queued for the writer (persister), so the caller's
+// stream ends without waiting for the store; a failure is logged. Flush appends what is
+// queued.
 func (s *Server) persist(ctx context.Context, node, provider string, output, orphan int64) {
 	if s.Store == nil || (output == 0 && orphan == 0) {
 		return
@@ -170,23 +243,28 @@ func (s *Server) persist(ctx context.Context, node, provider string, output, orp
 		entries = append(entries, store.LedgerEntry{Tenant: tenant, RunID: id.RunID, NodeID: node, Tokens: orphan, Kind: KindOrphan, Key: key + "/" + KindOrphan,
 			RetryID: id.RetryID, Provider: provider})
 	}
-	wctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), persistTimeout)
-	p.start()
-	go func() {
-		defer p.done()
-		defer cancel()
-		for _, e := range entries {
-			if _, err := s.Store.AddTokens(wctx, e); err != nil {
-				s.log().Warn("token ledger entry not persisted", "run", e.RunID, "node", e.NodeID,
-					"kind", e.Kind, "tokens", e.Tokens, "key", e.Key, "error", err.Error())
-			}
-		}
-	}()
+	s.enqueue(ctx, entries...)
 }
 
-// Flush waits for the ledger entries being appended to the store. Call it before closing
-// the store.
-func (s *Server) Flush() { s.persister.wait() }
+// Flush appends the queued ledger entries without delay and returns once none is queued
+// or being appended. Call it before closing the store.
+func (s *Server) Flush() {
+	p := &s.persister
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	p.init()
+	p.waiters++
+	if p.running {
+		select {
+		case p.hurry <- struct{}{}:
+		default:
+		}
+	}
+	for p.running {
+		p.idle.Wait()
+	}
+	p.waiters--
+}
 
 func (s *Server) log() *slog.Logger {
 	if s.Log != nil {

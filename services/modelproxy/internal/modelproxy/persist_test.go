@@ -3,9 +3,12 @@ package modelproxy
 import (
 	"context"
 	"database/sql"
+	"fmt"
 	"log/slog"
 	"path/filepath"
+	"slices"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -303,4 +306,124 @@ func TestLedgerStoreFailureDoesNotFailTheCall(t *testing.T) {
 		t.Fatalf("call with a failing store: %d tokens, %v; want 5, nil", delivered(chunks), err)
 	}
 	e.srv.Flush()
+}
+
+// batches is a LedgerStore over a real store that records the size of each append and
+// can hold the first one until released.
+type batches struct {
+	LedgerStore
+	mu      sync.Mutex
+	sizes   []int
+	started chan struct{} // closed when the first append begins, if hold is set
+	hold    chan struct{} // the first append waits for it to close; nil: no wait
+}
+
+func (b *batches) AddTokens(ctx context.Context, es ...store.LedgerEntry) (int, error) {
+	b.mu.Lock()
+	b.sizes = append(b.sizes, len(es))
+	first := len(b.sizes) == 1
+	b.mu.Unlock()
+	if first && b.hold != nil {
+		close(b.started)
+		<-b.hold
+	}
+	return b.LedgerStore.AddTokens(ctx, es...)
+}
+
+func (b *batches) seen() []int {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return slices.Clone(b.sizes)
+}
+
+// decoderEnded queues the entries of n decoders of run ending, each with 3 output tokens
+// and 1 orphan token: 2n entries.
+func decoderEnded(s *Server, run string, n int) {
+	for i := range n {
+		node := fmt.Sprintf("root/m%d", i)
+		s.persist(md.WithIdentity(context.Background(), md.Identity{Tenant: testTenant, RunID: run, NodeID: node}), node, SimModel, 3, 1)
+	}
+}
+
+// Decoders ending together (a cancelled tree of 64 leaves) are appended in one
+// transaction, after the delay, not one each as they end; Flush cuts the delay short, and
+// nothing is lost.
+func TestLedgerBurstIsOneTransaction(t *testing.T) {
+	d := openDurable(t, "")
+	b := &batches{LedgerStore: d.s}
+	s := New()
+	s.Store = b
+	s.persister.delay = time.Minute // only Flush ends it
+	const run = "r-burst"
+	decoderEnded(s, run, 64)
+	time.Sleep(50 * time.Millisecond)
+	if got := b.seen(); len(got) != 0 {
+		t.Fatalf("appends during the delay: %v, want none", got)
+	}
+	start := time.Now()
+	s.Flush()
+	if waited := time.Since(start); waited > 20*time.Second {
+		t.Fatalf("Flush took %v: it did not cut the writer's delay short", waited)
+	}
+	if got := b.seen(); !slices.Equal(got, []int{128}) {
+		t.Fatalf("appends %v, want one of 128 entries", got)
+	}
+	if rows := d.rows(t, run); len(rows) != 128 {
+		t.Fatalf("%d ledger rows, want 128", len(rows))
+	}
+	if u := d.usage(t, run); u.Total != 64*4 || u.ByNode["root/m63"] != 4 {
+		t.Fatalf("usage %+v, want 4 tokens on each of 64 nodes", u)
+	}
+
+	// More than a batch holds: appended in batches of persistBatch.
+	decoderEnded(s, "r-big", 600)
+	s.Flush()
+	if got := b.seen()[1:]; !slices.Equal(got, []int{persistBatch, persistBatch, 1200 - 2*persistBatch}) {
+		t.Fatalf("appends of 1200 entries %v, want %d, %d, %d", got, persistBatch, persistBatch, 1200-2*persistBatch)
+	}
+	if rows := d.rows(t, "r-big"); len(rows) != 1200 {
+		t.Fatalf("%d ledger rows, want 1200", len(rows))
+	}
+}
+
+// Without Flush the entries land by themselves after the delay.
+func TestLedgerAppendsAfterDelay(t *testing.T) {
+	d := openDurable(t, "")
+	s := New()
+	s.Store = d.s
+	defer s.Flush()
+	decoderEnded(s, "r-delay", 2)
+	for deadline := time.Now().Add(10 * time.Second); len(d.rows(t, "r-delay")) < 4; time.Sleep(5 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatalf("after 10s the ledger has %d of 4 rows", len(d.rows(t, "r-delay")))
+		}
+	}
+}
+
+// Entries queued while a batch is being appended go in the next one, and Flush waits for
+// it too.
+func TestLedgerQueuedDuringAppend(t *testing.T) {
+	d := openDurable(t, "")
+	b := &batches{LedgerStore: d.s, started: make(chan struct{}), hold: make(chan struct{})}
+	s := New()
+	s.Store = b
+	s.persister.delay = time.Millisecond
+	decoderEnded(s, "r-a", 1)
+	<-b.started // the writer is appending r-a's 2 entries
+	decoderEnded(s, "r-b", 3)
+	flushed := make(chan struct{})
+	go func() { s.Flush(); close(flushed) }()
+	select {
+	case <-flushed:
+		t.Fatal("Flush returned while a batch was being appended")
+	case <-time.After(50 * time.Millisecond):
+	}
+	close(b.hold)
+	<-flushed
+	if got := b.seen(); !slices.Equal(got, []int{2, 6}) {
+		t.Fatalf("appends %v, want 2 then 6", got)
+	}
+	if n := len(d.rows(t, "r-a")) + len(d.rows(t, "r-b")); n != 8 {
+		t.Fatalf("%d rows, want 8", n)
+	}
 }

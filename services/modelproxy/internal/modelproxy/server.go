@@ -54,7 +54,7 @@ type Server struct {
 
 // New returns a server with an empty node table and ledger.
 func New() *Server {
-	s := &Server{Nodes: nodes.New(0), Ledger: NewLedger(), persister: persister{nonce: newNonce()}, now: time.Now}
+	s := &Server{Nodes: nodes.New(0), Ledger: NewLedger(), persister: persister{nonce: newNonce(), delay: persistDelay}, now: time.Now}
 	s.Leases = newLeases(DefaultLeaseTTL, s.leaseLapsed)
 	return s
 }
