@@ -3,6 +3,7 @@ package bench
 import (
 	"io"
 	"log/slog"
+	"syscall"
 	"testing"
 	"time"
 
@@ -40,15 +41,18 @@ func BenchmarkChainAsServed(b *testing.B) {
 	}
 	setups := []*healthPair{bare, chain, metrics, full}
 	dists := make([]Dist, len(setups))
+	cpu := make([]time.Duration, len(setups)) // process CPU time over each setup's calls
 	round := 0
 	for b.Loop() {
 		for i := range setups {
 			j := (i + round) % len(setups) // rotate the order each round
+			c0 := processCPU(b)
 			for range chainRound {
 				t0 := time.Now()
 				check(ctx, b, setups[j])
 				dists[j] = append(dists[j], time.Since(t0))
 			}
+			cpu[j] += processCPU(b) - c0
 		}
 		round++
 	}
@@ -60,4 +64,20 @@ func BenchmarkChainAsServed(b *testing.B) {
 	b.ReportMetric(100*(p50(dists[1])/p50(dists[0])-1), "chain-overhead-%")
 	b.ReportMetric(100*(p50(dists[2])/p50(dists[1])-1), "metrics-over-chain-%")
 	b.ReportMetric(100*(p50(dists[3])/p50(dists[0])-1), "served-overhead-%")
+	// CPU per call (client and server together, both in this process): less exposed to
+	// the machine's other load than latency is, since time spent waiting for a core is
+	// not counted.
+	perCall := func(i int) float64 { return float64(cpu[i]) / float64(len(dists[i])) }
+	b.ReportMetric(perCall(1)/1e3, "cpu-chain-µs")
+	b.ReportMetric(perCall(2)/1e3, "cpu-metrics-µs")
+	b.ReportMetric(100*(perCall(2)/perCall(1)-1), "cpu-metrics-over-chain-%")
+}
+
+// processCPU is the CPU time (user and system) this process has used so far.
+func processCPU(b *testing.B) time.Duration {
+	var ru syscall.Rusage
+	if err := syscall.Getrusage(syscall.RUSAGE_SELF, &ru); err != nil {
+		b.Fatal(err)
+	}
+	return time.Duration(ru.Utime.Nano() + ru.Stime.Nano())
 }
