@@ -8,6 +8,7 @@ import (
 
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/types/known/durationpb"
 
 	meshv1 "github.com/curfew-mesh/curfew/gen/curfew/mesh/v1"
 	"github.com/curfew-mesh/curfew/mesh/cancel"
@@ -78,4 +79,68 @@ func TestServerCancelNodes(t *testing.T) {
 		t.Errorf("work's cause = %v, want client disconnect", context.Cause(work))
 	}
 	tb.Finish(work, "r", "root/s0.t0", work.Err(), nil)
+}
+
+// With a settle_timeout CancelNodes answers once the nodes it cancelled have ended, and
+// says whether they all had; a node that outlasts the timeout does not hold it longer.
+func TestServerCancelNodesSettles(t *testing.T) {
+	tb := nodes.New(0)
+	c := serveTable(t, &nodes.Server{Table: tb})
+	ctx, stop := context.WithTimeout(context.Background(), 10*time.Second)
+	defer stop()
+	if _, err := c.CancelNodes(ctx, &meshv1.CancelNodesRequest{RunId: "r", Cause: meshv1.CancelCause_CANCEL_CAUSE_OPERATOR,
+		SettleTimeout: durationpb.New(-time.Second)}); status.Code(err) != codes.InvalidArgument {
+		t.Fatalf("negative settle_timeout: %v, want INVALID_ARGUMENT", err)
+	}
+
+	// Two nodes that take 100 ms to stop once cancelled.
+	const teardown = 100 * time.Millisecond
+	ended := make(chan time.Time, 2)
+	for _, id := range []string{"root/m0", "root/s0/m0"} {
+		work, _ := tb.Begin(context.Background(), "r", &meshv1.Node{Id: id, Kind: meshv1.NodeKind_NODE_KIND_MODEL})
+		go func() {
+			<-work.Done()
+			time.Sleep(teardown)
+			tb.Finish(work, "r", id, work.Err(), nil)
+			ended <- time.Now()
+		}()
+	}
+	resp, err := c.CancelNodes(ctx, &meshv1.CancelNodesRequest{RunId: "r", Cause: meshv1.CancelCause_CANCEL_CAUSE_OPERATOR,
+		SettleTimeout: durationpb.New(5 * time.Second)})
+	answered := time.Now()
+	if err != nil || resp.GetCancelled() != 2 || !resp.GetSettled() {
+		t.Fatalf("CancelNodes with a settle timeout = %v, %v; want 2 cancelled, settled", resp, err)
+	}
+	for range 2 {
+		if e := <-ended; e.After(answered) {
+			t.Fatalf("CancelNodes answered %v before a node ended", e.Sub(answered))
+		}
+	}
+
+	// A node that takes 2 s: a 50 ms settle answers unsettled, long before it ends.
+	work, _ := tb.Begin(context.Background(), "r", &meshv1.Node{Id: "root/m1", Kind: meshv1.NodeKind_NODE_KIND_MODEL})
+	go func() {
+		<-work.Done()
+		time.Sleep(2 * time.Second)
+		tb.Finish(work, "r", "root/m1", work.Err(), nil)
+		ended <- time.Now()
+	}()
+	resp, err = c.CancelNodes(ctx, &meshv1.CancelNodesRequest{RunId: "r", Cause: meshv1.CancelCause_CANCEL_CAUSE_OPERATOR,
+		SettleTimeout: durationpb.New(50 * time.Millisecond)})
+	answered = time.Now()
+	if err != nil || resp.GetCancelled() != 1 || resp.GetSettled() {
+		t.Fatalf("CancelNodes = %v, %v; want 1 cancelled, not settled", resp, err)
+	}
+	if e := <-ended; e.Sub(answered) < time.Second {
+		t.Fatalf("the node ended %v after the answer; want the answer not to wait for it", e.Sub(answered))
+	}
+
+	// Nothing left to cancel: settled at once; without a settle_timeout, never "settled".
+	if resp, err := c.CancelNodes(ctx, &meshv1.CancelNodesRequest{RunId: "r", Cause: meshv1.CancelCause_CANCEL_CAUSE_OPERATOR,
+		SettleTimeout: durationpb.New(time.Second)}); err != nil || resp.GetCancelled() != 0 || !resp.GetSettled() {
+		t.Fatalf("CancelNodes with nothing running = %v, %v; want 0 cancelled, settled", resp, err)
+	}
+	if resp, err := c.CancelNodes(ctx, &meshv1.CancelNodesRequest{RunId: "r", Cause: meshv1.CancelCause_CANCEL_CAUSE_OPERATOR}); err != nil || resp.GetSettled() {
+		t.Fatalf("CancelNodes without a settle timeout = %v, %v; want settled false", resp, err)
+	}
 }

@@ -2,6 +2,7 @@ package nodes
 
 import (
 	"context"
+	"time"
 
 	meshv1 "github.com/curfew-mesh/curfew/gen/curfew/mesh/v1"
 	"github.com/curfew-mesh/curfew/mesh/cancel"
@@ -28,9 +29,12 @@ type Server struct {
 	Summarized func(runID string, n *meshv1.Node)
 }
 
+// maxCancelSettle caps a CancelNodes request's settle_timeout.
+const maxCancelSettle = time.Second
+
 // CancelNodes implements NodeReportService: it cancels the selected running nodes with the
-// request's cause and returns at once.
-func (s *Server) CancelNodes(_ context.Context, req *meshv1.CancelNodesRequest) (*meshv1.CancelNodesResponse, error) {
+// request's cause and returns at once or, with a settle_timeout, once they have ended.
+func (s *Server) CancelNodes(ctx context.Context, req *meshv1.CancelNodesRequest) (*meshv1.CancelNodesResponse, error) {
 	if req.GetRunId() == "" {
 		return nil, status.Error(codes.InvalidArgument, "run_id is required")
 	}
@@ -38,8 +42,14 @@ func (s *Server) CancelNodes(_ context.Context, req *meshv1.CancelNodesRequest) 
 	if cause == nil {
 		return nil, status.Error(codes.InvalidArgument, "cause is required")
 	}
+	settle := req.GetSettleTimeout().AsDuration()
+	if settle < 0 {
+		return nil, status.Errorf(codes.InvalidArgument, "settle_timeout must be 0 or more, got %v", settle)
+	}
+	settle = min(settle, maxCancelSettle)
 	n := s.Table.Cancel(req.GetRunId(), req.GetNodePrefixes(), cause)
-	return &meshv1.CancelNodesResponse{Cancelled: int32(n)}, nil
+	settled := settle > 0 && (n == 0 || s.Table.Settle(ctx, req.GetRunId(), req.GetNodePrefixes(), settle))
+	return &meshv1.CancelNodesResponse{Cancelled: int32(n), Settled: settled}, nil
 }
 
 // ListNodes implements NodeReportService.

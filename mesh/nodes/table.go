@@ -261,27 +261,8 @@ func (t *Table) List(ctx context.Context, runID string, prefixes []string, settl
 		t.mu.Unlock()
 		return nil, true
 	}
+	t.settleLocked(ctx, r, prefixes, settle)
 	running := 0
-	for _, n := range r.nodes.all() {
-		if isRunning(n) && Selected(n.Id, prefixes) {
-			running++
-		}
-	}
-	if running > 0 && settle > 0 {
-		w := &waiter{prefixes: prefixes, running: running, done: make(chan struct{})}
-		r.waiters = append(r.waiters, w)
-		t.mu.Unlock()
-		tm := time.NewTimer(settle)
-		select {
-		case <-w.done:
-		case <-tm.C:
-		case <-ctx.Done():
-		}
-		tm.Stop()
-		t.mu.Lock()
-		r.dropWaiterLocked(w)
-	}
-	running = 0
 	for _, n := range r.nodes.all() {
 		if !Selected(n.Id, prefixes) {
 			continue
@@ -294,6 +275,45 @@ func (t *Table) List(ctx context.Context, runID string, prefixes []string, settl
 	t.mu.Unlock()
 	sortNodes(out)
 	return out, running == 0
+}
+
+// Settle waits, up to settle or until ctx is done, for every running node of run selected
+// by prefixes to end, and reports whether they all had.
+func (t *Table) Settle(ctx context.Context, runID string, prefixes []string, settle time.Duration) bool {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	r := t.runs[runID]
+	if r == nil {
+		return true
+	}
+	return t.settleLocked(ctx, r, prefixes, settle) == 0
+}
+
+// settleLocked is Settle on r with t.mu held (released while it waits); it returns how
+// many selected nodes still run.
+func (t *Table) settleLocked(ctx context.Context, r *run, prefixes []string, settle time.Duration) int {
+	running := 0
+	for _, n := range r.nodes.all() {
+		if isRunning(n) && Selected(n.Id, prefixes) {
+			running++
+		}
+	}
+	if running == 0 || settle <= 0 {
+		return running
+	}
+	w := &waiter{prefixes: prefixes, running: running, done: make(chan struct{})}
+	r.waiters = append(r.waiters, w)
+	t.mu.Unlock()
+	tm := time.NewTimer(settle)
+	select {
+	case <-w.done:
+	case <-tm.C:
+	case <-ctx.Done():
+	}
+	tm.Stop()
+	t.mu.Lock()
+	r.dropWaiterLocked(w)
+	return w.running
 }
 
 // firstSummary reports whether node id of run is listed by a summary for the first

@@ -839,7 +839,12 @@ type CancelNodesRequest struct {
 	// Nodes whose id is one of these or lies beneath one of them; empty means all.
 	NodePrefixes []string `protobuf:"bytes,2,rep,name=node_prefixes,json=nodePrefixes,proto3" json:"node_prefixes,omitempty"`
 	// Why; recorded on every node it stops. UNSPECIFIED is refused.
-	Cause         CancelCause `protobuf:"varint,3,opt,name=cause,proto3,enum=curfew.mesh.v1.CancelCause" json:"cause,omitempty"`
+	Cause CancelCause `protobuf:"varint,3,opt,name=cause,proto3,enum=curfew.mesh.v1.CancelCause" json:"cause,omitempty"`
+	// If set, the answer waits until the nodes it cancelled have ended, at most this long
+	// (capped at 1 s); unset answers at once. The orchestrator's cancel sets it on
+	// modelproxy, so that the decoders have stopped before the rest of the tree is torn
+	// down and competes with them for the CPU.
+	SettleTimeout *durationpb.Duration `protobuf:"bytes,4,opt,name=settle_timeout,json=settleTimeout,proto3" json:"settle_timeout,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -895,10 +900,19 @@ func (x *CancelNodesRequest) GetCause() CancelCause {
 	return CancelCause_CANCEL_CAUSE_UNSPECIFIED
 }
 
+func (x *CancelNodesRequest) GetSettleTimeout() *durationpb.Duration {
+	if x != nil {
+		return x.SettleTimeout
+	}
+	return nil
+}
+
 // CancelNodesResponse says how many running nodes were told to stop.
 type CancelNodesResponse struct {
-	state         protoimpl.MessageState `protogen:"open.v1"`
-	Cancelled     int32                  `protobuf:"varint,1,opt,name=cancelled,proto3" json:"cancelled,omitempty"`
+	state     protoimpl.MessageState `protogen:"open.v1"`
+	Cancelled int32                  `protobuf:"varint,1,opt,name=cancelled,proto3" json:"cancelled,omitempty"`
+	// With a settle_timeout: whether every node it cancelled had ended when it answered.
+	Settled       bool `protobuf:"varint,2,opt,name=settled,proto3" json:"settled,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -938,6 +952,13 @@ func (x *CancelNodesResponse) GetCancelled() int32 {
 		return x.Cancelled
 	}
 	return 0
+}
+
+func (x *CancelNodesResponse) GetSettled() bool {
+	if x != nil {
+		return x.Settled
+	}
+	return false
 }
 
 var File_curfew_mesh_v1_mesh_proto protoreflect.FileDescriptor
@@ -1003,13 +1024,15 @@ const file_curfew_mesh_v1_mesh_proto_rawDesc = "" +
 	"\rnode_prefixes\x18\x04 \x03(\tR\fnodePrefixes\"Y\n" +
 	"\x11ListNodesResponse\x12*\n" +
 	"\x05nodes\x18\x01 \x03(\v2\x14.curfew.mesh.v1.NodeR\x05nodes\x12\x18\n" +
-	"\asettled\x18\x02 \x01(\bR\asettled\"\x83\x01\n" +
+	"\asettled\x18\x02 \x01(\bR\asettled\"\xc5\x01\n" +
 	"\x12CancelNodesRequest\x12\x15\n" +
 	"\x06run_id\x18\x01 \x01(\tR\x05runId\x12#\n" +
 	"\rnode_prefixes\x18\x02 \x03(\tR\fnodePrefixes\x121\n" +
-	"\x05cause\x18\x03 \x01(\x0e2\x1b.curfew.mesh.v1.CancelCauseR\x05cause\"3\n" +
+	"\x05cause\x18\x03 \x01(\x0e2\x1b.curfew.mesh.v1.CancelCauseR\x05cause\x12@\n" +
+	"\x0esettle_timeout\x18\x04 \x01(\v2\x19.google.protobuf.DurationR\rsettleTimeout\"M\n" +
 	"\x13CancelNodesResponse\x12\x1c\n" +
-	"\tcancelled\x18\x01 \x01(\x05R\tcancelled*\xfc\x01\n" +
+	"\tcancelled\x18\x01 \x01(\x05R\tcancelled\x12\x18\n" +
+	"\asettled\x18\x02 \x01(\bR\asettled*\xfc\x01\n" +
 	"\vCancelCause\x12\x1c\n" +
 	"\x18CANCEL_CAUSE_UNSPECIFIED\x10\x00\x12\"\n" +
 	"\x1eCANCEL_CAUSE_CLIENT_DISCONNECT\x10\x01\x12\x19\n" +
@@ -1089,15 +1112,16 @@ var file_curfew_mesh_v1_mesh_proto_depIdxs = []int32{
 	11, // 18: curfew.mesh.v1.ListNodesRequest.cancel_at:type_name -> google.protobuf.Timestamp
 	4,  // 19: curfew.mesh.v1.ListNodesResponse.nodes:type_name -> curfew.mesh.v1.Node
 	0,  // 20: curfew.mesh.v1.CancelNodesRequest.cause:type_name -> curfew.mesh.v1.CancelCause
-	7,  // 21: curfew.mesh.v1.NodeReportService.ListNodes:input_type -> curfew.mesh.v1.ListNodesRequest
-	9,  // 22: curfew.mesh.v1.NodeReportService.CancelNodes:input_type -> curfew.mesh.v1.CancelNodesRequest
-	8,  // 23: curfew.mesh.v1.NodeReportService.ListNodes:output_type -> curfew.mesh.v1.ListNodesResponse
-	10, // 24: curfew.mesh.v1.NodeReportService.CancelNodes:output_type -> curfew.mesh.v1.CancelNodesResponse
-	23, // [23:25] is the sub-list for method output_type
-	21, // [21:23] is the sub-list for method input_type
-	21, // [21:21] is the sub-list for extension type_name
-	21, // [21:21] is the sub-list for extension extendee
-	0,  // [0:21] is the sub-list for field type_name
+	12, // 21: curfew.mesh.v1.CancelNodesRequest.settle_timeout:type_name -> google.protobuf.Duration
+	7,  // 22: curfew.mesh.v1.NodeReportService.ListNodes:input_type -> curfew.mesh.v1.ListNodesRequest
+	9,  // 23: curfew.mesh.v1.NodeReportService.CancelNodes:input_type -> curfew.mesh.v1.CancelNodesRequest
+	8,  // 24: curfew.mesh.v1.NodeReportService.ListNodes:output_type -> curfew.mesh.v1.ListNodesResponse
+	10, // 25: curfew.mesh.v1.NodeReportService.CancelNodes:output_type -> curfew.mesh.v1.CancelNodesResponse
+	24, // [24:26] is the sub-list for method output_type
+	22, // [22:24] is the sub-list for method input_type
+	22, // [22:22] is the sub-list for extension type_name
+	22, // [22:22] is the sub-list for extension extendee
+	0,  // [0:22] is the sub-list for field type_name
 }
 
 func init() { file_curfew_mesh_v1_mesh_proto_init() }

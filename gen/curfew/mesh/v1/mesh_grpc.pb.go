@@ -35,7 +35,7 @@ type NodeReportServiceClient interface {
 	// ListNodes returns the nodes of a run that ran on this process.
 	ListNodes(ctx context.Context, in *ListNodesRequest, opts ...grpc.CallOption) (*ListNodesResponse, error)
 	// CancelNodes cancels the run's running nodes on this process with the given cause. It
-	// returns at once; use ListNodes with a settle timeout to wait for their teardown.
+	// returns at once, or with a settle_timeout once they have ended (or it passed).
 	CancelNodes(ctx context.Context, in *CancelNodesRequest, opts ...grpc.CallOption) (*CancelNodesResponse, error)
 }
 
@@ -79,7 +79,7 @@ type NodeReportServiceServer interface {
 	// ListNodes returns the nodes of a run that ran on this process.
 	ListNodes(context.Context, *ListNodesRequest) (*ListNodesResponse, error)
 	// CancelNodes cancels the run's running nodes on this process with the given cause. It
-	// returns at once; use ListNodes with a settle timeout to wait for their teardown.
+	// returns at once, or with a settle_timeout once they have ended (or it passed).
 	CancelNodes(context.Context, *CancelNodesRequest) (*CancelNodesResponse, error)
 	mustEmbedUnimplementedNodeReportServiceServer()
 }

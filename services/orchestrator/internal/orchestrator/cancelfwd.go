@@ -73,7 +73,7 @@ func (s *Server) cancelElsewhere(ctx context.Context, req *orchestratorv1.Cancel
 	s.cfg.Log.InfoContext(ctx, "run owned by another orchestrator cancelled by operator; its owner was not reached, so the cancel is broadcast and kept for a takeover",
 		"run_id", id, "owner", run.Owner, "reason", req.GetReason())
 	s.rememberCancel(id)
-	s.broadcastCancel(ctx, id, cancel.ErrOperator, s.cfg.Reports)
+	s.broadcastCancel(ctx, id, cancel.ErrOperator, 0, s.cfg.Reports)
 	for {
 		t := time.NewTimer(watchPoll)
 		select {

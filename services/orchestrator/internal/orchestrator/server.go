@@ -221,7 +221,8 @@ func (rs *runState) unsubscribe(c chan *orchestratorv1.RunResponse) {
 // decoders first. A deadline cancel's instant is never later than the deadline itself.
 //
 // The decoders first: modelproxy is told to cancel the run's decoders, and only once it
-// has answered (or decoderWait has passed) is the run's context cancelled, which starts
+// has answered that they have ended (or decoderWait has passed) is the run's context
+// cancelled, which starts
 // the hop-by-hop teardown of the rest of the tree, and are toolrunner and subagent told.
 // That teardown is tens of milliseconds of CPU across the services at 64 leaves; begun
 // at the same time, it kept modelproxy from reading the broadcast for up to several
@@ -513,7 +514,7 @@ func (s *Server) launch(ctx context.Context, rs *runState, prior []agent.Entry, 
 			go func() {
 				defer s.wg.Done()
 				defer close(decoders)
-				s.broadcastCancel(rctx, rs.id, cause, s.cfg.Reports[:1])
+				s.broadcastCancel(rctx, rs.id, cause, decoderWait, s.cfg.Reports[:1])
 			}()
 			t := time.NewTimer(decoderWait)
 			select {
@@ -525,7 +526,7 @@ func (s *Server) launch(ctx context.Context, rs *runState, prior []agent.Entry, 
 		s.wg.Add(1)
 		go func() {
 			defer s.wg.Done()
-			s.broadcastCancel(rctx, rs.id, cause, s.cfg.Reports[first:])
+			s.broadcastCancel(rctx, rs.id, cause, 0, s.cfg.Reports[first:])
 		}()
 	}
 	s.add(rs)
@@ -653,18 +654,22 @@ func (s *Server) execute(rctx context.Context, rs *runState, model, task string,
 // broadcastTimeout bounds the one-hop cancel broadcast to the executors.
 const broadcastTimeout = 2 * time.Second
 
-// decoderWait bounds how long a cancel waits for modelproxy's answer before it cancels
-// the rest of the tree (cancelWith): about 0.3 to 1.3 ms on a loaded two-core machine;
-// a modelproxy slower than this must not hold up the teardown.
+// decoderWait bounds how long a cancel waits for modelproxy's answer, which comes once its
+// decoders of the run have ended, before it cancels the rest of the tree (cancelWith): a
+// modelproxy slower than this must not hold up the teardown.
 const decoderWait = 5 * time.Millisecond
 
-// broadcastCancel asks the executors of to to cancel the run's running nodes with cause.
-// The RST_STREAM path reaches them too, hop by hop; this reaches a decoder three subagents
+// broadcastCancel asks the executors of to to cancel the run's running nodes with cause
+// and, with settle > 0, to answer once those have ended (at most settle later). The
+// RST_STREAM path reaches them too, hop by hop; this reaches a decoder three subagents
 // deep in one hop, and tells it the true cause.
-func (s *Server) broadcastCancel(rctx context.Context, run string, cause error, to []meshv1.NodeReportServiceClient) {
+func (s *Server) broadcastCancel(rctx context.Context, run string, cause error, settle time.Duration, to []meshv1.NodeReportServiceClient) {
 	ctx, stop := context.WithTimeout(context.WithoutCancel(rctx), broadcastTimeout)
 	defer stop()
 	req := &meshv1.CancelNodesRequest{RunId: run, NodePrefixes: []string{RootNode}, Cause: cancel.FromError(cause)}
+	if settle > 0 {
+		req.SettleTimeout = durationpb.New(settle)
+	}
 	var wg sync.WaitGroup
 	for _, c := range to {
 		wg.Add(1)
