@@ -3,8 +3,8 @@
 // package plan) and the token ledger that records every token a decoder emits, keyed by
 // task (run and node) with its wall-clock instant, so that tokens spent after a cancel are
 // measurable from the decoder's own record. With a durable store (Server.Store) each
-// decoder also appends its tokens to the store's ledger when it ends (persist.go), so a
-// run's spend survives restarts.
+// decoder's tokens also go to the store's ledger when it ends (persist.go: queued, and
+// appended in batches a moment later), so a run's spend survives restarts.
 //
 // A decoder stops at the next token boundary once its context is cancelled: the wait for
 // each token selects on the context, so a cancel costs at most the token being emitted.

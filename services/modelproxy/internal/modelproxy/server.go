@@ -37,8 +37,9 @@ type Server struct {
 	Router *Router
 	// Metrics, if set, count the tokens decoders emit and, per summary, the orphan tokens.
 	Metrics *Metrics
-	// Store, if set, persists the ledger: each decoder appends its tokens when it ends
-	// (see persist). nil keeps the ledger in memory only. Call Flush before closing it.
+	// Store, if set, persists the ledger: each decoder's tokens are queued when it ends
+	// and appended in batches (see persist). nil keeps the ledger in memory only. Call
+	// Flush before closing it.
 	Store LedgerStore
 	// Log receives the appends that failed and the leases that lapsed; nil is
 	// slog.Default().
