@@ -28,7 +28,6 @@ var SlackBuckets = []float64{0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5
 // deadline slack of every call on arrival. Make one per server with NewServerMetrics.
 type ServerMetrics struct {
 	grpc   *rpcmetrics.Server
-	unary  grpc.UnaryServerInterceptor
 	stream grpc.StreamServerInterceptor
 	slack  *prometheus.HistogramVec
 	// byMethod caches slack's observer per method: WithLabelValues hashes its labels on
@@ -46,7 +45,7 @@ func NewServerMetrics(reg prometheus.Registerer) *ServerMetrics {
 			Buckets: SlackBuckets,
 		}, []string{"method"}),
 	}
-	m.unary, m.stream = m.grpc.UnaryServerInterceptor(), m.grpc.StreamServerInterceptor()
+	m.stream = m.grpc.StreamServerInterceptor()
 	if reg != nil {
 		reg.MustRegister(m.grpc, m.slack)
 	}
@@ -66,14 +65,13 @@ func (m *ServerMetrics) observeSlack(method string, dl, now time.Time) {
 // set per process shared by all its connections. Make one with NewClientMetrics.
 type ClientMetrics struct {
 	grpc   *rpcmetrics.Client
-	unary  grpc.UnaryClientInterceptor
 	stream grpc.StreamClientInterceptor
 }
 
 // NewClientMetrics returns the client metrics, registered with reg when not nil.
 func NewClientMetrics(reg prometheus.Registerer) *ClientMetrics {
 	m := &ClientMetrics{grpc: rpcmetrics.NewClient()}
-	m.unary, m.stream = m.grpc.UnaryClientInterceptor(), m.grpc.StreamClientInterceptor()
+	m.stream = m.grpc.StreamClientInterceptor()
 	if reg != nil {
 		reg.MustRegister(m.grpc)
 	}

@@ -84,8 +84,11 @@ func metric(t *testing.T, reg *prometheus.Registry, name string, match map[strin
 // after the chain's default and cap.
 func TestChainMetrics(t *testing.T) {
 	srvReg, cliReg, cc := metricsPair(t, slog.New(slog.DiscardHandler), func(ctx context.Context) error {
-		if md.IdentityFrom(ctx).NodeID == "fail" {
+		switch md.IdentityFrom(ctx).NodeID {
+		case "fail":
 			return status.Error(codes.NotFound, "no such node")
+		case "panic":
+			panic("handler bug")
 		}
 		return nil
 	})
@@ -114,6 +117,11 @@ func TestChainMetrics(t *testing.T) {
 	if err := call(time.Second, "fail"); status.Code(err) != codes.NotFound {
 		t.Fatalf("want NotFound, got %v", err)
 	}
+	// A panic is counted with the code the caller receives: INTERNAL (recovery runs
+	// inside the metrics).
+	if err := call(time.Second, "panic"); status.Code(err) != codes.Internal {
+		t.Fatalf("want Internal, got %v", err)
+	}
 	lbl := map[string]string{"grpc_service": "curfew.mesh.v1.NodeReportService", "grpc_method": "ListNodes"}
 	with := func(k, v string) map[string]string {
 		m := map[string]string{k: v}
@@ -129,39 +137,47 @@ func TestChainMetrics(t *testing.T) {
 		want float64
 	}{
 		{srvReg, "grpc_server_handled_total", "OK", 5}, {srvReg, "grpc_server_handled_total", "NotFound", 1},
+		{srvReg, "grpc_server_handled_total", "Internal", 1}, {srvReg, "grpc_server_msg_sent_total", "", 5},
 		{cliReg, "grpc_client_handled_total", "OK", 5}, {cliReg, "grpc_client_handled_total", "NotFound", 1},
+		{cliReg, "grpc_client_handled_total", "Internal", 1},
 	} {
-		if got := metric(t, c.reg, c.name, with("grpc_code", c.code)).GetCounter().GetValue(); got != c.want {
+		match := with("grpc_code", c.code)
+		if c.code == "" {
+			match = lbl
+		}
+		if got := metric(t, c.reg, c.name, match).GetCounter().GetValue(); got != c.want {
 			t.Errorf("%s{grpc_code=%s} = %v, want %v", c.name, c.code, got, c.want)
 		}
 	}
-	if got := metric(t, srvReg, "grpc_server_started_total", lbl).GetCounter().GetValue(); got != 6 {
-		t.Errorf("grpc_server_started_total = %v, want 6", got)
+	for _, name := range []string{"grpc_server_started_total", "grpc_server_msg_received_total"} {
+		if got := metric(t, srvReg, name, lbl).GetCounter().GetValue(); got != 7 {
+			t.Errorf("%s = %v, want 7", name, got)
+		}
 	}
-	if h := metric(t, srvReg, "grpc_server_handling_seconds", lbl).GetHistogram(); h.GetSampleCount() != 6 {
-		t.Errorf("grpc_server_handling_seconds count = %v, want 6", h.GetSampleCount())
+	if h := metric(t, srvReg, "grpc_server_handling_seconds", lbl).GetHistogram(); h.GetSampleCount() != 7 {
+		t.Errorf("grpc_server_handling_seconds count = %v, want 7", h.GetSampleCount())
 	}
-	if h := metric(t, cliReg, "grpc_client_handling_seconds", lbl).GetHistogram(); h.GetSampleCount() != 6 {
-		t.Errorf("grpc_client_handling_seconds count = %v, want 6", h.GetSampleCount())
+	if h := metric(t, cliReg, "grpc_client_handling_seconds", lbl).GetHistogram(); h.GetSampleCount() != 7 {
+		t.Errorf("grpc_client_handling_seconds count = %v, want 7", h.GetSampleCount())
 	}
 
-	// Slack: four calls with 1 s, one with the 2 s default, one capped at 5 s. Each
+	// Slack: five calls with 1 s, one with the 2 s default, one capped at 5 s. Each
 	// arrives with a little less than it was given (bound: 1 s of transit on a loaded
 	// machine), never more.
 	h := metric(t, srvReg, "curfew_deadline_slack_seconds", map[string]string{"method": "/curfew.mesh.v1.NodeReportService/ListNodes"}).GetHistogram()
-	if h.GetSampleCount() != 6 {
-		t.Fatalf("slack observed %d times, want 6", h.GetSampleCount())
+	if h.GetSampleCount() != 7 {
+		t.Fatalf("slack observed %d times, want 7", h.GetSampleCount())
 	}
-	const given = 4*1 + 2 + 5
-	if s := h.GetSampleSum(); s > given || s < given-6*1 {
-		t.Errorf("slack sum %.3fs, want at most %ds and at least %ds", s, given, given-6)
+	const given = 5*1 + 2 + 5
+	if s := h.GetSampleSum(); s > given || s < given-7*1 {
+		t.Errorf("slack sum %.3fs, want at most %ds and at least %ds", s, given, given-7)
 	}
 	le := map[float64]uint64{}
 	for _, b := range h.GetBucket() {
 		le[b.GetUpperBound()] = b.GetCumulativeCount()
 	}
-	if le[1] != 4 || le[2.5] != 5 || le[5] != 6 {
-		t.Errorf("slack buckets le=1: %d, le=2.5: %d, le=5: %d; want 4, 5, 6", le[1], le[2.5], le[5])
+	if le[1] != 5 || le[2.5] != 6 || le[5] != 7 {
+		t.Errorf("slack buckets le=1: %d, le=2.5: %d, le=5: %d; want 5, 6, 7", le[1], le[2.5], le[5])
 	}
 	// Every curfew_ metric has help text, and the chain's pass the linter's checks.
 	for _, reg := range []*prometheus.Registry{srvReg, cliReg} {
