@@ -16,7 +16,6 @@ import (
 	"github.com/curfew-mesh/curfew/mesh/md"
 	"github.com/curfew-mesh/curfew/mesh/retry"
 	"github.com/curfew-mesh/curfew/mesh/retryid"
-	"github.com/curfew-mesh/curfew/mesh/rpcmetrics"
 )
 
 // ServerConfig configures the server chain. The zero value is usable: deadline defaults
@@ -33,8 +32,8 @@ type ServerConfig struct {
 	// default grace and unregistered metrics.
 	RetryIDs *retryid.Table
 	// Metrics, when set, records the standard gRPC server metrics (outside the whole
-	// chain, so it sees every call and the final status code: for unary calls the chain's
-	// outermost layer, for streams an interceptor before it) and the deadline slack on
+	// chain, so it sees every call and the final status code: for unary calls wrapped
+	// around the chain in the same interceptor, for streams an interceptor before it) and the deadline slack on
 	// arrival (in the deadline layer); nil records none.
 	Metrics *ServerMetrics
 	// Chaos honours the curfew-chaos header (package chaos): the drill's fault switches.
@@ -82,9 +81,9 @@ func ServerInterceptors(cfg ServerConfig) ([]grpc.UnaryServerInterceptor, []grpc
 	}
 	c := &serverChain{cfg: cfg, log: cfg.logger(), idsUnary: ids.UnaryServerInterceptor(), idsStream: ids.StreamServerInterceptor(rewrap)}
 	if m := cfg.Metrics; m != nil {
-		// Unary calls record the metrics in c.unary: one interceptor per call, not two
-		// that grpc-go would chain with a closure per call.
-		return []grpc.UnaryServerInterceptor{c.unary}, []grpc.StreamServerInterceptor{m.stream, c.stream}
+		// Unary: the metrics around the chain as one interceptor, not two that grpc-go
+		// would chain with a closure per call.
+		return []grpc.UnaryServerInterceptor{m.grpc.WrapUnary(c.unary)}, []grpc.StreamServerInterceptor{m.stream, c.stream}
 	}
 	return []grpc.UnaryServerInterceptor{c.unary}, []grpc.StreamServerInterceptor{c.stream}
 }
@@ -99,24 +98,15 @@ type serverChain struct {
 	chaosSeen sync.Once // the warning for a curfew-chaos header ignored
 }
 
-// unary is the whole chain for a unary call: the metrics (when set) and recovery
-// outermost, then the status mapping, authorization, deadline, identity and fast-fail
-// (enter), and retry-id, then the handler. Its end is logged (finished) and counted with
-// the code the caller receives.
+// unary is the whole chain for a unary call: recovery outermost, then the status mapping,
+// authorization, deadline, identity and fast-fail (enter), and retry-id, then the handler. Its end is
+// logged (finished) with the code the caller receives.
 func (c *serverChain) unary(ctx context.Context, req any, info *grpc.UnaryServerInfo, h grpc.UnaryHandler) (_ any, err error) {
 	start := time.Now()
-	var call rpcmetrics.UnaryCall
-	m := c.cfg.Metrics
-	if m != nil {
-		call = m.grpc.StartUnary(info.FullMethod)
-	}
 	panicked := true
 	defer func() {
 		if p := recover(); p != nil || panicked {
 			err = c.recovered(ctx, p)
-		}
-		if m != nil {
-			call.End(err, time.Since(start))
 		}
 		finished(ctx, c.log, info.FullMethod, start, err)
 	}()
@@ -322,15 +312,9 @@ func DialOptions(cfg ClientConfig) []grpc.DialOption {
 	ru, rs := retry.ClientInterceptors(rc)
 	us, ss := []grpc.UnaryClientInterceptor{ru}, []grpc.StreamClientInterceptor{rs}
 	if m := cfg.Metrics; m != nil {
-		// Unary: the metrics and retry in one interceptor, one closure fewer per call
+		// Unary: the metrics around retry as one interceptor, one closure fewer per call
 		// than grpc-go chaining two.
-		us[0] = func(ctx context.Context, method string, req, reply any, cc *grpc.ClientConn, invoker grpc.UnaryInvoker, opts ...grpc.CallOption) error {
-			start := time.Now()
-			call := m.grpc.StartUnary(method)
-			err := ru(ctx, method, req, reply, cc, invoker, opts...)
-			call.End(err, time.Since(start))
-			return err
-		}
+		us[0] = m.grpc.WrapUnary(ru)
 		ss = append([]grpc.StreamClientInterceptor{m.stream}, ss...)
 	}
 	if cfg.Breakers != nil && !cfg.Breakers.Config().Off {

@@ -7,9 +7,9 @@
 // Streaming calls are observed by go-grpc-middleware's own reporting interceptors
 // (package interceptors), unary calls by this package's, which count the same events and
 // read the clock twice instead of four times; what this package replaces is the
-// provider's reporter. A chain that composes its layers into one interceptor records a
-// unary call with StartUnary and End instead (package mesh does, on both sides), which
-// spares grpc-go chaining one more interceptor per call. The provider
+// provider's reporter. WrapUnary puts the unary metrics around an interceptor of the
+// caller's as one interceptor (package mesh does, on both sides), which spares grpc-go
+// chaining one more per call. The provider
 // resolves every series by its label values on every event (five label-hashing lookups
 // per unary call on each side, and two allocations); here each method's series are
 // resolved once, on its first call, and a call only increments them, with no

@@ -31,38 +31,27 @@ func NewServer() *Server {
 }
 
 // UnaryServerInterceptor records every unary call the server handles.
-func (s *Server) UnaryServerInterceptor() grpc.UnaryServerInterceptor {
-	return func(ctx context.Context, req any, info *grpc.UnaryServerInfo, handler grpc.UnaryHandler) (any, error) {
+func (s *Server) UnaryServerInterceptor() grpc.UnaryServerInterceptor { return s.WrapUnary(nil) }
+
+// WrapUnary returns next with the metrics recorded around it, as one interceptor: what
+// UnaryServerInterceptor records, for a chain that composes its layers itself (package
+// mesh) rather than have grpc-go chain one more, which costs a closure per call. The
+// metrics see the error next returns. A nil next calls the handler.
+func (s *Server) WrapUnary(next grpc.UnaryServerInterceptor) grpc.UnaryServerInterceptor {
+	return func(ctx context.Context, req any, info *grpc.UnaryServerInfo, handler grpc.UnaryHandler) (resp any, err error) {
 		start := time.Now()
-		call := s.StartUnary(info.FullMethod)
-		resp, err := handler(ctx, req)
-		call.End(err, time.Since(start))
+		m := s.unary(info.FullMethod)
+		m.started.Inc()
+		m.received.Inc()
+		if next != nil {
+			resp, err = next(ctx, req, info, handler)
+		} else {
+			resp, err = handler(ctx, req)
+		}
+		m.PostMsgSend(resp, err, 0)
+		m.PostCall(err, time.Since(start))
 		return resp, err
 	}
-}
-
-// StartUnary counts a unary call of fullMethod started and its request received, and
-// returns the call for its End: what UnaryServerInterceptor records, for a chain that
-// composes the metrics into its own interceptor rather than have grpc-go chain one more.
-func (s *Server) StartUnary(fullMethod string) UnaryCall {
-	m := s.unary(fullMethod)
-	m.started.Inc()
-	m.received.Inc()
-	return UnaryCall{m}
-}
-
-// UnaryCall is a unary call StartUnary counted.
-type UnaryCall struct{ s *series }
-
-// End counts the call's response sent (when err is nil) and the call handled with err's
-// code, and observes elapsed, the time since the call arrived. The zero UnaryCall records
-// nothing.
-func (c UnaryCall) End(err error, elapsed time.Duration) {
-	if c.s == nil {
-		return
-	}
-	c.s.PostMsgSend(nil, err, 0)
-	c.s.PostCall(err, elapsed)
 }
 
 // StreamServerInterceptor records every streaming call the server handles.
@@ -89,38 +78,27 @@ func NewClient() *Client {
 }
 
 // UnaryClientInterceptor records every unary call made on the connection.
-func (c *Client) UnaryClientInterceptor() grpc.UnaryClientInterceptor {
+func (c *Client) UnaryClientInterceptor() grpc.UnaryClientInterceptor { return c.WrapUnary(nil) }
+
+// WrapUnary returns next with the metrics recorded around it, as one interceptor (see
+// Server.WrapUnary): one logical call as next makes it, retries included. A nil next
+// calls the invoker.
+func (c *Client) WrapUnary(next grpc.UnaryClientInterceptor) grpc.UnaryClientInterceptor {
 	return func(ctx context.Context, method string, req, reply any, cc *grpc.ClientConn, invoker grpc.UnaryInvoker, opts ...grpc.CallOption) error {
 		start := time.Now()
-		call := c.StartUnary(method)
-		err := invoker(ctx, method, req, reply, cc, opts...)
-		call.End(err, time.Since(start))
+		m := c.unary(method)
+		m.started.Inc()
+		m.sent.Inc()
+		var err error
+		if next != nil {
+			err = next(ctx, method, req, reply, cc, invoker, opts...)
+		} else {
+			err = invoker(ctx, method, req, reply, cc, opts...)
+		}
+		m.PostMsgReceive(reply, err, 0)
+		m.PostCall(err, time.Since(start))
 		return err
 	}
-}
-
-// StartUnary counts a unary call of fullMethod started and its request sent, and returns
-// the call for its End: what UnaryClientInterceptor records, for a client chain that
-// composes the metrics into its own interceptor.
-func (c *Client) StartUnary(fullMethod string) ClientUnaryCall {
-	m := c.unary(fullMethod)
-	m.started.Inc()
-	m.sent.Inc()
-	return ClientUnaryCall{m}
-}
-
-// ClientUnaryCall is a unary call Client.StartUnary counted.
-type ClientUnaryCall struct{ s *series }
-
-// End counts the call's response received (when err is nil) and the call handled with
-// err's code, and observes elapsed, the time since the call began. The zero value records
-// nothing.
-func (c ClientUnaryCall) End(err error, elapsed time.Duration) {
-	if c.s == nil {
-		return
-	}
-	c.s.PostMsgReceive(nil, err, 0)
-	c.s.PostCall(err, elapsed)
 }
 
 // StreamClientInterceptor records every streaming call made on the connection.
