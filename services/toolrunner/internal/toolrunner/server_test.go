@@ -428,6 +428,16 @@ type fakeSubagent struct {
 	cancelFirst chan struct{}
 }
 
+// waitEntered waits until a Spawn (what) has reached the fake, bounded.
+func (f *fakeSubagent) waitEntered(t *testing.T, what string) {
+	t.Helper()
+	select {
+	case <-f.entered:
+	case <-time.After(3 * time.Second):
+		t.Fatal(what + " did not reach the subagent")
+	}
+}
+
 type spawnCall struct {
 	id       md.Identity
 	task     string
@@ -570,11 +580,7 @@ func TestSpawnSubagentFanoutLimit(t *testing.T) {
 		}
 		first <- drain(st)
 	}()
-	select {
-	case <-f.entered:
-	case <-time.After(3 * time.Second):
-		t.Fatal("the first spawn did not reach the subagent")
-	}
+	f.waitEntered(t, "the first spawn")
 	// The run has its one subagent in flight: a second one is refused.
 	r := execute(ident("r-fan", "root/s0.t1"), t, e.tools, "spawn_subagent", spawnArgs)
 	meshtest.WantCode(t, r.err, codes.ResourceExhausted, "limit")
@@ -588,11 +594,7 @@ func TestSpawnSubagentFanoutLimit(t *testing.T) {
 		}
 		other <- drain(st)
 	}()
-	select {
-	case <-f.entered:
-	case <-time.After(3 * time.Second):
-		t.Fatal("another run's spawn did not reach the subagent")
-	}
+	f.waitEntered(t, "another run's spawn")
 	release()
 	for _, c := range []chan result{first, other} {
 		r := <-c
@@ -617,11 +619,7 @@ func TestSpawnSubagentCancelWaitsForTeardown(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	select {
-	case <-f.entered:
-	case <-time.After(3 * time.Second):
-		t.Fatal("the spawn did not reach the subagent")
-	}
+	f.waitEntered(t, "the spawn")
 	cancelAt := time.Now()
 	cancel()
 	r := drain(st)
@@ -655,11 +653,7 @@ func TestSpawnSubagentCancelledFirstWaitsForOwnCancel(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	select {
-	case <-f.entered:
-	case <-time.After(3 * time.Second):
-		t.Fatal("the spawn did not reach the subagent")
-	}
+	f.waitEntered(t, "the spawn")
 	close(f.cancelFirst)
 	time.Sleep(100 * time.Millisecond) // the broadcast reaches toolrunner a moment later
 	told := time.Now()
