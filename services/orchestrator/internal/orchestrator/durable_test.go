@@ -34,6 +34,15 @@ func openStore(t *testing.T) store.Store {
 	return st
 }
 
+// private is a store that says it is private to this process, as memory:// is.
+type private struct{ store.Store }
+
+func (private) Shared() bool { return false }
+
+// privateStore is the store of a server that would have none before: private to the
+// test's process.
+func privateStore(t *testing.T) store.Store { return private{openStore(t)} }
+
 // deadLetters records into the store, as mesh/dlq.Recorder does without a broker.
 type deadLetters struct{ st store.Store }
 

@@ -250,6 +250,7 @@ func newEnvWith(t *testing.T, scfg mesh.ServerConfig, fm *fakeModel, hook func(*
 		Reports:       []meshv1.NodeReportServiceClient{modelNodes, toolNodes},
 		SettleTimeout: time.Second,
 		Log:           quiet,
+		Store:         privateStore(t),
 	}
 	if hook != nil {
 		hook(&cfg)
