@@ -97,8 +97,9 @@ func (s *Server) execute(rctx context.Context, rn *run, model, task string, j ag
 // mid-call may have had its effect). Any other failure, retried to exhaustion by the
 // call's own retry layer, fails the run: one retrying layer, no amplification.
 //
-// breakerParking is its policy: MaxAttempts loops in all, each park at least the
-// breaker's RetryInfo and at least the policy's backoff.
+// breakerParking is its policy: MaxAttempts loops in all (more than a call may make:
+// a park sends nothing), each park the longer of the policy's backoff and the breaker's
+// RetryInfo, plus up to a fifth more.
 var breakerParking = retry.Policy{MaxAttempts: 9, Base: 500 * time.Millisecond, Cap: 5 * time.Second}
 
 // runLoop runs the agent loop and, with a journal, runs it again after a breaker
