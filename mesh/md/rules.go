@@ -52,9 +52,14 @@ var rules = []rule{
 
 // Check applies the wire contract's rules to the incoming call's curfew-* headers. A
 // header sent more than once, or whose value breaks its rule, is INVALID_ARGUMENT with a
-// message that names the header and the rule; curfew-attempt is refused without a
-// curfew-retry-id. A header that is absent or empty is not checked (its default
-// applies). Values are trimmed of surrounding spaces, as FromIncoming reads them.
+// message that names the header and the rule. A header that is absent or empty is not
+// checked (its default applies). Values are trimmed of surrounding spaces, as
+// FromIncoming reads them.
+//
+// A well-formed curfew-attempt without a curfew-retry-id is not refused here: it is a
+// retry that lost its retry-id, which the orchestrator's admission answers by closing the
+// overflow pool (seed 003's fault 3, admission.ConditionRetryWithoutID), so that operators
+// see the signal while paid work goes on.
 func Check(ctx context.Context) error {
 	for _, r := range rules {
 		vs := metadata.ValueFromIncomingContext(ctx, r.header)
@@ -70,9 +75,6 @@ func Check(ctx context.Context) error {
 		}
 		if err := r.check(v); err != nil {
 			return invalid(r.header, err.Error())
-		}
-		if r.header == Attempt && incoming(ctx, RetryID) == "" {
-			return invalid(Attempt, "only with "+RetryID+": an attempt counts the attempts of one logical call")
 		}
 	}
 	return nil

@@ -49,7 +49,7 @@ func TestCheck(t *testing.T) {
 		{"attempt signed", []string{md.RetryID, "r", md.Attempt, "+2"}, md.Attempt},
 		{"attempt over", []string{md.RetryID, "r", md.Attempt, "101"}, md.Attempt},
 		{"attempt huge", []string{md.RetryID, "r", md.Attempt, "99999999999999999999"}, md.Attempt},
-		{"attempt without retry-id", []string{md.Attempt, "2"}, md.Attempt},
+		{"attempt without retry-id (admission's signal)", []string{md.Attempt, "2"}, ""},
 		{"run-id uuid", []string{md.RunID, "019ad3c1-7d2e-7c4a-9f00-5b1de0c0ffee"}, ""},
 		{"run-id slash", []string{md.RunID, "a/b"}, md.RunID},
 		{"node-id path", []string{md.NodeID, "root/s0.t1/sub/m0"}, ""},
@@ -87,7 +87,7 @@ func TestCheck(t *testing.T) {
 			if h, ok := md.InvalidHeader(err); !ok || h != tc.bad {
 				t.Errorf("refusal names %q (%v), want %q: %v", h, ok, tc.bad, err)
 			}
-			if msg := status.Convert(err).Message(); !strings.Contains(msg, "must be") && !strings.Contains(msg, "once") && !strings.Contains(msg, "only with") {
+			if msg := status.Convert(err).Message(); !strings.Contains(msg, "must be") && !strings.Contains(msg, "once") {
 				t.Errorf("message %q does not state the rule", msg)
 			}
 		})
