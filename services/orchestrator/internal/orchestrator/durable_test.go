@@ -331,8 +331,8 @@ func TestOtherFailuresFailDurableRun(t *testing.T) {
 	waitDeadLetters(t, st, md.DefaultTenant, 2) // one per failed run
 }
 
-// Without a store there is no journal to resume from: a refusal fails the run.
-func TestBreakerRefusalFailsWithoutStore(t *testing.T) {
+// On a private store there is no journal to resume from: a refusal fails the run.
+func TestBreakerRefusalFailsOnPrivateStore(t *testing.T) {
 	e := newEnv(t, mesh.ServerConfig{}, nil)
 	plan := `{"tokens_per_second":500,"steps":[
 	  {"think_tokens":3,"tools":[{"name":"fail","args":{"times":1,"code":"UNAVAILABLE","retry_info_ms":50}}]},
@@ -347,8 +347,8 @@ func TestBreakerRefusalFailsWithoutStore(t *testing.T) {
 	}
 }
 
-// Without a store, StartRun's key still names one run while the run is remembered.
-func TestStartRunIdempotentInMemory(t *testing.T) {
+// On a private store, StartRun's key still names one run.
+func TestStartRunIdempotentOnPrivateStore(t *testing.T) {
 	e := newEnv(t, mesh.ServerConfig{}, nil)
 	req := &orchestratorv1.StartRunRequest{Task: tinyPlan, IdempotencyKey: "mem-1"}
 	a, err := e.orch.StartRun(context.Background(), req)

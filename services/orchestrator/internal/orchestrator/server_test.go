@@ -789,7 +789,7 @@ func TestShutdownCancelsLeftoverRuns(t *testing.T) {
 		t.Fatalf("detached run = %v, %v; want still running", r.GetRun(), err)
 	}
 	// The run goes on until the handover point, a fifth of the window before the
-	// deadline, then is cancelled (no store to hand it over to); the teardown fits before
+	// deadline, then is cancelled (no shared store to hand it over to); the teardown fits before
 	// the deadline.
 	start := time.Now()
 	e.srv.Shutdown(start.Add(time.Second))
