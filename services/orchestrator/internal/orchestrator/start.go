@@ -148,6 +148,7 @@ func (s *Server) create(ctx context.Context, tenant, key, model, task string, dl
 			r.LeaseExpires = l.Expires
 		}
 	}
+	r.Deadline = dl // exactly as fixed on arrival: the store may keep it less precisely
 	return newRun(r), nil, nil
 }
 
