@@ -70,7 +70,8 @@ func golden(t *testing.T, name, header, got string) {
 }
 
 // lineDiff returns the lines only in a ("- ") and only in b ("+ ") with a line of context
-// around each change, from a longest common subsequence of the lines. The golden files
+// around each change ("  "), from a longest common subsequence of the lines; "@ $ cmd"
+// names the section of a flags file a change is in. The golden files
 // are a few hundred lines at most, so the quadratic table is fine.
 func lineDiff(a, b string) string {
 	x := strings.Split(strings.TrimSuffix(a, "\n"), "\n")
@@ -100,24 +101,41 @@ func lineDiff(a, b string) string {
 			lines = append(lines, line{' ', x[i]})
 			i++
 			j++
-		case j < len(y) && (i == len(x) || lcs[i][j+1] >= lcs[i+1][j]):
-			lines = append(lines, line{'+', y[j]})
-			j++
-		default:
+		case i < len(x) && (j == len(y) || lcs[i+1][j] >= lcs[i][j+1]):
 			lines = append(lines, line{'-', x[i]})
 			i++
+		default:
+			lines = append(lines, line{'+', y[j]})
+			j++
+		}
+	}
+	show := make([]bool, len(lines))
+	for k, l := range lines {
+		if l.op != ' ' {
+			for c := max(k-1, 0); c <= min(k+1, len(lines)-1); c++ {
+				show[c] = true
+			}
 		}
 	}
 	var out strings.Builder
+	heading := -1 // the last "$ command" line of a file of sections, for context
+	shown := -1   // the last line written
 	for k, l := range lines {
-		near := l.op != ' ' || (k > 0 && lines[k-1].op != ' ') || (k+1 < len(lines) && lines[k+1].op != ' ')
-		if !near {
+		if strings.HasPrefix(l.text, "$ ") && l.op != '+' {
+			heading = k
+		}
+		if !show[k] {
 			continue
 		}
-		if k > 0 && out.Len() > 0 && lines[k-1].op == ' ' && !(k > 1 && lines[k-2].op != ' ') {
-			out.WriteString("  ...\n")
+		if shown != k-1 {
+			if heading >= 0 && heading > shown && heading < k {
+				fmt.Fprintf(&out, "@ %s\n", lines[heading].text)
+			} else if shown >= 0 {
+				out.WriteString("  ...\n")
+			}
 		}
 		fmt.Fprintf(&out, "%c %s\n", l.op, l.text)
+		shown = k
 	}
 	return out.String()
 }
