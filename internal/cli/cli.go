@@ -214,7 +214,7 @@ func newFlags(name string, stderr io.Writer) *flags {
 	fs := flag.NewFlagSet("curfew "+name, flag.ContinueOnError)
 	fs.SetOutput(stderr)
 	f := &flags{FlagSet: fs, level: logLevel(slog.LevelWarn), stderr: stderr}
-	fs.Var(&f.level, "log-level", "the least level of the library logs written on stderr: debug, info, warn or error")
+	fs.Var(&f.level, "log-level", "the least `level` of the library logs written on stderr: debug, info, warn or error")
 	return f
 }
 
@@ -230,7 +230,7 @@ type logLevel slog.Level
 func (l *logLevel) String() string { return strings.ToLower(slog.Level(*l).String()) }
 
 func (l *logLevel) Set(s string) error {
-	lv, ok := map[string]slog.Level{"debug": slog.LevelDebug, "info": slog.LevelInfo, "warn": slog.LevelWarn, "error": slog.LevelError}[s]
+	lv, ok := map[string]slog.Level{"debug": slog.LevelDebug, "info": slog.LevelInfo, "warn": slog.LevelWarn, "error": slog.LevelError}[strings.ToLower(s)]
 	if !ok {
 		return errors.New("want debug, info, warn or error")
 	}
