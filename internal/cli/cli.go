@@ -92,11 +92,11 @@ type common struct {
 	dataDir  string
 	json     bool
 	insecure bool
-	flags    *flags // the command's flags, for its logger; nil: slog.Default
+	fs       *flags // the command's flags, for its logger; nil: slog.Default
 }
 
 func (c *common) register(fs *flags) {
-	c.flags = fs
+	c.fs = fs
 	fs.StringVar(&c.addr, "addr", os.Getenv("CURFEW_ADDR"), "orchestrator address (default: from endpoints.json, else 127.0.0.1:7700)")
 	fs.StringVar(&c.dataDir, "data-dir", defaultDataDir(), "data directory of `curfew up`")
 	fs.BoolVar(&c.json, "json", false, "print JSON for scripts")
@@ -147,10 +147,10 @@ func (c *common) dial() (*grpc.ClientConn, error) {
 
 // logger is the command's logger of library logs.
 func (c *common) logger() *slog.Logger {
-	if c.flags == nil {
+	if c.fs == nil {
 		return nil
 	}
-	return c.flags.logger()
+	return c.fs.logger()
 }
 
 // parse parses interspersed flags and positional arguments.
