@@ -3,6 +3,8 @@ package memory_test
 import (
 	"context"
 	"errors"
+	"slices"
+	"strconv"
 	"testing"
 	"time"
 
@@ -120,4 +122,56 @@ func TestBadDSN(t *testing.T) {
 
 func BenchmarkCheckpoint(b *testing.B) {
 	storetest.BenchmarkCheckpoint(b, storetest.MemoryDSN(b))
+}
+
+// BenchmarkToolRecord is toolrunner's store work for one kv_put: BeginTool, then
+// CompleteTool with its effect.
+func BenchmarkToolRecord(b *testing.B) {
+	ctx := context.Background()
+	s := storetest.OpenMemory(b)
+	i := 0
+	var lat []time.Duration
+	for b.Loop() {
+		i++
+		start := time.Now()
+		key := "k" + strconv.Itoa(i)
+		bg, err := s.BeginTool(ctx, store.ToolBegin{Tenant: "t", Key: key, Owner: "o", TTL: time.Minute})
+		if err != nil {
+			b.Fatal(err)
+		}
+		if err := s.CompleteTool(ctx, bg.Claim, []byte(`{"written":true}`), store.KVPut{Key: key, Value: []byte(`1`)}); err != nil {
+			b.Fatal(err)
+		}
+		lat = append(lat, time.Since(start))
+	}
+	reportP50(b, lat)
+}
+
+// BenchmarkAddTokens is modelproxy's store work for one decoder: its output and orphan
+// entries appended in one call.
+func BenchmarkAddTokens(b *testing.B) {
+	ctx := context.Background()
+	s := storetest.OpenMemory(b)
+	i := 0
+	var lat []time.Duration
+	for b.Loop() {
+		i++
+		start := time.Now()
+		key := "modelproxy/r/n/-/1/x." + strconv.Itoa(i)
+		if _, err := s.AddTokens(ctx,
+			store.LedgerEntry{Tenant: "t", RunID: "r", NodeID: "n", Tokens: 40, Kind: "output", Key: key},
+			store.LedgerEntry{Tenant: "t", RunID: "r", NodeID: "n", Tokens: 3, Kind: "orphan", Key: key + "o"},
+		); err != nil {
+			b.Fatal(err)
+		}
+		lat = append(lat, time.Since(start))
+	}
+	reportP50(b, lat)
+}
+
+// reportP50 reports the median call: on a loaded machine the mean says more about the
+// scheduler than about the store.
+func reportP50(b *testing.B, lat []time.Duration) {
+	slices.Sort(lat)
+	b.ReportMetric(float64(lat[len(lat)/2].Microseconds()), "p50-us")
 }
