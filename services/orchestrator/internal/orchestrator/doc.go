@@ -12,7 +12,7 @@
 //
 // Every run is recorded in the store (Config.Store) and leased to the orchestrator that
 // advances it; the most recent MaxRuns are also kept in memory. Where the store makes a
-// difference, the server asks whether other orchestrators share it (Shared): on a shared
+// difference, the server asks whether other orchestrators share it (store.Sharing): on a shared
 // store (a SQLite file, PostgreSQL) runs are checkpointed step by step, and a dead or
 // draining orchestrator's runs are resumed by another; on a process-private one
 // (memory://) they are not, and a drain cancels them.

@@ -22,6 +22,7 @@ import (
 	"github.com/curfew-mesh/curfew/mesh/meshtest"
 	"github.com/curfew-mesh/curfew/mesh/store"
 	_ "github.com/curfew-mesh/curfew/mesh/store/sqlite"
+	"github.com/curfew-mesh/curfew/mesh/store/storetest"
 )
 
 func openStore(t *testing.T) store.Store {
@@ -34,14 +35,9 @@ func openStore(t *testing.T) store.Store {
 	return st
 }
 
-// private is a store that says it is private to this process, as memory:// is.
-type private struct{ store.Store }
-
-func (private) Shared() bool { return false }
-
-// privateStore is the store of a server that would have none before: private to the
+// privateStore is the store of a server started without --store: private to the
 // test's process.
-func privateStore(t *testing.T) store.Store { return private{openStore(t)} }
+func privateStore(t *testing.T) store.Store { return storetest.OpenMemory(t) }
 
 // deadLetters records into the store, as mesh/dlq.Recorder does without a broker.
 type deadLetters struct{ st store.Store }

@@ -30,10 +30,12 @@ const (
 )
 
 // RunStore is what the orchestrator keeps in its store: runs with their leases, and
-// every run's checkpoints. A store.Store is one.
+// every run's checkpoints; and whether other orchestrators share it. A store.Store is
+// one.
 type RunStore interface {
 	store.Runs
 	store.Checkpoints
+	store.Sharing
 }
 
 // Config configures a Server.
@@ -59,8 +61,8 @@ type Config struct {
 	MaxRunTime time.Duration
 
 	// Store records every run, leased to the orchestrator that advances it; required.
-	// What it can do for a run depends on whether other orchestrators share it (see
-	// shared): on a shared store (SQLite file, PostgreSQL) every agent step is
+	// What it can do for a run depends on whether other orchestrators share it
+	// (store.Sharing): on a shared store (SQLite file, PostgreSQL) every agent step is
 	// checkpointed, and runs whose owner died or drained are resumed by another
 	// orchestrator (leases.go); a process-private one (memory://) keeps the runs of this
 	// process only, and a drain cancels them.
@@ -91,7 +93,7 @@ type Server struct {
 	orchestratorv1.UnimplementedOrchestratorServiceServer
 	cfg   Config
 	nodes *nodes.Table
-	// shared is whether other orchestrators share the store (see Shared).
+	// shared is whether other orchestrators share the store (store.Sharing).
 	shared bool
 
 	mu    sync.Mutex
@@ -142,21 +144,11 @@ func New(cfg Config) *Server {
 	if cfg.Owner == "" {
 		cfg.Owner = OwnerName("orchestrator/"+uuid.NewString()[:8], "")
 	}
-	s := &Server{cfg: cfg, nodes: nodes.New(0), shared: Shared(cfg.Store), runs: map[string]*run{}, handedOver: make(chan struct{})}
+	s := &Server{cfg: cfg, nodes: nodes.New(0), shared: cfg.Store.Shared(), runs: map[string]*run{}, handedOver: make(chan struct{})}
 	if s.shared && cfg.Registerer != nil {
 		s.leaseMetrics = newLeaseMetrics(cfg.Registerer, s)
 	}
 	return s
-}
-
-// Shared reports whether other orchestrators may share st, so that a run one of them
-// started can be advanced by another: true unless st says otherwise with a
-// Shared() bool method (a memory:// store is private to its process).
-func Shared(st any) bool {
-	if p, ok := st.(interface{ Shared() bool }); ok {
-		return p.Shared()
-	}
-	return true
 }
 
 // Wait blocks until every run's background work has finished.

@@ -64,16 +64,6 @@ func TestOneStartPath(t *testing.T) {
 	}
 }
 
-// The store is asked whether it is shared; one that does not say is.
-func TestShared(t *testing.T) {
-	if !Shared(openStore(t)) {
-		t.Error("a SQLite store is not shared")
-	}
-	if Shared(privateStore(t)) {
-		t.Error("a private store is shared")
-	}
-}
-
 // On a process-private store a run reports epoch 0, as without a durable store, and the
 // run-lease metrics are not registered: the metric set of a bare orchestrator stays the
 // same. On a shared store the run is at epoch 1 and the metrics are there.
