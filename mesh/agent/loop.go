@@ -9,7 +9,6 @@ import (
 	"sync"
 	"time"
 
-	"github.com/google/uuid"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/metadata"
@@ -226,7 +225,7 @@ func (l *Loop) modelStep(ctx context.Context, id, model string, msgs []*modelpro
 	if l.cfg.Leases != nil {
 		var rid string
 		var err error
-		if cctx, rid, err = withRetryID(cctx); err != nil {
+		if cctx, rid, err = retry.WithID(cctx); err != nil {
 			return nil, err
 		}
 		// chaos slow-heartbeat (a drill's fault; empty unless the service runs with
@@ -274,20 +273,6 @@ func (l *Loop) modelStep(ctx context.Context, id, model string, msgs []*modelpro
 	}
 	l.endModel(node, nil)
 	return &stepResult{GenerateResponse: final, text: text.String(), tokens: node.Tokens}, nil
-}
-
-// withRetryID returns ctx and the retry-id on its outgoing metadata, minting one (a
-// UUIDv7, as the retry layer would) and adding it when there is none.
-func withRetryID(ctx context.Context) (context.Context, string, error) {
-	if v := metadata.ValueFromOutgoingContext(ctx, md.RetryID); len(v) > 0 && v[0] != "" {
-		return ctx, v[0], nil
-	}
-	u, err := uuid.NewV7()
-	if err != nil {
-		return nil, "", status.Error(codes.Internal, "internal error")
-	}
-	id := u.String()
-	return metadata.AppendToOutgoingContext(ctx, md.RetryID, id), id, nil
 }
 
 func (l *Loop) endModel(n *meshv1.Node, err error) {
