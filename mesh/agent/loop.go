@@ -21,12 +21,12 @@ import (
 	modelproxyv1 "github.com/curfew-mesh/curfew/gen/curfew/modelproxy/v1"
 	toolrunnerv1 "github.com/curfew-mesh/curfew/gen/curfew/toolrunner/v1"
 	"github.com/curfew-mesh/curfew/mesh/cancel"
+	"github.com/curfew-mesh/curfew/mesh/catalog"
 	"github.com/curfew-mesh/curfew/mesh/chaos"
 	"github.com/curfew-mesh/curfew/mesh/deadline"
 	"github.com/curfew-mesh/curfew/mesh/decoderlease"
 	"github.com/curfew-mesh/curfew/mesh/md"
 	"github.com/curfew-mesh/curfew/mesh/nodes"
-	"github.com/curfew-mesh/curfew/mesh/plan"
 	"github.com/curfew-mesh/curfew/mesh/retry"
 )
 
@@ -77,7 +77,7 @@ type Config struct {
 }
 
 // toolSpecs are the built-in tools, described once.
-var toolSpecs = plan.ToolSpecs()
+var toolSpecs = catalog.Specs()
 
 // Loop runs agent loops. It is safe for concurrent use.
 type Loop struct{ cfg Config }
@@ -370,7 +370,7 @@ func (l *Loop) callTool(ctx context.Context, id string, c *modelproxyv1.ToolCall
 	}
 	cctx := md.WithNode(ctx, id)
 	var opts []grpc.CallOption
-	if plan.SideEffects(c.GetName()) {
+	if catalog.NeedsKey(c.GetName()) {
 		// Retried only with an idempotency key: a second run of it is a second effect.
 		opts = append(opts, retry.SideEffect())
 	}

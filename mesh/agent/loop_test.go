@@ -21,10 +21,10 @@ import (
 	"github.com/curfew-mesh/curfew/mesh"
 	"github.com/curfew-mesh/curfew/mesh/agent"
 	"github.com/curfew-mesh/curfew/mesh/cancel"
+	"github.com/curfew-mesh/curfew/mesh/catalog"
 	"github.com/curfew-mesh/curfew/mesh/md"
 	"github.com/curfew-mesh/curfew/mesh/meshtest"
 	"github.com/curfew-mesh/curfew/mesh/nodes"
-	"github.com/curfew-mesh/curfew/mesh/plan"
 )
 
 func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
@@ -170,7 +170,7 @@ func TestRunTwoStepsWithParallelTools(t *testing.T) {
 	}
 	// Every model step is told the built-in tools.
 	var builtins []string
-	for _, ts := range plan.ToolSpecs() {
+	for _, ts := range catalog.Specs() {
 		builtins = append(builtins, ts.GetName())
 	}
 	for _, c := range models {

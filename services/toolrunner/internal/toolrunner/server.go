@@ -26,6 +26,7 @@ import (
 	toolrunnerv1 "github.com/curfew-mesh/curfew/gen/curfew/toolrunner/v1"
 	"github.com/curfew-mesh/curfew/mesh/agent"
 	"github.com/curfew-mesh/curfew/mesh/cancel"
+	"github.com/curfew-mesh/curfew/mesh/catalog"
 	"github.com/curfew-mesh/curfew/mesh/idempotency"
 	"github.com/curfew-mesh/curfew/mesh/md"
 	"github.com/curfew-mesh/curfew/mesh/nodes"
@@ -134,7 +135,7 @@ func (s *Server) Execute(req *toolrunnerv1.ExecuteRequest, stream toolrunnerv1.T
 	if err := ctx.Err(); err != nil {
 		return err // never start a tool for a call already cancelled
 	}
-	if k := md.IdempotencyKeyFrom(ctx); k != "" && !plan.Durable(req.GetName()) {
+	if k := md.IdempotencyKeyFrom(ctx); k != "" && !catalog.Durable(req.GetName()) {
 		// (kv_put and notify keep their keys in the store, see durable.go.)
 		finish, rec := s.keys.claim(keyOf(ctx, k))
 		if rec != nil {
@@ -203,7 +204,7 @@ func (s *Server) prepare(ctx context.Context, req *toolrunnerv1.ExecuteRequest, 
 	switch {
 	case name == "":
 		return nil, status.Error(codes.InvalidArgument, "tool name is required")
-	case !plan.IsBuiltin(name):
+	case !catalog.IsBuiltin(name):
 		return nil, status.Errorf(codes.NotFound, "unknown tool %q (built-ins: deploy, fail, kv_put, notify, sleep, spawn_subagent)", name)
 	}
 	if err := plan.ValidateTool(name, raw); err != nil {
@@ -213,7 +214,7 @@ func (s *Server) prepare(ctx context.Context, req *toolrunnerv1.ExecuteRequest, 
 		}
 		return nil, status.Errorf(codes.InvalidArgument, "tool %s: %v", name, err)
 	}
-	if plan.Durable(name) {
+	if catalog.Durable(name) {
 		return s.durable(name, raw), nil
 	}
 	switch name {
