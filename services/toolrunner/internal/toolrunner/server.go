@@ -24,7 +24,6 @@ import (
 	meshv1 "github.com/curfew-mesh/curfew/gen/curfew/mesh/v1"
 	subagentv1 "github.com/curfew-mesh/curfew/gen/curfew/subagent/v1"
 	toolrunnerv1 "github.com/curfew-mesh/curfew/gen/curfew/toolrunner/v1"
-	"github.com/curfew-mesh/curfew/mesh/agent"
 	"github.com/curfew-mesh/curfew/mesh/cancel"
 	"github.com/curfew-mesh/curfew/mesh/catalog"
 	"github.com/curfew-mesh/curfew/mesh/idempotency"
@@ -53,7 +52,8 @@ type Config struct {
 	// MaxSubagentFanout bounds concurrent subagents per run on this process; more fail
 	// with RESOURCE_EXHAUSTED. DefaultMaxSubagentFanout when 0.
 	MaxSubagentFanout int
-	// SettleTimeout bounds the wait for a cancelled subagent's teardown.
+	// SettleTimeout bounds the wait for a cancelled subagent's teardown;
+	// cancel.DefaultSettleTimeout when 0.
 	SettleTimeout time.Duration
 	// Registerer, if set, receives the toolrunner's metrics.
 	Registerer prometheus.Registerer
@@ -89,7 +89,7 @@ func New(cfg Config) *Server {
 		cfg.MaxSubagentFanout = DefaultMaxSubagentFanout
 	}
 	if cfg.SettleTimeout == 0 {
-		cfg.SettleTimeout = agent.DefaultSettleTimeout
+		cfg.SettleTimeout = cancel.DefaultSettleTimeout
 	}
 	s := &Server{cfg: cfg, Nodes: nodes.New(0), fanout: map[string]int{}, jobs: newJobs(), keys: newKeys(),
 		effects: prometheus.NewCounterVec(prometheus.CounterOpts{
@@ -376,12 +376,12 @@ func (s *Server) spawn(ctx context.Context, task string, emit func(*meshv1.Node)
 
 // settle waits for a cancelled subagent's teardown before the tool node ends. A subagent
 // cancelled while this call is not is the run's cancel on its way here (the broadcast can
-// reach the subagent first): it waits for that, bounded by agent.CancelWait, so the tool
+// reach the subagent first): it waits for that, bounded by cancel.AwaitWindow, so the tool
 // node records the run's cause.
 func (s *Server) settle(ctx context.Context, err error) error {
-	agent.AwaitCancel(ctx, err)
+	cancel.Await(ctx, err)
 	if ctx.Err() != nil && s.cfg.SubagentNodes != nil {
-		_ = agent.Settle(ctx, s.cfg.SubagentNodes, md.IdentityFrom(ctx).NodeID+"/sub", s.cfg.SettleTimeout)
+		_ = cancel.Settle(ctx, s.cfg.SubagentNodes, md.IdentityFrom(ctx).NodeID+"/sub", s.cfg.SettleTimeout)
 	}
 	return err
 }
