@@ -68,17 +68,15 @@ func TestDurableTools(t *testing.T) {
 // of it, in the order they are told.
 func TestBuiltins(t *testing.T) {
 	want := []struct {
-		name    string
-		effects catalog.SideEffects
-		durable bool
+		tool    catalog.Tool // Spec unset; offered says whether it has one
 		offered bool
 	}{
-		{plan.ToolSleep, catalog.None, false, true},
-		{plan.ToolDeploy, catalog.Irreversible, false, true},
-		{plan.ToolKVPut, catalog.Idempotent, true, true},
-		{plan.ToolNotify, catalog.Irreversible, true, true},
-		{plan.ToolSpawnSubagent, catalog.None, false, true},
-		{plan.ToolFail, catalog.None, false, false},
+		{catalog.Tool{Name: plan.ToolSleep, SideEffects: catalog.None}, true},
+		{catalog.Tool{Name: plan.ToolDeploy, SideEffects: catalog.Irreversible}, true},
+		{catalog.Tool{Name: plan.ToolKVPut, SideEffects: catalog.Idempotent, Durable: true}, true},
+		{catalog.Tool{Name: plan.ToolNotify, SideEffects: catalog.Irreversible, Durable: true}, true},
+		{catalog.Tool{Name: plan.ToolSpawnSubagent, SideEffects: catalog.None}, true},
+		{catalog.Tool{Name: plan.ToolFail, SideEffects: catalog.None}, false},
 	}
 	got := catalog.Builtins()
 	if len(got) != len(want) {
@@ -87,9 +85,9 @@ func TestBuiltins(t *testing.T) {
 	var offered []string
 	for i, w := range want {
 		g := got[i]
-		if g.Name != w.name || g.SideEffects != w.effects || g.Durable != w.durable || (g.Spec != nil) != w.offered {
+		if g.Name != w.tool.Name || g.SideEffects != w.tool.SideEffects || g.Durable != w.tool.Durable || (g.Spec != nil) != w.offered {
 			t.Errorf("built-in %d = %s (%v, durable %v, spec %v), want %s (%v, durable %v, offered %v)",
-				i, g.Name, g.SideEffects, g.Durable, g.Spec != nil, w.name, w.effects, w.durable, w.offered)
+				i, g.Name, g.SideEffects, g.Durable, g.Spec != nil, w.tool.Name, w.tool.SideEffects, w.tool.Durable, w.offered)
 		}
 		if g.Spec != nil {
 			if g.Spec.GetName() != g.Name {
