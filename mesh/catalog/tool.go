@@ -10,13 +10,14 @@ import (
 type SideEffects uint8
 
 const (
-	// Irreversible: each run changes the world again (it starts a job, sends a message).
-	// It is the zero value: a tool that does not say is taken to repeat its effect.
+	// Irreversible means each run changes the world again (it starts a job, sends a
+	// message). It is the zero value: a tool that does not say is taken to repeat its
+	// effect.
 	Irreversible SideEffects = iota
-	// Idempotent: it changes the world, but a second run with the same arguments changes
-	// nothing more.
+	// Idempotent means a run changes the world, but a second run with the same arguments
+	// changes nothing more.
 	Idempotent
-	// None: it only reads, waits or computes.
+	// None means a run only reads, waits or computes.
 	None
 )
 
