@@ -16,8 +16,6 @@ import (
 
 // Bounds of a run's cancel.
 const (
-	// deadlineSlop is how close to the deadline a client's cancel counts as the deadline.
-	deadlineSlop = 250 * time.Millisecond
 	// broadcastTimeout bounds the one-hop cancel broadcast to the executors.
 	broadcastTimeout = 2 * time.Second
 	// decoderWait bounds how long a cancel waits for modelproxy's answer, which comes once
@@ -37,7 +35,7 @@ const (
 // broadcast while its decoders went on spending tokens (docs/benchmarks.md). The loops
 // above a decoder that stops first see its CANCELLED while their own context is still
 // alive; they take it for the run's cancel on its way and wait for it
-// (agent.CancelWait), so every node still records the run's cause, not a failed sibling.
+// (cancel.AwaitWindow), so every node still records the run's cause, not a failed sibling.
 func (rn *run) cancelWith(cause error) { rn.cancelTree(cause, true) }
 
 // cancelTree is cancelWith; decodersFirst false tells every executor at once without
@@ -84,7 +82,7 @@ func (s *Server) disconnected(ctx context.Context, rn *run, req *orchestratorv1.
 	// A client whose own deadline expired cancels its call a little before the server's
 	// copy of the deadline fires (the server measured it from arrival); that is the
 	// deadline, not a disconnect.
-	if errors.Is(ctx.Err(), context.DeadlineExceeded) || time.Until(rn.dl) <= deadlineSlop {
+	if errors.Is(ctx.Err(), context.DeadlineExceeded) || time.Until(rn.dl) <= cancel.DeadlineSlop {
 		rn.cancelWith(cancel.ErrDeadline)
 		return
 	}

@@ -15,8 +15,8 @@ import (
 	orchestratorv1 "github.com/curfew-mesh/curfew/gen/curfew/orchestrator/v1"
 	"github.com/curfew-mesh/curfew/mesh/agent"
 	"github.com/curfew-mesh/curfew/mesh/breaker"
+	"github.com/curfew-mesh/curfew/mesh/catalog"
 	"github.com/curfew-mesh/curfew/mesh/nodes"
-	"github.com/curfew-mesh/curfew/mesh/plan"
 	"github.com/curfew-mesh/curfew/mesh/retry"
 	"github.com/curfew-mesh/curfew/mesh/tracing"
 )
@@ -142,7 +142,7 @@ func safeToResume(entries []agent.Entry) bool {
 		return true // the failure was in a model step: nothing of it was done
 	}
 	for _, c := range last.ToolCalls {
-		if plan.SideEffects(c.GetName()) && c.GetIdempotencyKey() == "" {
+		if catalog.NeedsKey(c.GetName()) && c.GetIdempotencyKey() == "" {
 			return false
 		}
 	}

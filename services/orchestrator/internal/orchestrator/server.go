@@ -14,6 +14,7 @@ import (
 	orchestratorv1 "github.com/curfew-mesh/curfew/gen/curfew/orchestrator/v1"
 	"github.com/curfew-mesh/curfew/mesh/admission"
 	"github.com/curfew-mesh/curfew/mesh/agent"
+	"github.com/curfew-mesh/curfew/mesh/cancel"
 	"github.com/curfew-mesh/curfew/mesh/deadline"
 	"github.com/curfew-mesh/curfew/mesh/nodes"
 	"github.com/curfew-mesh/curfew/mesh/store"
@@ -52,7 +53,7 @@ type Config struct {
 	// MinRunTime is the least time left to admit a run; DefaultMinRunTime when 0.
 	MinRunTime time.Duration
 	// SettleTimeout bounds the wait for the tree's teardown when a run ends;
-	// agent.DefaultSettleTimeout when 0.
+	// cancel.DefaultSettleTimeout when 0.
 	SettleTimeout time.Duration
 	Log           *slog.Logger
 	// LogPrompts logs each run's task (its prompt) when it starts; off by default.
@@ -130,7 +131,7 @@ func New(cfg Config) *Server {
 		cfg.MinRunTime = DefaultMinRunTime
 	}
 	if cfg.SettleTimeout == 0 {
-		cfg.SettleTimeout = agent.DefaultSettleTimeout
+		cfg.SettleTimeout = cancel.DefaultSettleTimeout
 	}
 	if cfg.Log == nil {
 		cfg.Log = slog.Default()
