@@ -20,6 +20,7 @@ import (
 	"github.com/curfew-mesh/curfew/mesh/store"
 	_ "github.com/curfew-mesh/curfew/mesh/store/postgres" // postgres:// DSNs
 	_ "github.com/curfew-mesh/curfew/mesh/store/sqlite"   // SQLite paths
+	"github.com/curfew-mesh/curfew/services/modelproxy/internal/chaos"
 	"github.com/curfew-mesh/curfew/services/modelproxy/internal/modelproxy"
 )
 
@@ -94,7 +95,11 @@ func run(args []string) int {
 		rt.Log.Info("providers configured", "models", srv.Router.Models())
 		defer srv.Router.Close()
 	}
-	modelproxyv1.RegisterModelProxyServiceServer(rt.Server, srv)
+	var svc modelproxyv1.ModelProxyServiceServer = srv
+	if o.Chaos {
+		svc = chaos.Wire(srv) // the drill's faults, sim model only
+	}
+	modelproxyv1.RegisterModelProxyServiceServer(rt.Server, svc)
 	report := srv.Report()
 	report.Metrics = nodes.NewMetrics(rt.Registry, meshv1.NodeKind_NODE_KIND_MODEL)
 	meshv1.RegisterNodeReportServiceServer(rt.Server, report)

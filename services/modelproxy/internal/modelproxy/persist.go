@@ -205,21 +205,19 @@ func (s *Server) append(ctx context.Context, batch []store.LedgerEntry) {
 // newNonce returns the random part of this process's ledger keys.
 func newNonce() string { return rand.Text()[:12] }
 
-// persist queues the entries of a decoder of node that just ended, attributed to the
-// call's tenant, run, node and retry-id and to the provider that decoded (its figures from
-// spend.end): one "output" entry with the tokens it emitted before a cancel, and one
-// "orphan" entry with those after, each only when non-zero, and nothing for a call
-// without a run id. The entries are queued for the writer (persister), so the caller's
-// stream ends without waiting for the store; a failure is logged. Flush appends what is
-// queued.
-func (s *Server) persist(ctx context.Context, node, provider string, output, orphan int64) {
-	if s.Store == nil || (output == 0 && orphan == 0) {
+// persist queues the entries of a decoder of node that just ended, attributed to run
+// (the ledger's key of the call's run id), the call's tenant and retry-id, and the
+// provider that decoded (its figures from spend.end): one "output" entry with the tokens
+// it emitted before a cancel, and one "orphan" entry with those after, each only when
+// non-zero, and nothing for a call without a run id. The entries are queued for the
+// writer (persister), so the caller's stream ends without waiting for the store; a
+// failure is logged. Flush appends what is queued.
+func (s *Server) persist(ctx context.Context, run, node, provider string, output, orphan int64) {
+	if s.Store == nil || (output == 0 && orphan == 0) || run == "" {
 		return
 	}
 	id := md.IdentityFrom(ctx)
-	if id.RunID == "" {
-		return
-	}
+	id.RunID = run
 	tenant := id.Tenant
 	if tenant == "" {
 		tenant = md.DefaultTenant

@@ -275,7 +275,7 @@ func TestLedgerPersistsOrphanTokens(t *testing.T) {
 	if total, before, after := s.Ledger.Figures(run, node, clock); total != 5 || before != 3 || after != 2 {
 		t.Fatalf("in-memory figures = %d, %d, %d; want 5, 3, 2", total, before, after)
 	}
-	s.persist(ctx, node, SimModel, output, orphan)
+	s.persist(ctx, run, node, SimModel, output, orphan)
 	s.Flush()
 	rows := d.rows(t, run)
 	if len(rows) != 2 || rows[0].kind != KindOutput || rows[0].tokens != 3 || rows[1].kind != KindOrphan || rows[1].tokens != 2 ||
@@ -341,7 +341,7 @@ func (b *batches) seen() []int {
 func decoderEnded(s *Server, run string, n int) {
 	for i := range n {
 		node := fmt.Sprintf("root/m%d", i)
-		s.persist(md.WithIdentity(context.Background(), md.Identity{Tenant: testTenant, RunID: run, NodeID: node}), node, SimModel, 3, 1)
+		s.persist(md.WithIdentity(context.Background(), md.Identity{Tenant: testTenant, RunID: run, NodeID: node}), run, node, SimModel, 3, 1)
 	}
 }
 
