@@ -42,7 +42,7 @@ func serve(t *testing.T, bare bool) (*modelproxy.Server, modelproxyv1.ModelProxy
 }
 
 func ident(run, node, chaos string) context.Context {
-	return md.WithIdentity(context.Background(), md.Identity{RunID: run, NodeID: node, Chaos: chaos, RetryID: "rid-1", Attempt: 1})
+	return md.WithIdentity(context.Background(), md.Identity{RunID: run, NodeID: node, Chaos: chaos})
 }
 
 func request(planJSON string, leaseTTL time.Duration) *modelproxyv1.GenerateRequest {
@@ -179,14 +179,15 @@ func TestNoDedupeLeavesDecoder(t *testing.T) {
 		_, err = meshtest.Drain(st)
 	}
 	meshtest.WantCode(t, err, codes.Unavailable, "injected error on attempt 1")
-	if n := waitEnded(t, srv, run, node, 5*time.Second); n.GetStatus() != meshv1.NodeStatus_NODE_STATUS_FAILED {
-		t.Fatalf("attempt's node = %v, want FAILED", n)
+	first := waitEnded(t, srv, run, node, 5*time.Second)
+	if first.GetStatus() != meshv1.NodeStatus_NODE_STATUS_FAILED || first.GetRetryId() == "" {
+		t.Fatalf("attempt's node = %v, want FAILED, with a retry-id", first)
 	}
 	const left = node + "~a1"
 	n := waitEnded(t, srv, run, left, 5*time.Second)
 	if n.GetStatus() != meshv1.NodeStatus_NODE_STATUS_CANCELLED || n.GetCause() != meshv1.CancelCause_CANCEL_CAUSE_LEASE_EXPIRED ||
-		n.GetRetryId() != "rid-1" || n.GetName() != modelproxy.SimModel {
-		t.Fatalf("leftover node = %v, want a sim node of retry-id rid-1 CANCELLED by LEASE_EXPIRED", n)
+		n.GetRetryId() != first.GetRetryId() || n.GetAttempt() != 1 || n.GetName() != modelproxy.SimModel {
+		t.Fatalf("leftover node = %v, want a sim node of the attempt's retry-id, attempt 1, CANCELLED by LEASE_EXPIRED", n)
 	}
 	if total, _, _ := srv.Ledger.Figures(run, left, time.Time{}); total < 5 {
 		t.Fatalf("leftover decoded %d tokens, want it to decode until its lease lapsed", total)
