@@ -55,7 +55,7 @@ const slowPlan = `{"tokens_per_second":50,"steps":[{"answer_tokens":1000}]}`
 
 // startThenCancel starts a Generate under ctx, reads two tokens and cancels the call; it
 // returns the cancel instant.
-func startThenCancel(t *testing.T, ctx context.Context, c modelproxyv1.ModelProxyServiceClient, req *modelproxyv1.GenerateRequest) time.Time {
+func startThenCancel(ctx context.Context, t *testing.T, c modelproxyv1.ModelProxyServiceClient, req *modelproxyv1.GenerateRequest) time.Time {
 	t.Helper()
 	ctx, cancel := context.WithCancel(ctx)
 	defer cancel()
@@ -97,7 +97,7 @@ func waitEnded(t *testing.T, srv *modelproxy.Server, run, node string, within ti
 func TestDropCancelDecoderStoppedByLease(t *testing.T) {
 	srv, c := serve(t, false)
 	const run, node, ttl = "r-drop", "root/m0", 300 * time.Millisecond
-	cancelAt := startThenCancel(t, ident(run, node, meshchaos.DropCancel), c, request(slowPlan, ttl))
+	cancelAt := startThenCancel(ident(run, node, meshchaos.DropCancel), t, c, request(slowPlan, ttl))
 	n := waitEnded(t, srv, run, node, 5*time.Second)
 	if n.GetStatus() != meshv1.NodeStatus_NODE_STATUS_CANCELLED || n.GetCause() != meshv1.CancelCause_CANCEL_CAUSE_LEASE_EXPIRED {
 		t.Fatalf("node = %v, want CANCELLED by LEASE_EXPIRED", n)
@@ -117,7 +117,7 @@ func TestDropCancelDecoderStoppedByLease(t *testing.T) {
 func TestBareServerHasNoFaults(t *testing.T) {
 	srv, c := serve(t, true)
 	const run, node = "r-bare", "root/m0"
-	cancelAt := startThenCancel(t, ident(run, node, meshchaos.DropCancel+","+meshchaos.WorkerLedger), c, request(slowPlan, time.Minute))
+	cancelAt := startThenCancel(ident(run, node, meshchaos.DropCancel+","+meshchaos.WorkerLedger), t, c, request(slowPlan, time.Minute))
 	n := waitEnded(t, srv, run, node, 5*time.Second)
 	if n.GetStatus() != meshv1.NodeStatus_NODE_STATUS_CANCELLED || n.GetEndedAt().AsTime().Sub(cancelAt) > time.Second {
 		t.Fatalf("node = %v, want CANCELLED promptly", n)
@@ -133,7 +133,7 @@ func TestOrphanDecodesToDeadline(t *testing.T) {
 	const run, node = "r-orphan", "root/m0"
 	ctx, cancel := context.WithTimeout(ident(run, node, meshchaos.Orphan), 700*time.Millisecond)
 	defer cancel()
-	cancelAt := startThenCancel(t, ctx, c, request(slowPlan, 100*time.Millisecond))
+	cancelAt := startThenCancel(ctx, t, c, request(slowPlan, 100*time.Millisecond))
 	n := waitEnded(t, srv, run, node, 5*time.Second)
 	if n.GetStatus() != meshv1.NodeStatus_NODE_STATUS_DEADLINE_EXCEEDED || n.GetCause() != meshv1.CancelCause_CANCEL_CAUSE_DEADLINE {
 		t.Fatalf("node = %v, want DEADLINE_EXCEEDED: neither the cancel nor the lease stopped it", n)

@@ -81,7 +81,7 @@ func (s *service) leave(ctx context.Context) {
 	lctx, stop := leftoverContext(ctx)
 	go func() {
 		defer stop(nil)
-		_ = s.Server.Generate(req, discard{ctx: lctx})
+		_ = s.Server.Generate(req, discard{ctx: lctx}) //nolint:contextcheck // the stream carries lctx
 	}()
 }
 
