@@ -18,6 +18,7 @@ import (
 	meshchaos "github.com/curfew-mesh/curfew/mesh/chaos"
 	"github.com/curfew-mesh/curfew/mesh/md"
 	"github.com/curfew-mesh/curfew/mesh/meshtest"
+	"github.com/curfew-mesh/curfew/mesh/store/storetest"
 	"github.com/curfew-mesh/curfew/services/modelproxy/internal/modelproxy"
 )
 
@@ -28,7 +29,8 @@ func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
 func serve(t *testing.T, bare bool) (*modelproxy.Server, modelproxyv1.ModelProxyServiceClient) {
 	t.Helper()
 	log := slog.New(slog.DiscardHandler)
-	srv := modelproxy.New()
+	srv := modelproxy.New(storetest.OpenMemory(t))
+	t.Cleanup(srv.Flush) // before the store closes
 	srv.Log = log
 	var svc modelproxyv1.ModelProxyServiceServer = srv
 	if !bare {

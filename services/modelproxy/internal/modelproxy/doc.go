@@ -4,9 +4,10 @@
 // decoder's node and lease, lets the route stream the answer, and records every token the
 // decoder emits in the token ledger, keyed by task (run and node) with its wall-clock
 // instant, so that tokens spent after a cancel are measurable from the decoder's own
-// record. With a durable store (Server.Store) each decoder's tokens also go to the
-// store's ledger when it ends (persist.go: queued, and appended in batches a moment
-// later), so a run's spend survives restarts.
+// record. Each decoder's tokens also go to the store's ledger (Server.Store) when it ends
+// (persist.go: queued, and appended in batches a moment later): with a durable store
+// (--store) a run's spend survives restarts; without one the store is this process's
+// own, in memory.
 //
 // A decoder stops once its context is cancelled: the sim model at the next token
 // boundary, a provider's stream when it closes its upstream.

@@ -15,7 +15,7 @@ import (
 )
 
 // LedgerStore persists token spend: the append half of store.Ledger. A *store.Store
-// (sqlite or postgres) is one.
+// (memory, sqlite or postgres) is one.
 type LedgerStore interface {
 	AddTokens(ctx context.Context, es ...store.LedgerEntry) (added int, err error)
 }
@@ -43,14 +43,12 @@ const persistDelay = 20 * time.Millisecond
 const persistBatch = 512
 
 // spend is one decoder's share of the ledger: it records each token into the server's
-// in-memory Ledger and, when the server persists, keeps the token's instant and the
-// instant the decoder's context was cancelled, so that the decoder's own tokens can be
-// appended to the store when it ends. Tokens of a decoder are recorded by its own
-// goroutine only.
+// in-memory Ledger and keeps the token's instant and the instant the decoder's context
+// was cancelled, so that the decoder's own tokens can be appended to the store when it
+// ends. Tokens of a decoder are recorded by its own goroutine only.
 type spend struct {
 	ledger    *Ledger
 	run, node string
-	keep      bool    // persisted: keep the instants
 	at        []int64 // unix nanos of the decoder's tokens
 	cancelled atomic.Int64
 	done      chan struct{} // closed once the cancel instant is stored
@@ -59,14 +57,11 @@ type spend struct {
 
 // newSpend starts the tally of a decoder whose node context is ctx.
 func (s *Server) newSpend(ctx context.Context, run, node string) *spend {
-	d := &spend{ledger: s.Ledger, run: run, node: node, keep: s.Store != nil}
-	if d.keep {
-		d.done = make(chan struct{})
-		d.stop = context.AfterFunc(ctx, func() {
-			d.cancelled.Store(s.now().UnixNano())
-			close(d.done)
-		})
-	}
+	d := &spend{ledger: s.Ledger, run: run, node: node, done: make(chan struct{})}
+	d.stop = context.AfterFunc(ctx, func() {
+		d.cancelled.Store(s.now().UnixNano())
+		close(d.done)
+	})
 	return d
 }
 
@@ -76,20 +71,15 @@ func (d *spend) record(at time.Time, n int) {
 		return
 	}
 	d.ledger.RecordN(d.run, d.node, at, n)
-	if d.keep {
-		ns := at.UnixNano()
-		for range n {
-			d.at = append(d.at, ns)
-		}
+	ns := at.UnixNano()
+	for range n {
+		d.at = append(d.at, ns)
 	}
 }
 
 // end stops watching the context and returns the decoder's tokens split at the instant
 // its context was cancelled: all of them are output when it was not.
 func (d *spend) end() (output, orphan int64) {
-	if !d.keep {
-		return 0, 0
-	}
 	if !d.stop() {
 		<-d.done // the cancel fired: wait until its instant is stored
 	}
@@ -213,7 +203,7 @@ func newNonce() string { return rand.Text()[:12] }
 // writer (persister), so the caller's stream ends without waiting for the store; a
 // failure is logged. Flush appends what is queued.
 func (s *Server) persist(ctx context.Context, run, node, provider string, output, orphan int64) {
-	if s.Store == nil || (output == 0 && orphan == 0) || run == "" {
+	if (output == 0 && orphan == 0) || run == "" {
 		return
 	}
 	id := md.IdentityFrom(ctx)

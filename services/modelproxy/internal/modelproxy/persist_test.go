@@ -93,8 +93,7 @@ func (d *durable) usage(t *testing.T, run string) store.Usage {
 // persistEnv is newEnv with the server persisting its ledger to d.
 func persistEnv(t *testing.T, d *durable) *env {
 	t.Helper()
-	srv := New()
-	srv.Store = d.s
+	srv := New(d.s)
 	srv.Log = slog.New(slog.DiscardHandler)
 	cc := meshtest.Serve(t, mesh.ServerConfig{Logger: slog.New(slog.DiscardHandler)}, func(gs *grpc.Server) {
 		modelproxyv1.RegisterModelProxyServiceServer(gs, srv)
@@ -254,8 +253,7 @@ func TestLedgerNotPersistedWithoutRunOrTokens(t *testing.T) {
 // orphan entry; the two entries together are what the decoder emitted.
 func TestLedgerPersistsOrphanTokens(t *testing.T) {
 	d := openDurable(t, "")
-	s := New()
-	s.Store = d.s
+	s := New(d.s)
 	defer s.Flush()
 	base := time.Unix(1_700_000_000, 0)
 	clock := base
@@ -351,8 +349,7 @@ func decoderEnded(s *Server, run string, n int) {
 func TestLedgerBurstIsOneTransaction(t *testing.T) {
 	d := openDurable(t, "")
 	b := &batches{LedgerStore: d.s}
-	s := New()
-	s.Store = b
+	s := New(b)
 	s.persister.delay = time.Minute // only Flush ends it
 	const run = "r-burst"
 	decoderEnded(s, run, 64)
@@ -389,8 +386,7 @@ func TestLedgerBurstIsOneTransaction(t *testing.T) {
 // Without Flush the entries land by themselves after the delay.
 func TestLedgerAppendsAfterDelay(t *testing.T) {
 	d := openDurable(t, "")
-	s := New()
-	s.Store = d.s
+	s := New(d.s)
 	defer s.Flush()
 	decoderEnded(s, "r-delay", 2)
 	for deadline := time.Now().Add(10 * time.Second); len(d.rows(t, "r-delay")) < 4; time.Sleep(5 * time.Millisecond) {
@@ -405,8 +401,7 @@ func TestLedgerAppendsAfterDelay(t *testing.T) {
 func TestLedgerQueuedDuringAppend(t *testing.T) {
 	d := openDurable(t, "")
 	b := &batches{LedgerStore: d.s, started: make(chan struct{}), hold: make(chan struct{})}
-	s := New()
-	s.Store = b
+	s := New(b)
 	s.persister.delay = time.Millisecond
 	decoderEnded(s, "r-a", 1)
 	<-b.started // the writer is appending r-a's 2 entries

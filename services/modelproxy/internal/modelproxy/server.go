@@ -40,9 +40,9 @@ type Server struct {
 	LedgerKey func(ctx context.Context, model, run, node string) (string, string)
 	// Metrics, if set, count the tokens decoders emit and, per summary, the orphan tokens.
 	Metrics *Metrics
-	// Store, if set, persists the ledger: each decoder's tokens are queued when it ends
-	// and appended in batches (see persist). nil keeps the ledger in memory only. Call
-	// Flush before closing it.
+	// Store persists the ledger: each decoder's tokens are queued when it ends and
+	// appended in batches (see persist). A service without a durable store gives a
+	// process-private one (memory://). Call Flush before closing it.
 	Store LedgerStore
 	// Log receives the appends that failed and the leases that lapsed; nil is
 	// slog.Default().
@@ -56,9 +56,10 @@ type Server struct {
 	now func() time.Time
 }
 
-// New returns a server with an empty node table and ledger, and the sim model.
-func New() *Server {
-	s := &Server{Nodes: nodes.New(0), Ledger: NewLedger(), Sim: sim.New(), persister: persister{nonce: newNonce(), delay: persistDelay}, now: time.Now}
+// New returns a server with an empty node table and ledger, and the sim model, that
+// persists its ledger to st.
+func New(st LedgerStore) *Server {
+	s := &Server{Nodes: nodes.New(0), Ledger: NewLedger(), Sim: sim.New(), Store: st, persister: persister{nonce: newNonce(), delay: persistDelay}, now: time.Now}
 	s.Leases = newLeases(DefaultLeaseTTL, s.leaseLapsed)
 	return s
 }
