@@ -52,13 +52,14 @@ func providerRequest(model string, req *modelproxyv1.GenerateRequest) *provider.
 // direct streams one provider's answer to the caller as it comes: no breaker, fallback,
 // cache or schema check, and the node's provider fields left unset.
 type direct struct {
-	p provider.Provider
+	p   provider.Provider
+	req *provider.Request // the call's request, checked
 }
 
 func (d direct) provider(*meshv1.Node) string { return d.p.Name() }
 
 func (d direct) serve(ctx context.Context, c *call) error {
-	st, err := d.p.Stream(ctx, providerRequest(c.model, c.req))
+	st, err := d.p.Stream(ctx, d.req)
 	if err != nil {
 		return err
 	}

@@ -151,9 +151,9 @@ func (s *Server) Generate(req *modelproxyv1.GenerateRequest, stream modelproxyv1
 // decoder starts: NOT_FOUND for a model not served, the sim model's plan errors.
 func (s *Server) resolve(model string, req *modelproxyv1.GenerateRequest) (route, error) {
 	if model == SimModel {
-		d := direct{p: s.Sim}
+		d := direct{p: s.Sim, req: providerRequest(model, req)}
 		if c, ok := s.Sim.(provider.Checker); ok {
-			if err := c.Check(providerRequest(model, req)); err != nil {
+			if err := c.Check(d.req); err != nil {
 				return nil, err
 			}
 		}

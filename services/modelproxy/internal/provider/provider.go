@@ -20,6 +20,9 @@ type Request struct {
 	// provider's structured-output mode where it has one). modelproxy validates the answer
 	// itself; the provider only asks.
 	Schema *modelproxyv1.ResponseSchema
+	// Checked is what a Checker's Check found in the request (the sim model's step), for
+	// its Stream of the same request to use rather than parse it again; nil otherwise.
+	Checked any
 }
 
 // Chunk is one piece of a streamed answer.
@@ -88,7 +91,7 @@ const DefaultTimeout = 30 * time.Second
 // Checker is implemented by a provider that can refuse a request before any decoder
 // starts for it (the sim model refuses a conversation without a valid plan). The proxy
 // calls Check before it records the call's node and lease, and returns its error, a gRPC
-// status, as is.
+// status, as is. Check may set req.Checked.
 type Checker interface {
 	Check(req *Request) error
 }

@@ -37,19 +37,27 @@ func New() *Provider { return &Provider{} }
 func (*Provider) Name() string { return Name }
 
 // Check implements provider.Checker: it refuses, with INVALID_ARGUMENT, a conversation
-// whose first user message is not a valid plan or whose assistant turns leave no step.
+// whose first user message is not a valid plan or whose assistant turns leave no step,
+// and leaves the step in req.Checked.
 func (*Provider) Check(req *provider.Request) error {
-	_, err := pick(req.Messages)
-	return err
+	st, err := pick(req.Messages)
+	if err != nil {
+		return err
+	}
+	req.Checked = st
+	return nil
 }
 
 // Stream implements provider.Provider: it decodes the plan's step for this turn. The
 // step's model_error fault fails the call's attempt (md.Identity.Attempt) before any
 // token, unless ctx is WithoutModelError's.
 func (p *Provider) Stream(ctx context.Context, req *provider.Request) (provider.Stream, error) {
-	st, err := pick(req.Messages)
-	if err != nil {
-		return nil, err
+	st, ok := req.Checked.(*step)
+	if !ok {
+		var err error
+		if st, err = pick(req.Messages); err != nil {
+			return nil, err
+		}
 	}
 	attempt := max(md.IdentityFrom(ctx).Attempt, 1)
 	if f := st.ModelError; f.Fails(attempt, rand.Float64) && !withoutModelError(ctx) {

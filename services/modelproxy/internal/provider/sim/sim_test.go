@@ -63,8 +63,9 @@ func TestCheckRefusesBadConversation(t *testing.T) {
 			t.Errorf("Check(%v) = %v, want INVALID_ARGUMENT", req.Messages, err)
 		}
 	}
-	if err := p.Check(request(`{"steps":[{"answer_tokens":1}]}`, 0)); err != nil {
-		t.Fatal(err)
+	ok := request(`{"steps":[{"answer_tokens":1}]}`, 0)
+	if err := p.Check(ok); err != nil || ok.Checked == nil {
+		t.Fatalf("Check = %v, Checked %v; want nil and the step for Stream", err, ok.Checked)
 	}
 }
 
