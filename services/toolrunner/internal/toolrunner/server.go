@@ -24,8 +24,8 @@ import (
 	meshv1 "github.com/curfew-mesh/curfew/gen/curfew/mesh/v1"
 	subagentv1 "github.com/curfew-mesh/curfew/gen/curfew/subagent/v1"
 	toolrunnerv1 "github.com/curfew-mesh/curfew/gen/curfew/toolrunner/v1"
-	"github.com/curfew-mesh/curfew/mesh/agent"
 	"github.com/curfew-mesh/curfew/mesh/cancel"
+	"github.com/curfew-mesh/curfew/mesh/catalog"
 	"github.com/curfew-mesh/curfew/mesh/idempotency"
 	"github.com/curfew-mesh/curfew/mesh/md"
 	"github.com/curfew-mesh/curfew/mesh/nodes"
@@ -52,16 +52,26 @@ type Config struct {
 	// MaxSubagentFanout bounds concurrent subagents per run on this process; more fail
 	// with RESOURCE_EXHAUSTED. DefaultMaxSubagentFanout when 0.
 	MaxSubagentFanout int
-	// SettleTimeout bounds the wait for a cancelled subagent's teardown.
+	// SettleTimeout bounds the wait for a cancelled subagent's teardown;
+	// cancel.DefaultSettleTimeout when 0.
 	SettleTimeout time.Duration
 	// Registerer, if set, receives the toolrunner's metrics.
 	Registerer prometheus.Registerer
-	// Store keeps the durable built-ins' records and effects (kv_put, notify); without
-	// it those tools fail with FAILED_PRECONDITION. Owner names this process incarnation
-	// in the records' leases; LeaseTTL is their lease (idempotency.DefaultLeaseTTL when 0).
-	Store    store.Tools
+	// Store keeps the durable built-ins' records and effects (kv_put, notify); required.
+	// Their effects are for other processes to read, so with a store no other process
+	// shares (memory) those tools fail with FAILED_PRECONDITION. Owner names this
+	// process incarnation in the records' leases (required); LeaseTTL is their lease
+	// (idempotency.DefaultLeaseTTL when 0).
+	Store    Store
 	Owner    string
 	LeaseTTL time.Duration
+}
+
+// Store is what the server needs of a store: the tool records, and whether other
+// processes share them.
+type Store interface {
+	store.Tools
+	store.Sharing
 }
 
 // Server implements ToolRunnerService.
@@ -71,7 +81,7 @@ type Server struct {
 	Nodes *nodes.Table
 	jobs  *jobs
 	keys  *keys
-	idem  *idempotency.Executor // nil without a store
+	idem  *idempotency.Executor
 	// effects counts side effects actually performed, by tool.
 	effects *prometheus.CounterVec
 
@@ -79,7 +89,7 @@ type Server struct {
 	fanout map[string]int // run → subagents in flight
 }
 
-// New returns a server.
+// New returns a server. It panics without cfg.Store or cfg.Owner: a wiring bug.
 func New(cfg Config) *Server {
 	if cfg.MaxSubagentDepth == 0 {
 		cfg.MaxSubagentDepth = DefaultMaxSubagentDepth
@@ -88,7 +98,7 @@ func New(cfg Config) *Server {
 		cfg.MaxSubagentFanout = DefaultMaxSubagentFanout
 	}
 	if cfg.SettleTimeout == 0 {
-		cfg.SettleTimeout = agent.DefaultSettleTimeout
+		cfg.SettleTimeout = cancel.DefaultSettleTimeout
 	}
 	s := &Server{cfg: cfg, Nodes: nodes.New(0), fanout: map[string]int{}, jobs: newJobs(), keys: newKeys(),
 		effects: prometheus.NewCounterVec(prometheus.CounterOpts{
@@ -99,12 +109,12 @@ func New(cfg Config) *Server {
 	if cfg.Registerer != nil {
 		cfg.Registerer.MustRegister(s.effects)
 	}
-	if cfg.Store != nil {
-		idem, err := idempotency.New(idempotency.Config{Store: cfg.Store, Owner: cfg.Owner, LeaseTTL: cfg.LeaseTTL})
-		if err != nil {
-			panic(err) // only for a missing Owner: a wiring bug
-		}
-		s.idem = idem
+	idem, err := idempotency.New(idempotency.Config{Store: cfg.Store, Owner: cfg.Owner, LeaseTTL: cfg.LeaseTTL})
+	if err != nil {
+		panic(err) // a missing Store or Owner: a wiring bug
+	}
+	s.idem = idem
+	if cfg.Store.Shared() { // the durable built-ins run: exported at 0 too
 		s.effects.WithLabelValues(plan.ToolKVPut)
 		s.effects.WithLabelValues(plan.ToolNotify)
 	}
@@ -134,7 +144,7 @@ func (s *Server) Execute(req *toolrunnerv1.ExecuteRequest, stream toolrunnerv1.T
 	if err := ctx.Err(); err != nil {
 		return err // never start a tool for a call already cancelled
 	}
-	if k := md.IdempotencyKeyFrom(ctx); k != "" && !plan.Durable(req.GetName()) {
+	if k := md.IdempotencyKeyFrom(ctx); k != "" && !catalog.Durable(req.GetName()) {
 		// (kv_put and notify keep their keys in the store, see durable.go.)
 		finish, rec := s.keys.claim(keyOf(ctx, k))
 		if rec != nil {
@@ -203,7 +213,7 @@ func (s *Server) prepare(ctx context.Context, req *toolrunnerv1.ExecuteRequest, 
 	switch {
 	case name == "":
 		return nil, status.Error(codes.InvalidArgument, "tool name is required")
-	case !plan.IsBuiltin(name):
+	case !catalog.IsBuiltin(name):
 		return nil, status.Errorf(codes.NotFound, "unknown tool %q (built-ins: deploy, fail, kv_put, notify, sleep, spawn_subagent)", name)
 	}
 	if err := plan.ValidateTool(name, raw); err != nil {
@@ -213,7 +223,7 @@ func (s *Server) prepare(ctx context.Context, req *toolrunnerv1.ExecuteRequest, 
 		}
 		return nil, status.Errorf(codes.InvalidArgument, "tool %s: %v", name, err)
 	}
-	if plan.Durable(name) {
+	if catalog.Durable(name) {
 		return s.durable(name, raw), nil
 	}
 	switch name {
@@ -375,12 +385,12 @@ func (s *Server) spawn(ctx context.Context, task string, emit func(*meshv1.Node)
 
 // settle waits for a cancelled subagent's teardown before the tool node ends. A subagent
 // cancelled while this call is not is the run's cancel on its way here (the broadcast can
-// reach the subagent first): it waits for that, bounded by agent.CancelWait, so the tool
+// reach the subagent first): it waits for that, bounded by cancel.AwaitWindow, so the tool
 // node records the run's cause.
 func (s *Server) settle(ctx context.Context, err error) error {
-	agent.AwaitCancel(ctx, err)
+	cancel.Await(ctx, err)
 	if ctx.Err() != nil && s.cfg.SubagentNodes != nil {
-		_ = agent.Settle(ctx, s.cfg.SubagentNodes, md.IdentityFrom(ctx).NodeID+"/sub", s.cfg.SettleTimeout)
+		_ = cancel.Settle(ctx, s.cfg.SubagentNodes, md.IdentityFrom(ctx).NodeID+"/sub", s.cfg.SettleTimeout)
 	}
 	return err
 }
