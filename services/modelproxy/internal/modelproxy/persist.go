@@ -14,10 +14,16 @@ import (
 	"github.com/curfew-mesh/curfew/mesh/store"
 )
 
-// LedgerStore persists token spend: the append half of store.Ledger. A *store.Store
-// (memory, sqlite or postgres) is one.
+// LedgerStore persists token spend: the append half of store.Ledger, and whether the
+// store is shared. A store.Store (memory, sqlite or postgres) is one.
+//
+// Only a shared store is written: the durable ledger is for readers outside this process
+// (`curfew trace`, other replicas, audits), and a private memory store has none, while the
+// in-memory Ledger serves this process's own summaries. Keeping each token's instant costs
+// the decoders CPU at a cancel, so a private store skips it.
 type LedgerStore interface {
 	AddTokens(ctx context.Context, es ...store.LedgerEntry) (added int, err error)
+	store.Sharing
 }
 
 // Kinds of the entries a decoder appends to the durable ledger.
@@ -43,12 +49,14 @@ const persistDelay = 20 * time.Millisecond
 const persistBatch = 512
 
 // spend is one decoder's share of the ledger: it records each token into the server's
-// in-memory Ledger and keeps the token's instant and the instant the decoder's context
-// was cancelled, so that the decoder's own tokens can be appended to the store when it
-// ends. Tokens of a decoder are recorded by its own goroutine only.
+// in-memory Ledger and, when the server persists (a shared store), keeps the token's
+// instant and the instant the decoder's context was cancelled, so that the decoder's own
+// tokens can be appended to the store when it ends. Tokens of a decoder are recorded by
+// its own goroutine only.
 type spend struct {
 	ledger    *Ledger
 	run, node string
+	keep      bool    // persisted: keep the instants
 	at        []int64 // unix nanos of the decoder's tokens
 	cancelled atomic.Int64
 	done      chan struct{} // closed once the cancel instant is stored
@@ -57,11 +65,14 @@ type spend struct {
 
 // newSpend starts the tally of a decoder whose node context is ctx.
 func (s *Server) newSpend(ctx context.Context, run, node string) *spend {
-	d := &spend{ledger: s.Ledger, run: run, node: node, done: make(chan struct{})}
-	d.stop = context.AfterFunc(ctx, func() {
-		d.cancelled.Store(s.now().UnixNano())
-		close(d.done)
-	})
+	d := &spend{ledger: s.Ledger, run: run, node: node, keep: s.Store.Shared()}
+	if d.keep {
+		d.done = make(chan struct{})
+		d.stop = context.AfterFunc(ctx, func() {
+			d.cancelled.Store(s.now().UnixNano())
+			close(d.done)
+		})
+	}
 	return d
 }
 
@@ -71,15 +82,21 @@ func (d *spend) record(at time.Time, n int) {
 		return
 	}
 	d.ledger.RecordN(d.run, d.node, at, n)
-	ns := at.UnixNano()
-	for range n {
-		d.at = append(d.at, ns)
+	if d.keep {
+		ns := at.UnixNano()
+		for range n {
+			d.at = append(d.at, ns)
+		}
 	}
 }
 
 // end stops watching the context and returns the decoder's tokens split at the instant
-// its context was cancelled: all of them are output when it was not.
+// its context was cancelled: all of them are output when it was not. Without a shared
+// store it returns nothing: nothing is persisted.
 func (d *spend) end() (output, orphan int64) {
+	if !d.keep {
+		return 0, 0
+	}
 	if !d.stop() {
 		<-d.done // the cancel fired: wait until its instant is stored
 	}

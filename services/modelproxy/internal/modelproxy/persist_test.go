@@ -24,6 +24,7 @@ import (
 	"github.com/curfew-mesh/curfew/mesh/meshtest"
 	"github.com/curfew-mesh/curfew/mesh/store"
 	"github.com/curfew-mesh/curfew/mesh/store/sqlite"
+	"github.com/curfew-mesh/curfew/mesh/store/storetest"
 )
 
 const testTenant = "acme"
@@ -420,5 +421,50 @@ func TestLedgerQueuedDuringAppend(t *testing.T) {
 	}
 	if n := len(d.rows(t, "r-a")) + len(d.rows(t, "r-b")); n != 8 {
 		t.Fatalf("%d rows, want 8", n)
+	}
+}
+
+// counting is a private store that counts the ledger entries appended to it.
+type counting struct {
+	LedgerStore
+	mu      sync.Mutex
+	entries int
+}
+
+func (c *counting) AddTokens(ctx context.Context, es ...store.LedgerEntry) (int, error) {
+	c.mu.Lock()
+	c.entries += len(es)
+	c.mu.Unlock()
+	return c.LedgerStore.AddTokens(ctx, es...)
+}
+
+// A private store (memory: nobody outside this process reads it) is not written: the
+// decoders keep no token instants for it, as a store-less modelproxy did, and the
+// in-memory ledger still has every token for the summaries.
+func TestLedgerNotPersistedOnPrivateStore(t *testing.T) {
+	st := &counting{LedgerStore: storetest.OpenMemory(t)}
+	if st.Shared() {
+		t.Fatal("the memory store says it is shared")
+	}
+	srv := New(st)
+	srv.Log = slog.New(slog.DiscardHandler)
+	cc := meshtest.Serve(t, mesh.ServerConfig{Logger: slog.New(slog.DiscardHandler)}, func(gs *grpc.Server) {
+		modelproxyv1.RegisterModelProxyServiceServer(gs, srv)
+	})
+	model := modelproxyv1.NewModelProxyServiceClient(cc)
+	const run, node = "r-private", "root/m0"
+	chunks, err := generate(tenantIdent(run, node), t, model, &modelproxyv1.GenerateRequest{Messages: conversation(fivePlan, 0)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv.Flush()
+	st.mu.Lock()
+	n := st.entries
+	st.mu.Unlock()
+	if n != 0 {
+		t.Errorf("the private store got %d ledger entries, want none", n)
+	}
+	if total, _, _ := srv.Ledger.Figures(run, node, time.Time{}); total != delivered(chunks) || total != 5 {
+		t.Errorf("the in-memory ledger has %d tokens, the stream delivered %d, want 5", total, delivered(chunks))
 	}
 }
