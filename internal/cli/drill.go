@@ -237,7 +237,7 @@ func startDrillMesh(ctx context.Context, cfg drillConfig, binDir string) (*drill
 		m.stop()
 		return nil, err
 	}
-	if err := os.MkdirAll(filepath.Join(dir, "logs"), 0o755); err != nil {
+	if err := os.MkdirAll(filepath.Join(dir, "logs"), 0o755); err != nil { //nolint:gosec // the user's own logs, which hold no secrets
 		m.stop()
 		return nil, err
 	}

@@ -55,7 +55,7 @@ type Endpoints struct {
 const EndpointsFile = "endpoints.json"
 
 func readEndpoints(dir string) (*Endpoints, error) {
-	b, err := os.ReadFile(filepath.Join(dir, EndpointsFile))
+	b, err := os.ReadFile(filepath.Join(dir, EndpointsFile)) //nolint:gosec // endpoints.json in the data directory the user names
 	if err != nil {
 		return nil, err
 	}
@@ -140,7 +140,7 @@ func cmdUp(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	if *basePort < 0 || *basePort > 65535-8 {
 		return usageErr(stderr, "up", fmt.Errorf("--base-port must be 0 or between 1 and %d", 65535-8))
 	}
-	if err := os.MkdirAll(filepath.Join(*dataDir, "logs"), 0o755); err != nil {
+	if err := os.MkdirAll(filepath.Join(*dataDir, "logs"), 0o755); err != nil { //nolint:gosec // the user's own logs, which hold no secrets
 		return usageErr(stderr, "up", fmt.Errorf("--data-dir: %w", err))
 	}
 	tlsDir := ""
@@ -209,7 +209,7 @@ func cmdUp(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		out.Services[c.name] = c.ep
 	}
 	b, _ := json.MarshalIndent(out, "", "  ")
-	if err := os.WriteFile(filepath.Join(*dataDir, EndpointsFile), append(b, '\n'), 0o644); err != nil {
+	if err := os.WriteFile(filepath.Join(*dataDir, EndpointsFile), append(b, '\n'), 0o644); err != nil { //nolint:gosec // addresses only, read by every client command
 		fmt.Fprintln(stderr, "curfew up:", err)
 		shutdown()
 		return ExitFail
@@ -310,13 +310,13 @@ func startChild(name, bin string, eps map[string]Endpoint, dataDir string, extra
 		args = append(args, "--modelproxy", eps["modelproxy"].Addr, "--toolrunner", eps["toolrunner"].Addr)
 	}
 	args = append(args, extra...)
-	logf, err := os.OpenFile(filepath.Join(dataDir, "logs", name+".log"), os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o644)
+	logf, err := os.OpenFile(filepath.Join(dataDir, "logs", name+".log"), os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o644) //nolint:gosec // the user's own logs, which hold no secrets
 	if err != nil {
 		return nil, err
 	}
 	// Not CommandContext: a context kill would SIGKILL the service; stopChild stops it in
 	// order with SIGTERM and a grace instead.
-	cmd := exec.Command(bin, args...) //nolint:noctx // see above
+	cmd := exec.Command(bin, args...) //nolint:noctx,gosec // see above; bin is a service binary from --bin-dir or next to curfew
 	cmd.Stdout, cmd.Stderr = logf, logf
 	// Own process group: a terminal's Ctrl-C reaches only curfew up, which stops the
 	// services in order. Pdeathsig stops them if curfew up itself is killed.

@@ -119,11 +119,11 @@ func (c *Cluster) AddAt(ctx context.Context, service, name, addr string, args ..
 
 // Start starts the process and waits until its gRPC health is SERVING.
 func (p *Proc) Start(ctx context.Context) error {
-	logf, err := os.OpenFile(p.log, os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o644)
+	logf, err := os.OpenFile(p.log, os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o644) //nolint:gosec // a test mesh's logs
 	if err != nil {
 		return err
 	}
-	cmd := exec.Command(p.bin, p.args...) //nolint:noctx // killed by Kill or Stop, not by a context
+	cmd := exec.Command(p.bin, p.args...) //nolint:noctx,gosec // killed by Kill or Stop, not by a context; a binary this package built
 	cmd.Stdout, cmd.Stderr = logf, logf
 	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
 	if err := cmd.Start(); err != nil {

@@ -400,7 +400,7 @@ func (s *Server) runLoop(rctx context.Context, rs *runState, loop *agent.Loop, m
 			return answer, err
 		}
 		d := max(wait, oe.RetryAfter)
-		d += time.Duration(rand.Int64N(int64(d)/5 + 1)) // spread the runs one breaker refused together
+		d += time.Duration(rand.Int64N(int64(d)/5 + 1)) //nolint:gosec // jitter that spreads the runs one breaker refused together
 		if time.Until(rs.dl) < d+s.cfg.MinRunTime {
 			return answer, err
 		}
