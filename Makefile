@@ -2,9 +2,12 @@
 SHELL := /bin/bash
 BIN   := $(CURDIR)/bin
 SERVICES := orchestrator toolrunner subagent modelproxy
-GOFLAGS_BUILD := -trimpath
+# VERSION is stamped into every binary (curfew version, curfew_build_info): the release tag
+# when the commit has one, else the nearest tag with the commits since and a -dirty mark.
+VERSION ?= $(shell git describe --tags --always --dirty 2>/dev/null || echo dev)
+GOFLAGS_BUILD := -trimpath -ldflags "-X github.com/curfew-mesh/curfew/mesh/service.Version=$(VERSION)"
 
-.PHONY: all build demo test test-short lint generate check-generated bench clean
+.PHONY: all build demo test test-short lint generate check-generated bench release clean
 
 all: build
 
@@ -37,6 +40,10 @@ lint:
 ## bench: the benchmarks recorded in docs/benchmarks.md
 bench: build
 	bash scripts/bench.sh
+
+## release: record the API of VERSION=vX.Y.Z, commit and tag it (see scripts/release.sh)
+release:
+	bash scripts/release.sh $(VERSION)
 
 clean:
 	rm -rf $(BIN)
