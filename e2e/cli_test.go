@@ -287,3 +287,17 @@ func TestCLITraceCancelledRun(t *testing.T) {
 		col = i
 	}
 }
+
+// A command's stderr carries only its own messages: the library's INFO line (the
+// certificate it loads to dial the mesh) shows with --log-level info, not by default.
+func TestCLILogLevel(t *testing.T) {
+	t.Parallel()
+	_, stderr, code := curfew(t, "ls", "--limit", "1")
+	if code != 0 || strings.Contains(stderr, "INFO") {
+		t.Errorf("ls: exit %d, stderr %q: want 0 and no INFO line", code, stderr)
+	}
+	_, stderr2, code := curfew(t, "ls", "--limit", "1", "--log-level", "info")
+	if code != 0 || !strings.Contains(stderr2, "level=INFO") || !strings.Contains(stderr2, "certificates loaded") {
+		t.Errorf("ls --log-level info: exit %d, stderr %q: want the certificate's INFO line", code, stderr2)
+	}
+}

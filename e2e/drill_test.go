@@ -11,16 +11,16 @@ import (
 	"testing"
 	"time"
 
-	"github.com/curfew-mesh/curfew/internal/cli"
+	"github.com/curfew-mesh/curfew/internal/drill"
 )
 
 // drillSlots bounds the drills running at once: each starts a mesh of its own (four
 // processes, eight tasks) on a 2-core machine.
 var drillSlots = make(chan struct{}, 3)
 
-// drill runs `curfew drill` with args as a subprocess (it starts and tears down a mesh of
+// curfewDrill runs `curfew drill` with args as a subprocess (it starts and tears down a mesh of
 // its own), and returns its rows, its VERDICT line and its exit code.
-func drill(t *testing.T, args ...string) (rows []cli.DrillRow, verdict string, code int) {
+func curfewDrill(t *testing.T, args ...string) (rows []drill.Row, verdict string, code int) {
 	t.Helper()
 	drillSlots <- struct{}{}
 	defer func() { <-drillSlots }()
@@ -42,7 +42,7 @@ func drill(t *testing.T, args ...string) (rows []cli.DrillRow, verdict string, c
 			verdict = v
 			continue
 		}
-		var r cli.DrillRow
+		var r drill.Row
 		if err := json.Unmarshal([]byte(line), &r); err != nil {
 			t.Fatalf("curfew drill %v: line %q: %v\nstderr: %s", args, line, err, errb.String())
 		}
@@ -64,7 +64,7 @@ func TestDrill(t *testing.T) {
 	}
 	t.Run("shed", func(t *testing.T) {
 		t.Parallel()
-		rows, verdict, code := drill(t)
+		rows, verdict, code := curfewDrill(t)
 		if code != 0 || !strings.HasPrefix(verdict, "shed within grace") {
 			t.Errorf("exit %d, verdict %q: want 0, shed within grace", code, verdict)
 		}
@@ -82,7 +82,7 @@ func TestDrill(t *testing.T) {
 	})
 	t.Run("orphan", func(t *testing.T) {
 		t.Parallel()
-		rows, verdict, code := drill(t, "--mode", "orphan")
+		rows, verdict, code := curfewDrill(t, "--mode", "orphan")
 		if code == 0 || !strings.HasPrefix(verdict, "orphan decode after cancel") {
 			t.Errorf("exit %d, verdict %q: want non-zero, orphan decode after cancel", code, verdict)
 		}
@@ -98,24 +98,24 @@ func TestDrill(t *testing.T) {
 	// (one lease TTL of decode, 8 s × 40 tokens/s, for a lease lapse; 1 for a cancel).
 	for _, tc := range []struct {
 		fault, defence string
-		orphan         func(cli.DrillRow) int64 // the row's bound
+		orphan         func(drill.Row) int64 // the row's bound
 	}{
 		// Bounds beyond the in-flight token per decoder: one lease TTL (8 s) of decode at
 		// 40 tokens/s where the lease is the defence, none where the cancel still works.
-		{"1", "caught by lease lapse", func(r cli.DrillRow) int64 {
+		{"1", "caught by lease lapse", func(r drill.Row) int64 {
 			if r.Criticality == "sheddable" {
 				return 320
 			}
 			return 0
 		}},
-		{"2", "caught by admission fail-closed", func(cli.DrillRow) int64 { return 0 }},
-		{"3", "caught by admission fail-closed", func(cli.DrillRow) int64 { return 0 }},
-		{"4", "caught by ledger keying", func(cli.DrillRow) int64 { return 0 }},
-		{"5", "caught by lease lapse", func(cli.DrillRow) int64 { return 320 }},
+		{"2", "caught by admission fail-closed", func(drill.Row) int64 { return 0 }},
+		{"3", "caught by admission fail-closed", func(drill.Row) int64 { return 0 }},
+		{"4", "caught by ledger keying", func(drill.Row) int64 { return 0 }},
+		{"5", "caught by lease lapse", func(drill.Row) int64 { return 320 }},
 	} {
 		t.Run("fault"+tc.fault, func(t *testing.T) {
 			t.Parallel()
-			rows, verdict, code := drill(t, "--fault", tc.fault)
+			rows, verdict, code := curfewDrill(t, "--fault", tc.fault)
 			if code != 0 || !strings.Contains(verdict, tc.defence) {
 				t.Errorf("exit %d, verdict %q: want 0 and %q", code, verdict, tc.defence)
 			}

@@ -7,6 +7,7 @@ import (
 	"flag"
 	"fmt"
 	"io"
+	"log/slog"
 	"os"
 	"path/filepath"
 	"strings"
@@ -16,6 +17,7 @@ import (
 	"google.golang.org/protobuf/encoding/protojson"
 	"google.golang.org/protobuf/proto"
 
+	"github.com/curfew-mesh/curfew/internal/launch"
 	"github.com/curfew-mesh/curfew/mesh/apikey"
 	"github.com/curfew-mesh/curfew/mesh/meshtls"
 	"github.com/curfew-mesh/curfew/mesh/service"
@@ -31,7 +33,9 @@ const (
 const usage = `curfew: one absolute deadline and one stop signal for agent trees.
 
 Usage:
-  curfew up      [--data-dir DIR] [--base-port N] [--bin-dir DIR] [--insecure] [--json]
+  curfew up      [--data-dir DIR] [--base-port N] [--bin-dir DIR] [--store DSN]
+                 [--providers-config FILE] [--admission-config FILE]
+                 [--shutdown-grace D] [--start-timeout D] [--insecure] [--json]
   curfew run     (--plan FILE | TASK) [--deadline D] [--model M] [--continue] [--cancel-after D] [--json]
   curfew get     RUN [--json]
   curfew ls      [--limit N] [--json]
@@ -51,6 +55,9 @@ else 127.0.0.1:7700) and --data-dir (default $CURFEW_DATA_DIR, else ~/.curfew). 
 connect with mTLS as curfew-cli (DIR/tls) when the mesh runs it, and in plaintext with
 --insecure. They send $CURFEW_API_KEY, a tenant's API key, when it is set: the calls then
 act for that tenant.
+
+Every command takes --log-level (debug, info, warn or error; default warn): the least
+level of the library logs, such as a certificate loaded, it writes on stderr.
 `
 
 // Main runs the command line and returns the exit code.
@@ -85,9 +92,11 @@ type common struct {
 	dataDir  string
 	json     bool
 	insecure bool
+	fs       *flags // the command's flags, for its logger; nil: slog.Default
 }
 
-func (c *common) register(fs *flag.FlagSet) {
+func (c *common) register(fs *flags) {
+	c.fs = fs
 	fs.StringVar(&c.addr, "addr", os.Getenv("CURFEW_ADDR"), "orchestrator address (default: from endpoints.json, else 127.0.0.1:7700)")
 	fs.StringVar(&c.dataDir, "data-dir", defaultDataDir(), "data directory of `curfew up`")
 	fs.BoolVar(&c.json, "json", false, "print JSON for scripts")
@@ -121,7 +130,7 @@ func (c *common) orchestratorAddr() string {
 // runs it, and with an API key (apiKey) when there is one, which then names the tenant.
 func (c *common) dial() (*grpc.ClientConn, error) {
 	dir := c.tlsDir()
-	creds, err := clientCredentials(dir, meshtls.Orchestrator)
+	creds, err := launch.ClientCredentials(dir, meshtls.Orchestrator, c.logger())
 	if err != nil {
 		return nil, err
 	}
@@ -136,8 +145,16 @@ func (c *common) dial() (*grpc.ClientConn, error) {
 	return grpc.NewClient(c.orchestratorAddr(), opts...)
 }
 
+// logger is the command's logger of library logs.
+func (c *common) logger() *slog.Logger {
+	if c.fs == nil {
+		return nil
+	}
+	return c.fs.logger()
+}
+
 // parse parses interspersed flags and positional arguments.
-func parse(fs *flag.FlagSet, args []string) ([]string, error) {
+func parse(fs *flags, args []string) ([]string, error) {
 	var pos []string
 	for {
 		if err := fs.Parse(args); err != nil {
@@ -186,10 +203,39 @@ func usageErr(stderr io.Writer, cmd string, err error) int {
 	return ExitUsage
 }
 
-func newFlags(name string, stderr io.Writer) *flag.FlagSet {
+// flags is a command's flag set, with the --log-level every command takes.
+type flags struct {
+	*flag.FlagSet
+	level  logLevel
+	stderr io.Writer
+}
+
+func newFlags(name string, stderr io.Writer) *flags {
 	fs := flag.NewFlagSet("curfew "+name, flag.ContinueOnError)
 	fs.SetOutput(stderr)
-	return fs
+	f := &flags{FlagSet: fs, level: logLevel(slog.LevelWarn), stderr: stderr}
+	fs.Var(&f.level, "log-level", "the least `level` of the library logs written on stderr: debug, info, warn or error")
+	return f
+}
+
+// logger is the command's logger of library logs (a certificate loaded, say): on
+// stderr, at --log-level. The command's own output does not go through it.
+func (f *flags) logger() *slog.Logger {
+	return slog.New(slog.NewTextHandler(f.stderr, &slog.HandlerOptions{Level: slog.Level(f.level)}))
+}
+
+// logLevel is the value of --log-level.
+type logLevel slog.Level
+
+func (l *logLevel) String() string { return strings.ToLower(slog.Level(*l).String()) }
+
+func (l *logLevel) Set(s string) error {
+	lv, ok := map[string]slog.Level{"debug": slog.LevelDebug, "info": slog.LevelInfo, "warn": slog.LevelWarn, "error": slog.LevelError}[strings.ToLower(s)]
+	if !ok {
+		return errors.New("want debug, info, warn or error")
+	}
+	*l = logLevel(lv)
+	return nil
 }
 
 func lower(s, prefix string) string {

@@ -87,32 +87,6 @@ func TestOrchestratorAddr(t *testing.T) {
 	}
 }
 
-func TestAllocateFreePorts(t *testing.T) {
-	eps, err := allocate(0)
-	if err != nil {
-		t.Fatal(err)
-	}
-	seen := map[string]bool{}
-	for name, ep := range eps {
-		for _, a := range []string{ep.Addr, ep.AdminAddr} {
-			if seen[a] {
-				t.Errorf("%s: address %s handed out twice", name, a)
-			}
-			seen[a] = true
-		}
-	}
-	if len(seen) != 8 {
-		t.Errorf("%d addresses, want 8", len(seen))
-	}
-	fixed, err := allocate(7700)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if fixed["orchestrator"].Addr != "127.0.0.1:7700" || fixed["modelproxy"].AdminAddr != "127.0.0.1:7707" {
-		t.Errorf("fixed ports: %+v", fixed)
-	}
-}
-
 func TestPrintSummary(t *testing.T) {
 	now := time.Now()
 	r := &orchestratorv1.Run{RunId: "r1", Status: orchestratorv1.RunStatus_RUN_STATUS_CANCELLED,

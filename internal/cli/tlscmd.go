@@ -12,6 +12,7 @@ import (
 	"strings"
 	"time"
 
+	"github.com/curfew-mesh/curfew/internal/launch"
 	"github.com/curfew-mesh/curfew/mesh/meshtls"
 )
 
@@ -33,7 +34,7 @@ const tlsUsage = `curfew tls: the mesh's certificates, outside curfew up (for Ku
 // defaultAPIHosts are the names of the curfew-api Service in namespace curfew.
 var defaultAPIHosts = []string{"curfew-api", "curfew-api.curfew", "curfew-api.curfew.svc", "curfew-api.curfew.svc.cluster.local"}
 
-// meshServices are the identities that run as services (meshIdentities less the CLI).
+// meshServices are the identities that run as services (launch.Identities less the CLI).
 var meshServices = []string{meshtls.Orchestrator, meshtls.ToolRunner, meshtls.Subagent, meshtls.ModelProxy}
 
 type hostList []string
@@ -85,11 +86,11 @@ func cmdTLS(_ context.Context, args []string, stdout, stderr io.Writer) int {
 		if len(hosts) == 0 {
 			hosts = defaultAPIHosts
 		}
-		if err := issueMesh(dir, hosts, *validFor); err != nil {
+		if err := launch.IssueCerts(dir, hosts, *validFor); err != nil {
 			fmt.Fprintln(stderr, "curfew tls init:", err)
 			return ExitFail
 		}
-		fmt.Fprintf(stdout, "mesh CA and certificates for %s in %s\n", strings.Join(meshIdentities, ", "), dir)
+		fmt.Fprintf(stdout, "mesh CA and certificates for %s in %s\n", strings.Join(launch.Identities, ", "), dir)
 		return ExitOK
 	}
 	if !dnsLabel.MatchString(*namespace) { // also keeps the YAML below well formed

@@ -3,21 +3,15 @@ package cli
 import (
 	"context"
 	"encoding/json"
-	"errors"
 	"fmt"
 	"io"
-	"net"
 	"os"
-	"os/exec"
 	"os/signal"
 	"path/filepath"
-	"strconv"
 	"syscall"
 	"time"
 
-	"google.golang.org/grpc"
-	healthpb "google.golang.org/grpc/health/grpc_health_v1"
-
+	"github.com/curfew-mesh/curfew/internal/launch"
 	"github.com/curfew-mesh/curfew/mesh/service"
 	"github.com/curfew-mesh/curfew/mesh/store"
 	_ "github.com/curfew-mesh/curfew/mesh/store/postgres" // postgres:// DSNs
@@ -35,17 +29,10 @@ func prepareStore(ctx context.Context, dsn string) error {
 	return st.Close()
 }
 
-// Endpoint is where one service listens.
-type Endpoint struct {
-	Addr      string `json:"addr"`
-	AdminAddr string `json:"admin_addr"`
-	PID       int    `json:"pid"`
-}
-
 // Endpoints is the content of DATA_DIR/endpoints.json, written by `curfew up`.
 type Endpoints struct {
-	Services  map[string]Endpoint `json:"services"`
-	StartedAt time.Time           `json:"started_at"`
+	Services  map[string]launch.Endpoint `json:"services"`
+	StartedAt time.Time                  `json:"started_at"`
 	// TLSDir is the directory of the mesh's mTLS files (DIR/tls, absolute) when the
 	// services run mTLS, "" when they run plaintext (curfew up --insecure).
 	TLSDir string `json:"tls_dir,omitempty"`
@@ -55,7 +42,7 @@ type Endpoints struct {
 const EndpointsFile = "endpoints.json"
 
 func readEndpoints(dir string) (*Endpoints, error) {
-	b, err := os.ReadFile(filepath.Join(dir, EndpointsFile)) //nolint:gosec // endpoints.json in the data directory the user names
+	b, err := os.ReadFile(filepath.Join(dir, EndpointsFile))
 	if err != nil {
 		return nil, err
 	}
@@ -64,18 +51,6 @@ func readEndpoints(dir string) (*Endpoints, error) {
 		return nil, fmt.Errorf("%s: %w", EndpointsFile, err)
 	}
 	return &e, nil
-}
-
-// services in start order; each gets two consecutive ports from the base.
-var services = []string{"modelproxy", "subagent", "toolrunner", "orchestrator"}
-
-var portOffset = map[string]int{"orchestrator": 0, "toolrunner": 2, "subagent": 4, "modelproxy": 6}
-
-type child struct {
-	name string
-	ep   Endpoint
-	cmd  *exec.Cmd
-	done chan error
 }
 
 func cmdUp(ctx context.Context, args []string, stdout, stderr io.Writer) int {
@@ -125,7 +100,7 @@ func cmdUp(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	if *grace <= 0 {
 		return usageErr(stderr, "up", fmt.Errorf("--shutdown-grace must be positive, got %v", *grace))
 	}
-	for _, svc := range services {
+	for _, svc := range launch.Services {
 		extra[svc] = append(extra[svc], "--shutdown-grace", grace.String())
 	}
 	// A service stops within its drain delay (CURFEW_DRAIN_DELAY, which it inherits; 0 by
@@ -140,21 +115,21 @@ func cmdUp(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	if *basePort < 0 || *basePort > 65535-8 {
 		return usageErr(stderr, "up", fmt.Errorf("--base-port must be 0 or between 1 and %d", 65535-8))
 	}
-	if err := os.MkdirAll(filepath.Join(*dataDir, "logs"), 0o755); err != nil { //nolint:gosec // the user's own logs, which hold no secrets
+	if err := os.MkdirAll(filepath.Join(*dataDir, "logs"), 0o755); err != nil {
 		return usageErr(stderr, "up", fmt.Errorf("--data-dir: %w", err))
 	}
 	tlsDir := ""
 	if *insecureFlag {
 		fmt.Fprintln(stderr, insecureWarning)
-		for _, svc := range services {
+		for _, svc := range launch.Services {
 			extra[svc] = append(extra[svc], "--insecure")
 		}
 	} else {
 		var err error
-		if tlsDir, err = prepareTLS(filepath.Join(*dataDir, TLSSubdir)); err != nil {
+		if tlsDir, err = launch.PrepareTLS(filepath.Join(*dataDir, launch.TLSSubdir)); err != nil {
 			return usageErr(stderr, "up", fmt.Errorf("--data-dir: mTLS certificates: %w", err))
 		}
-		for _, svc := range services {
+		for _, svc := range launch.Services {
 			extra[svc] = append(extra[svc], "--tls-dir", tlsDir)
 		}
 	}
@@ -169,11 +144,11 @@ func cmdUp(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 			return usageErr(stderr, "up", fmt.Errorf("the CLI's API key: %w", err))
 		}
 	}
-	bins, err := findBinaries(*binDir)
+	bins, err := launch.FindBinaries(*binDir)
 	if err != nil {
 		return usageErr(stderr, "up", err)
 	}
-	eps, err := allocate(*basePort)
+	eps, err := launch.Allocate(*basePort)
 	if err != nil {
 		fmt.Fprintln(stderr, "curfew up:", err)
 		return ExitFail
@@ -182,36 +157,23 @@ func cmdUp(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	ctx, stop := signal.NotifyContext(ctx, os.Interrupt, syscall.SIGTERM)
 	defer stop()
 
-	var children []*child
-	shutdown := func() {
-		// The orchestrator first, so that its runs end or are handed over while the rest
-		// still serve.
-		for i := len(children) - 1; i >= 0; i-- {
-			stopChild(children[i], killAfter)
-		}
-	}
-	for _, name := range services {
-		c, err := startChild(name, bins[name], eps, *dataDir, extra[name])
-		if err != nil {
-			fmt.Fprintln(stderr, "curfew up:", err)
-			shutdown()
-			return ExitFail
-		}
-		children = append(children, c)
-	}
-	if err := waitServing(ctx, children, *startTimeout, tlsDir); err != nil {
-		fmt.Fprintln(stderr, "curfew up:", err, "(see", filepath.Join(*dataDir, "logs")+")")
-		shutdown()
+	logs := filepath.Join(*dataDir, "logs")
+	m, err := launch.Start(launch.Config{Bins: bins, Endpoints: eps, LogDir: logs, TLSDir: tlsDir, Args: extra,
+		StopGrace: killAfter, Log: fs.logger()})
+	if err != nil {
+		fmt.Fprintln(stderr, "curfew up:", err)
 		return ExitFail
 	}
-	out := Endpoints{Services: map[string]Endpoint{}, StartedAt: time.Now().UTC(), TLSDir: tlsDir}
-	for _, c := range children {
-		out.Services[c.name] = c.ep
+	if err := m.WaitServing(ctx, *startTimeout); err != nil {
+		fmt.Fprintln(stderr, "curfew up:", err, "(see", logs+")")
+		m.Stop()
+		return ExitFail
 	}
+	out := Endpoints{Services: m.Endpoints(), StartedAt: time.Now().UTC(), TLSDir: tlsDir}
 	b, _ := json.MarshalIndent(out, "", "  ")
-	if err := os.WriteFile(filepath.Join(*dataDir, EndpointsFile), append(b, '\n'), 0o644); err != nil { //nolint:gosec // addresses only, read by every client command
+	if err := os.WriteFile(filepath.Join(*dataDir, EndpointsFile), append(b, '\n'), 0o644); err != nil {
 		fmt.Fprintln(stderr, "curfew up:", err)
-		shutdown()
+		m.Stop()
 		return ExitFail
 	}
 	if *asJSON {
@@ -219,11 +181,12 @@ func cmdUp(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		fmt.Fprintln(stdout, string(c))
 		fmt.Fprintln(stdout, `{"ready":true}`)
 	} else {
-		for i := len(children) - 1; i >= 0; i-- {
-			c := children[i]
-			fmt.Fprintf(stdout, "%-13s %-21s admin http://%s  pid %d\n", c.name, c.ep.Addr, c.ep.AdminAddr, c.ep.PID)
+		procs := m.Processes()
+		for i := len(procs) - 1; i >= 0; i-- {
+			p := procs[i]
+			fmt.Fprintf(stdout, "%-13s %-21s admin http://%s  pid %d\n", p.Name, p.Addr, p.AdminAddr, p.PID())
 		}
-		fmt.Fprintf(stdout, "endpoints     %s\nlogs          %s\n", filepath.Join(*dataDir, EndpointsFile), filepath.Join(*dataDir, "logs"))
+		fmt.Fprintf(stdout, "endpoints     %s\nlogs          %s\n", filepath.Join(*dataDir, EndpointsFile), logs)
 		if tlsDir != "" {
 			fmt.Fprintf(stdout, "mtls          %s\n", tlsDir)
 		} else {
@@ -233,160 +196,14 @@ func cmdUp(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	}
 
 	exit := ExitOK
-	died := make(chan *child, len(children))
-	for _, c := range children {
-		go func() { err := <-c.done; c.done <- err; died <- c }()
-	}
-	select {
-	case <-ctx.Done():
-	case c := <-died:
-		err := <-c.done
-		c.done <- err
-		fmt.Fprintf(stderr, "curfew up: %s exited unexpectedly: %v; stopping the mesh\n", c.name, err)
+	if p := m.Wait(ctx); p != nil {
+		fmt.Fprintf(stderr, "curfew up: %s exited unexpectedly: %v; stopping the mesh\n", p.Name, p.Err())
 		exit = ExitFail
 	}
-	shutdown()
+	m.Stop()
 	_ = os.Remove(filepath.Join(*dataDir, EndpointsFile))
 	if exit == ExitOK && !*asJSON {
 		fmt.Fprintln(stdout, "stopped")
 	}
 	return exit
-}
-
-func findBinaries(dir string) (map[string]string, error) {
-	if dir == "" {
-		if exe, err := os.Executable(); err == nil {
-			dir = filepath.Dir(exe)
-		}
-	}
-	out := map[string]string{}
-	for _, name := range services {
-		p := filepath.Join(dir, name)
-		if st, err := os.Stat(p); err == nil && !st.IsDir() {
-			out[name] = p
-			continue
-		}
-		lp, err := exec.LookPath(name)
-		if err != nil {
-			return nil, fmt.Errorf("service binary %q not found in %s nor on $PATH (build them with `make build`, or pass --bin-dir)", name, dir)
-		}
-		out[name] = lp
-	}
-	return out, nil
-}
-
-// allocate assigns listen addresses: base, base+1, ... or free ports when base is 0.
-func allocate(base int) (map[string]Endpoint, error) {
-	eps := map[string]Endpoint{}
-	for _, name := range services {
-		var ports [2]int
-		for i := range ports {
-			if base != 0 {
-				ports[i] = base + portOffset[name] + i
-				continue
-			}
-			l, err := net.Listen("tcp", "127.0.0.1:0") //nolint:noctx // a local bind, nothing to cancel
-			if err != nil {
-				return nil, fmt.Errorf("pick a free port: %w", err)
-			}
-			ports[i] = l.Addr().(*net.TCPAddr).Port
-			defer l.Close() // hold every port until all are picked, so none repeats
-		}
-		eps[name] = Endpoint{Addr: "127.0.0.1:" + strconv.Itoa(ports[0]), AdminAddr: "127.0.0.1:" + strconv.Itoa(ports[1])}
-	}
-	return eps, nil
-}
-
-// startChild starts one service with its addresses and extra flags.
-func startChild(name, bin string, eps map[string]Endpoint, dataDir string, extra []string) (*child, error) {
-	ep := eps[name]
-	args := []string{"--addr", ep.Addr, "--admin-addr", ep.AdminAddr}
-	switch name {
-	case "orchestrator":
-		args = append(args, "--modelproxy", eps["modelproxy"].Addr, "--toolrunner", eps["toolrunner"].Addr, "--subagent", eps["subagent"].Addr)
-	case "toolrunner":
-		args = append(args, "--subagent", eps["subagent"].Addr)
-	case "subagent":
-		args = append(args, "--modelproxy", eps["modelproxy"].Addr, "--toolrunner", eps["toolrunner"].Addr)
-	}
-	args = append(args, extra...)
-	logf, err := os.OpenFile(filepath.Join(dataDir, "logs", name+".log"), os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o644) //nolint:gosec // the user's own logs, which hold no secrets
-	if err != nil {
-		return nil, err
-	}
-	// Not CommandContext: a context kill would SIGKILL the service; stopChild stops it in
-	// order with SIGTERM and a grace instead.
-	cmd := exec.Command(bin, args...) //nolint:noctx,gosec // see above; bin is a service binary from --bin-dir or next to curfew
-	cmd.Stdout, cmd.Stderr = logf, logf
-	// Own process group: a terminal's Ctrl-C reaches only curfew up, which stops the
-	// services in order. Pdeathsig stops them if curfew up itself is killed.
-	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true, Pdeathsig: syscall.SIGTERM}
-	if err := cmd.Start(); err != nil {
-		_ = logf.Close()
-		return nil, fmt.Errorf("start %s: %w", name, err)
-	}
-	ep.PID = cmd.Process.Pid
-	c := &child{name: name, ep: ep, cmd: cmd, done: make(chan error, 1)}
-	go func() { err := cmd.Wait(); _ = logf.Close(); c.done <- err }()
-	return c, nil
-}
-
-func stopChild(c *child, grace time.Duration) {
-	select {
-	case err := <-c.done:
-		c.done <- err
-		return
-	default:
-	}
-	_ = c.cmd.Process.Signal(syscall.SIGTERM)
-	t := time.NewTimer(grace)
-	defer t.Stop()
-	select {
-	case err := <-c.done:
-		c.done <- err
-	case <-t.C:
-		_ = c.cmd.Process.Kill()
-		err := <-c.done
-		c.done <- err
-	}
-}
-
-// waitServing waits until every child's gRPC health is SERVING, asking as curfew-cli
-// with the mTLS files in tlsDir ("" for plaintext).
-func waitServing(ctx context.Context, children []*child, timeout time.Duration, tlsDir string) error {
-	ctx, cancel := context.WithTimeout(ctx, timeout)
-	defer cancel()
-	for _, c := range children {
-		creds, err := clientCredentials(tlsDir, c.name)
-		if err != nil {
-			return err
-		}
-		conn, err := grpc.NewClient(c.ep.Addr, grpc.WithTransportCredentials(creds))
-		if err != nil {
-			return err
-		}
-		hc := healthpb.NewHealthClient(conn)
-		for {
-			select {
-			case err := <-c.done:
-				c.done <- err
-				_ = conn.Close()
-				return fmt.Errorf("%s exited during start-up: %w", c.name, err)
-			default:
-			}
-			cctx, ccancel := context.WithTimeout(ctx, time.Second)
-			resp, err := hc.Check(cctx, &healthpb.HealthCheckRequest{})
-			ccancel()
-			if err == nil && resp.GetStatus() == healthpb.HealthCheckResponse_SERVING {
-				break
-			}
-			if ctx.Err() != nil {
-				_ = conn.Close()
-				return errors.Join(fmt.Errorf("%s did not report SERVING within %v", c.name, timeout), err)
-			}
-			time.Sleep(50 * time.Millisecond)
-		}
-		_ = conn.Close()
-	}
-	return nil
 }

@@ -5,8 +5,6 @@ import (
 	"errors"
 	"fmt"
 	"net"
-	"os"
-	"os/exec"
 	"path/filepath"
 	"sync"
 	"syscall"
@@ -14,8 +12,8 @@ import (
 
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials/insecure"
-	healthpb "google.golang.org/grpc/health/grpc_health_v1"
 
+	"github.com/curfew-mesh/curfew/internal/launch"
 	"github.com/curfew-mesh/curfew/mesh/apikey"
 	"github.com/curfew-mesh/curfew/mesh/md"
 	"github.com/curfew-mesh/curfew/mesh/store"
@@ -41,20 +39,10 @@ type Cluster struct {
 	conns []*grpc.ClientConn
 }
 
-// Proc is one service process of a Cluster. Its addresses stay the same across
-// restarts, as a Kubernetes Service's would.
+// Proc is one service process of a Cluster (a launch.Process: Kill, Stop, Running).
+// Its addresses stay the same across restarts, as a Kubernetes Service's would.
 type Proc struct {
-	Name      string
-	Addr      string
-	AdminAddr string
-	bin       string
-	args      []string
-	log       string
-
-	mu      sync.Mutex
-	cmd     *exec.Cmd
-	done    chan struct{} // closed when cmd has exited; exitErr is then set
-	exitErr error
+	*launch.Process
 }
 
 // NewCluster builds the binaries if needed and returns an empty cluster on store, which
@@ -107,10 +95,12 @@ func (c *Cluster) AddAt(ctx context.Context, service, name, addr string, args ..
 	if err != nil {
 		return nil, err
 	}
-	p := &Proc{Name: name, Addr: addr, AdminAddr: admin, bin: filepath.Join(c.bin, service),
+	p := &Proc{&launch.Process{Name: name, Addr: addr, AdminAddr: admin, Bin: filepath.Join(c.bin, service),
 		// Plaintext: the processes' TLS is not what these tests are about.
-		args: append([]string{"--addr", addr, "--admin-addr", admin, "--log-level", "debug", "--insecure"}, args...),
-		log:  filepath.Join(c.Dir, name+".log")}
+		Args: append([]string{"--addr", addr, "--admin-addr", admin, "--log-level", "debug", "--insecure"}, args...),
+		Log:  filepath.Join(c.Dir, name+".log"),
+		// A test binary that dies takes its processes with it at once.
+		ParentDeathSignal: syscall.SIGKILL}}
 	c.mu.Lock()
 	c.procs[name] = p
 	c.mu.Unlock()
@@ -119,92 +109,13 @@ func (c *Cluster) AddAt(ctx context.Context, service, name, addr string, args ..
 
 // Start starts the process and waits until its gRPC health is SERVING.
 func (p *Proc) Start(ctx context.Context) error {
-	logf, err := os.OpenFile(p.log, os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o644) //nolint:gosec // a test mesh's logs
-	if err != nil {
+	if err := p.Process.Start(); err != nil {
 		return err
 	}
-	cmd := exec.Command(p.bin, p.args...) //nolint:noctx,gosec // killed by Kill or Stop, not by a context; a binary this package built
-	cmd.Stdout, cmd.Stderr = logf, logf
-	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
-	if err := cmd.Start(); err != nil {
-		_ = logf.Close()
-		return fmt.Errorf("start %s: %w", p.Name, err)
+	if err := launch.WaitServing(ctx, 30*time.Second, p.Process); err != nil {
+		return fmt.Errorf("%w; see %s", err, p.Log)
 	}
-	done := make(chan struct{})
-	go func() {
-		err := cmd.Wait()
-		_ = logf.Close()
-		p.mu.Lock()
-		p.exitErr = err
-		p.mu.Unlock()
-		close(done)
-	}()
-	p.mu.Lock()
-	p.cmd, p.done = cmd, done
-	p.mu.Unlock()
-	return p.waitServing(ctx, done)
-}
-
-func (p *Proc) waitServing(ctx context.Context, done chan struct{}) error {
-	conn, err := grpc.NewClient(p.Addr, grpc.WithTransportCredentials(insecure.NewCredentials()))
-	if err != nil {
-		return err
-	}
-	defer conn.Close()
-	hc := healthpb.NewHealthClient(conn)
-	ctx, cancel := context.WithTimeout(ctx, 30*time.Second)
-	defer cancel()
-	for {
-		cctx, stop := context.WithTimeout(ctx, time.Second)
-		resp, err := hc.Check(cctx, &healthpb.HealthCheckRequest{})
-		stop()
-		if err == nil && resp.GetStatus() == healthpb.HealthCheckResponse_SERVING {
-			return nil
-		}
-		select {
-		case <-done:
-			p.mu.Lock()
-			err := p.exitErr
-			p.cmd = nil
-			p.mu.Unlock()
-			return fmt.Errorf("%s exited during start-up (see %s): %w", p.Name, p.log, err)
-		case <-ctx.Done():
-			return fmt.Errorf("%s not serving: %w; see %s", p.Name, ctx.Err(), p.log)
-		case <-time.After(20 * time.Millisecond):
-		}
-	}
-}
-
-// Kill ends the process with SIGKILL, as a crash or an OOM kill would, and waits.
-func (p *Proc) Kill() error { return p.signal(syscall.SIGKILL, 10*time.Second) }
-
-// Stop ends the process with SIGTERM (graceful shutdown) and waits up to wait.
-func (p *Proc) Stop(wait time.Duration) error { return p.signal(syscall.SIGTERM, wait) }
-
-func (p *Proc) signal(sig syscall.Signal, wait time.Duration) error {
-	p.mu.Lock()
-	cmd, done := p.cmd, p.done
-	p.cmd = nil
-	p.mu.Unlock()
-	if cmd == nil {
-		return nil
-	}
-	_ = cmd.Process.Signal(sig)
-	select {
-	case <-done: // a killed process's exit status says nothing more
-		return nil
-	case <-time.After(wait):
-		_ = cmd.Process.Kill()
-		<-done
-		return fmt.Errorf("%s did not exit within %v of %v", p.Name, wait, sig)
-	}
-}
-
-// Running reports whether the process is up.
-func (p *Proc) Running() bool {
-	p.mu.Lock()
-	defer p.mu.Unlock()
-	return p.cmd != nil
+	return nil
 }
 
 // Conn returns a client connection to proc that sends the cluster's APIKey, closed by
@@ -253,11 +164,11 @@ func (c *Cluster) Mesh(ctx context.Context, extra map[string][]string) (model, s
 	if err != nil {
 		return nil, nil, nil, err
 	}
-	tools, err = c.Add(ctx, "toolrunner", "toolrunner", append([]string{"--store", c.Store, "--subagent", sub.Addr}, extra["toolrunner"]...)...)
+	tools, err = c.Add(ctx, "toolrunner", "toolrunner", append(append([]string{"--store", c.Store}, launch.PeerFlags("toolrunner", endpoints(map[string]*Proc{"subagent": sub}))...), extra["toolrunner"]...)...)
 	if err != nil {
 		return nil, nil, nil, err
 	}
-	sub.args = append(sub.args, append([]string{"--modelproxy", model.Addr, "--toolrunner", tools.Addr}, extra["subagent"]...)...)
+	sub.Args = append(sub.Args, append(launch.PeerFlags("subagent", endpoints(map[string]*Proc{"modelproxy": model, "toolrunner": tools})), extra["subagent"]...)...)
 	for _, p := range []*Proc{model, tools, sub} {
 		if err := p.Start(ctx); err != nil {
 			return nil, nil, nil, err
@@ -268,5 +179,14 @@ func (c *Cluster) Mesh(ctx context.Context, extra map[string][]string) (model, s
 
 // OrchestratorArgs are the flags of an orchestrator on the cluster's executors and store.
 func (c *Cluster) OrchestratorArgs(model, sub, tools *Proc, extra ...string) []string {
-	return append([]string{"--store", c.Store, "--modelproxy", model.Addr, "--subagent", sub.Addr, "--toolrunner", tools.Addr}, extra...)
+	return append(append([]string{"--store", c.Store}, launch.PeerFlags("orchestrator", endpoints(map[string]*Proc{"modelproxy": model, "subagent": sub, "toolrunner": tools}))...), extra...)
+}
+
+// endpoints are the endpoints of processes by service name.
+func endpoints(procs map[string]*Proc) map[string]launch.Endpoint {
+	eps := map[string]launch.Endpoint{}
+	for svc, p := range procs {
+		eps[svc] = launch.Endpoint{Addr: p.Addr, AdminAddr: p.AdminAddr}
+	}
+	return eps
 }

@@ -21,6 +21,7 @@ import (
 
 	meshv1 "github.com/curfew-mesh/curfew/gen/curfew/mesh/v1"
 	orchestratorv1 "github.com/curfew-mesh/curfew/gen/curfew/orchestrator/v1"
+	"github.com/curfew-mesh/curfew/internal/launch"
 	"github.com/curfew-mesh/curfew/mesh/apikey"
 	"github.com/curfew-mesh/curfew/mesh/meshtls"
 )
@@ -108,11 +109,7 @@ type Mesh struct {
 	Dir       string // data directory
 	Bin       string // directory of the binaries
 	Endpoints struct {
-		Services map[string]struct {
-			Addr      string `json:"addr"`
-			AdminAddr string `json:"admin_addr"`
-			PID       int    `json:"pid"`
-		} `json:"services"`
+		Services map[string]launch.Endpoint `json:"services"`
 		// TLSDir holds the mesh's mTLS files; "" when it runs plaintext (Options.Insecure).
 		TLSDir string `json:"tls_dir"`
 	}

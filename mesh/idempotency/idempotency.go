@@ -27,7 +27,7 @@ const (
 
 // Config configures an Executor.
 type Config struct {
-	// Store holds the records; required.
+	// Store holds the records; required (a memory store serves a process of its own).
 	Store store.Tools
 	// Owner names this process incarnation (unique per restart); required.
 	Owner    string

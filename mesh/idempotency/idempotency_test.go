@@ -21,7 +21,7 @@ import (
 
 func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
 
-// backends runs fn against SQLite and the real PostgreSQL.
+// backends runs fn against SQLite, the real PostgreSQL and a memory store.
 func backends(t *testing.T, fn func(t *testing.T, s store.Store)) {
 	for _, b := range []struct {
 		name string
@@ -29,6 +29,7 @@ func backends(t *testing.T, fn func(t *testing.T, s store.Store)) {
 	}{
 		{"sqlite", func(t *testing.T) string { return filepath.Join(t.TempDir(), "curfew.db") }},
 		{"postgres", func(t *testing.T) string { return storetest.PostgresDSN(t) }},
+		{"memory", func(t *testing.T) string { return storetest.MemoryDSN(t) }},
 	} {
 		t.Run(b.name, func(t *testing.T) {
 			s, err := store.Open(context.Background(), b.dsn(t))

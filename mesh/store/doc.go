@@ -1,20 +1,31 @@
-// Package store is curfew's durable state: one interface ([Store]), two backends.
+// Package store is curfew's state: one interface ([Store]), three backends.
 //
 //   - store/sqlite: the embedded default. A file under the data directory, the pure-Go
 //     driver modernc.org/sqlite, WAL journal, busy timeout, one writer connection
 //     (transactions are BEGIN IMMEDIATE) and a small pool of read-only readers.
 //   - store/postgres: PostgreSQL through a pgx v5 pool, shared by replicas.
+//   - store/memory: an in-memory SQLite database private to the process (memory://NAME),
+//     the store of a service started without one. Not durable, not shared.
 //   - store/migrations: the versioned schema, embedded, applied at Open.
-//   - store/storetest: the contract suite both backends pass, and test helpers.
+//   - store/storetest: the contract suite every backend passes, and test helpers.
 //
 // Open a store by DSN with [Open] after linking the backends you want:
 //
 //	import (
 //		"github.com/curfew-mesh/curfew/mesh/store"
+//		_ "github.com/curfew-mesh/curfew/mesh/store/memory"
 //		_ "github.com/curfew-mesh/curfew/mesh/store/postgres"
 //		_ "github.com/curfew-mesh/curfew/mesh/store/sqlite"
 //	)
-//	s, err := store.Open(ctx, "sqlite:///var/lib/curfew/curfew.db") // or a plain path, or postgres://...
+//	s, err := store.Open(ctx, "sqlite:///var/lib/curfew/curfew.db") // or a plain path, postgres://..., memory://
+//
+// # Shared or private
+//
+// Every service has a store; what differs is who else sees it. [Sharing.Shared] says
+// so: a SQLite file and PostgreSQL are shared (another orchestrator can take a run
+// over, the CLI reads what a service wrote); a memory store is private to its process
+// and lost with it. Code whose behaviour depends on that asks Shared, never whether a
+// store is configured.
 //
 // # What it holds
 //

@@ -66,7 +66,7 @@ var (
 )
 
 // Register makes a backend available to Open under a DSN scheme ("sqlite",
-// "postgres"). Backends call it from init; a program links a backend by importing it,
+// "postgres", "memory"). Backends call it from init; a program links a backend by importing it,
 // usually for its side effect:
 //
 //	import _ "github.com/curfew-mesh/curfew/mesh/store/sqlite"
@@ -85,6 +85,7 @@ func Register(scheme string, open OpenFunc) {
 //	sqlite:///var/lib/curfew/curfew.db             SQLite, absolute path
 //	sqlite://data/curfew.db                        SQLite, relative path
 //	/var/lib/curfew/curfew.db or data/curfew.db    a plain path is SQLite
+//	memory://NAME                                  in this process's memory (memory:// for "default")
 //
 // It fails with ErrSchemaTooNew if a newer curfew migrated the database.
 func Open(ctx context.Context, dsn string, opts ...Option) (Store, error) {
@@ -107,7 +108,8 @@ func Open(ctx context.Context, dsn string, opts ...Option) (Store, error) {
 }
 
 // Scheme returns the backend a DSN names: "postgres" for postgres:// and
-// postgresql://, "sqlite" for sqlite:// and plain paths.
+// postgresql://, "sqlite" for sqlite:// and plain paths, otherwise the DSN's scheme
+// ("memory" for memory://).
 func Scheme(dsn string) string {
 	i := strings.Index(dsn, "://")
 	if i < 0 {

@@ -17,8 +17,20 @@ type Store interface {
 	DeadLetters
 	Ledger
 	APIKeys
+	Sharing
 	// Close releases the connections. Calls after Close fail.
 	Close() error
+}
+
+// Sharing says who else sees a store's data. Ask it where behaviour differs between a
+// store that other processes share and one private to this process, rather than
+// branching on whether a store exists.
+type Sharing interface {
+	// Shared reports whether other processes can open the same data: true for a
+	// SQLite file and PostgreSQL (another orchestrator can take a run over, the CLI
+	// reads what a service wrote), false for memory (the data lives and dies with
+	// this process).
+	Shared() bool
 }
 
 // Runs holds run records and the leases that say which orchestrator advances a run.

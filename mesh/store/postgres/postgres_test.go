@@ -45,6 +45,18 @@ func TestSchemaTooNew(t *testing.T) {
 	t.Logf("error: %v", err)
 }
 
+// PostgreSQL is shared: replicas open the same database.
+func TestShared(t *testing.T) {
+	s, err := postgres.Open(context.Background(), fresh(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = s.Close() }()
+	if !s.Shared() {
+		t.Fatal("a PostgreSQL store says no other process shares it")
+	}
+}
+
 func TestBadDSN(t *testing.T) {
 	if _, err := postgres.Open(context.Background(), "postgres://%zz"); !errors.Is(err, store.ErrInvalidArgument) {
 		t.Fatalf("bad DSN: %v", err)

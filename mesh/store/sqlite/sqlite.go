@@ -20,9 +20,6 @@ import (
 
 func init() { store.Register("sqlite", Open) }
 
-// BEGIN IMMEDIATE already locks the database: no FOR UPDATE.
-var dialect = sqlcore.Dialect{Name: "sqlite", Blob: "BLOB"}
-
 // Open opens (creating it and its directory if needed) the SQLite database at
 // dsnOrPath, a path or a sqlite:// URL (sqlite:///abs/path, sqlite://rel/path), and
 // applies pending migrations. See the package documentation for the settings.
@@ -52,7 +49,7 @@ func Open(ctx context.Context, dsnOrPath string, opts ...store.Option) (store.St
 	for attempt := 0; ; attempt++ {
 		d, err := open(ctx, base, path, o)
 		if err == nil {
-			return sqlcore.New(d, dialect, o), nil
+			return sqlcore.New(d, sqlcore.SQLite, o), nil
 		}
 		if !busy(err) || time.Now().After(deadline) {
 			return nil, err
@@ -68,10 +65,10 @@ func Open(ctx context.Context, dsnOrPath string, opts ...store.Option) (store.St
 }
 
 // open opens the writer and reader pools, checks WAL mode and migrates.
-func open(ctx context.Context, base, path string, o store.Options) (driver, error) {
+func open(ctx context.Context, base, path string, o store.Options) (sqlcore.SQLDB, error) {
 	w, err := sql.Open("sqlite", base+"&_txlock=immediate")
 	if err != nil {
-		return driver{}, err
+		return sqlcore.SQLDB{}, err
 	}
 	w.SetMaxOpenConns(1)
 	w.SetMaxIdleConns(1)
@@ -84,16 +81,16 @@ func open(ctx context.Context, base, path string, o store.Options) (driver, erro
 	r, err := sql.Open("sqlite", base+"&_pragma=query_only(1)")
 	if err != nil {
 		_ = w.Close()
-		return driver{}, err
+		return sqlcore.SQLDB{}, err
 	}
 	r.SetMaxOpenConns(readers)
 	r.SetMaxIdleConns(readers)
-	d := driver{w: w, r: r}
+	d := sqlcore.SQLDB{W: w, R: r}
 	if err := check(ctx, w); err != nil {
-		return driver{}, errors.Join(fmt.Errorf("sqlite %s: %w", path, err), d.Close())
+		return sqlcore.SQLDB{}, errors.Join(fmt.Errorf("sqlite %s: %w", path, err), d.Close())
 	}
-	if _, err := sqlcore.Migrate(ctx, d, dialect, max(o.Clock().UnixMilli(), 1)); err != nil {
-		return driver{}, errors.Join(fmt.Errorf("sqlite %s: %w", path, err), d.Close())
+	if _, err := sqlcore.Migrate(ctx, d, sqlcore.SQLite, max(o.Clock().UnixMilli(), 1)); err != nil {
+		return sqlcore.SQLDB{}, errors.Join(fmt.Errorf("sqlite %s: %w", path, err), d.Close())
 	}
 	return d, nil
 }

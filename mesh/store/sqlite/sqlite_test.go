@@ -49,6 +49,18 @@ func TestOpenForms(t *testing.T) {
 	}
 }
 
+// A SQLite file is shared: another process can open it.
+func TestShared(t *testing.T) {
+	s, err := sqlite.Open(context.Background(), fresh(t))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = s.Close() }()
+	if !s.Shared() {
+		t.Fatal("a SQLite file store says no other process shares it")
+	}
+}
+
 // TestPragmas checks the file is in WAL mode and the busy timeout reaches connections.
 func TestPragmas(t *testing.T) {
 	ctx := context.Background()

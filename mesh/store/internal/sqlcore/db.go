@@ -1,9 +1,9 @@
 // Package sqlcore implements store.Store once, in SQL that SQLite (3.35+) and
 // PostgreSQL both accept ($N placeholders, ON CONFLICT, RETURNING), over a small driver
-// abstraction that the sqlite and postgres packages implement with database/sql and
-// pgxpool. The backends differ only in the driver, the DDL (migrations) and the row
-// locking clause (FOR UPDATE on PostgreSQL; SQLite's write transactions are BEGIN
-// IMMEDIATE and so already serialized).
+// abstraction: [SQLDB] over database/sql for the SQLite backends (sqlite, memory), and
+// pgxpool in the postgres package. The backends differ only in the driver, the DDL
+// (migrations) and the row locking clause (FOR UPDATE on PostgreSQL; SQLite's write
+// transactions are BEGIN IMMEDIATE and so already serialized).
 package sqlcore
 
 import (
@@ -57,3 +57,7 @@ type Dialect struct {
 	// statement does not otherwise fix.
 	Blob string
 }
+
+// SQLite is the dialect of the SQLite backends. BEGIN IMMEDIATE already locks the
+// database: no FOR UPDATE.
+var SQLite = Dialect{Name: "sqlite", Blob: "BLOB"}

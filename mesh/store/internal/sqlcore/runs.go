@@ -25,6 +25,10 @@ func New(d Driver, dl Dialect, o store.Options) *Store {
 	return &Store{d: d, dl: dl, now: o.Clock}
 }
 
+// Shared implements store.Sharing: a SQL database is one other processes can open.
+// The memory backend, private to its process, overrides it.
+func (s *Store) Shared() bool { return true }
+
 // Close closes the driver.
 func (s *Store) Close() error { return s.d.Close() }
 

@@ -18,12 +18,17 @@ import (
 	"github.com/curfew-mesh/curfew/mesh/nodes"
 	"github.com/curfew-mesh/curfew/mesh/service"
 	"github.com/curfew-mesh/curfew/mesh/store"
+	_ "github.com/curfew-mesh/curfew/mesh/store/memory"   // the default, private store
 	_ "github.com/curfew-mesh/curfew/mesh/store/postgres" // postgres:// DSNs
 	_ "github.com/curfew-mesh/curfew/mesh/store/sqlite"   // SQLite paths
 	"github.com/curfew-mesh/curfew/services/modelproxy/internal/modelproxy"
 )
 
 func main() { os.Exit(run(os.Args[1:])) }
+
+// privateStore is the store without --store: this process's own, in memory, which
+// keeps the ledger no longer than the process, as before without a store.
+const privateStore = "memory://modelproxy"
 
 func run(args []string) int {
 	fs := flag.NewFlagSet("modelproxy", flag.ContinueOnError)
@@ -60,16 +65,16 @@ func run(args []string) int {
 	}
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
-	var st store.Store
-	if *storeDSN != "" {
-		s, err := store.Open(ctx, *storeDSN)
-		if err != nil {
-			fmt.Fprintln(os.Stderr, "modelproxy: --store:", err)
-			return 2
-		}
-		defer func() { _ = s.Close() }()
-		st = s
+	dsn := *storeDSN
+	if dsn == "" {
+		dsn = privateStore
 	}
+	st, err := store.Open(ctx, dsn)
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "modelproxy: --store:", err)
+		return 2
+	}
+	defer func() { _ = st.Close() }()
 	rt, err := service.New(ctx, o, map[string]time.Duration{
 		modelproxyv1.ModelProxyService_Generate_FullMethodName: *minDecode,
 	})
@@ -82,10 +87,8 @@ func run(args []string) int {
 	srv.Log = rt.Log
 	srv.Leases.TTL = *leaseTTL
 	rt.Registry.MustRegister(srv.Leases.Collector())
-	if st != nil {
-		srv.Store = st
-		defer srv.Flush() // the last decoders' entries, before the store closes
-	}
+	srv.Store = st
+	defer srv.Flush() // the last decoders' entries, before the store closes
 	if file != nil {
 		if srv.Router, err = modelproxy.NewRouter(file, modelproxy.RouterOptions{Registry: rt.Registry, Log: rt.Log}); err != nil {
 			fmt.Fprintln(os.Stderr, "modelproxy: --providers-config:", err)

@@ -19,12 +19,16 @@ import (
 	"github.com/curfew-mesh/curfew/mesh/nodes"
 	"github.com/curfew-mesh/curfew/mesh/service"
 	"github.com/curfew-mesh/curfew/mesh/store"
+	_ "github.com/curfew-mesh/curfew/mesh/store/memory"   // the default, private store
 	_ "github.com/curfew-mesh/curfew/mesh/store/postgres" // postgres:// DSNs
 	_ "github.com/curfew-mesh/curfew/mesh/store/sqlite"   // SQLite paths
 	"github.com/curfew-mesh/curfew/services/toolrunner/internal/toolrunner"
 )
 
 func main() { os.Exit(run(os.Args[1:])) }
+
+// privateStore is the store without --store: this process's own, in memory.
+const privateStore = "memory://toolrunner"
 
 func run(args []string) int {
 	fs := flag.NewFlagSet("toolrunner", flag.ContinueOnError)
@@ -53,16 +57,16 @@ func run(args []string) int {
 	}
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
-	var st store.Store
-	if *storeDSN != "" {
-		s, err := store.Open(ctx, *storeDSN)
-		if err != nil {
-			fmt.Fprintln(os.Stderr, "toolrunner: --store:", err)
-			return 2
-		}
-		defer func() { _ = s.Close() }()
-		st = s
+	dsn := *storeDSN
+	if dsn == "" {
+		dsn = privateStore // kv_put and notify refuse it, as they refused no store
 	}
+	st, err := store.Open(ctx, dsn)
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "toolrunner: --store:", err)
+		return 2
+	}
+	defer func() { _ = st.Close() }()
 	rt, err := service.New(ctx, o, map[string]time.Duration{toolrunnerv1.ToolRunnerService_Execute_FullMethodName: *minTool})
 	if err != nil {
 		fmt.Fprintln(os.Stderr, "toolrunner:", err)
@@ -87,9 +91,8 @@ func run(args []string) int {
 		MaxSubagentDepth:  *maxDepth,
 		MaxSubagentFanout: *maxFanout,
 		Registerer:        rt.Registry,
-	}
-	if st != nil {
-		cfg.Store, cfg.Owner = st, owner()
+		Store:             st,
+		Owner:             owner(),
 	}
 	srv := toolrunner.New(cfg)
 	toolrunnerv1.RegisterToolRunnerServiceServer(rt.Server, srv)

@@ -20,9 +20,11 @@ import (
 // caller's key, or one derived from run, node, tool and the canonical arguments (the agent
 // loop derives the same one). A duplicate joins the running call, a repeat gets the
 // stored result, and the effect commits with the record, so it happens exactly once.
+// The effects are for other processes (an outbox's sender, kv readers) and must
+// survive this one, so a store private to the process refuses them.
 func (s *Server) durable(name string, raw []byte) execFunc {
 	return func(ctx context.Context) (string, *meshv1.Cleanup, error) {
-		if s.idem == nil {
+		if !s.cfg.Store.Shared() {
 			return "", nil, status.Errorf(codes.FailedPrecondition, "tool %s needs toolrunner's durable store (--store)", name)
 		}
 		id := md.IdentityFrom(ctx)

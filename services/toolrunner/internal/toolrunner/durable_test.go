@@ -5,6 +5,7 @@ import (
 	"path/filepath"
 	"testing"
 
+	"github.com/prometheus/client_golang/prometheus"
 	"github.com/prometheus/client_golang/prometheus/testutil"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/metadata"
@@ -70,4 +71,25 @@ func TestNotifyCancelledAndNoStore(t *testing.T) {
 	meshtest.WantCode(t, r.err, codes.FailedPrecondition, "--store")
 	r = execute(ident("r-n", "root/s0.t2"), t, plain.tools, "kv_put", `{"key": "a"}`)
 	meshtest.WantCode(t, r.err, codes.InvalidArgument, "args.value")
+}
+
+// The durable tools' effect counters are exported (at 0) with a shared store only: a
+// private store shows the series that no store showed.
+func TestEffectSeriesFollowTheStore(t *testing.T) {
+	s, err := sqlite.Open(context.Background(), filepath.Join(t.TempDir(), "curfew.db"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = s.Close() })
+	for _, c := range []struct {
+		name  string
+		store Store
+		want  int
+	}{{"private", nil, 1}, {"shared", s, 3}} {
+		reg := prometheus.NewRegistry()
+		newEnv(t, mesh.ServerConfig{}, Config{Registerer: reg, Store: c.store})
+		if n, err := testutil.GatherAndCount(reg, "curfew_tool_effects_total"); err != nil || n != c.want {
+			t.Errorf("%s store: %d curfew_tool_effects_total series (%v), want %d", c.name, n, err, c.want)
+		}
+	}
 }

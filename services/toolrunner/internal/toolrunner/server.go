@@ -56,12 +56,21 @@ type Config struct {
 	SettleTimeout time.Duration
 	// Registerer, if set, receives the toolrunner's metrics.
 	Registerer prometheus.Registerer
-	// Store keeps the durable built-ins' records and effects (kv_put, notify); without
-	// it those tools fail with FAILED_PRECONDITION. Owner names this process incarnation
-	// in the records' leases; LeaseTTL is their lease (idempotency.DefaultLeaseTTL when 0).
-	Store    store.Tools
+	// Store keeps the durable built-ins' records and effects (kv_put, notify); required.
+	// Their effects are for other processes to read, so with a store no other process
+	// shares (memory) those tools fail with FAILED_PRECONDITION. Owner names this
+	// process incarnation in the records' leases (required); LeaseTTL is their lease
+	// (idempotency.DefaultLeaseTTL when 0).
+	Store    Store
 	Owner    string
 	LeaseTTL time.Duration
+}
+
+// Store is what the server needs of a store: the tool records, and whether other
+// processes share them.
+type Store interface {
+	store.Tools
+	store.Sharing
 }
 
 // Server implements ToolRunnerService.
@@ -71,7 +80,7 @@ type Server struct {
 	Nodes *nodes.Table
 	jobs  *jobs
 	keys  *keys
-	idem  *idempotency.Executor // nil without a store
+	idem  *idempotency.Executor
 	// effects counts side effects actually performed, by tool.
 	effects *prometheus.CounterVec
 
@@ -79,7 +88,7 @@ type Server struct {
 	fanout map[string]int // run → subagents in flight
 }
 
-// New returns a server.
+// New returns a server. It panics without cfg.Store or cfg.Owner: a wiring bug.
 func New(cfg Config) *Server {
 	if cfg.MaxSubagentDepth == 0 {
 		cfg.MaxSubagentDepth = DefaultMaxSubagentDepth
@@ -99,12 +108,12 @@ func New(cfg Config) *Server {
 	if cfg.Registerer != nil {
 		cfg.Registerer.MustRegister(s.effects)
 	}
-	if cfg.Store != nil {
-		idem, err := idempotency.New(idempotency.Config{Store: cfg.Store, Owner: cfg.Owner, LeaseTTL: cfg.LeaseTTL})
-		if err != nil {
-			panic(err) // only for a missing Owner: a wiring bug
-		}
-		s.idem = idem
+	idem, err := idempotency.New(idempotency.Config{Store: cfg.Store, Owner: cfg.Owner, LeaseTTL: cfg.LeaseTTL})
+	if err != nil {
+		panic(err) // a missing Store or Owner: a wiring bug
+	}
+	s.idem = idem
+	if cfg.Store.Shared() { // the durable built-ins run: exported at 0 too
 		s.effects.WithLabelValues(plan.ToolKVPut)
 		s.effects.WithLabelValues(plan.ToolNotify)
 	}

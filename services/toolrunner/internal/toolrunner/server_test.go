@@ -26,6 +26,7 @@ import (
 	"github.com/curfew-mesh/curfew/mesh/md"
 	"github.com/curfew-mesh/curfew/mesh/meshtest"
 	"github.com/curfew-mesh/curfew/mesh/nodes"
+	"github.com/curfew-mesh/curfew/mesh/store/storetest"
 )
 
 func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
@@ -42,6 +43,12 @@ func newEnv(t *testing.T, scfg mesh.ServerConfig, cfg Config) *env {
 	t.Helper()
 	if scfg.Logger == nil {
 		scfg.Logger = quiet
+	}
+	if cfg.Store == nil { // what main opens without --store
+		cfg.Store = storetest.OpenMemory(t)
+	}
+	if cfg.Owner == "" {
+		cfg.Owner = "test-owner"
 	}
 	srv := New(cfg)
 	cc := meshtest.Serve(t, scfg, func(gs *grpc.Server) {

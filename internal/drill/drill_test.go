@@ -1,4 +1,4 @@
-package cli
+package drill
 
 import (
 	"strings"
@@ -16,9 +16,9 @@ func ts(t0 time.Time, d time.Duration) *timestamppb.Timestamp { return timestamp
 // A row from a run summary: tokens summed over the model nodes, the slack on arrival,
 // the lease age derived from the keeper's rule, duplicates from overlapping attempts of
 // one retry-id, and the run's cause.
-func TestComputeDrillRow(t *testing.T) {
+func TestComputeRow(t *testing.T) {
 	t0 := time.Unix(1_700_000_000, 0)
-	cfg := drillConfig{heartbeat: 4 * time.Second, leaseTTL: 8 * time.Second, tps: 40, deadline: 12 * time.Second}
+	cfg := Config{Heartbeat: 4 * time.Second, LeaseTTL: 8 * time.Second, TPS: 40, Deadline: 12 * time.Second}
 	run := &orchestratorv1.Run{RunId: "r1", Cause: meshv1.CancelCause_CANCEL_CAUSE_CLIENT_DISCONNECT, CancelledAt: ts(t0, 3500*time.Millisecond),
 		Nodes: []*meshv1.Node{
 			{Id: "root", Kind: meshv1.NodeKind_NODE_KIND_RUN},
@@ -31,8 +31,8 @@ func TestComputeDrillRow(t *testing.T) {
 				StartedAt: ts(t0, 10*time.Millisecond), EndedAt: ts(t0, 8010*time.Millisecond),
 				Tokens: 320, TokensAtCancel: 140, TokensAfterCancel: 180, Cause: meshv1.CancelCause_CANCEL_CAUSE_LEASE_EXPIRED},
 		}}
-	var row DrillRow
-	computeDrillRow(&row, run, time.Time{}, cfg)
+	var row Row
+	computeRow(&row, run, time.Time{}, cfg)
 	if row.RetryID != "rid" || row.DeadlineSlackMS != 11950 || row.Decoders != 2 {
 		t.Errorf("retry_id %q, slack %d, decoders %d", row.RetryID, row.DeadlineSlackMS, row.Decoders)
 	}
@@ -49,30 +49,30 @@ func TestComputeDrillRow(t *testing.T) {
 	}
 
 	// Attempts that follow each other are not duplicates.
-	if n := maxOverlap([]drillSpan{{t0, t0.Add(time.Second)}, {t0.Add(time.Second), t0.Add(2 * time.Second)}}); n != 1 {
+	if n := maxOverlap([]span{{t0, t0.Add(time.Second)}, {t0.Add(time.Second), t0.Add(2 * time.Second)}}); n != 1 {
 		t.Errorf("back-to-back attempts overlap %d, want 1", n)
 	}
 }
 
 func TestDrillVerdict(t *testing.T) {
-	cfg := drillConfig{mode: "shed", heartbeat: 4 * time.Second, leaseTTL: 8 * time.Second, tps: 40}
+	cfg := Config{Mode: "shed", Heartbeat: 4 * time.Second, LeaseTTL: 8 * time.Second, TPS: 40}
 	// One in-flight token after the cancel is not an orphan (orphan_token_delta 0).
-	rows := []DrillRow{{Task: "t-0", Criticality: "critical", RunID: "a", Decoders: 1, OrphanTokenDelta: 0, TokensAfterCancel: 1, TokensAtCancel: 138, TokensAtDeadline: 139}}
-	if v, ok := drillVerdict(cfg, rows); !ok || !strings.HasPrefix(v, "shed within grace") {
+	rows := []Row{{Task: "t-0", Criticality: "critical", RunID: "a", Decoders: 1, OrphanTokenDelta: 0, TokensAfterCancel: 1, TokensAtCancel: 138, TokensAtDeadline: 139}}
+	if v, ok := Verdict(cfg, rows); !ok || !strings.HasPrefix(v, "shed within grace") {
 		t.Errorf("one in-flight token: %q %v", v, ok)
 	}
 	rows[0].OrphanTokenDelta, rows[0].TokensAfterCancel = 1, 2
-	if v, ok := drillVerdict(cfg, rows); ok || !strings.HasPrefix(v, "cancel missed") {
+	if v, ok := Verdict(cfg, rows); ok || !strings.HasPrefix(v, "cancel missed") {
 		t.Errorf("one orphan token: %q %v", v, ok)
 	}
-	cfg.mode = "orphan"
+	cfg.Mode = "orphan"
 	rows[0].OrphanTokenDelta, rows[0].TokensAtDeadline = 339, 477
-	if v, ok := drillVerdict(cfg, rows); ok || !strings.HasPrefix(v, "orphan decode after cancel") {
+	if v, ok := Verdict(cfg, rows); ok || !strings.HasPrefix(v, "orphan decode after cancel") {
 		t.Errorf("orphan: %q %v", v, ok)
 	}
-	cfg.mode, cfg.fault = "shed", 4
+	cfg.Mode, cfg.Fault = "shed", 4
 	rows[0].OrphanTokenDelta, rows[0].TokensAtDeadline, rows[0].TokensAtCancel, rows[0].StreamedTokens = 0, 0, 0, 135
-	if v, ok := drillVerdict(cfg, rows); !ok || !strings.Contains(v, "caught by ledger keying") {
+	if v, ok := Verdict(cfg, rows); !ok || !strings.Contains(v, "caught by ledger keying") {
 		t.Errorf("fault 4: %q %v", v, ok)
 	}
 }

@@ -1,30 +1,28 @@
-package sqlite
+package sqlcore
 
 import (
 	"context"
 	"database/sql"
 	"errors"
-
-	"github.com/curfew-mesh/curfew/mesh/store/internal/sqlcore"
 )
 
-// driver is a Driver over database/sql: one pool for writes (the SQLite backend
-// gives it a single connection) and one for reads.
-type driver struct {
-	w, r *sql.DB
+// SQLDB is a Driver over database/sql: one pool for writes (the SQLite backends
+// give it a single connection) and one for reads.
+type SQLDB struct {
+	W, R *sql.DB
 }
 
 // Read implements Driver.
-func (d driver) Read() sqlcore.Querier { return sqlQuerier{d.r} }
+func (d SQLDB) Read() Querier { return sqlQuerier{d.R} }
 
 // Exec implements Driver, on the writer connection.
-func (d driver) Exec(ctx context.Context, s string, args ...any) (int64, error) {
-	return sqlQuerier{d.w}.Exec(ctx, s, args...)
+func (d SQLDB) Exec(ctx context.Context, s string, args ...any) (int64, error) {
+	return sqlQuerier{d.W}.Exec(ctx, s, args...)
 }
 
 // Tx implements Driver.
-func (d driver) Tx(ctx context.Context, fn func(sqlcore.Querier) error) (err error) {
-	tx, err := d.w.BeginTx(ctx, nil)
+func (d SQLDB) Tx(ctx context.Context, fn func(Querier) error) (err error) {
+	tx, err := d.W.BeginTx(ctx, nil)
 	if err != nil {
 		return err
 	}
@@ -40,7 +38,7 @@ func (d driver) Tx(ctx context.Context, fn func(sqlcore.Querier) error) (err err
 }
 
 // Close implements Driver.
-func (d driver) Close() error { return errors.Join(d.r.Close(), d.w.Close()) }
+func (d SQLDB) Close() error { return errors.Join(d.R.Close(), d.W.Close()) }
 
 type sqlConn interface {
 	ExecContext(ctx context.Context, query string, args ...any) (sql.Result, error)
@@ -58,11 +56,11 @@ func (q sqlQuerier) Exec(ctx context.Context, s string, args ...any) (int64, err
 	return res.RowsAffected()
 }
 
-func (q sqlQuerier) QueryRow(ctx context.Context, s string, args ...any) sqlcore.Row {
+func (q sqlQuerier) QueryRow(ctx context.Context, s string, args ...any) Row {
 	return sqlRow{q.c.QueryRowContext(ctx, s, args...)}
 }
 
-func (q sqlQuerier) Query(ctx context.Context, s string, args ...any) (sqlcore.Rows, error) {
+func (q sqlQuerier) Query(ctx context.Context, s string, args ...any) (Rows, error) {
 	rows, err := q.c.QueryContext(ctx, s, args...)
 	if err != nil {
 		return nil, err
@@ -75,7 +73,7 @@ type sqlRow struct{ r *sql.Row }
 func (r sqlRow) Scan(dest ...any) error {
 	err := r.r.Scan(dest...)
 	if errors.Is(err, sql.ErrNoRows) {
-		return sqlcore.ErrNoRows
+		return ErrNoRows
 	}
 	return err
 }
