@@ -9,7 +9,6 @@ import (
 	"io"
 	"log/slog"
 	"net"
-	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -18,7 +17,6 @@ import (
 	"google.golang.org/grpc/credentials/insecure"
 	"google.golang.org/grpc/health"
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
-	"google.golang.org/grpc/metadata"
 
 	"github.com/curfew-mesh/curfew/mesh"
 	"github.com/curfew-mesh/curfew/mesh/md"
@@ -152,18 +150,15 @@ func BenchmarkChainLatency(b *testing.B) {
 // BenchmarkChainLatency; run it with -benchtime=<rounds>x.
 func BenchmarkChainHeaderFloor(b *testing.B) {
 	bare, _, ctx := chainPairs(b)
-	id := md.IdentityFrom(ctx)
-	dl, _ := ctx.Deadline()
-	deadlineMS := strconv.FormatInt(dl.UnixMilli(), 10)
+	headers := withHeaders(ctx)
 	var dBare, dHdr Dist
 	round := 0
-	timeCalls := func(headers bool, into *Dist) {
+	timeCalls := func(withHeaders bool, into *Dist) {
 		for range chainRound {
 			t0 := time.Now()
 			c := ctx
-			if headers {
-				c = metadata.AppendToOutgoingContext(ctx, md.Tenant, id.Tenant, md.RunID, id.RunID, md.NodeID, id.NodeID,
-					md.Deadline, deadlineMS, md.RetryID, newUUIDv7(), md.Attempt, "1")
+			if withHeaders {
+				c = headers()
 			}
 			check(c, b, bare)
 			*into = append(*into, time.Since(t0))

@@ -9,36 +9,33 @@ import (
 	"sync"
 	"time"
 
-	"github.com/google/uuid"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/metadata"
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/proto"
-	"google.golang.org/protobuf/types/known/durationpb"
 	"google.golang.org/protobuf/types/known/timestamppb"
 
 	meshv1 "github.com/curfew-mesh/curfew/gen/curfew/mesh/v1"
 	modelproxyv1 "github.com/curfew-mesh/curfew/gen/curfew/modelproxy/v1"
 	toolrunnerv1 "github.com/curfew-mesh/curfew/gen/curfew/toolrunner/v1"
 	"github.com/curfew-mesh/curfew/mesh/cancel"
+	"github.com/curfew-mesh/curfew/mesh/catalog"
 	"github.com/curfew-mesh/curfew/mesh/chaos"
 	"github.com/curfew-mesh/curfew/mesh/deadline"
 	"github.com/curfew-mesh/curfew/mesh/decoderlease"
 	"github.com/curfew-mesh/curfew/mesh/md"
 	"github.com/curfew-mesh/curfew/mesh/nodes"
-	"github.com/curfew-mesh/curfew/mesh/plan"
 	"github.com/curfew-mesh/curfew/mesh/retry"
 )
 
 // Defaults of Config's zero fields.
 const (
-	DefaultModel         = "sim"
-	DefaultMinModelTime  = 50 * time.Millisecond
-	DefaultMinToolTime   = 10 * time.Millisecond
-	DefaultMaxSteps      = 64
-	DefaultMaxFanout     = 16
-	DefaultSettleTimeout = cancel.DefaultCleanupBudget + time.Second
+	DefaultModel        = "sim"
+	DefaultMinModelTime = 50 * time.Millisecond
+	DefaultMinToolTime  = 10 * time.Millisecond
+	DefaultMaxSteps     = 64
+	DefaultMaxFanout    = 16
 	// emitEvery throttles token progress events of a model node.
 	emitEvery = 100 * time.Millisecond
 )
@@ -62,8 +59,8 @@ type Config struct {
 	// MaxFanout is the most tool calls one step may make (they all run in parallel); a step
 	// asking for more fails with INVALID_ARGUMENT. DefaultMaxFanout when 0.
 	MaxFanout int
-	// SettleTimeout bounds the wait for a cancelled child's teardown; DefaultSettleTimeout
-	// when 0. It covers the default cleanup budget of a tool.
+	// SettleTimeout bounds the wait for a cancelled child's teardown;
+	// cancel.DefaultSettleTimeout when 0. It covers the default cleanup budget of a tool.
 	SettleTimeout time.Duration
 	// Emit, if set, receives progress: model nodes as their tokens arrive, and the nodes
 	// the tools report. It is called from several goroutines.
@@ -78,7 +75,7 @@ type Config struct {
 }
 
 // toolSpecs are the built-in tools, described once.
-var toolSpecs = plan.ToolSpecs()
+var toolSpecs = catalog.Specs()
 
 // Loop runs agent loops. It is safe for concurrent use.
 type Loop struct{ cfg Config }
@@ -101,7 +98,7 @@ func New(cfg Config) *Loop {
 		cfg.MaxFanout = DefaultMaxFanout
 	}
 	if cfg.SettleTimeout == 0 {
-		cfg.SettleTimeout = DefaultSettleTimeout
+		cfg.SettleTimeout = cancel.DefaultSettleTimeout
 	}
 	if cfg.Emit == nil {
 		cfg.Emit = func(*meshv1.Node) {}
@@ -150,7 +147,7 @@ func (l *Loop) RunJournaled(ctx context.Context, base, model, task string, j Jou
 	msgs := []*modelproxyv1.Message{{Role: modelproxyv1.Role_ROLE_USER, Content: task}}
 	for i := 0; i < l.cfg.MaxSteps; i++ {
 		if err := ctx.Err(); err != nil {
-			return "", ctxStatus(ctx)
+			return "", cancel.Status(ctx)
 		}
 		var res *stepResult
 		if e := next(i, EntryModel); e != nil {
@@ -226,7 +223,7 @@ func (l *Loop) modelStep(ctx context.Context, id, model string, msgs []*modelpro
 	if l.cfg.Leases != nil {
 		var rid string
 		var err error
-		if cctx, rid, err = withRetryID(cctx); err != nil {
+		if cctx, rid, err = retry.WithID(cctx); err != nil {
 			return nil, err
 		}
 		// chaos slow-heartbeat (a drill's fault; empty unless the service runs with
@@ -276,20 +273,6 @@ func (l *Loop) modelStep(ctx context.Context, id, model string, msgs []*modelpro
 	return &stepResult{GenerateResponse: final, text: text.String(), tokens: node.Tokens}, nil
 }
 
-// withRetryID returns ctx and the retry-id on its outgoing metadata, minting one (a
-// UUIDv7, as the retry layer would) and adding it when there is none.
-func withRetryID(ctx context.Context) (context.Context, string, error) {
-	if v := metadata.ValueFromOutgoingContext(ctx, md.RetryID); len(v) > 0 && v[0] != "" {
-		return ctx, v[0], nil
-	}
-	u, err := uuid.NewV7()
-	if err != nil {
-		return nil, "", status.Error(codes.Internal, "internal error")
-	}
-	id := u.String()
-	return metadata.AppendToOutgoingContext(ctx, md.RetryID, id), id, nil
-}
-
 func (l *Loop) endModel(n *meshv1.Node, err error) {
 	n.EndedAt = timestamppb.Now()
 	n.Status = meshv1.NodeStatus_NODE_STATUS_SUCCEEDED
@@ -311,7 +294,7 @@ func (l *Loop) toolStep(ctx context.Context, prefix string, calls []*modelproxyv
 		// context and a goroutine would be held for the whole call for nothing).
 		out, err := l.callTool(ctx, prefix+".t0", calls[0])
 		if ctx.Err() != nil {
-			return nil, ctxStatus(ctx)
+			return nil, cancel.Status(ctx)
 		}
 		if err != nil {
 			return nil, err
@@ -371,7 +354,7 @@ func (l *Loop) toolStep(ctx context.Context, prefix string, calls []*modelproxyv
 	}
 	wg.Wait() // every branch settles its own remote teardown before returning
 	if ctx.Err() != nil {
-		return nil, ctxStatus(ctx)
+		return nil, cancel.Status(ctx)
 	}
 	if firstErr != nil {
 		return nil, firstErr
@@ -385,7 +368,7 @@ func (l *Loop) callTool(ctx context.Context, id string, c *modelproxyv1.ToolCall
 	}
 	cctx := md.WithNode(ctx, id)
 	var opts []grpc.CallOption
-	if plan.SideEffects(c.GetName()) {
+	if catalog.NeedsKey(c.GetName()) {
 		// Retried only with an idempotency key: a second run of it is a second effect.
 		opts = append(opts, retry.SideEffect())
 	}
@@ -446,13 +429,9 @@ func (l *Loop) callTool(ctx context.Context, id string, c *modelproxyv1.ToolCall
 	return out.GetOutputJson(), nil
 }
 
-// deadlineSlop is how close to ctx's deadline a child's DEADLINE_EXCEEDED counts as that
-// deadline (the child measured its copy of it from its own arrival).
-const deadlineSlop = 250 * time.Millisecond
-
 // atDeadline reports whether err is a DEADLINE_EXCEEDED that ctx's own deadline explains.
 func atDeadline(ctx context.Context, err error) bool {
-	return status.Code(err) == codes.DeadlineExceeded && deadline.Remaining(ctx, time.Now()) <= deadlineSlop
+	return status.Code(err) == codes.DeadlineExceeded && deadline.Remaining(ctx, time.Now()) <= cancel.DeadlineSlop
 }
 
 // failed handles a child call's error. When ctx was cancelled, the child is being torn
@@ -465,72 +444,15 @@ func (l *Loop) failed(ctx context.Context, reports meshv1.NodeReportServiceClien
 		// That error is our deadline, so wait the instant for ctx to say so, and settle.
 		<-ctx.Done()
 	} else {
-		AwaitCancel(ctx, err)
+		cancel.Await(ctx, err)
 	}
 	if ctx.Err() == nil {
 		return err
 	}
 	if reports != nil {
-		_ = Settle(ctx, reports, id, l.cfg.SettleTimeout)
+		_ = cancel.Settle(ctx, reports, id, l.cfg.SettleTimeout)
 	}
-	return ctxStatus(ctx)
-}
-
-// CancelWait bounds how long a loop whose child was cancelled, while the loop itself was
-// not, waits for its own cancel before it takes the child's CANCELLED as the child's
-// error: the run's cancel reaches the decoders first and the loops above them a moment
-// later (about a millisecond; at most the orchestrator's 5 ms wait for modelproxy plus a
-// hop). A child cancelled by something that does not also cancel this loop costs this
-// much before its error is returned.
-const CancelWait = time.Second
-
-// AwaitCancel waits, when err is a child's CANCELLED while ctx is still alive, until ctx
-// ends too or CancelWait has passed. The run's cancel reaches the decoders first (the
-// orchestrator tells modelproxy before the rest of the tree), and a broadcast can reach
-// any executor before the RST_STREAM reaches this one: such a child's CANCELLED is the
-// run's cancel on its way, not a failure, and whoever waits for it records the run's
-// cause (its context's) instead of a failed child's. The agent loop waits before judging
-// a failed model, tool or subagent call; toolrunner before ending a spawn_subagent tool.
-func AwaitCancel(ctx context.Context, err error) {
-	if status.Code(err) != codes.Canceled || ctx.Err() != nil {
-		return
-	}
-	t := time.NewTimer(CancelWait)
-	defer t.Stop()
-	select {
-	case <-ctx.Done():
-	case <-t.C:
-	}
-}
-
-// Settle waits, up to timeout and on a context detached from ctx's cancellation, until
-// the executor behind reports has recorded the end of node id and its subtree.
-func Settle(ctx context.Context, reports meshv1.NodeReportServiceClient, id string, timeout time.Duration) error {
-	run := md.IdentityFrom(ctx).RunID
-	return cancel.Cleanup(ctx, timeout+time.Second, func(cctx context.Context) error {
-		resp, err := reports.ListNodes(cctx, &meshv1.ListNodesRequest{
-			RunId: run, NodePrefixes: []string{id}, SettleTimeout: durationpb.New(timeout)})
-		if err != nil {
-			return err
-		}
-		if !resp.GetSettled() {
-			return status.Errorf(codes.DeadlineExceeded, "node %s did not stop within %v", id, timeout)
-		}
-		return nil
-	})
-}
-
-// ctxStatus is the status a cancelled loop returns: DEADLINE_EXCEEDED when the deadline
-// passed, CANCELED with the cause otherwise.
-func ctxStatus(ctx context.Context) error {
-	cause := context.Cause(ctx)
-	if errors.Is(ctx.Err(), context.DeadlineExceeded) || errors.Is(cause, cancel.ErrDeadline) {
-		return status.Error(codes.DeadlineExceeded, "run deadline exceeded")
-	}
-	if cause != nil && !errors.Is(cause, context.Canceled) {
-		return status.Errorf(codes.Canceled, "cancelled: %v", cause)
-	}
-	return status.Error(codes.Canceled, "cancelled")
+	return cancel.Status(ctx)
 }
 
 func cloneNode(n *meshv1.Node) *meshv1.Node { return proto.Clone(n).(*meshv1.Node) }

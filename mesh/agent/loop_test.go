@@ -10,7 +10,6 @@ import (
 	"time"
 
 	"go.uber.org/goleak"
-	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/proto"
@@ -21,10 +20,10 @@ import (
 	"github.com/curfew-mesh/curfew/mesh"
 	"github.com/curfew-mesh/curfew/mesh/agent"
 	"github.com/curfew-mesh/curfew/mesh/cancel"
+	"github.com/curfew-mesh/curfew/mesh/catalog"
 	"github.com/curfew-mesh/curfew/mesh/md"
 	"github.com/curfew-mesh/curfew/mesh/meshtest"
 	"github.com/curfew-mesh/curfew/mesh/nodes"
-	"github.com/curfew-mesh/curfew/mesh/plan"
 )
 
 func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
@@ -170,7 +169,7 @@ func TestRunTwoStepsWithParallelTools(t *testing.T) {
 	}
 	// Every model step is told the built-in tools.
 	var builtins []string
-	for _, ts := range plan.ToolSpecs() {
+	for _, ts := range catalog.Specs() {
 		builtins = append(builtins, ts.GetName())
 	}
 	for _, c := range models {
@@ -515,30 +514,5 @@ func TestThinkOnlyStepContinues(t *testing.T) {
 	}
 	if n := len(r.tools.Calls()); n != 0 {
 		t.Errorf("%d tool calls", n)
-	}
-}
-
-func TestSettle(t *testing.T) {
-	tb := nodes.New(0)
-	cc := meshtest.Serve(t, mesh.ServerConfig{}, func(s *grpc.Server) { meshv1.RegisterNodeReportServiceServer(s, &nodes.Server{Table: tb}) })
-	reports := meshv1.NewNodeReportServiceClient(cc)
-	tb.Start(runID, &meshv1.Node{Id: "root/s0.t0", Kind: meshv1.NodeKind_NODE_KIND_TOOL})
-	tb.Start(runID, &meshv1.Node{Id: "root/s0.t1", Kind: meshv1.NodeKind_NODE_KIND_TOOL})
-	ctx, stop := runCtx(t, 5*time.Second)
-	defer stop()
-
-	// A cancelled ctx: Settle still asks, on its own budget.
-	cctx, cancelNow := context.WithCancel(ctx)
-	cancelNow()
-	err := agent.Settle(cctx, reports, "root/s0.t0", 100*time.Millisecond)
-	if status.Code(err) != codes.DeadlineExceeded || !strings.Contains(err.Error(), "did not stop within") {
-		t.Fatalf("Settle on a running node = %v, want DEADLINE_EXCEEDED \"did not stop within\"", err)
-	}
-	time.AfterFunc(50*time.Millisecond, func() {
-		tb.End(runID, "root/s0.t0", meshv1.NodeStatus_NODE_STATUS_CANCELLED, 0, "CANCELLED", "", nil)
-	})
-	// root/s0.t1 still runs, but is not beneath the node settled.
-	if err := agent.Settle(cctx, reports, "root/s0.t0", 2*time.Second); err != nil {
-		t.Fatalf("Settle once the node ends = %v", err)
 	}
 }

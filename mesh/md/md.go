@@ -33,6 +33,10 @@ const (
 	// comma-separated. A service honours it only when started with --chaos; it travels to
 	// child calls like the identity headers.
 	Chaos = "curfew-chaos"
+	// CancelForwarded marks a CancelRun one orchestrator forwarded to the run's owner: it
+	// is not forwarded again, so a run that moved while the call was on its way cannot
+	// make it loop.
+	CancelForwarded = "curfew-cancel-forwarded"
 )
 
 // DefaultTenant is used when a caller names no tenant.

@@ -3,6 +3,7 @@ package plan_test
 import (
 	"testing"
 
+	"github.com/curfew-mesh/curfew/mesh/catalog"
 	"github.com/curfew-mesh/curfew/mesh/plan"
 )
 
@@ -19,7 +20,7 @@ func FuzzValidateTool(f *testing.F) {
 	}
 	f.Fuzz(func(t *testing.T, name string, args []byte) {
 		err := plan.ValidateTool(name, args)
-		if err == nil && !plan.IsBuiltin(name) {
+		if err == nil && !catalog.IsBuiltin(name) {
 			t.Fatalf("accepted unknown tool %q", name)
 		}
 	})

@@ -30,7 +30,8 @@ const (
 	MaxSleepMS = 3_600_000
 )
 
-// Built-in tool names.
+// Built-in tool names, as plans call them. Their specs and properties are the
+// catalogue's (mesh/catalog).
 const (
 	ToolSleep         = "sleep"
 	ToolSpawnSubagent = "spawn_subagent"
@@ -101,17 +102,6 @@ type Tool struct {
 
 // MaxKeyLen bounds an idempotency key.
 const MaxKeyLen = 128
-
-// SideEffects reports whether a built-in tool changes the world in a way a second run
-// would repeat, so that it is retried only with the caller's idempotency key: deploy
-// starts a job. kv_put and notify change the world too, but toolrunner keys them itself
-// (Durable), so every attempt of a call is the same call and they are always retried.
-func SideEffects(name string) bool { return name == ToolDeploy }
-
-// Durable reports whether a built-in's effect is kept in toolrunner's store under an
-// idempotency key: the caller's, or one toolrunner derives from run, node, tool and the
-// canonical arguments, which every attempt of a call shares (kv_put, notify).
-func Durable(name string) bool { return name == ToolKVPut || name == ToolNotify }
 
 // KVPutArgs are the arguments of kv_put: write Value (any JSON) under Key in the
 // tenant's key-value table.
@@ -278,15 +268,6 @@ func parse(data []byte, path string, depth int, calls *int) (*Plan, error) {
 		p.Steps = append(p.Steps, s)
 	}
 	return p, nil
-}
-
-// IsBuiltin reports whether name is a built-in tool.
-func IsBuiltin(name string) bool {
-	switch name {
-	case ToolSleep, ToolSpawnSubagent, ToolDeploy, ToolFail, ToolKVPut, ToolNotify:
-		return true
-	}
-	return false
 }
 
 // ValidateTool checks a built-in tool call's name and arguments as a plan would, with

@@ -10,7 +10,6 @@ import (
 	"sync"
 	"time"
 
-	"github.com/google/uuid"
 	"github.com/prometheus/client_golang/prometheus"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
@@ -217,14 +216,14 @@ func (c *client) begin(ctx context.Context, method string, opts []grpc.CallOptio
 			cl.first = a
 		}
 	}
-	if v := metadata.ValueFromOutgoingContext(ctx, md.RetryID); len(v) > 0 && v[0] != "" {
-		cl.retryID = v[0] // the caller minted it (a retry at a higher level of the same call)
+	if id := outgoingID(ctx); id != "" {
+		cl.retryID = id // the caller minted it (a retry at a higher level of the same call)
 	} else {
-		id, err := uuid.NewV7()
+		id, err := NewID()
 		if err != nil {
-			return nil, nil, status.Error(codes.Internal, "internal error")
+			return nil, nil, err
 		}
-		cl.retryID, cl.minted = id.String(), true // sent by attemptCtx
+		cl.retryID, cl.minted = id, true // sent by attemptCtx
 	}
 	if c.throttle != nil && !c.throttle.Allow(c.cfg.Rand()) {
 		return nil, nil, status.Errorf(codes.Unavailable, "%s: throttled on the client: the target has been rejecting requests", method)

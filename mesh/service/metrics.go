@@ -9,7 +9,7 @@ import (
 )
 
 // metrics are the chain's metrics of one service process, on its Registry: the standard
-// gRPC server and client metrics (go-grpc-middleware's Prometheus metrics, package rpcmetrics) and
+// gRPC server and client metrics (go-grpc-middleware's Prometheus provider) and
 // curfew_deadline_slack_seconds. See docs/metrics.md for every metric a service serves.
 type metrics struct {
 	server *mesh.ServerMetrics

@@ -360,7 +360,7 @@ func TestBreakerFlags(t *testing.T) {
 		t.Errorf("breaker config = %+v, want %+v", got, want)
 	}
 
-	// The flags' defaults are breaker's (and DefaultBreakerOff); a zero BreakerOptions
+	// The flags' defaults are breaker's (and DefaultBreakerOff); a zero breaker.Flags
 	// without flags is breaker's defaults, on.
 	fs, o = newFlags()
 	if err := service.Parse(fs, []string{"--addr=127.0.0.1:0", "--admin-addr=127.0.0.1:0", "--insecure"}, env(nil)); err != nil {

@@ -5,10 +5,8 @@ import (
 	"errors"
 	"fmt"
 	"log/slog"
-	"net"
 
 	"github.com/prometheus/client_golang/prometheus"
-	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials"
 	"google.golang.org/grpc/credentials/insecure"
 
@@ -70,18 +68,18 @@ func newTLS(o Options, log *slog.Logger, reg prometheus.Registerer) (*tlsState, 
 	return &tlsState{src: src, policy: pol}, nil
 }
 
-// serverCreds returns the gRPC server's transport option: mTLS with --tls-dir (client
-// certificates required, except on the orchestrator, whose public API takes callers
-// without one), else none (plaintext).
-func (t *tlsState) serverCreds(name string) grpc.ServerOption {
+// serverCreds returns the gRPC server's transport credentials: mTLS with --tls-dir
+// (client certificates required, except on the orchestrator, whose public API takes
+// callers without one), else nil (plaintext).
+func (t *tlsState) serverCreds(name string) credentials.TransportCredentials {
 	if t == nil {
-		return grpc.EmptyServerOption{}
+		return nil
 	}
 	auth := meshtls.RequireClientCert
 	if name == meshtls.Orchestrator {
 		auth = meshtls.VerifyClientCertIfGiven
 	}
-	return grpc.Creds(meshtls.ServerCredentials(t.src, auth))
+	return meshtls.ServerCredentials(t.src, auth)
 }
 
 // authorize is the server chain's authorization (mesh.ServerConfig.Authorize): the
@@ -110,28 +108,4 @@ func (rt *Runtime) Credentials(server string) credentials.TransportCredentials {
 		return insecure.NewCredentials()
 	}
 	return meshtls.ClientCredentials(rt.tls.src, server)
-}
-
-// listenHealth opens --health-addr, where New then serves grpc.health.v1 only (the
-// runtime's health.Server) in plaintext, for probes that cannot do mTLS (Kubernetes'
-// gRPC probes): no reflection, no other service.
-func (rt *Runtime) listenHealth(ctx context.Context) error {
-	if rt.Opts.HealthAddr == "" {
-		return nil
-	}
-	var lc net.ListenConfig
-	lis, err := lc.Listen(ctx, "tcp", rt.Opts.HealthAddr)
-	if err != nil {
-		return fmt.Errorf("listen on --health-addr %s: %w", rt.Opts.HealthAddr, err)
-	}
-	rt.healthLis = lis
-	return nil
-}
-
-// HealthAddr returns the bound --health-addr, or "".
-func (rt *Runtime) HealthAddr() string {
-	if rt.healthLis == nil {
-		return ""
-	}
-	return rt.healthLis.Addr().String()
 }

@@ -5,6 +5,7 @@ import (
 	"os"
 
 	"google.golang.org/grpc"
+	"google.golang.org/grpc/stats"
 
 	"github.com/curfew-mesh/curfew/mesh/tracing"
 )
@@ -24,9 +25,13 @@ func (rt *Runtime) startTracing(ctx context.Context) error {
 	return nil
 }
 
-// serverTracing is the server option installing the tracing stats handler.
-func (rt *Runtime) serverTracing() grpc.ServerOption {
-	return rt.tracing.ServerOption()
+// serverTracing is the tracing stats handler of the server, nil when tracing is off:
+// any stats handler, even one that records nothing, costs grpc-go per-call work.
+func (rt *Runtime) serverTracing() stats.Handler {
+	if !rt.tracing.Enabled() {
+		return nil
+	}
+	return tracing.ServerHandler(rt.tracing)
 }
 
 // clientTracing is the dial option installing the tracing stats handler.
@@ -37,19 +42,6 @@ func (rt *Runtime) clientTracing() grpc.DialOption {
 // Tracing returns the runtime's tracer provider (no-op when the environment asks for no
 // traces).
 func (rt *Runtime) Tracing() *tracing.Provider { return rt.tracing }
-
-// OnStop registers fn to run when Serve stops, after the gRPC server has stopped and
-// before the spans are flushed: work that outlives the server's calls (the
-// orchestrator's detached runs) ends there, so that its spans are exported too. The
-// functions run in registration order and must return by StopDeadline.
-func (rt *Runtime) OnStop(fn func()) { rt.onStop = append(rt.onStop, fn) }
-
-// stopped runs the OnStop functions.
-func (rt *Runtime) stopped() {
-	for _, fn := range rt.onStop {
-		fn()
-	}
-}
 
 // flushTraces exports the spans left and stops the exporter, within ctx.
 func (rt *Runtime) flushTraces(ctx context.Context) {

@@ -20,7 +20,7 @@ import (
 // incoming metadata) on the span.
 //
 // otelgrpc's own metrics are off (a no-op meter provider): the gRPC metrics are on each
-// service's /metrics, go-grpc-middleware's Prometheus metrics recorded by package rpcmetrics.
+// service's /metrics, go-grpc-middleware's Prometheus provider (package mesh).
 func ServerHandler(p *Provider) stats.Handler {
 	return &handler{Handler: otelgrpc.NewServerHandler(options(p)...), client: false}
 }

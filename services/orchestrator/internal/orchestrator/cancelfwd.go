@@ -25,10 +25,6 @@ import (
 // the orchestrator that takes the run over (this one included) ends it CANCELLED instead
 // of resuming it, so that no cancel is lost with its owner.
 
-// forwardedHeader marks a CancelRun forwarded by another orchestrator: it is not
-// forwarded again, so a run that moved while the call was on its way cannot make it loop.
-const forwardedHeader = "curfew-cancel-forwarded"
-
 // cancelMemory is how long a cancel of a run owned elsewhere is remembered for a takeover.
 const cancelMemory = 10 * time.Minute
 
@@ -62,7 +58,7 @@ func (s *Server) cancelElsewhere(ctx context.Context, req *orchestratorv1.Cancel
 	if run.Status.Terminal() {
 		return s.fromStore(ctx, run), nil
 	}
-	forwarded := len(metadata.ValueFromIncomingContext(ctx, forwardedHeader)) > 0
+	forwarded := len(metadata.ValueFromIncomingContext(ctx, md.CancelForwarded)) > 0
 	tried := ""
 	if !forwarded {
 		if r, ok := s.forwardCancel(ctx, run, req); ok {
@@ -107,7 +103,7 @@ func (s *Server) cancelElsewhere(ctx context.Context, req *orchestratorv1.Cancel
 // curfew-tenant the client chain sends (the tenant authenticated here). Over plaintext
 // (--insecure) there are no mesh peers, so the key is what lets the call through.
 func forwardedContext(ctx context.Context) context.Context {
-	kv := []string{forwardedHeader, "1"}
+	kv := []string{md.CancelForwarded, "1"}
 	if auth := metadata.ValueFromIncomingContext(ctx, apikey.Header); len(auth) == 1 {
 		kv = append(kv, apikey.Header, auth[0])
 	}

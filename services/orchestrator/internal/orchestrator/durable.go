@@ -23,8 +23,8 @@ import (
 	"github.com/curfew-mesh/curfew/mesh/agent"
 	"github.com/curfew-mesh/curfew/mesh/breaker"
 	"github.com/curfew-mesh/curfew/mesh/cancel"
+	"github.com/curfew-mesh/curfew/mesh/catalog"
 	"github.com/curfew-mesh/curfew/mesh/md"
-	"github.com/curfew-mesh/curfew/mesh/plan"
 	"github.com/curfew-mesh/curfew/mesh/store"
 )
 
@@ -428,7 +428,7 @@ func safeToResume(entries []agent.Entry) bool {
 		return true // the failure was in a model step: nothing of it was done
 	}
 	for _, c := range last.ToolCalls {
-		if plan.SideEffects(c.GetName()) && c.GetIdempotencyKey() == "" {
+		if catalog.NeedsKey(c.GetName()) && c.GetIdempotencyKey() == "" {
 			return false
 		}
 	}

@@ -57,7 +57,7 @@ type Config struct {
 	// MinRunTime is the least time left to admit a run; DefaultMinRunTime when 0.
 	MinRunTime time.Duration
 	// SettleTimeout bounds the wait for the tree's teardown when a run ends;
-	// agent.DefaultSettleTimeout when 0.
+	// cancel.DefaultSettleTimeout when 0.
 	SettleTimeout time.Duration
 	Log           *slog.Logger
 	// LogPrompts logs each run's task (its prompt) when it starts; off by default.
@@ -130,7 +130,7 @@ func New(cfg Config) *Server {
 		cfg.MinRunTime = DefaultMinRunTime
 	}
 	if cfg.SettleTimeout == 0 {
-		cfg.SettleTimeout = agent.DefaultSettleTimeout
+		cfg.SettleTimeout = cancel.DefaultSettleTimeout
 	}
 	if cfg.Log == nil {
 		cfg.Log = slog.Default()
@@ -229,7 +229,7 @@ func (rs *runState) unsubscribe(c chan *orchestratorv1.RunResponse) {
 // milliseconds on two cores, while its decoders went on spending tokens
 // (docs/benchmarks.md, section 1). The loops above a decoder that stops first see its
 // CANCELLED while their own context is still alive; they take it for the run's cancel on
-// its way and wait for it (agent.CancelWait), so every node still records the run's
+// its way and wait for it (cancel.AwaitWindow), so every node still records the run's
 // cause, not a failed sibling.
 func (rs *runState) cancelWith(cause error) { rs.cancelTree(cause, true) }
 
@@ -340,15 +340,12 @@ func (s *Server) disconnected(ctx context.Context, rs *runState, req *orchestrat
 	// A client whose own deadline expired cancels its call a little before the server's
 	// copy of the deadline fires (the server measured it from arrival); that is the
 	// deadline, not a disconnect.
-	if errors.Is(ctx.Err(), context.DeadlineExceeded) || time.Until(rs.dl) <= deadlineSlop {
+	if errors.Is(ctx.Err(), context.DeadlineExceeded) || time.Until(rs.dl) <= cancel.DeadlineSlop {
 		rs.cancelWith(cancel.ErrDeadline)
 		return
 	}
 	rs.cancelWith(cancel.ErrClientDisconnect)
 }
-
-// deadlineSlop is how close to the deadline a client's cancel counts as the deadline.
-const deadlineSlop = 250 * time.Millisecond
 
 func runErr(r *orchestratorv1.Run) error {
 	if r.GetStatus() == orchestratorv1.RunStatus_RUN_STATUS_SUCCEEDED {

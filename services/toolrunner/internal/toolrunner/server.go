@@ -24,8 +24,8 @@ import (
 	meshv1 "github.com/curfew-mesh/curfew/gen/curfew/mesh/v1"
 	subagentv1 "github.com/curfew-mesh/curfew/gen/curfew/subagent/v1"
 	toolrunnerv1 "github.com/curfew-mesh/curfew/gen/curfew/toolrunner/v1"
-	"github.com/curfew-mesh/curfew/mesh/agent"
 	"github.com/curfew-mesh/curfew/mesh/cancel"
+	"github.com/curfew-mesh/curfew/mesh/catalog"
 	"github.com/curfew-mesh/curfew/mesh/idempotency"
 	"github.com/curfew-mesh/curfew/mesh/md"
 	"github.com/curfew-mesh/curfew/mesh/nodes"
@@ -52,7 +52,8 @@ type Config struct {
 	// MaxSubagentFanout bounds concurrent subagents per run on this process; more fail
 	// with RESOURCE_EXHAUSTED. DefaultMaxSubagentFanout when 0.
 	MaxSubagentFanout int
-	// SettleTimeout bounds the wait for a cancelled subagent's teardown.
+	// SettleTimeout bounds the wait for a cancelled subagent's teardown;
+	// cancel.DefaultSettleTimeout when 0.
 	SettleTimeout time.Duration
 	// Registerer, if set, receives the toolrunner's metrics.
 	Registerer prometheus.Registerer
@@ -97,7 +98,7 @@ func New(cfg Config) *Server {
 		cfg.MaxSubagentFanout = DefaultMaxSubagentFanout
 	}
 	if cfg.SettleTimeout == 0 {
-		cfg.SettleTimeout = agent.DefaultSettleTimeout
+		cfg.SettleTimeout = cancel.DefaultSettleTimeout
 	}
 	s := &Server{cfg: cfg, Nodes: nodes.New(0), fanout: map[string]int{}, jobs: newJobs(), keys: newKeys(),
 		effects: prometheus.NewCounterVec(prometheus.CounterOpts{
@@ -143,7 +144,7 @@ func (s *Server) Execute(req *toolrunnerv1.ExecuteRequest, stream toolrunnerv1.T
 	if err := ctx.Err(); err != nil {
 		return err // never start a tool for a call already cancelled
 	}
-	if k := md.IdempotencyKeyFrom(ctx); k != "" && !plan.Durable(req.GetName()) {
+	if k := md.IdempotencyKeyFrom(ctx); k != "" && !catalog.Durable(req.GetName()) {
 		// (kv_put and notify keep their keys in the store, see durable.go.)
 		finish, rec := s.keys.claim(keyOf(ctx, k))
 		if rec != nil {
@@ -212,7 +213,7 @@ func (s *Server) prepare(ctx context.Context, req *toolrunnerv1.ExecuteRequest, 
 	switch {
 	case name == "":
 		return nil, status.Error(codes.InvalidArgument, "tool name is required")
-	case !plan.IsBuiltin(name):
+	case !catalog.IsBuiltin(name):
 		return nil, status.Errorf(codes.NotFound, "unknown tool %q (built-ins: deploy, fail, kv_put, notify, sleep, spawn_subagent)", name)
 	}
 	if err := plan.ValidateTool(name, raw); err != nil {
@@ -222,7 +223,7 @@ func (s *Server) prepare(ctx context.Context, req *toolrunnerv1.ExecuteRequest, 
 		}
 		return nil, status.Errorf(codes.InvalidArgument, "tool %s: %v", name, err)
 	}
-	if plan.Durable(name) {
+	if catalog.Durable(name) {
 		return s.durable(name, raw), nil
 	}
 	switch name {
@@ -384,12 +385,12 @@ func (s *Server) spawn(ctx context.Context, task string, emit func(*meshv1.Node)
 
 // settle waits for a cancelled subagent's teardown before the tool node ends. A subagent
 // cancelled while this call is not is the run's cancel on its way here (the broadcast can
-// reach the subagent first): it waits for that, bounded by agent.CancelWait, so the tool
+// reach the subagent first): it waits for that, bounded by cancel.AwaitWindow, so the tool
 // node records the run's cause.
 func (s *Server) settle(ctx context.Context, err error) error {
-	agent.AwaitCancel(ctx, err)
+	cancel.Await(ctx, err)
 	if ctx.Err() != nil && s.cfg.SubagentNodes != nil {
-		_ = agent.Settle(ctx, s.cfg.SubagentNodes, md.IdentityFrom(ctx).NodeID+"/sub", s.cfg.SettleTimeout)
+		_ = cancel.Settle(ctx, s.cfg.SubagentNodes, md.IdentityFrom(ctx).NodeID+"/sub", s.cfg.SettleTimeout)
 	}
 	return err
 }

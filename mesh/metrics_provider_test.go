@@ -1,9 +1,10 @@
-package rpcmetrics_test
+package mesh_test
 
 import (
 	"context"
 	"errors"
 	"io"
+	"log/slog"
 	"net"
 	"slices"
 	"strconv"
@@ -13,17 +14,15 @@ import (
 	grpcprom "github.com/grpc-ecosystem/go-grpc-middleware/providers/prometheus"
 	"github.com/prometheus/client_golang/prometheus"
 	dto "github.com/prometheus/client_model/go"
-	"go.uber.org/goleak"
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/credentials/insecure"
 	testgrpc "google.golang.org/grpc/interop/grpc_testing"
 	"google.golang.org/grpc/status"
 
-	"github.com/curfew-mesh/curfew/mesh/rpcmetrics"
+	"github.com/curfew-mesh/curfew/mesh"
+	"github.com/curfew-mesh/curfew/mesh/retry"
 )
-
-func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
 
 // testService answers every kind of call; a request whose payload body is "fail" (or,
 // streaming, whose first message is) fails with NOT_FOUND.
@@ -80,15 +79,16 @@ func (testService) FullDuplexCall(ss testgrpc.TestService_FullDuplexCallServer) 
 	}
 }
 
-// TestSameAsProvider runs the same calls through go-grpc-middleware's Prometheus
-// provider and through this package, on both sides, and wants the same metric families:
-// names, help, types, label sets, counter values and histogram sample counts.
-func TestSameAsProvider(t *testing.T) {
+// TestMetricsSameAsProvider runs the same calls through go-grpc-middleware's Prometheus
+// provider, installed around the mesh chain on both sides, and through the mesh chain's
+// own metrics, and wants the same metric families: names, help, types, label sets,
+// counter values and histogram sample counts. The chain's metrics are the provider's,
+// configured as the services run them, and see each call as it does.
+func TestMetricsSameAsProvider(t *testing.T) {
 	ours, theirs := prometheus.NewRegistry(), prometheus.NewRegistry()
-	srv, cli := rpcmetrics.NewServer(), rpcmetrics.NewClient()
+	srv, cli := mesh.NewServerMetrics(ours), mesh.NewClientMetrics(ours)
 	psrv := grpcprom.NewServerMetrics(grpcprom.WithServerHandlingTimeHistogram())
 	pcli := grpcprom.NewClientMetrics(grpcprom.WithClientHandlingTimeHistogram())
-	ours.MustRegister(srv, cli)
 	theirs.MustRegister(psrv, pcli)
 
 	var lc net.ListenConfig
@@ -96,16 +96,19 @@ func TestSameAsProvider(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	s := grpc.NewServer(
-		grpc.ChainUnaryInterceptor(psrv.UnaryServerInterceptor(), srv.UnaryServerInterceptor()),
-		grpc.ChainStreamInterceptor(psrv.StreamServerInterceptor(), srv.StreamServerInterceptor()))
+	s := grpc.NewServer(append([]grpc.ServerOption{
+		grpc.ChainUnaryInterceptor(psrv.UnaryServerInterceptor()),
+		grpc.ChainStreamInterceptor(psrv.StreamServerInterceptor())},
+		mesh.ServerOptions(mesh.ServerConfig{Logger: slog.New(slog.DiscardHandler), Metrics: srv})...)...)
 	testgrpc.RegisterTestServiceServer(s, testService{})
 	served := make(chan struct{})
 	go func() { defer close(served); _ = s.Serve(lis) }()
 	defer func() { s.Stop(); <-served }()
-	cc, err := grpc.NewClient(lis.Addr().String(), grpc.WithTransportCredentials(insecure.NewCredentials()),
-		grpc.WithChainUnaryInterceptor(pcli.UnaryClientInterceptor(), cli.UnaryClientInterceptor()),
-		grpc.WithChainStreamInterceptor(pcli.StreamClientInterceptor(), cli.StreamClientInterceptor()))
+	cc, err := grpc.NewClient(lis.Addr().String(), append([]grpc.DialOption{
+		grpc.WithTransportCredentials(insecure.NewCredentials()),
+		grpc.WithChainUnaryInterceptor(pcli.UnaryClientInterceptor()),
+		grpc.WithChainStreamInterceptor(pcli.StreamClientInterceptor())},
+		mesh.DialOptions(mesh.ClientConfig{Retry: retry.Config{Target: "test", Default: retry.Policy{Disabled: true}}, Metrics: cli})...)...)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -170,7 +173,7 @@ func TestSameAsProvider(t *testing.T) {
 	}
 	s.GracefulStop() // every server-side call has been recorded
 
-	got, want := dump(t, ours), dump(t, theirs)
+	got, want := dump(t, ours, "grpc_"), dump(t, theirs, "grpc_")
 	if len(want) == 0 {
 		t.Fatal("the provider recorded nothing")
 	}
@@ -184,9 +187,10 @@ func TestSameAsProvider(t *testing.T) {
 	}
 }
 
-// dump renders reg's families, one line per series (histograms by sample count: their
-// sums are durations and differ between any two recorders).
-func dump(t *testing.T, reg *prometheus.Registry) []string {
+// dump renders reg's families whose names begin with prefix, one line per series
+// (histograms by sample count: their sums are durations and differ between any two
+// recorders).
+func dump(t *testing.T, reg *prometheus.Registry, prefix string) []string {
 	t.Helper()
 	mfs, err := reg.Gather()
 	if err != nil {
@@ -194,6 +198,9 @@ func dump(t *testing.T, reg *prometheus.Registry) []string {
 	}
 	var out []string
 	for _, mf := range mfs {
+		if !strings.HasPrefix(mf.GetName(), prefix) {
+			continue
+		}
 		out = append(out, mf.GetName()+" "+mf.GetType().String()+" "+mf.GetHelp())
 		for _, m := range mf.GetMetric() {
 			var labels []string

@@ -1,0 +1,60 @@
+package service
+
+import (
+	"io"
+
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/credentials"
+	"google.golang.org/grpc/credentials/insecure"
+
+	meshv1 "github.com/curfew-mesh/curfew/gen/curfew/mesh/v1"
+	"github.com/curfew-mesh/curfew/mesh"
+	"github.com/curfew-mesh/curfew/mesh/replicas"
+)
+
+// Dial returns a client connection to target with the mesh client chain and default
+// retries, over creds (Runtime.Credentials; nil: plaintext). Connections are lazy, so
+// services that call each other can start in any order.
+func Dial(target string, creds credentials.TransportCredentials) (*grpc.ClientConn, error) {
+	if creds == nil {
+		creds = insecure.NewCredentials()
+	}
+	opts := append(mesh.DialOptions(mesh.ClientConfig{}), grpc.WithTransportCredentials(creds))
+	return grpc.NewClient(target, opts...)
+}
+
+// Dial returns a client connection to the service name at target with the mesh client
+// chain, this service's retry policy for that target, and the breaker of name from
+// rt.Breakers (metrics on the admin port). Connections dialled with one name share its
+// breaker. With --tls-dir the connection is mTLS (Credentials(name)): name must then be
+// the server's mesh identity.
+func (rt *Runtime) Dial(name, target string) (*grpc.ClientConn, error) {
+	rc := rt.retries.For(name)
+	rc.Metrics, rc.Logger = rt.retryMetrics, rt.Log
+	opts := append(mesh.DialOptions(mesh.ClientConfig{Retry: rc, Breakers: rt.Breakers, Metrics: rt.metrics.client}), grpc.WithTransportCredentials(rt.Credentials(name)),
+		rt.clientTracing())
+	return grpc.NewClient(target, opts...)
+}
+
+// NodeReports returns the node report client of the service name at target that asks
+// every replica (package replicas): with a dns:/// target (a headless Service), each
+// address the name resolves to; otherwise the target alone. A run's nodes are in the
+// tables of the replicas that ran them, so cancel broadcasts, summaries and teardown
+// waits must reach them all, where the connection Dial makes reaches one per call. Its
+// connections have the mesh client chain, name's retry policy, metrics and tracing, but
+// not name's breaker: one replica's failures must not open the breaker of the calls that
+// any replica can serve. Close the returned closer when done.
+func (rt *Runtime) NodeReports(name, target string) (meshv1.NodeReportServiceClient, io.Closer, error) {
+	rc := rt.retries.For(name)
+	rc.Metrics, rc.Logger = rt.retryMetrics, rt.Log
+	dial := func(addr string) (*grpc.ClientConn, error) {
+		opts := append(mesh.DialOptions(mesh.ClientConfig{Retry: rc, Metrics: rt.metrics.client}), grpc.WithTransportCredentials(rt.Credentials(name)),
+			rt.clientTracing())
+		return grpc.NewClient(addr, opts...)
+	}
+	set, err := replicas.New(target, dial, replicas.WithLogger(rt.Log))
+	if err != nil {
+		return nil, nil, err
+	}
+	return replicas.NodeReports(set), set, nil
+}
