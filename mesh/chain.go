@@ -85,6 +85,7 @@ var serverChain = []serverLayer{
 	{"recovery", "outside everything that runs the handler's code, so a panic becomes INTERNAL, not a dead process", (*serverLayers).recovery},
 	{"status", "outside the layers that refuse calls, whose statuses pass through, and around the handler, whose errors it maps", (*serverLayers).status},
 	{"authorize", "first refusal: a caller the call graph forbids takes no deadline, identity or retry-id", (*serverLayers).authorize},
+	{"contract", "before any layer reads a curfew-* header, so a malformed one is refused by name and nothing starts", (*serverLayers).contract},
 	{"deadline", "before anything that measures time left, so they all see the final deadline", (*serverLayers).deadline},
 	{"identity", "after the deadline, so a tenant lookup is bounded by it; the headers become the call's md.Identity", (*serverLayers).identity},
 	{"chaos", "right after identity, so no later layer or outgoing call acts on a curfew-chaos header this server does not honour", (*serverLayers).chaos},

@@ -124,6 +124,14 @@ func (l *serverLayers) authorize() stage {
 
 // deadline gives the call the policy's default or capped deadline, reconciled with the
 // caller's absolute curfew-deadline (applyDeadline).
+// contract refuses a call whose curfew-* headers break the wire contract's rules
+// (md.Check): INVALID_ARGUMENT naming the header.
+func (l *serverLayers) contract() stage {
+	return step(func(ctx context.Context, _ string) (context.Context, error) {
+		return ctx, md.Check(ctx)
+	})
+}
+
 func (l *serverLayers) deadline() stage {
 	return stage{
 		unary: func(ctx context.Context, req any, info *grpc.UnaryServerInfo, h grpc.UnaryHandler) (any, error) {

@@ -28,7 +28,7 @@ import (
 
 // The server chain, outermost first, as the package doc and chain.go declare it.
 var wantServerChain = []string{"credentials", "header-limit", "tracing", "message-limit", "metrics", "call-log",
-	"recovery", "status", "authorize", "deadline", "identity", "chaos", "authenticate", "fast-fail", "retry-id"}
+	"recovery", "status", "authorize", "contract", "deadline", "identity", "chaos", "authenticate", "fast-fail", "retry-id"}
 
 // recorder collects the layers one call ran, in order.
 type recorder struct {
@@ -119,6 +119,7 @@ func TestChainLayerOrder(t *testing.T) {
 		}{
 			{"served", md.Identity{Tenant: "t", NodeID: "n"}, 5 * time.Second, codes.OK, append(upTo("retry-id"), "handler")},
 			{"unauthorized", md.Identity{Tenant: "t", NodeID: "forbidden"}, 5 * time.Second, codes.PermissionDenied, upTo("authorize")},
+			{"malformed header", md.Identity{Tenant: "t", NodeID: "n/.."}, 5 * time.Second, codes.InvalidArgument, upTo("contract")},
 			{"unauthenticated", md.Identity{Tenant: "stranger"}, 5 * time.Second, codes.Unauthenticated, upTo("authenticate")},
 			{"too late", md.Identity{Tenant: "t"}, 500 * time.Millisecond, codes.DeadlineExceeded, upTo("fast-fail")},
 		} {

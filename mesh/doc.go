@@ -38,29 +38,34 @@
 //     without a mesh identity) before anything else runs. Inside metrics, call-log and
 //     status, so refusals are counted and logged; before the deadline, so a refused
 //     call takes no deadline, identity or retry-id.
-//  10. deadline: a request without a deadline gets the service default, one beyond the
+//  10. contract (md.Check): every curfew-* header is checked against its rule (docs/api.md,
+//     "What each header may hold"); one sent twice or malformed is refused with
+//     INVALID_ARGUMENT naming the header and the rule. After authorize, so a caller the
+//     call graph forbids learns nothing about its headers; before every layer that reads
+//     one, so a malformed deadline, retry-id or tenant never takes effect.
+//  11. deadline: a request without a deadline gets the service default, one beyond the
 //     maximum is capped; then the relative gRPC deadline is reconciled with the caller's
 //     absolute curfew-deadline, so that a child never sees a later deadline than its
 //     parent (a gap over a second is logged as clock skew and the gRPC deadline kept). It
 //     only ever shortens. Before anything that measures time left. With metrics, the
 //     final deadline's time left is observed here (curfew_deadline_slack_seconds).
-//  11. identity: curfew-tenant, curfew-run-id, curfew-node-id, curfew-attempt and the
+//  12. identity: curfew-tenant, curfew-run-id, curfew-node-id, curfew-attempt and the
 //     other curfew headers become the context's md.Identity, so handlers and their
 //     outgoing calls carry them.
-//  12. chaos (left out with ServerConfig.Chaos): the curfew-chaos header is cleared from
+//  13. chaos (left out with ServerConfig.Chaos): the curfew-chaos header is cleared from
 //     the identity, so nothing acts on it or sends it on, and a warning is logged the
 //     first time. Right after identity, before anything reads it.
-//  13. authenticate (ServerConfig.Authenticate; the orchestrator: an apikey.Guard): the
+//  14. authenticate (ServerConfig.Authenticate; the orchestrator: an apikey.Guard): the
 //     claimed curfew-tenant is replaced by the tenant of the caller's verified API key,
 //     or kept only from a trusted mesh peer, and a caller with neither is refused with
 //     UNAUTHENTICATED; then the tenant's request rate (apikey.Guard.Limit, admission's
 //     per-tenant rate in the orchestrator) may refuse it with RESOURCE_EXHAUSTED. After
 //     the deadline, so its lookup is bounded by it.
-//  14. fast-fail (ServerConfig.MinTime): a method with a configured minimum is refused
+//  15. fast-fail (ServerConfig.MinTime): a method with a configured minimum is refused
 //     with DEADLINE_EXCEEDED ("no time left to start X") when less than that remains.
 //     After the deadline layer, so it sees the final deadline; before retry-id, so a
 //     doomed attempt does not supersede one that is still running.
-//  15. retry-id: at most one attempt per (tenant, method, retry-id) runs; a newer attempt
+//  16. retry-id: at most one attempt per (tenant, method, retry-id) runs; a newer attempt
 //     supersedes (cancels with cause superseded) the earlier one and starts only after its
 //     teardown, or is refused with ABORTED past the grace (package retryid). Last, so the
 //     handler's context is the one the supersede cancels.

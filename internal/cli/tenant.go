@@ -13,6 +13,7 @@ import (
 	"time"
 
 	"github.com/curfew-mesh/curfew/mesh/apikey"
+	"github.com/curfew-mesh/curfew/mesh/md"
 	"github.com/curfew-mesh/curfew/mesh/store"
 )
 
@@ -70,7 +71,7 @@ func cmdTenant(ctx context.Context, args []string, stdout, stderr io.Writer) int
 	if len(pos) == 1 {
 		arg = pos[0]
 	}
-	if (sub == "create" || sub == "rotate-key") && !validTenant(arg) {
+	if (sub == "create" || sub == "rotate-key") && !md.ValidTenant(arg) {
 		return usageErr(stderr, "tenant "+sub, fmt.Errorf("tenant %q: use letters, digits, '.', '_' and '-', at most 64", arg))
 	}
 	if *dsn == "" {
@@ -172,19 +173,4 @@ func writeJSONLine(w io.Writer, v any) int {
 	}
 	fmt.Fprintln(w, string(b))
 	return ExitOK
-}
-
-// validTenant: the names the md package accepts in curfew-tenant headers are wider; keys
-// are made for names an operator types.
-func validTenant(s string) bool {
-	if s == "" || len(s) > 64 {
-		return false
-	}
-	for _, r := range s {
-		ok := r >= 'a' && r <= 'z' || r >= 'A' && r <= 'Z' || r >= '0' && r <= '9' || r == '.' || r == '_' || r == '-'
-		if !ok {
-			return false
-		}
-	}
-	return true
 }

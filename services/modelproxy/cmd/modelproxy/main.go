@@ -1,7 +1,7 @@
 // Command modelproxy serves curfew.modelproxy.v1.ModelProxyService: the built-in `sim`
 // decoder, OpenAI-compatible providers behind fallback chains and breakers, and its
 // token ledger, persisted with --store. It only wires; the logic is in
-// internal/modelproxy.
+// internal/modelproxy, and the drill's faults, wired under --chaos, in internal/chaos.
 package main
 
 import (
@@ -21,6 +21,7 @@ import (
 	_ "github.com/curfew-mesh/curfew/mesh/store/memory"   // the default, private store
 	_ "github.com/curfew-mesh/curfew/mesh/store/postgres" // postgres:// DSNs
 	_ "github.com/curfew-mesh/curfew/mesh/store/sqlite"   // SQLite paths
+	"github.com/curfew-mesh/curfew/services/modelproxy/internal/chaos"
 	"github.com/curfew-mesh/curfew/services/modelproxy/internal/modelproxy"
 )
 
@@ -82,13 +83,12 @@ func run(args []string) int {
 		fmt.Fprintln(os.Stderr, "modelproxy:", err)
 		return 1
 	}
-	srv := modelproxy.New()
+	srv := modelproxy.New(st)
+	defer srv.Flush() // the last decoders' entries, before the store closes
 	srv.Metrics = modelproxy.NewMetrics(rt.Registry)
 	srv.Log = rt.Log
 	srv.Leases.TTL = *leaseTTL
 	rt.Registry.MustRegister(srv.Leases.Collector())
-	srv.Store = st
-	defer srv.Flush() // the last decoders' entries, before the store closes
 	if file != nil {
 		if srv.Router, err = modelproxy.NewRouter(file, modelproxy.RouterOptions{Registry: rt.Registry, Log: rt.Log}); err != nil {
 			fmt.Fprintln(os.Stderr, "modelproxy: --providers-config:", err)
@@ -97,7 +97,11 @@ func run(args []string) int {
 		rt.Log.Info("providers configured", "models", srv.Router.Models())
 		defer srv.Router.Close()
 	}
-	modelproxyv1.RegisterModelProxyServiceServer(rt.Server, srv)
+	var svc modelproxyv1.ModelProxyServiceServer = srv
+	if o.Chaos {
+		svc = chaos.Wire(srv) // the drill's faults, sim model only
+	}
+	modelproxyv1.RegisterModelProxyServiceServer(rt.Server, svc)
 	report := srv.Report()
 	report.Metrics = nodes.NewMetrics(rt.Registry, meshv1.NodeKind_NODE_KIND_MODEL)
 	meshv1.RegisterNodeReportServiceServer(rt.Server, report)

@@ -19,6 +19,7 @@ import (
 	"github.com/curfew-mesh/curfew/mesh/md"
 	"github.com/curfew-mesh/curfew/mesh/meshtest"
 	"github.com/curfew-mesh/curfew/mesh/store/sqlite"
+	"github.com/curfew-mesh/curfew/mesh/store/storetest"
 )
 
 // BenchmarkCancelDecoders is modelproxy's share of the mesh's cancel benchmark
@@ -27,24 +28,25 @@ import (
 // CancelNodes stops them all, as the orchestrator's decoders-first cancel does, and then
 // the callers cancel their streams (the RST_STREAMs of the hop-by-hop teardown). It
 // reports the time from the CancelNodes call to the first and the last decoder ending
-// (their nodes' ended_at), p50 and p99 over the iterations, with the ledger in memory
-// only and persisted to SQLite as under `curfew up`.
+// (their nodes' ended_at), p50 and p99 over the iterations, with the ledger
+// persisted to the private memory store of a modelproxy without --store, and to SQLite
+// as under `curfew up`.
 //
 //	go test -run '^$' -bench BenchmarkCancelDecoders -benchtime 100x ./internal/modelproxy/
 func BenchmarkCancelDecoders(b *testing.B) {
-	for _, persisted := range []bool{false, true} {
-		b.Run(fmt.Sprintf("leaves=64/store=%v", map[bool]string{false: "none", true: "sqlite"}[persisted]), func(b *testing.B) {
-			srv := New()
-			srv.Log = slog.New(slog.DiscardHandler)
-			if persisted {
-				st, err := sqlite.Open(b.Context(), filepath.Join(b.TempDir(), "curfew.db"))
-				if err != nil {
+	for _, durable := range []bool{false, true} {
+		b.Run(fmt.Sprintf("leaves=64/store=%v", map[bool]string{false: "memory", true: "sqlite"}[durable]), func(b *testing.B) {
+			st := storetest.OpenMemory(b)
+			if durable {
+				var err error
+				if st, err = sqlite.Open(b.Context(), filepath.Join(b.TempDir(), "curfew.db")); err != nil {
 					b.Fatal(err)
 				}
 				b.Cleanup(func() { _ = st.Close() })
-				srv.Store = st
-				b.Cleanup(srv.Flush)
 			}
+			srv := New(st)
+			srv.Log = slog.New(slog.DiscardHandler)
+			b.Cleanup(srv.Flush)
 			cc := meshtest.Serve(b, mesh.ServerConfig{Logger: srv.Log}, func(gs *grpc.Server) {
 				modelproxyv1.RegisterModelProxyServiceServer(gs, srv)
 				meshv1.RegisterNodeReportServiceServer(gs, srv.Report())

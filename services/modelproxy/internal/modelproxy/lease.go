@@ -62,8 +62,8 @@ type lease struct {
 	armed   time.Time // when the timer fires
 	timer   *time.Timer
 	current bool // in the table: ended, lapsed and displaced leases are not
-	// onLapse, when set, also stops the decoder when the lease lapses: a decoder that
-	// ignores its call's cancel (chaos drop-cancel, no-dedupe) is stopped only by it.
+	// onLapse, when set, is also told when the lease lapses: a decoder that decodes
+	// detached from its node's context (provider.Detached) is stopped only through it.
 	onLapse func()
 }
 

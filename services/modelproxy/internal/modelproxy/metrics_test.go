@@ -22,7 +22,7 @@ import (
 // node.
 func TestTokenMetrics(t *testing.T) {
 	reg := prometheus.NewRegistry()
-	srv := New()
+	srv := newServer(t)
 	srv.Metrics = NewMetrics(reg)
 	cc := meshtest.Serve(t, mesh.ServerConfig{Logger: slog.New(slog.DiscardHandler)}, func(gs *grpc.Server) {
 		modelproxyv1.RegisterModelProxyServiceServer(gs, srv)

@@ -14,10 +14,16 @@ import (
 	"github.com/curfew-mesh/curfew/mesh/store"
 )
 
-// LedgerStore persists token spend: the append half of store.Ledger. A *store.Store
-// (sqlite or postgres) is one.
+// LedgerStore persists token spend: the append half of store.Ledger, and whether the
+// store is shared. A store.Store (memory, sqlite or postgres) is one.
+//
+// Only a shared store is written: the durable ledger is for readers outside this process
+// (`curfew trace`, other replicas, audits), and a private memory store has none, while the
+// in-memory Ledger serves this process's own summaries. Keeping each token's instant costs
+// the decoders CPU at a cancel, so a private store skips it.
 type LedgerStore interface {
 	AddTokens(ctx context.Context, es ...store.LedgerEntry) (added int, err error)
+	store.Sharing
 }
 
 // Kinds of the entries a decoder appends to the durable ledger.
@@ -43,10 +49,10 @@ const persistDelay = 20 * time.Millisecond
 const persistBatch = 512
 
 // spend is one decoder's share of the ledger: it records each token into the server's
-// in-memory Ledger and, when the server persists, keeps the token's instant and the
-// instant the decoder's context was cancelled, so that the decoder's own tokens can be
-// appended to the store when it ends. Tokens of a decoder are recorded by its own
-// goroutine only.
+// in-memory Ledger and, when the server persists (a shared store), keeps the token's
+// instant and the instant the decoder's context was cancelled, so that the decoder's own
+// tokens can be appended to the store when it ends. Tokens of a decoder are recorded by
+// its own goroutine only.
 type spend struct {
 	ledger    *Ledger
 	run, node string
@@ -59,7 +65,7 @@ type spend struct {
 
 // newSpend starts the tally of a decoder whose node context is ctx.
 func (s *Server) newSpend(ctx context.Context, run, node string) *spend {
-	d := &spend{ledger: s.Ledger, run: run, node: node, keep: s.Store != nil}
+	d := &spend{ledger: s.Ledger, run: run, node: node, keep: s.Store.Shared()}
 	if d.keep {
 		d.done = make(chan struct{})
 		d.stop = context.AfterFunc(ctx, func() {
@@ -85,7 +91,8 @@ func (d *spend) record(at time.Time, n int) {
 }
 
 // end stops watching the context and returns the decoder's tokens split at the instant
-// its context was cancelled: all of them are output when it was not.
+// its context was cancelled: all of them are output when it was not. Without a shared
+// store it returns nothing: nothing is persisted.
 func (d *spend) end() (output, orphan int64) {
 	if !d.keep {
 		return 0, 0
@@ -205,21 +212,19 @@ func (s *Server) append(ctx context.Context, batch []store.LedgerEntry) {
 // newNonce returns the random part of this process's ledger keys.
 func newNonce() string { return rand.Text()[:12] }
 
-// persist queues the entries of a decoder of node that just ended, attributed to the
-// call's tenant, run, node and retry-id and to the provider that decoded (its figures from
-// spend.end): one "output" entry with the tokens it emitted before a cancel, and one
-// "orphan" entry with those after, each only when non-zero, and nothing for a call
-// without a run id. The entries are queued for the writer (persister), so the caller's
-// stream ends without waiting for the store; a failure is logged. Flush appends what is
-// queued.
-func (s *Server) persist(ctx context.Context, node, provider string, output, orphan int64) {
-	if s.Store == nil || (output == 0 && orphan == 0) {
+// persist queues the entries of a decoder of node that just ended, attributed to run
+// (the ledger's key of the call's run id), the call's tenant and retry-id, and the
+// provider that decoded (its figures from spend.end): one "output" entry with the tokens
+// it emitted before a cancel, and one "orphan" entry with those after, each only when
+// non-zero, and nothing for a call without a run id. The entries are queued for the
+// writer (persister), so the caller's stream ends without waiting for the store; a
+// failure is logged. Flush appends what is queued.
+func (s *Server) persist(ctx context.Context, run, node, provider string, output, orphan int64) {
+	if (output == 0 && orphan == 0) || run == "" {
 		return
 	}
 	id := md.IdentityFrom(ctx)
-	if id.RunID == "" {
-		return
-	}
+	id.RunID = run
 	tenant := id.Tenant
 	if tenant == "" {
 		tenant = md.DefaultTenant

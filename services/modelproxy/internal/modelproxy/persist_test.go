@@ -24,6 +24,7 @@ import (
 	"github.com/curfew-mesh/curfew/mesh/meshtest"
 	"github.com/curfew-mesh/curfew/mesh/store"
 	"github.com/curfew-mesh/curfew/mesh/store/sqlite"
+	"github.com/curfew-mesh/curfew/mesh/store/storetest"
 )
 
 const testTenant = "acme"
@@ -93,8 +94,7 @@ func (d *durable) usage(t *testing.T, run string) store.Usage {
 // persistEnv is newEnv with the server persisting its ledger to d.
 func persistEnv(t *testing.T, d *durable) *env {
 	t.Helper()
-	srv := New()
-	srv.Store = d.s
+	srv := New(d.s)
 	srv.Log = slog.New(slog.DiscardHandler)
 	cc := meshtest.Serve(t, mesh.ServerConfig{Logger: slog.New(slog.DiscardHandler)}, func(gs *grpc.Server) {
 		modelproxyv1.RegisterModelProxyServiceServer(gs, srv)
@@ -254,8 +254,7 @@ func TestLedgerNotPersistedWithoutRunOrTokens(t *testing.T) {
 // orphan entry; the two entries together are what the decoder emitted.
 func TestLedgerPersistsOrphanTokens(t *testing.T) {
 	d := openDurable(t, "")
-	s := New()
-	s.Store = d.s
+	s := New(d.s)
 	defer s.Flush()
 	base := time.Unix(1_700_000_000, 0)
 	clock := base
@@ -275,7 +274,7 @@ func TestLedgerPersistsOrphanTokens(t *testing.T) {
 	if total, before, after := s.Ledger.Figures(run, node, clock); total != 5 || before != 3 || after != 2 {
 		t.Fatalf("in-memory figures = %d, %d, %d; want 5, 3, 2", total, before, after)
 	}
-	s.persist(ctx, node, SimModel, output, orphan)
+	s.persist(ctx, run, node, SimModel, output, orphan)
 	s.Flush()
 	rows := d.rows(t, run)
 	if len(rows) != 2 || rows[0].kind != KindOutput || rows[0].tokens != 3 || rows[1].kind != KindOrphan || rows[1].tokens != 2 ||
@@ -341,7 +340,7 @@ func (b *batches) seen() []int {
 func decoderEnded(s *Server, run string, n int) {
 	for i := range n {
 		node := fmt.Sprintf("root/m%d", i)
-		s.persist(md.WithIdentity(context.Background(), md.Identity{Tenant: testTenant, RunID: run, NodeID: node}), node, SimModel, 3, 1)
+		s.persist(md.WithIdentity(context.Background(), md.Identity{Tenant: testTenant, RunID: run, NodeID: node}), run, node, SimModel, 3, 1)
 	}
 }
 
@@ -351,8 +350,7 @@ func decoderEnded(s *Server, run string, n int) {
 func TestLedgerBurstIsOneTransaction(t *testing.T) {
 	d := openDurable(t, "")
 	b := &batches{LedgerStore: d.s}
-	s := New()
-	s.Store = b
+	s := New(b)
 	s.persister.delay = time.Minute // only Flush ends it
 	const run = "r-burst"
 	decoderEnded(s, run, 64)
@@ -389,8 +387,7 @@ func TestLedgerBurstIsOneTransaction(t *testing.T) {
 // Without Flush the entries land by themselves after the delay.
 func TestLedgerAppendsAfterDelay(t *testing.T) {
 	d := openDurable(t, "")
-	s := New()
-	s.Store = d.s
+	s := New(d.s)
 	defer s.Flush()
 	decoderEnded(s, "r-delay", 2)
 	for deadline := time.Now().Add(10 * time.Second); len(d.rows(t, "r-delay")) < 4; time.Sleep(5 * time.Millisecond) {
@@ -405,8 +402,7 @@ func TestLedgerAppendsAfterDelay(t *testing.T) {
 func TestLedgerQueuedDuringAppend(t *testing.T) {
 	d := openDurable(t, "")
 	b := &batches{LedgerStore: d.s, started: make(chan struct{}), hold: make(chan struct{})}
-	s := New()
-	s.Store = b
+	s := New(b)
 	s.persister.delay = time.Millisecond
 	decoderEnded(s, "r-a", 1)
 	<-b.started // the writer is appending r-a's 2 entries
@@ -425,5 +421,50 @@ func TestLedgerQueuedDuringAppend(t *testing.T) {
 	}
 	if n := len(d.rows(t, "r-a")) + len(d.rows(t, "r-b")); n != 8 {
 		t.Fatalf("%d rows, want 8", n)
+	}
+}
+
+// counting is a private store that counts the ledger entries appended to it.
+type counting struct {
+	LedgerStore
+	mu      sync.Mutex
+	entries int
+}
+
+func (c *counting) AddTokens(ctx context.Context, es ...store.LedgerEntry) (int, error) {
+	c.mu.Lock()
+	c.entries += len(es)
+	c.mu.Unlock()
+	return c.LedgerStore.AddTokens(ctx, es...)
+}
+
+// A private store (memory: nobody outside this process reads it) is not written: the
+// decoders keep no token instants for it, as a store-less modelproxy did, and the
+// in-memory ledger still has every token for the summaries.
+func TestLedgerNotPersistedOnPrivateStore(t *testing.T) {
+	st := &counting{LedgerStore: storetest.OpenMemory(t)}
+	if st.Shared() {
+		t.Fatal("the memory store says it is shared")
+	}
+	srv := New(st)
+	srv.Log = slog.New(slog.DiscardHandler)
+	cc := meshtest.Serve(t, mesh.ServerConfig{Logger: slog.New(slog.DiscardHandler)}, func(gs *grpc.Server) {
+		modelproxyv1.RegisterModelProxyServiceServer(gs, srv)
+	})
+	model := modelproxyv1.NewModelProxyServiceClient(cc)
+	const run, node = "r-private", "root/m0"
+	chunks, err := generate(tenantIdent(run, node), t, model, &modelproxyv1.GenerateRequest{Messages: conversation(fivePlan, 0)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	srv.Flush()
+	st.mu.Lock()
+	n := st.entries
+	st.mu.Unlock()
+	if n != 0 {
+		t.Errorf("the private store got %d ledger entries, want none", n)
+	}
+	if total, _, _ := srv.Ledger.Figures(run, node, time.Time{}); total != delivered(chunks) || total != 5 {
+		t.Errorf("the in-memory ledger has %d tokens, the stream delivered %d, want 5", total, delivered(chunks))
 	}
 }

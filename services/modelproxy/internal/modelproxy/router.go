@@ -196,8 +196,9 @@ func (r *Router) Models() []string {
 	return out
 }
 
-// route is a resolved model name.
-type route struct {
+// chainRoute is a model name the router resolved: its fallback chain.
+type chainRoute struct {
+	r       *Router
 	alias   string // the alias, or the provider/model asked for
 	chain   []Target
 	degrade *Target
@@ -205,9 +206,9 @@ type route struct {
 }
 
 // resolve maps a model name to its route; ok is false for a name the router does not know.
-func (r *Router) resolve(model string) (*route, bool) {
+func (r *Router) resolve(model string) (*chainRoute, bool) {
 	if a, ok := r.file.Models[model]; ok {
-		rt := &route{alias: model, cfg: &a}
+		rt := &chainRoute{r: r, alias: model, cfg: &a}
 		for _, s := range a.Chain {
 			t, _ := ParseTarget(s) // validated
 			rt.chain = append(rt.chain, t)
@@ -226,7 +227,7 @@ func (r *Router) resolve(model string) (*route, bool) {
 		if p.Name == t.Provider {
 			for _, m := range p.Models {
 				if m == t.Model {
-					return &route{alias: model, chain: []Target{t}}, true
+					return &chainRoute{r: r, alias: model, chain: []Target{t}}, true
 				}
 			}
 		}
@@ -234,25 +235,23 @@ func (r *Router) resolve(model string) (*route, bool) {
 	return nil, false
 }
 
-// call is one model call being routed.
-type call struct {
+// chainCall is one model call being routed.
+type chainCall struct {
+	*call
 	r      *Router
-	s      *Server
-	rt     *route
-	req    *modelproxyv1.GenerateRequest
-	stream modelproxyv1.ModelProxyService_GenerateServer
-	run    string
-	node   string
-	spend  *spend // the decoder's tokens
+	rt     *chainRoute
 	schema *jsonschema.Schema
 	// fallbacks so far, recorded on the node
 	fallbacks []*meshv1.Fallback
 }
 
-// generate answers req through the route. It returns a gRPC status error.
-func (r *Router) generate(ctx context.Context, s *Server, rt *route, req *modelproxyv1.GenerateRequest,
-	stream modelproxyv1.ModelProxyService_GenerateServer, sp *spend) error {
-	c := &call{r: r, s: s, rt: rt, req: req, stream: stream, run: sp.run, node: sp.node, spend: sp}
+// provider is the provider that served the call, as recorded on its node.
+func (rt *chainRoute) provider(ended *meshv1.Node) string { return ended.GetProvider() }
+
+// serve answers the call through the route. It returns a gRPC status error.
+func (rt *chainRoute) serve(ctx context.Context, cl *call) error {
+	r, req := rt.r, cl.req
+	c := &chainCall{call: cl, r: r, rt: rt}
 	if sc := req.GetResponseSchema(); sc != nil {
 		sch, err := compileSchema(sc.GetSchemaJson())
 		if err != nil {
@@ -287,7 +286,7 @@ func (r *Router) generate(ctx context.Context, s *Server, rt *route, req *modelp
 
 // chain tries the route's targets in order, then the degrade target if the answer failed
 // its schema.
-func (c *call) chain(ctx context.Context) (*cached, error) {
+func (c *chainCall) chain(ctx context.Context) (*cached, error) {
 	var lastErr error
 	for _, t := range c.rt.chain {
 		ans, reason, err := c.try(ctx, t)
@@ -314,7 +313,7 @@ func (c *call) chain(ctx context.Context) (*cached, error) {
 }
 
 // exhausted is the error when every target of the chain failed.
-func (c *call) exhausted(last error) error {
+func (c *chainCall) exhausted(last error) error {
 	parts := make([]string, 0, len(c.fallbacks))
 	allShed := true
 	for _, f := range c.fallbacks {
@@ -345,7 +344,7 @@ func (c *call) exhausted(last error) error {
 	return st.Err()
 }
 
-func (c *call) fellBack(t Target, reason string, err error) {
+func (c *chainCall) fellBack(t Target, reason string, err error) {
 	f := &meshv1.Fallback{Provider: t.Provider, Model: t.Model, Reason: reason}
 	if s, ok := status.FromError(err); ok && err != nil {
 		f.ErrorCode, f.ErrorMessage = nodes.CodeName(s.Code()), s.Message()
@@ -355,12 +354,12 @@ func (c *call) fellBack(t Target, reason string, err error) {
 	c.r.log.Warn("model fallback", "alias", c.rt.alias, "provider", t.Provider, "model", t.Model, "reason", reason,
 		"error", f.ErrorMessage, "run_id", c.run, "node_id", c.node)
 	fs := c.fallbacks
-	c.s.Nodes.Update(c.run, c.node, func(n *meshv1.Node) { n.Fallbacks = fs })
+	c.nodes.Update(c.run, c.node, func(n *meshv1.Node) { n.Fallbacks = fs })
 }
 
 // try calls one target. On failure, reason says why when the provider is at fault (and
 // the chain may fall back); an empty reason means the error goes to the caller as is.
-func (c *call) try(ctx context.Context, t Target) (_ *cached, reason string, _ error) {
+func (c *chainCall) try(ctx context.Context, t Target) (_ *cached, reason string, _ error) {
 	lat := c.r.latency[t.Provider]
 	if c.r.shedQ > 0 {
 		if dl, ok := ctx.Deadline(); ok {
@@ -420,12 +419,11 @@ const invalidOutputReason = "INVALID_MODEL_OUTPUT"
 // stream1 streams one provider's answer to the caller. A schema-bound answer is held back
 // until it validates. forwarded reports whether any chunk reached the caller (after which
 // no other provider may answer instead).
-func (c *call) stream1(ctx context.Context, t Target, lat *latency) (_ *cached, forwarded bool, _ error) {
+func (c *chainCall) stream1(ctx context.Context, t Target, lat *latency) (_ *cached, forwarded bool, _ error) {
 	p := c.r.providers[t.Provider]
 	start := time.Now()
-	c.s.Nodes.Update(c.run, c.node, func(n *meshv1.Node) { n.Provider, n.ServedModel = t.Provider, t.Model })
-	st, err := p.Stream(ctx, &provider.Request{Model: t.Model, Messages: c.req.GetMessages(), Tools: c.req.GetTools(),
-		MaxTokens: int(c.req.GetMaxTokens()), Temperature: c.req.Temperature, Seed: c.req.Seed, Schema: c.req.GetResponseSchema()})
+	c.nodes.Update(c.run, c.node, func(n *meshv1.Node) { n.Provider, n.ServedModel = t.Provider, t.Model })
+	st, err := p.Stream(ctx, providerRequest(t.Model, c.req))
 	if err != nil {
 		return nil, false, err
 	}
@@ -454,7 +452,7 @@ func (c *call) stream1(ctx context.Context, t Target, lat *latency) (_ *cached, 
 			last = now
 			counted += int64(ch.Tokens)
 			c.spend.record(now, ch.Tokens)
-			c.s.Metrics.addTokens(c.rt.alias, t.Provider, ch.Tokens)
+			c.metrics.addTokens(c.rt.alias, t.Provider, ch.Tokens)
 		}
 		if ch.FinishReason != "" || ch.Usage != nil || len(ch.ToolCalls) > 0 {
 			final = ch
@@ -482,7 +480,7 @@ func (c *call) stream1(ctx context.Context, t Target, lat *latency) (_ *cached, 
 	} else if extra := usage.GetCompletionTokens() - counted; extra > 0 {
 		// The provider's count is authoritative; record what the stream did not show.
 		c.spend.record(time.Now(), int(extra))
-		c.s.Metrics.addTokens(c.rt.alias, t.Provider, int(extra))
+		c.metrics.addTokens(c.rt.alias, t.Provider, int(extra))
 	}
 	if !first.IsZero() {
 		lat.observe(first.Sub(start), int(counted), last.Sub(first))
@@ -505,7 +503,7 @@ func (c *call) stream1(ctx context.Context, t Target, lat *latency) (_ *cached, 
 	}
 	ans := &cached{text: text.String(), toolCalls: final.ToolCalls, finishReason: final.FinishReason, usage: usage, provider: t.Provider, model: t.Model}
 	fs := c.fallbacks
-	c.s.Nodes.Update(c.run, c.node, func(n *meshv1.Node) { n.Provider, n.ServedModel, n.Fallbacks = t.Provider, t.Model, fs })
+	c.nodes.Update(c.run, c.node, func(n *meshv1.Node) { n.Provider, n.ServedModel, n.Fallbacks = t.Provider, t.Model, fs })
 	if err := c.stream.Send(&modelproxyv1.GenerateResponse{ToolCalls: ans.toolCalls, FinishReason: ans.finishReason, Usage: usage,
 		Provider: t.Provider, ServedModel: t.Model}); err != nil {
 		return nil, true, err
@@ -514,8 +512,8 @@ func (c *call) stream1(ctx context.Context, t Target, lat *latency) (_ *cached, 
 }
 
 // sendCached answers from the cache: the text in one chunk, no tokens spent.
-func (c *call) sendCached(a *cached) error {
-	c.s.Nodes.Update(c.run, c.node, func(n *meshv1.Node) { n.Provider, n.ServedModel, n.Cached = a.provider, a.model, true })
+func (c *chainCall) sendCached(a *cached) error {
+	c.nodes.Update(c.run, c.node, func(n *meshv1.Node) { n.Provider, n.ServedModel, n.Cached = a.provider, a.model, true })
 	if a.text != "" {
 		if err := c.stream.Send(&modelproxyv1.GenerateResponse{Delta: a.text}); err != nil {
 			return err

@@ -50,7 +50,7 @@ func newProviderEnv(t testing.TB, fileJSON string, servers ...string) *providerE
 		t.Fatal(err)
 	}
 	t.Cleanup(r.Close)
-	srv := New()
+	srv := newServer(t)
 	srv.Router = r
 	cc := meshtest.Serve(t, mesh.ServerConfig{Logger: slog.New(slog.DiscardHandler)}, func(gs *grpc.Server) {
 		modelproxyv1.RegisterModelProxyServiceServer(gs, srv)

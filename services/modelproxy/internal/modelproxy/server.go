@@ -2,9 +2,7 @@ package modelproxy
 
 import (
 	"context"
-	"fmt"
 	"log/slog"
-	"math/rand/v2"
 	"slices"
 	"strings"
 	"time"
@@ -15,15 +13,14 @@ import (
 
 	meshv1 "github.com/curfew-mesh/curfew/gen/curfew/mesh/v1"
 	modelproxyv1 "github.com/curfew-mesh/curfew/gen/curfew/modelproxy/v1"
-	"github.com/curfew-mesh/curfew/mesh/cancel"
-	"github.com/curfew-mesh/curfew/mesh/chaos"
 	"github.com/curfew-mesh/curfew/mesh/md"
 	"github.com/curfew-mesh/curfew/mesh/nodes"
-	"github.com/curfew-mesh/curfew/mesh/plan"
+	"github.com/curfew-mesh/curfew/services/modelproxy/internal/provider"
+	"github.com/curfew-mesh/curfew/services/modelproxy/internal/provider/sim"
 )
 
-// SimModel is the name of the built-in simulated model.
-const SimModel = "sim"
+// SimModel is the name of the built-in simulated model (package sim).
+const SimModel = sim.Name
 
 // unattributed keys work that arrived without a run id (for example from grpcurl).
 const unattributed = "unattributed"
@@ -33,13 +30,19 @@ type Server struct {
 	modelproxyv1.UnimplementedModelProxyServiceServer
 	Nodes  *nodes.Table
 	Ledger *Ledger
+	// Sim is the provider of the built-in sim model (package sim, from New).
+	Sim provider.Provider
 	// Router serves every model other than sim; nil serves sim only.
 	Router *Router
+	// LedgerKey, if set, names the run and node a decoder of model is keyed by in the
+	// ledger, in memory and in the store, given the call's own (run is "" in the store's
+	// key for a call without a run id). nil keys it by the call's run and node.
+	LedgerKey func(ctx context.Context, model, run, node string) (string, string)
 	// Metrics, if set, count the tokens decoders emit and, per summary, the orphan tokens.
 	Metrics *Metrics
-	// Store, if set, persists the ledger: each decoder's tokens are queued when it ends
-	// and appended in batches (see persist). nil keeps the ledger in memory only. Call
-	// Flush before closing it.
+	// Store persists the ledger: each decoder's tokens are queued when it ends and
+	// appended in batches (see persist). A service without a durable store gives a
+	// process-private one (memory://). Call Flush before closing it.
 	Store LedgerStore
 	// Log receives the appends that failed and the leases that lapsed; nil is
 	// slog.Default().
@@ -53,9 +56,10 @@ type Server struct {
 	now func() time.Time
 }
 
-// New returns a server with an empty node table and ledger.
-func New() *Server {
-	s := &Server{Nodes: nodes.New(0), Ledger: NewLedger(), persister: persister{nonce: newNonce(), delay: persistDelay}, now: time.Now}
+// New returns a server with an empty node table and ledger, and the sim model, that
+// persists its ledger to st.
+func New(st LedgerStore) *Server {
+	s := &Server{Nodes: nodes.New(0), Ledger: NewLedger(), Sim: sim.New(), Store: st, persister: persister{nonce: newNonce(), delay: persistDelay}, now: time.Now}
 	s.Leases = newLeases(DefaultLeaseTTL, s.leaseLapsed)
 	return s
 }
@@ -89,43 +93,25 @@ func (s *Server) Sweep(now time.Time) {
 	}
 }
 
-// Generate implements ModelProxyService: it runs one model step as a streamed decode.
+// Generate implements ModelProxyService: it runs one model step as a streamed decode. It
+// resolves the model to a route, records the decoder's node and lease, lets the route
+// stream the answer, and records the decoder's tokens in the ledger.
 func (s *Server) Generate(req *modelproxyv1.GenerateRequest, stream modelproxyv1.ModelProxyService_GenerateServer) error {
 	ctx := stream.Context()
 	model := req.GetModel()
 	if model == "" {
 		model = SimModel
 	}
-	var (
-		rt   *route
-		step *step
-		err  error
-	)
-	if model == SimModel {
-		if step, err = simStep(req.GetMessages()); err != nil {
-			return err
-		}
-	} else {
-		ok := false
-		if s.Router != nil {
-			rt, ok = s.Router.resolve(model)
-		}
-		if !ok {
-			return status.Errorf(codes.NotFound, "unknown model %q (configured: %s)", model, strings.Join(s.models(), ", "))
-		}
+	rt, err := s.resolve(model, req)
+	if err != nil {
+		return err
 	}
 	ttl, err := s.Leases.requestTTL(req.GetLeaseTtl(), "lease_ttl")
 	if err != nil {
 		return err
 	}
 	id := md.IdentityFrom(ctx)
-	run, node := id.RunID, id.NodeID
-	if run == "" {
-		run = unattributed
-	}
-	if node == "" {
-		node = unattributed
-	}
+	run, node := orUnattributed(id.RunID), orUnattributed(id.NodeID)
 	if err := ctx.Err(); err != nil {
 		return err // never start a decoder for a call already cancelled
 	}
@@ -138,37 +124,16 @@ func (s *Server) Generate(req *modelproxyv1.GenerateRequest, stream modelproxyv1
 	if tenant == "" {
 		tenant = md.DefaultTenant
 	}
-	// The drill's chaos settings (package chaos; empty unless modelproxy runs with
-	// --chaos), sim model only: see chaos.go.
-	cs := chaos.From(ctx)
-	if rt != nil {
-		cs = chaos.Settings{}
-	}
-	if step != nil {
-		step.fails = step.ModelError.Fails(max(id.Attempt, 1), rand.Float64)
-		if step.fails && cs.NoDedupe {
-			s.leaveDecoder(ctx, run, node, tenant, ttl, step, cs)
-		}
-	}
-	dctx, stopDecoder := ctx, context.CancelCauseFunc(nil)
-	var onLapse func()
-	if cs.Orphan || cs.DropCancel {
-		dctx, stopDecoder = detach(ctx)
-		defer stopDecoder(nil)
-		stream = &quietStream{ModelProxyService_GenerateServer: stream}
-		if !cs.Orphan { // drop-cancel: the lease still stops it
-			onLapse = func() { stopDecoder(cancel.ErrLeaseExpired) }
-		}
-	}
-	lease := s.Leases.holdWith(leaseKey{tenant, run, node, id.RetryID}, ttl, onLapse)
+	dec := &decoder{node: ctx}
+	defer dec.close()
+	lease := s.Leases.holdWith(leaseKey{tenant, run, node, id.RetryID}, ttl, dec.lapsed)
 	tokens := s.traceTokens(ctx, run, node)
-	sp := s.newSpend(ctx, ledgerRun(run, cs), ledgerNode(node, cs))
-	if rt != nil {
-		err = s.Router.generate(ctx, s, rt, req, stream, sp)
-	} else {
-		err = s.decode(dctx, stream, sp, step)
-	}
+	lrun, lnode := s.ledgerKey(ctx, model, run, node)
+	sp := s.newSpend(ctx, lrun, lnode)
+	err = rt.serve(ctx, &call{model: model, req: req, stream: stream, run: run, node: node, spend: sp,
+		nodes: s.Nodes, metrics: s.Metrics, decoder: dec, now: s.now})
 	s.Leases.end(lease)
+	dctx := dec.context()
 	err = leaseErr(dctx, err)
 	output, orphan := sp.end()
 	tokens.end()
@@ -177,12 +142,46 @@ func (s *Server) Generate(req *modelproxyv1.GenerateRequest, stream modelproxyv1
 			n.CancelledAt = timestamppb.New(s.now())
 		}
 	})
-	provider := ended.GetProvider()
-	if rt == nil {
-		provider = SimModel
-	}
-	s.persist(ledgerCtx(ctx, cs), ledgerNode(node, cs), provider, output, orphan)
+	prun, _ := s.ledgerKey(ctx, model, id.RunID, node)
+	s.persist(ctx, prun, lnode, rt.provider(ended), output, orphan)
 	return err
+}
+
+// resolve returns the route of model, after the checks that refuse a request before any
+// decoder starts: NOT_FOUND for a model not served, the sim model's plan errors.
+func (s *Server) resolve(model string, req *modelproxyv1.GenerateRequest) (route, error) {
+	if model == SimModel {
+		d := direct{p: s.Sim, req: providerRequest(model, req)}
+		if c, ok := s.Sim.(provider.Checker); ok {
+			if err := c.Check(d.req); err != nil {
+				return nil, err
+			}
+		}
+		return d, nil
+	}
+	if s.Router != nil {
+		if rt, ok := s.Router.resolve(model); ok {
+			return rt, nil
+		}
+	}
+	return nil, status.Errorf(codes.NotFound, "unknown model %q (configured: %s)", model, strings.Join(s.models(), ", "))
+}
+
+// ledgerKey is the run and node a decoder's tokens are keyed by in the ledger: the call's
+// own, unless LedgerKey says otherwise.
+func (s *Server) ledgerKey(ctx context.Context, model, run, node string) (string, string) {
+	if s.LedgerKey == nil {
+		return run, node
+	}
+	return s.LedgerKey(ctx, model, run, node)
+}
+
+// orUnattributed is id, or unattributed when it is empty.
+func orUnattributed(id string) string {
+	if id == "" {
+		return unattributed
+	}
+	return id
 }
 
 // models lists the model names served, sim first.
@@ -194,104 +193,4 @@ func (s *Server) models() []string {
 		out = append(out, ms...)
 	}
 	return out
-}
-
-type step struct {
-	plan  *plan.Plan
-	index int
-	plan.Step
-	fails bool // the step's model_error fault fails this attempt
-}
-
-// simStep parses the plan from the conversation's first user message and picks the step
-// from the number of assistant turns so far.
-func simStep(msgs []*modelproxyv1.Message) (*step, error) {
-	var task string
-	turns := 0
-	for _, m := range msgs {
-		switch m.GetRole() {
-		case modelproxyv1.Role_ROLE_USER:
-			if task == "" {
-				task = m.GetContent()
-			}
-		case modelproxyv1.Role_ROLE_ASSISTANT:
-			turns++
-		}
-	}
-	if task == "" {
-		return nil, status.Error(codes.InvalidArgument, "sim model: the conversation has no user message with a plan")
-	}
-	p, err := plan.Parse([]byte(task))
-	if err != nil {
-		return nil, status.Errorf(codes.InvalidArgument, "sim model: %v", err)
-	}
-	if turns >= len(p.Steps) {
-		return nil, status.Errorf(codes.InvalidArgument, "sim model: the conversation has %d assistant turns but the plan has %d steps", turns, len(p.Steps))
-	}
-	return &step{plan: p, index: turns, Step: p.Steps[turns]}, nil
-}
-
-var words = []string{"the", "deadline", "reaches", "every", "leaf", "and", "the", "tree", "stops"}
-
-// decode emits the step's tokens at the plan's rate, on an absolute schedule so that the
-// rate does not drift, stopping at the next token boundary when ctx is done.
-func (s *Server) decode(ctx context.Context, stream modelproxyv1.ModelProxyService_GenerateServer, sp *spend, st *step) error {
-	attempt := md.IdentityFrom(ctx).Attempt
-	if attempt == 0 {
-		attempt = 1
-	}
-	if f := st.ModelError; st.fails {
-		code := codes.Unavailable
-		if f.Code != "" {
-			code, _ = plan.ParseCode(f.Code)
-		}
-		return status.Errorf(code, "sim model: injected error on attempt %d of %d", attempt, f.Attempts)
-	}
-	n := st.ThinkTokens
-	if st.AnswerTokens > 0 {
-		n = st.AnswerTokens
-	}
-	interval := time.Duration(float64(time.Second) / st.plan.TPS())
-	start := s.now().Add(time.Duration(st.FirstTokenDelayMS) * time.Millisecond)
-	timer := time.NewTimer(time.Hour)
-	defer timer.Stop()
-	counted := s.Metrics.counter(SimModel, SimProvider)
-	for i := 0; i < n; i++ {
-		due := start.Add(time.Duration(i+1) * interval)
-		if wait := due.Sub(s.now()); wait > 0 {
-			timer.Reset(wait)
-			select {
-			case <-ctx.Done():
-				return ctx.Err()
-			case <-timer.C:
-			}
-		}
-		// Both may be ready at once and select picks at random: a cancelled decoder must
-		// not emit the token it was waiting for.
-		if err := ctx.Err(); err != nil {
-			return err
-		}
-		sp.record(s.now(), 1)
-		if counted != nil {
-			counted.Inc()
-		}
-		if err := stream.Send(&modelproxyv1.GenerateResponse{Delta: words[i%len(words)] + " ", Tokens: 1}); err != nil {
-			return err
-		}
-	}
-	final := &modelproxyv1.GenerateResponse{Usage: &modelproxyv1.Usage{CompletionTokens: int64(n)}}
-	if st.AnswerTokens > 0 {
-		final.FinishReason = "stop"
-	} else {
-		final.FinishReason = "tool_calls"
-		for j, t := range st.Tools {
-			args := string(t.Args)
-			if args == "" {
-				args = "{}"
-			}
-			final.ToolCalls = append(final.ToolCalls, &modelproxyv1.ToolCall{Id: fmt.Sprintf("call_%d_%d", st.index, j), Name: t.Name, ArgsJson: args,
-				IdempotencyKey: t.IdempotencyKey})
-		}
-	}
-	return stream.Send(final)
 }

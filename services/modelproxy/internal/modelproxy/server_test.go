@@ -20,6 +20,7 @@ import (
 	"github.com/curfew-mesh/curfew/mesh/md"
 	"github.com/curfew-mesh/curfew/mesh/meshtest"
 	"github.com/curfew-mesh/curfew/mesh/nodes"
+	"github.com/curfew-mesh/curfew/mesh/store/storetest"
 )
 
 func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
@@ -36,12 +37,21 @@ func newEnv(t *testing.T, cfg mesh.ServerConfig) *env {
 	if cfg.Logger == nil {
 		cfg.Logger = slog.New(slog.DiscardHandler)
 	}
-	srv := New()
+	srv := newServer(t)
 	cc := meshtest.Serve(t, cfg, func(gs *grpc.Server) {
 		modelproxyv1.RegisterModelProxyServiceServer(gs, srv)
 		meshv1.RegisterNodeReportServiceServer(gs, srv.Report())
 	})
 	return &env{srv: srv, model: modelproxyv1.NewModelProxyServiceClient(cc), report: meshv1.NewNodeReportServiceClient(cc)}
+}
+
+// newServer returns New on a memory store of its own, as a modelproxy without --store
+// has, flushed before the store closes (cleanups run last-in first-out).
+func newServer(t testing.TB) *Server {
+	t.Helper()
+	srv := New(storetest.OpenMemory(t))
+	t.Cleanup(srv.Flush)
+	return srv
 }
 
 // ident returns a context whose outgoing calls carry run and node.

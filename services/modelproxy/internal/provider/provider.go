@@ -20,6 +20,9 @@ type Request struct {
 	// provider's structured-output mode where it has one). modelproxy validates the answer
 	// itself; the provider only asks.
 	Schema *modelproxyv1.ResponseSchema
+	// Checked is what a Checker's Check found in the request (the sim model's step), for
+	// its Stream of the same request to use rather than parse it again; nil otherwise.
+	Checked any
 }
 
 // Chunk is one piece of a streamed answer.
@@ -84,3 +87,25 @@ const (
 
 // DefaultTimeout bounds the wait for a provider's response headers and first chunk.
 const DefaultTimeout = 30 * time.Second
+
+// Checker is implemented by a provider that can refuse a request before any decoder
+// starts for it (the sim model refuses a conversation without a valid plan). The proxy
+// calls Check before it records the call's node and lease, and returns its error, a gRPC
+// status, as is. Check may set req.Checked.
+type Checker interface {
+	Check(req *Request) error
+}
+
+// Detached is implemented by a Stream that decodes under a context of its own rather than
+// the one Stream was given, so that its caller's cancel does not stop it. The proxy then
+// keeps draining it after its caller has gone (every token it emits still reaches the
+// ledger), judges how the decoder ended by Context, and calls Stop when the decoder's lease
+// lapses. Close ends Context too; the proxy closes the stream once it has recorded that
+// end.
+type Detached interface {
+	Stream
+	// Context is the context the stream decodes under.
+	Context() context.Context
+	// Stop tells the decoder that its lease lapsed, with cause; it may ignore it.
+	Stop(cause error)
+}

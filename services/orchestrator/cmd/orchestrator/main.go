@@ -26,6 +26,7 @@ import (
 	"github.com/curfew-mesh/curfew/mesh/meshtls"
 	"github.com/curfew-mesh/curfew/mesh/service"
 	"github.com/curfew-mesh/curfew/mesh/store"
+	_ "github.com/curfew-mesh/curfew/mesh/store/memory"   // memory:// DSNs
 	_ "github.com/curfew-mesh/curfew/mesh/store/postgres" // postgres:// DSNs
 	_ "github.com/curfew-mesh/curfew/mesh/store/sqlite"   // SQLite paths
 	"github.com/curfew-mesh/curfew/services/orchestrator/internal/orchestrator"
@@ -36,6 +37,9 @@ import (
 )
 
 func main() { os.Exit(run(os.Args[1:])) }
+
+// privateStore is the store of an orchestrator started without --store.
+const privateStore = "memory://orchestrator"
 
 func run(args []string) int {
 	fs := flag.NewFlagSet("orchestrator", flag.ContinueOnError)
@@ -92,16 +96,19 @@ func run(args []string) int {
 	}
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
-	var st store.Store
-	if *storeDSN != "" {
-		s, err := store.Open(ctx, *storeDSN)
-		if err != nil {
-			fmt.Fprintln(os.Stderr, "orchestrator: --store:", err)
-			return 2
-		}
-		defer func() { _ = s.Close() }()
-		st = s
+	// Without --store the runs are kept in a store private to this process: what needs a
+	// store other processes read (API keys, dead letters, handing runs over) is off.
+	dsn := *storeDSN
+	if dsn == "" {
+		dsn = privateStore
 	}
+	st, err := store.Open(ctx, dsn)
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "orchestrator: --store:", err)
+		return 2
+	}
+	defer func() { _ = st.Close() }()
+	shared := st.Shared()
 	// The public API acts only for authenticated tenants (docs/security.md): a verified
 	// API key names the tenant; another orchestrator forwarding a call, or the curfew CLI,
 	// names it in curfew-tenant; anyone else is refused.
@@ -112,7 +119,7 @@ func run(args []string) int {
 		},
 		Peers: []string{meshtls.Orchestrator, meshtls.CLI},
 	}
-	if st != nil {
+	if shared {
 		guard.Keys = &apikey.Authenticator{Keys: st}
 	}
 	o.Authenticate = guard.Tenant
@@ -128,7 +135,7 @@ func run(args []string) int {
 		rt.Log.Warn("no --store: no API keys, so only mesh peers (the curfew CLI, other orchestrators) may call this orchestrator; over --insecure, no one")
 	}
 	adv := advertiseAddr(*advertise, rt.Addr())
-	if st != nil {
+	if shared {
 		if adv == "" {
 			rt.Log.Warn("no --advertise-addr: a CancelRun of a run this orchestrator owns, received by another one, reaches only the run's leaves")
 		} else {
@@ -150,7 +157,7 @@ func run(args []string) int {
 		guard.Limit = adm.AllowRequest
 	}
 	var dead orchestrator.DeadLetterRecorder
-	if st != nil {
+	if shared {
 		rec := &dlq.Recorder{Store: st, Log: rt.Log}
 		if *natsURL != "" {
 			nc, err := nats.Connect(*natsURL, nats.Name("curfew-orchestrator"))
@@ -222,7 +229,7 @@ func run(args []string) int {
 		Admission:   adm,
 	})
 	orchestratorv1.RegisterOrchestratorServiceServer(rt.Server, srv)
-	if st != nil {
+	if shared {
 		orchestratorv1.RegisterDeadLetterServiceServer(rt.Server, orchestrator.NewDeadLetterServer(st, srv.Replay))
 	}
 	// The lease loops outlive the signal: the runs in flight are heartbeaten through the

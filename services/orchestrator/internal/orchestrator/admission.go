@@ -151,9 +151,9 @@ func orphanTokens(r *orchestratorv1.Run) int64 {
 	return n
 }
 
-// settle ends the run's admission ticket with what the run spent, and tells admission
-// what the run's end says about the cancel path.
-func (s *Server) settle(rs *runState, r *orchestratorv1.Run) {
+// endAdmission releases the run's admission ticket with what the run spent, and tells
+// admission what the run's end says about the cancel path.
+func (s *Server) endAdmission(rn *run, r *orchestratorv1.Run) {
 	if s.cfg.Admission == nil {
 		return
 	}
@@ -166,7 +166,7 @@ func (s *Server) settle(rs *runState, r *orchestratorv1.Run) {
 	case orchestratorv1.RunStatus_RUN_STATUS_DEADLINE_EXCEEDED:
 		end = admission.EndDeadline
 	}
-	rs.ticket.Release(admission.Outcome{Tokens: r.GetTokens(), Service: r.GetEndedAt().AsTime().Sub(r.GetCreatedAt().AsTime()), Ended: end})
+	rn.ticket.Release(admission.Outcome{Tokens: r.GetTokens(), Service: r.GetEndedAt().AsTime().Sub(r.GetCreatedAt().AsTime()), Ended: end})
 	s.cfg.Admission.ObserveOrphanTokens(orphanTokens(r))
 	if r.GetCancelledAt() == nil {
 		return
@@ -182,36 +182,14 @@ func (s *Server) settle(rs *runState, r *orchestratorv1.Run) {
 		}
 	}
 	if last.After(at) {
-		s.cfg.Admission.ObserveCancelPropagation(last.Sub(at), rs.dl.Sub(at))
+		s.cfg.Admission.ObserveCancelPropagation(last.Sub(at), rn.dl.Sub(at))
 	}
 }
 
-// withRunChaos returns ctx with the chaos settings (package chaos; empty unless the
-// orchestrator runs with --chaos) that the run's children receive: drop-cancel, seed 003's
-// "drop the cancel event on overflow workers only", goes to sheddable runs only.
-func withRunChaos(ctx context.Context) context.Context {
-	id := md.IdentityFrom(ctx)
-	if id.Chaos == "" {
-		return ctx
-	}
-	cs := chaos.From(ctx)
-	if !cs.DropCancel {
-		return ctx
-	}
-	if v := metadata.ValueFromIncomingContext(ctx, md.Criticality); len(v) > 0 {
-		if c, err := admission.ParseCriticality(v[0]); err == nil && c == admission.Sheddable {
-			return ctx
-		}
-	}
-	cs.DropCancel = false
-	id.Chaos = cs.String()
-	return md.WithIdentity(ctx, id)
-}
-
-// deadlineSlack absorbs the time a run's request spent reaching create: a deadline the
+// tenantDeadlineSlack absorbs the time a run's request spent reaching create: a deadline the
 // caller set to exactly its tenant's maximum is not refused for the milliseconds lost on
 // the way.
-const deadlineSlack = time.Second
+const tenantDeadlineSlack = time.Second
 
 // checkTenantDeadline refuses a run whose deadline is further away than its tenant's
 // max_deadline (admission config), OUT_OF_RANGE with the limit in a BadRequest detail,
@@ -222,7 +200,7 @@ func (s *Server) checkTenantDeadline(tenant string, dl time.Time) error {
 	}
 	limit := s.cfg.Admission.TenantLimits(tenant).MaxDeadline
 	left := time.Until(dl)
-	if limit <= 0 || left <= limit+deadlineSlack {
+	if limit <= 0 || left <= limit+tenantDeadlineSlack {
 		return nil
 	}
 	st := status.Newf(codes.OutOfRange, "deadline %v away exceeds tenant %q's max_deadline %v: ask for %v or less",

@@ -18,7 +18,7 @@ import (
 	"github.com/curfew-mesh/curfew/mesh/store"
 )
 
-// A CancelRun of a run that another orchestrator owns (with a Store, any replica may
+// A CancelRun of a run that another orchestrator owns (any replica on a shared store may
 // receive it) is forwarded to the owner, whose address its lease names (OwnerName), so
 // that the run's tree stops as fast as on the owner itself. When the owner cannot be
 // reached, the cancel is also broadcast to the leaves and remembered: if the owner died,
@@ -53,7 +53,7 @@ func (s *Server) cancelElsewhere(ctx context.Context, req *orchestratorv1.Cancel
 	tenant := md.IdentityFrom(ctx).Tenant
 	run, err := s.cfg.Store.GetRun(ctx, tenant, id)
 	if err != nil {
-		return nil, runStoreErr(ctx, s.cfg.Log, "get run", err)
+		return nil, runStoreErr(ctx, s.cfg.Log, "get run", id, err)
 	}
 	if run.Status.Terminal() {
 		return s.fromStore(ctx, run), nil
@@ -78,12 +78,12 @@ func (s *Server) cancelElsewhere(ctx context.Context, req *orchestratorv1.Cancel
 			return nil, status.FromContextError(ctx.Err()).Err()
 		case <-t.C:
 		}
-		if rs, err := s.visible(ctx, id); err == nil { // taken over here meanwhile
-			return s.cancelHere(ctx, rs, req)
+		if rn, err := s.visible(ctx, id); err == nil { // taken over here meanwhile
+			return s.cancelHere(ctx, rn, req)
 		}
 		run, err = s.cfg.Store.GetRun(ctx, tenant, id)
 		if err != nil {
-			return nil, runStoreErr(ctx, s.cfg.Log, "get run", err)
+			return nil, runStoreErr(ctx, s.cfg.Log, "get run", id, err)
 		}
 		if run.Status.Terminal() {
 			return s.fromStore(ctx, run), nil
@@ -161,14 +161,13 @@ func (s *Server) cancelRequested(id string) bool {
 // endCancelled ends a run this process has just claimed, and that an operator cancelled
 // while its owner could not be reached, as CANCELLED (cause operator) without resuming it.
 func (s *Server) endCancelled(ctx context.Context, r store.Run) {
-	rs := newRunState(r.RunID, r.Tenant, r.IdempotencyKey, r.Model, string(r.Task), r.Deadline, r.CreatedAt)
-	rs.lease = r.Lease()
-	rec := rs.rec
+	rn := newRun(r)
+	rec := rn.rec
 	rec.Status, rec.Cause = orchestratorv1.RunStatus_RUN_STATUS_CANCELLED, meshv1.CancelCause_CANCEL_CAUSE_OPERATOR
 	rec.ErrorCode, rec.ErrorMessage = "CANCELLED", "cancelled by an operator while its owner was unreachable; not resumed"
 	now := timestamppb.Now()
 	rec.EndedAt, rec.CancelledAt = now, now
-	if s.commit(ctx, rs) {
+	if s.commit(ctx, rn) {
 		s.leaseMetrics.takeover(takeoverCancelled)
 		s.cfg.Log.InfoContext(ctx, "took over a run cancelled while its owner was unreachable; ended it without resuming", "run_id", r.RunID, "epoch", r.Epoch)
 	}

@@ -2,7 +2,9 @@ package orchestrator
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
+	"strings"
 	"time"
 
 	"github.com/google/uuid"
@@ -10,6 +12,7 @@ import (
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/types/known/timestamppb"
 
+	meshv1 "github.com/curfew-mesh/curfew/gen/curfew/mesh/v1"
 	orchestratorv1 "github.com/curfew-mesh/curfew/gen/curfew/orchestrator/v1"
 	"github.com/curfew-mesh/curfew/mesh/md"
 	"github.com/curfew-mesh/curfew/mesh/store"
@@ -219,4 +222,49 @@ func dlTimestamp(t time.Time) *timestamppb.Timestamp {
 		return nil
 	}
 	return timestamppb.New(t)
+}
+
+// DeadLetterRecorder records a run that failed for good; mesh/dlq.Recorder is one.
+type DeadLetterRecorder interface {
+	Record(ctx context.Context, d store.DeadLetter) (store.DeadLetter, bool, error)
+}
+
+// deadLetter records a run that failed for good. errType overrides the error class.
+func (s *Server) deadLetter(ctx context.Context, r *orchestratorv1.Run, errType string) {
+	if s.cfg.DeadLetters == nil {
+		return
+	}
+	step, attempts := failingStep(r)
+	if errType == "" {
+		errType = strings.ToLower(r.GetErrorCode())
+	}
+	payload, _ := json.Marshal(ReplayPayload{Task: r.GetTask(), Model: r.GetModel()})
+	dctx, stop := context.WithTimeout(context.WithoutCancel(ctx), storeTimeout)
+	defer stop()
+	d, added, err := s.cfg.DeadLetters.Record(dctx, store.DeadLetter{Tenant: r.GetTenant(), RunID: r.GetRunId(), Step: step,
+		ErrorType: errType, Attempts: attempts, LastError: r.GetErrorMessage(), Payload: payload, IdempotencyKey: r.GetIdempotencyKey()})
+	if err != nil {
+		s.cfg.Log.ErrorContext(ctx, "record dead letter", "run_id", r.GetRunId(), "error", err.Error(), "stored", d.ID != "")
+		return
+	}
+	if added {
+		s.cfg.Log.WarnContext(ctx, "run failed for good: dead letter recorded", "run_id", r.GetRunId(), "dead_letter", d.ID,
+			"step", step, "error_type", errType, "attempts", attempts)
+	}
+}
+
+// failingStep names the deepest failed node that carries the run's error, and its
+// attempts; "root" and 1 when no node does.
+func failingStep(r *orchestratorv1.Run) (string, int) {
+	step, attempts, depth := RootNode, 1, -1
+	for _, n := range r.GetNodes() {
+		if n.GetStatus() != meshv1.NodeStatus_NODE_STATUS_FAILED || n.GetErrorCode() != r.GetErrorCode() {
+			continue
+		}
+		if d := strings.Count(n.GetId(), "/"); d > depth {
+			step, depth = n.GetId(), d
+			attempts = max(int(n.GetAttempt()), 1+len(n.GetEarlierAttempts()), 1)
+		}
+	}
+	return step, attempts
 }

@@ -10,5 +10,31 @@
 // orchestrator happened to receive, because after a cancel the orchestrator has stopped
 // listening and only the decoder knows what it went on spending.
 //
-// Runs are kept in memory (the most recent MaxRuns); the durable store comes later.
+// Every run is recorded in the store (Config.Store) and leased to the orchestrator that
+// advances it; the most recent MaxRuns are also kept in memory. Where the store makes a
+// difference, the server asks whether other orchestrators share it (store.Sharing): on a shared
+// store (a SQLite file, PostgreSQL) runs are checkpointed step by step, and a dead or
+// draining orchestrator's runs are resumed by another; on a process-private one
+// (memory://) they are not, and a drain cancels them.
+//
+// The files, by responsibility:
+//
+//   - server.go: Config, Server and its construction.
+//   - api.go: the OrchestratorService methods (Run, StartRun, WatchRun, GetRun,
+//     ListRuns, CancelRun) and Replay, the DeadLetterService's replayer.
+//   - run.go: the run type (its record, events, lease state) and this process's table
+//     of runs.
+//   - start.go: the one path by which a run starts (validate, drain, minimum time,
+//     admission, create, launch), shared by Run, StartRun and Replay.
+//   - execute.go: running a run's agent loop (parked on an open breaker when it has a
+//     journal) and assembling its summary.
+//   - leases.go: heartbeats, takeover and resume, the journal of checkpoints, and the
+//     fenced commit of a run's result.
+//   - stored.go: reading runs from the store.
+//   - cancel.go: a run's cancel, decoders first; cancelfwd.go: cancelling a run that
+//     another orchestrator owns.
+//   - drain.go: the drain and shutdown.
+//   - admission.go: admitting new runs; deadletters.go: recording failed runs and the
+//     DeadLetterService.
+//   - leasemetrics.go, logging.go: the run-lease metrics and the run log lines.
 package orchestrator

@@ -23,9 +23,9 @@ import (
 //     letters) keep working.
 //   - At the handover point, by minus a margin (handoverMargin), every run still here is
 //     handed over: it stops advancing and its lease is released, so that another
-//     orchestrator on the store resumes it from its last checkpoint within one scan
-//     (without a Store it is cancelled with cause operator). Attached Run streams of those
-//     runs end UNAVAILABLE ("moved to another orchestrator; follow it with WatchRun"), and
+//     orchestrator on the store resumes it from its last checkpoint within one scan (on
+//     a process-private store, which no other orchestrator reads, it is cancelled with
+//     cause operator). Attached Run streams of those runs end UNAVAILABLE ("moved to another orchestrator; follow it with WatchRun"), and
 //     WatchRun streams still polling a run end UNAVAILABLE with DRAINING, so that no
 //     stream holds the server's graceful stop.
 //   - Shutdown, after the server stopped, waits for the runs' teardown until by and stops
@@ -93,43 +93,41 @@ func (s *Server) Drain(by time.Time) {
 			defer t.Stop()
 			select {
 			case <-t.C:
-				s.handOff()
-			case <-s.handoff: // Shutdown came first
+				s.handOverAll()
+			case <-s.handedOver: // Shutdown came first
 			}
 		}()
 	})
 }
 
-// handOff hands over (cancels, without a Store) every run still in flight, once, and
-// closes handoff.
-func (s *Server) handOff() {
-	s.handoffOnce.Do(func() {
+// handOverAll hands over every run still in flight, once, and closes handedOver. On
+// a process-private store no other orchestrator could resume a run, so the runs are
+// cancelled instead (cause operator).
+func (s *Server) handOverAll() {
+	s.handoverOnce.Do(func() {
 		handed, ending := 0, 0
 		s.mu.Lock()
-		for _, rs := range s.runs {
-			select {
-			case <-rs.done:
-				continue
-			default:
-			}
+		for _, rn := range s.runs {
 			switch {
-			case s.cfg.Store == nil:
-				rs.cancelTree(cancel.ErrOperator, false) // under s.mu: no waiting per run
+			case rn.ended():
+				continue
+			case !s.shared:
+				rn.cancelTree(cancel.ErrOperator, false) // under s.mu: no waiting per run
 				handed++
-			case rs.handOver():
+			case rn.handOver():
 				handed++
 			default:
 				ending++ // its result is being committed
 			}
 		}
 		s.mu.Unlock()
-		s.handedOver = handed
-		close(s.handoff)
+		s.handovers = handed
+		close(s.handedOver)
 		switch {
 		case handed == 0:
 			s.cfg.Log.Info("drain: no run left to hand over", "committing", ending)
-		case s.cfg.Store == nil:
-			s.cfg.Log.Warn("drain: runs still in flight at the handover point are cancelled (no store to hand them over)", "runs", handed)
+		case !s.shared:
+			s.cfg.Log.Warn("drain: runs still in flight at the handover point are cancelled (the store is private to this process: no orchestrator could resume them)", "runs", handed)
 		default:
 			s.cfg.Log.Info("drain: handing over the runs still in flight; another orchestrator resumes them from their checkpoints",
 				"runs", handed, "committing", ending)
@@ -138,8 +136,9 @@ func (s *Server) handOff() {
 }
 
 // Shutdown ends the stop that Drain began (it drains first if Drain was not called):
-// it waits for the runs in flight until the handover point, hands over the rest (without
-// a Store, cancels them), waits for their teardown until by, and stops the lease loops.
+// it waits for the runs in flight until the handover point, hands over the rest (on a
+// private store, cancels them), waits for their teardown until by, and stops the lease
+// loops.
 // A by earlier than the drain's brings the handover point forward with it. A run still
 // tearing down at by is left: its lease lapses and another orchestrator takes it over.
 func (s *Server) Shutdown(by time.Time) {
@@ -157,14 +156,14 @@ func (s *Server) Shutdown(by time.Time) {
 	select {
 	case <-done:
 	case <-t.C:
-	case <-s.handoff:
+	case <-s.handedOver:
 	}
 	t.Stop()
-	s.handOff()
+	s.handOverAll()
 	t = time.NewTimer(time.Until(by))
 	select {
 	case <-done:
-		s.cfg.Log.Info("drain: done; every run ended here or was handed over", "handed_over", s.handedOver)
+		s.cfg.Log.Info("drain: done; every run ended here or was handed over", "handed_over", s.handovers)
 	case <-t.C:
 		s.cfg.Log.Warn("drain: runs still tearing down at the stop deadline; their leases lapse and another orchestrator takes them over",
 			"runs", len(s.live()))
@@ -174,29 +173,25 @@ func (s *Server) Shutdown(by time.Time) {
 }
 
 // existingRun is the run of this process that key (of tenant) already started, for a
-// StartRun during the drain; nil when there is none. With a Store only the runs this
-// process holds are searched: another replica finds the rest in the store.
+// StartRun during the drain; nil when there is none. Only the runs this process holds
+// are searched: another replica finds the rest in the store.
 func (s *Server) existingRun(tenant, key, model, task string) (*orchestratorv1.Run, error) {
 	if key == "" {
 		return nil, nil
 	}
-	var found *runState
+	var found *run
 	s.mu.Lock()
-	if s.cfg.Store == nil {
-		found = s.runs[s.keys[tenant+"\x00"+key]]
-	} else {
-		for _, rs := range s.runs {
-			if rs.rec.GetTenant() == tenant && rs.rec.GetIdempotencyKey() == key {
-				found = rs
-				break
-			}
+	for _, rn := range s.runs {
+		if rn.rec.GetTenant() == tenant && rn.rec.GetIdempotencyKey() == key {
+			found = rn
+			break
 		}
 	}
 	s.mu.Unlock()
 	if found == nil {
 		return nil, nil
 	}
-	r := found.snapshot()
+	r := found.snapshot(s.shared)
 	if r.GetTask() != task || r.GetModel() != model {
 		return nil, status.Errorf(codes.AlreadyExists, "idempotency key %q already started run %s with another task or model", key, r.GetRunId())
 	}

@@ -22,6 +22,7 @@ import (
 	"github.com/curfew-mesh/curfew/mesh/meshtest"
 	"github.com/curfew-mesh/curfew/mesh/store"
 	_ "github.com/curfew-mesh/curfew/mesh/store/sqlite"
+	"github.com/curfew-mesh/curfew/mesh/store/storetest"
 )
 
 func openStore(t *testing.T) store.Store {
@@ -33,6 +34,10 @@ func openStore(t *testing.T) store.Store {
 	t.Cleanup(func() { _ = st.Close() })
 	return st
 }
+
+// privateStore is the store of a server started without --store: private to the
+// test's process.
+func privateStore(t *testing.T) store.Store { return storetest.OpenMemory(t) }
 
 // deadLetters records into the store, as mesh/dlq.Recorder does without a broker.
 type deadLetters struct{ st store.Store }
@@ -322,8 +327,8 @@ func TestOtherFailuresFailDurableRun(t *testing.T) {
 	waitDeadLetters(t, st, md.DefaultTenant, 2) // one per failed run
 }
 
-// Without a store there is no journal to resume from: a refusal fails the run.
-func TestBreakerRefusalFailsWithoutStore(t *testing.T) {
+// On a private store there is no journal to resume from: a refusal fails the run.
+func TestBreakerRefusalFailsOnPrivateStore(t *testing.T) {
 	e := newEnv(t, mesh.ServerConfig{}, nil)
 	plan := `{"tokens_per_second":500,"steps":[
 	  {"think_tokens":3,"tools":[{"name":"fail","args":{"times":1,"code":"UNAVAILABLE","retry_info_ms":50}}]},
@@ -338,8 +343,8 @@ func TestBreakerRefusalFailsWithoutStore(t *testing.T) {
 	}
 }
 
-// Without a store, StartRun's key still names one run while the run is remembered.
-func TestStartRunIdempotentInMemory(t *testing.T) {
+// On a private store, StartRun's key still names one run.
+func TestStartRunIdempotentOnPrivateStore(t *testing.T) {
 	e := newEnv(t, mesh.ServerConfig{}, nil)
 	req := &orchestratorv1.StartRunRequest{Task: tinyPlan, IdempotencyKey: "mem-1"}
 	a, err := e.orch.StartRun(context.Background(), req)

@@ -6,7 +6,8 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 )
 
-// leaseMetrics are the durable server's run-lease metrics; nil fields count nothing.
+// leaseMetrics are the run-lease metrics of a server on a shared store; a nil
+// *leaseMetrics counts nothing.
 type leaseMetrics struct {
 	takeovers *prometheus.CounterVec // by outcome: resumed, deadline_exceeded
 	lost      prometheus.Counter
@@ -62,10 +63,10 @@ func (m *leaseMetrics) leaseLost() {
 // renewed: expiry minus TTL is the renewal instant. 0 without live runs.
 func (s *Server) oldestLeaseAge(now time.Time) time.Duration {
 	var age time.Duration
-	for _, rs := range s.live() {
-		rs.mu.Lock()
-		exp := rs.lease.Expires
-		rs.mu.Unlock()
+	for _, rn := range s.live() {
+		rn.mu.Lock()
+		exp := rn.lease.Expires
+		rn.mu.Unlock()
 		if exp.IsZero() {
 			continue
 		}

@@ -9,12 +9,12 @@ import (
 
 // logStarted logs a run's admission. The task is the prompt, so it is logged only when
 // Config.LogPrompts asks for it (--log-prompts); its size always is.
-func (s *Server) logStarted(ctx context.Context, rs *runState, model, task string) {
+func (s *Server) logStarted(ctx context.Context, rn *run, model, task string) {
 	if !s.cfg.Log.Enabled(ctx, slog.LevelInfo) {
 		return
 	}
-	attrs := []slog.Attr{slog.String("run_id", rs.id), slog.String("node_id", RootNode), slog.String("model", model),
-		slog.Time("deadline", rs.dl), slog.Int("task_bytes", len(task))}
+	attrs := []slog.Attr{slog.String("run_id", rn.id), slog.String("node_id", RootNode), slog.String("model", model),
+		slog.Time("deadline", rn.dl), slog.Int("task_bytes", len(task))}
 	if s.cfg.LogPrompts {
 		attrs = append(attrs, slog.String("task", task))
 	}

@@ -1,0 +1,215 @@
+package orchestrator
+
+import (
+	"context"
+	"math/rand/v2"
+	"sync"
+	"time"
+
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/types/known/durationpb"
+	"google.golang.org/protobuf/types/known/timestamppb"
+
+	meshv1 "github.com/curfew-mesh/curfew/gen/curfew/mesh/v1"
+	orchestratorv1 "github.com/curfew-mesh/curfew/gen/curfew/orchestrator/v1"
+	"github.com/curfew-mesh/curfew/mesh/agent"
+	"github.com/curfew-mesh/curfew/mesh/breaker"
+	"github.com/curfew-mesh/curfew/mesh/catalog"
+	"github.com/curfew-mesh/curfew/mesh/nodes"
+	"github.com/curfew-mesh/curfew/mesh/retry"
+	"github.com/curfew-mesh/curfew/mesh/tracing"
+)
+
+// execute runs the loop, then ends the root node, waits for the tree's teardown,
+// assembles the summary, commits it to the store and publishes it.
+func (s *Server) execute(rctx context.Context, rn *run, model, task string, j agent.Journal) {
+	lc := s.cfg.Loop
+	lc.Notes = s.nodes
+	lc.Emit = func(n *meshv1.Node) {
+		rn.publish(&orchestratorv1.RunResponse{Event: &orchestratorv1.RunResponse_Node{Node: n}})
+	}
+	answer, err := s.runLoop(rctx, rn, agent.New(lc), model, task, j)
+	if rn.moved() {
+		s.abandon(rctx, rn)
+		return
+	}
+	o := nodes.OutcomeOf(rctx, err)
+	if o.Status == meshv1.NodeStatus_NODE_STATUS_DEADLINE_EXCEEDED {
+		o.Cause = meshv1.CancelCause_CANCEL_CAUSE_DEADLINE
+	}
+	rn.mu.Lock()
+	cancelAt := rn.cancelAt
+	rn.mu.Unlock()
+	if cancelAt.IsZero() && o.Cause == meshv1.CancelCause_CANCEL_CAUSE_DEADLINE {
+		// Stopped by the deadline. The child's DEADLINE_EXCEEDED (its own copy of the
+		// deadline, or a fast-fail) can arrive before rctx's timer has fired, so do not
+		// require rctx.Err(); the instant is the deadline, or now if that is earlier.
+		cancelAt = rn.dl
+		if now := time.Now(); now.Before(cancelAt) {
+			cancelAt = now
+		}
+	}
+	root := s.nodes.End(rn.id, RootNode, o.Status, o.Cause, o.Code, o.Message, func(n *meshv1.Node) {
+		if !cancelAt.IsZero() {
+			n.CancelledAt = timestamppb.New(cancelAt)
+		}
+	})
+	rn.cancel(nil) // release the run context; children have ended
+	lc.Emit(root)
+
+	cctx, stop := context.WithTimeout(context.WithoutCancel(rctx), s.cfg.SettleTimeout+2*time.Second)
+	ns := s.collect(cctx, rn.id, cancelAt, s.cfg.SettleTimeout)
+	stop()
+
+	rn.mu.Lock()
+	r := rn.rec
+	r.EndedAt = timestamppb.Now()
+	r.Status = runStatus(o.Status)
+	r.Cause = o.Cause
+	r.ErrorCode, r.ErrorMessage = o.Code, o.Message
+	if err == nil {
+		r.Answer = answer
+	}
+	if !cancelAt.IsZero() {
+		r.CancelledAt = timestamppb.New(cancelAt)
+	}
+	setNodes(r, ns)
+	tokens, after := r.Tokens, r.TokensAfterCancel
+	rn.finishing = true
+	rn.mu.Unlock()
+	tracing.EndRun(rn.span, o.Status, o.Cause, o.Code, o.Message, tokens, after)
+	s.endAdmission(rn, rn.snapshot(s.shared))
+	if !s.commit(rctx, rn) {
+		s.abandon(rctx, rn)
+		return
+	}
+	close(rn.done)
+	s.logFinished(rctx, rn.snapshot(s.shared))
+}
+
+// Parking on an open breaker. A run with a journal whose step was refused by an open
+// breaker (its dependency is fenced off: say a toolrunner restarting) does not fail
+// while it has time: it waits the breaker's RetryInfo, then the loop starts again from
+// the run's journal, so nothing completed is repeated. Only a refusal qualifies: the
+// refused call was never sent, and a step is resumed only if every tool of it is safe to
+// run again (no side-effect tool without an idempotency key: a sibling cancelled
+// mid-call may have had its effect). Any other failure, retried to exhaustion by the
+// call's own retry layer, fails the run: one retrying layer, no amplification.
+//
+// breakerParking is its policy: MaxAttempts loops in all (more than a call may make:
+// a park sends nothing), each park the longer of the policy's backoff and the breaker's
+// RetryInfo, plus up to a fifth more.
+var breakerParking = retry.Policy{MaxAttempts: 9, Base: 500 * time.Millisecond, Cap: 5 * time.Second}
+
+// runLoop runs the agent loop and, with a journal, runs it again after a breaker
+// refusal (see breakerParking), while the run has time left for the wait.
+func (s *Server) runLoop(rctx context.Context, rn *run, loop *agent.Loop, model, task string, j agent.Journal) (string, error) {
+	for attempt := 1; ; attempt++ {
+		answer, err := loop.RunJournaled(rctx, RootNode, model, task, j)
+		if err == nil || j == nil || rn.moved() || rctx.Err() != nil || attempt >= breakerParking.MaxAttempts {
+			return answer, err
+		}
+		oe, refused := breaker.Open(err)
+		if !refused || !safeToResume(j.Replay()) {
+			return answer, err
+		}
+		d := max(breakerParking.Backoff(attempt+1, rand.Float64), oe.RetryAfter)
+		d += time.Duration(rand.Int64N(int64(d)/5 + 1)) //nolint:gosec // jitter that spreads the runs one breaker refused together
+		if time.Until(rn.dl) < d+s.cfg.MinRunTime {
+			return answer, err
+		}
+		s.cfg.Log.WarnContext(rctx, "a step was refused by an open breaker; the run resumes from its journal after the breaker's delay",
+			"run_id", rn.id, "attempt", attempt, "target", oe.Target, "backoff_ms", d.Milliseconds())
+		t := time.NewTimer(d)
+		select {
+		case <-rctx.Done():
+			t.Stop()
+			return answer, err
+		case <-t.C:
+		}
+	}
+}
+
+// safeToResume reports whether the step the journal stopped in may run again: its
+// tool calls (if its model output was recorded) have no side effect without a key.
+func safeToResume(entries []agent.Entry) bool {
+	if len(entries) == 0 {
+		return true
+	}
+	last := entries[len(entries)-1]
+	if last.Kind != agent.EntryModel {
+		return true // the failure was in a model step: nothing of it was done
+	}
+	for _, c := range last.ToolCalls {
+		if catalog.NeedsKey(c.GetName()) && c.GetIdempotencyKey() == "" {
+			return false
+		}
+	}
+	return true
+}
+
+// collect merges this process's nodes of the run with every executor's report. With
+// settle > 0 each executor first waits for the run's nodes to end.
+func (s *Server) collect(ctx context.Context, run string, cancelAt time.Time, settle time.Duration) []*meshv1.Node {
+	local, _ := s.nodes.List(ctx, run, nil, 0)
+	reports := make([][]*meshv1.Node, len(s.cfg.Reports)+1)
+	reports[0] = local
+	req := &meshv1.ListNodesRequest{RunId: run, SettleTimeout: durationpb.New(settle)}
+	if !cancelAt.IsZero() {
+		req.CancelAt = timestamppb.New(cancelAt)
+	}
+	var wg sync.WaitGroup
+	for i, c := range s.cfg.Reports {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			resp, err := c.ListNodes(ctx, req)
+			if err != nil {
+				s.cfg.Log.WarnContext(ctx, "node report unavailable; summary is incomplete", "run_id", run, "error", err.Error())
+				return
+			}
+			if !resp.GetSettled() {
+				s.cfg.Log.WarnContext(ctx, "nodes still running after the settle timeout", "run_id", run, "settle", settle)
+			}
+			reports[i+1] = resp.GetNodes()
+		}()
+	}
+	wg.Wait()
+	return nodes.Merge(reports...)
+}
+
+func setNodes(r *orchestratorv1.Run, ns []*meshv1.Node) {
+	r.Nodes = ns
+	r.Tokens, r.TokensAfterCancel = 0, 0
+	for _, n := range ns {
+		r.Tokens += n.GetTokens()
+		r.TokensAfterCancel += n.GetTokensAfterCancel()
+	}
+}
+
+func runStatus(s meshv1.NodeStatus) orchestratorv1.RunStatus {
+	switch s {
+	case meshv1.NodeStatus_NODE_STATUS_SUCCEEDED:
+		return orchestratorv1.RunStatus_RUN_STATUS_SUCCEEDED
+	case meshv1.NodeStatus_NODE_STATUS_CANCELLED:
+		return orchestratorv1.RunStatus_RUN_STATUS_CANCELLED
+	case meshv1.NodeStatus_NODE_STATUS_DEADLINE_EXCEEDED:
+		return orchestratorv1.RunStatus_RUN_STATUS_DEADLINE_EXCEEDED
+	case meshv1.NodeStatus_NODE_STATUS_RUNNING:
+		return orchestratorv1.RunStatus_RUN_STATUS_RUNNING
+	}
+	return orchestratorv1.RunStatus_RUN_STATUS_FAILED
+}
+
+// runErr is the status a Run call ends with for its run's end.
+func runErr(r *orchestratorv1.Run) error {
+	if r.GetStatus() == orchestratorv1.RunStatus_RUN_STATUS_SUCCEEDED {
+		return nil
+	}
+	var c codes.Code
+	if err := c.UnmarshalJSON([]byte(`"` + r.GetErrorCode() + `"`)); err != nil || c == codes.OK {
+		c = codes.Unknown
+	}
+	return status.Error(c, r.GetErrorMessage())
+}

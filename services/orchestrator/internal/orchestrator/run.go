@@ -1,0 +1,272 @@
+package orchestrator
+
+import (
+	"context"
+	"errors"
+	"slices"
+	"sort"
+	"sync"
+	"time"
+
+	"go.opentelemetry.io/otel/trace"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/proto"
+	"google.golang.org/protobuf/types/known/timestamppb"
+
+	orchestratorv1 "github.com/curfew-mesh/curfew/gen/curfew/orchestrator/v1"
+	"github.com/curfew-mesh/curfew/mesh/admission"
+	"github.com/curfew-mesh/curfew/mesh/md"
+	"github.com/curfew-mesh/curfew/mesh/store"
+)
+
+// eventBuffer is the per-subscriber buffer of progress events; a slow client loses
+// progress events (never the summary) rather than slowing the run.
+const eventBuffer = 256
+
+// errLeaseLost stops a run this process no longer owns; errHandover one it gives up.
+var (
+	errLeaseLost = errors.New("another orchestrator claimed the run")
+	errHandover  = errors.New("orchestrator shutting down: run handed over")
+)
+
+// run is a run this process advances (or advanced: ended runs stay until MaxRuns pushes
+// them out): its record, its cancel, its lease and its subscribers.
+type run struct {
+	id       string
+	dl       time.Time
+	cancel   context.CancelCauseFunc
+	done     chan struct{}
+	mu       sync.Mutex
+	rec      *orchestratorv1.Run
+	cancelAt time.Time // first explicit cancel instant
+	// broadcast tells the executors to cancel the run's nodes (one hop), beside the
+	// RST_STREAM that travels down the tree hop by hop: with decodersFirst, modelproxy
+	// first, waiting for its answer up to decoderWait, and then the rest; otherwise all
+	// at once. It returns when the rest may go on (the other executors are told in the
+	// background).
+	broadcast   func(cause error, decodersFirst bool)
+	broadcasted bool
+	subs        map[chan *orchestratorv1.RunResponse]struct{} // nil when there are none
+	// span is the run's span (package tracing): every call the run makes is its child.
+	span trace.Span
+
+	// The run's lease (all guarded by mu), and why this process stopped advancing the
+	// run without ending it.
+	lease     store.Lease
+	finishing bool // the result is being committed: heartbeats no longer matter
+	lost      bool // another orchestrator claimed the run
+	handover  bool // shutting down: release the lease for another orchestrator
+
+	// orphan is the chaos setting orphan (a drill's naive baseline): a client's
+	// disconnect or an operator's cancel is recorded but not acted on.
+	orphan bool
+
+	// ticket is the run's admission, released when the run ends here (nil: not admitted
+	// by this process, as a run taken over from a dead owner).
+	ticket *admission.Ticket
+}
+
+// newRun returns a run as its store row r records it, not yet launched, under r's lease.
+func newRun(r store.Run) *run {
+	return &run{
+		id: r.RunID, dl: r.Deadline, done: make(chan struct{}), lease: r.Lease(),
+		rec: &orchestratorv1.Run{RunId: r.RunID, Tenant: r.Tenant, Status: orchestratorv1.RunStatus_RUN_STATUS_RUNNING,
+			Deadline: timestamppb.New(r.Deadline), CreatedAt: timestamppb.New(r.CreatedAt), Model: r.Model, Task: string(r.Task),
+			IdempotencyKey: r.IdempotencyKey},
+	}
+}
+
+func (rn *run) publish(ev *orchestratorv1.RunResponse) {
+	rn.mu.Lock()
+	defer rn.mu.Unlock()
+	for c := range rn.subs {
+		select {
+		case c <- ev:
+		default: // slow subscriber: drop progress, the summary carries everything
+		}
+	}
+}
+
+func (rn *run) subscribe() chan *orchestratorv1.RunResponse {
+	c := make(chan *orchestratorv1.RunResponse, eventBuffer)
+	rn.mu.Lock()
+	if rn.subs == nil {
+		rn.subs = map[chan *orchestratorv1.RunResponse]struct{}{}
+	}
+	rn.subs[c] = struct{}{}
+	rn.mu.Unlock()
+	return c
+}
+
+func (rn *run) unsubscribe(c chan *orchestratorv1.RunResponse) {
+	rn.mu.Lock()
+	delete(rn.subs, c)
+	if len(rn.subs) == 0 {
+		rn.subs = nil // a detached run outlives its last client: hold no map for it
+	}
+	rn.mu.Unlock()
+}
+
+// ended reports whether the run has ended here (done is closed).
+func (rn *run) ended() bool {
+	select {
+	case <-rn.done:
+		return true
+	default:
+		return false
+	}
+}
+
+// snapshot copies the run's record with the epoch it is reported at (see epochOf).
+func (rn *run) snapshot(shared bool) *orchestratorv1.Run {
+	rn.mu.Lock()
+	defer rn.mu.Unlock()
+	r := proto.Clone(rn.rec).(*orchestratorv1.Run)
+	r.Epoch = epochOf(rn.lease.Epoch, shared)
+	return r
+}
+
+// epochOf is the epoch a run is reported at: its lease's, on a store other orchestrators
+// share; 0 on a process-private one, where no run is ever claimed by anyone else (the
+// API documents 0 "without a durable store").
+func epochOf(epoch int64, shared bool) int64 {
+	if !shared {
+		return 0
+	}
+	return epoch
+}
+
+func (rn *run) leaseNow() store.Lease {
+	rn.mu.Lock()
+	defer rn.mu.Unlock()
+	return rn.lease
+}
+
+// lose stops advancing the run: another owner has it. No cancel broadcast: the nodes the
+// executors run under this run's ids may be the new owner's.
+func (rn *run) lose() {
+	rn.mu.Lock()
+	if rn.lost || rn.finishing {
+		rn.mu.Unlock()
+		return
+	}
+	rn.lost = true
+	rn.mu.Unlock()
+	rn.cancel(errLeaseLost)
+}
+
+// handOver stops advancing the run so that its lease can be released. It reports false
+// when the run's result is already being committed: that run ends here.
+func (rn *run) handOver() bool {
+	rn.mu.Lock()
+	if rn.finishing {
+		rn.mu.Unlock()
+		return false
+	}
+	rn.handover = true
+	rn.mu.Unlock()
+	rn.cancel(errHandover)
+	return true
+}
+
+// moved reports whether the run was lost or handed over.
+func (rn *run) moved() bool {
+	rn.mu.Lock()
+	defer rn.mu.Unlock()
+	return rn.lost || rn.handover
+}
+
+// movedErr is the status a Run stream ends with when its run moved to another
+// orchestrator, nil otherwise.
+func (rn *run) movedErr() error {
+	if !rn.moved() {
+		return nil
+	}
+	return status.Errorf(codes.Unavailable, "run %s moved to another orchestrator; follow it with WatchRun", rn.id)
+}
+
+// The table of this process's runs: s.runs by id, s.order their ids sorted (UUIDv7:
+// creation order), which ListRuns pages by.
+
+func (s *Server) add(rn *run) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.runs[rn.id] = rn
+	// Keep order sorted by id; ids minted concurrently may arrive here a little out of
+	// order.
+	i := sort.SearchStrings(s.order, rn.id)
+	s.order = append(s.order, "")
+	copy(s.order[i+1:], s.order[i:])
+	s.order[i] = rn.id
+	// Forget the oldest ended runs beyond MaxRuns; running runs are never forgotten, so a
+	// long detached run does not stop older ended ones from being dropped.
+	excess := len(s.order) - s.cfg.MaxRuns
+	if excess <= 0 {
+		return
+	}
+	kept := s.order[:0]
+	for _, id := range s.order {
+		if excess > 0 && s.runs[id].ended() {
+			delete(s.runs, id)
+			excess--
+			continue
+		}
+		kept = append(kept, id)
+	}
+	s.order = kept
+}
+
+// forget drops a run from this process's memory, unless another run of the same id
+// (resumed here after it moved) has replaced it.
+func (s *Server) forget(rn *run) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.runs[rn.id] != rn {
+		return
+	}
+	delete(s.runs, rn.id)
+	if i, ok := slices.BinarySearch(s.order, rn.id); ok {
+		s.order = slices.Delete(s.order, i, i+1)
+	}
+}
+
+func (s *Server) get(id string) (*run, error) {
+	if id == "" {
+		return nil, status.Error(codes.InvalidArgument, "run_id is required")
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	rn := s.runs[id]
+	if rn == nil {
+		return nil, status.Errorf(codes.NotFound, "run %q not found", id)
+	}
+	return rn, nil
+}
+
+// visible returns the run this process holds if it belongs to the caller's tenant
+// (md.IdentityFrom: authenticated by the server chain). Another tenant's run is
+// NOT_FOUND, exactly like a run that does not exist, so that its existence does not leak.
+func (s *Server) visible(ctx context.Context, id string) (*run, error) {
+	rn, err := s.get(id)
+	if err != nil {
+		return nil, err
+	}
+	if rn.rec.GetTenant() != md.IdentityFrom(ctx).Tenant { // rec's tenant is set once, at creation
+		return nil, status.Errorf(codes.NotFound, "run %q not found", id)
+	}
+	return rn, nil
+}
+
+// live returns the runs of this process that have not ended.
+func (s *Server) live() []*run {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	var out []*run
+	for _, rn := range s.runs {
+		if !rn.ended() {
+			out = append(out, rn)
+		}
+	}
+	return out
+}

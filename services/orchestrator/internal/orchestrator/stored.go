@@ -1,0 +1,111 @@
+package orchestrator
+
+import (
+	"context"
+	"fmt"
+	"log/slog"
+	"time"
+
+	"google.golang.org/grpc/codes"
+	"google.golang.org/protobuf/proto"
+	"google.golang.org/protobuf/types/known/timestamppb"
+
+	orchestratorv1 "github.com/curfew-mesh/curfew/gen/curfew/orchestrator/v1"
+	"github.com/curfew-mesh/curfew/mesh/cancel"
+	"github.com/curfew-mesh/curfew/mesh/md"
+	"github.com/curfew-mesh/curfew/mesh/store"
+)
+
+// Runs read from the store: those this process does not hold (another orchestrator's,
+// or its own forgotten beyond MaxRuns), and every ListRuns page.
+
+// stored reads the caller's tenant's run from the store. A live run's nodes are read
+// from the executors.
+func (s *Server) stored(ctx context.Context, id string) (*orchestratorv1.Run, error) {
+	run, err := s.cfg.Store.GetRun(ctx, md.IdentityFrom(ctx).Tenant, id)
+	if err != nil {
+		return nil, runStoreErr(ctx, s.cfg.Log, "get run", id, err)
+	}
+	r := s.fromStore(ctx, run)
+	if !run.Status.Terminal() {
+		setNodes(r, s.collect(ctx, id, time.Time{}, 0))
+	}
+	return r, nil
+}
+
+func (s *Server) listStored(ctx context.Context, size int, after string) (*orchestratorv1.ListRunsResponse, error) {
+	runs, next, err := s.cfg.Store.ListRuns(ctx, store.RunQuery{Tenant: md.IdentityFrom(ctx).Tenant, After: after, Limit: size})
+	if err != nil {
+		return nil, runStoreErr(ctx, s.cfg.Log, "list runs", "", err)
+	}
+	resp := &orchestratorv1.ListRunsResponse{NextPageToken: next}
+	for _, run := range runs {
+		r := s.fromStore(ctx, run)
+		r.Nodes = nil
+		resp.Runs = append(resp.Runs, r)
+	}
+	return resp, nil
+}
+
+// fromStore turns a stored run into the API's: its stored summary when it ended here or
+// elsewhere, else what the row holds.
+func (s *Server) fromStore(ctx context.Context, run store.Run) *orchestratorv1.Run {
+	if len(run.Summary) > 0 {
+		r := &orchestratorv1.Run{}
+		if err := proto.Unmarshal(run.Summary, r); err == nil {
+			r.Epoch = epochOf(run.Epoch, s.shared)
+			return r
+		}
+		s.cfg.Log.WarnContext(ctx, "stored run summary does not decode; serving the row", "run_id", run.RunID)
+	}
+	r := &orchestratorv1.Run{RunId: run.RunID, Tenant: run.Tenant, Status: apiStatusOf(run.Status),
+		Deadline: timestamppb.New(run.Deadline), CreatedAt: timestamppb.New(run.CreatedAt), Answer: string(run.Answer),
+		ErrorMessage: run.Error, Model: run.Model, Task: string(run.Task), IdempotencyKey: run.IdempotencyKey,
+		Epoch: epochOf(run.Epoch, s.shared)}
+	if !run.EndedAt.IsZero() {
+		r.EndedAt = timestamppb.New(run.EndedAt)
+	}
+	r.Cause = cancel.Parse(run.Cause)
+	return r
+}
+
+func storeStatusOf(st orchestratorv1.RunStatus) store.RunStatus {
+	switch st {
+	case orchestratorv1.RunStatus_RUN_STATUS_SUCCEEDED:
+		return store.StatusSucceeded
+	case orchestratorv1.RunStatus_RUN_STATUS_CANCELLED:
+		return store.StatusCancelled
+	case orchestratorv1.RunStatus_RUN_STATUS_DEADLINE_EXCEEDED:
+		return store.StatusDeadlineExceeded
+	}
+	return store.StatusFailed
+}
+
+func apiStatusOf(st store.RunStatus) orchestratorv1.RunStatus {
+	switch st {
+	case store.StatusPending, store.StatusRunning:
+		return orchestratorv1.RunStatus_RUN_STATUS_RUNNING
+	case store.StatusSucceeded:
+		return orchestratorv1.RunStatus_RUN_STATUS_SUCCEEDED
+	case store.StatusCancelled:
+		return orchestratorv1.RunStatus_RUN_STATUS_CANCELLED
+	case store.StatusDeadlineExceeded:
+		return orchestratorv1.RunStatus_RUN_STATUS_DEADLINE_EXCEEDED
+	}
+	return orchestratorv1.RunStatus_RUN_STATUS_FAILED
+}
+
+// runStoreErr maps a store error of a run operation on run id ("": none) to the
+// caller's status, with storeError's classification (store.Code): a run not found is
+// NOT_FOUND as for a run this process does not hold; an unclassified failure is logged,
+// and the caller gets UNAVAILABLE without the store's text.
+func runStoreErr(ctx context.Context, log *slog.Logger, op, id string, err error) error {
+	if store.Code(err) == codes.Internal {
+		log.ErrorContext(ctx, "store call failed", "op", op, "error", err.Error())
+	}
+	what := "run"
+	if id != "" {
+		what = fmt.Sprintf("run %q", id)
+	}
+	return storeError(err, what, op+": the run store is unavailable")
+}
