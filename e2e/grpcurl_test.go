@@ -14,26 +14,26 @@ import (
 	"github.com/curfew-mesh/curfew/internal/meshproc"
 )
 
-// readmeRecipes returns the sh block that follows the "grpcurl-recipes" marker in the
-// README, so that the recipes this test runs are the ones the README shows.
-func readmeRecipes(t *testing.T, repo string) string {
+// docRecipes returns the sh block that follows the "grpcurl-recipes" marker in
+// docs/api.md, so that the recipes this test runs are the ones the docs show.
+func docRecipes(t *testing.T, repo string) string {
 	t.Helper()
-	b, err := os.ReadFile(filepath.Join(repo, "README.md"))
+	b, err := os.ReadFile(filepath.Join(repo, "docs", "api.md"))
 	if err != nil {
 		t.Fatal(err)
 	}
 	m := regexp.MustCompile("(?s)<!-- grpcurl-recipes[^>]*-->\\s*```sh\\n(.*?)```").FindSubmatch(b)
 	if m == nil {
-		t.Fatal("README.md has no ```sh block after <!-- grpcurl-recipes -->")
+		t.Fatal("docs/api.md has no ```sh block after <!-- grpcurl-recipes -->")
 	}
 	return string(m[1])
 }
 
-// The README's grpcurl recipes (health, listing runs, starting and cancelling a run), all
+// The grpcurl recipes of docs/api.md (health, listing runs, starting and cancelling a run), all
 // through server reflection, run as written against the mesh. grpcurl is pinned and
 // installed into .tools/bin by scripts/tools.sh; without it the test skips locally and
 // fails under CI=true.
-func TestGrpcurlReadmeRecipes(t *testing.T) {
+func TestGrpcurlRecipes(t *testing.T) {
 	t.Parallel()
 	repo, err := meshproc.Repo()
 	if err != nil {
@@ -48,10 +48,10 @@ func TestGrpcurlReadmeRecipes(t *testing.T) {
 			t.Skip("grpcurl not installed; run scripts/tools.sh")
 		}
 	}
-	script := readmeRecipes(t, repo)
+	script := docRecipes(t, repo)
 	for _, want := range []string{"grpc.health.v1.Health/Check", "/ListRuns", "/StartRun", "/CancelRun"} {
 		if !strings.Contains(script, want) {
-			t.Errorf("the README's recipes lack %s", want)
+			t.Errorf("the recipes of docs/api.md lack %s", want)
 		}
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
@@ -62,7 +62,7 @@ func TestGrpcurlReadmeRecipes(t *testing.T) {
 	out, err := cmd.CombinedOutput()
 	t.Logf("recipes:\n%s\noutput:\n%s", script, out)
 	if err != nil {
-		t.Fatalf("the README's recipes failed: %v", err)
+		t.Fatalf("the recipes of docs/api.md failed: %v", err)
 	}
 	s := string(out)
 	for _, want := range []string{`"status": "SERVING"`, `"runs": [`, `"created": true`, `"RUN_STATUS_CANCELLED"`, `"CANCEL_CAUSE_OPERATOR"`} {

@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# gofmt, go vet (every module), buf lint, golangci-lint (config: .golangci.yml).
+# gofmt, go vet (every module), buf lint, the generated flag tables of docs/, golangci-lint
+# (config: .golangci.yml).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 CURFEW_SKIP_LINT_INSTALL=0 bash scripts/tools.sh
@@ -13,6 +14,8 @@ if [[ -n "$unformatted" ]]; then
 fi
 go vet work
 buf lint
+# The flag tables of docs/cli.md and docs/configuration.md are the binaries' own -h.
+bash scripts/flagdocs.sh --check
 # Breaking-change check of the API against main (a no-op on main itself).
 if git rev-parse --verify -q main >/dev/null && git ls-tree -d main proto >/dev/null 2>&1 && [[ -n "$(git ls-tree main proto)" ]]; then
   buf breaking --against ".git#branch=main"

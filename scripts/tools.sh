@@ -11,7 +11,7 @@ BUF_VERSION=v1.75.0
 PROTOC_GEN_GO_VERSION=v1.36.12
 PROTOC_GEN_GO_GRPC_VERSION=v1.6.2
 GOLANGCI_LINT_VERSION=v2.15.0
-# grpcurl runs the README's recipes in e2e/grpcurl_test.go (Debian has no package of it).
+# grpcurl runs the recipes of docs/api.md in e2e/grpcurl_test.go (Debian has no package of it).
 GRPCURL_VERSION=v1.9.4
 
 need() { # name version-string-marker

@@ -18,7 +18,7 @@ import (
 // APIKeyEnv names the environment variable the client commands read an API key from.
 // The key is sent as `authorization: Bearer <key>` and names the tenant the commands act
 // for. It is never taken as a flag, which other users could read in the process list.
-const APIKeyEnv = "CURFEW_API_KEY"
+const APIKeyEnv = "CURFEW_API_KEY" //nolint:gosec // the variable's name, not a credential
 
 // CLIKeyFile is the file under the data directory where `curfew up --insecure` keeps the
 // API key of tenant "default" its CLI uses: without mTLS the CLI is not a mesh peer, so
@@ -60,7 +60,7 @@ func prepareCLIKey(ctx context.Context, dsn, dataDir string) error {
 	}
 	defer func() { _ = st.Close() }()
 	path := filepath.Join(dataDir, CLIKeyFile)
-	if b, err := os.ReadFile(path); err == nil {
+	if b, err := os.ReadFile(path); err == nil { //nolint:gosec // DIR/cli.key in the data directory the user names
 		if id, _, err := apikey.Parse(strings.TrimSpace(string(b))); err == nil {
 			if rec, err := st.GetAPIKey(ctx, id); err == nil && !rec.Revoked() && rec.Tenant == md.DefaultTenant {
 				return nil

@@ -58,7 +58,7 @@ func cmdLs(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	var runs []*orchestratorv1.Run
 	token := ""
 	for len(runs) < *limit {
-		resp, err := client.ListRuns(ctx, &orchestratorv1.ListRunsRequest{PageSize: int32(min(*limit-len(runs), 500)), PageToken: token})
+		resp, err := client.ListRuns(ctx, &orchestratorv1.ListRunsRequest{PageSize: int32(min(*limit-len(runs), 500)), PageToken: token}) //nolint:gosec // at most 500
 		if err != nil {
 			return callErr(stderr, "ls", err)
 		}

@@ -42,7 +42,7 @@ type Endpoints struct {
 const EndpointsFile = "endpoints.json"
 
 func readEndpoints(dir string) (*Endpoints, error) {
-	b, err := os.ReadFile(filepath.Join(dir, EndpointsFile))
+	b, err := os.ReadFile(filepath.Join(dir, EndpointsFile)) //nolint:gosec // endpoints.json in the data directory the user names
 	if err != nil {
 		return nil, err
 	}
@@ -115,7 +115,7 @@ func cmdUp(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	if *basePort < 0 || *basePort > 65535-8 {
 		return usageErr(stderr, "up", fmt.Errorf("--base-port must be 0 or between 1 and %d", 65535-8))
 	}
-	if err := os.MkdirAll(filepath.Join(*dataDir, "logs"), 0o755); err != nil {
+	if err := os.MkdirAll(filepath.Join(*dataDir, "logs"), 0o755); err != nil { //nolint:gosec // the user's own logs, which hold no secrets
 		return usageErr(stderr, "up", fmt.Errorf("--data-dir: %w", err))
 	}
 	tlsDir := ""
@@ -171,7 +171,7 @@ func cmdUp(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	}
 	out := Endpoints{Services: m.Endpoints(), StartedAt: time.Now().UTC(), TLSDir: tlsDir}
 	b, _ := json.MarshalIndent(out, "", "  ")
-	if err := os.WriteFile(filepath.Join(*dataDir, EndpointsFile), append(b, '\n'), 0o644); err != nil {
+	if err := os.WriteFile(filepath.Join(*dataDir, EndpointsFile), append(b, '\n'), 0o644); err != nil { //nolint:gosec // addresses only, read by every client command
 		fmt.Fprintln(stderr, "curfew up:", err)
 		m.Stop()
 		return ExitFail

@@ -84,7 +84,7 @@ func Build() (string, error) {
 			if os.Getenv("CURFEW_RACE") == "1" {
 				args = append(args, "-race")
 			}
-			cmd := exec.Command("go", append(args, pkg)...) //nolint:noctx // a bounded build, once per process
+			cmd := exec.Command("go", append(args, pkg)...) //nolint:noctx,gosec // a bounded build, once per process, of this repository's packages
 			cmd.Dir = dir
 			if out, err := cmd.CombinedOutput(); err != nil {
 				buildErr = fmt.Errorf("go build %s: %w\n%s", name, err, out)
@@ -141,7 +141,7 @@ func Start(ctx context.Context, dataDir string, o Options) (*Mesh, error) {
 	if o.Insecure {
 		args = append(args, "--insecure")
 	}
-	m.up = exec.Command(filepath.Join(bin, "curfew"), args...) //nolint:noctx // see above
+	m.up = exec.Command(filepath.Join(bin, "curfew"), args...) //nolint:noctx,gosec // see above; the curfew this package built
 	m.up.Env = append(os.Environ(), o.Env...)
 	m.up.Stderr = os.Stderr
 	m.up.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGTERM}
@@ -179,7 +179,7 @@ func Start(ctx context.Context, dataDir string, o Options) (*Mesh, error) {
 		_ = m.Stop()
 		return nil, ctx.Err()
 	}
-	b, err := os.ReadFile(filepath.Join(dataDir, "endpoints.json"))
+	b, err := os.ReadFile(filepath.Join(dataDir, "endpoints.json")) //nolint:gosec // the test mesh's own data directory
 	if err != nil {
 		_ = m.Stop()
 		return nil, err

@@ -15,7 +15,7 @@ import (
 	"github.com/moby/buildkit/frontend/dockerfile/parser"
 )
 
-// images maps each image the manifests and the README name to its Dockerfile, relative to
+// images maps each image the manifests and docs/kubernetes.md name to its Dockerfile, relative to
 // the repository root (the build context).
 var images = map[string]string{
 	"ghcr.io/curfew-mesh/curfew-orchestrator": "services/orchestrator/Dockerfile",

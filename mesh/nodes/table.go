@@ -156,7 +156,7 @@ func (t *Table) Begin(ctx context.Context, runID string, n *meshv1.Node) (contex
 	var retryID string
 	var attempt int32
 	if id := md.IdentityFrom(ctx); id.RetryID != "" && n.RetryId == "" {
-		retryID, attempt = id.RetryID, int32(max(id.Attempt, 1))
+		retryID, attempt = id.RetryID, int32(max(id.Attempt, 1)) //nolint:gosec // recorded for display only; retries are ordered on the int
 	}
 	n = t.start(runID, n, retryID, attempt, nc)
 	defer t.mu.Unlock()

@@ -54,7 +54,7 @@ func Open(ctx context.Context, dsnOrPath string, opts ...store.Option) (store.St
 		if !busy(err) || time.Now().After(deadline) {
 			return nil, err
 		}
-		t := time.NewTimer(time.Duration(1+rand.IntN(10<<min(attempt, 4))) * time.Millisecond)
+		t := time.NewTimer(time.Duration(1+rand.IntN(10<<min(attempt, 4))) * time.Millisecond) //nolint:gosec // jitter, not secrets
 		select {
 		case <-ctx.Done():
 			t.Stop()

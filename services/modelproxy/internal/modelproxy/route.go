@@ -83,7 +83,7 @@ func (d direct) serve(ctx context.Context, c *call) error {
 		if gone {
 			continue
 		}
-		if err := c.stream.Send(&modelproxyv1.GenerateResponse{Delta: ch.Delta, Tokens: int32(ch.Tokens),
+		if err := c.stream.Send(&modelproxyv1.GenerateResponse{Delta: ch.Delta, Tokens: int32(ch.Tokens), //nolint:gosec // a chunk's tokens, at most one completion's: far below 2^31
 			ToolCalls: ch.ToolCalls, FinishReason: ch.FinishReason, Usage: ch.Usage}); err != nil {
 			if !detached {
 				return err

@@ -461,7 +461,7 @@ func (c *chainCall) stream1(ctx context.Context, t Target, lat *latency) (_ *cac
 			continue
 		}
 		text.WriteString(ch.Delta)
-		msg := &modelproxyv1.GenerateResponse{Delta: ch.Delta, Tokens: int32(ch.Tokens)}
+		msg := &modelproxyv1.GenerateResponse{Delta: ch.Delta, Tokens: int32(ch.Tokens)} //nolint:gosec // a chunk's tokens, at most one completion's: far below 2^31
 		if hold {
 			pending = append(pending, msg)
 			continue

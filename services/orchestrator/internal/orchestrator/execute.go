@@ -115,7 +115,7 @@ func (s *Server) runLoop(rctx context.Context, rn *run, loop *agent.Loop, model,
 			return answer, err
 		}
 		d := max(breakerParking.Backoff(attempt+1, rand.Float64), oe.RetryAfter)
-		d += time.Duration(rand.Int64N(int64(d)/5 + 1)) // spread the runs one breaker refused together
+		d += time.Duration(rand.Int64N(int64(d)/5 + 1)) //nolint:gosec // jitter that spreads the runs one breaker refused together
 		if time.Until(rn.dl) < d+s.cfg.MinRunTime {
 			return answer, err
 		}
