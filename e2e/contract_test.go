@@ -33,7 +33,7 @@ type headerCase struct {
 // headerCases are the malformed values of each rule in docs/api.md and the well-formed
 // values at its edges.
 func headerCases() []headerCase {
-	rid := func() string { return uuid.NewString() }
+	rid := uuid.NewString
 	return []headerCase{
 		{"deadline word", []string{md.Deadline, "yesterday"}, md.Deadline},
 		{"deadline seconds", []string{md.Deadline, strconv.FormatInt(time.Now().Add(time.Minute).Unix(), 10)}, md.Deadline},
