@@ -26,24 +26,6 @@ func repo(t *testing.T) string {
 	return r
 }
 
-// buf returns the pinned buf that scripts/tools.sh installs into .tools/bin, or one on
-// PATH; without either the test skips locally and fails under CI=true.
-func buf(t *testing.T, repo string) string {
-	t.Helper()
-	p := filepath.Join(repo, ".tools", "bin", "buf")
-	if _, err := os.Stat(p); err == nil {
-		return p
-	}
-	if p, err := exec.LookPath("buf"); err == nil {
-		return p
-	}
-	if os.Getenv("CI") == "true" {
-		t.Fatal("buf not installed (scripts/tools.sh installs it)")
-	}
-	t.Skip("buf not installed; run scripts/tools.sh")
-	return ""
-}
-
 // breaking runs `buf breaking` of the module at dir (its buf.yaml) against image and
 // returns its output and whether it found a break.
 func breaking(t *testing.T, bufBin, dir, image string) (string, bool) {
@@ -79,7 +61,7 @@ func errorAs(err error, target **exec.ExitError) bool {
 // check CI runs on every change.
 func TestCompatibleWithLatestRelease(t *testing.T) {
 	root := repo(t)
-	b := buf(t, root)
+	b := meshproc.Tool(t, "buf")
 	latest, err := release.Latest(root)
 	if err != nil {
 		t.Fatal(err)
@@ -94,7 +76,7 @@ func TestCompatibleWithLatestRelease(t *testing.T) {
 // passes, so the failure is the removal's.
 func TestRemovedFieldIsCaught(t *testing.T) {
 	root := repo(t)
-	b := buf(t, root)
+	b := meshproc.Tool(t, "buf")
 	latest, err := release.Latest(root)
 	if err != nil {
 		t.Fatal(err)
