@@ -129,11 +129,7 @@ func BenchmarkCheckpoint(b *testing.B) {
 func BenchmarkToolRecord(b *testing.B) {
 	ctx := context.Background()
 	s := storetest.OpenMemory(b)
-	i := 0
-	var lat []time.Duration
-	for b.Loop() {
-		i++
-		start := time.Now()
+	timeEach(b, func(i int) {
 		key := "k" + strconv.Itoa(i)
 		bg, err := s.BeginTool(ctx, store.ToolBegin{Tenant: "t", Key: key, Owner: "o", TTL: time.Minute})
 		if err != nil {
@@ -142,9 +138,7 @@ func BenchmarkToolRecord(b *testing.B) {
 		if err := s.CompleteTool(ctx, bg.Claim, []byte(`{"written":true}`), store.KVPut{Key: key, Value: []byte(`1`)}); err != nil {
 			b.Fatal(err)
 		}
-		lat = append(lat, time.Since(start))
-	}
-	reportP50(b, lat)
+	})
 }
 
 // BenchmarkAddTokens is modelproxy's store work for one decoder: its output and orphan
@@ -152,11 +146,7 @@ func BenchmarkToolRecord(b *testing.B) {
 func BenchmarkAddTokens(b *testing.B) {
 	ctx := context.Background()
 	s := storetest.OpenMemory(b)
-	i := 0
-	var lat []time.Duration
-	for b.Loop() {
-		i++
-		start := time.Now()
+	timeEach(b, func(i int) {
 		key := "modelproxy/r/n/-/1/x." + strconv.Itoa(i)
 		if _, err := s.AddTokens(ctx,
 			store.LedgerEntry{Tenant: "t", RunID: "r", NodeID: "n", Tokens: 40, Kind: "output", Key: key},
@@ -164,14 +154,18 @@ func BenchmarkAddTokens(b *testing.B) {
 		); err != nil {
 			b.Fatal(err)
 		}
-		lat = append(lat, time.Since(start))
-	}
-	reportP50(b, lat)
+	})
 }
 
-// reportP50 reports the median call: on a loaded machine the mean says more about the
-// scheduler than about the store.
-func reportP50(b *testing.B, lat []time.Duration) {
+// timeEach runs op(1), op(2), … as the benchmark's loop and reports the median call:
+// on a loaded machine the mean says more about the scheduler than about the store.
+func timeEach(b *testing.B, op func(i int)) {
+	var lat []time.Duration
+	for i := 1; b.Loop(); i++ {
+		start := time.Now()
+		op(i)
+		lat = append(lat, time.Since(start))
+	}
 	slices.Sort(lat)
 	b.ReportMetric(float64(lat[len(lat)/2].Microseconds()), "p50-us")
 }
