@@ -55,6 +55,16 @@ func Open(ctx context.Context, dsn string, opts ...store.Option) (store.Store, e
 	return private{sqlcore.New(c, sqlcore.SQLite, o)}, nil
 }
 
+// OpenOr opens the store at dsn, of any backend store.Open knows, or, when dsn is "",
+// memory://name: a service started without --store keeps its data in a store of its
+// own that lives as long as the process.
+func OpenOr(ctx context.Context, dsn, name string, opts ...store.Option) (store.Store, error) {
+	if dsn == "" {
+		dsn = scheme + "://" + name
+	}
+	return store.Open(ctx, dsn, opts...)
+}
+
 // parse returns the name in a memory:// DSN.
 func parse(dsn string) (string, error) {
 	if store.Scheme(dsn) != scheme {

@@ -76,6 +76,30 @@ func TestDefaultName(t *testing.T) {
 	}
 }
 
+// OpenOr: without a DSN, the memory store of the name; with one, the store it names.
+func TestOpenOr(t *testing.T) {
+	ctx := context.Background()
+	named := open(t, "memory://"+t.Name())
+	defer closeStore(t, named)
+	r := create(t, named)
+	dflt, err := memory.OpenOr(ctx, "", t.Name())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer closeStore(t, dflt)
+	if _, err := dflt.GetRun(ctx, "t", r.RunID); err != nil {
+		t.Fatalf("OpenOr without a DSN is not memory://%s: %v", t.Name(), err)
+	}
+	other, err := memory.OpenOr(ctx, "memory://"+t.Name()+"-other", t.Name())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer closeStore(t, other)
+	if _, err := other.GetRun(ctx, "t", r.RunID); !errors.Is(err, store.ErrNotFound) {
+		t.Fatalf("OpenOr with a DSN opened the name's store instead: %v", err)
+	}
+}
+
 // Close: the closed store's calls fail, the others keep the data, and the last Close
 // drops it.
 func TestCloseRefCounts(t *testing.T) {
