@@ -10,45 +10,38 @@ import (
 
 // TestStatusMappings pins every value of the three status enums to the one it maps to.
 func TestStatusMappings(t *testing.T) {
-	const (
-		running  = orchestratorv1.RunStatus_RUN_STATUS_RUNNING
-		ok       = orchestratorv1.RunStatus_RUN_STATUS_SUCCEEDED
-		failed   = orchestratorv1.RunStatus_RUN_STATUS_FAILED
-		canceled = orchestratorv1.RunStatus_RUN_STATUS_CANCELLED
-		deadline = orchestratorv1.RunStatus_RUN_STATUS_DEADLINE_EXCEEDED
-	)
 	for node, want := range map[meshv1.NodeStatus]orchestratorv1.RunStatus{
-		meshv1.NodeStatus_NODE_STATUS_UNSPECIFIED:       failed,
-		meshv1.NodeStatus_NODE_STATUS_RUNNING:           running,
-		meshv1.NodeStatus_NODE_STATUS_SUCCEEDED:         ok,
-		meshv1.NodeStatus_NODE_STATUS_FAILED:            failed,
-		meshv1.NodeStatus_NODE_STATUS_CANCELLED:         canceled,
-		meshv1.NodeStatus_NODE_STATUS_DEADLINE_EXCEEDED: deadline,
+		meshv1.NodeStatus_NODE_STATUS_UNSPECIFIED:       orchestratorv1.RunStatus_RUN_STATUS_FAILED,
+		meshv1.NodeStatus_NODE_STATUS_RUNNING:           orchestratorv1.RunStatus_RUN_STATUS_RUNNING,
+		meshv1.NodeStatus_NODE_STATUS_SUCCEEDED:         orchestratorv1.RunStatus_RUN_STATUS_SUCCEEDED,
+		meshv1.NodeStatus_NODE_STATUS_FAILED:            orchestratorv1.RunStatus_RUN_STATUS_FAILED,
+		meshv1.NodeStatus_NODE_STATUS_CANCELLED:         orchestratorv1.RunStatus_RUN_STATUS_CANCELLED,
+		meshv1.NodeStatus_NODE_STATUS_DEADLINE_EXCEEDED: orchestratorv1.RunStatus_RUN_STATUS_DEADLINE_EXCEEDED,
 	} {
 		if got := runStatus(node); got != want {
 			t.Errorf("runStatus(%v) = %v, want %v", node, got, want)
 		}
 	}
 	for api, want := range map[orchestratorv1.RunStatus]store.RunStatus{
-		orchestratorv1.RunStatus_RUN_STATUS_UNSPECIFIED: store.StatusFailed,
-		running:  store.StatusFailed,
-		ok:       store.StatusSucceeded,
-		failed:   store.StatusFailed,
-		canceled: store.StatusCancelled,
-		deadline: store.StatusDeadlineExceeded,
+		orchestratorv1.RunStatus_RUN_STATUS_UNSPECIFIED:       store.StatusFailed,
+		orchestratorv1.RunStatus_RUN_STATUS_RUNNING:           store.StatusFailed,
+		orchestratorv1.RunStatus_RUN_STATUS_SUCCEEDED:         store.StatusSucceeded,
+		orchestratorv1.RunStatus_RUN_STATUS_FAILED:            store.StatusFailed,
+		orchestratorv1.RunStatus_RUN_STATUS_CANCELLED:         store.StatusCancelled,
+		orchestratorv1.RunStatus_RUN_STATUS_DEADLINE_EXCEEDED: store.StatusDeadlineExceeded,
 	} {
 		if got := storeStatusOf(api); got != want {
 			t.Errorf("storeStatusOf(%v) = %v, want %v", api, got, want)
 		}
 	}
 	for st, want := range map[store.RunStatus]orchestratorv1.RunStatus{
-		store.StatusPending:          running,
-		store.StatusRunning:          running,
-		store.StatusSucceeded:        ok,
-		store.StatusFailed:           failed,
-		store.StatusCancelled:        canceled,
-		store.StatusDeadlineExceeded: deadline,
-		"unknown":                    failed,
+		store.StatusPending:          orchestratorv1.RunStatus_RUN_STATUS_RUNNING,
+		store.StatusRunning:          orchestratorv1.RunStatus_RUN_STATUS_RUNNING,
+		store.StatusSucceeded:        orchestratorv1.RunStatus_RUN_STATUS_SUCCEEDED,
+		store.StatusFailed:           orchestratorv1.RunStatus_RUN_STATUS_FAILED,
+		store.StatusCancelled:        orchestratorv1.RunStatus_RUN_STATUS_CANCELLED,
+		store.StatusDeadlineExceeded: orchestratorv1.RunStatus_RUN_STATUS_DEADLINE_EXCEEDED,
+		"unknown":                    orchestratorv1.RunStatus_RUN_STATUS_FAILED,
 	} {
 		if got := apiStatusOf(st); got != want {
 			t.Errorf("apiStatusOf(%q) = %v, want %v", st, got, want)
