@@ -49,7 +49,7 @@ func servedPair(b *testing.B, dir string) *healthPair {
 
 // BenchmarkHopMTLS compares the hop as served in plaintext (curfew up --insecure) with the
 // same hop over mTLS (curfew up's default): established connections, a unary health
-// Check, interleaved in rounds of chainRound calls with the order alternating. Issue 9's
+// Check, interleaved in rounds of chainRound calls with the order alternating. The
 // target: p50 with mTLS ≤ 1.3 × plaintext. Run it with -benchtime=<rounds>x.
 //
 //	go test -run '^$' -bench '^BenchmarkHopMTLS$' -benchtime 100x -count 3 ./bench/

@@ -22,7 +22,7 @@ import (
 // that owns a run to the claim of that run by the other orchestrator of the cluster (both
 // on one SQLite store). Each iteration starts a run on orchestrator a, waits until it is
 // in a long tool, kills a, polls the store every 2 ms until the run's epoch moves, then
-// cancels the run and restarts a. Target (issue 5): takeover ≤ TTL + 1 s.
+// cancels the run and restarts a. Target: takeover ≤ TTL + 1 s.
 //
 //	go test -run '^$' -bench BenchmarkTakeover -benchtime 10x ./bench/
 func BenchmarkTakeover(b *testing.B) {

@@ -89,7 +89,7 @@ func forged(ctx context.Context, tenant string) context.Context {
 	return metadata.AppendToOutgoingContext(ctx, md.Tenant, tenant)
 }
 
-// Issue 9's authentication: an external caller needs a valid, unrevoked API key.
+// Authentication: an external caller needs a valid, unrevoked API key.
 func TestAuthAPIKeys(t *testing.T) {
 	t.Parallel()
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
@@ -127,7 +127,7 @@ func TestAuthAPIKeys(t *testing.T) {
 	}
 }
 
-// Issue 9's isolation: tenant A cannot get, watch, list or cancel tenant B's run, nor see
+// Tenant isolation: tenant A cannot get, watch, list or cancel tenant B's run, nor see
 // or replay B's dead letters, with or without a forged curfew-tenant: B header; reusing
 // B's retry-id or idempotency key joins nothing of B's.
 func TestAuthTenantIsolation(t *testing.T) {
@@ -224,7 +224,7 @@ func TestAuthTenantIsolation(t *testing.T) {
 	}
 }
 
-// Issue 9's isolation of tool side effects: a kv_put of tenant B with the idempotency key
+// Isolation of tool side effects: a kv_put of tenant B with the idempotency key
 // of A's takes effect for B, instead of replaying A's result; each tenant's entry holds its
 // own value, written once.
 func TestAuthToolIdempotencyKeyIsPerTenant(t *testing.T) {
@@ -257,7 +257,7 @@ func TestAuthToolIdempotencyKeyIsPerTenant(t *testing.T) {
 	}
 }
 
-// Issue 9's isolation of dead letters: B's are invisible to A, and A cannot replay them.
+// Isolation of dead letters: B's are invisible to A, and A cannot replay them.
 func TestAuthDeadLetterIsolation(t *testing.T) {
 	t.Parallel()
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
@@ -314,7 +314,7 @@ func wantNotFound(t *testing.T, what string, err error) {
 	}
 }
 
-// Issue 9's limits, on an authenticated external caller over TLS: an oversized request,
+// Request limits, on an authenticated external caller over TLS: an oversized request,
 // oversized metadata, a plan over its byte or tool-call bound are each refused with a
 // clear status and nothing started, and the orchestrator goes on serving.
 func TestAuthRequestLimits(t *testing.T) {
@@ -360,7 +360,7 @@ func TestAuthRequestLimits(t *testing.T) {
 	}
 }
 
-// Issue 9's per-tenant request rate: every call of the public API spends a token of its
+// The per-tenant request rate: every call of the public API spends a token of its
 // authenticated tenant's bucket; a call over it is RESOURCE_EXHAUSTED with the shed reason
 // and a RetryInfo delay, other tenants go on, and after the delay the tenant may call
 // again. On a mesh of its own, with an admission file that limits one tenant.

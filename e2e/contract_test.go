@@ -73,7 +73,7 @@ func checkRefusal(t *testing.T, what string, err error, bad string) {
 	}
 }
 
-// Issue 19: the orchestrator, called over TLS with a tenant's API key, refuses each
+// The strict wire contract: the orchestrator, called over TLS with a tenant's API key, refuses each
 // malformed curfew-* header with INVALID_ARGUMENT naming it, on Run and on StartRun, and
 // starts no run; each well-formed edge value starts its run.
 func TestContractOrchestratorRefusesMalformedHeaders(t *testing.T) {
@@ -112,7 +112,7 @@ func TestContractOrchestratorRefusesMalformedHeaders(t *testing.T) {
 	}
 }
 
-// Issue 19: a leaf service (toolrunner), called as a mesh peer, refuses each malformed
+// The strict wire contract: a leaf service (toolrunner), called as a mesh peer, refuses each malformed
 // curfew-* header with INVALID_ARGUMENT naming it and records no node; each well-formed
 // edge value runs its tool.
 func TestContractLeafRefusesMalformedHeaders(t *testing.T) {

@@ -21,7 +21,7 @@ import (
 	"github.com/curfew-mesh/curfew/mesh/store/storetest"
 )
 
-// The crash drills of issue 5: twenty runs, each with a kv_put and a notify around a
+// The crash drills: twenty runs, each with a kv_put and a notify around a
 // long tool, and a process killed with SIGKILL in the middle. The cluster's processes are
 // started by the test itself (curfew up stops the whole mesh when a child dies).
 

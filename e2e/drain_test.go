@@ -20,7 +20,7 @@ import (
 	"github.com/curfew-mesh/curfew/mesh/store/storetest"
 )
 
-// The drain of issue 8 (docs/leases.md#drain): SIGTERM to an orchestrator that is running runs,
+// The graceful drain (docs/leases.md#drain): SIGTERM to an orchestrator that is running runs,
 // with a second orchestrator on the same PostgreSQL.
 const (
 	drainDelay = 2 * time.Second

@@ -21,7 +21,7 @@ import (
 	"github.com/curfew-mesh/curfew/mesh/md"
 )
 
-// The Node acceptance tests (issue 10) drive examples/node, a Node client built on
+// The Node tests drive examples/node, a Node client built on
 // Connect's gRPC transport and the TypeScript generated into gen/ts, against the shared
 // mesh, and read what the run did through the Go client. scripts/node.sh installs the
 // example's pinned dependencies (npm ci, only when its lock changed) and builds it; without

@@ -20,7 +20,7 @@ import (
 	"github.com/curfew-mesh/curfew/mesh/apikey"
 )
 
-// Issue 9, secrets: a run whose model provider needs an API key, and a call that carries
+// Secrets: a run whose model provider needs an API key, and a call that carries
 // a curfew API key as its authorization metadata, leave no key material in any service's
 // log (at debug level, the most verbose), in the run's summary, or in the CLI's --json
 // output. The provider refuses a request without the key, so the run's success proves the

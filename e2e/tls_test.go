@@ -33,7 +33,7 @@ import (
 	"github.com/curfew-mesh/curfew/mesh/meshtls"
 )
 
-// The acceptance tests of issue 9, item 1, on the shared mesh, which `curfew up` runs
+// The mTLS tests, on the shared mesh, which `curfew up` runs
 // with mTLS: its CA and certificates are in mesh.Endpoints.TLSDir.
 
 func requireTLS(t *testing.T) string {

@@ -388,7 +388,7 @@ func selects(t *testing.T, ls *metav1.LabelSelector, l map[string]string) bool {
 	return sel.Matches(labels.Set(l))
 }
 
-// Every curfew service runs mTLS (issue 9): --tls-dir names the mount of a Secret
+// Every curfew service runs mTLS: --tls-dir names the mount of a Secret
 // curfew-tls-<service> of its own, read-only and unreadable by others (it holds the key),
 // and no container runs --insecure.
 func TestEveryServiceRunsMTLS(t *testing.T) {

@@ -1,5 +1,5 @@
 // Package apikey makes, stores and checks tenants' API keys, the credentials external
-// callers of the orchestrator present as a bearer token (issue 9).
+// callers of the orchestrator present as a bearer token.
 //
 // A key looks like
 //

@@ -76,6 +76,12 @@ type Runs interface {
 	// ReleaseRun gives the lease up so that another owner can claim the run at once
 	// (graceful shutdown). The epoch is kept. ErrStaleEpoch if it was no longer ours.
 	ReleaseRun(ctx context.Context, l Lease) error
+	// DeleteRun deletes the tenant's ended run with its checkpoints, in one transaction;
+	// afterwards GetRun and ListRuns no longer see it and its idempotency key names no
+	// run. A store private to one process uses it to stay bounded. ErrConflict if the run
+	// has not ended (a live run is never deleted), ErrNotFound if there is no such run
+	// (also another tenant's).
+	DeleteRun(ctx context.Context, tenant, runID string) error
 }
 
 // Checkpoints holds one row per completed agent step of a run.

@@ -230,6 +230,53 @@ var runTests = map[string]func(*env){
 			e.t.Fatalf("finish by the new owner: %+v %v", f, err)
 		}
 	},
+	"DeleteEnded": func(e *env) {
+		put := func(r store.Run, step int) {
+			m, tl := checkpointBytes(step)
+			if err := e.s.PutCheckpoint(e.ctx, r.Lease(), store.Checkpoint{Step: step, ModelOutput: m, ToolResults: tl}); err != nil {
+				e.t.Fatal(err)
+			}
+		}
+		r := e.create(tenantA, "start-1", "orch-1")
+		kept := e.create(tenantA, "start-2", "orch-1")
+		put(r, 0)
+		put(r, 1)
+		put(kept, 0)
+		wantErr(e.t, e.s.DeleteRun(e.ctx, tenantA, r.RunID), store.ErrConflict, "delete a running run")
+		pending := e.create(tenantA, "", "")
+		wantErr(e.t, e.s.DeleteRun(e.ctx, tenantA, pending.RunID), store.ErrConflict, "delete a pending run")
+		for _, run := range []store.Run{r, kept} {
+			if _, err := e.s.FinishRun(e.ctx, run.Lease(), store.RunResult{Status: store.StatusSucceeded}); err != nil {
+				e.t.Fatal(err)
+			}
+		}
+		wantErr(e.t, e.s.DeleteRun(e.ctx, tenantB, r.RunID), store.ErrNotFound, "delete another tenant's run")
+		wantErr(e.t, e.s.DeleteRun(e.ctx, tenantA, "nope"), store.ErrNotFound, "delete an unknown run")
+		if err := e.s.DeleteRun(e.ctx, tenantA, r.RunID); err != nil {
+			e.t.Fatalf("delete an ended run: %v", err)
+		}
+		_, err := e.s.GetRun(e.ctx, tenantA, r.RunID)
+		wantErr(e.t, err, store.ErrNotFound, "get a deleted run")
+		wantErr(e.t, e.s.DeleteRun(e.ctx, tenantA, r.RunID), store.ErrNotFound, "delete it again")
+		if cs, err := e.s.ListCheckpoints(e.ctx, tenantA, r.RunID); err != nil || len(cs) != 0 {
+			e.t.Fatalf("a deleted run's checkpoints: %d, %v; want none", len(cs), err)
+		}
+		if cs, err := e.s.ListCheckpoints(e.ctx, tenantA, kept.RunID); err != nil || len(cs) != 1 {
+			e.t.Fatalf("another run's checkpoints: %d, %v; want 1", len(cs), err)
+		}
+		runs, _, err := e.s.ListRuns(e.ctx, store.RunQuery{Tenant: tenantA})
+		if err != nil || len(runs) != 2 || runs[0].RunID != pending.RunID || runs[1].RunID != kept.RunID {
+			e.t.Fatalf("list after the delete: %d runs, %v; want the pending and the kept run", len(runs), err)
+		}
+		again, created, err := e.s.CreateRun(e.ctx, store.NewRun{Tenant: tenantA, IdempotencyKey: "start-1", Deadline: e.clock.Now().Add(time.Minute)})
+		if err != nil || !created || again.RunID == r.RunID {
+			e.t.Fatalf("create with a deleted run's key: run %s created=%v err=%v; want a new run", again.RunID, created, err)
+		}
+		same, created, err := e.s.CreateRun(e.ctx, store.NewRun{Tenant: tenantA, IdempotencyKey: "start-2", Deadline: e.clock.Now().Add(time.Minute)})
+		if err != nil || created || same.RunID != kept.RunID {
+			e.t.Fatalf("create with a kept run's key: run %s created=%v err=%v; want the kept run", same.RunID, created, err)
+		}
+	},
 }
 
 // checkpointBytes is a model output of a typical step: an assistant message with two

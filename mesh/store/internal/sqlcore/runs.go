@@ -384,3 +384,24 @@ func (s *Store) ReleaseRun(ctx context.Context, l store.Lease) error {
 		return ferr
 	})
 }
+
+// DeleteRun implements store.Runs. The checkpoints are deleted explicitly rather than
+// by the foreign key's cascade, so that the query does not depend on it being enforced.
+func (s *Store) DeleteRun(ctx context.Context, tenant, runID string) error {
+	return s.d.Tx(ctx, func(q Querier) error {
+		n, err := q.Exec(ctx, `DELETE FROM runs WHERE tenant = $1 AND run_id = $2 AND ended_ms <> 0`, tenant, runID)
+		if err != nil {
+			return err
+		}
+		if n == 0 {
+			var ended int64
+			err := q.QueryRow(ctx, `SELECT ended_ms FROM runs WHERE tenant = $1 AND run_id = $2`, tenant, runID).Scan(&ended)
+			if err != nil {
+				return notFound(err, "run %s", runID)
+			}
+			return fmt.Errorf("%w: run %s has not ended", store.ErrConflict, runID)
+		}
+		_, err = q.Exec(ctx, `DELETE FROM checkpoints WHERE run_id = $1`, runID)
+		return err
+	})
+}

@@ -11,7 +11,8 @@
 // listening and only the decoder knows what it went on spending.
 //
 // Every run is recorded in the store (Config.Store) and leased to the orchestrator that
-// advances it; the most recent MaxRuns are also kept in memory. Where the store makes a
+// advances it; the most recent MaxRuns are also kept in memory (a process-private store
+// forgets the older ended ones with them). Where the store makes a
 // difference, the server asks whether other orchestrators share it (store.Sharing): on a shared
 // store (a SQLite file, PostgreSQL) runs are checkpointed step by step, and a dead or
 // draining orchestrator's runs are resumed by another; on a process-private one

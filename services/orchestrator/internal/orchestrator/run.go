@@ -31,7 +31,8 @@ var (
 )
 
 // run is a run this process advances (or advanced: ended runs stay until MaxRuns pushes
-// them out): its record, its cancel, its lease and its subscribers.
+// them out, and out of a private store with them): its record, its cancel, its lease
+// and its subscribers.
 type run struct {
 	id       string
 	dl       time.Time
@@ -207,14 +208,54 @@ func (s *Server) add(rn *run) {
 	}
 	kept := s.order[:0]
 	for _, id := range s.order {
-		if excess > 0 && s.runs[id].ended() {
+		if rn := s.runs[id]; excess > 0 && rn.ended() {
 			delete(s.runs, id)
 			excess--
+			if !s.shared {
+				s.drops = append(s.drops, runRef{tenant: rn.rec.GetTenant(), id: id})
+			}
 			continue
 		}
 		kept = append(kept, id)
 	}
 	s.order = kept
+	if len(s.drops) > 0 && !s.dropping {
+		s.dropping = true
+		s.wg.Add(1)
+		go s.dropForgotten()
+	}
+}
+
+// runRef names a run in the store.
+type runRef struct{ tenant, id string }
+
+// dropForgotten deletes the runs forgotten beyond MaxRuns from a process-private store,
+// one at a time on one goroutine until none is left, so that the store stays as bounded
+// as the table and a forgotten run's idempotency key starts a new run. A shared store
+// keeps them: other orchestrators read its runs.
+func (s *Server) dropForgotten() {
+	defer s.wg.Done()
+	for {
+		s.mu.Lock()
+		refs := s.drops
+		s.drops = nil
+		if len(refs) == 0 {
+			s.dropping = false
+		}
+		s.mu.Unlock()
+		if len(refs) == 0 {
+			return
+		}
+		for _, r := range refs {
+			ctx, stop := context.WithTimeout(context.Background(), storeTimeout)
+			err := s.cfg.Store.DeleteRun(ctx, r.tenant, r.id)
+			stop()
+			if err != nil && !errors.Is(err, store.ErrNotFound) {
+				s.cfg.Log.Warn("could not delete a run forgotten beyond MaxRuns from the private store",
+					"run_id", r.id, "error", err.Error())
+			}
+		}
+	}
 }
 
 // forget drops a run from this process's memory, unless another run of the same id

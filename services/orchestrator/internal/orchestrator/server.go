@@ -48,7 +48,7 @@ type Config struct {
 	// decoders': a cancel tells it first (see cancelWith).
 	Reports []meshv1.NodeReportServiceClient
 	// MaxRuns is how many runs are kept in memory; DefaultMaxRuns when 0. Older ones
-	// are read from the store.
+	// are read from a shared store; a process-private one forgets them too.
 	MaxRuns int
 	// MinRunTime is the least time left to admit a run; DefaultMinRunTime when 0.
 	MinRunTime time.Duration
@@ -100,7 +100,11 @@ type Server struct {
 	mu    sync.Mutex
 	runs  map[string]*run
 	order []string // run ids, oldest first (sorted: UUIDv7)
-	wg    sync.WaitGroup
+	// drops are runs forgotten beyond MaxRuns still to be deleted from a private store;
+	// dropping is whether dropForgotten is deleting them (run.go).
+	drops    []runRef
+	dropping bool
+	wg       sync.WaitGroup
 	// The lease loops of Start: heartbeats and takeovers, each stopped on its own.
 	bg                          sync.WaitGroup
 	stopHeartbeat, stopTakeover context.CancelFunc
