@@ -10,31 +10,23 @@ import (
 
 // TestStatusMappings pins every value of the three status enums to the one it maps to.
 func TestStatusMappings(t *testing.T) {
-	for node, want := range map[meshv1.NodeStatus]orchestratorv1.RunStatus{
+	pins(t, "runStatus", runStatus, map[meshv1.NodeStatus]orchestratorv1.RunStatus{
 		meshv1.NodeStatus_NODE_STATUS_UNSPECIFIED:       orchestratorv1.RunStatus_RUN_STATUS_FAILED,
 		meshv1.NodeStatus_NODE_STATUS_RUNNING:           orchestratorv1.RunStatus_RUN_STATUS_RUNNING,
 		meshv1.NodeStatus_NODE_STATUS_SUCCEEDED:         orchestratorv1.RunStatus_RUN_STATUS_SUCCEEDED,
 		meshv1.NodeStatus_NODE_STATUS_FAILED:            orchestratorv1.RunStatus_RUN_STATUS_FAILED,
 		meshv1.NodeStatus_NODE_STATUS_CANCELLED:         orchestratorv1.RunStatus_RUN_STATUS_CANCELLED,
 		meshv1.NodeStatus_NODE_STATUS_DEADLINE_EXCEEDED: orchestratorv1.RunStatus_RUN_STATUS_DEADLINE_EXCEEDED,
-	} {
-		if got := runStatus(node); got != want {
-			t.Errorf("runStatus(%v) = %v, want %v", node, got, want)
-		}
-	}
-	for api, want := range map[orchestratorv1.RunStatus]store.RunStatus{
+	})
+	pins(t, "storeStatusOf", storeStatusOf, map[orchestratorv1.RunStatus]store.RunStatus{
 		orchestratorv1.RunStatus_RUN_STATUS_UNSPECIFIED:       store.StatusFailed,
 		orchestratorv1.RunStatus_RUN_STATUS_RUNNING:           store.StatusFailed,
 		orchestratorv1.RunStatus_RUN_STATUS_SUCCEEDED:         store.StatusSucceeded,
 		orchestratorv1.RunStatus_RUN_STATUS_FAILED:            store.StatusFailed,
 		orchestratorv1.RunStatus_RUN_STATUS_CANCELLED:         store.StatusCancelled,
 		orchestratorv1.RunStatus_RUN_STATUS_DEADLINE_EXCEEDED: store.StatusDeadlineExceeded,
-	} {
-		if got := storeStatusOf(api); got != want {
-			t.Errorf("storeStatusOf(%v) = %v, want %v", api, got, want)
-		}
-	}
-	for st, want := range map[store.RunStatus]orchestratorv1.RunStatus{
+	})
+	pins(t, "apiStatusOf", apiStatusOf, map[store.RunStatus]orchestratorv1.RunStatus{
 		store.StatusPending:          orchestratorv1.RunStatus_RUN_STATUS_RUNNING,
 		store.StatusRunning:          orchestratorv1.RunStatus_RUN_STATUS_RUNNING,
 		store.StatusSucceeded:        orchestratorv1.RunStatus_RUN_STATUS_SUCCEEDED,
@@ -42,9 +34,15 @@ func TestStatusMappings(t *testing.T) {
 		store.StatusCancelled:        orchestratorv1.RunStatus_RUN_STATUS_CANCELLED,
 		store.StatusDeadlineExceeded: orchestratorv1.RunStatus_RUN_STATUS_DEADLINE_EXCEEDED,
 		"unknown":                    orchestratorv1.RunStatus_RUN_STATUS_FAILED,
-	} {
-		if got := apiStatusOf(st); got != want {
-			t.Errorf("apiStatusOf(%q) = %v, want %v", st, got, want)
+	})
+}
+
+// pins checks that f maps each key of want to its value.
+func pins[K, V comparable](t *testing.T, name string, f func(K) V, want map[K]V) {
+	t.Helper()
+	for k, v := range want {
+		if got := f(k); got != v {
+			t.Errorf("%s(%v) = %v, want %v", name, k, got, v)
 		}
 	}
 }
