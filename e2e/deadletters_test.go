@@ -13,6 +13,7 @@ import (
 	"google.golang.org/protobuf/types/known/durationpb"
 
 	orchestratorv1 "github.com/curfew-mesh/curfew/gen/curfew/orchestrator/v1"
+	"github.com/curfew-mesh/curfew/internal/meshproc"
 	"github.com/curfew-mesh/curfew/mesh/dlq"
 	"github.com/curfew-mesh/curfew/mesh/md"
 	"github.com/curfew-mesh/curfew/mesh/store"
@@ -28,10 +29,7 @@ func natsURL(t *testing.T) string {
 	}
 	nc, err := nats.Connect(url, nats.Timeout(2*time.Second))
 	if err != nil {
-		if os.Getenv("CI") == "true" {
-			t.Fatalf("no NATS at %s: %v", url, err)
-		}
-		t.Skipf("no NATS at %s (%v); set CURFEW_TEST_NATS_URL", url, err)
+		meshproc.Missing(t, "no NATS at %s (%v); set CURFEW_TEST_NATS_URL", url, err)
 	}
 	nc.Close()
 	return url

@@ -36,17 +36,11 @@ func goldenRuns(t *testing.T, m *meshproc.Mesh) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	a, _ := runPlan(ctx, c, `{"tokens_per_second": 1000, "steps": [
-	  {"think_tokens": 3, "tools": [{"name": "fail", "args": {"times": 2}},
-	    {"name": "spawn_subagent", "args": {"plan": {"tokens_per_second": 1000, "steps": [{"answer_tokens": 4}]}}}]},
-	  {"answer_tokens": 2}]}`, 20*time.Second, 0, false)
+	a, _ := runPlan(ctx, c, retriedToolPlan, 20*time.Second, 0, false)
 	if a.err != nil || a.finished.GetStatus() != orchestratorv1.RunStatus_RUN_STATUS_SUCCEEDED {
 		t.Fatalf("the retried run must succeed: %v %v", a.err, a.finished.GetStatus())
 	}
-	b, _ := runPlan(ctx, c, `{"tokens_per_second": 40, "steps": [
-	  {"think_tokens": 10, "tools": [{"name": "sleep", "args": {"ms": 20000}},
-	    {"name": "spawn_subagent", "args": {"plan": {"tokens_per_second": 40, "steps": [{"answer_tokens": 800}]}}}]},
-	  {"answer_tokens": 10}]}`, 20*time.Second, 1500*time.Millisecond, false)
+	b, _ := runPlan(ctx, c, busyCancelPlan, 20*time.Second, 1500*time.Millisecond, false)
 	if b.started == nil {
 		t.Fatalf("the cancelled run never started: %v", b.err)
 	}
@@ -96,31 +90,13 @@ func families(p page) string {
 	return strings.Join(lines, "\n") + "\n"
 }
 
-// startGoldenMesh starts a mesh of its own (the shared one's families depend on which
-// tests ran before), with env added to curfew up's environment.
-func startGoldenMesh(t *testing.T, env ...string) *meshproc.Mesh {
-	t.Helper()
-	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
-	defer cancel()
-	m, err := meshproc.Start(ctx, t.TempDir(), meshproc.Options{Env: env})
-	if err != nil {
-		t.Fatalf("start a mesh: %v", err)
-	}
-	t.Cleanup(func() {
-		if err := m.Stop(); err != nil {
-			t.Errorf("curfew up did not stop cleanly: %v", err)
-		}
-	})
-	return m
-}
-
 // The metric families, with their types and label names, that each service serves after
 // the known runs are the golden ones: on a mesh as `curfew up` starts it (mTLS, a SQLite
 // store), and modelproxy's on a mesh with a providers file. Each mesh is this test's
 // own, so nothing another test ran shows. Not parallel: two more meshes beside the
 // parallel tests would only slow them.
 func TestGoldenMetrics(t *testing.T) {
-	m := startGoldenMesh(t)
+	m := startOwnMesh(t)
 	goldenRuns(t, m)
 	for _, svc := range services {
 		got := families(scrapeParsed(t, m, svc))
@@ -134,7 +110,7 @@ func TestGoldenMetrics(t *testing.T) {
 	  "models": {"agent": {"chain": ["primary/big", "backup/small"], "degrade_to": "backup/small"}}}`), 0o600); err != nil {
 		t.Fatal(err)
 	}
-	pm := startGoldenMesh(t, "CURFEW_PROVIDERS_CONFIG="+cfg)
+	pm := startOwnMesh(t, "CURFEW_PROVIDERS_CONFIG="+cfg)
 	goldenRuns(t, pm)
 	got := families(scrapeParsed(t, pm, "modelproxy"))
 	golden(t, "metrics/modelproxy-with-providers.txt", fmt.Sprintf(metricsHeader, "modelproxy", "a mesh whose modelproxy has --providers-config with two unreachable providers"), got)

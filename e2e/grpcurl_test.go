@@ -39,15 +39,8 @@ func TestGrpcurlRecipes(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	meshproc.Tool(t, "grpcurl")
 	tools := filepath.Join(repo, ".tools", "bin")
-	if _, err := os.Stat(filepath.Join(tools, "grpcurl")); err != nil {
-		if _, perr := exec.LookPath("grpcurl"); perr != nil {
-			if os.Getenv("CI") == "true" {
-				t.Fatalf("grpcurl not installed (scripts/tools.sh installs it): %v", err)
-			}
-			t.Skip("grpcurl not installed; run scripts/tools.sh")
-		}
-	}
 	script := docRecipes(t, repo)
 	for _, want := range []string{"grpc.health.v1.Health/Check", "/ListRuns", "/StartRun", "/CancelRun"} {
 		if !strings.Contains(script, want) {

@@ -55,6 +55,24 @@ func run(m *testing.M) int {
 	return code
 }
 
+// startOwnMesh starts a mesh of the test's own, with env added to curfew up's
+// environment, and stops it when the test ends.
+func startOwnMesh(t *testing.T, env ...string) *meshproc.Mesh {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
+	defer cancel()
+	m, err := meshproc.Start(ctx, t.TempDir(), meshproc.Options{Env: env})
+	if err != nil {
+		t.Fatalf("start a mesh: %v", err)
+	}
+	t.Cleanup(func() {
+		if err := m.Stop(); err != nil {
+			t.Errorf("curfew up did not stop cleanly: %v", err)
+		}
+	})
+	return m
+}
+
 func client(t *testing.T) orchestratorv1.OrchestratorServiceClient {
 	t.Helper()
 	c, err := mesh.Orchestrator()

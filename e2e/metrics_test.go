@@ -183,6 +183,20 @@ func checkMetrics(t *testing.T, tool, service, body string) {
 	}
 }
 
+// retriedToolPlan is a run whose tool fails twice, beside a subagent; it succeeds on the
+// tool's third attempt.
+const retriedToolPlan = `{"tokens_per_second": 1000, "steps": [
+  {"think_tokens": 3, "tools": [{"name": "fail", "args": {"times": 2}},
+    {"name": "spawn_subagent", "args": {"plan": {"tokens_per_second": 1000, "steps": [{"answer_tokens": 4}]}}}]},
+  {"answer_tokens": 2}]}`
+
+// busyCancelPlan is a run whose model, tool (a 20 s sleep) and subagent are all busy
+// long after its client cancels it (these tests cancel at 1.5 s).
+const busyCancelPlan = `{"tokens_per_second": 40, "steps": [
+  {"think_tokens": 10, "tools": [{"name": "sleep", "args": {"ms": 20000}},
+    {"name": "spawn_subagent", "args": {"plan": {"tokens_per_second": 40, "steps": [{"answer_tokens": 800}]}}}]},
+  {"answer_tokens": 10}]}`
+
 // After a run with a retried tool and a subagent, and a run cancelled by its client,
 // every service's /metrics parses with the Prometheus text parser and passes `promtool
 // check metrics`, every metric docs/metrics.md lists is served where the doc says, and
@@ -202,10 +216,7 @@ func TestMetricsAfterRuns(t *testing.T) {
 	}
 
 	// Run A: a tool that fails twice, and a subagent, beside each other.
-	resA, _ := runPlan(ctx, c, `{"tokens_per_second": 1000, "steps": [
-	  {"think_tokens": 3, "tools": [{"name": "fail", "args": {"times": 2}},
-	    {"name": "spawn_subagent", "args": {"plan": {"tokens_per_second": 1000, "steps": [{"answer_tokens": 4}]}}}]},
-	  {"answer_tokens": 2}]}`, 20*time.Second, 0, false)
+	resA, _ := runPlan(ctx, c, retriedToolPlan, 20*time.Second, 0, false)
 	if resA.err != nil {
 		t.Fatalf("run A: %v", resA.err)
 	}
@@ -214,10 +225,7 @@ func TestMetricsAfterRuns(t *testing.T) {
 		t.Fatalf("run A must succeed with its fail tool on attempt 3:\n%s", dump(a))
 	}
 	// Run B: decoders, a sleeping tool and a subagent, cancelled by its client at 1.5 s.
-	resB, _ := runPlan(ctx, c, `{"tokens_per_second": 40, "steps": [
-	  {"think_tokens": 10, "tools": [{"name": "sleep", "args": {"ms": 20000}},
-	    {"name": "spawn_subagent", "args": {"plan": {"tokens_per_second": 40, "steps": [{"answer_tokens": 800}]}}}]},
-	  {"answer_tokens": 10}]}`, 20*time.Second, 1500*time.Millisecond, false)
+	resB, _ := runPlan(ctx, c, busyCancelPlan, 20*time.Second, 1500*time.Millisecond, false)
 	if resB.started == nil {
 		t.Fatalf("run B never started: %v", resB.err)
 	}

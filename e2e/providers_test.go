@@ -135,18 +135,7 @@ func startProviderMesh(t *testing.T, fileJSON string, ups map[string]*upstream, 
 	if err := os.WriteFile(cfg, []byte(fileJSON), 0o600); err != nil {
 		t.Fatal(err)
 	}
-	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
-	defer cancel()
-	m, err := meshproc.Start(ctx, t.TempDir(), meshproc.Options{Env: append([]string{"CURFEW_PROVIDERS_CONFIG=" + cfg}, env...)})
-	if err != nil {
-		t.Fatalf("start a mesh with providers: %v", err)
-	}
-	t.Cleanup(func() {
-		if err := m.Stop(); err != nil {
-			t.Errorf("curfew up did not stop cleanly: %v", err)
-		}
-	})
-	return m
+	return startOwnMesh(t, append([]string{"CURFEW_PROVIDERS_CONFIG=" + cfg}, env...)...)
 }
 
 const e2eProviders = `{"providers": [

@@ -93,17 +93,10 @@ func TestChainLayerOrder(t *testing.T) {
 		MinTime: map[string]time.Duration{paths[0].method: time.Second, paths[1].method: time.Second},
 	}
 	p := &probe{fn: func(context.Context) error { rec.record("handler"); return nil }}
-	srv := grpc.NewServer(mesh.ServerOptionsRecording(cfg, rec.record)...)
-	meshv1.RegisterNodeReportServiceServer(srv, p)
-	healthpb.RegisterHealthServer(srv, p)
-	lis := listen(t)
-	served := make(chan struct{})
-	go func() { defer close(served); _ = srv.Serve(lis) }()
-	cc, err := grpc.NewClient(lis.Addr().String(), grpc.WithTransportCredentials(insecure.NewCredentials()))
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { _ = cc.Close(); srv.Stop(); <-served })
+	cc := serveRecording(t, cfg, rec, func(srv *grpc.Server) {
+		meshv1.RegisterNodeReportServiceServer(srv, p)
+		healthpb.RegisterHealthServer(srv, p)
+	})
 
 	interceptors := wantServerChain[slices.Index(wantServerChain, "metrics"):]
 	upTo := func(last string) []string {
@@ -137,16 +130,9 @@ func TestChainLayerOrder(t *testing.T) {
 	// With --chaos the chaos layer is left out, and the other layers keep their order.
 	cfg.Chaos = true
 	rec2 := &recorder{}
-	srv2 := grpc.NewServer(mesh.ServerOptionsRecording(cfg, rec2.record)...)
-	meshv1.RegisterNodeReportServiceServer(srv2, &probe{fn: func(context.Context) error { return nil }})
-	lis2 := listen(t)
-	served2 := make(chan struct{})
-	go func() { defer close(served2); _ = srv2.Serve(lis2) }()
-	cc2, err := grpc.NewClient(lis2.Addr().String(), grpc.WithTransportCredentials(insecure.NewCredentials()))
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { _ = cc2.Close(); srv2.Stop(); <-served2 })
+	cc2 := serveRecording(t, cfg, rec2, func(srv *grpc.Server) {
+		meshv1.RegisterNodeReportServiceServer(srv, &probe{fn: func(context.Context) error { return nil }})
+	})
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Second)
 	defer cancel()
 	if err := paths[0].call(ctx, cc2); err != nil {
@@ -208,6 +194,24 @@ func listed(section string) []string {
 }
 
 func quiet() *slog.Logger { return slog.New(slog.DiscardHandler) }
+
+// serveRecording serves the services register adds behind the server chain of cfg, its
+// layers recorded in rec, and returns a bare client connection to it (no client chain,
+// so the server sees only what a call carries). The test's end stops both.
+func serveRecording(t *testing.T, cfg mesh.ServerConfig, rec *recorder, register func(*grpc.Server)) *grpc.ClientConn {
+	t.Helper()
+	srv := grpc.NewServer(mesh.ServerOptionsRecording(cfg, rec.record)...)
+	register(srv)
+	lis := listen(t)
+	served := make(chan struct{})
+	go func() { defer close(served); _ = srv.Serve(lis) }()
+	cc, err := grpc.NewClient(lis.Addr().String(), grpc.WithTransportCredentials(insecure.NewCredentials()))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = cc.Close(); srv.Stop(); <-served })
+	return cc
+}
 
 func listen(t *testing.T) net.Listener {
 	t.Helper()

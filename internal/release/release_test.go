@@ -26,24 +26,6 @@ func repo(t *testing.T) string {
 	return r
 }
 
-// buf returns the pinned buf that scripts/tools.sh installs into .tools/bin, or one on
-// PATH; without either the test skips locally and fails under CI=true.
-func buf(t *testing.T, repo string) string {
-	t.Helper()
-	p := filepath.Join(repo, ".tools", "bin", "buf")
-	if _, err := os.Stat(p); err == nil {
-		return p
-	}
-	if p, err := exec.LookPath("buf"); err == nil {
-		return p
-	}
-	if os.Getenv("CI") == "true" {
-		t.Fatal("buf not installed (scripts/tools.sh installs it)")
-	}
-	t.Skip("buf not installed; run scripts/tools.sh")
-	return ""
-}
-
 // breaking runs `buf breaking` of the module at dir (its buf.yaml) against image and
 // returns its output and whether it found a break.
 func breaking(t *testing.T, bufBin, dir, image string) (string, bool) {
@@ -75,15 +57,23 @@ func errorAs(err error, target **exec.ExitError) bool {
 	return ok
 }
 
-// The API on this tree breaks nothing that the newest release's callers rely on: the
-// check CI runs on every change.
-func TestCompatibleWithLatestRelease(t *testing.T) {
-	root := repo(t)
-	b := buf(t, root)
+// againstLatest returns what a buf breaking check against the newest release needs: the
+// repository root, buf, and the release's image.
+func againstLatest(t *testing.T) (root, buf string, latest release.Image) {
+	t.Helper()
+	root = repo(t)
+	buf = meshproc.Tool(t, "buf")
 	latest, err := release.Latest(root)
 	if err != nil {
 		t.Fatal(err)
 	}
+	return root, buf, latest
+}
+
+// The API on this tree breaks nothing that the newest release's callers rely on: the
+// check CI runs on every change.
+func TestCompatibleWithLatestRelease(t *testing.T) {
+	root, b, latest := againstLatest(t)
 	if out, broke := breaking(t, b, root, latest.Path); broke {
 		t.Fatalf("the protos break the API of release %s (see docs/api.md, Compatibility):\n%s", latest.Version, out)
 	}
@@ -93,12 +83,7 @@ func TestCompatibleWithLatestRelease(t *testing.T) {
 // the committed release image, naming the message and the field; the unchanged copy
 // passes, so the failure is the removal's.
 func TestRemovedFieldIsCaught(t *testing.T) {
-	root := repo(t)
-	b := buf(t, root)
-	latest, err := release.Latest(root)
-	if err != nil {
-		t.Fatal(err)
-	}
+	root, b, latest := againstLatest(t)
 	scratch := t.TempDir()
 	copyModule(t, root, scratch)
 	if out, broke := breaking(t, b, scratch, latest.Path); broke {

@@ -5,7 +5,6 @@ import (
 	"database/sql"
 	"errors"
 	"fmt"
-	"runtime"
 	"strings"
 	"sync"
 	"sync/atomic"
@@ -56,6 +55,16 @@ func Open(ctx context.Context, dsn string, opts ...store.Option) (store.Store, e
 	return private{sqlcore.New(c, sqlcore.SQLite, o)}, nil
 }
 
+// OpenOr opens the store at dsn, of any backend store.Open knows, or, when dsn is "",
+// memory://name: a service started without --store keeps its data in a store of its
+// own that lives as long as the process.
+func OpenOr(ctx context.Context, dsn, name string, opts ...store.Option) (store.Store, error) {
+	if dsn == "" {
+		dsn = scheme + "://" + name
+	}
+	return store.Open(ctx, dsn, opts...)
+}
+
 // parse returns the name in a memory:// DSN.
 func parse(dsn string) (string, error) {
 	if store.Scheme(dsn) != scheme {
@@ -92,25 +101,12 @@ func acquire(ctx context.Context, name string, o store.Options) (*db, error) {
 func create(ctx context.Context, name string, o store.Options) (*db, error) {
 	base := fmt.Sprintf("file:/curfew-memory-%d?vfs=memdb&_pragma=busy_timeout(%d)&_pragma=foreign_keys(1)",
 		seq.Add(1), o.BusyTimeout.Milliseconds())
-	w, err := sql.Open("sqlite", base+"&_txlock=immediate")
+	pools, err := sqlcore.OpenSQLite(base, o.MaxConns, 1) // + the pin
 	if err != nil {
 		return nil, err
 	}
-	w.SetMaxOpenConns(1)
-	w.SetMaxIdleConns(1)
-	readers := o.MaxConns
-	if readers <= 0 {
-		readers = max(4, runtime.GOMAXPROCS(0))
-	}
-	r, err := sql.Open("sqlite", base+"&_pragma=query_only(1)")
-	if err != nil {
-		_ = w.Close()
-		return nil, err
-	}
-	r.SetMaxOpenConns(readers + 1) // + the pin
-	r.SetMaxIdleConns(readers)
-	d := &db{name: name, sql: sqlcore.SQLDB{W: w, R: r}, refs: 1}
-	if d.pin, err = r.Conn(ctx); err != nil {
+	d := &db{name: name, sql: pools, refs: 1}
+	if d.pin, err = pools.R.Conn(ctx); err != nil {
 		return nil, errors.Join(fmt.Errorf("memory %s: %w", name, err), d.sql.Close())
 	}
 	if _, err := sqlcore.Migrate(ctx, d.sql, sqlcore.SQLite, max(o.Clock().UnixMilli(), 1)); err != nil {

@@ -76,6 +76,30 @@ func TestDefaultName(t *testing.T) {
 	}
 }
 
+// OpenOr: without a DSN, the memory store of the name; with one, the store it names.
+func TestOpenOr(t *testing.T) {
+	ctx := context.Background()
+	named := open(t, "memory://"+t.Name())
+	defer closeStore(t, named)
+	r := create(t, named)
+	dflt, err := memory.OpenOr(ctx, "", t.Name())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer closeStore(t, dflt)
+	if _, err := dflt.GetRun(ctx, "t", r.RunID); err != nil {
+		t.Fatalf("OpenOr without a DSN is not memory://%s: %v", t.Name(), err)
+	}
+	other, err := memory.OpenOr(ctx, "memory://"+t.Name()+"-other", t.Name())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer closeStore(t, other)
+	if _, err := other.GetRun(ctx, "t", r.RunID); !errors.Is(err, store.ErrNotFound) {
+		t.Fatalf("OpenOr with a DSN opened the name's store instead: %v", err)
+	}
+}
+
 // Close: the closed store's calls fail, the others keep the data, and the last Close
 // drops it.
 func TestCloseRefCounts(t *testing.T) {
@@ -129,11 +153,7 @@ func BenchmarkCheckpoint(b *testing.B) {
 func BenchmarkToolRecord(b *testing.B) {
 	ctx := context.Background()
 	s := storetest.OpenMemory(b)
-	i := 0
-	var lat []time.Duration
-	for b.Loop() {
-		i++
-		start := time.Now()
+	timeEach(b, func(i int) {
 		key := "k" + strconv.Itoa(i)
 		bg, err := s.BeginTool(ctx, store.ToolBegin{Tenant: "t", Key: key, Owner: "o", TTL: time.Minute})
 		if err != nil {
@@ -142,9 +162,7 @@ func BenchmarkToolRecord(b *testing.B) {
 		if err := s.CompleteTool(ctx, bg.Claim, []byte(`{"written":true}`), store.KVPut{Key: key, Value: []byte(`1`)}); err != nil {
 			b.Fatal(err)
 		}
-		lat = append(lat, time.Since(start))
-	}
-	reportP50(b, lat)
+	})
 }
 
 // BenchmarkAddTokens is modelproxy's store work for one decoder: its output and orphan
@@ -152,11 +170,7 @@ func BenchmarkToolRecord(b *testing.B) {
 func BenchmarkAddTokens(b *testing.B) {
 	ctx := context.Background()
 	s := storetest.OpenMemory(b)
-	i := 0
-	var lat []time.Duration
-	for b.Loop() {
-		i++
-		start := time.Now()
+	timeEach(b, func(i int) {
 		key := "modelproxy/r/n/-/1/x." + strconv.Itoa(i)
 		if _, err := s.AddTokens(ctx,
 			store.LedgerEntry{Tenant: "t", RunID: "r", NodeID: "n", Tokens: 40, Kind: "output", Key: key},
@@ -164,14 +178,18 @@ func BenchmarkAddTokens(b *testing.B) {
 		); err != nil {
 			b.Fatal(err)
 		}
-		lat = append(lat, time.Since(start))
-	}
-	reportP50(b, lat)
+	})
 }
 
-// reportP50 reports the median call: on a loaded machine the mean says more about the
-// scheduler than about the store.
-func reportP50(b *testing.B, lat []time.Duration) {
+// timeEach runs op(1), op(2), … as the benchmark's loop and reports the median call:
+// on a loaded machine the mean says more about the scheduler than about the store.
+func timeEach(b *testing.B, op func(i int)) {
+	var lat []time.Duration
+	for i := 1; b.Loop(); i++ {
+		start := time.Now()
+		op(i)
+		lat = append(lat, time.Since(start))
+	}
 	slices.Sort(lat)
 	b.ReportMetric(float64(lat[len(lat)/2].Microseconds()), "p50-us")
 }

@@ -8,7 +8,6 @@ import (
 	"math/rand/v2"
 	"os"
 	"path/filepath"
-	"runtime"
 	"strings"
 	"time"
 
@@ -66,27 +65,11 @@ func Open(ctx context.Context, dsnOrPath string, opts ...store.Option) (store.St
 
 // open opens the writer and reader pools, checks WAL mode and migrates.
 func open(ctx context.Context, base, path string, o store.Options) (sqlcore.SQLDB, error) {
-	w, err := sql.Open("sqlite", base+"&_txlock=immediate")
+	d, err := sqlcore.OpenSQLite(base, o.MaxConns, 0)
 	if err != nil {
 		return sqlcore.SQLDB{}, err
 	}
-	w.SetMaxOpenConns(1)
-	w.SetMaxIdleConns(1)
-	w.SetConnMaxLifetime(0)
-	// Readers run concurrently with the writer (WAL), on read-only connections.
-	readers := o.MaxConns
-	if readers <= 0 {
-		readers = max(4, runtime.GOMAXPROCS(0))
-	}
-	r, err := sql.Open("sqlite", base+"&_pragma=query_only(1)")
-	if err != nil {
-		_ = w.Close()
-		return sqlcore.SQLDB{}, err
-	}
-	r.SetMaxOpenConns(readers)
-	r.SetMaxIdleConns(readers)
-	d := sqlcore.SQLDB{W: w, R: r}
-	if err := check(ctx, w); err != nil {
+	if err := check(ctx, d.W); err != nil {
 		return sqlcore.SQLDB{}, errors.Join(fmt.Errorf("sqlite %s: %w", path, err), d.Close())
 	}
 	if _, err := sqlcore.Migrate(ctx, d, sqlcore.SQLite, max(o.Clock().UnixMilli(), 1)); err != nil {

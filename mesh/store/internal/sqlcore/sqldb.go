@@ -4,6 +4,7 @@ import (
 	"context"
 	"database/sql"
 	"errors"
+	"runtime"
 )
 
 // SQLDB is a Driver over database/sql: one pool for writes (the SQLite backends
@@ -81,3 +82,30 @@ func (r sqlRow) Scan(dest ...any) error {
 type sqlRows struct{ *sql.Rows }
 
 func (r sqlRows) Close() { _ = r.Rows.Close() }
+
+// OpenSQLite opens the two pools of a SQLite database through the driver registered as
+// "sqlite", base being its file: URI with a query: one writer connection whose
+// transactions take the write lock at BEGIN, and maxConns read-only connections
+// (<= 0: max(4, GOMAXPROCS)) plus extra more that may be open but are not kept idle.
+func OpenSQLite(base string, maxConns, extra int) (SQLDB, error) {
+	w, err := sql.Open("sqlite", base+"&_txlock=immediate")
+	if err != nil {
+		return SQLDB{}, err
+	}
+	w.SetMaxOpenConns(1)
+	w.SetMaxIdleConns(1)
+	w.SetConnMaxLifetime(0)
+	// Readers run concurrently with the writer, on read-only connections.
+	readers := maxConns
+	if readers <= 0 {
+		readers = max(4, runtime.GOMAXPROCS(0))
+	}
+	r, err := sql.Open("sqlite", base+"&_pragma=query_only(1)")
+	if err != nil {
+		_ = w.Close()
+		return SQLDB{}, err
+	}
+	r.SetMaxOpenConns(readers + extra)
+	r.SetMaxIdleConns(readers)
+	return SQLDB{W: w, R: r}, nil
+}

@@ -17,8 +17,7 @@ import (
 	modelproxyv1 "github.com/curfew-mesh/curfew/gen/curfew/modelproxy/v1"
 	"github.com/curfew-mesh/curfew/mesh/nodes"
 	"github.com/curfew-mesh/curfew/mesh/service"
-	"github.com/curfew-mesh/curfew/mesh/store"
-	_ "github.com/curfew-mesh/curfew/mesh/store/memory"   // the default, private store
+	"github.com/curfew-mesh/curfew/mesh/store/memory"
 	_ "github.com/curfew-mesh/curfew/mesh/store/postgres" // postgres:// DSNs
 	_ "github.com/curfew-mesh/curfew/mesh/store/sqlite"   // SQLite paths
 	"github.com/curfew-mesh/curfew/services/modelproxy/internal/chaos"
@@ -26,10 +25,6 @@ import (
 )
 
 func main() { os.Exit(run(os.Args[1:])) }
-
-// privateStore is the store without --store: this process's own, in memory, which
-// keeps the ledger no longer than the process, as before without a store.
-const privateStore = "memory://modelproxy"
 
 func run(args []string) int {
 	fs := flag.NewFlagSet("modelproxy", flag.ContinueOnError)
@@ -66,11 +61,8 @@ func run(args []string) int {
 	}
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
-	dsn := *storeDSN
-	if dsn == "" {
-		dsn = privateStore
-	}
-	st, err := store.Open(ctx, dsn)
+	// Without --store the ledger lives in a store private to this process, no longer than it.
+	st, err := memory.OpenOr(ctx, *storeDSN, "modelproxy")
 	if err != nil {
 		fmt.Fprintln(os.Stderr, "modelproxy: --store:", err)
 		return 2

@@ -25,8 +25,7 @@ import (
 	"github.com/curfew-mesh/curfew/mesh/dlq"
 	"github.com/curfew-mesh/curfew/mesh/meshtls"
 	"github.com/curfew-mesh/curfew/mesh/service"
-	"github.com/curfew-mesh/curfew/mesh/store"
-	_ "github.com/curfew-mesh/curfew/mesh/store/memory"   // memory:// DSNs
+	"github.com/curfew-mesh/curfew/mesh/store/memory"
 	_ "github.com/curfew-mesh/curfew/mesh/store/postgres" // postgres:// DSNs
 	_ "github.com/curfew-mesh/curfew/mesh/store/sqlite"   // SQLite paths
 	"github.com/curfew-mesh/curfew/services/orchestrator/internal/orchestrator"
@@ -37,9 +36,6 @@ import (
 )
 
 func main() { os.Exit(run(os.Args[1:])) }
-
-// privateStore is the store of an orchestrator started without --store.
-const privateStore = "memory://orchestrator"
 
 func run(args []string) int {
 	fs := flag.NewFlagSet("orchestrator", flag.ContinueOnError)
@@ -98,11 +94,7 @@ func run(args []string) int {
 	defer stop()
 	// Without --store the runs are kept in a store private to this process: what needs a
 	// store other processes read (API keys, dead letters, handing runs over) is off.
-	dsn := *storeDSN
-	if dsn == "" {
-		dsn = privateStore
-	}
-	st, err := store.Open(ctx, dsn)
+	st, err := memory.OpenOr(ctx, *storeDSN, "orchestrator")
 	if err != nil {
 		fmt.Fprintln(os.Stderr, "orchestrator: --store:", err)
 		return 2

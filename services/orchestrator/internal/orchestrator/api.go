@@ -267,22 +267,36 @@ func (s *Server) GetRun(ctx context.Context, req *orchestratorv1.GetRunRequest) 
 // first, without nodes. The page token is the id of the last run of the previous page;
 // run ids are UUIDv7, ordered by creation, so pages stay stable while new runs arrive.
 func (s *Server) ListRuns(ctx context.Context, req *orchestratorv1.ListRunsRequest) (*orchestratorv1.ListRunsResponse, error) {
-	size := int(req.GetPageSize())
-	switch {
-	case size < 0:
-		return nil, status.Error(codes.InvalidArgument, "page_size must not be negative")
-	case size == 0:
-		size = DefaultPageSize
-	case size > MaxPageSize:
-		size = MaxPageSize
-	}
-	after := req.GetPageToken()
-	if after != "" {
-		if _, err := uuid.Parse(after); err != nil {
-			return nil, status.Error(codes.InvalidArgument, "page_token is not one this service issued")
-		}
+	size, after, err := pageOf(req, DefaultPageSize, MaxPageSize)
+	if err != nil {
+		return nil, err
 	}
 	return s.listStored(ctx, size, after)
+}
+
+// pageOf reads a list request's page: its size (0: def; above most: most; negative:
+// INVALID_ARGUMENT) and the id after which it starts ("": the first page), which must
+// be a UUID, as every id this service issues is.
+func pageOf(req interface {
+	GetPageSize() int32
+	GetPageToken() string
+}, def, most int) (size int, after string, err error) {
+	size = int(req.GetPageSize())
+	switch {
+	case size < 0:
+		return 0, "", status.Error(codes.InvalidArgument, "page_size must not be negative")
+	case size == 0:
+		size = def
+	case size > most:
+		size = most
+	}
+	after = req.GetPageToken()
+	if after != "" {
+		if _, err := uuid.Parse(after); err != nil {
+			return 0, "", status.Error(codes.InvalidArgument, "page_token is not one this service issued")
+		}
+	}
+	return size, after, nil
 }
 
 // CancelRun implements OrchestratorService.CancelRun: it cancels the run with cause

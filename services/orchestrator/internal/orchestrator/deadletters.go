@@ -7,7 +7,6 @@ import (
 	"strings"
 	"time"
 
-	"github.com/google/uuid"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/types/known/timestamppb"
@@ -58,20 +57,9 @@ func dlTenant(ctx context.Context) string {
 // ListDeadLetters implements DeadLetterService.ListDeadLetters: newest first; the page
 // token is the store's cursor, the id (a UUIDv7) of the previous page's last dead letter.
 func (s *DeadLetterServer) ListDeadLetters(ctx context.Context, req *orchestratorv1.ListDeadLettersRequest) (*orchestratorv1.ListDeadLettersResponse, error) {
-	size := int(req.GetPageSize())
-	switch {
-	case size < 0:
-		return nil, status.Error(codes.InvalidArgument, "page_size must not be negative")
-	case size == 0:
-		size = DefaultDeadLetterPageSize
-	case size > MaxDeadLetterPageSize:
-		size = MaxDeadLetterPageSize
-	}
-	after := req.GetPageToken()
-	if after != "" {
-		if _, err := uuid.Parse(after); err != nil {
-			return nil, status.Error(codes.InvalidArgument, "page_token is not one this service issued")
-		}
+	size, after, err := pageOf(req, DefaultDeadLetterPageSize, MaxDeadLetterPageSize)
+	if err != nil {
+		return nil, err
 	}
 	dls, next, err := s.st.ListDeadLetters(ctx, store.DeadLetterQuery{
 		Tenant: dlTenant(ctx), RunID: req.GetRunId(), IncludeReplayed: req.GetIncludeReplayed(), After: after, Limit: size,

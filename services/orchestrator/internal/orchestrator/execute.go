@@ -188,20 +188,6 @@ func setNodes(r *orchestratorv1.Run, ns []*meshv1.Node) {
 	}
 }
 
-func runStatus(s meshv1.NodeStatus) orchestratorv1.RunStatus {
-	switch s {
-	case meshv1.NodeStatus_NODE_STATUS_SUCCEEDED:
-		return orchestratorv1.RunStatus_RUN_STATUS_SUCCEEDED
-	case meshv1.NodeStatus_NODE_STATUS_CANCELLED:
-		return orchestratorv1.RunStatus_RUN_STATUS_CANCELLED
-	case meshv1.NodeStatus_NODE_STATUS_DEADLINE_EXCEEDED:
-		return orchestratorv1.RunStatus_RUN_STATUS_DEADLINE_EXCEEDED
-	case meshv1.NodeStatus_NODE_STATUS_RUNNING:
-		return orchestratorv1.RunStatus_RUN_STATUS_RUNNING
-	}
-	return orchestratorv1.RunStatus_RUN_STATUS_FAILED
-}
-
 // runErr is the status a Run call ends with for its run's end.
 func runErr(r *orchestratorv1.Run) error {
 	if r.GetStatus() == orchestratorv1.RunStatus_RUN_STATUS_SUCCEEDED {

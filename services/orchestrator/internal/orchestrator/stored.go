@@ -69,32 +69,6 @@ func (s *Server) fromStore(ctx context.Context, run store.Run) *orchestratorv1.R
 	return r
 }
 
-func storeStatusOf(st orchestratorv1.RunStatus) store.RunStatus {
-	switch st {
-	case orchestratorv1.RunStatus_RUN_STATUS_SUCCEEDED:
-		return store.StatusSucceeded
-	case orchestratorv1.RunStatus_RUN_STATUS_CANCELLED:
-		return store.StatusCancelled
-	case orchestratorv1.RunStatus_RUN_STATUS_DEADLINE_EXCEEDED:
-		return store.StatusDeadlineExceeded
-	}
-	return store.StatusFailed
-}
-
-func apiStatusOf(st store.RunStatus) orchestratorv1.RunStatus {
-	switch st {
-	case store.StatusPending, store.StatusRunning:
-		return orchestratorv1.RunStatus_RUN_STATUS_RUNNING
-	case store.StatusSucceeded:
-		return orchestratorv1.RunStatus_RUN_STATUS_SUCCEEDED
-	case store.StatusCancelled:
-		return orchestratorv1.RunStatus_RUN_STATUS_CANCELLED
-	case store.StatusDeadlineExceeded:
-		return orchestratorv1.RunStatus_RUN_STATUS_DEADLINE_EXCEEDED
-	}
-	return orchestratorv1.RunStatus_RUN_STATUS_FAILED
-}
-
 // runStoreErr maps a store error of a run operation on run id ("": none) to the
 // caller's status, with storeError's classification (store.Code): a run not found is
 // NOT_FOUND as for a run this process does not hold; an unclassified failure is logged,

@@ -18,17 +18,13 @@ import (
 	toolrunnerv1 "github.com/curfew-mesh/curfew/gen/curfew/toolrunner/v1"
 	"github.com/curfew-mesh/curfew/mesh/nodes"
 	"github.com/curfew-mesh/curfew/mesh/service"
-	"github.com/curfew-mesh/curfew/mesh/store"
-	_ "github.com/curfew-mesh/curfew/mesh/store/memory"   // the default, private store
+	"github.com/curfew-mesh/curfew/mesh/store/memory"
 	_ "github.com/curfew-mesh/curfew/mesh/store/postgres" // postgres:// DSNs
 	_ "github.com/curfew-mesh/curfew/mesh/store/sqlite"   // SQLite paths
 	"github.com/curfew-mesh/curfew/services/toolrunner/internal/toolrunner"
 )
 
 func main() { os.Exit(run(os.Args[1:])) }
-
-// privateStore is the store without --store: this process's own, in memory.
-const privateStore = "memory://toolrunner"
 
 func run(args []string) int {
 	fs := flag.NewFlagSet("toolrunner", flag.ContinueOnError)
@@ -57,11 +53,8 @@ func run(args []string) int {
 	}
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
-	dsn := *storeDSN
-	if dsn == "" {
-		dsn = privateStore // kv_put and notify refuse it, as they refused no store
-	}
-	st, err := store.Open(ctx, dsn)
+	// Without --store the store is private to this process, and kv_put and notify refuse it.
+	st, err := memory.OpenOr(ctx, *storeDSN, "toolrunner")
 	if err != nil {
 		fmt.Fprintln(os.Stderr, "toolrunner: --store:", err)
 		return 2
