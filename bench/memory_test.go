@@ -6,6 +6,7 @@ import (
 	"io"
 	"net/http"
 	"os"
+	"path/filepath"
 	"sort"
 	"strconv"
 	"strings"
@@ -109,7 +110,7 @@ func BenchmarkRunMemory(b *testing.B) {
 }
 
 func memoryOnce(b *testing.B, n int, attached bool) {
-	m := startMesh(b, "CURFEW_SHUTDOWN_GRACE=2s")
+	m := startMesh(b, "CURFEW_SHUTDOWN_GRACE=2s", "CURFEW_ADMISSION_CONFIG="+roomFor(b, n))
 	orchs := make([]orchestratorv1.OrchestratorServiceClient, memoryConns)
 	for i := range orchs {
 		c, err := m.Conn("orchestrator")
@@ -344,4 +345,19 @@ func saveProfiles(tb testing.TB, m *meshproc.Mesh, attached bool) {
 			}
 		}
 	}
+}
+
+// roomFor writes an admission file that admits n runs in flight at once, started as fast
+// as the workers can: the measured runs are one tenant's, far beyond the default pools'
+// 512 in flight and 50 runs per second, which would queue and shed them.
+func roomFor(b *testing.B, n int) string {
+	b.Helper()
+	cfg := fmt.Sprintf(`{"service": "orchestrator",
+  "pools": [{"name": "paid", "max_in_flight": %d}, {"name": "overflow", "max_in_flight": 128, "overflow": true}],
+  "default_tenant": {"rate": 1000000, "burst": 1000000, "request_rate": 1000000, "request_burst": 1000000}}`, n+64)
+	p := filepath.Join(b.TempDir(), "admission.json")
+	if err := os.WriteFile(p, []byte(cfg), 0o600); err != nil {
+		b.Fatal(err)
+	}
+	return p
 }
