@@ -61,7 +61,8 @@ func run(args []string) int {
 	}
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
-	// Without --store the ledger lives in a store private to this process, no longer than it.
+	// Without --store a private memory store stands in; a private store is not written (the
+	// in-memory Ledger serves the summaries), so the ledger lives no longer than the process.
 	st, err := memory.OpenOr(ctx, *storeDSN, "modelproxy")
 	if err != nil {
 		fmt.Fprintln(os.Stderr, "modelproxy: --store:", err)
