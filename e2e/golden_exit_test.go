@@ -13,7 +13,7 @@ import (
 	"time"
 )
 
-const exitHeader = `Golden file: the exit codes of the documented cases (README.md "Exit codes: 0 success,
+const exitHeader = `Golden file: the exit codes of the documented cases (docs/cli.md "Exit codes: 0 success,
 1 the run or call failed, 2 bad usage"; docs/deadletters.md; docs/providers.md "exit
 code 2"; the services' usage errors), each run for real: "exit N" then, when the CLI
 reported a failed call as "curfew: WHAT: CODE: ...", that gRPC CODE, else the status of
