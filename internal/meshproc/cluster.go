@@ -1,11 +1,14 @@
 package meshproc
 
 import (
+	"bytes"
 	"context"
 	"errors"
 	"fmt"
 	"net"
+	"os"
 	"path/filepath"
+	"strings"
 	"sync"
 	"syscall"
 	"time"
@@ -43,6 +46,8 @@ type Cluster struct {
 // Its addresses stay the same across restarts, as a Kubernetes Service's would.
 type Proc struct {
 	*launch.Process
+	started bool // Start has succeeded once: its addresses are now its own
+	peered  bool // another process was given Addr, which therefore cannot change
 }
 
 // NewCluster builds the binaries if needed and returns an empty cluster on store, which
@@ -67,37 +72,43 @@ func NewCluster(ctx context.Context, dir, storeDSN string) (*Cluster, error) {
 	return &Cluster{Dir: dir, Store: storeDSN, APIKey: k.Secret, bin: bin, procs: map[string]*Proc{}}, nil
 }
 
-// freeAddr returns a 127.0.0.1 address nothing listens on at the moment.
-func freeAddr(ctx context.Context) (string, error) {
+// freeAddrs returns n distinct 127.0.0.1 addresses nothing listens on at the moment.
+// Each is released before the service binds it, so another socket may take it
+// meanwhile: Start then picks again.
+func freeAddrs(ctx context.Context, n int) ([]string, error) {
 	var lc net.ListenConfig
-	l, err := lc.Listen(ctx, "tcp", "127.0.0.1:0")
-	if err != nil {
-		return "", err
+	addrs := make([]string, n)
+	for i := range addrs {
+		l, err := lc.Listen(ctx, "tcp", "127.0.0.1:0")
+		if err != nil {
+			return nil, err
+		}
+		defer l.Close() // held until all are picked, so none repeats
+		addrs[i] = l.Addr().String()
 	}
-	defer l.Close()
-	return l.Addr().String(), nil
+	return addrs, nil
 }
 
 // Add declares a process: service is the binary ("orchestrator", ...), name its unique
 // name in the cluster (for example "orchestrator-a"); args come after its addresses.
 func (c *Cluster) Add(ctx context.Context, service, name string, args ...string) (*Proc, error) {
-	addr, err := freeAddr(ctx)
+	addrs, err := freeAddrs(ctx, 1)
 	if err != nil {
 		return nil, err
 	}
-	return c.AddAt(ctx, service, name, addr, args...)
+	return c.AddAt(ctx, service, name, addrs[0], args...)
 }
 
 // AddAt is Add with the gRPC address given: replicas of one service on the same port
 // and different loopback IPs (127.0.0.1:P, 127.0.0.2:P), as pods behind one name.
 func (c *Cluster) AddAt(ctx context.Context, service, name, addr string, args ...string) (*Proc, error) {
-	admin, err := freeAddr(ctx)
+	admin, err := freeAddrs(ctx, 1)
 	if err != nil {
 		return nil, err
 	}
-	p := &Proc{&launch.Process{Name: name, Addr: addr, AdminAddr: admin, Bin: filepath.Join(c.bin, service),
+	p := &Proc{Process: &launch.Process{Name: name, Addr: addr, AdminAddr: admin[0], Bin: filepath.Join(c.bin, service),
 		// Plaintext: the processes' TLS is not what these tests are about.
-		Args: append([]string{"--addr", addr, "--admin-addr", admin, "--log-level", "debug", "--insecure"}, args...),
+		Args: append([]string{"--addr", addr, "--admin-addr", admin[0], "--log-level", "debug", "--insecure"}, args...),
 		Log:  filepath.Join(c.Dir, name+".log"),
 		// A test binary that dies takes its processes with it at once.
 		ParentDeathSignal: syscall.SIGKILL}}
@@ -107,15 +118,66 @@ func (c *Cluster) AddAt(ctx context.Context, service, name, addr string, args ..
 	return p, nil
 }
 
-// Start starts the process and waits until its gRPC health is SERVING.
+// Start starts the process and waits until its gRPC health is SERVING. A first start
+// that finds one of its free ports taken meanwhile (by another process's outgoing
+// connection, say) picks that port again, unless a peer already knows it.
 func (p *Proc) Start(ctx context.Context) error {
+	for attempt := 1; ; attempt++ {
+		err := p.start(ctx)
+		if err == nil || p.started || attempt == 3 || !p.repick(ctx) {
+			return err
+		}
+	}
+}
+
+func (p *Proc) start(ctx context.Context) error {
 	if err := p.Process.Start(); err != nil {
 		return err
 	}
 	if err := launch.WaitServing(ctx, 30*time.Second, p.Process); err != nil {
-		return fmt.Errorf("%w; see %s", err, p.Log)
+		return fmt.Errorf("%w; its log ends:\n%s\n(all of it in %s)", err, logTail(p.Log, 10), p.Log)
 	}
+	p.started = true
 	return nil
+}
+
+// repick gives the process new addresses for those its log says were in use, and
+// reports whether it did.
+func (p *Proc) repick(ctx context.Context) bool {
+	log, err := os.ReadFile(p.Log)
+	if err != nil || !bytes.Contains(log, []byte("address already in use")) {
+		return false
+	}
+	changed := false
+	for i, a := range p.Args {
+		if i == 0 || (p.Args[i-1] != "--addr" && p.Args[i-1] != "--admin-addr") || !bytes.Contains(log, []byte(a+": bind: address already in use")) {
+			continue
+		}
+		if a == p.Addr && p.peered {
+			return false
+		}
+		fresh, err := freeAddrs(ctx, 1)
+		if err != nil {
+			return false
+		}
+		if a == p.Addr {
+			p.Addr = fresh[0]
+		} else {
+			p.AdminAddr = fresh[0]
+		}
+		p.Args[i], changed = fresh[0], true
+	}
+	return changed
+}
+
+// logTail returns the last n lines of the log at path.
+func logTail(path string, n int) string {
+	data, err := os.ReadFile(path)
+	if err != nil {
+		return err.Error()
+	}
+	lines := strings.Split(strings.TrimRight(string(data), "\n"), "\n")
+	return strings.Join(lines[max(len(lines)-n, 0):], "\n")
 }
 
 // Conn returns a client connection to proc that sends the cluster's APIKey, closed by
@@ -186,6 +248,7 @@ func (c *Cluster) OrchestratorArgs(model, sub, tools *Proc, extra ...string) []s
 func endpoints(procs map[string]*Proc) map[string]launch.Endpoint {
 	eps := map[string]launch.Endpoint{}
 	for svc, p := range procs {
+		p.peered = true
 		eps[svc] = launch.Endpoint{Addr: p.Addr, AdminAddr: p.AdminAddr}
 	}
 	return eps
