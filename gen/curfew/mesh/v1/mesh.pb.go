@@ -532,6 +532,161 @@ func (x *Node) GetFallbacks() []*Fallback {
 	return nil
 }
 
+// NodeEvent is something that happened inside a running node that is not a change of
+// the node itself: the one envelope that carries such events from where they happen (a
+// tool server, a subagent, a model) through ExecuteResponse and SpawnResponse to Run and
+// WatchRun. New kinds of event are new members of its oneof, never new paths. A node
+// sends no event after it has ended: a late one is dropped where it arrives.
+type NodeEvent struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// The node the event belongs to, by its path in the tree.
+	NodeId string `protobuf:"bytes,1,opt,name=node_id,json=nodeId,proto3" json:"node_id,omitempty"`
+	// When the event happened, on the clock of the service that recorded it.
+	At *timestamppb.Timestamp `protobuf:"bytes,2,opt,name=at,proto3" json:"at,omitempty"`
+	// Types that are valid to be assigned to Kind:
+	//
+	//	*NodeEvent_Progress
+	Kind          isNodeEvent_Kind `protobuf_oneof:"kind"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *NodeEvent) Reset() {
+	*x = NodeEvent{}
+	mi := &file_curfew_mesh_v1_mesh_proto_msgTypes[2]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *NodeEvent) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*NodeEvent) ProtoMessage() {}
+
+func (x *NodeEvent) ProtoReflect() protoreflect.Message {
+	mi := &file_curfew_mesh_v1_mesh_proto_msgTypes[2]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use NodeEvent.ProtoReflect.Descriptor instead.
+func (*NodeEvent) Descriptor() ([]byte, []int) {
+	return file_curfew_mesh_v1_mesh_proto_rawDescGZIP(), []int{2}
+}
+
+func (x *NodeEvent) GetNodeId() string {
+	if x != nil {
+		return x.NodeId
+	}
+	return ""
+}
+
+func (x *NodeEvent) GetAt() *timestamppb.Timestamp {
+	if x != nil {
+		return x.At
+	}
+	return nil
+}
+
+func (x *NodeEvent) GetKind() isNodeEvent_Kind {
+	if x != nil {
+		return x.Kind
+	}
+	return nil
+}
+
+func (x *NodeEvent) GetProgress() *Progress {
+	if x != nil {
+		if x, ok := x.Kind.(*NodeEvent_Progress); ok {
+			return x.Progress
+		}
+	}
+	return nil
+}
+
+type isNodeEvent_Kind interface {
+	isNodeEvent_Kind()
+}
+
+type NodeEvent_Progress struct {
+	// A tool reported how far it has come.
+	Progress *Progress `protobuf:"bytes,10,opt,name=progress,proto3,oneof"`
+}
+
+func (*NodeEvent_Progress) isNodeEvent_Kind() {}
+
+// Progress is a tool's report of how far it has come, as MCP's notifications/progress
+// carry it. It never extends anything: the run's deadline is absolute.
+type Progress struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// How far the tool has come; it increases with every report.
+	Progress float64 `protobuf:"fixed64,1,opt,name=progress,proto3" json:"progress,omitempty"`
+	// The total progress will reach, when the tool knows it; 0 when unknown.
+	Total float64 `protobuf:"fixed64,2,opt,name=total,proto3" json:"total,omitempty"`
+	// What the tool is doing, in its own words; may be empty.
+	Message       string `protobuf:"bytes,3,opt,name=message,proto3" json:"message,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *Progress) Reset() {
+	*x = Progress{}
+	mi := &file_curfew_mesh_v1_mesh_proto_msgTypes[3]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *Progress) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*Progress) ProtoMessage() {}
+
+func (x *Progress) ProtoReflect() protoreflect.Message {
+	mi := &file_curfew_mesh_v1_mesh_proto_msgTypes[3]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use Progress.ProtoReflect.Descriptor instead.
+func (*Progress) Descriptor() ([]byte, []int) {
+	return file_curfew_mesh_v1_mesh_proto_rawDescGZIP(), []int{3}
+}
+
+func (x *Progress) GetProgress() float64 {
+	if x != nil {
+		return x.Progress
+	}
+	return 0
+}
+
+func (x *Progress) GetTotal() float64 {
+	if x != nil {
+		return x.Total
+	}
+	return 0
+}
+
+func (x *Progress) GetMessage() string {
+	if x != nil {
+		return x.Message
+	}
+	return ""
+}
+
 // Fallback is one provider of a model alias's chain that did not answer a call.
 type Fallback struct {
 	state    protoimpl.MessageState `protogen:"open.v1"`
@@ -550,7 +705,7 @@ type Fallback struct {
 
 func (x *Fallback) Reset() {
 	*x = Fallback{}
-	mi := &file_curfew_mesh_v1_mesh_proto_msgTypes[2]
+	mi := &file_curfew_mesh_v1_mesh_proto_msgTypes[4]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -562,7 +717,7 @@ func (x *Fallback) String() string {
 func (*Fallback) ProtoMessage() {}
 
 func (x *Fallback) ProtoReflect() protoreflect.Message {
-	mi := &file_curfew_mesh_v1_mesh_proto_msgTypes[2]
+	mi := &file_curfew_mesh_v1_mesh_proto_msgTypes[4]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -575,7 +730,7 @@ func (x *Fallback) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Fallback.ProtoReflect.Descriptor instead.
 func (*Fallback) Descriptor() ([]byte, []int) {
-	return file_curfew_mesh_v1_mesh_proto_rawDescGZIP(), []int{2}
+	return file_curfew_mesh_v1_mesh_proto_rawDescGZIP(), []int{4}
 }
 
 func (x *Fallback) GetProvider() string {
@@ -629,7 +784,7 @@ type AttemptRecord struct {
 
 func (x *AttemptRecord) Reset() {
 	*x = AttemptRecord{}
-	mi := &file_curfew_mesh_v1_mesh_proto_msgTypes[3]
+	mi := &file_curfew_mesh_v1_mesh_proto_msgTypes[5]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -641,7 +796,7 @@ func (x *AttemptRecord) String() string {
 func (*AttemptRecord) ProtoMessage() {}
 
 func (x *AttemptRecord) ProtoReflect() protoreflect.Message {
-	mi := &file_curfew_mesh_v1_mesh_proto_msgTypes[3]
+	mi := &file_curfew_mesh_v1_mesh_proto_msgTypes[5]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -654,7 +809,7 @@ func (x *AttemptRecord) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use AttemptRecord.ProtoReflect.Descriptor instead.
 func (*AttemptRecord) Descriptor() ([]byte, []int) {
-	return file_curfew_mesh_v1_mesh_proto_rawDescGZIP(), []int{3}
+	return file_curfew_mesh_v1_mesh_proto_rawDescGZIP(), []int{5}
 }
 
 func (x *AttemptRecord) GetAttempt() int32 {
@@ -722,7 +877,7 @@ type ListNodesRequest struct {
 
 func (x *ListNodesRequest) Reset() {
 	*x = ListNodesRequest{}
-	mi := &file_curfew_mesh_v1_mesh_proto_msgTypes[4]
+	mi := &file_curfew_mesh_v1_mesh_proto_msgTypes[6]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -734,7 +889,7 @@ func (x *ListNodesRequest) String() string {
 func (*ListNodesRequest) ProtoMessage() {}
 
 func (x *ListNodesRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_curfew_mesh_v1_mesh_proto_msgTypes[4]
+	mi := &file_curfew_mesh_v1_mesh_proto_msgTypes[6]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -747,7 +902,7 @@ func (x *ListNodesRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListNodesRequest.ProtoReflect.Descriptor instead.
 func (*ListNodesRequest) Descriptor() ([]byte, []int) {
-	return file_curfew_mesh_v1_mesh_proto_rawDescGZIP(), []int{4}
+	return file_curfew_mesh_v1_mesh_proto_rawDescGZIP(), []int{6}
 }
 
 func (x *ListNodesRequest) GetRunId() string {
@@ -790,7 +945,7 @@ type ListNodesResponse struct {
 
 func (x *ListNodesResponse) Reset() {
 	*x = ListNodesResponse{}
-	mi := &file_curfew_mesh_v1_mesh_proto_msgTypes[5]
+	mi := &file_curfew_mesh_v1_mesh_proto_msgTypes[7]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -802,7 +957,7 @@ func (x *ListNodesResponse) String() string {
 func (*ListNodesResponse) ProtoMessage() {}
 
 func (x *ListNodesResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_curfew_mesh_v1_mesh_proto_msgTypes[5]
+	mi := &file_curfew_mesh_v1_mesh_proto_msgTypes[7]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -815,7 +970,7 @@ func (x *ListNodesResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListNodesResponse.ProtoReflect.Descriptor instead.
 func (*ListNodesResponse) Descriptor() ([]byte, []int) {
-	return file_curfew_mesh_v1_mesh_proto_rawDescGZIP(), []int{5}
+	return file_curfew_mesh_v1_mesh_proto_rawDescGZIP(), []int{7}
 }
 
 func (x *ListNodesResponse) GetNodes() []*Node {
@@ -851,7 +1006,7 @@ type CancelNodesRequest struct {
 
 func (x *CancelNodesRequest) Reset() {
 	*x = CancelNodesRequest{}
-	mi := &file_curfew_mesh_v1_mesh_proto_msgTypes[6]
+	mi := &file_curfew_mesh_v1_mesh_proto_msgTypes[8]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -863,7 +1018,7 @@ func (x *CancelNodesRequest) String() string {
 func (*CancelNodesRequest) ProtoMessage() {}
 
 func (x *CancelNodesRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_curfew_mesh_v1_mesh_proto_msgTypes[6]
+	mi := &file_curfew_mesh_v1_mesh_proto_msgTypes[8]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -876,7 +1031,7 @@ func (x *CancelNodesRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CancelNodesRequest.ProtoReflect.Descriptor instead.
 func (*CancelNodesRequest) Descriptor() ([]byte, []int) {
-	return file_curfew_mesh_v1_mesh_proto_rawDescGZIP(), []int{6}
+	return file_curfew_mesh_v1_mesh_proto_rawDescGZIP(), []int{8}
 }
 
 func (x *CancelNodesRequest) GetRunId() string {
@@ -919,7 +1074,7 @@ type CancelNodesResponse struct {
 
 func (x *CancelNodesResponse) Reset() {
 	*x = CancelNodesResponse{}
-	mi := &file_curfew_mesh_v1_mesh_proto_msgTypes[7]
+	mi := &file_curfew_mesh_v1_mesh_proto_msgTypes[9]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -931,7 +1086,7 @@ func (x *CancelNodesResponse) String() string {
 func (*CancelNodesResponse) ProtoMessage() {}
 
 func (x *CancelNodesResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_curfew_mesh_v1_mesh_proto_msgTypes[7]
+	mi := &file_curfew_mesh_v1_mesh_proto_msgTypes[9]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -944,7 +1099,7 @@ func (x *CancelNodesResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CancelNodesResponse.ProtoReflect.Descriptor instead.
 func (*CancelNodesResponse) Descriptor() ([]byte, []int) {
-	return file_curfew_mesh_v1_mesh_proto_rawDescGZIP(), []int{7}
+	return file_curfew_mesh_v1_mesh_proto_rawDescGZIP(), []int{9}
 }
 
 func (x *CancelNodesResponse) GetCancelled() int32 {
@@ -999,7 +1154,17 @@ const file_curfew_mesh_v1_mesh_proto_rawDesc = "" +
 	"\bprovider\x18\x13 \x01(\tR\bprovider\x12!\n" +
 	"\fserved_model\x18\x14 \x01(\tR\vservedModel\x12\x16\n" +
 	"\x06cached\x18\x15 \x01(\bR\x06cached\x126\n" +
-	"\tfallbacks\x18\x16 \x03(\v2\x18.curfew.mesh.v1.FallbackR\tfallbacks\"\x98\x01\n" +
+	"\tfallbacks\x18\x16 \x03(\v2\x18.curfew.mesh.v1.FallbackR\tfallbacks\"\x90\x01\n" +
+	"\tNodeEvent\x12\x17\n" +
+	"\anode_id\x18\x01 \x01(\tR\x06nodeId\x12*\n" +
+	"\x02at\x18\x02 \x01(\v2\x1a.google.protobuf.TimestampR\x02at\x126\n" +
+	"\bprogress\x18\n" +
+	" \x01(\v2\x18.curfew.mesh.v1.ProgressH\x00R\bprogressB\x06\n" +
+	"\x04kind\"V\n" +
+	"\bProgress\x12\x1a\n" +
+	"\bprogress\x18\x01 \x01(\x01R\bprogress\x12\x14\n" +
+	"\x05total\x18\x02 \x01(\x01R\x05total\x12\x18\n" +
+	"\amessage\x18\x03 \x01(\tR\amessage\"\x98\x01\n" +
 	"\bFallback\x12\x1a\n" +
 	"\bprovider\x18\x01 \x01(\tR\bprovider\x12\x14\n" +
 	"\x05model\x18\x02 \x01(\tR\x05model\x12\x16\n" +
@@ -1074,54 +1239,58 @@ func file_curfew_mesh_v1_mesh_proto_rawDescGZIP() []byte {
 }
 
 var file_curfew_mesh_v1_mesh_proto_enumTypes = make([]protoimpl.EnumInfo, 3)
-var file_curfew_mesh_v1_mesh_proto_msgTypes = make([]protoimpl.MessageInfo, 8)
+var file_curfew_mesh_v1_mesh_proto_msgTypes = make([]protoimpl.MessageInfo, 10)
 var file_curfew_mesh_v1_mesh_proto_goTypes = []any{
 	(CancelCause)(0),              // 0: curfew.mesh.v1.CancelCause
 	(NodeKind)(0),                 // 1: curfew.mesh.v1.NodeKind
 	(NodeStatus)(0),               // 2: curfew.mesh.v1.NodeStatus
 	(*Cleanup)(nil),               // 3: curfew.mesh.v1.Cleanup
 	(*Node)(nil),                  // 4: curfew.mesh.v1.Node
-	(*Fallback)(nil),              // 5: curfew.mesh.v1.Fallback
-	(*AttemptRecord)(nil),         // 6: curfew.mesh.v1.AttemptRecord
-	(*ListNodesRequest)(nil),      // 7: curfew.mesh.v1.ListNodesRequest
-	(*ListNodesResponse)(nil),     // 8: curfew.mesh.v1.ListNodesResponse
-	(*CancelNodesRequest)(nil),    // 9: curfew.mesh.v1.CancelNodesRequest
-	(*CancelNodesResponse)(nil),   // 10: curfew.mesh.v1.CancelNodesResponse
-	(*timestamppb.Timestamp)(nil), // 11: google.protobuf.Timestamp
-	(*durationpb.Duration)(nil),   // 12: google.protobuf.Duration
+	(*NodeEvent)(nil),             // 5: curfew.mesh.v1.NodeEvent
+	(*Progress)(nil),              // 6: curfew.mesh.v1.Progress
+	(*Fallback)(nil),              // 7: curfew.mesh.v1.Fallback
+	(*AttemptRecord)(nil),         // 8: curfew.mesh.v1.AttemptRecord
+	(*ListNodesRequest)(nil),      // 9: curfew.mesh.v1.ListNodesRequest
+	(*ListNodesResponse)(nil),     // 10: curfew.mesh.v1.ListNodesResponse
+	(*CancelNodesRequest)(nil),    // 11: curfew.mesh.v1.CancelNodesRequest
+	(*CancelNodesResponse)(nil),   // 12: curfew.mesh.v1.CancelNodesResponse
+	(*timestamppb.Timestamp)(nil), // 13: google.protobuf.Timestamp
+	(*durationpb.Duration)(nil),   // 14: google.protobuf.Duration
 }
 var file_curfew_mesh_v1_mesh_proto_depIdxs = []int32{
-	11, // 0: curfew.mesh.v1.Cleanup.started_at:type_name -> google.protobuf.Timestamp
-	11, // 1: curfew.mesh.v1.Cleanup.ended_at:type_name -> google.protobuf.Timestamp
-	12, // 2: curfew.mesh.v1.Cleanup.budget:type_name -> google.protobuf.Duration
+	13, // 0: curfew.mesh.v1.Cleanup.started_at:type_name -> google.protobuf.Timestamp
+	13, // 1: curfew.mesh.v1.Cleanup.ended_at:type_name -> google.protobuf.Timestamp
+	14, // 2: curfew.mesh.v1.Cleanup.budget:type_name -> google.protobuf.Duration
 	1,  // 3: curfew.mesh.v1.Node.kind:type_name -> curfew.mesh.v1.NodeKind
 	2,  // 4: curfew.mesh.v1.Node.status:type_name -> curfew.mesh.v1.NodeStatus
 	0,  // 5: curfew.mesh.v1.Node.cause:type_name -> curfew.mesh.v1.CancelCause
-	11, // 6: curfew.mesh.v1.Node.started_at:type_name -> google.protobuf.Timestamp
-	11, // 7: curfew.mesh.v1.Node.ended_at:type_name -> google.protobuf.Timestamp
-	11, // 8: curfew.mesh.v1.Node.deadline:type_name -> google.protobuf.Timestamp
-	11, // 9: curfew.mesh.v1.Node.cancelled_at:type_name -> google.protobuf.Timestamp
+	13, // 6: curfew.mesh.v1.Node.started_at:type_name -> google.protobuf.Timestamp
+	13, // 7: curfew.mesh.v1.Node.ended_at:type_name -> google.protobuf.Timestamp
+	13, // 8: curfew.mesh.v1.Node.deadline:type_name -> google.protobuf.Timestamp
+	13, // 9: curfew.mesh.v1.Node.cancelled_at:type_name -> google.protobuf.Timestamp
 	3,  // 10: curfew.mesh.v1.Node.cleanup:type_name -> curfew.mesh.v1.Cleanup
-	6,  // 11: curfew.mesh.v1.Node.earlier_attempts:type_name -> curfew.mesh.v1.AttemptRecord
-	5,  // 12: curfew.mesh.v1.Node.fallbacks:type_name -> curfew.mesh.v1.Fallback
-	2,  // 13: curfew.mesh.v1.AttemptRecord.status:type_name -> curfew.mesh.v1.NodeStatus
-	0,  // 14: curfew.mesh.v1.AttemptRecord.cause:type_name -> curfew.mesh.v1.CancelCause
-	11, // 15: curfew.mesh.v1.AttemptRecord.started_at:type_name -> google.protobuf.Timestamp
-	11, // 16: curfew.mesh.v1.AttemptRecord.ended_at:type_name -> google.protobuf.Timestamp
-	12, // 17: curfew.mesh.v1.ListNodesRequest.settle_timeout:type_name -> google.protobuf.Duration
-	11, // 18: curfew.mesh.v1.ListNodesRequest.cancel_at:type_name -> google.protobuf.Timestamp
-	4,  // 19: curfew.mesh.v1.ListNodesResponse.nodes:type_name -> curfew.mesh.v1.Node
-	0,  // 20: curfew.mesh.v1.CancelNodesRequest.cause:type_name -> curfew.mesh.v1.CancelCause
-	12, // 21: curfew.mesh.v1.CancelNodesRequest.settle_timeout:type_name -> google.protobuf.Duration
-	7,  // 22: curfew.mesh.v1.NodeReportService.ListNodes:input_type -> curfew.mesh.v1.ListNodesRequest
-	9,  // 23: curfew.mesh.v1.NodeReportService.CancelNodes:input_type -> curfew.mesh.v1.CancelNodesRequest
-	8,  // 24: curfew.mesh.v1.NodeReportService.ListNodes:output_type -> curfew.mesh.v1.ListNodesResponse
-	10, // 25: curfew.mesh.v1.NodeReportService.CancelNodes:output_type -> curfew.mesh.v1.CancelNodesResponse
-	24, // [24:26] is the sub-list for method output_type
-	22, // [22:24] is the sub-list for method input_type
-	22, // [22:22] is the sub-list for extension type_name
-	22, // [22:22] is the sub-list for extension extendee
-	0,  // [0:22] is the sub-list for field type_name
+	8,  // 11: curfew.mesh.v1.Node.earlier_attempts:type_name -> curfew.mesh.v1.AttemptRecord
+	7,  // 12: curfew.mesh.v1.Node.fallbacks:type_name -> curfew.mesh.v1.Fallback
+	13, // 13: curfew.mesh.v1.NodeEvent.at:type_name -> google.protobuf.Timestamp
+	6,  // 14: curfew.mesh.v1.NodeEvent.progress:type_name -> curfew.mesh.v1.Progress
+	2,  // 15: curfew.mesh.v1.AttemptRecord.status:type_name -> curfew.mesh.v1.NodeStatus
+	0,  // 16: curfew.mesh.v1.AttemptRecord.cause:type_name -> curfew.mesh.v1.CancelCause
+	13, // 17: curfew.mesh.v1.AttemptRecord.started_at:type_name -> google.protobuf.Timestamp
+	13, // 18: curfew.mesh.v1.AttemptRecord.ended_at:type_name -> google.protobuf.Timestamp
+	14, // 19: curfew.mesh.v1.ListNodesRequest.settle_timeout:type_name -> google.protobuf.Duration
+	13, // 20: curfew.mesh.v1.ListNodesRequest.cancel_at:type_name -> google.protobuf.Timestamp
+	4,  // 21: curfew.mesh.v1.ListNodesResponse.nodes:type_name -> curfew.mesh.v1.Node
+	0,  // 22: curfew.mesh.v1.CancelNodesRequest.cause:type_name -> curfew.mesh.v1.CancelCause
+	14, // 23: curfew.mesh.v1.CancelNodesRequest.settle_timeout:type_name -> google.protobuf.Duration
+	9,  // 24: curfew.mesh.v1.NodeReportService.ListNodes:input_type -> curfew.mesh.v1.ListNodesRequest
+	11, // 25: curfew.mesh.v1.NodeReportService.CancelNodes:input_type -> curfew.mesh.v1.CancelNodesRequest
+	10, // 26: curfew.mesh.v1.NodeReportService.ListNodes:output_type -> curfew.mesh.v1.ListNodesResponse
+	12, // 27: curfew.mesh.v1.NodeReportService.CancelNodes:output_type -> curfew.mesh.v1.CancelNodesResponse
+	26, // [26:28] is the sub-list for method output_type
+	24, // [24:26] is the sub-list for method input_type
+	24, // [24:24] is the sub-list for extension type_name
+	24, // [24:24] is the sub-list for extension extendee
+	0,  // [0:24] is the sub-list for field type_name
 }
 
 func init() { file_curfew_mesh_v1_mesh_proto_init() }
@@ -1129,13 +1298,16 @@ func file_curfew_mesh_v1_mesh_proto_init() {
 	if File_curfew_mesh_v1_mesh_proto != nil {
 		return
 	}
+	file_curfew_mesh_v1_mesh_proto_msgTypes[2].OneofWrappers = []any{
+		(*NodeEvent_Progress)(nil),
+	}
 	type x struct{}
 	out := protoimpl.TypeBuilder{
 		File: protoimpl.DescBuilder{
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_curfew_mesh_v1_mesh_proto_rawDesc), len(file_curfew_mesh_v1_mesh_proto_rawDesc)),
 			NumEnums:      3,
-			NumMessages:   8,
+			NumMessages:   10,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

@@ -399,6 +399,7 @@ type RunResponse struct {
 	//	*RunResponse_Started
 	//	*RunResponse_Node
 	//	*RunResponse_Finished
+	//	*RunResponse_NodeEvent
 	Event         isRunResponse_Event `protobuf_oneof:"event"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
@@ -468,6 +469,15 @@ func (x *RunResponse) GetFinished() *Run {
 	return nil
 }
 
+func (x *RunResponse) GetNodeEvent() *v1.NodeEvent {
+	if x != nil {
+		if x, ok := x.Event.(*RunResponse_NodeEvent); ok {
+			return x.NodeEvent
+		}
+	}
+	return nil
+}
+
 type isRunResponse_Event interface {
 	isRunResponse_Event()
 }
@@ -487,11 +497,19 @@ type RunResponse_Finished struct {
 	Finished *Run `protobuf:"bytes,3,opt,name=finished,proto3,oneof"`
 }
 
+type RunResponse_NodeEvent struct {
+	// Something that happened inside a node (a tool's progress, ...), between its start
+	// and its end.
+	NodeEvent *v1.NodeEvent `protobuf:"bytes,4,opt,name=node_event,json=nodeEvent,proto3,oneof"`
+}
+
 func (*RunResponse_Started) isRunResponse_Event() {}
 
 func (*RunResponse_Node) isRunResponse_Event() {}
 
 func (*RunResponse_Finished) isRunResponse_Event() {}
+
+func (*RunResponse_NodeEvent) isRunResponse_Event() {}
 
 // StartRunRequest starts a detached run: it goes on after the caller leaves, until it
 // ends or its deadline passes. Watch it with WatchRun, stop it with CancelRun.
@@ -678,6 +696,7 @@ type WatchRunResponse struct {
 	//	*WatchRunResponse_Started
 	//	*WatchRunResponse_Node
 	//	*WatchRunResponse_Finished
+	//	*WatchRunResponse_NodeEvent
 	Event         isWatchRunResponse_Event `protobuf_oneof:"event"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
@@ -747,6 +766,15 @@ func (x *WatchRunResponse) GetFinished() *Run {
 	return nil
 }
 
+func (x *WatchRunResponse) GetNodeEvent() *v1.NodeEvent {
+	if x != nil {
+		if x, ok := x.Event.(*WatchRunResponse_NodeEvent); ok {
+			return x.NodeEvent
+		}
+	}
+	return nil
+}
+
 type isWatchRunResponse_Event interface {
 	isWatchRunResponse_Event()
 }
@@ -763,11 +791,17 @@ type WatchRunResponse_Finished struct {
 	Finished *Run `protobuf:"bytes,3,opt,name=finished,proto3,oneof"`
 }
 
+type WatchRunResponse_NodeEvent struct {
+	NodeEvent *v1.NodeEvent `protobuf:"bytes,4,opt,name=node_event,json=nodeEvent,proto3,oneof"`
+}
+
 func (*WatchRunResponse_Started) isWatchRunResponse_Event() {}
 
 func (*WatchRunResponse_Node) isWatchRunResponse_Event() {}
 
 func (*WatchRunResponse_Finished) isWatchRunResponse_Event() {}
+
+func (*WatchRunResponse_NodeEvent) isWatchRunResponse_Event() {}
 
 // GetRunRequest names a run.
 type GetRunRequest struct {
@@ -1101,11 +1135,13 @@ const file_curfew_orchestrator_v1_orchestrator_proto_rawDesc = "" +
 	"\n" +
 	"RunStarted\x12\x15\n" +
 	"\x06run_id\x18\x01 \x01(\tR\x05runId\x126\n" +
-	"\bdeadline\x18\x02 \x01(\v2\x1a.google.protobuf.TimestampR\bdeadline\"\xbd\x01\n" +
+	"\bdeadline\x18\x02 \x01(\v2\x1a.google.protobuf.TimestampR\bdeadline\"\xf9\x01\n" +
 	"\vRunResponse\x12>\n" +
 	"\astarted\x18\x01 \x01(\v2\".curfew.orchestrator.v1.RunStartedH\x00R\astarted\x12*\n" +
 	"\x04node\x18\x02 \x01(\v2\x14.curfew.mesh.v1.NodeH\x00R\x04node\x129\n" +
-	"\bfinished\x18\x03 \x01(\v2\x1b.curfew.orchestrator.v1.RunH\x00R\bfinishedB\a\n" +
+	"\bfinished\x18\x03 \x01(\v2\x1b.curfew.orchestrator.v1.RunH\x00R\bfinished\x12:\n" +
+	"\n" +
+	"node_event\x18\x04 \x01(\v2\x19.curfew.mesh.v1.NodeEventH\x00R\tnodeEventB\a\n" +
 	"\x05event\"\x99\x01\n" +
 	"\x0fStartRunRequest\x12\x12\n" +
 	"\x04task\x18\x01 \x01(\tR\x04task\x12\x14\n" +
@@ -1116,11 +1152,13 @@ const file_curfew_orchestrator_v1_orchestrator_proto_rawDesc = "" +
 	"\x03run\x18\x01 \x01(\v2\x1b.curfew.orchestrator.v1.RunR\x03run\x12\x18\n" +
 	"\acreated\x18\x02 \x01(\bR\acreated\"(\n" +
 	"\x0fWatchRunRequest\x12\x15\n" +
-	"\x06run_id\x18\x01 \x01(\tR\x05runId\"\xc2\x01\n" +
+	"\x06run_id\x18\x01 \x01(\tR\x05runId\"\xfe\x01\n" +
 	"\x10WatchRunResponse\x12>\n" +
 	"\astarted\x18\x01 \x01(\v2\".curfew.orchestrator.v1.RunStartedH\x00R\astarted\x12*\n" +
 	"\x04node\x18\x02 \x01(\v2\x14.curfew.mesh.v1.NodeH\x00R\x04node\x129\n" +
-	"\bfinished\x18\x03 \x01(\v2\x1b.curfew.orchestrator.v1.RunH\x00R\bfinishedB\a\n" +
+	"\bfinished\x18\x03 \x01(\v2\x1b.curfew.orchestrator.v1.RunH\x00R\bfinished\x12:\n" +
+	"\n" +
+	"node_event\x18\x04 \x01(\v2\x19.curfew.mesh.v1.NodeEventH\x00R\tnodeEventB\a\n" +
 	"\x05event\"&\n" +
 	"\rGetRunRequest\x12\x15\n" +
 	"\x06run_id\x18\x01 \x01(\tR\x05runId\"?\n" +
@@ -1187,7 +1225,8 @@ var file_curfew_orchestrator_v1_orchestrator_proto_goTypes = []any{
 	(v1.CancelCause)(0),           // 15: curfew.mesh.v1.CancelCause
 	(*timestamppb.Timestamp)(nil), // 16: google.protobuf.Timestamp
 	(*v1.Node)(nil),               // 17: curfew.mesh.v1.Node
-	(*durationpb.Duration)(nil),   // 18: google.protobuf.Duration
+	(*v1.NodeEvent)(nil),          // 18: curfew.mesh.v1.NodeEvent
+	(*durationpb.Duration)(nil),   // 19: google.protobuf.Duration
 }
 var file_curfew_orchestrator_v1_orchestrator_proto_depIdxs = []int32{
 	0,  // 0: curfew.orchestrator.v1.Run.status:type_name -> curfew.orchestrator.v1.RunStatus
@@ -1201,31 +1240,33 @@ var file_curfew_orchestrator_v1_orchestrator_proto_depIdxs = []int32{
 	3,  // 8: curfew.orchestrator.v1.RunResponse.started:type_name -> curfew.orchestrator.v1.RunStarted
 	17, // 9: curfew.orchestrator.v1.RunResponse.node:type_name -> curfew.mesh.v1.Node
 	1,  // 10: curfew.orchestrator.v1.RunResponse.finished:type_name -> curfew.orchestrator.v1.Run
-	18, // 11: curfew.orchestrator.v1.StartRunRequest.timeout:type_name -> google.protobuf.Duration
-	1,  // 12: curfew.orchestrator.v1.StartRunResponse.run:type_name -> curfew.orchestrator.v1.Run
-	3,  // 13: curfew.orchestrator.v1.WatchRunResponse.started:type_name -> curfew.orchestrator.v1.RunStarted
-	17, // 14: curfew.orchestrator.v1.WatchRunResponse.node:type_name -> curfew.mesh.v1.Node
-	1,  // 15: curfew.orchestrator.v1.WatchRunResponse.finished:type_name -> curfew.orchestrator.v1.Run
-	1,  // 16: curfew.orchestrator.v1.GetRunResponse.run:type_name -> curfew.orchestrator.v1.Run
-	1,  // 17: curfew.orchestrator.v1.ListRunsResponse.runs:type_name -> curfew.orchestrator.v1.Run
-	1,  // 18: curfew.orchestrator.v1.CancelRunResponse.run:type_name -> curfew.orchestrator.v1.Run
-	2,  // 19: curfew.orchestrator.v1.OrchestratorService.Run:input_type -> curfew.orchestrator.v1.RunRequest
-	5,  // 20: curfew.orchestrator.v1.OrchestratorService.StartRun:input_type -> curfew.orchestrator.v1.StartRunRequest
-	7,  // 21: curfew.orchestrator.v1.OrchestratorService.WatchRun:input_type -> curfew.orchestrator.v1.WatchRunRequest
-	9,  // 22: curfew.orchestrator.v1.OrchestratorService.GetRun:input_type -> curfew.orchestrator.v1.GetRunRequest
-	11, // 23: curfew.orchestrator.v1.OrchestratorService.ListRuns:input_type -> curfew.orchestrator.v1.ListRunsRequest
-	13, // 24: curfew.orchestrator.v1.OrchestratorService.CancelRun:input_type -> curfew.orchestrator.v1.CancelRunRequest
-	4,  // 25: curfew.orchestrator.v1.OrchestratorService.Run:output_type -> curfew.orchestrator.v1.RunResponse
-	6,  // 26: curfew.orchestrator.v1.OrchestratorService.StartRun:output_type -> curfew.orchestrator.v1.StartRunResponse
-	8,  // 27: curfew.orchestrator.v1.OrchestratorService.WatchRun:output_type -> curfew.orchestrator.v1.WatchRunResponse
-	10, // 28: curfew.orchestrator.v1.OrchestratorService.GetRun:output_type -> curfew.orchestrator.v1.GetRunResponse
-	12, // 29: curfew.orchestrator.v1.OrchestratorService.ListRuns:output_type -> curfew.orchestrator.v1.ListRunsResponse
-	14, // 30: curfew.orchestrator.v1.OrchestratorService.CancelRun:output_type -> curfew.orchestrator.v1.CancelRunResponse
-	25, // [25:31] is the sub-list for method output_type
-	19, // [19:25] is the sub-list for method input_type
-	19, // [19:19] is the sub-list for extension type_name
-	19, // [19:19] is the sub-list for extension extendee
-	0,  // [0:19] is the sub-list for field type_name
+	18, // 11: curfew.orchestrator.v1.RunResponse.node_event:type_name -> curfew.mesh.v1.NodeEvent
+	19, // 12: curfew.orchestrator.v1.StartRunRequest.timeout:type_name -> google.protobuf.Duration
+	1,  // 13: curfew.orchestrator.v1.StartRunResponse.run:type_name -> curfew.orchestrator.v1.Run
+	3,  // 14: curfew.orchestrator.v1.WatchRunResponse.started:type_name -> curfew.orchestrator.v1.RunStarted
+	17, // 15: curfew.orchestrator.v1.WatchRunResponse.node:type_name -> curfew.mesh.v1.Node
+	1,  // 16: curfew.orchestrator.v1.WatchRunResponse.finished:type_name -> curfew.orchestrator.v1.Run
+	18, // 17: curfew.orchestrator.v1.WatchRunResponse.node_event:type_name -> curfew.mesh.v1.NodeEvent
+	1,  // 18: curfew.orchestrator.v1.GetRunResponse.run:type_name -> curfew.orchestrator.v1.Run
+	1,  // 19: curfew.orchestrator.v1.ListRunsResponse.runs:type_name -> curfew.orchestrator.v1.Run
+	1,  // 20: curfew.orchestrator.v1.CancelRunResponse.run:type_name -> curfew.orchestrator.v1.Run
+	2,  // 21: curfew.orchestrator.v1.OrchestratorService.Run:input_type -> curfew.orchestrator.v1.RunRequest
+	5,  // 22: curfew.orchestrator.v1.OrchestratorService.StartRun:input_type -> curfew.orchestrator.v1.StartRunRequest
+	7,  // 23: curfew.orchestrator.v1.OrchestratorService.WatchRun:input_type -> curfew.orchestrator.v1.WatchRunRequest
+	9,  // 24: curfew.orchestrator.v1.OrchestratorService.GetRun:input_type -> curfew.orchestrator.v1.GetRunRequest
+	11, // 25: curfew.orchestrator.v1.OrchestratorService.ListRuns:input_type -> curfew.orchestrator.v1.ListRunsRequest
+	13, // 26: curfew.orchestrator.v1.OrchestratorService.CancelRun:input_type -> curfew.orchestrator.v1.CancelRunRequest
+	4,  // 27: curfew.orchestrator.v1.OrchestratorService.Run:output_type -> curfew.orchestrator.v1.RunResponse
+	6,  // 28: curfew.orchestrator.v1.OrchestratorService.StartRun:output_type -> curfew.orchestrator.v1.StartRunResponse
+	8,  // 29: curfew.orchestrator.v1.OrchestratorService.WatchRun:output_type -> curfew.orchestrator.v1.WatchRunResponse
+	10, // 30: curfew.orchestrator.v1.OrchestratorService.GetRun:output_type -> curfew.orchestrator.v1.GetRunResponse
+	12, // 31: curfew.orchestrator.v1.OrchestratorService.ListRuns:output_type -> curfew.orchestrator.v1.ListRunsResponse
+	14, // 32: curfew.orchestrator.v1.OrchestratorService.CancelRun:output_type -> curfew.orchestrator.v1.CancelRunResponse
+	27, // [27:33] is the sub-list for method output_type
+	21, // [21:27] is the sub-list for method input_type
+	21, // [21:21] is the sub-list for extension type_name
+	21, // [21:21] is the sub-list for extension extendee
+	0,  // [0:21] is the sub-list for field type_name
 }
 
 func init() { file_curfew_orchestrator_v1_orchestrator_proto_init() }
@@ -1237,11 +1278,13 @@ func file_curfew_orchestrator_v1_orchestrator_proto_init() {
 		(*RunResponse_Started)(nil),
 		(*RunResponse_Node)(nil),
 		(*RunResponse_Finished)(nil),
+		(*RunResponse_NodeEvent)(nil),
 	}
 	file_curfew_orchestrator_v1_orchestrator_proto_msgTypes[7].OneofWrappers = []any{
 		(*WatchRunResponse_Started)(nil),
 		(*WatchRunResponse_Node)(nil),
 		(*WatchRunResponse_Finished)(nil),
+		(*WatchRunResponse_NodeEvent)(nil),
 	}
 	type x struct{}
 	out := protoimpl.TypeBuilder{

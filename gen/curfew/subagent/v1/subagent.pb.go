@@ -129,6 +129,7 @@ type SpawnResponse struct {
 	//
 	//	*SpawnResponse_Node
 	//	*SpawnResponse_Result
+	//	*SpawnResponse_NodeEvent
 	Event         isSpawnResponse_Event `protobuf_oneof:"event"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
@@ -189,6 +190,15 @@ func (x *SpawnResponse) GetResult() *SpawnResult {
 	return nil
 }
 
+func (x *SpawnResponse) GetNodeEvent() *v1.NodeEvent {
+	if x != nil {
+		if x, ok := x.Event.(*SpawnResponse_NodeEvent); ok {
+			return x.NodeEvent
+		}
+	}
+	return nil
+}
+
 type isSpawnResponse_Event interface {
 	isSpawnResponse_Event()
 }
@@ -201,9 +211,16 @@ type SpawnResponse_Result struct {
 	Result *SpawnResult `protobuf:"bytes,2,opt,name=result,proto3,oneof"`
 }
 
+type SpawnResponse_NodeEvent struct {
+	// Something that happened inside a node of the nested loop.
+	NodeEvent *v1.NodeEvent `protobuf:"bytes,3,opt,name=node_event,json=nodeEvent,proto3,oneof"`
+}
+
 func (*SpawnResponse_Node) isSpawnResponse_Event() {}
 
 func (*SpawnResponse_Result) isSpawnResponse_Event() {}
+
+func (*SpawnResponse_NodeEvent) isSpawnResponse_Event() {}
 
 var File_curfew_subagent_v1_subagent_proto protoreflect.FileDescriptor
 
@@ -214,10 +231,12 @@ const file_curfew_subagent_v1_subagent_proto_rawDesc = "" +
 	"\x04task\x18\x01 \x01(\tR\x04task\x12\x14\n" +
 	"\x05model\x18\x02 \x01(\tR\x05model\"%\n" +
 	"\vSpawnResult\x12\x16\n" +
-	"\x06answer\x18\x01 \x01(\tR\x06answer\"\x7f\n" +
+	"\x06answer\x18\x01 \x01(\tR\x06answer\"\xbb\x01\n" +
 	"\rSpawnResponse\x12*\n" +
 	"\x04node\x18\x01 \x01(\v2\x14.curfew.mesh.v1.NodeH\x00R\x04node\x129\n" +
-	"\x06result\x18\x02 \x01(\v2\x1f.curfew.subagent.v1.SpawnResultH\x00R\x06resultB\a\n" +
+	"\x06result\x18\x02 \x01(\v2\x1f.curfew.subagent.v1.SpawnResultH\x00R\x06result\x12:\n" +
+	"\n" +
+	"node_event\x18\x03 \x01(\v2\x19.curfew.mesh.v1.NodeEventH\x00R\tnodeEventB\a\n" +
 	"\x05event2a\n" +
 	"\x0fSubagentService\x12N\n" +
 	"\x05Spawn\x12 .curfew.subagent.v1.SpawnRequest\x1a!.curfew.subagent.v1.SpawnResponse0\x01B\xd2\x01\n" +
@@ -241,17 +260,19 @@ var file_curfew_subagent_v1_subagent_proto_goTypes = []any{
 	(*SpawnResult)(nil),   // 1: curfew.subagent.v1.SpawnResult
 	(*SpawnResponse)(nil), // 2: curfew.subagent.v1.SpawnResponse
 	(*v1.Node)(nil),       // 3: curfew.mesh.v1.Node
+	(*v1.NodeEvent)(nil),  // 4: curfew.mesh.v1.NodeEvent
 }
 var file_curfew_subagent_v1_subagent_proto_depIdxs = []int32{
 	3, // 0: curfew.subagent.v1.SpawnResponse.node:type_name -> curfew.mesh.v1.Node
 	1, // 1: curfew.subagent.v1.SpawnResponse.result:type_name -> curfew.subagent.v1.SpawnResult
-	0, // 2: curfew.subagent.v1.SubagentService.Spawn:input_type -> curfew.subagent.v1.SpawnRequest
-	2, // 3: curfew.subagent.v1.SubagentService.Spawn:output_type -> curfew.subagent.v1.SpawnResponse
-	3, // [3:4] is the sub-list for method output_type
-	2, // [2:3] is the sub-list for method input_type
-	2, // [2:2] is the sub-list for extension type_name
-	2, // [2:2] is the sub-list for extension extendee
-	0, // [0:2] is the sub-list for field type_name
+	4, // 2: curfew.subagent.v1.SpawnResponse.node_event:type_name -> curfew.mesh.v1.NodeEvent
+	0, // 3: curfew.subagent.v1.SubagentService.Spawn:input_type -> curfew.subagent.v1.SpawnRequest
+	2, // 4: curfew.subagent.v1.SubagentService.Spawn:output_type -> curfew.subagent.v1.SpawnResponse
+	4, // [4:5] is the sub-list for method output_type
+	3, // [3:4] is the sub-list for method input_type
+	3, // [3:3] is the sub-list for extension type_name
+	3, // [3:3] is the sub-list for extension extendee
+	0, // [0:3] is the sub-list for field type_name
 }
 
 func init() { file_curfew_subagent_v1_subagent_proto_init() }
@@ -262,6 +283,7 @@ func file_curfew_subagent_v1_subagent_proto_init() {
 	file_curfew_subagent_v1_subagent_proto_msgTypes[2].OneofWrappers = []any{
 		(*SpawnResponse_Node)(nil),
 		(*SpawnResponse_Result)(nil),
+		(*SpawnResponse_NodeEvent)(nil),
 	}
 	type x struct{}
 	out := protoimpl.TypeBuilder{

@@ -130,6 +130,7 @@ type ExecuteResponse struct {
 	//
 	//	*ExecuteResponse_Node
 	//	*ExecuteResponse_Result
+	//	*ExecuteResponse_NodeEvent
 	Event         isExecuteResponse_Event `protobuf_oneof:"event"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
@@ -190,6 +191,15 @@ func (x *ExecuteResponse) GetResult() *ExecuteResult {
 	return nil
 }
 
+func (x *ExecuteResponse) GetNodeEvent() *v1.NodeEvent {
+	if x != nil {
+		if x, ok := x.Event.(*ExecuteResponse_NodeEvent); ok {
+			return x.NodeEvent
+		}
+	}
+	return nil
+}
+
 type isExecuteResponse_Event interface {
 	isExecuteResponse_Event()
 }
@@ -202,9 +212,16 @@ type ExecuteResponse_Result struct {
 	Result *ExecuteResult `protobuf:"bytes,2,opt,name=result,proto3,oneof"`
 }
 
+type ExecuteResponse_NodeEvent struct {
+	// Something that happened inside the tool's node or a node beneath it.
+	NodeEvent *v1.NodeEvent `protobuf:"bytes,3,opt,name=node_event,json=nodeEvent,proto3,oneof"`
+}
+
 func (*ExecuteResponse_Node) isExecuteResponse_Event() {}
 
 func (*ExecuteResponse_Result) isExecuteResponse_Event() {}
+
+func (*ExecuteResponse_NodeEvent) isExecuteResponse_Event() {}
 
 var File_curfew_toolrunner_v1_toolrunner_proto protoreflect.FileDescriptor
 
@@ -216,10 +233,12 @@ const file_curfew_toolrunner_v1_toolrunner_proto_rawDesc = "" +
 	"\targs_json\x18\x02 \x01(\tR\bargsJson\"0\n" +
 	"\rExecuteResult\x12\x1f\n" +
 	"\voutput_json\x18\x01 \x01(\tR\n" +
-	"outputJson\"\x85\x01\n" +
+	"outputJson\"\xc1\x01\n" +
 	"\x0fExecuteResponse\x12*\n" +
 	"\x04node\x18\x01 \x01(\v2\x14.curfew.mesh.v1.NodeH\x00R\x04node\x12=\n" +
-	"\x06result\x18\x02 \x01(\v2#.curfew.toolrunner.v1.ExecuteResultH\x00R\x06resultB\a\n" +
+	"\x06result\x18\x02 \x01(\v2#.curfew.toolrunner.v1.ExecuteResultH\x00R\x06result\x12:\n" +
+	"\n" +
+	"node_event\x18\x03 \x01(\v2\x19.curfew.mesh.v1.NodeEventH\x00R\tnodeEventB\a\n" +
 	"\x05event2m\n" +
 	"\x11ToolRunnerService\x12X\n" +
 	"\aExecute\x12$.curfew.toolrunner.v1.ExecuteRequest\x1a%.curfew.toolrunner.v1.ExecuteResponse0\x01B\xe2\x01\n" +
@@ -243,17 +262,19 @@ var file_curfew_toolrunner_v1_toolrunner_proto_goTypes = []any{
 	(*ExecuteResult)(nil),   // 1: curfew.toolrunner.v1.ExecuteResult
 	(*ExecuteResponse)(nil), // 2: curfew.toolrunner.v1.ExecuteResponse
 	(*v1.Node)(nil),         // 3: curfew.mesh.v1.Node
+	(*v1.NodeEvent)(nil),    // 4: curfew.mesh.v1.NodeEvent
 }
 var file_curfew_toolrunner_v1_toolrunner_proto_depIdxs = []int32{
 	3, // 0: curfew.toolrunner.v1.ExecuteResponse.node:type_name -> curfew.mesh.v1.Node
 	1, // 1: curfew.toolrunner.v1.ExecuteResponse.result:type_name -> curfew.toolrunner.v1.ExecuteResult
-	0, // 2: curfew.toolrunner.v1.ToolRunnerService.Execute:input_type -> curfew.toolrunner.v1.ExecuteRequest
-	2, // 3: curfew.toolrunner.v1.ToolRunnerService.Execute:output_type -> curfew.toolrunner.v1.ExecuteResponse
-	3, // [3:4] is the sub-list for method output_type
-	2, // [2:3] is the sub-list for method input_type
-	2, // [2:2] is the sub-list for extension type_name
-	2, // [2:2] is the sub-list for extension extendee
-	0, // [0:2] is the sub-list for field type_name
+	4, // 2: curfew.toolrunner.v1.ExecuteResponse.node_event:type_name -> curfew.mesh.v1.NodeEvent
+	0, // 3: curfew.toolrunner.v1.ToolRunnerService.Execute:input_type -> curfew.toolrunner.v1.ExecuteRequest
+	2, // 4: curfew.toolrunner.v1.ToolRunnerService.Execute:output_type -> curfew.toolrunner.v1.ExecuteResponse
+	4, // [4:5] is the sub-list for method output_type
+	3, // [3:4] is the sub-list for method input_type
+	3, // [3:3] is the sub-list for extension type_name
+	3, // [3:3] is the sub-list for extension extendee
+	0, // [0:3] is the sub-list for field type_name
 }
 
 func init() { file_curfew_toolrunner_v1_toolrunner_proto_init() }
@@ -264,6 +285,7 @@ func file_curfew_toolrunner_v1_toolrunner_proto_init() {
 	file_curfew_toolrunner_v1_toolrunner_proto_msgTypes[2].OneofWrappers = []any{
 		(*ExecuteResponse_Node)(nil),
 		(*ExecuteResponse_Result)(nil),
+		(*ExecuteResponse_NodeEvent)(nil),
 	}
 	type x struct{}
 	out := protoimpl.TypeBuilder{

@@ -4,7 +4,7 @@
 
 import type { GenFile, GenMessage, GenService } from "@bufbuild/protobuf/codegenv2";
 import { fileDesc, messageDesc, serviceDesc } from "@bufbuild/protobuf/codegenv2";
-import type { Node } from "../../mesh/v1/mesh_pb.js";
+import type { Node, NodeEvent } from "../../mesh/v1/mesh_pb.js";
 import { file_curfew_mesh_v1_mesh } from "../../mesh/v1/mesh_pb.js";
 import type { Message } from "@bufbuild/protobuf";
 
@@ -12,7 +12,7 @@ import type { Message } from "@bufbuild/protobuf";
  * Describes the file curfew/subagent/v1/subagent.proto.
  */
 export const file_curfew_subagent_v1_subagent: GenFile = /*@__PURE__*/
-  fileDesc("CiFjdXJmZXcvc3ViYWdlbnQvdjEvc3ViYWdlbnQucHJvdG8SEmN1cmZldy5zdWJhZ2VudC52MSIrCgxTcGF3blJlcXVlc3QSDAoEdGFzaxgBIAEoCRINCgVtb2RlbBgCIAEoCSIdCgtTcGF3blJlc3VsdBIOCgZhbnN3ZXIYASABKAkicQoNU3Bhd25SZXNwb25zZRIkCgRub2RlGAEgASgLMhQuY3VyZmV3Lm1lc2gudjEuTm9kZUgAEjEKBnJlc3VsdBgCIAEoCzIfLmN1cmZldy5zdWJhZ2VudC52MS5TcGF3blJlc3VsdEgAQgcKBWV2ZW50MmEKD1N1YmFnZW50U2VydmljZRJOCgVTcGF3bhIgLmN1cmZldy5zdWJhZ2VudC52MS5TcGF3blJlcXVlc3QaIS5jdXJmZXcuc3ViYWdlbnQudjEuU3Bhd25SZXNwb25zZTABQtIBChZjb20uY3VyZmV3LnN1YmFnZW50LnYxQg1TdWJhZ2VudFByb3RvUAFaP2dpdGh1Yi5jb20vY3VyZmV3LW1lc2gvY3VyZmV3L2dlbi9jdXJmZXcvc3ViYWdlbnQvdjE7c3ViYWdlbnR2MaICA0NTWKoCEkN1cmZldy5TdWJhZ2VudC5WMcoCEkN1cmZld1xTdWJhZ2VudFxWMeICHkN1cmZld1xTdWJhZ2VudFxWMVxHUEJNZXRhZGF0YeoCFEN1cmZldzo6U3ViYWdlbnQ6OlYxYgZwcm90bzM", [file_curfew_mesh_v1_mesh]);
+  fileDesc("CiFjdXJmZXcvc3ViYWdlbnQvdjEvc3ViYWdlbnQucHJvdG8SEmN1cmZldy5zdWJhZ2VudC52MSIrCgxTcGF3blJlcXVlc3QSDAoEdGFzaxgBIAEoCRINCgVtb2RlbBgCIAEoCSIdCgtTcGF3blJlc3VsdBIOCgZhbnN3ZXIYASABKAkiogEKDVNwYXduUmVzcG9uc2USJAoEbm9kZRgBIAEoCzIULmN1cmZldy5tZXNoLnYxLk5vZGVIABIxCgZyZXN1bHQYAiABKAsyHy5jdXJmZXcuc3ViYWdlbnQudjEuU3Bhd25SZXN1bHRIABIvCgpub2RlX2V2ZW50GAMgASgLMhkuY3VyZmV3Lm1lc2gudjEuTm9kZUV2ZW50SABCBwoFZXZlbnQyYQoPU3ViYWdlbnRTZXJ2aWNlEk4KBVNwYXduEiAuY3VyZmV3LnN1YmFnZW50LnYxLlNwYXduUmVxdWVzdBohLmN1cmZldy5zdWJhZ2VudC52MS5TcGF3blJlc3BvbnNlMAFC0gEKFmNvbS5jdXJmZXcuc3ViYWdlbnQudjFCDVN1YmFnZW50UHJvdG9QAVo/Z2l0aHViLmNvbS9jdXJmZXctbWVzaC9jdXJmZXcvZ2VuL2N1cmZldy9zdWJhZ2VudC92MTtzdWJhZ2VudHYxogIDQ1NYqgISQ3VyZmV3LlN1YmFnZW50LlYxygISQ3VyZmV3XFN1YmFnZW50XFYx4gIeQ3VyZmV3XFN1YmFnZW50XFYxXEdQQk1ldGFkYXRh6gIUQ3VyZmV3OjpTdWJhZ2VudDo6VjFiBnByb3RvMw", [file_curfew_mesh_v1_mesh]);
 
 /**
  * SpawnRequest runs a nested agent loop under the caller's deadline and node path.
@@ -82,6 +82,14 @@ export type SpawnResponse = Message<"curfew.subagent.v1.SpawnResponse"> & {
      */
     value: SpawnResult;
     case: "result";
+  } | {
+    /**
+     * Something that happened inside a node of the nested loop.
+     *
+     * @generated from field: curfew.mesh.v1.NodeEvent node_event = 3;
+     */
+    value: NodeEvent;
+    case: "nodeEvent";
   } | { case: undefined; value?: undefined };
 };
 

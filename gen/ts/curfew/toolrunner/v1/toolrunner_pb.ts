@@ -4,7 +4,7 @@
 
 import type { GenFile, GenMessage, GenService } from "@bufbuild/protobuf/codegenv2";
 import { fileDesc, messageDesc, serviceDesc } from "@bufbuild/protobuf/codegenv2";
-import type { Node } from "../../mesh/v1/mesh_pb.js";
+import type { Node, NodeEvent } from "../../mesh/v1/mesh_pb.js";
 import { file_curfew_mesh_v1_mesh } from "../../mesh/v1/mesh_pb.js";
 import type { Message } from "@bufbuild/protobuf";
 
@@ -12,7 +12,7 @@ import type { Message } from "@bufbuild/protobuf";
  * Describes the file curfew/toolrunner/v1/toolrunner.proto.
  */
 export const file_curfew_toolrunner_v1_toolrunner: GenFile = /*@__PURE__*/
-  fileDesc("CiVjdXJmZXcvdG9vbHJ1bm5lci92MS90b29scnVubmVyLnByb3RvEhRjdXJmZXcudG9vbHJ1bm5lci52MSIxCg5FeGVjdXRlUmVxdWVzdBIMCgRuYW1lGAEgASgJEhEKCWFyZ3NfanNvbhgCIAEoCSIkCg1FeGVjdXRlUmVzdWx0EhMKC291dHB1dF9qc29uGAEgASgJIncKD0V4ZWN1dGVSZXNwb25zZRIkCgRub2RlGAEgASgLMhQuY3VyZmV3Lm1lc2gudjEuTm9kZUgAEjUKBnJlc3VsdBgCIAEoCzIjLmN1cmZldy50b29scnVubmVyLnYxLkV4ZWN1dGVSZXN1bHRIAEIHCgVldmVudDJtChFUb29sUnVubmVyU2VydmljZRJYCgdFeGVjdXRlEiQuY3VyZmV3LnRvb2xydW5uZXIudjEuRXhlY3V0ZVJlcXVlc3QaJS5jdXJmZXcudG9vbHJ1bm5lci52MS5FeGVjdXRlUmVzcG9uc2UwAULiAQoYY29tLmN1cmZldy50b29scnVubmVyLnYxQg9Ub29scnVubmVyUHJvdG9QAVpDZ2l0aHViLmNvbS9jdXJmZXctbWVzaC9jdXJmZXcvZ2VuL2N1cmZldy90b29scnVubmVyL3YxO3Rvb2xydW5uZXJ2MaICA0NUWKoCFEN1cmZldy5Ub29scnVubmVyLlYxygIUQ3VyZmV3XFRvb2xydW5uZXJcVjHiAiBDdXJmZXdcVG9vbHJ1bm5lclxWMVxHUEJNZXRhZGF0YeoCFkN1cmZldzo6VG9vbHJ1bm5lcjo6VjFiBnByb3RvMw", [file_curfew_mesh_v1_mesh]);
+  fileDesc("CiVjdXJmZXcvdG9vbHJ1bm5lci92MS90b29scnVubmVyLnByb3RvEhRjdXJmZXcudG9vbHJ1bm5lci52MSIxCg5FeGVjdXRlUmVxdWVzdBIMCgRuYW1lGAEgASgJEhEKCWFyZ3NfanNvbhgCIAEoCSIkCg1FeGVjdXRlUmVzdWx0EhMKC291dHB1dF9qc29uGAEgASgJIqgBCg9FeGVjdXRlUmVzcG9uc2USJAoEbm9kZRgBIAEoCzIULmN1cmZldy5tZXNoLnYxLk5vZGVIABI1CgZyZXN1bHQYAiABKAsyIy5jdXJmZXcudG9vbHJ1bm5lci52MS5FeGVjdXRlUmVzdWx0SAASLwoKbm9kZV9ldmVudBgDIAEoCzIZLmN1cmZldy5tZXNoLnYxLk5vZGVFdmVudEgAQgcKBWV2ZW50Mm0KEVRvb2xSdW5uZXJTZXJ2aWNlElgKB0V4ZWN1dGUSJC5jdXJmZXcudG9vbHJ1bm5lci52MS5FeGVjdXRlUmVxdWVzdBolLmN1cmZldy50b29scnVubmVyLnYxLkV4ZWN1dGVSZXNwb25zZTABQuIBChhjb20uY3VyZmV3LnRvb2xydW5uZXIudjFCD1Rvb2xydW5uZXJQcm90b1ABWkNnaXRodWIuY29tL2N1cmZldy1tZXNoL2N1cmZldy9nZW4vY3VyZmV3L3Rvb2xydW5uZXIvdjE7dG9vbHJ1bm5lcnYxogIDQ1RYqgIUQ3VyZmV3LlRvb2xydW5uZXIuVjHKAhRDdXJmZXdcVG9vbHJ1bm5lclxWMeICIEN1cmZld1xUb29scnVubmVyXFYxXEdQQk1ldGFkYXRh6gIWQ3VyZmV3OjpUb29scnVubmVyOjpWMWIGcHJvdG8z", [file_curfew_mesh_v1_mesh]);
 
 /**
  * ExecuteRequest runs one tool. The node id, run id and deadline travel in metadata.
@@ -83,6 +83,14 @@ export type ExecuteResponse = Message<"curfew.toolrunner.v1.ExecuteResponse"> & 
      */
     value: ExecuteResult;
     case: "result";
+  } | {
+    /**
+     * Something that happened inside the tool's node or a node beneath it.
+     *
+     * @generated from field: curfew.mesh.v1.NodeEvent node_event = 3;
+     */
+    value: NodeEvent;
+    case: "nodeEvent";
   } | { case: undefined; value?: undefined };
 };
 
