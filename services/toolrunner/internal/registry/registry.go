@@ -401,7 +401,9 @@ func first[T any](a, b *T) *T {
 	return b
 }
 
-func (e *entry) allows(tenant string) bool { return e.policy.tenants == nil || e.policy.tenants[tenant] }
+func (e *entry) allows(tenant string) bool {
+	return e.policy.tenants == nil || e.policy.tenants[tenant]
+}
 
 // Tool describes a tool the registry lists.
 type Tool struct {
