@@ -32,6 +32,7 @@ import (
 	"github.com/curfew-mesh/curfew/mesh/plan"
 	"github.com/curfew-mesh/curfew/mesh/retry"
 	"github.com/curfew-mesh/curfew/mesh/store"
+	"github.com/curfew-mesh/curfew/services/toolrunner/internal/registry"
 )
 
 // Defaults of Config's zero fields.
@@ -65,6 +66,9 @@ type Config struct {
 	Store    Store
 	Owner    string
 	LeaseTTL time.Duration
+	// Tools, if set, runs the tools of the registry's sources: any name not a built-in's
+	// goes to it (see registry.go). Without it such a name is NOT_FOUND.
+	Tools *registry.Registry
 }
 
 // Store is what the server needs of a store: the tool records, and whether other
@@ -137,7 +141,12 @@ func (s *Server) Execute(req *toolrunnerv1.ExecuteRequest, stream toolrunnerv1.T
 		defer send.Unlock()
 		_ = stream.Send(&toolrunnerv1.ExecuteResponse{Event: &toolrunnerv1.ExecuteResponse_Node{Node: n}})
 	}
-	exec, err := s.prepare(ctx, req, emit)
+	event := func(ev *meshv1.NodeEvent) {
+		send.Lock()
+		defer send.Unlock()
+		_ = stream.Send(&toolrunnerv1.ExecuteResponse{Event: &toolrunnerv1.ExecuteResponse_NodeEvent{NodeEvent: ev}})
+	}
+	exec, err := s.prepare(ctx, req, emit, event)
 	if err != nil {
 		return err
 	}
@@ -208,11 +217,13 @@ type execFunc func(ctx context.Context) (out string, cleanup *meshv1.Cleanup, er
 
 // prepare validates the call (with the same rules as a plan's tool calls) and returns the
 // function that runs it.
-func (s *Server) prepare(ctx context.Context, req *toolrunnerv1.ExecuteRequest, emit func(*meshv1.Node)) (execFunc, error) {
+func (s *Server) prepare(ctx context.Context, req *toolrunnerv1.ExecuteRequest, emit func(*meshv1.Node), event func(*meshv1.NodeEvent)) (execFunc, error) {
 	name, raw := req.GetName(), []byte(req.GetArgsJson())
 	switch {
 	case name == "":
 		return nil, status.Error(codes.InvalidArgument, "tool name is required")
+	case !catalog.IsBuiltin(name) && s.cfg.Tools != nil:
+		return s.prepareRegistry(ctx, name, raw, event)
 	case !catalog.IsBuiltin(name):
 		return nil, status.Errorf(codes.NotFound, "unknown tool %q (built-ins: deploy, fail, kv_put, notify, sleep, spawn_subagent)", name)
 	}
