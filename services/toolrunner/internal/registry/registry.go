@@ -31,6 +31,10 @@ const (
 	DefaultOpenTimeout = 30 * time.Second
 )
 
+// ReopenAfter is how many listings in a row must fail before a source is closed and
+// opened again.
+const ReopenAfter = 3
+
 // DefaultRelist is the backoff between attempts to open or list a down source: full
 // jitter, up to 200ms·2^(n−1) before attempt n+1, at most 30s.
 var DefaultRelist = retry.Policy{Base: 200 * time.Millisecond, Cap: 30 * time.Second}
@@ -249,6 +253,13 @@ func (r *Registry) discover(ctx context.Context, s *src) {
 			var wait time.Duration
 			if oe, ok := breaker.Open(err); ok {
 				wait = oe.RetryAfter // the breaker says when it lets a probe through
+			} else if failures+1 >= ReopenAfter {
+				// A source that keeps failing to list (its process exited, its session
+				// expired) is closed and opened afresh.
+				_ = cur.Close()
+				s.mu.Lock()
+				s.s = nil
+				s.mu.Unlock()
 			}
 			if !fail(err, wait) {
 				return

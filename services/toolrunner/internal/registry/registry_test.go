@@ -578,3 +578,65 @@ func (s *syncBuffer) String() string {
 	defer s.mu.Unlock()
 	return s.b.String()
 }
+
+// The source's late messages are counted per source; every source is exported at 0.
+func TestLateMessagesMetric(t *testing.T) {
+	reg := prometheus.NewRegistry()
+	cfg, err := Parse([]byte(`{"sources": [`+grpcSource("a", "")+`,`+grpcSource("b", "")+`]}`), lookupEnv, lookPath)
+	if err != nil {
+		t.Fatal(err)
+	}
+	hooks := make(chan Hooks, 2)
+	opener := func(_ context.Context, sc SourceConfig, h Hooks) (source.Source, error) {
+		if sc.Name == "a" {
+			hooks <- h
+		}
+		return &fake{}, nil
+	}
+	r, err := New(cfg, Options{Openers: map[string]Opener{KindGRPC: opener}, Registerer: reg, Logger: quiet()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer r.Close()
+	h := <-hooks
+	h.Late()
+	h.Late()
+	if v := metric(t, reg, "curfew_tool_late_messages_total", map[string]string{"source": "a"}); v != 2 {
+		t.Errorf("late{a} = %v, want 2", v)
+	}
+	if v := metric(t, reg, "curfew_tool_late_messages_total", map[string]string{"source": "b"}); v != 0 {
+		t.Errorf("late{b} = %v, want 0", v)
+	}
+}
+
+// A source whose listings keep failing is closed and opened again.
+func TestReopenAfterFailedListings(t *testing.T) {
+	f := &fake{listErr: errors.New("session expired")}
+	opens := make(chan struct{}, 100)
+	cfg, err := Parse([]byte(`{"sources": [`+grpcSource("s", "")+`]}`), lookupEnv, lookPath)
+	if err != nil {
+		t.Fatal(err)
+	}
+	opener := func(context.Context, SourceConfig, Hooks) (source.Source, error) {
+		opens <- struct{}{}
+		return f, nil
+	}
+	r, err := New(cfg, Options{Openers: map[string]Opener{KindGRPC: opener}, Logger: quiet(), Breaker: breaker.Config{Off: true},
+		Relist: retry.Policy{Base: time.Millisecond, Cap: 2 * time.Millisecond}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer r.Close()
+	<-opens
+	select {
+	case <-opens:
+	case <-time.After(5 * time.Second):
+		t.Fatal("not reopened")
+	}
+	f.mu.Lock()
+	lists, closed := f.lists, f.closed
+	f.mu.Unlock()
+	if lists < ReopenAfter || !closed {
+		t.Errorf("reopened after %d listings (closed %v), want at least %d and the old one closed", lists, closed, ReopenAfter)
+	}
+}
