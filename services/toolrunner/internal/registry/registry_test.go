@@ -597,7 +597,7 @@ func TestLateMessagesMetric(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer r.Close()
+	defer func() { _ = r.Close() }()
 	h := <-hooks
 	h.Late()
 	h.Late()
@@ -626,7 +626,7 @@ func TestReopenAfterFailedListings(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer r.Close()
+	defer func() { _ = r.Close() }()
 	<-opens
 	select {
 	case <-opens:
