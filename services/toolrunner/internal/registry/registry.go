@@ -535,8 +535,11 @@ func (p *Prepared) Run(ctx context.Context, meta source.Meta, progress func(*mes
 	}
 	defer release()
 	e.src.mu.Lock()
-	cur := e.src.s
+	cur, down := e.src.s, e.src.down
 	e.src.mu.Unlock()
+	if cur == nil { // closed to be opened again since Prepare
+		return source.Result{}, status.Errorf(codes.Unavailable, "tool %s: source %s is down: %s", e.name, e.src.cfg.Name, reason(down))
+	}
 	first := max(meta.Attempt, 1)
 	for n := 1; ; n++ {
 		meta.Attempt = first + n - 1
