@@ -497,6 +497,9 @@ func (r *Registry) Prepare(tenant, name string, args []byte) (*Prepared, error) 
 
 // reason is why a source is down: a status's message, or the error.
 func reason(err error) string {
+	if err == nil {
+		return "being opened again"
+	}
 	if st, ok := status.FromError(err); ok {
 		return st.Message()
 	}
