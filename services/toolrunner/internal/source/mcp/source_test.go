@@ -369,3 +369,57 @@ func TestOpenConfigurationErrors(t *testing.T) {
 		t.Fatalf("ftp URL: %v, want an error about the url", err)
 	}
 }
+
+// TestHTTPServerRestarted: a server that goes away fails the call in flight UNAVAILABLE;
+// when it is back (a new process, which knows nothing of the old session) the source
+// opens a new session and calls succeed again.
+func TestHTTPServerRestarted(t *testing.T) {
+	addr := freeAddr(t)
+	record := t.TempDir() + "/record.jsonl"
+	server := startHTTPServer(t, addr, record)
+	s, err := OpenHTTP(t.Context(), HTTPConfig{Name: "restarts", URL: "http://" + addr + "/"}, testOptions(t, &lateCounter{}))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer s.Close()
+	started := make(chan struct{})
+	var once sync.Once
+	done := make(chan error, 1)
+	go func() {
+		_, err := s.Call(t.Context(), source.Call{Tool: "wait", Args: json.RawMessage(`{"ms":60000,"progress_ms":50}`), Meta: testMeta()},
+			func(*meshv1.Progress) { once.Do(func() { close(started) }) })
+		done <- err
+	}()
+	select {
+	case <-started:
+	case <-time.After(10 * time.Second):
+		t.Fatal("wait did not start within 10s")
+	}
+	if err := server.Process.Kill(); err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case err := <-done:
+		if status.Code(err) != codes.Unavailable {
+			t.Fatalf("call in flight: %v, want UNAVAILABLE", err)
+		}
+		t.Logf("call in flight: %v", err)
+	case <-time.After(10 * time.Second):
+		t.Fatal("the call in flight did not fail within 10s of the kill")
+	}
+	startHTTPServer(t, addr, record)
+	deadline := time.Now().Add(30 * time.Second)
+	for {
+		_, err := s.Call(t.Context(), source.Call{Tool: "echo", Args: json.RawMessage(`{"text":"back"}`), Meta: testMeta()}, noProgress)
+		if err == nil {
+			break
+		}
+		if status.Code(err) != codes.Unavailable {
+			t.Fatalf("echo while reconnecting: %v, want UNAVAILABLE until it works", err)
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("echo still failing 30s after the server restarted: %v", err)
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+}
