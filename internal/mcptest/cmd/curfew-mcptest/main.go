@@ -40,7 +40,7 @@ func run(addr, record string) error {
 	defer stop()
 	var rec *mcptest.Recorder
 	if record != "" {
-		f, err := os.OpenFile(record, os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o644)
+		f, err := os.OpenFile(record, os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o600) //nolint:gosec // --record names the file
 		if err != nil {
 			return fmt.Errorf("--record: %w", err)
 		}
@@ -55,7 +55,7 @@ func run(addr, record string) error {
 		}
 		return err
 	}
-	ln, err := net.Listen("tcp", addr)
+	ln, err := new(net.ListenConfig).Listen(ctx, "tcp", addr)
 	if err != nil {
 		return fmt.Errorf("--http: %w", err)
 	}

@@ -39,7 +39,7 @@ func TestEverythingServer(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer s.Close()
+	defer func() { _ = s.Close() }()
 
 	tools, err := s.List(t.Context())
 	if err != nil {

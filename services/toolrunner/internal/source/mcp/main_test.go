@@ -57,7 +57,7 @@ func testServer(t *testing.T) string {
 		cmd := exec.Command("go", "build", "-o", bin, "./internal/mcptest/cmd/curfew-mcptest")
 		cmd.Dir = repo
 		if out, err := cmd.CombinedOutput(); err != nil {
-			buildErr = fmt.Errorf("building curfew-mcptest: %v\n%s", err, out)
+			buildErr = fmt.Errorf("building curfew-mcptest: %w\n%s", err, out)
 		}
 	})
 	if buildErr != nil {
@@ -71,8 +71,8 @@ func testOptions(t *testing.T, late *lateCounter) Options {
 	return Options{
 		MaxMessageBytes:   64 << 10,
 		Late:              late.inc,
-		RestartBackoffMin: 50 * time.Millisecond,
-		RestartBackoffMax: 500 * time.Millisecond,
+		MinRestartBackoff: 50 * time.Millisecond,
+		MaxRestartBackoff: 500 * time.Millisecond,
 		Logger:            testLogger(t),
 	}
 }

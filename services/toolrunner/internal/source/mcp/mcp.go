@@ -25,10 +25,10 @@ import (
 // DefaultMaxMessageBytes is Options.MaxMessageBytes when it is zero: 4 MiB.
 const DefaultMaxMessageBytes = 4 << 20
 
-// The defaults of Options.RestartBackoffMin and RestartBackoffMax.
+// The defaults of Options.MinRestartBackoff and Options.MaxRestartBackoff.
 const (
-	DefaultRestartBackoffMin = 200 * time.Millisecond
-	DefaultRestartBackoffMax = 30 * time.Second
+	DefaultMinRestartBackoff = 200 * time.Millisecond
+	DefaultMaxRestartBackoff = 30 * time.Second
 )
 
 // connectTimeout bounds one attempt to start a session (process start and MCP handshake,
@@ -46,12 +46,12 @@ type Options struct {
 	// Logger receives the source's reconnects and the stderr of a stdio server (at
 	// debug level); nil means slog.Default().
 	Logger *slog.Logger
-	// RestartBackoffMin and RestartBackoffMax bound the exponential backoff between
-	// attempts to reconnect (restart a stdio process); 0 means DefaultRestartBackoffMin
-	// and DefaultRestartBackoffMax. The backoff starts again from the minimum once a
-	// session has lasted RestartBackoffMax.
-	RestartBackoffMin time.Duration
-	RestartBackoffMax time.Duration
+	// MinRestartBackoff and MaxRestartBackoff bound the exponential backoff between
+	// attempts to reconnect (restart a stdio process); 0 means DefaultMinRestartBackoff
+	// and DefaultMaxRestartBackoff. The backoff starts again from the minimum once a
+	// session has lasted MaxRestartBackoff.
+	MinRestartBackoff time.Duration
+	MaxRestartBackoff time.Duration
 }
 
 func (o Options) withDefaults() Options {
@@ -61,13 +61,13 @@ func (o Options) withDefaults() Options {
 	if o.Logger == nil {
 		o.Logger = slog.Default()
 	}
-	if o.RestartBackoffMin <= 0 {
-		o.RestartBackoffMin = DefaultRestartBackoffMin
+	if o.MinRestartBackoff <= 0 {
+		o.MinRestartBackoff = DefaultMinRestartBackoff
 	}
-	if o.RestartBackoffMax <= 0 {
-		o.RestartBackoffMax = DefaultRestartBackoffMax
+	if o.MaxRestartBackoff <= 0 {
+		o.MaxRestartBackoff = DefaultMaxRestartBackoff
 	}
-	o.RestartBackoffMax = max(o.RestartBackoffMax, o.RestartBackoffMin)
+	o.MaxRestartBackoff = max(o.MaxRestartBackoff, o.MinRestartBackoff)
 	return o
 }
 
@@ -150,13 +150,13 @@ func (s *Source) start(ctx context.Context) {
 		s.opts.Logger.Warn("mcp source down", "source", s.name, "err", err)
 	}
 	s.wg.Add(1)
-	go s.supervise(sess)
+	go s.supervise(sess) //nolint:contextcheck // the supervisor outlives Open's ctx by design: it lives until Close
 }
 
 // supervise waits for the session to end and reconnects with backoff, until Close.
 func (s *Source) supervise(sess *session) {
 	defer s.wg.Done()
-	backoff := s.opts.RestartBackoffMin
+	backoff := s.opts.MinRestartBackoff
 	for {
 		if sess != nil {
 			began := time.Now()
@@ -167,18 +167,18 @@ func (s *Source) supervise(sess *session) {
 			}
 			s.setDown(sess, sess.err)
 			s.opts.Logger.Warn("mcp session ended", "source", s.name, "err", sess.err)
-			if time.Since(began) >= s.opts.RestartBackoffMax {
-				backoff = s.opts.RestartBackoffMin
+			if time.Since(began) >= s.opts.MaxRestartBackoff {
+				backoff = s.opts.MinRestartBackoff
 			}
 		}
 		// Full jitter on the upper half keeps restarts of many sources apart.
-		wait := backoff/2 + rand.N(backoff/2+1)
+		wait := backoff/2 + rand.N(backoff/2+1) //nolint:gosec // jitter, not secrets
 		select {
 		case <-time.After(wait):
 		case <-s.life.Done():
 			return
 		}
-		backoff = min(backoff*2, s.opts.RestartBackoffMax)
+		backoff = min(backoff*2, s.opts.MaxRestartBackoff)
 		ctx, cancel := context.WithTimeout(s.life, connectTimeout)
 		next, err := s.connect(ctx)
 		cancel()
@@ -416,7 +416,7 @@ func (s *Source) failure(ctx context.Context, sess *session, tooLarge *atomic.Bo
 	// (a process's exit status) says more than "connection closed".
 	select {
 	case <-sess.done:
-		err = fmt.Errorf("%w (%v)", err, sess.err)
+		err = fmt.Errorf("%w (%w)", err, sess.err)
 	case <-time.After(200 * time.Millisecond):
 	case <-ctx.Done():
 	}

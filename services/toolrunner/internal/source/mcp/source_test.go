@@ -331,7 +331,7 @@ func TestHTTPServerDownAtOpen(t *testing.T) {
 	if err != nil {
 		t.Fatalf("Open with the server down: %v", err)
 	}
-	defer s.Close()
+	defer func() { _ = s.Close() }()
 	changed := s.Changed()
 	_, err = s.List(t.Context())
 	if status.Code(err) != codes.Unavailable || !strings.Contains(err.Error(), `"later"`) {
@@ -381,7 +381,7 @@ func TestHTTPServerRestarted(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer s.Close()
+	defer func() { _ = s.Close() }()
 	started := make(chan struct{})
 	var once sync.Once
 	done := make(chan error, 1)

@@ -91,11 +91,11 @@ func (s *Source) startProcess(ctx context.Context, cfg StdioConfig) (*session, e
 	}
 	outR, outW, err := os.Pipe()
 	if err != nil {
-		inR.Close()
-		inW.Close()
+		_ = inR.Close()
+		_ = inW.Close()
 		return nil, err
 	}
-	cmd := exec.Command(cfg.Command, cfg.Args...)
+	cmd := exec.Command(cfg.Command, cfg.Args...) //nolint:gosec,noctx // the operator configures the command; the session, not a ctx, decides when it stops
 	cmd.Env = cfg.Env
 	if cmd.Env == nil {
 		cmd.Env = []string{}
@@ -108,11 +108,11 @@ func (s *Source) startProcess(ctx context.Context, cfg StdioConfig) (*session, e
 	// Its own process group, so that stopping it stops what it started.
 	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
 	err = cmd.Start()
-	inR.Close()
-	outW.Close()
+	_ = inR.Close() // the child's ends; the child holds its own copies
+	_ = outW.Close()
 	if err != nil {
-		inW.Close()
-		outR.Close()
+		_ = inW.Close()
+		_ = outR.Close()
 		return nil, fmt.Errorf("starting %s: %w", cfg.Command, err)
 	}
 	waited := make(chan error, 1)
@@ -131,11 +131,11 @@ func (s *Source) startProcess(ctx context.Context, cfg StdioConfig) (*session, e
 	cs, err := s.client.Connect(ctx, transport, nil)
 	if err != nil {
 		kill(syscall.SIGKILL)
-		inW.Close()
-		outR.Close()
+		_ = inW.Close()
+		_ = outR.Close()
 		exit := <-waited
 		if ctx.Err() == nil && exit != nil {
-			return nil, fmt.Errorf("MCP handshake: %w (process %v%s)", err, exit, stderr.tail())
+			return nil, fmt.Errorf("MCP handshake: %w (process %w%s)", err, exit, stderr.tail())
 		}
 		return nil, fmt.Errorf("MCP handshake: %w%s", err, stderr.tail())
 	}
