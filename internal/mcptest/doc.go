@@ -14,6 +14,8 @@
 //     {"key", "calls", "effects"}: how often the key was seen and how many effects it
 //     caused (always 1) as structured content.
 //   - big (bytes): returns a text block of that many bytes.
+//   - add_tool (name): adds a tool of that name that works like echo, so that the server
+//     sends notifications/tools/list_changed.
 //
 // Every call's _meta is checked for curfew's keys (source.MetaPrefix): deadline and
 // timeout_ms integers, the ids strings. A malformed _meta fails the call (isError) and

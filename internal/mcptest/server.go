@@ -120,6 +120,14 @@ func NewServer(rec *Recorder) *mcp.Server {
 		map[string]any{"ms": num, "progress_ms": num}, t.stubborn)
 	add("effect", "Does its effect once per idempotency key; returns the key's counts.", map[string]any{}, t.effect)
 	add("big", "Returns bytes bytes of text.", map[string]any{"bytes": num}, t.big)
+	add("add_tool", "Adds a tool named name that echoes like echo; the server then says its list changed.",
+		map[string]any{"name": map[string]any{"type": "string"}}, func(_ context.Context, c *call) (*mcp.CallToolResult, error) {
+			if c.args.Name == "" {
+				return errorResult("add_tool needs a name"), nil
+			}
+			add(c.args.Name, "Added by add_tool; returns its text.", map[string]any{"text": map[string]any{"type": "string"}}, t.echo)
+			return textResult("added " + c.args.Name), nil
+		})
 	return s
 }
 
@@ -137,6 +145,7 @@ type call struct {
 		MS         int64  `json:"ms"`
 		ProgressMS int64  `json:"progress_ms"`
 		Bytes      int    `json:"bytes"`
+		Name       string `json:"name"`
 	}
 	meta     Meta
 	progress int

@@ -51,7 +51,7 @@ func TestListAndEcho(t *testing.T) {
 				names = append(names, tool.Name)
 			}
 			slices.Sort(names)
-			if want := []string{"big", "echo", "effect", "stubborn", "wait"}; !slices.Equal(names, want) {
+			if want := []string{"add_tool", "big", "echo", "effect", "stubborn", "wait"}; !slices.Equal(names, want) {
 				t.Fatalf("tools %v, want %v", names, want)
 			}
 			echo := tools[slices.IndexFunc(tools, func(t source.Tool) bool { return t.Name == "echo" })]
@@ -421,5 +421,34 @@ func TestHTTPServerRestarted(t *testing.T) {
 			t.Fatalf("echo still failing 30s after the server restarted: %v", err)
 		}
 		time.Sleep(100 * time.Millisecond)
+	}
+}
+
+// TestListChanged: a server that adds a tool says so, Changed is closed, and List has it.
+func TestListChanged(t *testing.T) {
+	for _, tr := range transports {
+		t.Run(tr.name, func(t *testing.T) {
+			s, _ := tr.open(t, &lateCounter{})
+			changed := s.Changed()
+			res, err := s.Call(t.Context(), source.Call{Tool: "add_tool", Args: json.RawMessage(`{"name":"echo2"}`), Meta: testMeta()}, noProgress)
+			if err != nil || res.IsError {
+				t.Fatalf("add_tool: %+v, %v", res, err)
+			}
+			select {
+			case <-changed:
+			case <-time.After(10 * time.Second):
+				t.Fatal("Changed not closed within 10s of the server adding a tool")
+			}
+			if s.Changed() == changed {
+				t.Fatal("Changed returned the closed channel again")
+			}
+			tools, err := s.List(t.Context())
+			if err != nil {
+				t.Fatal(err)
+			}
+			if !slices.ContainsFunc(tools, func(t source.Tool) bool { return t.Name == "echo2" }) {
+				t.Fatalf("tools %v: want echo2 after the change", tools)
+			}
+		})
 	}
 }
