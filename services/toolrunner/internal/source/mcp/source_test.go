@@ -317,9 +317,18 @@ func TestStdioServerKilled(t *testing.T) {
 	if newPid == pid {
 		t.Fatalf("the process was not restarted (pid %d)", pid)
 	}
-	// The killed process was reaped.
+	// The killed process was reaped, and Close stops and reaps the new one.
 	if err := syscall.Kill(pid, 0); !errors.Is(err, syscall.ESRCH) {
 		t.Fatalf("kill -0 of the old pid %d: %v, want ESRCH (reaped)", pid, err)
+	}
+	if err := s.Close(); err != nil {
+		t.Fatal(err)
+	}
+	if err := syscall.Kill(newPid, 0); !errors.Is(err, syscall.ESRCH) {
+		t.Fatalf("kill -0 of pid %d after Close: %v, want ESRCH (stopped and reaped)", newPid, err)
+	}
+	if _, err := s.List(t.Context()); status.Code(err) != codes.Unavailable {
+		t.Fatalf("List after Close: %v, want UNAVAILABLE", err)
 	}
 }
 
