@@ -31,16 +31,14 @@ const (
 	DefaultOpenTimeout = 30 * time.Second
 )
 
-// ReopenAfter is how many listings in a row must fail before a source is closed and
-// opened again.
-const ReopenAfter = 3
-
 // DefaultRelist is the backoff between attempts to open or list a down source: full
 // jitter, up to 200ms·2^(n−1) before attempt n+1, at most 30s.
 var DefaultRelist = retry.Policy{Base: 200 * time.Millisecond, Cap: 30 * time.Second}
 
 // Opener opens a source of a kind. It returns once the source is usable or failed; the
-// registry calls it again, with backoff, after a failure.
+// registry calls it again, with backoff, after a failure. An opened source that goes
+// down (its List fails) is kept and listed again with backoff: reconnecting, restarting
+// a process, is the source's own business.
 type Opener func(ctx context.Context, sc SourceConfig, h Hooks) (source.Source, error)
 
 // Hooks are what the registry gives a source it opens.
@@ -253,13 +251,6 @@ func (r *Registry) discover(ctx context.Context, s *src) {
 			var wait time.Duration
 			if oe, ok := breaker.Open(err); ok {
 				wait = oe.RetryAfter // the breaker says when it lets a probe through
-			} else if failures+1 >= ReopenAfter {
-				// A source that keeps failing to list (its process exited, its session
-				// expired) is closed and opened afresh.
-				_ = cur.Close()
-				s.mu.Lock()
-				s.s = nil
-				s.mu.Unlock()
 			}
 			if !fail(err, wait) {
 				return
@@ -540,7 +531,7 @@ func (p *Prepared) Run(ctx context.Context, meta source.Meta, progress func(*mes
 	e.src.mu.Lock()
 	cur, down := e.src.s, e.src.down
 	e.src.mu.Unlock()
-	if cur == nil { // closed to be opened again since Prepare
+	if cur == nil { // not opened (cannot happen after Prepare found its tools)
 		return source.Result{}, status.Errorf(codes.Unavailable, "tool %s: source %s is down: %s", e.name, e.src.cfg.Name, reason(down))
 	}
 	first := max(meta.Attempt, 1)

@@ -608,35 +608,3 @@ func TestLateMessagesMetric(t *testing.T) {
 		t.Errorf("late{b} = %v, want 0", v)
 	}
 }
-
-// A source whose listings keep failing is closed and opened again.
-func TestReopenAfterFailedListings(t *testing.T) {
-	f := &fake{listErr: errors.New("session expired")}
-	opens := make(chan struct{}, 100)
-	cfg, err := Parse([]byte(`{"sources": [`+grpcSource("s", "")+`]}`), lookupEnv, lookPath)
-	if err != nil {
-		t.Fatal(err)
-	}
-	opener := func(context.Context, SourceConfig, Hooks) (source.Source, error) {
-		opens <- struct{}{}
-		return f, nil
-	}
-	r, err := New(cfg, Options{Openers: map[string]Opener{KindGRPC: opener}, Logger: quiet(), Breaker: breaker.Config{Off: true},
-		Relist: retry.Policy{Base: time.Millisecond, Cap: 2 * time.Millisecond}})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer func() { _ = r.Close() }()
-	<-opens
-	select {
-	case <-opens:
-	case <-time.After(5 * time.Second):
-		t.Fatal("not reopened")
-	}
-	f.mu.Lock()
-	lists, closed := f.lists, f.closed
-	f.mu.Unlock()
-	if lists < ReopenAfter || !closed {
-		t.Errorf("reopened after %d listings (closed %v), want at least %d and the old one closed", lists, closed, ReopenAfter)
-	}
-}
