@@ -287,7 +287,9 @@ func (s *Server) prepare(ctx context.Context, req *toolrunnerv1.ExecuteRequest, 
 		if depth > s.cfg.MaxSubagentDepth {
 			return nil, status.Errorf(codes.FailedPrecondition, "spawn_subagent: depth %d exceeds the limit %d", depth, s.cfg.MaxSubagentDepth)
 		}
-		return func(ctx context.Context) (string, *meshv1.Cleanup, error) { return s.spawn(ctx, string(a.Plan), emit, event) }, nil
+		return func(ctx context.Context) (string, *meshv1.Cleanup, error) {
+			return s.spawn(ctx, string(a.Plan), emit, event)
+		}, nil
 	}
 }
 
