@@ -2,11 +2,9 @@ package toolrunner
 
 import (
 	"context"
-	"sync"
 
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
-	"google.golang.org/protobuf/types/known/timestamppb"
 
 	meshv1 "github.com/curfew-mesh/curfew/gen/curfew/mesh/v1"
 	"github.com/curfew-mesh/curfew/mesh/md"
@@ -32,19 +30,11 @@ func (s *Server) prepareRegistry(ctx context.Context, name string, raw []byte, e
 		if dl, ok := ctx.Deadline(); ok {
 			meta.Deadline = dl
 		}
-		var mu sync.Mutex
-		ended := false
-		progress := func(pr *meshv1.Progress) {
-			mu.Lock()
-			defer mu.Unlock()
-			if !ended {
-				event(&meshv1.NodeEvent{NodeId: id.NodeID, At: timestamppb.Now(), Kind: &meshv1.NodeEvent_Progress{Progress: pr}})
-			}
-		}
-		res, err := p.Run(ctx, meta, progress)
-		mu.Lock()
-		ended = true
-		mu.Unlock()
+		// (event drops what comes after the node ended; the source drops what comes after
+		// Call returned.)
+		res, err := p.Run(ctx, meta, func(pr *meshv1.Progress) {
+			event(&meshv1.NodeEvent{Kind: &meshv1.NodeEvent_Progress{Progress: pr}})
+		})
 		switch {
 		case err != nil:
 			return "", nil, err
