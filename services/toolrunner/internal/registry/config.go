@@ -229,6 +229,11 @@ func parseSource(raw []byte, path string, lookupEnv func(string) (string, bool),
 		if err == nil {
 			err = checkCommand(j.Command, path, lookPath)
 		}
+		if err == nil && j.Dir != "" {
+			if fi, serr := os.Stat(j.Dir); serr != nil || !fi.IsDir() {
+				err = fmt.Errorf("%s.dir: %q is not a directory", path, j.Dir)
+			}
+		}
 	case KindMCPHTTP:
 		err = errors.Join(unused("command", j.Command != ""), unused("args", j.Args != nil), unused("env", j.Env != nil),
 			unused("dir", j.Dir != ""), unused("address", j.Address != ""))

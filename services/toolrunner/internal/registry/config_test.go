@@ -46,6 +46,7 @@ func TestParseRejects(t *testing.T) {
 		{"unknown kind", src(`{"name": "a", "kind": "mcp_sse"}`), []string{"sources[0].kind", `unknown kind "mcp_sse"`}},
 		{"missing command", src(`{"name": "a", "kind": "mcp_stdio"}`), []string{"sources[0].command", "is required"}},
 		{"command not found", src(`{"name": "a", "kind": "mcp_stdio", "command": "no-such-mcp-server"}`), []string{"sources[0].command", `"no-such-mcp-server" is not an executable`}},
+		{"dir not a directory", stdio(`, "dir": "/nonexistent/dir"`), []string{"sources[0].dir", "not a directory"}},
 		{"url on stdio", stdio(`, "url": "https://x"`), []string{"sources[0].url", `not used by kind "mcp_stdio"`}},
 		{"missing url", src(`{"name": "a", "kind": "mcp_http"}`), []string{"sources[0].url", "is required"}},
 		{"bad url scheme", src(`{"name": "a", "kind": "mcp_http", "url": "ftp://x/mcp"}`), []string{"sources[0].url", "http:// or https://"}},
