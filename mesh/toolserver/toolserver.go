@@ -216,4 +216,3 @@ func isObject(b json.RawMessage) bool {
 	b = bytes.TrimSpace(b)
 	return len(b) > 0 && b[0] == '{' && json.Valid(b)
 }
-
