@@ -87,7 +87,9 @@ func TestList(t *testing.T) {
 		}
 		return "n"
 	}
-	hints := func(h source.Hints) string { return b(h.ReadOnly) + b(h.Destructive) + b(h.Idempotent) + b(h.OpenWorld) }
+	hints := func(h source.Hints) string {
+		return b(h.ReadOnly) + b(h.Destructive) + b(h.Idempotent) + b(h.OpenWorld)
+	}
 	for i, want := range []struct{ name, hints, schema string }{
 		{"echo", "yny-", `{"type":"object"}`},
 		{"write", "n-n-", ""},
@@ -105,7 +107,9 @@ func TestList(t *testing.T) {
 }
 
 // malformed is a ToolService whose list has tools the source must leave out.
-type malformed struct{ toolv1.UnimplementedToolServiceServer }
+type malformed struct {
+	toolv1.UnimplementedToolServiceServer
+}
 
 func (malformed) ListTools(context.Context, *toolv1.ListToolsRequest) (*toolv1.ListToolsResponse, error) {
 	return &toolv1.ListToolsResponse{Tools: []*toolv1.Tool{
