@@ -3,6 +3,7 @@ module github.com/curfew-mesh/curfew/services/toolrunner
 go 1.26.0
 
 require (
+	github.com/curfew-mesh/curfew v0.0.0
 	github.com/curfew-mesh/curfew/gen v0.0.0
 	github.com/curfew-mesh/curfew/mesh v0.0.0
 	github.com/google/uuid v1.6.0
@@ -50,7 +51,7 @@ require (
 	go.opentelemetry.io/proto/otlp v1.11.0 // indirect
 	golang.org/x/net v0.60.0 // indirect
 	golang.org/x/sync v0.24.0 // indirect
-	golang.org/x/sys v0.49.0 // indirect
+	golang.org/x/sys v0.50.0 // indirect
 	golang.org/x/text v0.42.0 // indirect
 	google.golang.org/genproto/googleapis/api v0.0.0-20260928230214-8a89bd6388cc // indirect
 	modernc.org/libc v1.80.1 // indirect
@@ -60,6 +61,7 @@ require (
 )
 
 replace (
+	github.com/curfew-mesh/curfew => ../..
 	github.com/curfew-mesh/curfew/gen => ../../gen
 	github.com/curfew-mesh/curfew/mesh => ../../mesh
 )
