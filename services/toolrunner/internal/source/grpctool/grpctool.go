@@ -90,7 +90,7 @@ func Open(_ context.Context, cfg Config, opts Options) (*Source, error) {
 	s := &Source{cfg: cfg, opts: opts, conn: conn, client: toolv1.NewToolServiceClient(conn),
 		changed: make(chan struct{}), stop: stop, done: make(chan struct{})}
 	conn.Connect()
-	go s.watch(ctx)
+	go s.watch(ctx) //nolint:contextcheck // the watch lives as long as the source, not Open's ctx; Close ends it
 	return s, nil
 }
 
