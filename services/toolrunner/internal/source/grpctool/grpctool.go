@@ -231,12 +231,15 @@ func (s *Source) Call(ctx context.Context, call source.Call, progress func(*mesh
 		if err != nil {
 			return source.Result{}, s.wrap(ctx, "CallTool "+call.Tool, err)
 		}
+		if ctx.Err() != nil {
+			// gRPC still hands over what it had buffered when ctx ended; the call is over.
+			if ev.GetProgress() != nil {
+				s.dropLate()
+			}
+			return source.Result{}, s.wrap(ctx, "CallTool "+call.Tool, status.FromContextError(ctx.Err()).Err())
+		}
 		switch e := ev.GetEvent().(type) {
 		case *toolv1.CallToolResponse_Progress:
-			if ctx.Err() != nil {
-				s.dropLate()
-				continue
-			}
 			progress(e.Progress)
 		case *toolv1.CallToolResponse_Result:
 			return s.result(call.Tool, e.Result)

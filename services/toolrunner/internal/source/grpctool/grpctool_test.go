@@ -8,6 +8,7 @@ import (
 	"net"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -315,4 +316,45 @@ func TestChangedOnReconnect(t *testing.T) {
 	case <-time.After(20 * time.Second):
 		t.Fatal("Changed not closed after the server restarted")
 	}
+}
+
+// After the call's context ends, no progress reaches the callback: events already on the
+// way are dropped and counted as late.
+func TestNoProgressAfterCancel(t *testing.T) {
+	release := make(chan struct{})
+	burst := toolserver.Tool{Name: "burst", Handler: func(ctx context.Context, _ toolserver.Call, progress func(float64, float64, string)) (json.RawMessage, error) {
+		for i := 1; i <= 200; i++ {
+			progress(float64(i), 200, "")
+		}
+		select {
+		case <-ctx.Done():
+		case <-release:
+		}
+		return json.RawMessage(`{}`), nil
+	}}
+	addr, _ := serveOn(t, "127.0.0.1:0", toolserver.New(burst))
+	defer close(release)
+	var lateHook atomic.Int64
+	src := open(t, addr, grpctool.Options{Late: func() { lateHook.Add(1) }})
+
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	var delivered, afterCancel int
+	_, err := src.Call(ctx, source.Call{Tool: "burst"}, func(*meshv1.Progress) {
+		delivered++
+		if ctx.Err() != nil {
+			afterCancel++
+		}
+		cancel()
+	})
+	if status.Code(err) != codes.Canceled {
+		t.Fatalf("Call = %v, want CANCELLED", err)
+	}
+	if delivered != 1 || afterCancel != 0 {
+		t.Fatalf("%d events delivered, %d after the cancel; want 1 and none", delivered, afterCancel)
+	}
+	if src.LateEvents() != lateHook.Load() {
+		t.Fatalf("LateEvents = %d, the Late hook counted %d", src.LateEvents(), lateHook.Load())
+	}
+	t.Logf("%d late events dropped", src.LateEvents())
 }
