@@ -17,7 +17,9 @@
 // A Handler runs under a context that carries the call's gRPC deadline (the run's, as
 // toolrunner sent it) and ends when the call does: when toolrunner cancels the node it
 // resets the stream (RST_STREAM), and the context is cancelled with the cause
-// [ErrCancelled]; when the deadline passes, with the cause [ErrDeadline].
+// [ErrCancelled] (wrapping the cause mesh's server chain gave, if any: a newer attempt of
+// the same retry-id supersedes this one); when the deadline passes, with the cause
+// [ErrDeadline].
 // context.Cause tells the two apart (both also match context.Canceled and
 // context.DeadlineExceeded respectively with errors.Is). A handler should return soon
 // after; whatever it returns then is not sent, as nobody is listening.

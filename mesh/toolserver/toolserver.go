@@ -181,7 +181,8 @@ func (s *Server) CallTool(req *toolv1.CallToolRequest, stream grpc.ServerStreami
 }
 
 // handlerContext returns the handler's context: the stream's values and deadline, ended
-// with ErrCancelled or ErrDeadline when the stream's context ends. done releases it.
+// with ErrCancelled (wrapping the stream's own cause when it has one) or ErrDeadline when
+// the stream's context ends. done releases it.
 func handlerContext(sctx context.Context) (context.Context, func()) {
 	ctx, cancel := context.WithCancelCause(context.WithoutCancel(sctx))
 	if dl, ok := sctx.Deadline(); ok {
@@ -191,11 +192,16 @@ func handlerContext(sctx context.Context) (context.Context, func()) {
 		cancel = func(err error) { prev(err); cancelDL() } // the cause first: it reaches ctx
 	}
 	stop := context.AfterFunc(sctx, func() {
-		if errors.Is(sctx.Err(), context.DeadlineExceeded) {
+		switch cause := context.Cause(sctx); {
+		case errors.Is(sctx.Err(), context.DeadlineExceeded):
 			cancel(ErrDeadline)
-			return
+		case cause != nil && cause != context.Canceled: //nolint:errorlint // the bare sentinel means no cause was given
+			// A cause the server's chain gave (mesh's retry-id layer: a newer attempt
+			// superseded this one) stays visible beside ErrCancelled.
+			cancel(fmt.Errorf("%w: %w", ErrCancelled, cause))
+		default:
+			cancel(ErrCancelled)
 		}
-		cancel(ErrCancelled)
 	})
 	return ctx, func() { stop(); cancel(context.Canceled) }
 }

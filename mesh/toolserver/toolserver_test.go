@@ -20,6 +20,7 @@ import (
 
 	toolv1 "github.com/curfew-mesh/curfew/gen/curfew/tool/v1"
 	"github.com/curfew-mesh/curfew/mesh"
+	meshcancel "github.com/curfew-mesh/curfew/mesh/cancel"
 	"github.com/curfew-mesh/curfew/mesh/md"
 	"github.com/curfew-mesh/curfew/mesh/toolserver"
 )
@@ -255,5 +256,35 @@ func TestNewPanicsOnMistakes(t *testing.T) {
 			}()
 			toolserver.New(tools...)
 		}()
+	}
+}
+
+// Under mesh's server chain, a newer attempt of the same retry-id supersedes the running
+// one: its handler's cause is ErrCancelled wrapping cancel.ErrSuperseded.
+func TestSupersededUnderMeshChain(t *testing.T) {
+	ended := make(chan error, 2)
+	c := serve(t, toolserver.New(blocker(ended)), mesh.ServerOptions(mesh.ServerConfig{Logger: slog.New(slog.DiscardHandler)})...)
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	attempt := func(n string) grpc.ServerStreamingClient[toolv1.CallToolResponse] {
+		actx := metadata.AppendToOutgoingContext(ctx, md.RetryID, "r-1", md.Attempt, n)
+		stream, err := c.CallTool(actx, &toolv1.CallToolRequest{Name: "block"})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if ev, err := stream.Recv(); err != nil || ev.GetProgress() == nil {
+			t.Fatalf("attempt %s: first event %v, %v", n, ev, err)
+		}
+		return stream
+	}
+	attempt("1")
+	attempt("2")
+	select {
+	case cause := <-ended:
+		if !errors.Is(cause, toolserver.ErrCancelled) || !errors.Is(cause, meshcancel.ErrSuperseded) {
+			t.Fatalf("cause = %v, want ErrCancelled wrapping ErrSuperseded", cause)
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("the first attempt was not superseded")
 	}
 }
