@@ -76,7 +76,6 @@ const tools: Record<string, Tool> = {
     description: "Returns the milliseconds left until the call's deadline and the curfew metadata the server received.",
     inputSchema: { type: "object", properties: {} },
     sideEffects: SideEffects.NONE,
-    // eslint-disable-next-line require-yield
     async *run(_args, ctx) {
       const now = Date.now();
       const deadline = Number(ctx.requestHeader.get(H.deadline) ?? NaN);
