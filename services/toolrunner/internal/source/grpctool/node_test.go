@@ -23,21 +23,23 @@ import (
 
 // The Node tests run examples/node-tool, a ToolService written in TypeScript on Connect's
 // gRPC protocol, as a real process, and call it through the source. scripts/node.sh
-// installs its pinned dependencies and builds it; without Node.js, or when the build
-// cannot run, they skip locally and fail under CI=true.
+// installs its pinned dependencies and builds it (and Node.js itself under CI=true);
+// without Node.js they skip locally (meshproc.Missing), and a failed build fails them.
 
 var (
 	nodeToolOnce sync.Once
 	nodeToolJS   string
-	nodeToolErr  string
+	nodeMissing  string // node is not installed: skip locally, fail under CI=true
+	nodeToolErr  string // the build failed: fail
 )
 
 // nodeTool returns the path of the built server (dist/server.js), building it once.
 func nodeTool(t *testing.T) string {
 	t.Helper()
 	nodeToolOnce.Do(func() {
-		if _, err := exec.LookPath("node"); err != nil {
-			nodeToolErr = "node is not installed"
+		// Under CI=true scripts/node.sh installs Node.js when it is missing.
+		if _, err := exec.LookPath("node"); err != nil && os.Getenv("CI") != "true" {
+			nodeMissing = "node is not installed"
 			return
 		}
 		repo, err := meshproc.Repo()
@@ -55,8 +57,11 @@ func nodeTool(t *testing.T) string {
 		}
 		nodeToolJS = filepath.Join(repo, "examples", "node-tool", "dist", "server.js")
 	})
+	if nodeMissing != "" {
+		meshproc.Missing(t, "the Node tool server: %s", nodeMissing)
+	}
 	if nodeToolErr != "" {
-		meshproc.Missing(t, "the Node tool server: %s", nodeToolErr)
+		t.Fatal(nodeToolErr)
 	}
 	return nodeToolJS
 }
