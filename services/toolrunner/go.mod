@@ -3,6 +3,7 @@ module github.com/curfew-mesh/curfew/services/toolrunner
 go 1.26.0
 
 require (
+	github.com/curfew-mesh/curfew v0.0.0
 	github.com/curfew-mesh/curfew/gen v0.0.0
 	github.com/curfew-mesh/curfew/mesh v0.0.0
 	github.com/google/uuid v1.6.0
@@ -20,7 +21,6 @@ require (
 	github.com/beorn7/perks v1.0.1 // indirect
 	github.com/cenkalti/backoff/v5 v5.0.3 // indirect
 	github.com/cespare/xxhash/v2 v2.3.0 // indirect
-	github.com/curfew-mesh/curfew v0.0.0
 	github.com/dustin/go-humanize v1.1.0 // indirect
 	github.com/go-logr/logr v1.4.4 // indirect
 	github.com/go-logr/stdr v1.2.2 // indirect
