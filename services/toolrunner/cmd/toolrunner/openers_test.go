@@ -2,7 +2,9 @@ package main
 
 import (
 	"context"
+	"encoding/json"
 	"log/slog"
+	"net"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -11,11 +13,16 @@ import (
 	"testing"
 	"time"
 
+	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 
 	meshv1 "github.com/curfew-mesh/curfew/gen/curfew/mesh/v1"
+	toolv1 "github.com/curfew-mesh/curfew/gen/curfew/tool/v1"
 	"github.com/curfew-mesh/curfew/internal/meshproc"
+	"github.com/curfew-mesh/curfew/mesh/breaker"
+	"github.com/curfew-mesh/curfew/mesh/catalog"
+	"github.com/curfew-mesh/curfew/mesh/toolserver"
 	"github.com/curfew-mesh/curfew/services/toolrunner/internal/registry"
 	"github.com/curfew-mesh/curfew/services/toolrunner/internal/source"
 )
@@ -109,4 +116,76 @@ func waitFor(t *testing.T, what string, cond func() bool) {
 		}
 	}
 	t.Fatalf("timed out waiting for %s", what)
+}
+
+// A gRPC tool source at an address nothing listens on is down: its tools fail
+// UNAVAILABLE with the reason and toolrunner keeps listing it; once a ToolService serves
+// there, its tools appear, with the side effects a trusted source claims, and run.
+func TestRegistryWithGRPCDownThenUp(t *testing.T) {
+	lis, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	addr := lis.Addr().String()
+	_ = lis.Close() // nothing listens there until the server starts below
+	cfg, err := registry.Parse([]byte(`{"sources": [{"name": "team", "kind": "grpc", "address": "`+addr+`", "trusted": true}]}`),
+		os.LookupEnv, exec.LookPath)
+	if err != nil {
+		t.Fatal(err)
+	}
+	reg, err := registry.New(cfg, registry.Options{Openers: openers(), Logger: slog.New(slog.DiscardHandler),
+		Breaker: breaker.Config{OpenTimeout: 100 * time.Millisecond}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = reg.Close() }()
+	waitFor(t, "the source to be reported down", func() bool {
+		_, err := reg.Prepare("", "team__lookup", nil)
+		// Down for a reason of the listing's own, not merely not listed yet.
+		return status.Code(err) == codes.Unavailable && strings.Contains(err.Error(), "source team is down") &&
+			!strings.Contains(err.Error(), "not listed yet")
+	})
+	_, err = reg.Prepare("", "team__lookup", nil)
+	t.Logf("while down: %v", err)
+
+	srv := toolserver.New(toolserver.Tool{Name: "lookup", SideEffects: toolv1.SideEffects_SIDE_EFFECTS_NONE,
+		InputSchema: json.RawMessage(`{"type": "object", "required": ["id"], "properties": {"id": {"type": "string"}}}`),
+		Handler: func(_ context.Context, c toolserver.Call, _ func(done, total float64, msg string)) (json.RawMessage, error) {
+			return json.RawMessage(`{"run":"` + c.RunID + `"}`), nil
+		}})
+	lis, err = net.Listen("tcp", addr)
+	if err != nil {
+		t.Skipf("the port was taken meanwhile: %v", err)
+	}
+	gs := grpc.NewServer()
+	srv.Register(gs)
+	go func() { _ = gs.Serve(lis) }()
+	defer gs.Stop()
+
+	var lookup registry.Tool
+	waitFor(t, "the source's tools", func() bool {
+		for _, tl := range reg.Tools("") {
+			if tl.Name == "team__lookup" {
+				lookup = tl
+				return true
+			}
+		}
+		return false
+	})
+	if lookup.SideEffects != catalog.None {
+		t.Errorf("a trusted source's SIDE_EFFECTS_NONE resolved to %v", lookup.SideEffects)
+	}
+	if _, err := reg.Prepare("", "team__lookup", []byte(`{}`)); status.Code(err) != codes.InvalidArgument || !strings.Contains(err.Error(), "'id'") {
+		t.Errorf("missing id: %v", err)
+	}
+	p, err := reg.Prepare("", "team__lookup", []byte(`{"id": "o-1"}`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	res, err := p.Run(ctx, source.Meta{RunID: "r-grpc", NodeID: "root/s0.t0", RetryID: "x", Attempt: 1, Deadline: time.Now().Add(10 * time.Second)}, func(*meshv1.Progress) {})
+	if err != nil || string(res.Output) != `{"run":"r-grpc"}` {
+		t.Fatalf("lookup: %s %v", res.Output, err)
+	}
 }
