@@ -5,10 +5,16 @@
 #   .tools/node         the protoc plugins of buf.gen.yaml (scripts/node-tools/package.json:
 #                       @bufbuild/protoc-gen-es), linked into .tools/bin for buf generate
 #   examples/node       the Node example's dependencies, then its build (tsc) into dist/
+#   examples/node-tool  the Node tool server's dependencies, then its build into dist/
+#   .tools/mcp-everything  the MCP reference server @modelcontextprotocol/server-everything
+#                       (scripts/mcp-everything/package.json), which the toolrunner's MCP
+#                       source is tested against
 #
-#   scripts/node.sh            both
+#   scripts/node.sh            all of them
 #   scripts/node.sh tools      the plugins only (scripts/generate.sh)
 #   scripts/node.sh example    the example only
+#   scripts/node.sh node-tool  the tool server only
+#   scripts/node.sh mcp        the MCP reference server only
 #
 # Needs Node.js >= 20 with npm. Without node it installs Debian's nodejs and npm when it
 # runs as root under CI=true; otherwise it fails and says so.
@@ -59,4 +65,11 @@ fi
 if [[ "$what" == all || "$what" == example ]]; then
   ci examples/node examples/node
   (cd examples/node && npm run --silent build >&2)
+fi
+if [[ "$what" == all || "$what" == node-tool ]]; then
+  ci examples/node-tool examples/node-tool
+  (cd examples/node-tool && npm run --silent build >&2)
+fi
+if [[ "$what" == all || "$what" == mcp ]]; then
+  ci .tools/mcp-everything scripts/mcp-everything
 fi

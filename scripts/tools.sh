@@ -32,6 +32,9 @@ install buf github.com/bufbuild/buf/cmd/buf "$BUF_VERSION"
 install grpcurl github.com/fullstorydev/grpcurl/cmd/grpcurl "$GRPCURL_VERSION"
 # The npm plugins of buf.gen.yaml (protoc-gen-es), pinned by scripts/node-tools/package-lock.json.
 bash scripts/node.sh tools
+# The MCP reference server the toolrunner's MCP source is tested against, pinned by
+# scripts/mcp-everything/package-lock.json (its test fails under CI=true without it).
+bash scripts/node.sh mcp
 if [[ "${CURFEW_SKIP_LINT_INSTALL:-}" != 1 ]]; then
   install golangci-lint github.com/golangci/golangci-lint/v2/cmd/golangci-lint "$GOLANGCI_LINT_VERSION"
 fi

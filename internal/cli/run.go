@@ -5,13 +5,16 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"math"
 	"os"
 	"os/signal"
 	"sort"
+	"strconv"
 	"strings"
 	"sync"
 	"syscall"
 	"time"
+	"unicode"
 
 	"golang.org/x/term"
 	"google.golang.org/grpc/codes"
@@ -109,6 +112,8 @@ func cmdRun(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 				v.started(ev, e.Started)
 			case *orchestratorv1.RunResponse_Node:
 				v.node(ev, e.Node)
+			case *orchestratorv1.RunResponse_NodeEvent:
+				v.event(ev, e.NodeEvent)
 			case *orchestratorv1.RunResponse_Finished:
 				v.finished(ev, e.Finished)
 				return exitFor(e.Finished)
@@ -178,13 +183,15 @@ type view struct {
 	runID    string
 	deadline time.Time
 	nodes    map[string]*meshv1.Node
+	// progress is the latest progress of each running node, for the live tree.
+	progress map[string]*meshv1.Progress
 	lines    int
 	stopTick chan struct{}
 	wg       sync.WaitGroup
 }
 
 func newView(w io.Writer, asJSON bool) *view {
-	v := &view{w: w, json: asJSON, nodes: map[string]*meshv1.Node{}}
+	v := &view{w: w, json: asJSON, nodes: map[string]*meshv1.Node{}, progress: map[string]*meshv1.Progress{}}
 	if f, ok := w.(*os.File); ok && !asJSON && term.IsTerminal(int(f.Fd())) {
 		v.live = true
 	}
@@ -226,7 +233,26 @@ func (v *view) node(ev *orchestratorv1.RunResponse, n *meshv1.Node) {
 	}
 	v.mu.Lock()
 	v.nodes[n.GetId()] = proto.Clone(n).(*meshv1.Node)
+	if n.GetStatus() != meshv1.NodeStatus_NODE_STATUS_RUNNING {
+		delete(v.progress, n.GetId())
+	}
 	v.mu.Unlock()
+}
+
+// event shows a node event: every one as a JSON line; on the live tree, a running
+// node's latest progress. Kinds this view does not know are skipped.
+func (v *view) event(ev *orchestratorv1.RunResponse, e *meshv1.NodeEvent) {
+	if v.json {
+		printJSON(v.w, ev)
+		return
+	}
+	if p := e.GetProgress(); p != nil {
+		v.mu.Lock()
+		if n := v.nodes[e.GetNodeId()]; n == nil || n.GetStatus() == meshv1.NodeStatus_NODE_STATUS_RUNNING {
+			v.progress[e.GetNodeId()] = p
+		}
+		v.mu.Unlock()
+	}
 }
 
 func (v *view) stop() {
@@ -268,7 +294,7 @@ func (v *view) redraw() {
 	sort.Slice(ns, func(i, j int) bool { return ns[i].GetId() < ns[j].GetId() })
 	fmt.Fprintf(&b, "run %s   deadline in %-6s   tokens %d   (Ctrl-C cancels)\n", v.runID, left, total)
 	for _, n := range ns {
-		fmt.Fprintf(&b, "%s\n", nodeLine(n))
+		fmt.Fprintf(&b, "%s\n", nodeLine(n, v.progress[n.GetId()]))
 	}
 	v.lines = strings.Count(b.String(), "\n")
 	fmt.Fprint(v.w, b.String())
@@ -281,16 +307,47 @@ func (v *view) clear() {
 	}
 }
 
-func nodeLine(n *meshv1.Node) string {
+// nodeLine is a node's line of the live tree, with its latest progress p (nil: none).
+func nodeLine(n *meshv1.Node, p *meshv1.Progress) string {
 	depth := strings.Count(n.GetId(), "/")
 	name := n.GetId()[strings.LastIndexByte(n.GetId(), '/')+1:]
 	tok := ""
 	if n.GetKind() == meshv1.NodeKind_NODE_KIND_MODEL {
 		tok = fmt.Sprintf("%d tok", n.GetTokens())
 	}
+	if p != nil {
+		tok = strings.TrimSpace(tok + " " + progressText(p))
+	}
 	return fmt.Sprintf("%s%-*s %-9s %-15s %-10s %s", strings.Repeat("  ", depth), 14-2*min(depth, 6), name,
 		lower(n.GetKind().String(), "NODE_KIND_"), n.GetName(), lower(n.GetStatus().String(), "NODE_STATUS_"), tok)
 }
+
+// progressText is a progress report as the live tree shows it: "42% 4200/10000" when
+// its total is known, else "4200"; then its message, on one line, without control
+// characters (it is the tool's text, painted on the terminal), and cut at
+// maxProgressMessage characters.
+func progressText(p *meshv1.Progress) string {
+	s := strconv.FormatFloat(p.GetProgress(), 'f', -1, 64)
+	if t := p.GetTotal(); t > 0 {
+		s = fmt.Sprintf("%.0f%% %s/%s", math.Floor(100*p.GetProgress()/t), s, strconv.FormatFloat(t, 'f', -1, 64))
+	}
+	m := strings.Map(func(r rune) rune {
+		if unicode.IsControl(r) {
+			return ' '
+		}
+		return r
+	}, p.GetMessage())
+	if r := []rune(m); len(r) > maxProgressMessage {
+		m = string(r[:maxProgressMessage-1]) + "…"
+	}
+	if m = strings.TrimSpace(m); m != "" {
+		s += " " + m
+	}
+	return s
+}
+
+// maxProgressMessage bounds the progress message shown on a node's line.
+const maxProgressMessage = 60
 
 func printSummary(w io.Writer, r *orchestratorv1.Run) {
 	fmt.Fprintf(w, "run %s  %s", r.GetRunId(), lower(r.GetStatus().String(), "RUN_STATUS_"))

@@ -144,7 +144,7 @@ func (p *Proc) start(ctx context.Context) error {
 // repick gives the process new addresses for those its log says were in use, and
 // reports whether it did.
 func (p *Proc) repick(ctx context.Context) bool {
-	log, err := os.ReadFile(p.Log)
+	log, err := os.ReadFile(p.Log) //nolint:gosec // the log file this package created
 	if err != nil || !bytes.Contains(log, []byte("address already in use")) {
 		return false
 	}
@@ -172,7 +172,7 @@ func (p *Proc) repick(ctx context.Context) bool {
 
 // logTail returns the last n lines of the log at path.
 func logTail(path string, n int) string {
-	data, err := os.ReadFile(path)
+	data, err := os.ReadFile(path) //nolint:gosec // the log file this package created
 	if err != nil {
 		return err.Error()
 	}

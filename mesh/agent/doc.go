@@ -12,4 +12,8 @@
 // means asking the executor: after a call is cancelled the loop calls the executor's
 // NodeReportService.ListNodes with a settle timeout for that node's subtree, which returns
 // once the executor has recorded the node's end (and, recursively, its children's).
+//
+// What happens in the tree goes to the loop's owner through Config.Emit (nodes: started,
+// progressed, ended) and Config.EmitEvent (node events of whatever kind, each between its
+// tool node's start and end), for the orchestrator and the subagent service to forward.
 package agent

@@ -65,6 +65,12 @@ type Config struct {
 	// Emit, if set, receives progress: model nodes as their tokens arrive, and the nodes
 	// the tools report. It is called from several goroutines.
 	Emit func(*meshv1.Node)
+	// EmitEvent, if set, receives the node events the tools stream: their own and those of
+	// the nodes beneath them (a subagent's), whatever their kind, in the order each tool
+	// sent them: after Emit got that tool node's start and before it gets its end. An
+	// event naming a node outside the tool's subtree is dropped. It is called from
+	// several goroutines.
+	EmitEvent func(*meshv1.NodeEvent)
 	// Leases renews the leases of the decoders this loop streams from (docs/leases.md).
 	// When nil, New takes the process-wide keeper of Model with LeaseOptions
 	// (decoderlease.Shared), so every loop of the process renews in the same calls.
@@ -102,6 +108,9 @@ func New(cfg Config) *Loop {
 	}
 	if cfg.Emit == nil {
 		cfg.Emit = func(*meshv1.Node) {}
+	}
+	if cfg.EmitEvent == nil {
+		cfg.EmitEvent = func(*meshv1.NodeEvent) {}
 	}
 	if cfg.Leases == nil && cfg.Model != nil {
 		cfg.Leases = decoderlease.Shared(cfg.Model, cfg.LeaseOptions)
@@ -379,8 +388,9 @@ func (l *Loop) callTool(ctx context.Context, id string, c *modelproxyv1.ToolCall
 	}
 	// The caller's view of the tool node, for progress: toolrunner streams only the nodes
 	// beneath a tool (a subagent's), so that a tool call stays retryable until it has a
-	// result (a stream is retried only before its first message). The summary takes the
-	// node from toolrunner's own record.
+	// result (a stream is retried only before its first message; a tool that sends node
+	// events gives that up at its first). The summary takes the node from toolrunner's
+	// own record.
 	// Each event gets a node of its own, built when it is sent: nothing is held for the
 	// node while the tool runs but its start instant.
 	started := time.Now()
@@ -416,6 +426,10 @@ func (l *Loop) callTool(ctx context.Context, id string, c *modelproxyv1.ToolCall
 		switch e := ev.GetEvent().(type) {
 		case *toolrunnerv1.ExecuteResponse_Node:
 			l.cfg.Emit(e.Node)
+		case *toolrunnerv1.ExecuteResponse_NodeEvent:
+			if within(e.NodeEvent.GetNodeId(), id) {
+				l.cfg.EmitEvent(e.NodeEvent)
+			}
 		case *toolrunnerv1.ExecuteResponse_Result:
 			out = e.Result
 		}
@@ -427,6 +441,11 @@ func (l *Loop) callTool(ctx context.Context, id string, c *modelproxyv1.ToolCall
 	}
 	end(nil)
 	return out.GetOutputJson(), nil
+}
+
+// within reports whether node is root or lies beneath it.
+func within(node, root string) bool {
+	return node == root || strings.HasPrefix(node, root+"/")
 }
 
 // atDeadline reports whether err is a DEADLINE_EXCEEDED that ctx's own deadline explains.

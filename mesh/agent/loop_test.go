@@ -39,6 +39,9 @@ type rig struct {
 
 	mu      sync.Mutex
 	emitted []*meshv1.Node
+	// order is what Emit and EmitEvent got, in order: "node ID STATUS" and
+	// "event ID PROGRESS".
+	order []string
 }
 
 func newRig(t *testing.T, cfg agent.Config, steps []meshtest.ModelStep, funcs map[string]meshtest.ToolFunc) *rig {
@@ -58,6 +61,12 @@ func newRig(t *testing.T, cfg agent.Config, steps []meshtest.ModelStep, funcs ma
 		r.mu.Lock()
 		defer r.mu.Unlock()
 		r.emitted = append(r.emitted, n)
+		r.order = append(r.order, "node "+n.GetId()+" "+strings.TrimPrefix(n.GetStatus().String(), "NODE_STATUS_"))
+	}
+	cfg.EmitEvent = func(ev *meshv1.NodeEvent) {
+		r.mu.Lock()
+		defer r.mu.Unlock()
+		r.order = append(r.order, fmt.Sprintf("event %s %g", ev.GetNodeId(), ev.GetProgress().GetProgress()))
 	}
 	r.loop = agent.New(cfg)
 	return r

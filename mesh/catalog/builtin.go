@@ -23,7 +23,8 @@ func Builtins() []Tool {
 				Name:        plan.ToolSleep,
 				Description: "Wait for a number of milliseconds, then return. Stops at once when the run is cancelled.",
 				ParametersJson: `{"type": "object", "additionalProperties": false, "required": ["ms"], "properties": {"ms": ` +
-					ms("milliseconds to wait", 1) + `}}`,
+					ms("milliseconds to wait", 1) + `, "progress_ms": ` +
+					ms("optional: report progress every this many milliseconds", plan.MinProgressMS) + `}}`,
 			},
 		},
 		{

@@ -25,7 +25,7 @@ func TestIsBuiltin(t *testing.T) {
 // and the example arguments it describes pass ValidateTool.
 func TestToolSpecs(t *testing.T) {
 	examples := map[string]string{
-		plan.ToolSleep:         `{"ms": 5}`,
+		plan.ToolSleep:         `{"ms": 5, "progress_ms": 10}`,
 		plan.ToolDeploy:        `{"duration_ms": 10, "poll_ms": 1}`,
 		plan.ToolSpawnSubagent: `{"plan": {"steps": [{"answer_tokens": 1}]}}`,
 		plan.ToolKVPut:         `{"key": "release", "value": {"version": 3}}`,

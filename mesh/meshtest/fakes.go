@@ -169,8 +169,21 @@ func (m *Model) Generate(req *modelproxyv1.GenerateRequest, ss grpc.ServerStream
 
 // ToolFunc is the behaviour of one fake tool: it gets the handler's context and the
 // call's arguments JSON and returns the output JSON or an error (returned to the caller
-// as the call's status).
+// as the call's status). It may send node events with SendEvent.
 type ToolFunc func(ctx context.Context, args string) (string, error)
+
+type eventsKey struct{}
+
+// SendEvent sends ev on the Execute stream of the fake tool call whose context ctx is
+// (a ToolFunc's), with the call's node id when ev names none. It returns the stream's
+// error, and FAILED_PRECONDITION outside a tool call.
+func SendEvent(ctx context.Context, ev *meshv1.NodeEvent) error {
+	send, _ := ctx.Value(eventsKey{}).(func(*meshv1.NodeEvent) error)
+	if send == nil {
+		return status.Error(codes.FailedPrecondition, "meshtest: SendEvent outside a fake tool call")
+	}
+	return send(ev)
+}
 
 // Tools is a scripted ToolRunnerService. A call to a tool it does not know fails with
 // NOT_FOUND.
@@ -202,6 +215,13 @@ func (t *Tools) Execute(req *toolrunnerv1.ExecuteRequest, ss grpc.ServerStreamin
 	if fn == nil {
 		return status.Errorf(codes.NotFound, "meshtest: unknown tool %q", req.GetName())
 	}
+	node := c.ID.NodeID
+	ctx = context.WithValue(ctx, eventsKey{}, func(ev *meshv1.NodeEvent) error {
+		if ev.GetNodeId() == "" {
+			ev.NodeId = node
+		}
+		return ss.Send(&toolrunnerv1.ExecuteResponse{Event: &toolrunnerv1.ExecuteResponse_NodeEvent{NodeEvent: ev}})
+	})
 	out, err := fn(ctx, req.GetArgsJson())
 	if err != nil {
 		return err

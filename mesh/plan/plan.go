@@ -28,6 +28,9 @@ const (
 	MaxBytes   = 256 << 10
 	MaxTokens  = 1_000_000
 	MaxSleepMS = 3_600_000
+	// MinProgressMS is the shortest interval at which sleep reports its progress: a
+	// report is a message on every stream up to the client, so it is not a busy loop.
+	MinProgressMS = 10
 )
 
 // Built-in tool names, as plans call them. Their specs and properties are the
@@ -122,6 +125,9 @@ type NotifyArgs struct {
 // SleepArgs are the arguments of the sleep tool.
 type SleepArgs struct {
 	MS int `json:"ms"`
+	// ProgressMS, when not 0, reports the progress every ProgressMS while sleeping: how
+	// many of the MS milliseconds have passed (a demo and test source of node events).
+	ProgressMS int `json:"progress_ms,omitempty"`
 }
 
 // DeployArgs are the arguments of the deploy tool: a job that takes DurationMS, polled
@@ -290,6 +296,9 @@ func validateTool(t Tool, path string, depth int, calls *int) error {
 		}
 		if a.MS < 1 || a.MS > MaxSleepMS {
 			return &Error{ap + ".ms", fmt.Sprintf("must be between 1 and %d", MaxSleepMS)}
+		}
+		if p := a.ProgressMS; p != 0 && (p < MinProgressMS || p > MaxSleepMS) {
+			return &Error{ap + ".progress_ms", fmt.Sprintf("must be 0 (no progress) or between %d and %d", MinProgressMS, MaxSleepMS)}
 		}
 	case ToolDeploy:
 		var a DeployArgs

@@ -27,6 +27,7 @@ var validPlans = map[string]string{
 	"design example": designExample,
 	"answer only":    `{"steps":[{"answer_tokens":1}]}`,
 	"think only":     `{"steps":[{"think_tokens":3},{"think_tokens":3,"tools":[{"name":"sleep","args":{"ms":1}}]},{"answer_tokens":3}]}`,
+	"sleep progress": `{"steps":[{"tools":[{"name":"sleep","args":{"ms":600,"progress_ms":100}},{"name":"sleep","args":{"ms":5,"progress_ms":0}}]},{"answer_tokens":1}]}`,
 	"faults": `{"tokens_per_second": 1000, "steps":[
 		{"think_tokens":10,"first_token_delay_ms":500,"model_error":{"attempts":2,"code":"unavailable"},
 		 "tools":[{"name":"fail","args":{"times":2,"code":"RESOURCE_EXHAUSTED","after_ms":10}},
@@ -136,6 +137,9 @@ func TestParseInvalid(t *testing.T) {
 		{"sleep ms too big", sleep(`{"ms":3600001}`), "steps[0].tools[1].args.ms", "must be between 1 and 3600000"},
 		{"sleep ms wrong type", sleep(`{"ms":"2s"}`), "steps[0].tools[1].args.ms", "must be int"},
 		{"sleep unknown arg", sleep(`{"ms":1,"seconds":2}`), "steps[0].tools[1].args", `unknown field "seconds"`},
+		{"sleep progress too often", sleep(`{"ms":100,"progress_ms":9}`), "steps[0].tools[1].args.progress_ms", "must be 0 (no progress) or between 10 and 3600000"},
+		{"sleep progress negative", sleep(`{"ms":100,"progress_ms":-1}`), "steps[0].tools[1].args.progress_ms", "must be 0 (no progress) or between 10 and 3600000"},
+		{"sleep progress too big", sleep(`{"ms":100,"progress_ms":3600001}`), "steps[0].tools[1].args.progress_ms", "must be 0 (no progress) or between 10 and 3600000"},
 		{"unknown top-level field", `{"steps":[{"answer_tokens":1}],"model":"x"}`, "", `unknown field "model"`},
 		{"unknown step field", `{"steps":[{"answer_tokens":1,"thinking":3}]}`, "steps[0]", `unknown field "thinking"`},
 		{"unknown tool", tool(`{"name":"rm_rf"}`), "steps[0].tools[0].name", `unknown tool "rm_rf"`},

@@ -209,8 +209,11 @@ func (s *Server) follow(ctx context.Context, rn *run, sub chan *orchestratorv1.R
 		return err
 	}
 	send := func(ev *orchestratorv1.RunResponse) error {
-		if n := ev.GetNode(); n != nil {
-			return stream.Send(&orchestratorv1.WatchRunResponse{Event: &orchestratorv1.WatchRunResponse_Node{Node: n}})
+		switch e := ev.GetEvent().(type) {
+		case *orchestratorv1.RunResponse_Node:
+			return stream.Send(&orchestratorv1.WatchRunResponse{Event: &orchestratorv1.WatchRunResponse_Node{Node: e.Node}})
+		case *orchestratorv1.RunResponse_NodeEvent:
+			return stream.Send(&orchestratorv1.WatchRunResponse{Event: &orchestratorv1.WatchRunResponse_NodeEvent{NodeEvent: e.NodeEvent}})
 		}
 		return nil
 	}

@@ -26,9 +26,7 @@ import (
 func (s *Server) execute(rctx context.Context, rn *run, model, task string, j agent.Journal) {
 	lc := s.cfg.Loop
 	lc.Notes = s.nodes
-	lc.Emit = func(n *meshv1.Node) {
-		rn.publish(&orchestratorv1.RunResponse{Event: &orchestratorv1.RunResponse_Node{Node: n}})
-	}
+	lc.Emit, lc.EmitEvent = rn.publishNode, rn.publishEvent
 	answer, err := s.runLoop(rctx, rn, agent.New(lc), model, task, j)
 	if rn.moved() {
 		s.abandon(rctx, rn)

@@ -3,8 +3,11 @@ package orchestrator
 import (
 	"context"
 	"errors"
+	"maps"
+	"reflect"
 	"slices"
 	"sort"
+	"strings"
 	"sync"
 	"time"
 
@@ -14,6 +17,7 @@ import (
 	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/types/known/timestamppb"
 
+	meshv1 "github.com/curfew-mesh/curfew/gen/curfew/mesh/v1"
 	orchestratorv1 "github.com/curfew-mesh/curfew/gen/curfew/orchestrator/v1"
 	"github.com/curfew-mesh/curfew/mesh/admission"
 	"github.com/curfew-mesh/curfew/mesh/md"
@@ -23,6 +27,11 @@ import (
 // eventBuffer is the per-subscriber buffer of progress events; a slow client loses
 // progress events (never the summary) rather than slowing the run.
 const eventBuffer = 256
+
+// maxRunningNodes bounds the running nodes a run keeps track of for its node events
+// (see run.running): a node started beyond it sends none. A plan's tool calls alone
+// are at most plan.MaxToolCalls.
+const maxRunningNodes = 4096
 
 // errLeaseLost stops a run this process no longer owns; errHandover one it gives up.
 var (
@@ -49,6 +58,11 @@ type run struct {
 	broadcast   func(cause error, decodersFirst bool)
 	broadcasted bool
 	subs        map[chan *orchestratorv1.RunResponse]struct{} // nil when there are none
+	// running are the nodes published as started and not yet as ended (nor any node
+	// above them), each with the latest event of every kind a late subscriber is replayed
+	// (see replayed). A node event is published only for one of them: none before its
+	// node's start, none after its end. At most maxRunningNodes; nil when there are none.
+	running map[string][]*meshv1.NodeEvent
 	// span is the run's span (package tracing): every call the run makes is its child.
 	span trace.Span
 
@@ -78,9 +92,74 @@ func newRun(r store.Run) *run {
 	}
 }
 
-func (rn *run) publish(ev *orchestratorv1.RunResponse) {
+// publishNode publishes a node's start, update or end.
+func (rn *run) publishNode(n *meshv1.Node) {
 	rn.mu.Lock()
 	defer rn.mu.Unlock()
+	id := n.GetId()
+	if n.GetStatus() == meshv1.NodeStatus_NODE_STATUS_RUNNING {
+		if _, ok := rn.running[id]; !ok && len(rn.running) < maxRunningNodes {
+			if rn.running == nil {
+				rn.running = map[string][]*meshv1.NodeEvent{}
+			}
+			rn.running[id] = nil
+		}
+	} else {
+		// Ended, and with it whatever ran beneath it: a nested node whose own end was lost
+		// with its caller's stream (a cancelled subagent's) ends here too.
+		for k := range rn.running {
+			if k == id || strings.HasPrefix(k, id+"/") {
+				delete(rn.running, k)
+			}
+		}
+		if len(rn.running) == 0 {
+			rn.running = nil
+		}
+	}
+	rn.publish(&orchestratorv1.RunResponse{Event: &orchestratorv1.RunResponse_Node{Node: n}})
+}
+
+// publishEvent publishes a node event, if its node is running; it drops it otherwise.
+func (rn *run) publishEvent(ev *meshv1.NodeEvent) {
+	rn.mu.Lock()
+	defer rn.mu.Unlock()
+	kept, ok := rn.running[ev.GetNodeId()]
+	if !ok {
+		return
+	}
+	if replayed(ev) {
+		rn.running[ev.GetNodeId()] = keepLatest(kept, ev)
+	}
+	rn.publish(&orchestratorv1.RunResponse{Event: &orchestratorv1.RunResponse_NodeEvent{NodeEvent: ev}})
+}
+
+// replayed reports whether a subscriber that arrives late is sent the latest event of
+// ev's kind of each running node: a kind that says where a node is, each event
+// replacing the one before (progress), is; a kind that adds to what came before
+// (a delta) cannot be replayed by its latest alone, and is not.
+func replayed(ev *meshv1.NodeEvent) bool {
+	switch ev.GetKind().(type) {
+	case *meshv1.NodeEvent_Progress:
+		return true
+	default:
+		return false
+	}
+}
+
+// keepLatest replaces the event of ev's kind in kept with ev, or adds it.
+func keepLatest(kept []*meshv1.NodeEvent, ev *meshv1.NodeEvent) []*meshv1.NodeEvent {
+	kind := reflect.TypeOf(ev.GetKind())
+	for i, k := range kept {
+		if reflect.TypeOf(k.GetKind()) == kind {
+			kept[i] = ev
+			return kept
+		}
+	}
+	return append(kept, ev)
+}
+
+// publish sends ev to every subscriber, under rn.mu.
+func (rn *run) publish(ev *orchestratorv1.RunResponse) {
 	for c := range rn.subs {
 		select {
 		case c <- ev:
@@ -89,9 +168,21 @@ func (rn *run) publish(ev *orchestratorv1.RunResponse) {
 	}
 }
 
+// subscribe returns a channel of the run's events from now on, led by the replay of the
+// latest replayed events of the nodes running now (in node order, as many as fit).
 func (rn *run) subscribe() chan *orchestratorv1.RunResponse {
 	c := make(chan *orchestratorv1.RunResponse, eventBuffer)
 	rn.mu.Lock()
+	ids := slices.Sorted(maps.Keys(rn.running))
+replay:
+	for _, id := range ids {
+		for _, ev := range rn.running[id] {
+			if len(c) == cap(c)/2 { // room left for what comes next
+				break replay
+			}
+			c <- &orchestratorv1.RunResponse{Event: &orchestratorv1.RunResponse_NodeEvent{NodeEvent: ev}}
+		}
+	}
 	if rn.subs == nil {
 		rn.subs = map[chan *orchestratorv1.RunResponse]struct{}{}
 	}

@@ -18,7 +18,7 @@ import (
 // DefaultMaxDepth is the deepest nesting of subagents served.
 const DefaultMaxDepth = 3
 
-// Config configures a Server. Loop's Emit and Notes are set per call and by New.
+// Config configures a Server. Loop's Emit, EmitEvent and Notes are set per call and by New.
 type Config struct {
 	Loop     agent.Config
 	MaxDepth int // DefaultMaxDepth when 0
@@ -67,6 +67,13 @@ func (s *Server) Spawn(req *subagentv1.SpawnRequest, stream subagentv1.SubagentS
 		defer mu.Unlock()
 		_ = stream.Send(&subagentv1.SpawnResponse{Event: &subagentv1.SpawnResponse_Node{Node: n}})
 	}
+	// The loop's node events (its tools', and beneath them) go up in the order it hands
+	// them over, among its nodes: all of them before the subagent node's end below.
+	event := func(ev *meshv1.NodeEvent) {
+		mu.Lock()
+		defer mu.Unlock()
+		_ = stream.Send(&subagentv1.SpawnResponse{Event: &subagentv1.SpawnResponse_NodeEvent{NodeEvent: ev}})
+	}
 	n := &meshv1.Node{Id: node, Kind: meshv1.NodeKind_NODE_KIND_SUBAGENT, Name: "subagent"}
 	if dl, ok := ctx.Deadline(); ok {
 		n.Deadline = timestamppb.New(dl)
@@ -74,7 +81,7 @@ func (s *Server) Spawn(req *subagentv1.SpawnRequest, stream subagentv1.SubagentS
 	wctx, started := s.Nodes.Begin(ctx, id.RunID, n)
 	emit(started)
 	lc := s.cfg.Loop
-	lc.Emit = emit
+	lc.Emit, lc.EmitEvent = emit, event
 	answer, err := agent.New(lc).Run(md.WithNode(wctx, node), node, req.GetModel(), req.GetTask())
 	cancelled := wctx.Err() != nil
 	emit(s.Nodes.Finish(wctx, id.RunID, node, err, func(n *meshv1.Node) {

@@ -107,7 +107,8 @@ func (f *fakeModel) decode(ctx context.Context, stream modelproxyv1.ModelProxySe
 	return stream.Send(&modelproxyv1.GenerateResponse{FinishReason: "stop"})
 }
 
-// fakeTools is a ToolRunnerService whose every tool succeeds with {"ok":true}.
+// fakeTools is a ToolRunnerService whose every tool reports its progress once, half
+// way, and succeeds with {"ok":true}.
 type fakeTools struct {
 	toolrunnerv1.UnimplementedToolRunnerServiceServer
 	table *nodes.Table
@@ -125,6 +126,8 @@ func (f *fakeTools) Execute(req *toolrunnerv1.ExecuteRequest, stream toolrunnerv
 		_ = stream.Send(&toolrunnerv1.ExecuteResponse{Event: &toolrunnerv1.ExecuteResponse_Node{Node: n}})
 	}
 	send(f.table.Start(id.RunID, &meshv1.Node{Id: id.NodeID, Kind: meshv1.NodeKind_NODE_KIND_TOOL, Name: req.GetName()}))
+	_ = stream.Send(&toolrunnerv1.ExecuteResponse{Event: &toolrunnerv1.ExecuteResponse_NodeEvent{NodeEvent: &meshv1.NodeEvent{
+		NodeId: id.NodeID, Kind: &meshv1.NodeEvent_Progress{Progress: &meshv1.Progress{Progress: 1, Total: 2, Message: "half"}}}}})
 	send(f.table.Finish(ctx, id.RunID, id.NodeID, nil, nil))
 	return stream.Send(&toolrunnerv1.ExecuteResponse{Event: &toolrunnerv1.ExecuteResponse_Result{Result: &toolrunnerv1.ExecuteResult{OutputJson: `{"ok":true}`}}})
 }
@@ -364,5 +367,50 @@ func TestSpawnCancelled(t *testing.T) {
 	}
 	if len(e.model.calls) != 0 {
 		t.Fatal("the cancelled loop started another model step")
+	}
+}
+
+// The nested loop's node events go up the Spawn stream among its nodes, in order: a
+// tool's progress after its node started and before it ended, and all of them before
+// the subagent node's end.
+func TestSpawnForwardsNodeEvents(t *testing.T) {
+	e := newEnv(t, &fakeModel{}, 0)
+	const run, parent = "r-subev", "root/s0.t1"
+	ctx, cancel := context.WithTimeout(ident(run, parent), 5*time.Second)
+	defer cancel()
+	st, err := e.sub.Spawn(ctx, &subagentv1.SpawnRequest{Task: task})
+	if err != nil {
+		t.Fatal(err)
+	}
+	resps, err := meshtest.Drain(st)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var got []string
+	for _, r := range resps {
+		switch ev := r.GetEvent().(type) {
+		case *subagentv1.SpawnResponse_Node:
+			if n := ev.Node; n.GetKind() != meshv1.NodeKind_NODE_KIND_MODEL {
+				got = append(got, "node "+n.GetId()+" "+strings.TrimPrefix(n.GetStatus().String(), "NODE_STATUS_"))
+			}
+		case *subagentv1.SpawnResponse_NodeEvent:
+			got = append(got, "event "+ev.NodeEvent.GetNodeId()+" "+ev.NodeEvent.GetProgress().GetMessage())
+		case *subagentv1.SpawnResponse_Result:
+			got = append(got, "result")
+		}
+	}
+	tool := parent + "/sub/s0.t0"
+	want := []string{
+		"node " + parent + "/sub RUNNING",
+		"node " + tool + " RUNNING", // the loop's view of its tool
+		"node " + tool + " RUNNING", // the fake tool's own node, which it streams
+		"event " + tool + " half",
+		"node " + tool + " SUCCEEDED",
+		"node " + tool + " SUCCEEDED",
+		"node " + parent + "/sub SUCCEEDED",
+		"result",
+	}
+	if strings.Join(got, "\n") != strings.Join(want, "\n") {
+		t.Fatalf("stream:\n%s\nwant:\n%s", strings.Join(got, "\n"), strings.Join(want, "\n"))
 	}
 }

@@ -1,6 +1,7 @@
 // Package toolrunner executes tools for the agent loop. The built-ins are:
 //
-//   - sleep: waits args.ms, cancellable at once.
+//   - sleep: waits args.ms, cancellable at once; with args.progress_ms it reports its
+//     progress every that many milliseconds, as node events.
 //   - fail: fails the first args.times attempts with args.code (default UNAVAILABLE),
 //     after args.after_ms; for tests of failure handling.
 //   - deploy: starts a job that takes args.duration_ms and polls it every args.poll_ms.
@@ -9,8 +10,11 @@
 //     deadline that triggered the teardown has by definition no time left; then it
 //     re-raises the cancellation.
 //   - spawn_subagent: runs args.plan in the subagent service under the same deadline and
-//     node path, streaming the nested nodes back. Limited in depth and per-run fan-out.
+//     node path, streaming the nested nodes and node events back. Limited in depth and
+//     per-run fan-out.
 //
 // Each tool call is a node recorded here, by the process that executes it; the node ends
-// only after its teardown (a deploy's abort, a subagent's settle) has finished.
+// only after its teardown (a deploy's abort, a subagent's settle) has finished. A tool
+// streams node events (mesh.v1.NodeEvent) while its node runs, never after it ended (see
+// events.go); its first one makes the call no longer retryable.
 package toolrunner

@@ -137,7 +137,8 @@ func (s *Server) Execute(req *toolrunnerv1.ExecuteRequest, stream toolrunnerv1.T
 		defer send.Unlock()
 		_ = stream.Send(&toolrunnerv1.ExecuteResponse{Event: &toolrunnerv1.ExecuteResponse_Node{Node: n}})
 	}
-	exec, err := s.prepare(ctx, req, emit)
+	evs := &events{mu: &send, stream: stream, node: id.NodeID}
+	exec, err := s.prepare(ctx, req, emit, evs.send)
 	if err != nil {
 		return err
 	}
@@ -160,16 +161,16 @@ func (s *Server) Execute(req *toolrunnerv1.ExecuteRequest, stream toolrunnerv1.T
 		var out string
 		var runErr error
 		defer func() { finish(out, runErr) }()
-		out, runErr = s.execute(ctx, req, stream, exec, emit, &send)
+		out, runErr = s.execute(ctx, req, stream, exec, evs, &send)
 		return runErr
 	}
-	_, err = s.execute(ctx, req, stream, exec, emit, &send)
+	_, err = s.execute(ctx, req, stream, exec, evs, &send)
 	return err
 }
 
 // execute runs a prepared tool call as a node and sends its result.
 func (s *Server) execute(ctx context.Context, req *toolrunnerv1.ExecuteRequest, stream toolrunnerv1.ToolRunnerService_ExecuteServer,
-	exec execFunc, emit func(*meshv1.Node), send *sync.Mutex) (string, error) {
+	exec execFunc, evs *events, send *sync.Mutex) (string, error) {
 	id := md.IdentityFrom(ctx)
 	run, node := id.RunID, id.NodeID
 	n := &meshv1.Node{Id: node, Kind: meshv1.NodeKind_NODE_KIND_TOOL, Name: req.GetName()}
@@ -177,9 +178,11 @@ func (s *Server) execute(ctx context.Context, req *toolrunnerv1.ExecuteRequest, 
 		n.Deadline = timestamppb.New(dl)
 	}
 	// The tool's own node is recorded here, not streamed: the caller shows its own view, and
-	// a stream with no message yet stays retryable. Only nested nodes (a subagent's) stream.
+	// a stream with no message yet stays retryable. Only nested nodes (a subagent's) stream,
+	// and node events, while the node runs: a tool that reported one is no longer retried.
 	wctx, _ := s.Nodes.Begin(ctx, run, n)
 	out, cleanup, err := exec(wctx)
+	evs.end()
 	cancelled := wctx.Err()
 	s.Nodes.Finish(wctx, run, node, err, func(n *meshv1.Node) {
 		if cancelled != nil {
@@ -208,7 +211,10 @@ type execFunc func(ctx context.Context) (out string, cleanup *meshv1.Cleanup, er
 
 // prepare validates the call (with the same rules as a plan's tool calls) and returns the
 // function that runs it.
-func (s *Server) prepare(ctx context.Context, req *toolrunnerv1.ExecuteRequest, emit func(*meshv1.Node)) (execFunc, error) {
+//
+// emit streams the nodes beneath the tool; event streams node events (see events) until
+// the tool's node ends.
+func (s *Server) prepare(ctx context.Context, req *toolrunnerv1.ExecuteRequest, emit func(*meshv1.Node), event func(*meshv1.NodeEvent)) (execFunc, error) {
 	name, raw := req.GetName(), []byte(req.GetArgsJson())
 	switch {
 	case name == "":
@@ -231,7 +237,7 @@ func (s *Server) prepare(ctx context.Context, req *toolrunnerv1.ExecuteRequest, 
 		var a plan.SleepArgs
 		_ = plan.Args(raw, &a) // validated above
 		return func(ctx context.Context) (string, *meshv1.Cleanup, error) {
-			if err := sleep(ctx, time.Duration(a.MS)*time.Millisecond); err != nil {
+			if err := sleepReporting(ctx, a.MS, a.ProgressMS, event); err != nil {
 				return "", nil, err
 			}
 			return fmt.Sprintf(`{"slept_ms":%d}`, a.MS), nil, nil
@@ -281,7 +287,9 @@ func (s *Server) prepare(ctx context.Context, req *toolrunnerv1.ExecuteRequest, 
 		if depth > s.cfg.MaxSubagentDepth {
 			return nil, status.Errorf(codes.FailedPrecondition, "spawn_subagent: depth %d exceeds the limit %d", depth, s.cfg.MaxSubagentDepth)
 		}
-		return func(ctx context.Context) (string, *meshv1.Cleanup, error) { return s.spawn(ctx, string(a.Plan), emit) }, nil
+		return func(ctx context.Context) (string, *meshv1.Cleanup, error) {
+			return s.spawn(ctx, string(a.Plan), emit, event)
+		}, nil
 	}
 }
 
@@ -342,8 +350,8 @@ func (s *Server) deploy(ctx context.Context, a plan.DeployArgs) (string, *meshv1
 	}
 }
 
-// spawn runs a plan in the subagent service and forwards its nodes.
-func (s *Server) spawn(ctx context.Context, task string, emit func(*meshv1.Node)) (string, *meshv1.Cleanup, error) {
+// spawn runs a plan in the subagent service and forwards its nodes and node events.
+func (s *Server) spawn(ctx context.Context, task string, emit func(*meshv1.Node), event func(*meshv1.NodeEvent)) (string, *meshv1.Cleanup, error) {
 	run := md.IdentityFrom(ctx).RunID
 	s.mu.Lock()
 	if s.fanout[run] >= s.cfg.MaxSubagentFanout {
@@ -375,6 +383,8 @@ func (s *Server) spawn(ctx context.Context, task string, emit func(*meshv1.Node)
 		switch e := ev.GetEvent().(type) {
 		case *subagentv1.SpawnResponse_Node:
 			emit(e.Node)
+		case *subagentv1.SpawnResponse_NodeEvent:
+			event(e.NodeEvent)
 		case *subagentv1.SpawnResponse_Result:
 			answer = e.Result.GetAnswer()
 		}

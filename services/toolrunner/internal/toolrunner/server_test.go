@@ -433,6 +433,8 @@ type fakeSubagent struct {
 	// cancelFirst, when closed during a hold, ends Spawn CANCELLED while its caller is
 	// still alive: the subagent was cancelled by the run's broadcast first.
 	cancelFirst chan struct{}
+	// progress are the progress events sent for the nested model node while it runs.
+	progress []float64
 }
 
 // waitEntered waits until a Spawn (what) has reached the fake, bounded.
@@ -474,6 +476,7 @@ func (f *fakeSubagent) Spawn(req *subagentv1.SpawnRequest, stream subagentv1.Sub
 		}
 	}
 	send(f.table.Start(id.RunID, &meshv1.Node{Id: sub + "/m0", Kind: meshv1.NodeKind_NODE_KIND_MODEL}))
+	f.sendProgress(stream, sub+"/m0")
 	send(f.table.Finish(ctx, id.RunID, sub+"/m0", nil, nil))
 	send(f.table.Finish(ctx, id.RunID, sub, nil, nil))
 	return stream.Send(&subagentv1.SpawnResponse{Event: &subagentv1.SpawnResponse_Result{Result: &subagentv1.SpawnResult{Answer: "forty-two"}}})

@@ -1,0 +1,132 @@
+package agent_test
+
+import (
+	"context"
+	"slices"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/credentials/insecure"
+	"google.golang.org/grpc/status"
+
+	meshv1 "github.com/curfew-mesh/curfew/gen/curfew/mesh/v1"
+	modelproxyv1 "github.com/curfew-mesh/curfew/gen/curfew/modelproxy/v1"
+	toolrunnerv1 "github.com/curfew-mesh/curfew/gen/curfew/toolrunner/v1"
+	"github.com/curfew-mesh/curfew/mesh"
+	"github.com/curfew-mesh/curfew/mesh/agent"
+	"github.com/curfew-mesh/curfew/mesh/meshtest"
+)
+
+func progressEvent(node string, p float64) *meshv1.NodeEvent {
+	return &meshv1.NodeEvent{NodeId: node, Kind: &meshv1.NodeEvent_Progress{Progress: &meshv1.Progress{Progress: p, Total: 100}}}
+}
+
+// The node events a tool streams reach EmitEvent in order, between the tool node's start
+// and end; one naming a node outside the tool's subtree is dropped.
+func TestToolEventsReachEmitEvent(t *testing.T) {
+	report := func(ctx context.Context, _ string) (string, error) {
+		for _, ev := range []*meshv1.NodeEvent{
+			progressEvent("", 10),                     // the tool's own node
+			progressEvent("root/s0.t0/sub/s0.t0", 20), // a node beneath it
+			progressEvent("root/s0.t1", 30),           // its sibling's: not its to report
+			progressEvent("root/s0.t0x", 40),          // a prefix, not beneath it
+			progressEvent("", 50),
+		} {
+			if err := meshtest.SendEvent(ctx, ev); err != nil {
+				return "", err
+			}
+		}
+		return `{}`, nil
+	}
+	r := newRig(t, agent.Config{}, []meshtest.ModelStep{
+		{ToolCalls: []*modelproxyv1.ToolCall{call(0, "report", `{}`)}},
+		{Text: "done"},
+	}, map[string]meshtest.ToolFunc{"report": report})
+	ctx, cancelRun := runCtx(t, 5*time.Second)
+	defer cancelRun()
+	if _, err := r.loop.Run(ctx, "root", "", "task"); err != nil {
+		t.Fatal(err)
+	}
+	r.mu.Lock()
+	var got []string
+	for _, l := range r.order {
+		if strings.Contains(l, "/s0.t") {
+			got = append(got, l)
+		}
+	}
+	r.mu.Unlock()
+	want := []string{
+		"node root/s0.t0 RUNNING",
+		"event root/s0.t0 10",
+		"event root/s0.t0/sub/s0.t0 20",
+		"event root/s0.t0 50",
+		"node root/s0.t0 SUCCEEDED",
+	}
+	if !slices.Equal(got, want) {
+		t.Fatalf("emitted:\n%s\nwant:\n%s", strings.Join(got, "\n"), strings.Join(want, "\n"))
+	}
+}
+
+// A tool call that failed UNAVAILABLE before any message is retried by the client
+// chain; one that reported progress first is not: its stream has carried a message.
+func TestToolWithEventsNotRetried(t *testing.T) {
+	flaky := func(withEvent bool) meshtest.ToolFunc {
+		var mu sync.Mutex
+		attempts := 0
+		return func(ctx context.Context, _ string) (string, error) {
+			mu.Lock()
+			attempts++
+			first := attempts == 1
+			mu.Unlock()
+			if !first {
+				return `{"ok":true}`, nil
+			}
+			if withEvent {
+				if err := meshtest.SendEvent(ctx, progressEvent("", 1)); err != nil {
+					return "", err
+				}
+			}
+			return "", status.Error(codes.Unavailable, "flaky")
+		}
+	}
+	for _, tc := range []struct {
+		name      string
+		withEvent bool
+		wantCalls int
+		wantCode  codes.Code
+	}{
+		{"quiet", false, 2, codes.OK},
+		{"reported", true, 1, codes.Unavailable},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			model := meshtest.NewModel(
+				meshtest.ModelStep{ToolCalls: []*modelproxyv1.ToolCall{call(0, "flaky", `{}`)}},
+				meshtest.ModelStep{Text: "done"})
+			tools := meshtest.NewTools(map[string]meshtest.ToolFunc{"flaky": flaky(tc.withEvent)})
+			mc := meshtest.Serve(t, mesh.ServerConfig{}, model.Register)
+			// The fake tools, reached with curfew's default retry policy.
+			plain := meshtest.Serve(t, mesh.ServerConfig{}, tools.Register)
+			tc2, err := grpc.NewClient(plain.Target(), append(mesh.DialOptions(mesh.ClientConfig{}),
+				grpc.WithTransportCredentials(insecure.NewCredentials()))...)
+			if err != nil {
+				t.Fatal(err)
+			}
+			defer tc2.Close()
+			loop := agent.New(agent.Config{Model: modelproxyv1.NewModelProxyServiceClient(mc),
+				Tools: toolrunnerv1.NewToolRunnerServiceClient(tc2), SettleTimeout: time.Second})
+			ctx, cancelRun := runCtx(t, 5*time.Second)
+			defer cancelRun()
+			_, err = loop.Run(ctx, "root", "", "task")
+			if status.Code(err) != tc.wantCode {
+				t.Fatalf("run: %v, want %v", err, tc.wantCode)
+			}
+			if n := len(tools.Calls()); n != tc.wantCalls {
+				t.Fatalf("%d tool calls, want %d", n, tc.wantCalls)
+			}
+		})
+	}
+}
