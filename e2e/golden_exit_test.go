@@ -83,6 +83,8 @@ func TestGoldenExitCodes(t *testing.T) {
 		"$BAD_FIELD":    write("unknown-field.json", `{"providers": [{"name": "p", "base_url": "http://127.0.0.1:9/v1", "models": ["m"], "colour": "red"}]}`),
 		"$BAD_DUPLICATE": write("duplicate.json", `{"providers": [{"name": "p", "base_url": "http://127.0.0.1:9/v1", "models": ["m"]},
 		  {"name": "p", "base_url": "http://127.0.0.1:9/v1", "models": ["m"]}]}`),
+		"$BAD_TOOLS": write("tools-inline-secret.json", `{"sources": [{"name": "gh", "kind": "mcp_http", "url": "https://mcp.example.com/mcp",
+		  "headers": {"Authorization": "Bearer abc"}}]}`),
 		"$RUN":    "00000000-0000-7000-8000-000000000000",
 		"$CLOSED": closed,
 	}
@@ -124,6 +126,8 @@ func TestGoldenExitCodes(t *testing.T) {
 		{name: "providers file with an unknown field", bin: "modelproxy", args: []string{"--insecure", "--providers-config", "$BAD_FIELD"}},
 		{name: "providers file with a duplicate provider", bin: "modelproxy", args: []string{"--insecure", "--providers-config", "$BAD_DUPLICATE"}},
 		{name: "providers file from the environment", bin: "modelproxy", args: []string{"--insecure"}, env: []string{"CURFEW_PROVIDERS_CONFIG=$BAD_FIELD"}},
+		// toolrunner refuses a bad tools file with 2 (docs/tools.md).
+		{name: "tools file with an inline secret", bin: "toolrunner", args: []string{"--insecure", "--tools-config", "$BAD_TOOLS"}},
 	}
 	// Every service refuses a bad command line or environment with 2 before it listens.
 	for _, svc := range services {

@@ -34,7 +34,7 @@ const usage = `curfew: one absolute deadline and one stop signal for agent trees
 
 Usage:
   curfew up      [--data-dir DIR] [--base-port N] [--bin-dir DIR] [--store DSN]
-                 [--providers-config FILE] [--admission-config FILE]
+                 [--providers-config FILE] [--admission-config FILE] [--tools-config FILE]
                  [--shutdown-grace D] [--start-timeout D] [--insecure] [--json]
   curfew run     (--plan FILE | TASK) [--deadline D] [--model M] [--continue] [--cancel-after D] [--json]
   curfew get     RUN [--json]

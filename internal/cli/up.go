@@ -63,6 +63,7 @@ func cmdUp(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	asJSON := fs.Bool("json", false, "print the endpoints as JSON")
 	providers := fs.String("providers-config", "", "modelproxy's providers file (docs/providers.md); default $CURFEW_PROVIDERS_CONFIG, else only the sim model")
 	admissionFile := fs.String("admission-config", "", "orchestrator's admission file: pools, tenant limits, token budgets (docs/admission.md); default $CURFEW_ADMISSION_CONFIG, else the built-in pools")
+	toolsFile := fs.String("tools-config", "", "toolrunner's tool sources file: MCP and ToolService servers (docs/tools.md); default $CURFEW_TOOLS_CONFIG, else the built-in tools only")
 	storeDSN := fs.String("store", "", "the durable store: a postgres:// DSN, or a SQLite path (default: curfew.db in --data-dir)")
 	insecureFlag := fs.Bool("insecure", false, "run the services plaintext, without mTLS: only for local debugging (default: a local CA and per-service certificates in --data-dir/tls, re-issued at each start)")
 	if _, err := parse(fs, args); err != nil {
@@ -88,6 +89,16 @@ func cmdUp(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 			return usageErr(stderr, "up", fmt.Errorf("--admission-config: %w", err))
 		}
 		extra["orchestrator"] = append(extra["orchestrator"], "--admission-config", abs)
+	}
+	if *toolsFile != "" {
+		abs, err := filepath.Abs(*toolsFile)
+		if err == nil {
+			_, err = os.Stat(abs)
+		}
+		if err != nil {
+			return usageErr(stderr, "up", fmt.Errorf("--tools-config: %w", err))
+		}
+		extra["toolrunner"] = append(extra["toolrunner"], "--tools-config", abs)
 	}
 	dsn := *storeDSN
 	if dsn == "" {

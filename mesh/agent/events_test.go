@@ -19,6 +19,7 @@ import (
 	"github.com/curfew-mesh/curfew/mesh"
 	"github.com/curfew-mesh/curfew/mesh/agent"
 	"github.com/curfew-mesh/curfew/mesh/meshtest"
+	"github.com/curfew-mesh/curfew/mesh/plan"
 )
 
 func progressEvent(node string, p float64) *meshv1.NodeEvent {
@@ -72,7 +73,9 @@ func TestToolEventsReachEmitEvent(t *testing.T) {
 }
 
 // A tool call that failed UNAVAILABLE before any message is retried by the client
-// chain; one that reported progress first is not: its stream has carried a message.
+// chain; one that reported progress first is not: its stream has carried a message. The
+// fake answers to sleep's name: a built-in without side effects, which callers retry
+// without a key (a name that is not a built-in's they retry only with one).
 func TestToolWithEventsNotRetried(t *testing.T) {
 	flaky := func(withEvent bool) meshtest.ToolFunc {
 		var mu sync.Mutex
@@ -104,9 +107,9 @@ func TestToolWithEventsNotRetried(t *testing.T) {
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			model := meshtest.NewModel(
-				meshtest.ModelStep{ToolCalls: []*modelproxyv1.ToolCall{call(0, "flaky", `{}`)}},
+				meshtest.ModelStep{ToolCalls: []*modelproxyv1.ToolCall{call(0, plan.ToolSleep, `{}`)}},
 				meshtest.ModelStep{Text: "done"})
-			tools := meshtest.NewTools(map[string]meshtest.ToolFunc{"flaky": flaky(tc.withEvent)})
+			tools := meshtest.NewTools(map[string]meshtest.ToolFunc{plan.ToolSleep: flaky(tc.withEvent)})
 			mc := meshtest.Serve(t, mesh.ServerConfig{}, model.Register)
 			// The fake tools, reached with curfew's default retry policy.
 			plain := meshtest.Serve(t, mesh.ServerConfig{}, tools.Register)

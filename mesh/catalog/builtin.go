@@ -113,11 +113,14 @@ func IsBuiltin(name string) bool {
 	return ok
 }
 
-// NeedsKey reports whether name is a built-in whose call may run a second time only with
-// the caller's idempotency key (Tool.NeedsKey); false for any other name.
+// NeedsKey reports whether a call of the tool name may run a second time only with the
+// caller's idempotency key: for a built-in, Tool.NeedsKey; for any other name (a tool
+// source's, whose effects only toolrunner's registry knows), true. Toolrunner retries
+// such a tool itself as far as its effects allow; its callers retry it, or resume a run
+// at it, only with a key.
 func NeedsKey(name string) bool {
 	t, ok := builtins[name]
-	return ok && t.NeedsKey()
+	return !ok || t.NeedsKey()
 }
 
 // Durable reports whether name is a built-in whose effect toolrunner keeps in its store

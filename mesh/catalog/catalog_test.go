@@ -123,9 +123,15 @@ func TestNeedsKey(t *testing.T) {
 			t.Errorf("%+v.NeedsKey() = %v, want %v", tc.tool, got, tc.want)
 		}
 	}
-	for _, n := range []string{"", "mcp.search", plan.ToolSleep, plan.ToolFail, plan.ToolSpawnSubagent} {
+	for _, n := range []string{plan.ToolSleep, plan.ToolFail, plan.ToolSpawnSubagent} {
 		if catalog.NeedsKey(n) {
 			t.Errorf("NeedsKey(%q) = true", n)
+		}
+	}
+	// A name that is not a built-in's is a tool source's, of effects unknown here.
+	for _, n := range []string{"", "mcp.search", "github__create_issue"} {
+		if !catalog.NeedsKey(n) {
+			t.Errorf("NeedsKey(%q) = false, want true for a tool that is not a built-in", n)
 		}
 	}
 }

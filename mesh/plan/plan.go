@@ -276,8 +276,9 @@ func parse(data []byte, path string, depth int, calls *int) (*Plan, error) {
 	return p, nil
 }
 
-// ValidateTool checks a built-in tool call's name and arguments as a plan would, with
-// errors naming the field under "args".
+// ValidateTool checks a tool call's name and arguments as a plan would, with errors
+// naming the field under "args": a built-in's strictly; a tool source's (IsSourceTool)
+// only for an object of arguments.
 func ValidateTool(name string, args []byte) error {
 	calls := MaxToolCalls
 	return validateTool(Tool{Name: name, Args: args}, "", 0, &calls)
@@ -380,9 +381,39 @@ func validateTool(t Tool, path string, depth int, calls *int) error {
 	case "":
 		return &Error{join(path, "name"), "is required"}
 	default:
-		return &Error{join(path, "name"), fmt.Sprintf("unknown tool %q (known: deploy, fail, kv_put, notify, sleep, spawn_subagent)", t.Name)}
+		if !IsSourceTool(t.Name) {
+			return &Error{join(path, "name"), fmt.Sprintf("unknown tool %q (known: deploy, fail, kv_put, notify, sleep, spawn_subagent, or a tool source's source__tool)", t.Name)}
+		}
+		// A tool of a source: its arguments are checked against its schema by toolrunner,
+		// which alone knows it (and refuses a name it does not have, NOT_FOUND).
+		if a := bytes.TrimSpace(t.Args); len(a) > 0 && a[0] != '{' {
+			return &Error{ap, "must be a JSON object"}
+		}
+		var obj map[string]json.RawMessage
+		if err := strict(t.Args, &obj, ap); err != nil {
+			return err
+		}
 	}
 	return nil
+}
+
+// SourceToolSeparator separates a tool source's name from its tool's in the names
+// models and plans call source tools by (toolrunner's registry, docs/tools.md).
+const SourceToolSeparator = "__"
+
+// IsSourceTool reports whether name has the shape of a tool source's tool: source__tool,
+// 1 to 64 of [a-zA-Z0-9_-]. Whether the tool exists only toolrunner knows. A name without
+// the separator is a built-in's, checked as such.
+func IsSourceTool(name string) bool {
+	if len(name) > 64 || !strings.Contains(name, SourceToolSeparator) || strings.HasPrefix(name, SourceToolSeparator) {
+		return false
+	}
+	for _, r := range name {
+		if r != '_' && r != '-' && (r < 'a' || r > 'z') && (r < 'A' || r > 'Z') && (r < '0' || r > '9') {
+			return false
+		}
+	}
+	return true
 }
 
 // Args decodes a built-in tool's arguments strictly into v.

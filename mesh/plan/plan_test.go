@@ -143,6 +143,8 @@ func TestParseInvalid(t *testing.T) {
 		{"unknown top-level field", `{"steps":[{"answer_tokens":1}],"model":"x"}`, "", `unknown field "model"`},
 		{"unknown step field", `{"steps":[{"answer_tokens":1,"thinking":3}]}`, "steps[0]", `unknown field "thinking"`},
 		{"unknown tool", tool(`{"name":"rm_rf"}`), "steps[0].tools[0].name", `unknown tool "rm_rf"`},
+		{"source tool with a bad name", tool(`{"name":"github__sea.rch"}`), "steps[0].tools[0].name", `unknown tool "github__sea.rch"`},
+		{"source tool args not an object", tool(`{"name":"github__search","args":["q"]}`), "steps[0].tools[0].args", "must be a JSON object"},
 		{"missing tool name", tool(`{"args":{}}`), "steps[0].tools[0].name", "is required"},
 		{"last step must answer", `{"steps":[{"think_tokens":3}]}`, "steps[0].answer_tokens", "the last step must answer"},
 		{"last step calls tools", `{"steps":[{"answer_tokens":3,"tools":[{"name":"fail"}]}]}`, "steps[0].tools", "the last step answers and cannot call tools"},
@@ -274,4 +276,23 @@ func FuzzParse(f *testing.F) {
 			t.Fatalf("re-parse of %s: %v (input %q)", out, err, data)
 		}
 	})
+}
+
+// A plan may call a tool source's tool by its source__tool name with an object of
+// arguments; whether it exists, and its arguments' schema, are toolrunner's to check.
+func TestParseSourceTools(t *testing.T) {
+	p, err := plan.Parse([]byte(`{"steps":[{"tools":[{"name":"github__search_issues","args":{"q":"bug","limit":5}},` +
+		`{"name":"fs__list"},{"name":"my-src__x","args":{},"idempotency_key":"k"}]},{"answer_tokens":1}]}`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if n := len(p.Steps[0].Tools); n != 3 {
+		t.Fatalf("%d tools", n)
+	}
+	for name, want := range map[string]bool{"github__search": true, "a__b": true, "a-b__c-d": true, "sleep": false, "rm_rf": false,
+		"__x": false, "a__b.c": false, "a__" + strings.Repeat("x", 62): false} {
+		if plan.IsSourceTool(name) != want {
+			t.Errorf("IsSourceTool(%q) = %v", name, !want)
+		}
+	}
 }

@@ -1,4 +1,5 @@
-// Command toolrunner serves curfew.toolrunner.v1.ToolRunnerService: the built-in tools.
+// Command toolrunner serves curfew.toolrunner.v1.ToolRunnerService: the built-in tools, and
+// the tools of the sources --tools-config names.
 // It only wires; the logic is in internal/toolrunner.
 package main
 
@@ -21,6 +22,7 @@ import (
 	"github.com/curfew-mesh/curfew/mesh/store/memory"
 	_ "github.com/curfew-mesh/curfew/mesh/store/postgres" // postgres:// DSNs
 	_ "github.com/curfew-mesh/curfew/mesh/store/sqlite"   // SQLite paths
+	"github.com/curfew-mesh/curfew/services/toolrunner/internal/registry"
 	"github.com/curfew-mesh/curfew/services/toolrunner/internal/toolrunner"
 )
 
@@ -34,6 +36,7 @@ func run(args []string) int {
 	minTool := fs.Duration("min-tool-time", 10*time.Millisecond, "least time left to start a tool; less fails fast with DEADLINE_EXCEEDED")
 	maxDepth := fs.Int("max-subagent-depth", toolrunner.DefaultMaxSubagentDepth, "deepest subagent nesting spawn_subagent may create")
 	maxFanout := fs.Int("max-subagent-fanout", toolrunner.DefaultMaxSubagentFanout, "most subagents one run may have in flight on this process")
+	toolsConfig := fs.String("tools-config", "", "tool sources file: MCP servers and ToolService servers whose tools toolrunner runs as source__tool (docs/tools.md); a bad file stops toolrunner at start")
 	storeDSN := fs.String("store", "", "durable store of kv_put and notify: a SQLite path (sqlite:///path/curfew.db) or a postgres:// DSN; `curfew up` passes one under its data directory; without one those tools fail")
 	if err := service.Parse(fs, args, os.Getenv); err != nil {
 		fmt.Fprintln(os.Stderr, "toolrunner:", err)
@@ -50,6 +53,15 @@ func run(args []string) int {
 	case *maxDepth < 1 || *maxFanout < 1:
 		fmt.Fprintln(os.Stderr, "toolrunner: --max-subagent-depth and --max-subagent-fanout must be at least 1")
 		return 2
+	}
+	var tools *registry.Config
+	if *toolsConfig != "" {
+		c, err := registry.Load(*toolsConfig)
+		if err != nil {
+			fmt.Fprintln(os.Stderr, "toolrunner: --tools-config:", err)
+			return 2
+		}
+		tools = c
 	}
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
@@ -86,6 +98,15 @@ func run(args []string) int {
 		Registerer:        rt.Registry,
 		Store:             st,
 		Owner:             owner(),
+	}
+	if tools != nil {
+		reg, err := registry.New(tools, registry.Options{Openers: openers(), Registerer: rt.Registry, Logger: rt.Log})
+		if err != nil {
+			fmt.Fprintln(os.Stderr, "toolrunner: --tools-config:", err)
+			return 2
+		}
+		defer func() { _ = reg.Close() }()
+		cfg.Tools = reg
 	}
 	srv := toolrunner.New(cfg)
 	toolrunnerv1.RegisterToolRunnerServiceServer(rt.Server, srv)

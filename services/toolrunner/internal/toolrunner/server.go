@@ -32,6 +32,7 @@ import (
 	"github.com/curfew-mesh/curfew/mesh/plan"
 	"github.com/curfew-mesh/curfew/mesh/retry"
 	"github.com/curfew-mesh/curfew/mesh/store"
+	"github.com/curfew-mesh/curfew/services/toolrunner/internal/registry"
 )
 
 // Defaults of Config's zero fields.
@@ -65,6 +66,9 @@ type Config struct {
 	Store    Store
 	Owner    string
 	LeaseTTL time.Duration
+	// Tools, if set, runs the tools of the registry's sources: any name not a built-in's
+	// goes to it (see registry.go). Without it such a name is NOT_FOUND.
+	Tools *registry.Registry
 }
 
 // Store is what the server needs of a store: the tool records, and whether other
@@ -219,6 +223,8 @@ func (s *Server) prepare(ctx context.Context, req *toolrunnerv1.ExecuteRequest, 
 	switch {
 	case name == "":
 		return nil, status.Error(codes.InvalidArgument, "tool name is required")
+	case !catalog.IsBuiltin(name) && s.cfg.Tools != nil:
+		return s.prepareRegistry(ctx, name, raw, event)
 	case !catalog.IsBuiltin(name):
 		return nil, status.Errorf(codes.NotFound, "unknown tool %q (built-ins: deploy, fail, kv_put, notify, sleep, spawn_subagent)", name)
 	}
