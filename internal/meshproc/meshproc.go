@@ -126,6 +126,11 @@ type Options struct {
 	Env []string
 	// Insecure starts `curfew up --insecure`: plaintext, no mTLS.
 	Insecure bool
+	// Args are added to `curfew up`'s flags (for example --tools-config FILE).
+	Args []string
+	// Dir is the working directory of `curfew up` and so of every service; "" is the
+	// test's.
+	Dir string
 }
 
 // Start builds the binaries if needed and starts `curfew up --base-port 0` in dataDir,
@@ -141,7 +146,9 @@ func Start(ctx context.Context, dataDir string, o Options) (*Mesh, error) {
 	if o.Insecure {
 		args = append(args, "--insecure")
 	}
+	args = append(args, o.Args...)
 	m.up = exec.Command(filepath.Join(bin, "curfew"), args...) //nolint:noctx,gosec // see above; the curfew this package built
+	m.up.Dir = o.Dir
 	m.up.Env = append(os.Environ(), o.Env...)
 	m.up.Stderr = os.Stderr
 	m.up.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGTERM}

@@ -206,6 +206,33 @@ func TestRegistryToolIdempotencyKeyReplays(t *testing.T) {
 	}
 }
 
+// The caller's retry after a lost reply (attempt 2, same key) gets the stored result and
+// the tool does not run again; the node's attempts show the retry.
+func TestRegistryToolRetryReplayIsAnAttempt(t *testing.T) {
+	src := &toolSource{tools: []source.Tool{{Name: "create"}}, run: func(_ context.Context, c source.Call, _ func(*meshv1.Progress)) (source.Result, error) {
+		return source.Result{Output: json.RawMessage(`{"key":"` + c.Meta.IdempotencyKey + `"}`)}, nil
+	}}
+	e := newRegistryEnv(t, src, "")
+	const run, node = "r-regr", "root/s0.t0"
+	ctx := withKey(ident(run, node), "issue-2")
+	r1 := execute(withAttempt(ctx, "1"), t, e.tools, "ext__create", `{}`)
+	r2 := execute(withAttempt(ctx, "2"), t, e.tools, "ext__create", `{}`)
+	if r1.err != nil || r2.err != nil || r2.out != r1.out {
+		t.Fatalf("attempt 1 %q %v, attempt 2 %q %v; want the result replayed", r1.out, r1.err, r2.out, r2.err)
+	}
+	if src.count() != 1 {
+		t.Errorf("the tool ran %d times, want once", src.count())
+	}
+	n := meshtest.WaitNode(t, e.srv.Nodes, run, node)
+	ea := n.GetEarlierAttempts()
+	if n.GetStatus() != meshv1.NodeStatus_NODE_STATUS_SUCCEEDED || len(ea) != 1 || ea[0].GetStatus() != meshv1.NodeStatus_NODE_STATUS_SUCCEEDED {
+		t.Fatalf("node %v, want attempt 2 SUCCEEDED (replayed) after attempt 1 SUCCEEDED", n)
+	}
+	if !n.GetStartedAt().AsTime().After(ea[0].GetEndedAt().AsTime()) && !n.GetStartedAt().AsTime().Equal(ea[0].GetEndedAt().AsTime()) {
+		t.Errorf("attempt 2 started %v, before attempt 1 ended %v", n.GetStartedAt().AsTime(), ea[0].GetEndedAt().AsTime())
+	}
+}
+
 // A tenant the tool is not for gets NOT_FOUND, as for a tool that does not exist.
 func TestRegistryToolTenant(t *testing.T) {
 	src := &toolSource{tools: []source.Tool{{Name: "t"}}, run: func(context.Context, source.Call, func(*meshv1.Progress)) (source.Result, error) {

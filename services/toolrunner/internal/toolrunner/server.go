@@ -154,7 +154,11 @@ func (s *Server) Execute(req *toolrunnerv1.ExecuteRequest, stream toolrunnerv1.T
 		finish, rec := s.keys.claim(keyOf(ctx, k))
 		if rec != nil {
 			// Done: replay the stored result. In progress: join it. Either way, no second run.
+			arrived := time.Now()
 			out, err := s.keys.wait(ctx, rec)
+			if md.IdentityFrom(ctx).Attempt > 1 {
+				s.recordReplay(ctx, req.GetName(), arrived, err)
+			}
 			if err != nil {
 				return err
 			}
@@ -170,6 +174,20 @@ func (s *Server) Execute(req *toolrunnerv1.ExecuteRequest, stream toolrunnerv1.T
 	}
 	_, err = s.execute(ctx, req, stream, exec, evs, &send)
 	return err
+}
+
+// recordReplay records a caller's retry that an idempotency key answered (a reply lost
+// after the tool ran) as the node's attempt, from its arrival to now with the replayed
+// outcome: the node's attempts show the retry, though the tool did not run again. A
+// duplicate of the same attempt (a second caller) is not a retry and is not recorded.
+func (s *Server) recordReplay(ctx context.Context, name string, arrived time.Time, err error) {
+	id := md.IdentityFrom(ctx)
+	n := &meshv1.Node{Id: id.NodeID, Kind: meshv1.NodeKind_NODE_KIND_TOOL, Name: name, StartedAt: timestamppb.New(arrived)}
+	if dl, ok := ctx.Deadline(); ok {
+		n.Deadline = timestamppb.New(dl)
+	}
+	wctx, _ := s.Nodes.Begin(ctx, id.RunID, n)
+	s.Nodes.Finish(wctx, id.RunID, id.NodeID, err, nil)
 }
 
 // execute runs a prepared tool call as a node and sends its result.
