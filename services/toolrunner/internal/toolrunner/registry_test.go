@@ -233,6 +233,35 @@ func TestRegistryToolRetryReplayIsAnAttempt(t *testing.T) {
 	}
 }
 
+// A keyed tool that finished while its caller went away keeps its result: the caller's
+// retry with the same key replays it (or joins the first call) instead of running the
+// tool, and its effect, a second time.
+func TestRegistryToolFinishedAfterCallerLeftIsKept(t *testing.T) {
+	started := make(chan struct{}, 1)
+	src := &toolSource{tools: []source.Tool{{Name: "create"}}, run: func(ctx context.Context, _ source.Call, _ func(*meshv1.Progress)) (source.Result, error) {
+		started <- struct{}{}
+		<-ctx.Done() // the effect is done; the tool answers although its caller left
+		return source.Result{Output: json.RawMessage(`{"created":true}`)}, nil
+	}}
+	e := newRegistryEnv(t, src, "")
+	ctx := withKey(ident("r-regk", "root/s0.t0"), "create-1")
+	first, leave := context.WithCancel(withAttempt(ctx, "1"))
+	done := make(chan result, 1)
+	go func() { done <- execute(first, t, e.tools, "ext__create", `{}`) }()
+	<-started
+	leave()
+	if r := <-done; status.Code(r.err) != codes.Canceled {
+		t.Fatalf("attempt 1: %q %v, want CANCELED: its caller left", r.out, r.err)
+	}
+	r := execute(withAttempt(ctx, "2"), t, e.tools, "ext__create", `{}`)
+	if r.err != nil || r.out != `{"created":true}` {
+		t.Fatalf("attempt 2: %q %v, want the first attempt's result", r.out, r.err)
+	}
+	if n := src.count(); n != 1 {
+		t.Errorf("the tool ran %d times, want once", n)
+	}
+}
+
 // A tenant the tool is not for gets NOT_FOUND, as for a tool that does not exist.
 func TestRegistryToolTenant(t *testing.T) {
 	src := &toolSource{tools: []source.Tool{{Name: "t"}}, run: func(context.Context, source.Call, func(*meshv1.Progress)) (source.Result, error) {

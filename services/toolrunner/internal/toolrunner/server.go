@@ -167,12 +167,12 @@ func (s *Server) Execute(req *toolrunnerv1.ExecuteRequest, stream toolrunnerv1.T
 			return stream.Send(&toolrunnerv1.ExecuteResponse{Event: &toolrunnerv1.ExecuteResponse_Result{Result: &toolrunnerv1.ExecuteResult{OutputJson: out}}})
 		}
 		var out string
-		var runErr error
-		defer func() { finish(out, runErr) }()
-		out, runErr = s.execute(ctx, req, stream, exec, evs, &send)
-		return runErr
+		var outcome error = status.Error(codes.Internal, "tool call ended without an outcome")
+		defer func() { finish(out, outcome) }() // also when the tool panics
+		out, outcome, err = s.execute(ctx, req, stream, exec, evs, &send)
+		return err
 	}
-	_, err = s.execute(ctx, req, stream, exec, evs, &send)
+	_, _, err = s.execute(ctx, req, stream, exec, evs, &send)
 	return err
 }
 
@@ -190,9 +190,12 @@ func (s *Server) recordReplay(ctx context.Context, name string, arrived time.Tim
 	s.Nodes.Finish(wctx, id.RunID, id.NodeID, err, nil)
 }
 
-// execute runs a prepared tool call as a node and sends its result.
+// execute runs a prepared tool call as a node and sends its result. It returns the
+// tool's own outcome, which an idempotency key keeps (a tool that finished keeps its
+// result even when the reply cannot reach the caller, so a retry replays it rather than
+// running the tool again), and the call's error.
 func (s *Server) execute(ctx context.Context, req *toolrunnerv1.ExecuteRequest, stream toolrunnerv1.ToolRunnerService_ExecuteServer,
-	exec execFunc, evs *events, send *sync.Mutex) (string, error) {
+	exec execFunc, evs *events, send *sync.Mutex) (out string, outcome, err error) {
 	id := md.IdentityFrom(ctx)
 	run, node := id.RunID, id.NodeID
 	n := &meshv1.Node{Id: node, Kind: meshv1.NodeKind_NODE_KIND_TOOL, Name: req.GetName()}
@@ -213,14 +216,14 @@ func (s *Server) execute(ctx context.Context, req *toolrunnerv1.ExecuteRequest, 
 		n.Cleanup = cleanup
 	})
 	if err != nil {
-		return "", err
+		return "", err, err
 	}
 	if cancelled != nil {
-		return "", cancelled
+		return out, nil, cancelled // finished as the call was cancelled: kept, not sent
 	}
 	send.Lock()
 	defer send.Unlock()
-	return out, stream.Send(&toolrunnerv1.ExecuteResponse{Event: &toolrunnerv1.ExecuteResponse_Result{Result: &toolrunnerv1.ExecuteResult{OutputJson: out}}})
+	return out, nil, stream.Send(&toolrunnerv1.ExecuteResponse{Event: &toolrunnerv1.ExecuteResponse_Result{Result: &toolrunnerv1.ExecuteResult{OutputJson: out}}})
 }
 
 // Sweep forgets old node records and idempotency records.
