@@ -155,6 +155,9 @@ func TestToolsEverythingClientDisconnect(t *testing.T) {
 		}
 		time.Sleep(100 * time.Millisecond)
 	}
+	t.Logf("node ended %v after the disconnect; %d events watched; late messages counted %v after %v",
+		tool.GetEndedAt().AsTime().Sub(disconnected).Round(time.Millisecond), len(watch.events(firstTool)),
+		r.metric("curfew_tool_late_messages_total", late), time.Since(disconnected).Round(time.Millisecond))
 }
 
 // curfew-mcptest records the _meta of each call: the deadline it is told is the run's,
@@ -222,6 +225,7 @@ func TestToolsMCPTestMetaAndStubbornCancel(t *testing.T) {
 		t.Errorf("the run ended %v after CancelRun, want within 3s", took)
 	}
 	checkOrder(t, run, false)
+	t.Logf("deadline %d ms told, run's %s; the stubborn run ended %v after CancelRun", rec.Meta.Deadline, runDeadline.Format(time.RFC3339Nano), took.Round(time.Millisecond))
 }
 
 // A stdio server killed (SIGKILL) in the middle of a call: the call fails UNAVAILABLE,
@@ -263,6 +267,7 @@ func TestToolsMCPTestServerKilled(t *testing.T) {
 		t.Errorf("the run ended %v after the kill, want within 5s", took)
 	}
 
+	t.Logf("the run failed %v after the kill: %s %s", time.Since(killed).Round(time.Millisecond), sum.GetErrorCode(), sum.GetErrorMessage())
 	// toolrunner restarts the server (a new process) and its session.
 	r.waitLog(logged, 15*time.Second, "mcp source reconnected", func(m map[string]any) bool {
 		return m["msg"] == "mcp source reconnected" && m["source"] == "mcptest"
