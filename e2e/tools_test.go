@@ -137,6 +137,16 @@ func TestToolsEverythingClientDisconnect(t *testing.T) {
 		t.Errorf("the tool's node ended %v after the disconnect, want within 5s", took)
 	}
 	checkOrder(t, watch, true) // no progress of the node after its end, nor of the run's
+	run.wait(t)
+	if code(run.err) != "Canceled" {
+		t.Errorf("the disconnected Run call ended %v, want Canceled", run.err)
+	}
+	checkOrder(t, run, false) // up to the disconnect
+	for _, ev := range append(run.events(firstTool), watch.events(firstTool)...) {
+		if ev.GetProgress().GetTotal() != 100 {
+			t.Errorf("event %v, want the operation's total of 100 steps", ev)
+		}
+	}
 	ended := false
 	watch.mu.Lock()
 	for _, m := range watch.msgs {
