@@ -46,6 +46,7 @@ func run(m *testing.M) int {
 		code = 1
 	}
 	meshproc.Cleanup()
+	removeMCPTest()
 	if code == 0 {
 		if err := goleak.Find(); err != nil {
 			fmt.Fprintln(os.Stderr, "goroutine leak:", err)

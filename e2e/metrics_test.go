@@ -111,10 +111,16 @@ func scrapeParsed(t *testing.T, m *meshproc.Mesh, service string) page {
 	if err != nil {
 		t.Fatalf("%s /metrics: %v", service, err)
 	}
+	return parsePage(t, body)
+}
+
+// parsePage parses a /metrics page with the Prometheus text parser.
+func parsePage(t *testing.T, body string) page {
+	t.Helper()
 	p := expfmt.NewTextParser(model.LegacyValidation)
 	mfs, err := p.TextToMetricFamilies(strings.NewReader(body))
 	if err != nil {
-		t.Fatalf("%s /metrics does not parse: %v", service, err)
+		t.Fatalf("/metrics does not parse: %v", err)
 	}
 	return page{raw: body, mfs: mfs}
 }
