@@ -26,6 +26,10 @@ import (
 	"github.com/curfew-mesh/curfew/services/toolrunner/internal/toolrunner"
 )
 
+// toolsReadyWait bounds how long toolrunner waits, at start, for its tool sources' first
+// listing before it serves.
+const toolsReadyWait = 10 * time.Second
+
 func main() { os.Exit(run(os.Args[1:])) }
 
 func run(args []string) int {
@@ -107,6 +111,14 @@ func run(args []string) int {
 		}
 		defer func() { _ = reg.Close() }()
 		cfg.Tools = reg
+		// Serve once every source has been tried: a run started as soon as the mesh is
+		// ready then finds the tools of every source that is up. A source that is slow to
+		// answer holds the start at most toolsReadyWait; it is then down until it answers.
+		rctx, cancel := context.WithTimeout(ctx, toolsReadyWait)
+		if err := reg.Ready(rctx); err != nil {
+			rt.Log.Warn("serving before every tool source answered", "waited", toolsReadyWait.String())
+		}
+		cancel()
 	}
 	srv := toolrunner.New(cfg)
 	toolrunnerv1.RegisterToolRunnerServiceServer(rt.Server, srv)

@@ -99,7 +99,13 @@ type src struct {
 	listed  bool          // it listed at least once
 	entries []*entry      // its tools as last listed, in its order
 	toolSem map[string]chan struct{}
+
+	tried     chan struct{} // closed once the first open and listing have succeeded or failed
+	triedOnce sync.Once
 }
+
+// triedOnce marks s's first discovery attempt as over, whatever its outcome.
+func (s *src) markTried() { s.triedOnce.Do(func() { close(s.tried) }) }
 
 // entry is one tool of a source.
 type entry struct {
@@ -158,7 +164,7 @@ func New(cfg *Config, o Options) (*Registry, error) {
 			conc = *sc.Policy.Concurrency
 		}
 		s := &src{cfg: sc, breaker: breakers.Get("tool:" + sc.Name), sem: make(chan struct{}, conc), calls: r.calls,
-			down: errors.New("not listed yet"), toolSem: map[string]chan struct{}{}}
+			down: errors.New("not listed yet"), toolSem: map[string]chan struct{}{}, tried: make(chan struct{})}
 		r.sources = append(r.sources, s)
 		r.byName[sc.Name] = s
 		r.late.WithLabelValues(sc.Name) // exported at 0
@@ -176,6 +182,21 @@ func New(cfg *Config, o Options) (*Registry, error) {
 		}()
 	}
 	return r, nil
+}
+
+// Ready waits until every source has been opened and listed once, or has failed to be,
+// or until ctx ends (it then returns ctx's error). toolrunner waits for it before it
+// serves, bounded, so that a run started as soon as the mesh is ready finds the tools of
+// every source that is up; a source that is down stays down without holding the start.
+func (r *Registry) Ready(ctx context.Context) error {
+	for _, s := range r.sources {
+		select {
+		case <-s.tried:
+		case <-ctx.Done():
+			return ctx.Err()
+		}
+	}
+	return nil
 }
 
 // Close stops discovery and closes the sources.
@@ -200,7 +221,9 @@ func (r *Registry) Close() error {
 func (r *Registry) discover(ctx context.Context, s *src) {
 	log := r.log.With("source", s.cfg.Name)
 	failures := 0
+	defer s.markTried() // (discovery stopped before a first outcome)
 	fail := func(err error, wait time.Duration) bool {
+		defer s.markTried()
 		failures++
 		s.mu.Lock()
 		was := s.down
@@ -259,6 +282,7 @@ func (r *Registry) discover(ctx context.Context, s *src) {
 		}
 		failures = 0
 		r.setTools(s, tools, log)
+		s.markTried()
 		select {
 		case <-ctx.Done():
 			return

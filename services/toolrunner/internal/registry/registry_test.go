@@ -493,6 +493,26 @@ func TestNeverOpens(t *testing.T) {
 	}
 }
 
+// Ready returns once every source has been tried, listed or not: a source that answers
+// has its tools by then, and one that is down does not hold it.
+func TestReadyAfterEverySourceTried(t *testing.T) {
+	up := &fake{tools: []source.Tool{{Name: "t"}}}
+	down := &fake{listErr: errors.New("connection refused")}
+	r := open(t, `{"sources": [`+grpcSource("up", "")+`, `+grpcSource("down", "")+`, `+grpcSource("gone", "")+`]}`,
+		map[string]*fake{"up": up, "down": down}, nil, nil)
+	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel()
+	if err := r.Ready(ctx); err != nil {
+		t.Fatalf("Ready: %v", err)
+	}
+	if _, err := r.Prepare("", "up__t", nil); err != nil {
+		t.Errorf("the source that answered: %v, want its tool ready", err)
+	}
+	if _, err := r.Prepare("", "down__t", nil); status.Code(err) != codes.Unavailable || !strings.Contains(err.Error(), "connection refused") {
+		t.Errorf("the source that is down: %v, want UNAVAILABLE with its reason", err)
+	}
+}
+
 // Changed makes the registry list again.
 func TestChanged(t *testing.T) {
 	ch := make(chan struct{})
