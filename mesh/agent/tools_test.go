@@ -223,4 +223,3 @@ func TestRetryByListedSideEffects(t *testing.T) {
 		})
 	}
 }
-
