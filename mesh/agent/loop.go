@@ -126,8 +126,10 @@ func New(cfg Config) *Loop {
 	return &Loop{cfg: cfg}
 }
 
-// tools returns the tools of ctx's tenant (the built-ins without a lister).
-func (l *Loop) tools(ctx context.Context) *toollist.Tools {
+// Tools returns the tools of ctx's tenant as the loop's model steps are told of them
+// (the built-ins without a lister, or when toolrunner does not answer): their
+// NeedsKey says whether a call of one may run again without an idempotency key.
+func (l *Loop) Tools(ctx context.Context) *toollist.Tools {
 	if l.cfg.ToolList == nil {
 		return toollist.Builtins()
 	}
@@ -210,7 +212,7 @@ func (l *Loop) RunJournaled(ctx context.Context, base, model, task string, j Jou
 				return "", status.Errorf(codes.Internal, "journal of %s does not match the loop at step %d's tool results", base, i)
 			}
 			if tools == nil { // the model step was replayed
-				tools = l.tools(ctx)
+				tools = l.Tools(ctx)
 			}
 			var err error
 			outs, err = l.toolStep(ctx, fmt.Sprintf("%s/s%d", base, i), calls, tools)
@@ -240,7 +242,7 @@ func (l *Loop) modelStep(ctx context.Context, id, model string, msgs []*modelpro
 	if err := deadline.Check(ctx, l.cfg.MinModelTime, "model call "+id); err != nil {
 		return nil, nil, err
 	}
-	tools := l.tools(ctx)
+	tools := l.Tools(ctx)
 	res, err := l.generate(ctx, id, model, msgs, tools.Specs())
 	return res, tools, err
 }
