@@ -100,7 +100,7 @@ func run(args []string) int {
 		Owner:             owner(),
 	}
 	if tools != nil {
-		reg, err := registry.New(tools, registry.Options{Openers: openers(), Registerer: rt.Registry, Logger: rt.Log})
+		reg, err := registry.New(tools, registry.Options{Openers: openers(rt.ClientOptions), Registerer: rt.Registry, Logger: rt.Log})
 		if err != nil {
 			fmt.Fprintln(os.Stderr, "toolrunner: --tools-config:", err)
 			return 2
