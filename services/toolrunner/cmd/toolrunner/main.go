@@ -72,6 +72,8 @@ func run(args []string) int {
 		return 2
 	}
 	defer func() { _ = st.Close() }()
+	// The least time left to start, by method: a tool needs --min-tool-time; ListTools,
+	// which answers from memory, needs none.
 	rt, err := service.New(ctx, o, map[string]time.Duration{toolrunnerv1.ToolRunnerService_Execute_FullMethodName: *minTool})
 	if err != nil {
 		fmt.Fprintln(os.Stderr, "toolrunner:", err)
