@@ -29,8 +29,20 @@ import (
 const fieldManager = "curfew-test"
 
 // The kustomizations that a platform team applies: each must pass the real API server's
-// admission and validation with strict field validation.
-var kustomizations = []string{"../base", "../overlays/dev", "../overlays/prod"}
+// admission and validation with strict field validation. An overlay followed by "+" and
+// components is that overlay with the components added (manifest.Compose, in namespace
+// curfew), as a team adds the tool server examples of k8s/examples to its own.
+var kustomizations = []string{"../base", "../overlays/dev", "../overlays/prod",
+	"../overlays/prod+../examples/mcp-http", "../overlays/dev+../examples/mcp-sidecar"}
+
+// build renders one of kustomizations.
+func build(dir string) ([]byte, error) {
+	overlay, comps, ok := strings.Cut(dir, "+")
+	if !ok {
+		return manifest.Build(dir)
+	}
+	return manifest.Compose("curfew", overlay, strings.Split(comps, "+")...)
+}
 
 // TestServerSideDryRun applies every object of the base and of each overlay to a real
 // kube-apiserver with a server-side dry-run and strict field validation: what the server
@@ -44,8 +56,8 @@ func TestServerSideDryRun(t *testing.T) {
 		testStrictValidation(t, a)
 	})
 	for _, dir := range kustomizations {
-		t.Run(strings.TrimPrefix(dir, "../"), func(t *testing.T) {
-			data, err := manifest.Build(dir)
+		t.Run(strings.ReplaceAll(dir, "../", ""), func(t *testing.T) {
+			data, err := build(dir)
 			if err != nil {
 				t.Fatal(err)
 			}

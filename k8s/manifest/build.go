@@ -5,6 +5,9 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"os"
+	"path/filepath"
+	"strings"
 
 	"k8s.io/apimachinery/pkg/runtime"
 	"k8s.io/apimachinery/pkg/runtime/serializer/json"
@@ -54,4 +57,50 @@ func Decode(stream []byte) ([]runtime.Object, error) {
 		}
 		objs = append(objs, obj)
 	}
+}
+
+// Compose builds overlay (a kustomization directory) with the given kustomize components
+// added after its own, in namespace, as a platform team's overlay would list them:
+//
+//	namespace: namespace
+//	resources: [overlay]
+//	components: [components...]
+//
+// It writes that kustomization to a temporary directory; the result is Build's.
+func Compose(namespace, overlay string, components ...string) ([]byte, error) {
+	dir, err := os.MkdirTemp("", "curfew-kustomize-")
+	if err != nil {
+		return nil, err
+	}
+	defer func() { _ = os.RemoveAll(dir) }()
+	// kustomize refuses absolute paths: each is given relative to dir.
+	rel := func(p string) (string, error) {
+		a, err := filepath.Abs(p)
+		if err != nil {
+			return "", err
+		}
+		return filepath.Rel(dir, a)
+	}
+	var b strings.Builder
+	fmt.Fprintf(&b, "apiVersion: kustomize.config.k8s.io/v1beta1\nkind: Kustomization\nnamespace: %q\nresources:\n", namespace)
+	p, err := rel(overlay)
+	if err != nil {
+		return nil, err
+	}
+	fmt.Fprintf(&b, "  - %q\ncomponents:\n", p)
+	for _, c := range components {
+		p, err := rel(c)
+		if err != nil {
+			return nil, err
+		}
+		fmt.Fprintf(&b, "  - %q\n", p)
+	}
+	if err := os.WriteFile(filepath.Join(dir, "kustomization.yaml"), []byte(b.String()), 0o600); err != nil {
+		return nil, err
+	}
+	y, err := Build(dir)
+	if err != nil {
+		return nil, fmt.Errorf("%s with components %v: %w", overlay, components, err)
+	}
+	return y, nil
 }

@@ -15,8 +15,20 @@ import (
 	"github.com/curfew-mesh/curfew/k8s/manifest"
 )
 
-// trees are the kustomizations a platform team may apply, relative to this package.
-var trees = []string{"../base", "../overlays/dev", "../overlays/prod"}
+// trees are the kustomizations a platform team may apply, relative to this package: a
+// directory, or an overlay with the components after its "+" (manifest.Compose, in
+// namespace curfew), as a team adds the tool server examples of k8s/examples to its own.
+var trees = []string{"../base", "../overlays/dev", "../overlays/prod",
+	"../overlays/prod+../examples/mcp-http", "../overlays/dev+../examples/mcp-sidecar"}
+
+// buildTree renders one of trees.
+func buildTree(tree string) ([]byte, error) {
+	overlay, comps, ok := strings.Cut(tree, "+")
+	if !ok {
+		return manifest.Build(tree)
+	}
+	return manifest.Compose("curfew", overlay, strings.Split(comps, "+")...)
+}
 
 // components are curfew's four services, in DESIGN.md's order.
 var components = []string{"orchestrator", "toolrunner", "subagent", "modelproxy"}
@@ -47,7 +59,7 @@ func render(t *testing.T) map[string]*set {
 	renderOnce.Do(func() {
 		rendered = map[string]*set{}
 		for _, tree := range trees {
-			y, err := manifest.Build(tree)
+			y, err := buildTree(tree)
 			if err != nil {
 				renderErr = err
 				return
@@ -57,7 +69,7 @@ func render(t *testing.T) map[string]*set {
 				renderErr = err
 				return
 			}
-			s := &set{tree: strings.TrimPrefix(tree, "../"), objs: objs, deployments: map[string]*appsv1.Deployment{},
+			s := &set{tree: strings.ReplaceAll(tree, "../", ""), objs: objs, deployments: map[string]*appsv1.Deployment{},
 				services: map[string]*corev1.Service{}, configMaps: map[string]*corev1.ConfigMap{}}
 			for _, o := range objs {
 				switch o := o.(type) {
