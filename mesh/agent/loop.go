@@ -27,6 +27,7 @@ import (
 	"github.com/curfew-mesh/curfew/mesh/md"
 	"github.com/curfew-mesh/curfew/mesh/nodes"
 	"github.com/curfew-mesh/curfew/mesh/retry"
+	"github.com/curfew-mesh/curfew/mesh/toollist"
 )
 
 // Defaults of Config's zero fields.
@@ -78,10 +79,14 @@ type Config struct {
 	// LeaseOptions configure that keeper when Leases is nil: its renewal period and the
 	// TTL it asks for. Zero fields take decoderlease's defaults (4 s, 3 × the period).
 	LeaseOptions decoderlease.Options
+	// ToolList tells each model step of the tools its tenant may call (toolrunner's
+	// ListTools, kept per tenant for a few seconds: see package toollist), and decides
+	// from their listed side effects whether a failed tool call may be retried without an
+	// idempotency key. When toolrunner does not answer, the model is told of the
+	// built-ins, and the run goes on. When nil, New takes the process-wide lister of
+	// Tools (toollist.Shared).
+	ToolList *toollist.Lister
 }
-
-// toolSpecs are the built-in tools, described once.
-var toolSpecs = catalog.Specs()
 
 // Loop runs agent loops. It is safe for concurrent use.
 type Loop struct{ cfg Config }
@@ -115,7 +120,20 @@ func New(cfg Config) *Loop {
 	if cfg.Leases == nil && cfg.Model != nil {
 		cfg.Leases = decoderlease.Shared(cfg.Model, cfg.LeaseOptions)
 	}
+	if cfg.ToolList == nil && cfg.Tools != nil {
+		cfg.ToolList = toollist.Shared(cfg.Tools)
+	}
 	return &Loop{cfg: cfg}
+}
+
+// Tools returns the tools of ctx's tenant as the loop's model steps are told of them
+// (the built-ins without a lister, or when toolrunner does not answer): their
+// NeedsKey says whether a call of one may run again without an idempotency key.
+func (l *Loop) Tools(ctx context.Context) *toollist.Tools {
+	if l.cfg.ToolList == nil {
+		return toollist.Builtins()
+	}
+	return l.cfg.ToolList.Tools(ctx)
 }
 
 // Run runs the loop for task under ctx (which carries the run's identity and absolute
@@ -159,6 +177,7 @@ func (l *Loop) RunJournaled(ctx context.Context, base, model, task string, j Jou
 			return "", cancel.Status(ctx)
 		}
 		var res *stepResult
+		var tools *toollist.Tools // what the step's model was told of; its tool calls are judged by it
 		if e := next(i, EntryModel); e != nil {
 			res = &stepResult{GenerateResponse: &modelproxyv1.GenerateResponse{
 				FinishReason: e.FinishReason, ToolCalls: e.ToolCalls}, text: e.Text}
@@ -168,7 +187,7 @@ func (l *Loop) RunJournaled(ctx context.Context, base, model, task string, j Jou
 					base, prior[0].Seq, prior[0].Step, prior[0].Kind, i)
 			}
 			var err error
-			res, err = l.modelStep(ctx, fmt.Sprintf("%s/m%d", base, i), model, msgs)
+			res, tools, err = l.modelStep(ctx, fmt.Sprintf("%s/m%d", base, i), model, msgs)
 			if err != nil {
 				return "", err
 			}
@@ -192,8 +211,11 @@ func (l *Loop) RunJournaled(ctx context.Context, base, model, task string, j Jou
 			if e != nil || len(prior) > 0 {
 				return "", status.Errorf(codes.Internal, "journal of %s does not match the loop at step %d's tool results", base, i)
 			}
+			if tools == nil { // the model step was replayed
+				tools = l.Tools(ctx)
+			}
 			var err error
-			outs, err = l.toolStep(ctx, fmt.Sprintf("%s/s%d", base, i), calls)
+			outs, err = l.toolStep(ctx, fmt.Sprintf("%s/s%d", base, i), calls, tools)
 			if err != nil {
 				return "", err
 			}
@@ -214,15 +236,23 @@ type stepResult struct {
 	tokens                         int64 // the step's output tokens, as streamed
 }
 
-func (l *Loop) modelStep(ctx context.Context, id, model string, msgs []*modelproxyv1.Message) (*stepResult, error) {
+// modelStep runs one model step, telling the model of the tenant's tools; it returns the
+// step's result and those tools.
+func (l *Loop) modelStep(ctx context.Context, id, model string, msgs []*modelproxyv1.Message) (*stepResult, *toollist.Tools, error) {
 	if err := deadline.Check(ctx, l.cfg.MinModelTime, "model call "+id); err != nil {
-		return nil, err
+		return nil, nil, err
 	}
+	tools := l.Tools(ctx)
+	res, err := l.generate(ctx, id, model, msgs, tools.Specs())
+	return res, tools, err
+}
+
+func (l *Loop) generate(ctx context.Context, id, model string, msgs []*modelproxyv1.Message, specs []*modelproxyv1.ToolSpec) (*stepResult, error) {
 	cctx, stop := context.WithCancel(md.WithNode(ctx, id))
 	defer stop()
 	node := &meshv1.Node{Id: id, Kind: meshv1.NodeKind_NODE_KIND_MODEL, Name: model,
 		Status: meshv1.NodeStatus_NODE_STATUS_RUNNING, StartedAt: timestamppb.Now()}
-	req := &modelproxyv1.GenerateRequest{Model: model, Messages: msgs, Tools: toolSpecs}
+	req := &modelproxyv1.GenerateRequest{Model: model, Messages: msgs, Tools: specs}
 	// The decoder's lease, renewed from when the stream opens until it ends, and released
 	// on every way out of the stream before anything else: a cancelled step's settle wait
 	// must not keep renewing a decoder whose cancel may have been lost. It is keyed by
@@ -294,14 +324,14 @@ func (l *Loop) endModel(n *meshv1.Node, err error) {
 
 // toolStep runs the calls in parallel. The first failure cancels the others with cause
 // sibling_failed; it returns only after every call, and its remote teardown, has ended.
-func (l *Loop) toolStep(ctx context.Context, prefix string, calls []*modelproxyv1.ToolCall) ([]string, error) {
+func (l *Loop) toolStep(ctx context.Context, prefix string, calls []*modelproxyv1.ToolCall, tools *toollist.Tools) ([]string, error) {
 	if len(calls) > l.cfg.MaxFanout {
 		return nil, status.Errorf(codes.InvalidArgument, "step calls %d tools, more than the fan-out limit %d", len(calls), l.cfg.MaxFanout)
 	}
 	if len(calls) == 1 {
 		// No sibling to cancel: run the call on this goroutine, under ctx itself (a group
 		// context and a goroutine would be held for the whole call for nothing).
-		out, err := l.callTool(ctx, prefix+".t0", calls[0])
+		out, err := l.callTool(ctx, prefix+".t0", calls[0], tools)
 		if ctx.Err() != nil {
 			return nil, cancel.Status(ctx)
 		}
@@ -324,7 +354,7 @@ func (l *Loop) toolStep(ctx context.Context, prefix string, calls []*modelproxyv
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			out, err := l.callTool(gctx, ids[j], c)
+			out, err := l.callTool(gctx, ids[j], c, tools)
 			if err == nil {
 				outs[j] = out
 				return
@@ -371,13 +401,16 @@ func (l *Loop) toolStep(ctx context.Context, prefix string, calls []*modelproxyv
 	return outs, nil
 }
 
-func (l *Loop) callTool(ctx context.Context, id string, c *modelproxyv1.ToolCall) (string, error) {
+// callTool runs one tool call as node id. tools, what the model was told of, say the
+// tool's side effects: a tool listed as none or idempotent is retried freely, an
+// irreversible one, or one whose effects are not known, only with an idempotency key.
+func (l *Loop) callTool(ctx context.Context, id string, c *modelproxyv1.ToolCall, tools *toollist.Tools) (string, error) {
 	if err := deadline.Check(ctx, l.cfg.MinToolTime, "tool "+c.GetName()); err != nil {
 		return "", err
 	}
 	cctx := md.WithNode(ctx, id)
 	var opts []grpc.CallOption
-	if catalog.NeedsKey(c.GetName()) {
+	if tools.NeedsKey(c.GetName()) {
 		// Retried only with an idempotency key: a second run of it is a second effect.
 		opts = append(opts, retry.SideEffect())
 	}
@@ -408,6 +441,7 @@ func (l *Loop) callTool(ctx context.Context, id string, c *modelproxyv1.ToolCall
 	}
 	st, err := l.cfg.Tools.Execute(cctx, &toolrunnerv1.ExecuteRequest{Name: c.GetName(), ArgsJson: c.GetArgsJson()}, opts...)
 	if err != nil {
+		l.toolGone(ctx, c.GetName(), err)
 		err = l.failed(ctx, l.cfg.ToolNodes, id, err)
 		end(err)
 		return "", err
@@ -419,6 +453,7 @@ func (l *Loop) callTool(ctx context.Context, id string, c *modelproxyv1.ToolCall
 			break
 		}
 		if err != nil {
+			l.toolGone(ctx, c.GetName(), err)
 			err = l.failed(ctx, l.cfg.ToolNodes, id, err)
 			end(err)
 			return "", err
@@ -441,6 +476,15 @@ func (l *Loop) callTool(ctx context.Context, id string, c *modelproxyv1.ToolCall
 	}
 	end(nil)
 	return out.GetOutputJson(), nil
+}
+
+// toolGone drops the tenant's list when toolrunner did not know a tool that is not a
+// built-in (NOT_FOUND): the list the model was told of may name a tool its source no
+// longer has, or no longer lets the tenant call, so the next step lists again.
+func (l *Loop) toolGone(ctx context.Context, name string, err error) {
+	if status.Code(err) == codes.NotFound && l.cfg.ToolList != nil && !catalog.IsBuiltin(name) {
+		l.cfg.ToolList.Invalidate(md.IdentityFrom(ctx).Tenant)
+	}
 }
 
 // within reports whether node is root or lies beneath it.

@@ -28,8 +28,10 @@ type Call struct {
 	Args string
 	// Messages are the messages of a Generate call.
 	Messages []*modelproxyv1.Message
-	// Tools are the names of the tools a Generate call told the model about.
+	// Tools are the names of the tools a Generate call told the model about; Specs are
+	// their specs.
 	Tools []string
+	Specs []*modelproxyv1.ToolSpec
 	// Deadline is the handler context's deadline, zero when it had none.
 	Deadline time.Time
 	// Start is when the handler began; End when it returned (zero while it runs).
@@ -131,6 +133,7 @@ func (m *Model) Generate(req *modelproxyv1.GenerateRequest, ss grpc.ServerStream
 	for _, t := range req.GetTools() {
 		c.Tools = append(c.Tools, t.GetName())
 	}
+	c.Specs = req.GetTools()
 	ctx = m.start(ctx, c)
 	defer func() { m.end(ctx, c, err) }()
 	turn := 0
@@ -186,11 +189,43 @@ func SendEvent(ctx context.Context, ev *meshv1.NodeEvent) error {
 }
 
 // Tools is a scripted ToolRunnerService. A call to a tool it does not know fails with
-// NOT_FOUND.
+// NOT_FOUND. ListTools answers what SetList gave it, and is UNIMPLEMENTED (as on a
+// toolrunner older than it) until then; its calls are counted (Lists), not recorded.
 type Tools struct {
 	toolrunnerv1.UnimplementedToolRunnerServiceServer
 	recorder
 	funcs map[string]ToolFunc
+
+	listMu sync.Mutex
+	list   func(ctx context.Context) (*toolrunnerv1.ListToolsResponse, error)
+	lists  int
+}
+
+// SetList makes ListTools answer list(ctx) of the call's handler context (md.IdentityFrom
+// has its tenant); nil makes it UNIMPLEMENTED again.
+func (t *Tools) SetList(list func(ctx context.Context) (*toolrunnerv1.ListToolsResponse, error)) {
+	t.listMu.Lock()
+	defer t.listMu.Unlock()
+	t.list = list
+}
+
+// Lists returns how many ListTools calls the fake received.
+func (t *Tools) Lists() int {
+	t.listMu.Lock()
+	defer t.listMu.Unlock()
+	return t.lists
+}
+
+// ListTools implements ToolRunnerService.
+func (t *Tools) ListTools(ctx context.Context, _ *toolrunnerv1.ListToolsRequest) (*toolrunnerv1.ListToolsResponse, error) {
+	t.listMu.Lock()
+	t.lists++
+	list := t.list
+	t.listMu.Unlock()
+	if list == nil {
+		return nil, status.Error(codes.Unimplemented, "meshtest: ListTools has no answer (SetList)")
+	}
+	return list(ctx)
 }
 
 // NewTools returns a Tools that runs funcs by tool name.

@@ -10,6 +10,7 @@ import (
 	meshv1 "github.com/curfew-mesh/curfew/gen/curfew/mesh/v1"
 	"github.com/curfew-mesh/curfew/mesh"
 	"github.com/curfew-mesh/curfew/mesh/replicas"
+	"github.com/curfew-mesh/curfew/mesh/retry"
 )
 
 // Dial returns a client connection to target with the mesh client chain and default
@@ -34,6 +35,17 @@ func (rt *Runtime) Dial(name, target string) (*grpc.ClientConn, error) {
 	opts := append(mesh.DialOptions(mesh.ClientConfig{Retry: rc, Breakers: rt.Breakers, Metrics: rt.metrics.client}), grpc.WithTransportCredentials(rt.Credentials(name)),
 		rt.clientTracing())
 	return grpc.NewClient(target, opts...)
+}
+
+// ClientOptions returns the mesh client chain for a connection to a server outside the
+// call graph (a team's tool server): this service's client metrics and tracing, and
+// retries as rc says (its Target labels them); no breaker and no transport credentials,
+// which are the caller's to add.
+func (rt *Runtime) ClientOptions(rc retry.Config) []grpc.DialOption {
+	if rc.Logger == nil {
+		rc.Logger = rt.Log
+	}
+	return append(mesh.DialOptions(mesh.ClientConfig{Retry: rc, Metrics: rt.metrics.client}), rt.clientTracing())
 }
 
 // NodeReports returns the node report client of the service name at target that asks

@@ -8,6 +8,7 @@ package toolrunnerv1
 
 import (
 	v1 "github.com/curfew-mesh/curfew/gen/curfew/mesh/v1"
+	v11 "github.com/curfew-mesh/curfew/gen/curfew/tool/v1"
 	protoreflect "google.golang.org/protobuf/reflect/protoreflect"
 	protoimpl "google.golang.org/protobuf/runtime/protoimpl"
 	reflect "reflect"
@@ -223,11 +224,170 @@ func (*ExecuteResponse_Result) isExecuteResponse_Event() {}
 
 func (*ExecuteResponse_NodeEvent) isExecuteResponse_Event() {}
 
+// ListToolsRequest asks for the tools the calling tenant (curfew-tenant) may call.
+type ListToolsRequest struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ListToolsRequest) Reset() {
+	*x = ListToolsRequest{}
+	mi := &file_curfew_toolrunner_v1_toolrunner_proto_msgTypes[3]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ListToolsRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ListToolsRequest) ProtoMessage() {}
+
+func (x *ListToolsRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_curfew_toolrunner_v1_toolrunner_proto_msgTypes[3]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ListToolsRequest.ProtoReflect.Descriptor instead.
+func (*ListToolsRequest) Descriptor() ([]byte, []int) {
+	return file_curfew_toolrunner_v1_toolrunner_proto_rawDescGZIP(), []int{3}
+}
+
+// ToolInfo describes one tool as a model is told of it, and what a caller needs to
+// decide whether it may call the tool again.
+type ToolInfo struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// The name a model or plan calls it by: a built-in's bare name, source__tool else.
+	Name string `protobuf:"bytes,1,opt,name=name,proto3" json:"name,omitempty"`
+	// What the tool does, for the model.
+	Description string `protobuf:"bytes,2,opt,name=description,proto3" json:"description,omitempty"`
+	// The JSON Schema of the arguments, as a JSON object. Empty means any object.
+	InputSchemaJson string `protobuf:"bytes,3,opt,name=input_schema_json,json=inputSchemaJson,proto3" json:"input_schema_json,omitempty"`
+	// The tool's resolved side effects (the tool configuration's, else a trusted source's
+	// hints, else irreversible): a caller retries a call of a NONE or IDEMPOTENT tool
+	// freely, and of an IRREVERSIBLE one only with an idempotency key.
+	SideEffects   v11.SideEffects `protobuf:"varint,4,opt,name=side_effects,json=sideEffects,proto3,enum=curfew.tool.v1.SideEffects" json:"side_effects,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ToolInfo) Reset() {
+	*x = ToolInfo{}
+	mi := &file_curfew_toolrunner_v1_toolrunner_proto_msgTypes[4]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ToolInfo) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ToolInfo) ProtoMessage() {}
+
+func (x *ToolInfo) ProtoReflect() protoreflect.Message {
+	mi := &file_curfew_toolrunner_v1_toolrunner_proto_msgTypes[4]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ToolInfo.ProtoReflect.Descriptor instead.
+func (*ToolInfo) Descriptor() ([]byte, []int) {
+	return file_curfew_toolrunner_v1_toolrunner_proto_rawDescGZIP(), []int{4}
+}
+
+func (x *ToolInfo) GetName() string {
+	if x != nil {
+		return x.Name
+	}
+	return ""
+}
+
+func (x *ToolInfo) GetDescription() string {
+	if x != nil {
+		return x.Description
+	}
+	return ""
+}
+
+func (x *ToolInfo) GetInputSchemaJson() string {
+	if x != nil {
+		return x.InputSchemaJson
+	}
+	return ""
+}
+
+func (x *ToolInfo) GetSideEffects() v11.SideEffects {
+	if x != nil {
+		return x.SideEffects
+	}
+	return v11.SideEffects(0)
+}
+
+// ListToolsResponse holds the tools: the built-ins models are told of first, in their
+// order, then the tool sources' by name.
+type ListToolsResponse struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Tools         []*ToolInfo            `protobuf:"bytes,1,rep,name=tools,proto3" json:"tools,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ListToolsResponse) Reset() {
+	*x = ListToolsResponse{}
+	mi := &file_curfew_toolrunner_v1_toolrunner_proto_msgTypes[5]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ListToolsResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ListToolsResponse) ProtoMessage() {}
+
+func (x *ListToolsResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_curfew_toolrunner_v1_toolrunner_proto_msgTypes[5]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ListToolsResponse.ProtoReflect.Descriptor instead.
+func (*ListToolsResponse) Descriptor() ([]byte, []int) {
+	return file_curfew_toolrunner_v1_toolrunner_proto_rawDescGZIP(), []int{5}
+}
+
+func (x *ListToolsResponse) GetTools() []*ToolInfo {
+	if x != nil {
+		return x.Tools
+	}
+	return nil
+}
+
 var File_curfew_toolrunner_v1_toolrunner_proto protoreflect.FileDescriptor
 
 const file_curfew_toolrunner_v1_toolrunner_proto_rawDesc = "" +
 	"\n" +
-	"%curfew/toolrunner/v1/toolrunner.proto\x12\x14curfew.toolrunner.v1\x1a\x19curfew/mesh/v1/mesh.proto\"A\n" +
+	"%curfew/toolrunner/v1/toolrunner.proto\x12\x14curfew.toolrunner.v1\x1a\x19curfew/mesh/v1/mesh.proto\x1a\x19curfew/tool/v1/tool.proto\"A\n" +
 	"\x0eExecuteRequest\x12\x12\n" +
 	"\x04name\x18\x01 \x01(\tR\x04name\x12\x1b\n" +
 	"\targs_json\x18\x02 \x01(\tR\bargsJson\"0\n" +
@@ -239,9 +399,18 @@ const file_curfew_toolrunner_v1_toolrunner_proto_rawDesc = "" +
 	"\x06result\x18\x02 \x01(\v2#.curfew.toolrunner.v1.ExecuteResultH\x00R\x06result\x12:\n" +
 	"\n" +
 	"node_event\x18\x03 \x01(\v2\x19.curfew.mesh.v1.NodeEventH\x00R\tnodeEventB\a\n" +
-	"\x05event2m\n" +
+	"\x05event\"\x12\n" +
+	"\x10ListToolsRequest\"\xac\x01\n" +
+	"\bToolInfo\x12\x12\n" +
+	"\x04name\x18\x01 \x01(\tR\x04name\x12 \n" +
+	"\vdescription\x18\x02 \x01(\tR\vdescription\x12*\n" +
+	"\x11input_schema_json\x18\x03 \x01(\tR\x0finputSchemaJson\x12>\n" +
+	"\fside_effects\x18\x04 \x01(\x0e2\x1b.curfew.tool.v1.SideEffectsR\vsideEffects\"I\n" +
+	"\x11ListToolsResponse\x124\n" +
+	"\x05tools\x18\x01 \x03(\v2\x1e.curfew.toolrunner.v1.ToolInfoR\x05tools2\xcb\x01\n" +
 	"\x11ToolRunnerService\x12X\n" +
-	"\aExecute\x12$.curfew.toolrunner.v1.ExecuteRequest\x1a%.curfew.toolrunner.v1.ExecuteResponse0\x01B\xe2\x01\n" +
+	"\aExecute\x12$.curfew.toolrunner.v1.ExecuteRequest\x1a%.curfew.toolrunner.v1.ExecuteResponse0\x01\x12\\\n" +
+	"\tListTools\x12&.curfew.toolrunner.v1.ListToolsRequest\x1a'.curfew.toolrunner.v1.ListToolsResponseB\xe2\x01\n" +
 	"\x18com.curfew.toolrunner.v1B\x0fToolrunnerProtoP\x01ZCgithub.com/curfew-mesh/curfew/gen/curfew/toolrunner/v1;toolrunnerv1\xa2\x02\x03CTX\xaa\x02\x14Curfew.Toolrunner.V1\xca\x02\x14Curfew\\Toolrunner\\V1\xe2\x02 Curfew\\Toolrunner\\V1\\GPBMetadata\xea\x02\x16Curfew::Toolrunner::V1b\x06proto3"
 
 var (
@@ -256,25 +425,33 @@ func file_curfew_toolrunner_v1_toolrunner_proto_rawDescGZIP() []byte {
 	return file_curfew_toolrunner_v1_toolrunner_proto_rawDescData
 }
 
-var file_curfew_toolrunner_v1_toolrunner_proto_msgTypes = make([]protoimpl.MessageInfo, 3)
+var file_curfew_toolrunner_v1_toolrunner_proto_msgTypes = make([]protoimpl.MessageInfo, 6)
 var file_curfew_toolrunner_v1_toolrunner_proto_goTypes = []any{
-	(*ExecuteRequest)(nil),  // 0: curfew.toolrunner.v1.ExecuteRequest
-	(*ExecuteResult)(nil),   // 1: curfew.toolrunner.v1.ExecuteResult
-	(*ExecuteResponse)(nil), // 2: curfew.toolrunner.v1.ExecuteResponse
-	(*v1.Node)(nil),         // 3: curfew.mesh.v1.Node
-	(*v1.NodeEvent)(nil),    // 4: curfew.mesh.v1.NodeEvent
+	(*ExecuteRequest)(nil),    // 0: curfew.toolrunner.v1.ExecuteRequest
+	(*ExecuteResult)(nil),     // 1: curfew.toolrunner.v1.ExecuteResult
+	(*ExecuteResponse)(nil),   // 2: curfew.toolrunner.v1.ExecuteResponse
+	(*ListToolsRequest)(nil),  // 3: curfew.toolrunner.v1.ListToolsRequest
+	(*ToolInfo)(nil),          // 4: curfew.toolrunner.v1.ToolInfo
+	(*ListToolsResponse)(nil), // 5: curfew.toolrunner.v1.ListToolsResponse
+	(*v1.Node)(nil),           // 6: curfew.mesh.v1.Node
+	(*v1.NodeEvent)(nil),      // 7: curfew.mesh.v1.NodeEvent
+	(v11.SideEffects)(0),      // 8: curfew.tool.v1.SideEffects
 }
 var file_curfew_toolrunner_v1_toolrunner_proto_depIdxs = []int32{
-	3, // 0: curfew.toolrunner.v1.ExecuteResponse.node:type_name -> curfew.mesh.v1.Node
+	6, // 0: curfew.toolrunner.v1.ExecuteResponse.node:type_name -> curfew.mesh.v1.Node
 	1, // 1: curfew.toolrunner.v1.ExecuteResponse.result:type_name -> curfew.toolrunner.v1.ExecuteResult
-	4, // 2: curfew.toolrunner.v1.ExecuteResponse.node_event:type_name -> curfew.mesh.v1.NodeEvent
-	0, // 3: curfew.toolrunner.v1.ToolRunnerService.Execute:input_type -> curfew.toolrunner.v1.ExecuteRequest
-	2, // 4: curfew.toolrunner.v1.ToolRunnerService.Execute:output_type -> curfew.toolrunner.v1.ExecuteResponse
-	4, // [4:5] is the sub-list for method output_type
-	3, // [3:4] is the sub-list for method input_type
-	3, // [3:3] is the sub-list for extension type_name
-	3, // [3:3] is the sub-list for extension extendee
-	0, // [0:3] is the sub-list for field type_name
+	7, // 2: curfew.toolrunner.v1.ExecuteResponse.node_event:type_name -> curfew.mesh.v1.NodeEvent
+	8, // 3: curfew.toolrunner.v1.ToolInfo.side_effects:type_name -> curfew.tool.v1.SideEffects
+	4, // 4: curfew.toolrunner.v1.ListToolsResponse.tools:type_name -> curfew.toolrunner.v1.ToolInfo
+	0, // 5: curfew.toolrunner.v1.ToolRunnerService.Execute:input_type -> curfew.toolrunner.v1.ExecuteRequest
+	3, // 6: curfew.toolrunner.v1.ToolRunnerService.ListTools:input_type -> curfew.toolrunner.v1.ListToolsRequest
+	2, // 7: curfew.toolrunner.v1.ToolRunnerService.Execute:output_type -> curfew.toolrunner.v1.ExecuteResponse
+	5, // 8: curfew.toolrunner.v1.ToolRunnerService.ListTools:output_type -> curfew.toolrunner.v1.ListToolsResponse
+	7, // [7:9] is the sub-list for method output_type
+	5, // [5:7] is the sub-list for method input_type
+	5, // [5:5] is the sub-list for extension type_name
+	5, // [5:5] is the sub-list for extension extendee
+	0, // [0:5] is the sub-list for field type_name
 }
 
 func init() { file_curfew_toolrunner_v1_toolrunner_proto_init() }
@@ -293,7 +470,7 @@ func file_curfew_toolrunner_v1_toolrunner_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_curfew_toolrunner_v1_toolrunner_proto_rawDesc), len(file_curfew_toolrunner_v1_toolrunner_proto_rawDesc)),
 			NumEnums:      0,
-			NumMessages:   3,
+			NumMessages:   6,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

@@ -19,7 +19,8 @@ import (
 const _ = grpc.SupportPackageIsVersion9
 
 const (
-	ToolRunnerService_Execute_FullMethodName = "/curfew.toolrunner.v1.ToolRunnerService/Execute"
+	ToolRunnerService_Execute_FullMethodName   = "/curfew.toolrunner.v1.ToolRunnerService/Execute"
+	ToolRunnerService_ListTools_FullMethodName = "/curfew.toolrunner.v1.ToolRunnerService/ListTools"
 )
 
 // ToolRunnerServiceClient is the client API for ToolRunnerService service.
@@ -30,6 +31,10 @@ const (
 type ToolRunnerServiceClient interface {
 	// Execute runs one tool and streams the nodes it starts, then its result.
 	Execute(ctx context.Context, in *ExecuteRequest, opts ...grpc.CallOption) (grpc.ServerStreamingClient[ExecuteResponse], error)
+	// ListTools returns the tools the calling tenant may call, built-ins included: a tool
+	// a tool source lists only for other tenants is left out, as is a source that has
+	// not listed yet.
+	ListTools(ctx context.Context, in *ListToolsRequest, opts ...grpc.CallOption) (*ListToolsResponse, error)
 }
 
 type toolRunnerServiceClient struct {
@@ -59,6 +64,16 @@ func (c *toolRunnerServiceClient) Execute(ctx context.Context, in *ExecuteReques
 // This type alias is provided for backwards compatibility with existing code that references the prior non-generic stream type by name.
 type ToolRunnerService_ExecuteClient = grpc.ServerStreamingClient[ExecuteResponse]
 
+func (c *toolRunnerServiceClient) ListTools(ctx context.Context, in *ListToolsRequest, opts ...grpc.CallOption) (*ListToolsResponse, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(ListToolsResponse)
+	err := c.cc.Invoke(ctx, ToolRunnerService_ListTools_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
 // ToolRunnerServiceServer is the server API for ToolRunnerService service.
 // All implementations must embed UnimplementedToolRunnerServiceServer
 // for forward compatibility.
@@ -67,6 +82,10 @@ type ToolRunnerService_ExecuteClient = grpc.ServerStreamingClient[ExecuteRespons
 type ToolRunnerServiceServer interface {
 	// Execute runs one tool and streams the nodes it starts, then its result.
 	Execute(*ExecuteRequest, grpc.ServerStreamingServer[ExecuteResponse]) error
+	// ListTools returns the tools the calling tenant may call, built-ins included: a tool
+	// a tool source lists only for other tenants is left out, as is a source that has
+	// not listed yet.
+	ListTools(context.Context, *ListToolsRequest) (*ListToolsResponse, error)
 	mustEmbedUnimplementedToolRunnerServiceServer()
 }
 
@@ -79,6 +98,9 @@ type UnimplementedToolRunnerServiceServer struct{}
 
 func (UnimplementedToolRunnerServiceServer) Execute(*ExecuteRequest, grpc.ServerStreamingServer[ExecuteResponse]) error {
 	return status.Error(codes.Unimplemented, "method Execute not implemented")
+}
+func (UnimplementedToolRunnerServiceServer) ListTools(context.Context, *ListToolsRequest) (*ListToolsResponse, error) {
+	return nil, status.Error(codes.Unimplemented, "method ListTools not implemented")
 }
 func (UnimplementedToolRunnerServiceServer) mustEmbedUnimplementedToolRunnerServiceServer() {}
 func (UnimplementedToolRunnerServiceServer) testEmbeddedByValue()                           {}
@@ -112,13 +134,36 @@ func _ToolRunnerService_Execute_Handler(srv interface{}, stream grpc.ServerStrea
 // This type alias is provided for backwards compatibility with existing code that references the prior non-generic stream type by name.
 type ToolRunnerService_ExecuteServer = grpc.ServerStreamingServer[ExecuteResponse]
 
+func _ToolRunnerService_ListTools_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(ListToolsRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(ToolRunnerServiceServer).ListTools(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: ToolRunnerService_ListTools_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(ToolRunnerServiceServer).ListTools(ctx, req.(*ListToolsRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
 // ToolRunnerService_ServiceDesc is the grpc.ServiceDesc for ToolRunnerService service.
 // It's only intended for direct use with grpc.RegisterService,
 // and not to be introspected or modified (even as a copy)
 var ToolRunnerService_ServiceDesc = grpc.ServiceDesc{
 	ServiceName: "curfew.toolrunner.v1.ToolRunnerService",
 	HandlerType: (*ToolRunnerServiceServer)(nil),
-	Methods:     []grpc.MethodDesc{},
+	Methods: []grpc.MethodDesc{
+		{
+			MethodName: "ListTools",
+			Handler:    _ToolRunnerService_ListTools_Handler,
+		},
+	},
 	Streams: []grpc.StreamDesc{
 		{
 			StreamName:    "Execute",

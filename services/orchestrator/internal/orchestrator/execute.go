@@ -15,9 +15,9 @@ import (
 	orchestratorv1 "github.com/curfew-mesh/curfew/gen/curfew/orchestrator/v1"
 	"github.com/curfew-mesh/curfew/mesh/agent"
 	"github.com/curfew-mesh/curfew/mesh/breaker"
-	"github.com/curfew-mesh/curfew/mesh/catalog"
 	"github.com/curfew-mesh/curfew/mesh/nodes"
 	"github.com/curfew-mesh/curfew/mesh/retry"
+	"github.com/curfew-mesh/curfew/mesh/toollist"
 	"github.com/curfew-mesh/curfew/mesh/tracing"
 )
 
@@ -109,7 +109,7 @@ func (s *Server) runLoop(rctx context.Context, rn *run, loop *agent.Loop, model,
 			return answer, err
 		}
 		oe, refused := breaker.Open(err)
-		if !refused || !safeToResume(j.Replay()) {
+		if !refused || !safeToResume(j.Replay(), loop.Tools(rctx)) {
 			return answer, err
 		}
 		d := max(breakerParking.Backoff(attempt+1, rand.Float64), oe.RetryAfter)
@@ -130,8 +130,11 @@ func (s *Server) runLoop(rctx context.Context, rn *run, loop *agent.Loop, model,
 }
 
 // safeToResume reports whether the step the journal stopped in may run again: its
-// tool calls (if its model output was recorded) have no side effect without a key.
-func safeToResume(entries []agent.Entry) bool {
+// tool calls (if its model output was recorded) have no side effect without a key, as
+// tools (toolrunner's list of the tenant's tools) says: a tool listed as none or
+// idempotent may run again; an irreversible one, or one whose effects are not known
+// (not listed, or toolrunner did not answer), only with a key.
+func safeToResume(entries []agent.Entry, tools *toollist.Tools) bool {
 	if len(entries) == 0 {
 		return true
 	}
@@ -140,7 +143,7 @@ func safeToResume(entries []agent.Entry) bool {
 		return true // the failure was in a model step: nothing of it was done
 	}
 	for _, c := range last.ToolCalls {
-		if catalog.NeedsKey(c.GetName()) && c.GetIdempotencyKey() == "" {
+		if tools.NeedsKey(c.GetName()) && c.GetIdempotencyKey() == "" {
 			return false
 		}
 	}

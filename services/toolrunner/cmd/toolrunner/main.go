@@ -76,6 +76,8 @@ func run(args []string) int {
 		return 2
 	}
 	defer func() { _ = st.Close() }()
+	// The least time left to start, by method: a tool needs --min-tool-time; ListTools,
+	// which answers from memory, needs none.
 	rt, err := service.New(ctx, o, map[string]time.Duration{toolrunnerv1.ToolRunnerService_Execute_FullMethodName: *minTool})
 	if err != nil {
 		fmt.Fprintln(os.Stderr, "toolrunner:", err)
@@ -104,7 +106,7 @@ func run(args []string) int {
 		Owner:             owner(),
 	}
 	if tools != nil {
-		reg, err := registry.New(tools, registry.Options{Openers: openers(), Registerer: rt.Registry, Logger: rt.Log})
+		reg, err := registry.New(tools, registry.Options{Openers: openers(rt.ClientOptions), Registerer: rt.Registry, Logger: rt.Log})
 		if err != nil {
 			fmt.Fprintln(os.Stderr, "toolrunner: --tools-config:", err)
 			return 2

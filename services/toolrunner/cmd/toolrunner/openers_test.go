@@ -51,7 +51,7 @@ func TestRegistryWithMCPStdio(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	reg, err := registry.New(cfg, registry.Options{Openers: openers(), Logger: slog.New(slog.DiscardHandler)})
+	reg, err := registry.New(cfg, registry.Options{Openers: openers(nil), Logger: slog.New(slog.DiscardHandler)})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -133,7 +133,7 @@ func TestRegistryWithGRPCDownThenUp(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	reg, err := registry.New(cfg, registry.Options{Openers: openers(), Logger: slog.New(slog.DiscardHandler),
+	reg, err := registry.New(cfg, registry.Options{Openers: openers(nil), Logger: slog.New(slog.DiscardHandler),
 		Breaker: breaker.Config{OpenTimeout: 100 * time.Millisecond}})
 	if err != nil {
 		t.Fatal(err)

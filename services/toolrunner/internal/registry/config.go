@@ -68,6 +68,8 @@ type SourceConfig struct {
 	Headers map[string]string // header → the environment variable it is read from
 	// Address reaches a grpc server (host:port, or a gRPC target such as dns:///name:port).
 	Address string
+	// TLS, when set, makes a grpc source's connection TLS; nil is plaintext (h2c).
+	TLS *TLSConfig
 	// Trusted says the source's own hints about its tools' effects are believed.
 	Trusted bool
 	// Policy is the source's policy; Tools overrides it per tool (by the tool's name on
@@ -145,6 +147,7 @@ type sourceJSON struct {
 	URL     string                     `json:"url"`
 	Headers map[string]json.RawMessage `json:"headers"`
 	Address string                     `json:"address"`
+	TLS     json.RawMessage            `json:"tls"`
 	Trusted bool                       `json:"trusted"`
 	policyJSON
 	Tools map[string]json.RawMessage `json:"tools"`
@@ -225,7 +228,8 @@ func parseSource(raw []byte, path string, lookupEnv func(string) (string, bool),
 	var err error
 	switch j.Kind {
 	case KindMCPStdio:
-		err = errors.Join(unused("url", j.URL != ""), unused("headers", j.Headers != nil), unused("address", j.Address != ""))
+		err = errors.Join(unused("url", j.URL != ""), unused("headers", j.Headers != nil), unused("address", j.Address != ""),
+			unused("tls", j.TLS != nil))
 		if err == nil {
 			err = checkCommand(j.Command, path, lookPath)
 		}
@@ -236,7 +240,7 @@ func parseSource(raw []byte, path string, lookupEnv func(string) (string, bool),
 		}
 	case KindMCPHTTP:
 		err = errors.Join(unused("command", j.Command != ""), unused("args", j.Args != nil), unused("env", j.Env != nil),
-			unused("dir", j.Dir != ""), unused("address", j.Address != ""))
+			unused("dir", j.Dir != ""), unused("address", j.Address != ""), unused("tls", j.TLS != nil))
 		if err == nil {
 			err = checkURL(j.URL, path)
 		}
@@ -245,6 +249,9 @@ func parseSource(raw []byte, path string, lookupEnv func(string) (string, bool),
 			unused("dir", j.Dir != ""), unused("url", j.URL != ""), unused("headers", j.Headers != nil))
 		if err == nil && strings.TrimSpace(j.Address) == "" {
 			err = fmt.Errorf("%s.address: is required for kind %q", path, j.Kind)
+		}
+		if err == nil && j.TLS != nil && string(bytes.TrimSpace(j.TLS)) != "null" {
+			s.TLS, err = parseTLS(j.TLS, path+".tls")
 		}
 	case "":
 		return s, fmt.Errorf("%s.kind: is required (%s, %s or %s)", path, KindMCPStdio, KindMCPHTTP, KindGRPC)

@@ -25,6 +25,9 @@ func lookPath(cmd string) (string, error) {
 
 func TestParseRejects(t *testing.T) {
 	src := func(fields string) string { return `{"sources": [` + fields + `]}` }
+	grpcTLS := func(tls string) string {
+		return src(`{"name": "a", "kind": "grpc", "address": "x:1", "tls": ` + tls + `}`)
+	}
 	stdio := func(extra string) string {
 		return src(`{"name": "gh", "kind": "mcp_stdio", "command": "npx"` + extra + `}`)
 	}
@@ -69,6 +72,14 @@ func TestParseRejects(t *testing.T) {
 		{"too many attempts", stdio(`, "retry": {"max_attempts": 9}`), []string{"sources[0].retry", "max_attempts must be between 1 and 5"}},
 		{"non_idempotent in retry", stdio(`, "retry": {"non_idempotent": true}`), []string{"sources[0].retry.non_idempotent", "side_effects"}},
 		{"trailing data", `{"sources": []} {}`, []string{"the file", "trailing data"}},
+		{"tls on stdio", stdio(`, "tls": {}`), []string{"sources[0].tls", `not used by kind "mcp_stdio"`}},
+		{"tls on http", src(`{"name": "a", "kind": "mcp_http", "url": "https://x/mcp", "tls": {}}`), []string{"sources[0].tls", `not used by kind "mcp_http"`}},
+		{"unknown tls field", grpcTLS(`{"ca": "x"}`), []string{"sources[0].tls", `unknown field "ca"`}},
+		{"cert without key", grpcTLS(`{"cert_file": "/x.pem"}`), []string{"sources[0].tls.key_file", "go together"}},
+		{"key without cert", grpcTLS(`{"key_file": "/x.pem"}`), []string{"sources[0].tls.cert_file", "go together"}},
+		{"missing ca file", grpcTLS(`{"ca_file": "/nonexistent/ca.pem"}`), []string{"sources[0].tls.ca_file", "no such file"}},
+		{"ca file not PEM", grpcTLS(`{"ca_file": "config_test.go"}`), []string{"sources[0].tls.ca_file", "no PEM certificate"}},
+		{"missing cert file", grpcTLS(`{"cert_file": "/nonexistent/c.pem", "key_file": "/nonexistent/k.pem"}`), []string{"sources[0].tls.cert_file", "no such file"}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			_, err := Parse([]byte(tc.file), lookupEnv, lookPath)
@@ -144,5 +155,24 @@ func TestLoad(t *testing.T) {
 	_ = os.WriteFile(bad, []byte(`{"sources": [{"name": "a", "kind": "grpc"}]}`), 0o600)
 	if _, err := Load(bad); err == nil || !strings.Contains(err.Error(), bad+": sources[0].address") {
 		t.Errorf("bad file: %v", err)
+	}
+}
+
+// A grpc source is plaintext without tls (or with "tls": null); with it, TLS as it says.
+func TestParseTLS(t *testing.T) {
+	for file, want := range map[string]*TLSConfig{
+		`{"sources": [{"name": "a", "kind": "grpc", "address": "x:1"}]}`:                                       nil,
+		`{"sources": [{"name": "a", "kind": "grpc", "address": "x:1", "tls": null}]}`:                          nil,
+		`{"sources": [{"name": "a", "kind": "grpc", "address": "x:1", "tls": {}}]}`:                            {},
+		`{"sources": [{"name": "a", "kind": "grpc", "address": "x:1", "tls": {"server_name": "tools.team"}}]}`: {ServerName: "tools.team"},
+	} {
+		c, err := Parse([]byte(file), lookupEnv, lookPath)
+		if err != nil {
+			t.Fatalf("%s: %v", file, err)
+		}
+		got := c.Sources[0].TLS
+		if (got == nil) != (want == nil) || got != nil && *got != *want {
+			t.Errorf("%s: tls %+v, want %+v", file, got, want)
+		}
 	}
 }

@@ -7,7 +7,10 @@ import (
 	"google.golang.org/grpc/status"
 
 	meshv1 "github.com/curfew-mesh/curfew/gen/curfew/mesh/v1"
+	toolrunnerv1 "github.com/curfew-mesh/curfew/gen/curfew/toolrunner/v1"
+	"github.com/curfew-mesh/curfew/mesh/catalog"
 	"github.com/curfew-mesh/curfew/mesh/md"
+	"github.com/curfew-mesh/curfew/mesh/toollist"
 	"github.com/curfew-mesh/curfew/services/toolrunner/internal/source"
 )
 
@@ -45,4 +48,24 @@ func (s *Server) prepareRegistry(ctx context.Context, name string, raw []byte, e
 		}
 		return string(res.Output), nil, nil
 	}, nil
+}
+
+// ListTools implements ToolRunnerService: the tools the calling tenant may call, the
+// built-ins models are told of first. Without a registry, the built-ins only.
+func (s *Server) ListTools(ctx context.Context, _ *toolrunnerv1.ListToolsRequest) (*toolrunnerv1.ListToolsResponse, error) {
+	resp := &toolrunnerv1.ListToolsResponse{}
+	if s.cfg.Tools == nil {
+		for _, b := range catalog.Builtins() {
+			if b.Spec != nil {
+				resp.Tools = append(resp.Tools, &toolrunnerv1.ToolInfo{Name: b.Name, Description: b.Spec.GetDescription(),
+					InputSchemaJson: b.Spec.GetParametersJson(), SideEffects: toollist.Proto(b.SideEffects)})
+			}
+		}
+		return resp, nil
+	}
+	for _, t := range s.cfg.Tools.Tools(md.IdentityFrom(ctx).Tenant) {
+		resp.Tools = append(resp.Tools, &toolrunnerv1.ToolInfo{Name: t.Name, Description: t.Description,
+			InputSchemaJson: string(t.InputSchema), SideEffects: toollist.Proto(t.SideEffects)})
+	}
+	return resp, nil
 }

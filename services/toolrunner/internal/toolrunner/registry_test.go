@@ -14,10 +14,13 @@ import (
 	"google.golang.org/grpc/status"
 
 	meshv1 "github.com/curfew-mesh/curfew/gen/curfew/mesh/v1"
+	toolv1 "github.com/curfew-mesh/curfew/gen/curfew/tool/v1"
 	toolrunnerv1 "github.com/curfew-mesh/curfew/gen/curfew/toolrunner/v1"
 	"github.com/curfew-mesh/curfew/mesh"
+	"github.com/curfew-mesh/curfew/mesh/catalog"
 	"github.com/curfew-mesh/curfew/mesh/md"
 	"github.com/curfew-mesh/curfew/mesh/meshtest"
+	"github.com/curfew-mesh/curfew/mesh/plan"
 	"github.com/curfew-mesh/curfew/services/toolrunner/internal/registry"
 	"github.com/curfew-mesh/curfew/services/toolrunner/internal/source"
 )
@@ -274,5 +277,84 @@ func TestRegistryToolTenant(t *testing.T) {
 	ctx := metadata.AppendToOutgoingContext(ident("r-regt", "root/s0.t1"), md.Tenant, "acme")
 	if r := execute(ctx, t, e.tools, "ext__t", `{}`); r.err != nil || r.out != "1" {
 		t.Errorf("acme: %q %v", r.out, r.err)
+	}
+}
+
+// ListTools answers each tenant with the built-ins, then the registry tools it may call,
+// each with its schema and resolved side effects: a tool configured for another tenant
+// is left out, as it is for a tool that does not exist.
+func TestListToolsPerTenant(t *testing.T) {
+	schema := `{"type": "object", "properties": {"q": {"type": "string"}}}`
+	src := &toolSource{tools: []source.Tool{
+		{Name: "search", Description: "Searches.", InputSchema: json.RawMessage(schema)},
+		{Name: "secret"},
+	}, run: func(context.Context, source.Call, func(*meshv1.Progress)) (source.Result, error) {
+		return source.Result{Output: json.RawMessage(`1`)}, nil
+	}}
+	e := newRegistryEnvFor(t, src, `, "tools": {"search": {"side_effects": "none"}, "secret": {"tenants": ["acme"]}}`, "acme")
+	list := func(tenant string) map[string]*toolrunnerv1.ToolInfo {
+		t.Helper()
+		ctx := context.Background()
+		if tenant != "" {
+			ctx = metadata.AppendToOutgoingContext(ctx, md.Tenant, tenant)
+		}
+		resp, err := e.tools.ListTools(ctx, &toolrunnerv1.ListToolsRequest{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		var names []string
+		out := map[string]*toolrunnerv1.ToolInfo{}
+		for _, ti := range resp.GetTools() {
+			names = append(names, ti.GetName())
+			out[ti.GetName()] = ti
+		}
+		// The built-ins models are told of come first, in the catalogue's order.
+		for i, s := range catalog.Specs() {
+			if i >= len(names) || names[i] != s.GetName() {
+				t.Fatalf("tenant %q: tools %v, want the built-ins first, in order", tenant, names)
+			}
+		}
+		return out
+	}
+	def := list("")
+	if def["ext__secret"] != nil {
+		t.Errorf("the default tenant is told of ext__secret, a tool of acme's only")
+	}
+	s := def["ext__search"]
+	if s.GetDescription() != "Searches." || s.GetInputSchemaJson() != schema || s.GetSideEffects() != toolv1.SideEffects_SIDE_EFFECTS_NONE {
+		t.Errorf("ext__search = %v, want its description, schema and configured effects (none)", s)
+	}
+	if d := def[plan.ToolDeploy]; d.GetSideEffects() != toolv1.SideEffects_SIDE_EFFECTS_IRREVERSIBLE || d.GetInputSchemaJson() == "" {
+		t.Errorf("deploy = %v, want the built-in's schema, irreversible", d)
+	}
+	if def[plan.ToolFail] != nil {
+		t.Error("fail, which no model is told of, is listed")
+	}
+	acme := list("acme")
+	// An untrusted source's tool without configured effects is irreversible.
+	if sec := acme["ext__secret"]; sec.GetSideEffects() != toolv1.SideEffects_SIDE_EFFECTS_IRREVERSIBLE {
+		t.Errorf("acme: ext__secret = %v, want it listed, irreversible", sec)
+	}
+	if len(acme) != len(def)+1 {
+		t.Errorf("acme is told of %d tools, the default tenant %d: want one more", len(acme), len(def))
+	}
+}
+
+// Without a registry, ListTools answers the built-ins models are told of.
+func TestListToolsBuiltinsOnly(t *testing.T) {
+	e := newEnv(t, mesh.ServerConfig{}, Config{})
+	resp, err := e.tools.ListTools(context.Background(), &toolrunnerv1.ListToolsRequest{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	specs := catalog.Specs()
+	if len(resp.GetTools()) != len(specs) {
+		t.Fatalf("%d tools, want the %d built-ins", len(resp.GetTools()), len(specs))
+	}
+	for i, ti := range resp.GetTools() {
+		if ti.GetName() != specs[i].GetName() || ti.GetInputSchemaJson() != specs[i].GetParametersJson() ||
+			ti.GetSideEffects() == toolv1.SideEffects_SIDE_EFFECTS_UNSPECIFIED {
+			t.Errorf("tool %d = %v, want %s with its schema and effects", i, ti, specs[i].GetName())
+		}
 	}
 }

@@ -6,13 +6,15 @@ import type { GenFile, GenMessage, GenService } from "@bufbuild/protobuf/codegen
 import { fileDesc, messageDesc, serviceDesc } from "@bufbuild/protobuf/codegenv2";
 import type { Node, NodeEvent } from "../../mesh/v1/mesh_pb.js";
 import { file_curfew_mesh_v1_mesh } from "../../mesh/v1/mesh_pb.js";
+import type { SideEffects } from "../../tool/v1/tool_pb.js";
+import { file_curfew_tool_v1_tool } from "../../tool/v1/tool_pb.js";
 import type { Message } from "@bufbuild/protobuf";
 
 /**
  * Describes the file curfew/toolrunner/v1/toolrunner.proto.
  */
 export const file_curfew_toolrunner_v1_toolrunner: GenFile = /*@__PURE__*/
-  fileDesc("CiVjdXJmZXcvdG9vbHJ1bm5lci92MS90b29scnVubmVyLnByb3RvEhRjdXJmZXcudG9vbHJ1bm5lci52MSIxCg5FeGVjdXRlUmVxdWVzdBIMCgRuYW1lGAEgASgJEhEKCWFyZ3NfanNvbhgCIAEoCSIkCg1FeGVjdXRlUmVzdWx0EhMKC291dHB1dF9qc29uGAEgASgJIqgBCg9FeGVjdXRlUmVzcG9uc2USJAoEbm9kZRgBIAEoCzIULmN1cmZldy5tZXNoLnYxLk5vZGVIABI1CgZyZXN1bHQYAiABKAsyIy5jdXJmZXcudG9vbHJ1bm5lci52MS5FeGVjdXRlUmVzdWx0SAASLwoKbm9kZV9ldmVudBgDIAEoCzIZLmN1cmZldy5tZXNoLnYxLk5vZGVFdmVudEgAQgcKBWV2ZW50Mm0KEVRvb2xSdW5uZXJTZXJ2aWNlElgKB0V4ZWN1dGUSJC5jdXJmZXcudG9vbHJ1bm5lci52MS5FeGVjdXRlUmVxdWVzdBolLmN1cmZldy50b29scnVubmVyLnYxLkV4ZWN1dGVSZXNwb25zZTABQuIBChhjb20uY3VyZmV3LnRvb2xydW5uZXIudjFCD1Rvb2xydW5uZXJQcm90b1ABWkNnaXRodWIuY29tL2N1cmZldy1tZXNoL2N1cmZldy9nZW4vY3VyZmV3L3Rvb2xydW5uZXIvdjE7dG9vbHJ1bm5lcnYxogIDQ1RYqgIUQ3VyZmV3LlRvb2xydW5uZXIuVjHKAhRDdXJmZXdcVG9vbHJ1bm5lclxWMeICIEN1cmZld1xUb29scnVubmVyXFYxXEdQQk1ldGFkYXRh6gIWQ3VyZmV3OjpUb29scnVubmVyOjpWMWIGcHJvdG8z", [file_curfew_mesh_v1_mesh]);
+  fileDesc("CiVjdXJmZXcvdG9vbHJ1bm5lci92MS90b29scnVubmVyLnByb3RvEhRjdXJmZXcudG9vbHJ1bm5lci52MSIxCg5FeGVjdXRlUmVxdWVzdBIMCgRuYW1lGAEgASgJEhEKCWFyZ3NfanNvbhgCIAEoCSIkCg1FeGVjdXRlUmVzdWx0EhMKC291dHB1dF9qc29uGAEgASgJIqgBCg9FeGVjdXRlUmVzcG9uc2USJAoEbm9kZRgBIAEoCzIULmN1cmZldy5tZXNoLnYxLk5vZGVIABI1CgZyZXN1bHQYAiABKAsyIy5jdXJmZXcudG9vbHJ1bm5lci52MS5FeGVjdXRlUmVzdWx0SAASLwoKbm9kZV9ldmVudBgDIAEoCzIZLmN1cmZldy5tZXNoLnYxLk5vZGVFdmVudEgAQgcKBWV2ZW50IhIKEExpc3RUb29sc1JlcXVlc3QiewoIVG9vbEluZm8SDAoEbmFtZRgBIAEoCRITCgtkZXNjcmlwdGlvbhgCIAEoCRIZChFpbnB1dF9zY2hlbWFfanNvbhgDIAEoCRIxCgxzaWRlX2VmZmVjdHMYBCABKA4yGy5jdXJmZXcudG9vbC52MS5TaWRlRWZmZWN0cyJCChFMaXN0VG9vbHNSZXNwb25zZRItCgV0b29scxgBIAMoCzIeLmN1cmZldy50b29scnVubmVyLnYxLlRvb2xJbmZvMssBChFUb29sUnVubmVyU2VydmljZRJYCgdFeGVjdXRlEiQuY3VyZmV3LnRvb2xydW5uZXIudjEuRXhlY3V0ZVJlcXVlc3QaJS5jdXJmZXcudG9vbHJ1bm5lci52MS5FeGVjdXRlUmVzcG9uc2UwARJcCglMaXN0VG9vbHMSJi5jdXJmZXcudG9vbHJ1bm5lci52MS5MaXN0VG9vbHNSZXF1ZXN0GicuY3VyZmV3LnRvb2xydW5uZXIudjEuTGlzdFRvb2xzUmVzcG9uc2VC4gEKGGNvbS5jdXJmZXcudG9vbHJ1bm5lci52MUIPVG9vbHJ1bm5lclByb3RvUAFaQ2dpdGh1Yi5jb20vY3VyZmV3LW1lc2gvY3VyZmV3L2dlbi9jdXJmZXcvdG9vbHJ1bm5lci92MTt0b29scnVubmVydjGiAgNDVFiqAhRDdXJmZXcuVG9vbHJ1bm5lci5WMcoCFEN1cmZld1xUb29scnVubmVyXFYx4gIgQ3VyZmV3XFRvb2xydW5uZXJcVjFcR1BCTWV0YWRhdGHqAhZDdXJmZXc6OlRvb2xydW5uZXI6OlYxYgZwcm90bzM", [file_curfew_mesh_v1_mesh, file_curfew_tool_v1_tool]);
 
 /**
  * ExecuteRequest runs one tool. The node id, run id and deadline travel in metadata.
@@ -102,6 +104,86 @@ export const ExecuteResponseSchema: GenMessage<ExecuteResponse> = /*@__PURE__*/
   messageDesc(file_curfew_toolrunner_v1_toolrunner, 2);
 
 /**
+ * ListToolsRequest asks for the tools the calling tenant (curfew-tenant) may call.
+ *
+ * @generated from message curfew.toolrunner.v1.ListToolsRequest
+ */
+export type ListToolsRequest = Message<"curfew.toolrunner.v1.ListToolsRequest"> & {
+};
+
+/**
+ * Describes the message curfew.toolrunner.v1.ListToolsRequest.
+ * Use `create(ListToolsRequestSchema)` to create a new message.
+ */
+export const ListToolsRequestSchema: GenMessage<ListToolsRequest> = /*@__PURE__*/
+  messageDesc(file_curfew_toolrunner_v1_toolrunner, 3);
+
+/**
+ * ToolInfo describes one tool as a model is told of it, and what a caller needs to
+ * decide whether it may call the tool again.
+ *
+ * @generated from message curfew.toolrunner.v1.ToolInfo
+ */
+export type ToolInfo = Message<"curfew.toolrunner.v1.ToolInfo"> & {
+  /**
+   * The name a model or plan calls it by: a built-in's bare name, source__tool else.
+   *
+   * @generated from field: string name = 1;
+   */
+  name: string;
+
+  /**
+   * What the tool does, for the model.
+   *
+   * @generated from field: string description = 2;
+   */
+  description: string;
+
+  /**
+   * The JSON Schema of the arguments, as a JSON object. Empty means any object.
+   *
+   * @generated from field: string input_schema_json = 3;
+   */
+  inputSchemaJson: string;
+
+  /**
+   * The tool's resolved side effects (the tool configuration's, else a trusted source's
+   * hints, else irreversible): a caller retries a call of a NONE or IDEMPOTENT tool
+   * freely, and of an IRREVERSIBLE one only with an idempotency key.
+   *
+   * @generated from field: curfew.tool.v1.SideEffects side_effects = 4;
+   */
+  sideEffects: SideEffects;
+};
+
+/**
+ * Describes the message curfew.toolrunner.v1.ToolInfo.
+ * Use `create(ToolInfoSchema)` to create a new message.
+ */
+export const ToolInfoSchema: GenMessage<ToolInfo> = /*@__PURE__*/
+  messageDesc(file_curfew_toolrunner_v1_toolrunner, 4);
+
+/**
+ * ListToolsResponse holds the tools: the built-ins models are told of first, in their
+ * order, then the tool sources' by name.
+ *
+ * @generated from message curfew.toolrunner.v1.ListToolsResponse
+ */
+export type ListToolsResponse = Message<"curfew.toolrunner.v1.ListToolsResponse"> & {
+  /**
+   * @generated from field: repeated curfew.toolrunner.v1.ToolInfo tools = 1;
+   */
+  tools: ToolInfo[];
+};
+
+/**
+ * Describes the message curfew.toolrunner.v1.ListToolsResponse.
+ * Use `create(ListToolsResponseSchema)` to create a new message.
+ */
+export const ListToolsResponseSchema: GenMessage<ListToolsResponse> = /*@__PURE__*/
+  messageDesc(file_curfew_toolrunner_v1_toolrunner, 5);
+
+/**
  * ToolRunnerService executes tools.
  *
  * @generated from service curfew.toolrunner.v1.ToolRunnerService
@@ -116,6 +198,18 @@ export const ToolRunnerService: GenService<{
     methodKind: "server_streaming";
     input: typeof ExecuteRequestSchema;
     output: typeof ExecuteResponseSchema;
+  },
+  /**
+   * ListTools returns the tools the calling tenant may call, built-ins included: a tool
+   * a tool source lists only for other tenants is left out, as is a source that has
+   * not listed yet.
+   *
+   * @generated from rpc curfew.toolrunner.v1.ToolRunnerService.ListTools
+   */
+  listTools: {
+    methodKind: "unary";
+    input: typeof ListToolsRequestSchema;
+    output: typeof ListToolsResponseSchema;
   },
 }> = /*@__PURE__*/
   serviceDesc(file_curfew_toolrunner_v1_toolrunner, 0);

@@ -36,8 +36,9 @@ type Config struct {
 	// (dns:///tools.team.svc:7800, unix:///run/tools.sock). Required.
 	Address string
 	// DialOptions are added to the connection's options after a default of plaintext
-	// transport credentials, so credentials among them win: toolrunner passes mesh's
-	// client chain (mesh.DialOptions) and the mesh's TLS.
+	// transport credentials, so credentials among them win: toolrunner passes the mesh's
+	// client chain (mesh.DialOptions, its retries off) and the source's TLS, when
+	// configured.
 	DialOptions []grpc.DialOption
 }
 
