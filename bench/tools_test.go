@@ -358,7 +358,9 @@ func inflightOnce(b *testing.B, n int) {
 	// Warm the paths with short waits that complete.
 	var wg sync.WaitGroup
 	for i := range 32 {
-		wg.Go(func() { _, _ = execute(context.Background(), tr.client, fmt.Sprintf("warm-%d", i), "st__wait", `{"ms": 10}`) })
+		wg.Go(func() {
+			_, _ = execute(context.Background(), tr.client, fmt.Sprintf("warm-%d", i), "st__wait", `{"ms": 10}`)
+		})
 	}
 	wg.Wait()
 	time.Sleep(memorySettle)
