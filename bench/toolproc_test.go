@@ -115,6 +115,7 @@ type trProc struct {
 	admin  string
 	conn   *grpc.ClientConn
 	client toolrunnerv1.ToolRunnerServiceClient
+	stop   func() // stops the process (once; also at the end of the test)
 }
 
 // startToolrunner starts toolrunner with the tools file content config ("" for none) and
@@ -143,7 +144,7 @@ func startToolrunner(tb testing.TB, config string) *trProc {
 		tb.Fatal(err)
 	}
 	p := &trProc{cmd: cmd, admin: admin}
-	tb.Cleanup(func() {
+	p.stop = sync.OnceFunc(func() {
 		if p.conn != nil {
 			_ = p.conn.Close()
 		}
@@ -158,6 +159,7 @@ func startToolrunner(tb testing.TB, config string) *trProc {
 		}
 		_ = logf.Close()
 	})
+	tb.Cleanup(p.stop)
 	hc := http.Client{Timeout: time.Second}
 	for end := time.Now().Add(30 * time.Second); ; time.Sleep(20 * time.Millisecond) {
 		if resp, err := hc.Get("http://" + admin + "/readyz"); err == nil {

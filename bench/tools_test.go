@@ -326,25 +326,22 @@ func sessionsOnce(b *testing.B, bin string, n int) (procStats, int64) {
 		srcs = append(srcs, fmt.Sprintf(`{"name": "s%d", "kind": "mcp_stdio", "command": %q}`, k, bin))
 		names = append(names, fmt.Sprintf("s%d__echo", k))
 	}
-	var tr *trProc
-	var st procStats
+	tr := startToolrunner(b, `{"sources": [`+strings.Join(srcs, ",")+`]}`)
+	defer tr.stop() // before the next one starts
+	waitTools(b, tr.client, names, `{}`)
+	waitTools(b, tr.client, []string{"sleep"}, `{"ms": 1}`)
+	time.Sleep(memorySettle)
+	st := readProc(b, tr)
+	children := childPIDs(tr.cmd.Process.Pid)
+	if len(children) != n {
+		b.Fatalf("%d server processes under toolrunner, want %d", len(children), n)
+	}
 	var servers int64
-	// A sub-test scope, so that the process is stopped before the next one starts.
-	b.Run(fmt.Sprintf("n=%d", n), func(b *testing.B) {
-		tr = startToolrunner(b, `{"sources": [`+strings.Join(srcs, ",")+`]}`)
-		waitTools(b, tr.client, names, `{}`)
-		waitTools(b, tr.client, []string{"sleep"}, `{"ms": 1}`)
-		time.Sleep(memorySettle)
-		st = readProc(b, tr)
-		for _, pid := range childPIDs(tr.cmd.Process.Pid) {
-			if m, err := ReadMemory(pid); err == nil {
-				servers += m.RSS
-			}
+	for _, pid := range children {
+		if m, err := ReadMemory(pid); err == nil {
+			servers += m.RSS
 		}
-		if got := len(childPIDs(tr.cmd.Process.Pid)); got != n {
-			b.Fatalf("%d server processes under toolrunner, want %d", got, n)
-		}
-	})
+	}
 	return st, servers
 }
 
