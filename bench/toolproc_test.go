@@ -222,6 +222,29 @@ func execute(ctx context.Context, c toolrunnerv1.ToolRunnerServiceClient, run, n
 	}
 }
 
+// executeProgress runs an Execute call to its end, signalling its first node event
+// (the tool's first progress report) on progress.
+func executeProgress(ctx context.Context, c toolrunnerv1.ToolRunnerServiceClient, run, name, args string, progress chan<- struct{}) error {
+	st, err := c.Execute(callCtx(ctx, run), &toolrunnerv1.ExecuteRequest{Name: name, ArgsJson: args})
+	if err != nil {
+		return err
+	}
+	signalled := false
+	for {
+		r, err := st.Recv()
+		if err != nil {
+			if errors.Is(err, io.EOF) {
+				return nil
+			}
+			return err
+		}
+		if r.GetNodeEvent() != nil && !signalled {
+			signalled = true
+			progress <- struct{}{}
+		}
+	}
+}
+
 // waitTools calls each named tool with args until it succeeds: the sources are open and
 // listed.
 func waitTools(tb testing.TB, c toolrunnerv1.ToolRunnerServiceClient, names []string, args string) {
@@ -271,11 +294,24 @@ func startMCPHTTP(tb testing.TB, record string) string {
 	return ""
 }
 
+// bareClient is a go-sdk client that signals progress reports on progress (without
+// blocking: a report finding progress full is dropped).
+func bareClient(progress chan<- struct{}) *mcp.Client {
+	return mcp.NewClient(&mcp.Implementation{Name: "bench", Version: "1"}, &mcp.ClientOptions{
+		ProgressNotificationHandler: func(context.Context, *mcp.ProgressNotificationClientRequest) {
+			select {
+			case progress <- struct{}{}:
+			default:
+			}
+		},
+	})
+}
+
 // bareStdio is a bare go-sdk client session with its own curfew-mcptest child.
-func bareStdio(tb testing.TB, record string) *mcp.ClientSession {
+func bareStdio(tb testing.TB, record string, progress chan<- struct{}) *mcp.ClientSession {
 	tb.Helper()
 	_, bin := toolBins(tb)
-	c := mcp.NewClient(&mcp.Implementation{Name: "bench", Version: "1"}, nil)
+	c := bareClient(progress)
 	cs, err := c.Connect(context.Background(), &mcp.CommandTransport{Command: exec.Command(bin, "--record", record)}, nil) //nolint:noctx // the session ends the child
 	if err != nil {
 		tb.Fatal(err)
@@ -285,9 +321,9 @@ func bareStdio(tb testing.TB, record string) *mcp.ClientSession {
 }
 
 // bareHTTP is a bare go-sdk client session of the server at url.
-func bareHTTP(tb testing.TB, url string) *mcp.ClientSession {
+func bareHTTP(tb testing.TB, url string, progress chan<- struct{}) *mcp.ClientSession {
 	tb.Helper()
-	c := mcp.NewClient(&mcp.Implementation{Name: "bench", Version: "1"}, nil)
+	c := bareClient(progress)
 	cs, err := c.Connect(context.Background(), &mcp.StreamableClientTransport{Endpoint: url}, nil)
 	if err != nil {
 		tb.Fatal(err)

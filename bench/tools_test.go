@@ -21,10 +21,12 @@ import (
 
 // Settings of the tool benchmarks.
 const (
-	// toolCancelPause is how long a wait call runs before it is cancelled: long enough
-	// for its handler to have started on a loaded machine, and for both processes to go
-	// idle again, as they are when a real caller gives up.
-	toolCancelPause = 40 * time.Millisecond
+	// A wait call of the cancel benchmark reports progress every toolProgressMS; the
+	// caller cancels it toolCancelPause after the first report reached it (the handler
+	// runs, and both processes have gone idle again, as when a real caller gives up),
+	// well before the second report is due.
+	toolProgressMS  = 50
+	toolCancelPause = 15 * time.Millisecond
 	// toolWaitMS keeps every wait call going far longer than an iteration.
 	toolWaitMS = 600_000
 	// toolDeadline is each call's deadline; it never fires in a benchmark.
@@ -41,25 +43,26 @@ func toolsConfig(mcptestBin, record, url string) string {
 
 // toolFixture is the processes of the cancel and call benchmarks.
 type toolFixture struct {
-	tr                 *trProc
-	bareSt, bareHt     *mcp.ClientSession
-	recTR, recBare     *recordFile // stdio servers' records: toolrunner's child, the bare client's
-	recHTTP            *recordFile // the HTTP server's, shared by toolrunner and the bare client
-	toolrunnerWarmArgs string
+	tr             *trProc
+	bareSt, bareHt *mcp.ClientSession
+	recTR, recBare *recordFile   // stdio servers' records: toolrunner's child, the bare client's
+	recHTTP        *recordFile   // the HTTP server's, shared by toolrunner and the bare client
+	progress       chan struct{} // the bare clients' progress reports
 }
 
 func newToolFixture(b *testing.B) *toolFixture {
 	_, bin := toolBins(b)
 	dir := b.TempDir()
 	f := &toolFixture{
-		recTR:   &recordFile{path: filepath.Join(dir, "st.jsonl")},
-		recBare: &recordFile{path: filepath.Join(dir, "bare.jsonl")},
-		recHTTP: &recordFile{path: filepath.Join(dir, "http.jsonl")},
+		recTR:    &recordFile{path: filepath.Join(dir, "st.jsonl")},
+		recBare:  &recordFile{path: filepath.Join(dir, "bare.jsonl")},
+		recHTTP:  &recordFile{path: filepath.Join(dir, "http.jsonl")},
+		progress: make(chan struct{}, 1),
 	}
 	url := startMCPHTTP(b, f.recHTTP.path)
 	f.tr = startToolrunner(b, toolsConfig(bin, f.recTR.path, url))
-	f.bareSt = bareStdio(b, f.recBare.path)
-	f.bareHt = bareHTTP(b, url)
+	f.bareSt = bareStdio(b, f.recBare.path, f.progress)
+	f.bareHt = bareHTTP(b, url, f.progress)
 	waitTools(b, f.tr.client, []string{"st__echo", "ht__echo"}, `{"text": "warm"}`)
 	for _, cs := range []*mcp.ClientSession{f.bareSt, f.bareHt} {
 		if _, err := cs.CallTool(context.Background(), &mcp.CallToolParams{Name: "echo", Arguments: map[string]any{"text": "warm"}}); err != nil {
@@ -97,7 +100,8 @@ var cancelCases = []toolCase{
 //   - bare (the floor): a go-sdk client calling wait on the same server binary (stdio: a
 //     child of its own; HTTP: the very same server process) and cancelling its ctx.
 //
-// Each iteration takes one sample of each of the four cases, in an order that rotates
+// Each call reports progress every 50 ms; the caller cancels it 15 ms after the first
+// report reached it. Each iteration takes one sample of each of the four cases, in an order that rotates
 // with the iteration, so that the machine's noise falls on all alike. A sample is the
 // server's recorded ctx-done instant (curfew-mcptest --record) minus the caller's
 // instant just before cancel(): one wall clock, one machine. Run with
@@ -140,13 +144,13 @@ func BenchmarkToolCancel(b *testing.B) {
 	addReport(sb.String())
 }
 
-// cancelOnce starts a wait call by c's path, cancels it after toolCancelPause and
-// returns the cancel → handler ctx done time.
+// cancelOnce starts a wait call by c's path, cancels it toolCancelPause after its first
+// progress report and returns the cancel → handler ctx done time.
 func (f *toolFixture) cancelOnce(c toolCase, run string) (time.Duration, error) {
 	ctx, cancel := context.WithTimeout(context.Background(), toolDeadline)
 	defer cancel()
-	args := fmt.Sprintf(`{"ms": %d}`, toolWaitMS)
 	ended := make(chan error, 1)
+	progress := make(chan struct{}, 1)
 	rec := f.recTR
 	switch {
 	case c.curfew:
@@ -154,30 +158,45 @@ func (f *toolFixture) cancelOnce(c toolCase, run string) (time.Duration, error) 
 		if c.http {
 			name, rec = "ht__wait", f.recHTTP
 		}
-		go func() { _, err := execute(ctx, f.tr.client, run, name, args); ended <- err }()
+		args := fmt.Sprintf(`{"ms": %d, "progress_ms": %d}`, toolWaitMS, toolProgressMS)
+		go func() { ended <- executeProgress(ctx, f.tr.client, run, name, args, progress) }()
 	default:
 		cs := f.bareSt
 		rec = f.recBare
 		if c.http {
 			cs, rec = f.bareHt, f.recHTTP
 		}
+		select { // a late report of an earlier call
+		case <-f.progress:
+		default:
+		}
+		progress = f.progress
 		go func() {
-			_, err := cs.CallTool(ctx, &mcp.CallToolParams{Name: "wait", Arguments: map[string]any{"ms": toolWaitMS}})
+			p := &mcp.CallToolParams{Name: "wait", Arguments: map[string]any{"ms": toolWaitMS, "progress_ms": toolProgressMS}}
+			p.SetProgressToken(run)
+			_, err := cs.CallTool(ctx, p)
 			ended <- err
 		}()
+	}
+	select {
+	case <-progress:
+	case err := <-ended:
+		return 0, fmt.Errorf("%s: the call ended before its first progress report: %v", c.name, err)
+	case <-time.After(30 * time.Second):
+		return 0, fmt.Errorf("%s: no progress report within 30 s", c.name)
 	}
 	time.Sleep(toolCancelPause)
 	t0 := time.Now()
 	cancel()
 	r, err := rec.next(10 * time.Second)
 	if err != nil {
-		return 0, fmt.Errorf("%s: %w", c.name, err)
+		return 0, fmt.Errorf("%s: the handler ran but did not return within 10 s of the cancel: %w", c.name, err)
 	}
 	if err := <-ended; err == nil {
 		return 0, fmt.Errorf("%s: the call succeeded after its cancel", c.name)
 	}
 	if r.Tool != "wait" || r.StartedNS == 0 || r.StartedNS > t0.UnixNano() || r.CtxDoneNS == 0 {
-		return 0, fmt.Errorf("%s: record %+v: the handler had not started %v after the call, or its ctx never ended", c.name, r, toolCancelPause)
+		return 0, fmt.Errorf("%s: record %+v: not this call, or its ctx never ended", c.name, r)
 	}
 	return time.Duration(r.CtxDoneNS - t0.UnixNano()), nil
 }
