@@ -144,6 +144,7 @@ func memoryOnce(b *testing.B, n int, attached bool) {
 	wg.Wait()
 	time.Sleep(memorySettle)
 	before := readStats(b, m)
+	saveProcFiles(b, m, attached, "before")
 
 	// Start the runs.
 	task := SleepPlan(memorySleepMS)
@@ -191,6 +192,7 @@ func memoryOnce(b *testing.B, n int, attached bool) {
 	inflight := time.Since(t0)
 	time.Sleep(memorySettle)
 	after := readStats(b, m)
+	saveProcFiles(b, m, attached, "after")
 	saveProfiles(b, m, attached)
 
 	// Prove it: every run's sleep node is running in toolrunner.
@@ -341,6 +343,47 @@ func saveProfiles(tb testing.TB, m *meshproc.Mesh, attached bool) {
 				continue
 			}
 			if err := os.WriteFile(fmt.Sprintf("%s/%s-%s-%s.pb.gz", dir, mode, name, p), body, 0o644); err != nil {
+				tb.Log(err)
+			}
+		}
+	}
+}
+
+// saveProcFiles saves, into CURFEW_BENCH_PPROF_DIR when it is set, what each service
+// process says of its memory at one stage of the benchmark: /proc/<pid>/status and
+// smaps_rollup, the admin port's /metrics and, with binaries that serve it,
+// /debug/rtmetrics (runtime/metrics, one "name value" a line).
+func saveProcFiles(tb testing.TB, m *meshproc.Mesh, attached bool, stage string) {
+	dir := os.Getenv("CURFEW_BENCH_PPROF_DIR")
+	if dir == "" {
+		return
+	}
+	mode := "detached"
+	if attached {
+		mode = "attached"
+	}
+	c := http.Client{Timeout: 30 * time.Second}
+	for _, name := range serviceNames {
+		ep := m.Endpoints.Services[name]
+		files := map[string][]byte{}
+		for _, f := range []string{"status", "smaps_rollup", "smaps"} {
+			if b, err := os.ReadFile(fmt.Sprintf("/proc/%d/%s", ep.PID, f)); err == nil {
+				files[f] = b
+			}
+		}
+		for _, p := range []string{"metrics", "debug/rtmetrics", "debug/pprof/heap"} {
+			resp, err := c.Get("http://" + ep.AdminAddr + "/" + p)
+			if err != nil {
+				continue
+			}
+			body, err := io.ReadAll(resp.Body)
+			resp.Body.Close()
+			if err == nil && resp.StatusCode == http.StatusOK {
+				files[strings.ReplaceAll(p, "/", "-")] = body
+			}
+		}
+		for f, b := range files {
+			if err := os.WriteFile(fmt.Sprintf("%s/%s-%s-%s-%s", dir, mode, stage, name, f), b, 0o644); err != nil {
 				tb.Log(err)
 			}
 		}

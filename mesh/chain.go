@@ -103,14 +103,21 @@ type serverLayer struct {
 }
 
 // A stage is what one layer installs: server options that grpc-go applies before any
-// interceptor (credentials, limits, the tracing stats handler), or a unary and a stream
-// interceptor.
+// interceptor (credentials, limits, the tracing stats handler), a unary and a stream
+// interceptor, or a derive step.
 type stage struct {
 	name    string
 	options []grpc.ServerOption
 	unary   grpc.UnaryServerInterceptor
 	stream  grpc.StreamServerInterceptor
+	// derive is a layer that only derives the call's context or refuses the call. compile
+	// runs adjacent derive stages in one interceptor (see derived).
+	derive derive
 }
+
+// A derive step returns the call's context for the next layer, and a cleanup to run when
+// the call ends (nil for none), or refuses the call with a status error.
+type derive func(ctx context.Context, method string) (context.Context, func(), error)
 
 // ServerOptions returns everything a call to a curfew server passes through, as
 // grpc.ServerOptions: transport credentials, limits and tracing as configured, then the
@@ -119,18 +126,11 @@ func ServerOptions(cfg ServerConfig) []grpc.ServerOption {
 	return compile(serverStages(cfg))
 }
 
-// ServerInterceptors returns the interceptor layers of the server chain in order, for a
-// server that installs its own transport options: ServerOptions without credentials,
-// limits and tracing.
+// ServerInterceptors returns the interceptors of the server chain in order, for a server
+// that installs its own transport options: ServerOptions without credentials, limits and
+// tracing.
 func ServerInterceptors(cfg ServerConfig) ([]grpc.UnaryServerInterceptor, []grpc.StreamServerInterceptor) {
-	var us []grpc.UnaryServerInterceptor
-	var ss []grpc.StreamServerInterceptor
-	for _, s := range serverStages(cfg) {
-		if s.unary != nil {
-			us = append(us, s.unary)
-			ss = append(ss, s.stream)
-		}
-	}
+	_, us, ss := interceptors(serverStages(cfg))
 	return us, ss
 }
 
@@ -140,7 +140,7 @@ func serverStages(cfg ServerConfig) []stage {
 	var out []stage
 	for _, sl := range serverChain {
 		s := sl.build(l)
-		if s.options == nil && s.unary == nil {
+		if s.options == nil && s.unary == nil && s.derive == nil {
 			continue
 		}
 		s.name = sl.name
@@ -152,15 +152,91 @@ func serverStages(cfg ServerConfig) []stage {
 // compile turns stages into server options: their own options, then their interceptors
 // chained in order by grpc-go.
 func compile(stages []stage) []grpc.ServerOption {
+	opts, us, ss := interceptors(stages)
+	return append(opts, grpc.ChainUnaryInterceptor(us...), grpc.ChainStreamInterceptor(ss...))
+}
+
+// interceptors returns the options of stages and their interceptors in order, each run of
+// adjacent derive stages as one interceptor.
+func interceptors(stages []stage) ([]grpc.ServerOption, []grpc.UnaryServerInterceptor, []grpc.StreamServerInterceptor) {
 	var opts []grpc.ServerOption
 	var us []grpc.UnaryServerInterceptor
 	var ss []grpc.StreamServerInterceptor
-	for _, s := range stages {
-		opts = append(opts, s.options...)
-		if s.unary != nil {
-			us = append(us, s.unary)
-			ss = append(ss, s.stream)
+	var run []derive
+	flush := func() {
+		if len(run) > 0 {
+			u, s := derived(run)
+			us, ss, run = append(us, u), append(ss, s), nil
 		}
 	}
-	return append(opts, grpc.ChainUnaryInterceptor(us...), grpc.ChainStreamInterceptor(ss...))
+	for _, s := range stages {
+		opts = append(opts, s.options...)
+		switch {
+		case s.derive != nil:
+			run = append(run, s.derive)
+		case s.unary != nil:
+			flush()
+			us, ss = append(us, s.unary), append(ss, s.stream)
+		}
+	}
+	flush()
+	return opts, us, ss
+}
+
+// derived runs steps in order, each on the context the one before returned, as one
+// unary and one stream interceptor. It behaves as the steps chained one interceptor
+// each would (a refusal ends the call before the later steps; cleanups run in reverse
+// order when the call ends) with one stack frame and no per-call handler closures for the
+// whole run instead of two frames and a closure per step: every frame of the chain stays
+// on a handler's stack for the call's whole life, and a streaming handler that sleeps
+// (toolrunner's tools) keeps its stack resident that long.
+func derived(steps []derive) (grpc.UnaryServerInterceptor, grpc.StreamServerInterceptor) {
+	unary := func(ctx context.Context, req any, info *grpc.UnaryServerInfo, h grpc.UnaryHandler) (any, error) {
+		var buf [2]func()
+		ctx, cleanups, err := deriveAll(ctx, info.FullMethod, steps, buf[:0])
+		if err != nil {
+			return nil, err
+		}
+		defer runCleanups(cleanups)
+		return h(ctx, req)
+	}
+	stream := func(srv any, ss grpc.ServerStream, info *grpc.StreamServerInfo, h grpc.StreamHandler) error {
+		var buf [2]func()
+		in := ss.Context()
+		ctx, cleanups, err := deriveAll(in, info.FullMethod, steps, buf[:0])
+		if err != nil {
+			return err
+		}
+		defer runCleanups(cleanups)
+		if ctx == in {
+			return h(srv, ss)
+		}
+		return h(srv, withContext(ctx, ss))
+	}
+	return unary, stream
+}
+
+// deriveAll runs steps on ctx in order and returns the last context and the cleanups
+// appended to cleanups. When a step refuses the call it runs the cleanups so far and
+// returns the step's error.
+func deriveAll(ctx context.Context, method string, steps []derive, cleanups []func()) (context.Context, []func(), error) {
+	for _, d := range steps {
+		next, cleanup, err := d(ctx, method)
+		if err != nil {
+			runCleanups(cleanups)
+			return nil, nil, err
+		}
+		if cleanup != nil {
+			cleanups = append(cleanups, cleanup)
+		}
+		ctx = next
+	}
+	return ctx, cleanups, nil
+}
+
+// runCleanups runs cleanups last first, as deferred calls would.
+func runCleanups(cleanups []func()) {
+	for i := len(cleanups) - 1; i >= 0; i-- {
+		cleanups[i]()
+	}
 }

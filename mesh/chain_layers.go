@@ -133,23 +133,10 @@ func (l *serverLayers) contract() stage {
 }
 
 func (l *serverLayers) deadline() stage {
-	return stage{
-		unary: func(ctx context.Context, req any, info *grpc.UnaryServerInfo, h grpc.UnaryHandler) (any, error) {
-			ctx, cancel := applyDeadline(ctx, l.cfg, l.log, info.FullMethod, time.Now())
-			if cancel != nil {
-				defer cancel()
-			}
-			return h(ctx, req)
-		},
-		stream: func(srv any, ss grpc.ServerStream, info *grpc.StreamServerInfo, h grpc.StreamHandler) error {
-			ctx, cancel := applyDeadline(ss.Context(), l.cfg, l.log, info.FullMethod, time.Now())
-			if cancel == nil {
-				return h(srv, ss)
-			}
-			defer cancel()
-			return h(srv, withContext(ctx, ss))
-		},
-	}
+	return stage{derive: func(ctx context.Context, method string) (context.Context, func(), error) {
+		ctx, cancel := applyDeadline(ctx, l.cfg, l.log, method, time.Now())
+		return ctx, cancel, nil // cancel is nil when the call's own deadline stands
+	}}
 }
 
 // identity makes curfew-tenant, curfew-run-id, curfew-node-id, curfew-attempt (and the
@@ -217,28 +204,12 @@ func (l *serverLayers) retryID() stage {
 }
 
 // step makes a layer that only derives the call's context, or refuses the call with the
-// error, into its unary and stream interceptors.
+// error, into a derive stage.
 func step(fn func(ctx context.Context, method string) (context.Context, error)) stage {
-	return stage{
-		unary: func(ctx context.Context, req any, info *grpc.UnaryServerInfo, h grpc.UnaryHandler) (any, error) {
-			ctx, err := fn(ctx, info.FullMethod)
-			if err != nil {
-				return nil, err
-			}
-			return h(ctx, req)
-		},
-		stream: func(srv any, ss grpc.ServerStream, info *grpc.StreamServerInfo, h grpc.StreamHandler) error {
-			in := ss.Context()
-			ctx, err := fn(in, info.FullMethod)
-			if err != nil {
-				return err
-			}
-			if ctx == in {
-				return h(srv, ss)
-			}
-			return h(srv, withContext(ctx, ss))
-		},
-	}
+	return stage{derive: func(ctx context.Context, method string) (context.Context, func(), error) {
+		ctx, err := fn(ctx, method)
+		return ctx, nil, err
+	}}
 }
 
 // withContext gives ss the context ctx: in place when ss is already a wrapper made for

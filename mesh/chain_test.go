@@ -594,10 +594,20 @@ func TestDialOptionsBalanceOverEveryAddress(t *testing.T) {
 	defer cc.Close()
 	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
 	defer cancel()
-	for range 40 {
+	call := func() {
 		if _, err := healthpb.NewHealthClient(cc).Check(ctx, &healthpb.HealthCheckRequest{}); err != nil {
 			t.Fatal(err)
 		}
+	}
+	// round_robin picks only among connected addresses: on a loaded machine the second may
+	// connect after the first has taken a few calls. pick_first would never reach it.
+	for hits[0].Load() == 0 || hits[1].Load() == 0 {
+		call()
+	}
+	hits[0].Store(0)
+	hits[1].Store(0)
+	for range 40 {
+		call()
 	}
 	if a, b := hits[0].Load(), hits[1].Load(); a+b != 40 || a < 10 || b < 10 {
 		t.Fatalf("calls per replica %d and %d, want both well used (round_robin)", a, b)

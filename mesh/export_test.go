@@ -12,6 +12,14 @@ import (
 func ServerOptionsRecording(cfg ServerConfig, record func(layer string)) []grpc.ServerOption {
 	stages := serverStages(cfg)
 	for i, s := range stages {
+		if d := s.derive; d != nil {
+			name := s.name
+			stages[i].derive = func(ctx context.Context, method string) (context.Context, func(), error) {
+				record(name)
+				return d(ctx, method)
+			}
+			continue
+		}
 		if s.unary == nil {
 			continue
 		}

@@ -45,7 +45,8 @@ Usage:
   curfew dlq     show ID [--json]
   curfew dlq     replay ID [--timeout D] [--json]
   curfew dlq     purge (--id ID | --before TIME | --replayed) [--json]
-  curfew drill   [--mode shed|orphan] [--fault N] [--tasks N] [--deadline D] [--cancel-at D] [--tps N] [--heartbeat D] [--json]
+  curfew drill   [--mode shed|orphan] [--fault N] [--tasks N] [--deadline D] [--cancel-at D]
+                 [--tps N] [--heartbeat D] [--lease-ttl D] [--slow-heartbeat D] [--bin-dir DIR] [--json]
   curfew tenant  (create TENANT | rotate-key TENANT | revoke KEY_ID | ls [TENANT]) [--store DSN] [--json]
   curfew tls     (init DIR [--host NAME]... | k8s-secrets DIR [--namespace NS])
   curfew version

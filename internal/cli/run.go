@@ -29,7 +29,7 @@ func cmdRun(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	fs := newFlags("run", stderr)
 	var c common
 	c.register(fs)
-	planFile := fs.String("plan", "", "file holding a JSON plan (see the README); - reads standard input")
+	planFile := fs.String("plan", "", "file holding a JSON plan (see docs/plan.md); - reads standard input")
 	dl := fs.Duration("deadline", 30*time.Second, "the run's deadline, from now")
 	model := fs.String("model", "", "model (default: the orchestrator's, sim)")
 	cont := fs.Bool("continue", false, "keep the run going if this command goes away")

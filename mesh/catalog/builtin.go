@@ -74,7 +74,7 @@ func Builtins() []Tool {
 			SideEffects: None,
 			Spec: &modelproxyv1.ToolSpec{
 				Name:        plan.ToolSpawnSubagent,
-				Description: "Run a nested agent on a plan (the sim model's JSON plan format, see the README) under the run's deadline.",
+				Description: "Run a nested agent on a plan (the sim model's JSON plan format, see docs/plan.md) under the run's deadline.",
 				ParametersJson: `{"type": "object", "additionalProperties": false, "required": ["plan"], "properties": {` +
 					`"plan": {"type": "object", "description": "the subagent's plan: {\"steps\": [...]}"}}}`,
 			},

@@ -22,7 +22,7 @@ type Flags struct {
 
 // Register adds the retry flags to fs, with this package's defaults.
 func (r *Flags) Register(fs *flag.FlagSet) {
-	fs.StringVar(&r.File, "retry-config", "", "JSON file of retry policies per target and method (see the README)")
+	fs.StringVar(&r.File, "retry-config", "", "JSON file of retry policies per target and method (see docs/retries.md)")
 	fs.BoolVar(&r.Off, "retry-off", false, "make no retries at all")
 	fs.IntVar(&r.MaxAttempts, "retry-max-attempts", DefaultMaxAttempts, "most attempts per call, the first included (1 to 5)")
 	fs.DurationVar(&r.Base, "retry-base", DefaultBase, "backoff base (full jitter)")

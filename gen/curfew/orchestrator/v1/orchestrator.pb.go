@@ -276,7 +276,7 @@ func (x *Run) GetEpoch() int64 {
 // capped at the service maximum; without one, the service default applies.
 type RunRequest struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
-	// The task; with the sim model, a JSON plan (see the README).
+	// The task; with the sim model, a JSON plan (see docs/plan.md).
 	Task string `protobuf:"bytes,1,opt,name=task,proto3" json:"task,omitempty"`
 	// Model name; empty means the service default ("sim").
 	Model string `protobuf:"bytes,2,opt,name=model,proto3" json:"model,omitempty"`

@@ -98,7 +98,7 @@ func (s *Server) validate(task, model string) (string, error) {
 	}
 	if model == agent.DefaultModel {
 		if !plan.LooksLikePlan(task) {
-			return "", status.Error(codes.InvalidArgument, "the sim model takes a JSON plan as its task (see the README's plan format)")
+			return "", status.Error(codes.InvalidArgument, "the sim model takes a JSON plan as its task (see docs/plan.md)")
 		}
 		if _, err := plan.Parse([]byte(task)); err != nil {
 			return "", status.Error(codes.InvalidArgument, err.Error())

@@ -143,7 +143,7 @@ export const RunSchema: GenMessage<Run> = /*@__PURE__*/
  */
 export type RunRequest = Message<"curfew.orchestrator.v1.RunRequest"> & {
   /**
-   * The task; with the sim model, a JSON plan (see the README).
+   * The task; with the sim model, a JSON plan (see docs/plan.md).
    *
    * @generated from field: string task = 1;
    */
