@@ -348,7 +348,7 @@ func (r *recordFile) next(within time.Duration) (mcptest.Record, error) {
 			return recs[r.seen-1], nil
 		}
 		if time.Now().After(end) {
-			return mcptest.Record{}, fmt.Errorf("%s: no record %d within %v (%v)", r.path, r.seen+1, within, err)
+			return mcptest.Record{}, fmt.Errorf("%s: no record %d within %v (%w)", r.path, r.seen+1, within, err)
 		}
 		time.Sleep(2 * time.Millisecond)
 	}

@@ -181,7 +181,7 @@ func (f *toolFixture) cancelOnce(c toolCase, run string) (time.Duration, error) 
 	select {
 	case <-progress:
 	case err := <-ended:
-		return 0, fmt.Errorf("%s: the call ended before its first progress report: %v", c.name, err)
+		return 0, fmt.Errorf("%s: the call ended before its first progress report: %w", c.name, err)
 	case <-time.After(30 * time.Second):
 		return 0, fmt.Errorf("%s: no progress report within 30 s", c.name)
 	}
