@@ -348,7 +348,10 @@ func (r *recordFile) next(within time.Duration) (mcptest.Record, error) {
 			return recs[r.seen-1], nil
 		}
 		if time.Now().After(end) {
-			return mcptest.Record{}, fmt.Errorf("%s: no record %d within %v (%w)", r.path, r.seen+1, within, err)
+			if err != nil {
+				return mcptest.Record{}, fmt.Errorf("%s: no record %d within %v: %w", r.path, r.seen+1, within, err)
+			}
+			return mcptest.Record{}, fmt.Errorf("%s: no record %d within %v", r.path, r.seen+1, within)
 		}
 		time.Sleep(2 * time.Millisecond)
 	}
