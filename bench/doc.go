@@ -8,6 +8,10 @@
 //     loopback TCP, same handler (grpc health Check).
 //   - BenchmarkRunMemory: resident memory per in-flight run, summed over the four
 //     service processes, with 10,000 runs each waiting on a sleep tool.
+//   - BenchmarkToolCancel, BenchmarkToolCall and BenchmarkToolMemory: MCP tools through a
+//     real toolrunner (--tools-config, the test server internal/mcptest over stdio and
+//     streamable HTTP) beside a bare go-sdk client of the same server: cancel to the
+//     handler's ctx done, one echo call, and memory per idle session and per call.
 //
 // Every benchmark runs only under `go test -bench`; a plain `go test ./bench/...` runs
 // the fast unit tests of the helpers and nothing else. scripts/bench.sh runs them all with

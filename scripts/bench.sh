@@ -2,13 +2,14 @@
 # Runs the benchmarks recorded in docs/benchmarks.md and prints their results.
 #
 #   scripts/bench.sh                 # all three (about 9 minutes on 2 cores)
-#   ONLY=chain scripts/bench.sh      # one of: chain, cancel, memory, amplify, tracing, mtls
+#   ONLY=chain scripts/bench.sh      # one of: chain, cancel, memory, amplify, tracing, mtls, tools
 #
 # Knobs (environment): OUT (results directory, default a new temp dir), CHAIN_COUNT (10),
 # CHAIN_ROUNDS (100), CANCEL_ITERS (50, trees of 1 and 8 leaves), CANCEL_ITERS_64 (100,
 # trees of 64 leaves), RTT_PINGS (3000), CURFEW_BENCH_RUNS (10000, memory),
 # CURFEW_BENCH_AMP_SECONDS (60) and CURFEW_BENCH_AMP_LOADS ("rate=4,conc=2,conc=16")
-# (amplify), CURFEW_BIN_DIR
+# (amplify), TOOL_CANCEL_ITERS (200), TOOL_CALL_ITERS (1000), CURFEW_BENCH_MCP_SESSIONS (16),
+# CURFEW_BENCH_MEM_ROUNDS (3) and CURFEW_BENCH_TOOL_CALLS (1000) (tools), CURFEW_BIN_DIR
 # (reuse built binaries; by default they are built into $OUT/bin, private to this run, so
 # that nobody's `make build` can swap them mid-run).
 set -euo pipefail
@@ -24,6 +25,8 @@ CANCEL_ITERS_64="${CANCEL_ITERS_64:-100}"
 mkdir -p "$OUT"
 
 RTT_PINGS="${RTT_PINGS:-3000}"
+TOOL_CANCEL_ITERS="${TOOL_CANCEL_ITERS:-200}"
+TOOL_CALL_ITERS="${TOOL_CALL_ITERS:-1000}"
 export CURFEW_BENCH_RAW="$OUT" # per-iteration samples of the cancel benchmark, as CSV
 
 if [[ -z "${CURFEW_BIN_DIR:-}" ]]; then
@@ -116,7 +119,18 @@ run_mtls() {
     -test.benchtime "${CHAIN_ROUNDS}x" | tee "$OUT/mtls.txt"
 }
 
+run_tools() {
+  echo
+  echo "## tools: MCP cancel and call, curfew's toolrunner beside a bare go-sdk client; memory per session and call"
+  "$BT" -test.run '^$' -test.bench '^BenchmarkToolCancel$' -test.count 3 \
+    -test.benchtime "${TOOL_CANCEL_ITERS}x" | tee "$OUT/tool-cancel.txt"
+  "$BT" -test.run '^$' -test.bench '^BenchmarkToolCall$' -test.count 3 \
+    -test.benchtime "${TOOL_CALL_ITERS}x" | tee "$OUT/tool-call.txt"
+  "$BT" -test.run '^$' -test.bench '^BenchmarkToolMemory$' -test.benchtime 1x | tee "$OUT/tool-memory.txt"
+}
+
 case "$ONLY" in
+  tools) run_tools ;;
   all) run_chain; run_cancel; run_memory ;;
   mtls) run_mtls ;;
   amplify) run_amplify ;;
@@ -124,7 +138,7 @@ case "$ONLY" in
   chain) run_chain ;;
   cancel) run_cancel ;;
   memory) run_memory ;;
-  *) echo "ONLY must be all, chain, cancel, memory, amplify, tracing or mtls" >&2; exit 2 ;;
+  *) echo "ONLY must be all, chain, cancel, memory, amplify, tracing, mtls or tools" >&2; exit 2 ;;
 esac
 echo
 echo "load at end: $(cut -d' ' -f1-3 /proc/loadavg)"

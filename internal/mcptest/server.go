@@ -159,8 +159,11 @@ func (t *tools) handler(name string, h func(context.Context, *call) (*mcp.CallTo
 		markDone := func() { ctxDone.Do(func() { ctxDoneNS = time.Now().UnixNano() }) }
 		stop := context.AfterFunc(ctx, markDone)
 		defer func() {
-			if !stop() {
-				markDone() // the AfterFunc ran or is running: wait for its time
+			// The AfterFunc ran or is running (wait for its time); or ctx is done and
+			// the AfterFunc was stopped before it could start: ctx's Done closes before
+			// its AfterFuncs are started, so the handler can see it first.
+			if !stop() || ctx.Err() != nil {
+				markDone()
 			}
 			rec.CtxDoneNS = ctxDoneNS
 			rec.ReturnedNS = time.Now().UnixNano()
