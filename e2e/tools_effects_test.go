@@ -80,7 +80,7 @@ func TestToolEffectsExactlyOnceWhenTheReplyIsLost(t *testing.T) {
 		}
 	}
 	var keyProxy, echoProxy *cutProxy
-	rig := newToolsRig(t, effectsTools(mcptestServer(t), record), []string{"fx"}, func(toolrunner string) string {
+	rig := newEffectsRig(t, effectsTools(mcptestServer(t), record), []string{"fx"}, func(toolrunner string) string {
 		echoProxy = startCutProxy(t, toolrunner, echoText, calls("echo"))
 		keyProxy = startCutProxy(t, echoProxy.addr(), key, calls("effect"))
 		return keyProxy.addr()
@@ -157,7 +157,7 @@ func TestToolEffectsExactlyOnceWhenTheReplyIsLost(t *testing.T) {
 // reaches its wait promptly.
 func TestNodeToolServerThroughTheMesh(t *testing.T) {
 	addr, events := startNodeTool(t)
-	rig := newToolsRig(t, fmt.Sprintf(`{"sources": [{"name": "node", "kind": "grpc", "address": %q}]}`, addr), []string{"node"}, nil)
+	rig := newEffectsRig(t, fmt.Sprintf(`{"sources": [{"name": "node", "kind": "grpc", "address": %q}]}`, addr), []string{"node"}, nil)
 	ctx := context.Background()
 
 	t.Run("time_left", func(t *testing.T) {

@@ -25,19 +25,19 @@ import (
 // test MCP server and the Node ToolService server as real processes, and a TCP proxy that
 // loses one reply.
 
-// toolsRig is a cluster (meshproc.Cluster) whose toolrunner has --tools-config, with one
+// effectsRig is a cluster (meshproc.Cluster) whose toolrunner has --tools-config, with one
 // orchestrator.
-type toolsRig struct {
+type effectsRig struct {
 	c     *meshproc.Cluster
 	tools *meshproc.Proc
 	orch  *meshproc.Proc
 	oc    orchestratorv1.OrchestratorServiceClient
 }
 
-// newToolsRig starts the cluster with toolsJSON as toolrunner's tools file, waits until
+// newEffectsRig starts the cluster with toolsJSON as toolrunner's tools file, waits until
 // toolrunner has listed the sources named in wantUp, then starts an orchestrator whose
 // --toolrunner is route(toolrunner's address) (nil: toolrunner itself).
-func newToolsRig(t *testing.T, toolsJSON string, wantUp []string, route func(toolrunner string) string) *toolsRig {
+func newEffectsRig(t *testing.T, toolsJSON string, wantUp []string, route func(toolrunner string) string) *effectsRig {
 	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
 	defer cancel()
@@ -89,7 +89,7 @@ func newToolsRig(t *testing.T, toolsJSON string, wantUp []string, route func(too
 	if err != nil {
 		t.Fatal(err)
 	}
-	return &toolsRig{c: c, tools: tools, orch: orch, oc: orchestratorv1.NewOrchestratorServiceClient(conn)}
+	return &effectsRig{c: c, tools: tools, orch: orch, oc: orchestratorv1.NewOrchestratorServiceClient(conn)}
 }
 
 // waitLog waits until a line of the log at path holds every one of want.
