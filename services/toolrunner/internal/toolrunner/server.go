@@ -167,7 +167,7 @@ func (s *Server) Execute(req *toolrunnerv1.ExecuteRequest, stream toolrunnerv1.T
 			return stream.Send(&toolrunnerv1.ExecuteResponse{Event: &toolrunnerv1.ExecuteResponse_Result{Result: &toolrunnerv1.ExecuteResult{OutputJson: out}}})
 		}
 		var out string
-		var outcome error = status.Error(codes.Internal, "tool call ended without an outcome")
+		outcome := status.Error(codes.Internal, "tool call ended without an outcome")
 		defer func() { finish(out, outcome) }() // also when the tool panics
 		out, outcome, err = s.execute(ctx, req, stream, exec, evs, &send)
 		return err
