@@ -3,6 +3,7 @@ package orchestrator
 import (
 	"context"
 	"math/rand/v2"
+	"slices"
 	"sync"
 	"time"
 
@@ -177,6 +178,11 @@ func (s *Server) collect(ctx context.Context, run string, cancelAt time.Time, se
 		}()
 	}
 	wg.Wait()
+	if rn, err := s.get(run); err == nil { // last: the executors' records come first
+		rn.mu.Lock()
+		reports = append(reports, slices.Clone(rn.failedCalls))
+		rn.mu.Unlock()
+	}
 	return nodes.Merge(reports...)
 }
 

@@ -63,6 +63,11 @@ type run struct {
 	// (see replayed). A node event is published only for one of them: none before its
 	// node's start, none after its end. At most maxRunningNodes; nil when there are none.
 	running map[string][]*meshv1.NodeEvent
+	// failedCalls are the tool nodes the loop published as failed, as the loop saw them:
+	// the summary's record of a call its executor refused before recording it (arguments
+	// that fail the tool's schema, an unknown tool), whose error went back to the model.
+	// An executor's own record of a node comes first (collect).
+	failedCalls []*meshv1.Node
 	// span is the run's span (package tracing): every call the run makes is its child.
 	span trace.Span
 
@@ -105,6 +110,10 @@ func (rn *run) publishNode(n *meshv1.Node) {
 			rn.running[id] = nil
 		}
 	} else {
+		if n.GetKind() == meshv1.NodeKind_NODE_KIND_TOOL && n.GetStatus() == meshv1.NodeStatus_NODE_STATUS_FAILED &&
+			len(rn.failedCalls) < maxRunningNodes {
+			rn.failedCalls = append(rn.failedCalls, n)
+		}
 		// Ended, and with it whatever ran beneath it: a nested node whose own end was lost
 		// with its caller's stream (a cancelled subagent's) ends here too.
 		for k := range rn.running {
