@@ -45,8 +45,8 @@ func TestRunInputOverRealModel(t *testing.T) {
 		t.Fatal(err)
 	}
 	st, err := oc.Run(ctx, &orchestratorv1.RunRequest{Task: "wait a little, then say you are done", Model: "agent",
-		Messages:    []*orchestratorv1.Message{{Role: orchestratorv1.MessageRole_MESSAGE_ROLE_SYSTEM, Content: "You are terse."}},
-		MaxTokens:   64, Temperature: proto.Float64(0.2), ResponseSchemaJson: `{"type":"object","required":["done"]}`,
+		Messages:  []*orchestratorv1.Message{{Role: orchestratorv1.MessageRole_MESSAGE_ROLE_SYSTEM, Content: "You are terse."}},
+		MaxTokens: 64, Temperature: proto.Float64(0.2), ResponseSchemaJson: `{"type":"object","required":["done"]}`,
 		Tools: []string{"sleep"}})
 	if err != nil {
 		t.Fatal(err)
