@@ -14,8 +14,10 @@ import (
 	modelproxyv1 "github.com/curfew-mesh/curfew/gen/curfew/modelproxy/v1"
 	orchestratorv1 "github.com/curfew-mesh/curfew/gen/curfew/orchestrator/v1"
 	"github.com/curfew-mesh/curfew/mesh"
+	"github.com/curfew-mesh/curfew/mesh/agent"
 	"github.com/curfew-mesh/curfew/mesh/md"
 	"github.com/curfew-mesh/curfew/mesh/meshtest"
+	"github.com/curfew-mesh/curfew/mesh/store"
 )
 
 func msg(role orchestratorv1.MessageRole, content string) *orchestratorv1.Message {
@@ -154,5 +156,41 @@ func TestStartRunKeyComparesInput(t *testing.T) {
 	if err != nil || !proto.Equal(decodeInput(got.Input), runInput(base().GetMessages(), 10, proto.Float64(0.5), "", []string{"sleep"}, 3,
 		orchestratorv1.ToolErrors_TOOL_ERRORS_FAIL_RUN)) {
 		t.Fatalf("stored input %v, %v", decodeInput(got.Input), err)
+	}
+}
+
+// A dead owner's run is taken over with its stored input: the new owner's model steps get
+// its system prompt and sampling options.
+func TestTakeoverRunsWithTheStoredInput(t *testing.T) {
+	st := openStore(t)
+	ctx := context.Background()
+	in := runInput([]*orchestratorv1.Message{msg(system, "stored prompt")}, 42, proto.Float64(1.5), "", nil, 0, 0)
+	run, _, err := st.CreateRun(ctx, store.NewRun{Tenant: "acme", Task: []byte(tinyPlan), Model: agent.DefaultModel,
+		Input: encodeInput(in), Deadline: time.Now().Add(20 * time.Second), Owner: "dead", LeaseTTL: 50 * time.Millisecond})
+	if err != nil {
+		t.Fatal(err)
+	}
+	e := newEnvWith(t, mesh.ServerConfig{}, nil, func(c *Config) {
+		c.Store, c.Owner, c.LeaseTTL, c.DeadLetters = st, "orch-b", 200*time.Millisecond, deadLetters{st}
+	})
+	w, err := e.orch.WatchRun(metadata.AppendToOutgoingContext(ctx, md.Tenant, "acme"), &orchestratorv1.WatchRunRequest{RunId: run.RunID})
+	if err != nil {
+		t.Fatal(err)
+	}
+	evs, err := meshtest.Drain(w)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if fin := evs[len(evs)-1].GetFinished(); fin.GetStatus() != orchestratorv1.RunStatus_RUN_STATUS_SUCCEEDED || fin.GetEpoch() != 2 ||
+		!proto.Equal(fin.GetInput(), in) {
+		t.Fatalf("resumed run ended %v at epoch %d with input %v", fin.GetStatus(), fin.GetEpoch(), fin.GetInput())
+	}
+	reqs := e.model.requests()
+	if len(reqs) != 1 {
+		t.Fatalf("%d model requests, want 1", len(reqs))
+	}
+	if m := reqs[0].GetMessages(); len(m) != 2 || m[0].GetContent() != "stored prompt" || reqs[0].GetMaxTokens() != 42 ||
+		reqs[0].GetTemperature() != 1.5 {
+		t.Errorf("the new owner's request: messages %v max_tokens %d temperature %v", m, reqs[0].GetMaxTokens(), reqs[0].Temperature)
 	}
 }
