@@ -2,6 +2,7 @@ package orchestrator
 
 import (
 	"context"
+	"encoding/json"
 	"fmt"
 	"testing"
 	"time"
@@ -192,5 +193,28 @@ func TestTakeoverRunsWithTheStoredInput(t *testing.T) {
 	if m := reqs[0].GetMessages(); len(m) != 2 || m[0].GetContent() != "stored prompt" || reqs[0].GetMaxTokens() != 42 ||
 		reqs[0].GetTemperature() != 1.5 {
 		t.Errorf("the new owner's request: messages %v max_tokens %d temperature %v", m, reqs[0].GetMaxTokens(), reqs[0].Temperature)
+	}
+}
+
+// A dead letter's payload carries the run's input, and replaying it starts a run with it.
+func TestReplayKeepsTheInput(t *testing.T) {
+	e := newEnv(t, mesh.ServerConfig{}, nil)
+	in := runInput([]*orchestratorv1.Message{msg(system, "replayed prompt")}, 7, nil, "", []string{"sleep"}, 2,
+		orchestratorv1.ToolErrors_TOOL_ERRORS_FAIL_RUN)
+	var p ReplayPayload
+	b, _ := json.Marshal(ReplayPayload{Task: tinyPlan, Input: encodeInput(in)})
+	if err := json.Unmarshal(b, &p); err != nil || !proto.Equal(decodeInput(p.Input), in) {
+		t.Fatalf("payload %s does not round-trip the input: %v", b, err)
+	}
+	ctx := md.WithIdentity(context.Background(), md.Identity{Tenant: md.DefaultTenant})
+	id, created, err := e.srv.Replay(ctx, "replay-k", b, 10*time.Second)
+	if err != nil || !created {
+		t.Fatalf("Replay = %v created=%v", err, created)
+	}
+	if got := e.waitEnded(t, id); !proto.Equal(got.GetInput(), in) {
+		t.Errorf("replayed run's input %v, want %v", got.GetInput(), in)
+	}
+	if reqs := e.model.requests(); len(reqs) == 0 || reqs[0].GetMessages()[0].GetContent() != "replayed prompt" || reqs[0].GetMaxTokens() != 7 {
+		t.Errorf("the replayed run's model requests %v", reqs)
 	}
 }
