@@ -14,8 +14,8 @@ import (
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/types/known/durationpb"
 
-	orchestratorv1 "github.com/curfew-mesh/curfew/gen/curfew/orchestrator/v1"
 	"github.com/curfew-mesh/curfew/client"
+	orchestratorv1 "github.com/curfew-mesh/curfew/gen/curfew/orchestrator/v1"
 	"github.com/curfew-mesh/curfew/mesh/md"
 	"github.com/curfew-mesh/curfew/mesh/retry"
 )
