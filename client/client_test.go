@@ -134,7 +134,7 @@ func TestAPIKeyRefused(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer wrong.Close()
+	defer func() { _ = wrong.Close() }()
 	if _, err := wrong.Run(ctx, client.Request{Task: slowPlan}); status.Code(err) != codes.Unauthenticated {
 		t.Errorf("Run with a wrong key: %v, want UNAUTHENTICATED", err)
 	}
@@ -142,7 +142,7 @@ func TestAPIKeyRefused(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer none.Close()
+	defer func() { _ = none.Close() }()
 	if _, _, err := none.List(ctx, client.ListOptions{}); status.Code(err) != codes.Unauthenticated {
 		t.Errorf("List without a key: %v, want UNAUTHENTICATED", err)
 	}

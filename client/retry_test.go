@@ -89,24 +89,34 @@ func (s *scripted) Run(_ *orchestratorv1.RunRequest, stream orchestratorv1.Orche
 	return stream.Send(&orchestratorv1.RunResponse{Event: &orchestratorv1.RunResponse_Finished{Finished: &orchestratorv1.Run{RunId: "r1", Status: orchestratorv1.RunStatus_RUN_STATUS_SUCCEEDED}}})
 }
 
-// serve starts s on a loopback port and returns a client of it.
+// serve starts s on a loopback port and returns a plaintext client of it with an API key.
 func serve(t *testing.T, s *scripted, opts ...client.Option) *client.Client {
+	t.Helper()
+	c, err := serveWith(t, s, nil, append([]client.Option{client.WithInsecure(), client.WithAPIKey("cfk_test")}, opts...)...)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return c
+}
+
+// serveWith starts s on a loopback port with srvOpts and returns New's client of it.
+func serveWith(t *testing.T, s *scripted, srvOpts []grpc.ServerOption, opts ...client.Option) (*client.Client, error) {
 	t.Helper()
 	var lc net.ListenConfig
 	l, err := lc.Listen(t.Context(), "tcp", "127.0.0.1:0")
 	if err != nil {
 		t.Fatal(err)
 	}
-	srv := grpc.NewServer()
+	srv := grpc.NewServer(srvOpts...)
 	orchestratorv1.RegisterOrchestratorServiceServer(srv, s)
 	go func() { _ = srv.Serve(l) }()
 	t.Cleanup(srv.Stop)
-	c, err := client.New(l.Addr().String(), append([]client.Option{client.WithInsecure(), client.WithAPIKey("cfk_test")}, opts...)...)
+	c, err := client.New(l.Addr().String(), opts...)
 	if err != nil {
-		t.Fatal(err)
+		return nil, err
 	}
 	t.Cleanup(func() { _ = c.Close() })
-	return c
+	return c, nil
 }
 
 var unavailable = status.Error(codes.Unavailable, "scripted: down")
