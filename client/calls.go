@@ -7,7 +7,9 @@ import (
 	"iter"
 	"time"
 
+	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/metadata"
+	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/types/known/durationpb"
 
 	meshv1 "github.com/curfew-mesh/curfew/gen/curfew/mesh/v1"
@@ -140,7 +142,7 @@ func open(cancel context.CancelFunc, recv func() (streamEvent, error)) (*Stream,
 	s := &Stream{recv: recv, cancel: cancel}
 	ev, err := s.Next()
 	if errors.Is(err, io.EOF) {
-		err = errors.New("client: the stream ended before its first event")
+		err = status.Error(codes.Internal, "the orchestrator ended the stream before its first event")
 	}
 	if err != nil {
 		cancel()

@@ -48,7 +48,8 @@ type options struct {
 func WithAPIKey(key string) Option { return func(o *options) { o.apiKey = key } }
 
 // WithTLS connects over TLS with cfg (for example RootCAs holding the mesh's ca.crt, and
-// ServerName "orchestrator", a DNS name every orchestrator certificate carries).
+// ServerName "orchestrator", a DNS name every orchestrator certificate carries). A nil cfg
+// is TLS with the system's roots, as without any transport option.
 func WithTLS(cfg *tls.Config) Option {
 	return func(o *options) { o.tlsConfig, o.transports = cfg, o.transports+1 }
 }
