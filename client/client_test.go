@@ -72,8 +72,14 @@ func TestRunCtxCancelIsClientDisconnect(t *testing.T) {
 		}
 	}
 	stop()
-	if _, err := s.Next(); status.Code(err) != codes.Canceled {
-		t.Errorf("Next after the cancel: %v, want CANCELLED", err)
+	// Events already received may still come out before the cancel's error.
+	for {
+		if _, err := s.Next(); err != nil {
+			if status.Code(err) != codes.Canceled {
+				t.Errorf("the stream ended with %v, want CANCELLED", err)
+			}
+			break
+		}
 	}
 	run := waitEnded(ctx, t, c, s.RunID())
 	if run.GetStatus() != orchestratorv1.RunStatus_RUN_STATUS_CANCELLED || run.GetCause() != meshv1.CancelCause_CANCEL_CAUSE_CLIENT_DISCONNECT {
