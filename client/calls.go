@@ -27,9 +27,10 @@ type Request struct {
 	// default a cancelled ctx, a Close of the Stream or of the Client cancels the run with
 	// cause client_disconnect.
 	ContinueOnDisconnect bool
-	// Timeout (Start only) is the detached run's time from now, capped at the service
-	// maximum. Zero makes the Start call's own ctx deadline the run's (the service default,
-	// 30 s, when ctx has none), which is usually too short for a detached run.
+	// Timeout (Start only; Run refuses it with INVALID_ARGUMENT) is the detached run's time
+	// from now, capped at the service maximum. Zero makes the Start call's own ctx deadline
+	// the run's (the service default, 30 s, when ctx has none), which is usually too short
+	// for a detached run.
 	Timeout time.Duration
 }
 
@@ -162,6 +163,9 @@ func open(cancel context.CancelFunc, recv func() (streamEvent, error)) (*Stream,
 // never once the orchestrator has sent an event, since a retry would start a second run.
 // Errors: see the package doc.
 func (c *Client) Run(ctx context.Context, req Request) (*Stream, error) {
+	if req.Timeout != 0 {
+		return nil, status.Error(codes.InvalidArgument, "Request.Timeout is Start's: a Run's deadline is its ctx's (context.WithTimeout)")
+	}
 	ctx, cancel := context.WithCancel(ctx)
 	st, err := c.rpc.Run(ctx, &orchestratorv1.RunRequest{Task: req.Task, Model: req.Model, ContinueOnDisconnect: req.ContinueOnDisconnect})
 	if err != nil {

@@ -3,6 +3,7 @@ package client_test
 import (
 	"context"
 	"net"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -183,6 +184,18 @@ func TestRunRetriedOnlyBeforeFirstEvent(t *testing.T) {
 	}
 	if got := after.seen(); len(got) != 1 {
 		t.Errorf("attempts %+v, want 1: a Run that has started is not retried", got)
+	}
+}
+
+// Run takes its deadline from ctx only: a Request.Timeout is refused before any call.
+func TestRunRefusesTimeout(t *testing.T) {
+	s := &scripted{}
+	_, err := serve(t, s).Run(t.Context(), client.Request{Task: "t", Timeout: time.Minute})
+	if status.Code(err) != codes.InvalidArgument || !strings.Contains(err.Error(), "Request.Timeout") {
+		t.Errorf("Run with a Timeout: %v, want INVALID_ARGUMENT naming Request.Timeout", err)
+	}
+	if got := s.seen(); len(got) != 0 {
+		t.Errorf("attempts %+v, want none", got)
 	}
 }
 
