@@ -51,17 +51,17 @@
 // # Errors
 //
 // Errors are gRPC statuses as the server sent them, except New's configuration errors:
-// read them with status.Code, and RetryInfo and ErrorInfo with status.Convert(err).Details(). What each
-// code means is in docs/status-codes.md; the codes a caller should expect:
+// read them with status.Code, and RetryInfo and ErrorInfo with
+// status.Convert(err).Details(). What each code means is in docs/status-codes.md; the
+// codes a caller should expect:
 //
 //   - every call: UNAUTHENTICATED (no key, or a wrong, unknown or revoked one),
 //     UNAVAILABLE (orchestrator unreachable or draining; already retried),
 //     DEADLINE_EXCEEDED, CANCELLED (ctx cancelled), RESOURCE_EXHAUSTED with RetryInfo (the
 //     tenant's request rate), INVALID_ARGUMENT (a malformed curfew-* header or field).
 //   - Run, RunAndWait and Start: INVALID_ARGUMENT (a bad plan, naming the field; for Run,
-//     a Request.Timeout, refused before any call),
-//     RESOURCE_EXHAUSTED with RetryInfo and a SHED_<REASON> ErrorInfo (admission shed the
-//     run), OUT_OF_RANGE (a deadline over the tenant's max_deadline). After the Finished
+//     a Request.Timeout, refused before any call), RESOURCE_EXHAUSTED with RetryInfo and
+//     a SHED_<REASON> ErrorInfo (admission shed the run), OUT_OF_RANGE (a deadline over the tenant's max_deadline). After the Finished
 //     event, Run's call ends with the run's status: DEADLINE_EXCEEDED, CANCELLED, or
 //     the failure's code (run.ErrorCode names it).
 //   - Start: ALREADY_EXISTS (the key reused with another task or model).
