@@ -188,9 +188,9 @@ type view struct {
 	progress map[string]*meshv1.Progress
 	// answer is the text of the root's latest model node as it streams (the answer, once
 	// the root's last step runs): see text.
-	answer answerText
-	width  int // the terminal's columns, for the live tree's text lines
-	lines  int
+	answer   answerText
+	width    int // the terminal's columns, for the live tree's text lines
+	lines    int
 	stopTick chan struct{}
 	wg       sync.WaitGroup
 }

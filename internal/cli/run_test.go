@@ -125,7 +125,7 @@ func TestPlainOutputStreamsTheAnswer(t *testing.T) {
 	}
 	v.node(nil, model("root/m0", meshv1.NodeStatus_NODE_STATUS_RUNNING))
 	v.event(nil, textEvent("root/m0", 0, "let me "))
-	v.event(nil, textEvent("root/m0", 4, "me see"))  // overlaps what was seen
+	v.event(nil, textEvent("root/m0", 4, "me see")) // overlaps what was seen
 	v.event(nil, textEvent("root/m0", 20, " more")) // after lost deltas
 	v.node(nil, model("root/m0", meshv1.NodeStatus_NODE_STATUS_SUCCEEDED))
 	v.node(nil, model("root/m1", meshv1.NodeStatus_NODE_STATUS_RUNNING))
