@@ -231,3 +231,25 @@ func TestKeptTextIsBounded(t *testing.T) {
 		t.Fatalf("kept %+v for %s after room was freed, want its latest delta", kt, last)
 	}
 }
+
+// A subscriber that does not keep up loses node events first: once its buffer is half
+// full, only node updates, from which its tree is drawn, still go in.
+func TestSlowSubscriberKeepsNodeUpdates(t *testing.T) {
+	rn := &run{}
+	rn.publishNode(runningNode("root/s0.m0"))
+	sub := rn.subscribe()
+	for i := range eventBuffer {
+		rn.publishEvent(textEv("root/s0.m0", i, "x"))
+	}
+	if n := len(sub); n != eventBuffer/2 {
+		t.Fatalf("%d events buffered, want text to stop at half the buffer (%d)", n, eventBuffer/2)
+	}
+	rn.publishNode(endedNode("root/s0.m0"))
+	var last *orchestratorv1.RunResponse
+	for len(sub) > 0 {
+		last = <-sub
+	}
+	if last.GetNode().GetId() != "root/s0.m0" || last.GetNode().GetStatus() == meshv1.NodeStatus_NODE_STATUS_RUNNING {
+		t.Fatalf("last event %v, want the node's end", last)
+	}
+}

@@ -224,9 +224,15 @@ func (rn *run) keepText(id string, at *timestamppb.Timestamp, d *meshv1.TextDelt
 	rn.textBytes += len(kt.text)
 }
 
-// publish sends ev to every subscriber, under rn.mu.
+// publish sends ev to every subscriber, under rn.mu. A slow subscriber loses node
+// events (progress, text) once its buffer is half full, so that the room left keeps the
+// node updates its tree is drawn from.
 func (rn *run) publish(ev *orchestratorv1.RunResponse) {
+	_, isEvent := ev.GetEvent().(*orchestratorv1.RunResponse_NodeEvent)
 	for c := range rn.subs {
+		if isEvent && len(c) >= cap(c)/2 {
+			continue
+		}
 		select {
 		case c <- ev:
 		default: // slow subscriber: drop progress, the summary carries everything
