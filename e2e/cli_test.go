@@ -113,6 +113,20 @@ func TestCLIRunSucceeds(t *testing.T) {
 			t.Errorf("output lacks %q:\n%s", want, out)
 		}
 	}
+	// Not a terminal: the answer step's text was written as it streamed, on a line of its
+	// own before the summary, and no escape sequence repainted anything.
+	var streamed, answer string
+	for _, l := range strings.Split(out, "\n") {
+		if s, ok := strings.CutPrefix(l, "root/m1: "); ok {
+			streamed = s
+		}
+		if s, ok := strings.CutPrefix(l, "answer: "); ok {
+			answer = s
+		}
+	}
+	if streamed == "" || strings.TrimSpace(streamed) != answer || strings.Contains(out, "\x1b") {
+		t.Errorf("streamed %q, answered %q: want the answer streamed, without escapes:\n%s", streamed, answer, out)
+	}
 }
 
 // Every service serves gRPC health and server reflection, so grpcurl and Kubernetes

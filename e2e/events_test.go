@@ -47,6 +47,9 @@ func (s streamed) String() string {
 	if s.node != nil {
 		return "node " + s.node.GetId() + " " + strings.TrimPrefix(s.node.GetStatus().String(), "NODE_STATUS_")
 	}
+	if d := s.ev.GetText(); d != nil {
+		return fmt.Sprintf("text %s %d %q", s.ev.GetNodeId(), d.GetOffset(), d.GetText())
+	}
 	return fmt.Sprintf("event %s %g/%g", s.ev.GetNodeId(), s.ev.GetProgress().GetProgress(), s.ev.GetProgress().GetTotal())
 }
 
@@ -111,7 +114,7 @@ func (tp *tape) events(node string) []*meshv1.NodeEvent {
 	defer tp.mu.Unlock()
 	var out []*meshv1.NodeEvent
 	for _, m := range tp.msgs {
-		if m.ev != nil && m.ev.GetNodeId() == node {
+		if m.ev != nil && m.ev.GetNodeId() == node && m.ev.GetProgress() != nil {
 			out = append(out, m.ev)
 		}
 	}
@@ -157,14 +160,16 @@ func (tp *tape) dumpLocked() string {
 
 // checkOrder fails the test unless every event on the tape lies after its node's start
 // (unless the stream joined late: a WatchRun may have joined after it) and before its
-// node's end, and before the end of every node above it; and unless each node's
-// progress increases. It returns each node's progress.
+// node's end, and before the end of every node above it; unless each node's progress
+// increases; and unless each node's text deltas follow one another (a late stream's
+// first may start anywhere). It returns each node's progress.
 func checkOrder(t *testing.T, tp *tape, late bool) map[string][]float64 {
 	t.Helper()
 	tp.mu.Lock()
 	defer tp.mu.Unlock()
 	running, ended := map[string]bool{}, map[string]bool{}
 	progress := map[string][]float64{}
+	textEnd := map[string]int64{} // where each node's next delta follows
 	for i, m := range tp.msgs {
 		if m.node != nil {
 			id := m.node.GetId()
@@ -186,6 +191,13 @@ func checkOrder(t *testing.T, tp *tape, late bool) map[string][]float64 {
 			if !strings.Contains(a, "/") {
 				break
 			}
+		}
+		if d := m.ev.GetText(); d != nil {
+			if end, seen := textEnd[id]; (seen || !late) && d.GetOffset() != end {
+				t.Errorf("message %d, %s, does not follow the %d bytes before it", i, m, end)
+			}
+			textEnd[id] = d.GetOffset() + int64(len(d.GetText()))
+			continue
 		}
 		p := progress[id]
 		if len(p) > 0 && m.ev.GetProgress().GetProgress() <= p[len(p)-1] {

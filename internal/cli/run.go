@@ -15,6 +15,7 @@ import (
 	"syscall"
 	"time"
 	"unicode"
+	"unicode/utf8"
 
 	"golang.org/x/term"
 	"google.golang.org/grpc/codes"
@@ -185,6 +186,10 @@ type view struct {
 	nodes    map[string]*meshv1.Node
 	// progress is the latest progress of each running node, for the live tree.
 	progress map[string]*meshv1.Progress
+	// answer is the text of the root's latest model node as it streams (the answer, once
+	// the root's last step runs): see text.
+	answer   answerText
+	width    int // the terminal's columns, for the live tree's text lines
 	lines    int
 	stopTick chan struct{}
 	wg       sync.WaitGroup
@@ -194,6 +199,10 @@ func newView(w io.Writer, asJSON bool) *view {
 	v := &view{w: w, json: asJSON, nodes: map[string]*meshv1.Node{}, progress: map[string]*meshv1.Progress{}}
 	if f, ok := w.(*os.File); ok && !asJSON && term.IsTerminal(int(f.Fd())) {
 		v.live = true
+		v.width = 80
+		if w, _, err := term.GetSize(int(f.Fd())); err == nil && w > 0 {
+			v.width = w
+		}
 	}
 	return v
 }
@@ -235,15 +244,24 @@ func (v *view) node(ev *orchestratorv1.RunResponse, n *meshv1.Node) {
 	v.nodes[n.GetId()] = proto.Clone(n).(*meshv1.Node)
 	if n.GetStatus() != meshv1.NodeStatus_NODE_STATUS_RUNNING {
 		delete(v.progress, n.GetId())
+		if !v.live && v.answer.node == n.GetId() && v.answer.open {
+			fmt.Fprintln(v.w) // the node's streamed text ends its line
+			v.answer.open = false
+		}
 	}
 	v.mu.Unlock()
 }
 
 // event shows a node event: every one as a JSON line; on the live tree, a running
-// node's latest progress. Kinds this view does not know are skipped.
+// node's latest progress; the text of the root's model nodes (see text). Kinds this view
+// does not know are skipped.
 func (v *view) event(ev *orchestratorv1.RunResponse, e *meshv1.NodeEvent) {
 	if v.json {
 		printJSON(v.w, ev)
+		return
+	}
+	if d := e.GetText(); d != nil {
+		v.text(e.GetNodeId(), d)
 		return
 	}
 	if p := e.GetProgress(); p != nil {
@@ -253,6 +271,128 @@ func (v *view) event(ev *orchestratorv1.RunResponse, e *meshv1.NodeEvent) {
 		}
 		v.mu.Unlock()
 	}
+}
+
+// text shows a delta of a root model node's text (root/m<i>: the root's own steps, the
+// last of which is the answer; a subagent's text is not shown). On the live tree the
+// latest of these nodes' text is painted under the tree, its last maxTextLines lines. On
+// plain output (not a terminal) the text is written as it arrives, after a "root/m1: "
+// label, and its line ends with its node: nothing is repainted.
+func (v *view) text(id string, d *meshv1.TextDelta) {
+	if !isRootModel(id) {
+		return
+	}
+	v.mu.Lock()
+	defer v.mu.Unlock()
+	if n := v.nodes[id]; n != nil && n.GetStatus() != meshv1.NodeStatus_NODE_STATUS_RUNNING {
+		return
+	}
+	a := &v.answer
+	if a.node != id {
+		if !v.live && a.open {
+			fmt.Fprintln(v.w)
+		}
+		*a = answerText{node: id}
+	}
+	add := a.add(d)
+	if v.live || add == "" {
+		return
+	}
+	if !a.open {
+		fmt.Fprintf(v.w, "%s: ", id)
+		a.open = true
+	}
+	fmt.Fprint(v.w, printable(add, true))
+}
+
+// isRootModel reports whether id is one of the root's own model steps, root/m<i>.
+func isRootModel(id string) bool {
+	rest, ok := strings.CutPrefix(id, "root/m")
+	if !ok || rest == "" {
+		return false
+	}
+	for _, r := range rest {
+		if r < '0' || r > '9' {
+			return false
+		}
+	}
+	return true
+}
+
+// maxText bounds the text the view keeps of a node (its latest part); maxTextLines the
+// lines of it the live tree shows.
+const (
+	maxText      = 16 << 10
+	maxTextLines = 8
+)
+
+// answerText is the text of one model node as its deltas came, its latest maxText bytes.
+type answerText struct {
+	node string
+	text string
+	have int64 // bytes of the node's text seen: where the next delta follows
+	open bool  // plain output: the node's label is written and its line not ended
+}
+
+// add adds delta d and returns what it added: the part of it not seen before, after
+// "…" when deltas between were lost (a slow read, or a watcher that joined late).
+func (a *answerText) add(d *meshv1.TextDelta) string {
+	off, t := d.GetOffset(), d.GetText()
+	end := off + int64(len(t))
+	if end <= a.have {
+		return ""
+	}
+	switch {
+	case off < a.have:
+		t = t[a.have-off:]
+	case off > a.have:
+		t = "…" + t
+	}
+	a.have = end
+	a.text += t
+	if cut := len(a.text) - maxText; cut > 0 {
+		for cut < len(a.text) && !utf8.RuneStart(a.text[cut]) {
+			cut++
+		}
+		a.text = a.text[cut:]
+	}
+	return t
+}
+
+// textLines is text as the live tree paints it: its last max lines, each cut into lines
+// of at most width characters so that none wraps (the repaint counts lines), without
+// control characters.
+func textLines(text string, width, max int) []string {
+	if width < 2 {
+		width = 2
+	}
+	var out []string
+	for _, l := range strings.Split(printable(text, true), "\n") {
+		r := []rune(l)
+		for len(r) > width-1 {
+			out = append(out, string(r[:width-1]))
+			r = r[width-1:]
+		}
+		out = append(out, string(r))
+	}
+	if len(out) > max {
+		out = out[len(out)-max:]
+	}
+	return out
+}
+
+// printable is s without control characters (it is a model's or a tool's text, written
+// to a terminal): each becomes a space, but a newline when keepNewlines.
+func printable(s string, keepNewlines bool) string {
+	return strings.Map(func(r rune) rune {
+		if r == '\n' && keepNewlines {
+			return r
+		}
+		if unicode.IsControl(r) {
+			return ' '
+		}
+		return r
+	}, s)
 }
 
 func (v *view) stop() {
@@ -272,6 +412,10 @@ func (v *view) finished(ev *orchestratorv1.RunResponse, r *orchestratorv1.Run) {
 	v.mu.Lock()
 	defer v.mu.Unlock()
 	v.clear()
+	if !v.live && v.answer.open {
+		fmt.Fprintln(v.w)
+		v.answer.open = false
+	}
 	printSummary(v.w, r)
 }
 
@@ -295,6 +439,12 @@ func (v *view) redraw() {
 	fmt.Fprintf(&b, "run %s   deadline in %-6s   tokens %d   (Ctrl-C cancels)\n", v.runID, left, total)
 	for _, n := range ns {
 		fmt.Fprintf(&b, "%s\n", nodeLine(n, v.progress[n.GetId()]))
+	}
+	if a := v.answer; a.text != "" {
+		fmt.Fprintf(&b, "%s:\n", a.node)
+		for _, l := range textLines(a.text, v.width-2, maxTextLines) { // indented by two
+			fmt.Fprintf(&b, "  %s\n", l)
+		}
 	}
 	v.lines = strings.Count(b.String(), "\n")
 	fmt.Fprint(v.w, b.String())
@@ -331,12 +481,7 @@ func progressText(p *meshv1.Progress) string {
 	if t := p.GetTotal(); t > 0 {
 		s = fmt.Sprintf("%.0f%% %s/%s", math.Floor(100*p.GetProgress()/t), s, strconv.FormatFloat(t, 'f', -1, 64))
 	}
-	m := strings.Map(func(r rune) rune {
-		if unicode.IsControl(r) {
-			return ' '
-		}
-		return r
-	}, p.GetMessage())
+	m := printable(p.GetMessage(), false)
 	if r := []rune(m); len(r) > maxProgressMessage {
 		m = string(r[:maxProgressMessage-1]) + "…"
 	}

@@ -2,6 +2,7 @@ package cli
 
 import (
 	"bytes"
+	"fmt"
 	"strings"
 	"testing"
 
@@ -58,5 +59,94 @@ func TestJSONViewPrintsNodeEvents(t *testing.T) {
 	v.event(&orchestratorv1.RunResponse{Event: &orchestratorv1.RunResponse_NodeEvent{NodeEvent: ev}}, ev)
 	if s := out.String(); !strings.Contains(s, `"node_event"`) || !strings.Contains(s, `"progress"`) || strings.Count(s, "\n") != 1 {
 		t.Fatalf("printed %q, want one JSON line with the node event", s)
+	}
+}
+
+func textEvent(id string, offset int, text string) *meshv1.NodeEvent {
+	return &meshv1.NodeEvent{NodeId: id, Kind: &meshv1.NodeEvent_Text{Text: &meshv1.TextDelta{Text: text, Offset: int64(offset)}}}
+}
+
+// On a terminal the live tree paints, under the tree, the last lines of the text of the
+// root's latest model node, none of them wider than the terminal and without control
+// characters; a subagent's text is not shown, nor text after its node ended.
+func TestLiveTreeShowsTheAnswerAsItStreams(t *testing.T) {
+	var out bytes.Buffer
+	v := newView(&out, false)
+	v.live, v.width = true, 20
+	model := func(id string, st meshv1.NodeStatus) *meshv1.Node {
+		return &meshv1.Node{Id: id, Kind: meshv1.NodeKind_NODE_KIND_MODEL, Name: "sim", Status: st}
+	}
+	v.node(nil, model("root/m0", meshv1.NodeStatus_NODE_STATUS_RUNNING))
+	v.event(nil, textEvent("root/m0", 0, "thinking"))
+	v.node(nil, model("root/m0", meshv1.NodeStatus_NODE_STATUS_SUCCEEDED))
+	v.event(nil, textEvent("root/m0", 8, " late"))
+	v.node(nil, model("root/s0.t0/sub/m0", meshv1.NodeStatus_NODE_STATUS_RUNNING))
+	v.event(nil, textEvent("root/s0.t0/sub/m0", 0, "nested"))
+	v.node(nil, model("root/m1", meshv1.NodeStatus_NODE_STATUS_RUNNING))
+	answer := "line one\n\x1b[2Jsecond line that is long\n"
+	for i := 1; i < 12; i++ {
+		answer += fmt.Sprintf("l%d\n", i)
+	}
+	for off := 0; off < len(answer); off += 5 {
+		v.event(nil, textEvent("root/m1", off, answer[off:min(off+5, len(answer))]))
+	}
+	out.Reset()
+	v.redraw()
+	s := out.String()
+	if strings.Contains(s, "nested") || strings.Contains(s, "thinking") || strings.Contains(s, "late") || strings.Contains(s, "\x1b[2J") {
+		t.Fatalf("painted %q: want only root/m1's text, without control characters", s)
+	}
+	_, text, ok := strings.Cut(s, "root/m1:\n")
+	if !ok {
+		t.Fatalf("painted %q, want root/m1's text under the tree", s)
+	}
+	lines := strings.Split(strings.TrimSuffix(text, "\n"), "\n")
+	if len(lines) != maxTextLines || lines[len(lines)-2] != "  l11" || lines[len(lines)-1] != "  " {
+		t.Fatalf("text lines %q, want the last %d, ending with l11", lines, maxTextLines)
+	}
+	for _, l := range lines {
+		if n := len([]rune(l)); n >= v.width {
+			t.Fatalf("line %q is %d wide on a %d-column terminal: it would wrap", l, n, v.width)
+		}
+	}
+	if v.lines != strings.Count(s, "\n") {
+		t.Fatalf("counted %d lines to repaint, painted %d", v.lines, strings.Count(s, "\n"))
+	}
+}
+
+// Not on a terminal, the root's model text is written as it arrives, on a line of its
+// node's own that ends with the node, before the summary; a delta seen already is not
+// written twice and lost deltas show as "…". Nothing is repainted.
+func TestPlainOutputStreamsTheAnswer(t *testing.T) {
+	var out bytes.Buffer
+	v := newView(&out, false)
+	model := func(id string, st meshv1.NodeStatus) *meshv1.Node {
+		return &meshv1.Node{Id: id, Kind: meshv1.NodeKind_NODE_KIND_MODEL, Name: "sim", Status: st}
+	}
+	v.node(nil, model("root/m0", meshv1.NodeStatus_NODE_STATUS_RUNNING))
+	v.event(nil, textEvent("root/m0", 0, "let me "))
+	v.event(nil, textEvent("root/m0", 4, "me see")) // overlaps what was seen
+	v.event(nil, textEvent("root/m0", 20, " more")) // after lost deltas
+	v.node(nil, model("root/m0", meshv1.NodeStatus_NODE_STATUS_SUCCEEDED))
+	v.node(nil, model("root/m1", meshv1.NodeStatus_NODE_STATUS_RUNNING))
+	v.event(nil, textEvent("root/m1", 0, "forty"))
+	v.event(nil, textEvent("root/m1", 5, " two"))
+	v.finished(nil, &orchestratorv1.Run{RunId: "r1", Status: orchestratorv1.RunStatus_RUN_STATUS_SUCCEEDED, Answer: "forty two"})
+	want := "root/m0: let me see… more\nroot/m1: forty two\nrun r1  succeeded\n"
+	if s := out.String(); !strings.HasPrefix(s, want) || strings.Contains(s, "\x1b") {
+		t.Fatalf("printed %q, want it to start %q, without escapes", s, want)
+	}
+}
+
+// --json prints every text delta as an event line of its own.
+func TestJSONViewPrintsTextDeltas(t *testing.T) {
+	var out bytes.Buffer
+	v := newView(&out, true)
+	for i, s := range []string{"a", "b"} {
+		ev := textEvent("root/m0", i, s)
+		v.event(&orchestratorv1.RunResponse{Event: &orchestratorv1.RunResponse_NodeEvent{NodeEvent: ev}}, ev)
+	}
+	if s := out.String(); strings.Count(s, `"text":{`) != 2 || strings.Count(s, "\n") != 2 {
+		t.Fatalf("printed %q, want two JSON lines with a text delta each", s)
 	}
 }

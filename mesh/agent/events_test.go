@@ -2,6 +2,7 @@ package agent_test
 
 import (
 	"context"
+	"fmt"
 	"slices"
 	"strings"
 	"sync"
@@ -131,5 +132,55 @@ func TestToolWithEventsNotRetried(t *testing.T) {
 				t.Fatalf("%d tool calls, want %d", n, tc.wantCalls)
 			}
 		})
+	}
+}
+
+// Every model node's text reaches EmitEvent as it streams, one TextDelta per chunk of
+// text, in order between the node's start and end, each at the byte offset where it
+// follows: the answer node's deltas concatenate to the answer. The last chunk of a step
+// that asks for tools carries no text and sends none.
+func TestModelTextReachesEmitEvent(t *testing.T) {
+	const think, answer = "let me see", "the answer is ünïcode 42"
+	r := newRig(t, agent.Config{}, []meshtest.ModelStep{
+		{Text: think, ToolCalls: []*modelproxyv1.ToolCall{call(0, "noop", `{}`)}},
+		{Text: answer},
+	}, map[string]meshtest.ToolFunc{"noop": func(context.Context, string) (string, error) { return `{}`, nil }})
+	ctx, cancelRun := runCtx(t, 5*time.Second)
+	defer cancelRun()
+	got, err := r.loop.Run(ctx, "root", "", "task")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got != answer {
+		t.Fatalf("answer %q, want %q", got, answer)
+	}
+	r.mu.Lock()
+	order := slices.Clone(r.order)
+	r.mu.Unlock()
+	for _, tc := range []struct{ node, text string }{{"root/m0", think}, {"root/m1", answer}} {
+		var lines []string
+		for _, l := range order {
+			// Token progress updates of the node come between: only its start counts here.
+			if l == "node "+tc.node+" RUNNING" && len(lines) > 0 {
+				continue
+			}
+			if strings.HasPrefix(l, "node "+tc.node+" ") || strings.HasPrefix(l, "text "+tc.node+" ") {
+				lines = append(lines, l)
+			}
+		}
+		var want []string
+		want = append(want, "node "+tc.node+" RUNNING")
+		off := 0
+		for i, w := range strings.Fields(tc.text) {
+			if i > 0 {
+				w = " " + w
+			}
+			want = append(want, fmt.Sprintf("text %s %d %q", tc.node, off, w))
+			off += len(w)
+		}
+		want = append(want, "node "+tc.node+" SUCCEEDED")
+		if !slices.Equal(lines, want) {
+			t.Fatalf("%s emitted:\n%s\nwant:\n%s", tc.node, strings.Join(lines, "\n"), strings.Join(want, "\n"))
+		}
 	}
 }

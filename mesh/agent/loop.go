@@ -71,8 +71,10 @@ type Config struct {
 	// EmitEvent, if set, receives the node events the tools stream: their own and those of
 	// the nodes beneath them (a subagent's), whatever their kind, in the order each tool
 	// sent them: after Emit got that tool node's start and before it gets its end. An
-	// event naming a node outside the tool's subtree is dropped. It is called from
-	// several goroutines.
+	// event naming a node outside the tool's subtree is dropped. It also receives the
+	// loop's own model nodes' text, a TextDelta for every chunk of text as it arrives,
+	// in the same way between the node's start and end. It is called from several
+	// goroutines.
 	EmitEvent func(*meshv1.NodeEvent)
 	// Leases renews the leases of the decoders this loop streams from (docs/leases.md).
 	// When nil, New takes the process-wide keeper of Model with LeaseOptions
@@ -343,7 +345,10 @@ func (l *Loop) generate(ctx context.Context, id string, req *modelproxyv1.Genera
 			l.endModel(node, err)
 			return nil, l.failed(ctx, l.cfg.ModelNodes, id, err)
 		}
-		text.WriteString(resp.GetDelta())
+		if d := resp.GetDelta(); d != "" {
+			l.cfg.EmitEvent(textDelta(id, d, text.Len()))
+			text.WriteString(d)
+		}
 		node.Tokens += int64(resp.GetTokens())
 		if resp.GetFinishReason() != "" {
 			final = resp
@@ -606,6 +611,13 @@ func (l *Loop) failed(ctx context.Context, reports meshv1.NodeReportServiceClien
 		_ = cancel.Settle(ctx, reports, id, l.cfg.SettleTimeout)
 	}
 	return cancel.Status(ctx)
+}
+
+// textDelta is the node event of model node id's text d, which follows offset bytes of
+// the node's text.
+func textDelta(id, d string, offset int) *meshv1.NodeEvent {
+	return &meshv1.NodeEvent{NodeId: id, At: timestamppb.Now(),
+		Kind: &meshv1.NodeEvent_Text{Text: &meshv1.TextDelta{Text: d, Offset: int64(offset)}}}
 }
 
 func cloneNode(n *meshv1.Node) *meshv1.Node { return proto.Clone(n).(*meshv1.Node) }

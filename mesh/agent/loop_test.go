@@ -66,6 +66,10 @@ func newRig(t *testing.T, cfg agent.Config, steps []meshtest.ModelStep, funcs ma
 	cfg.EmitEvent = func(ev *meshv1.NodeEvent) {
 		r.mu.Lock()
 		defer r.mu.Unlock()
+		if d := ev.GetText(); d != nil {
+			r.order = append(r.order, fmt.Sprintf("text %s %d %q", ev.GetNodeId(), d.GetOffset(), d.GetText()))
+			return
+		}
 		r.order = append(r.order, fmt.Sprintf("event %s %g", ev.GetNodeId(), ev.GetProgress().GetProgress()))
 	}
 	r.loop = agent.New(cfg)

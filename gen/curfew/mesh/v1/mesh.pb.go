@@ -546,6 +546,7 @@ type NodeEvent struct {
 	// Types that are valid to be assigned to Kind:
 	//
 	//	*NodeEvent_Progress
+	//	*NodeEvent_Text
 	Kind          isNodeEvent_Kind `protobuf_oneof:"kind"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
@@ -611,6 +612,15 @@ func (x *NodeEvent) GetProgress() *Progress {
 	return nil
 }
 
+func (x *NodeEvent) GetText() *TextDelta {
+	if x != nil {
+		if x, ok := x.Kind.(*NodeEvent_Text); ok {
+			return x.Text
+		}
+	}
+	return nil
+}
+
 type isNodeEvent_Kind interface {
 	isNodeEvent_Kind()
 }
@@ -620,7 +630,14 @@ type NodeEvent_Progress struct {
 	Progress *Progress `protobuf:"bytes,10,opt,name=progress,proto3,oneof"`
 }
 
+type NodeEvent_Text struct {
+	// A model node produced text: the next piece of its output as it streams.
+	Text *TextDelta `protobuf:"bytes,11,opt,name=text,proto3,oneof"`
+}
+
 func (*NodeEvent_Progress) isNodeEvent_Kind() {}
+
+func (*NodeEvent_Text) isNodeEvent_Kind() {}
 
 // Progress is a tool's report of how far it has come, as MCP's notifications/progress
 // carry it. It never extends anything: the run's deadline is absolute.
@@ -687,6 +704,68 @@ func (x *Progress) GetMessage() string {
 	return ""
 }
 
+// TextDelta is the next piece of a model node's output text, sent as the model streams
+// it: the node's text is the concatenation of its deltas in order. It adds to what came
+// before rather than stating where the node is, so a client that joins late, or lost
+// events to a slow read, tells where it stands by offset.
+type TextDelta struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// The text, whole UTF-8 characters; never empty.
+	Text string `protobuf:"bytes,1,opt,name=text,proto3" json:"text,omitempty"`
+	// Where text starts in the node's text: the length in bytes of the node's text before
+	// it. A client that has fewer bytes of the node's text missed some; one that has more
+	// already holds the start of this delta. A late WatchRun watcher's first delta of a
+	// node is the text so far in one piece, or its latest part (offset > 0) when the text
+	// is longer than the orchestrator keeps (docs/api.md).
+	Offset        int64 `protobuf:"varint,2,opt,name=offset,proto3" json:"offset,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *TextDelta) Reset() {
+	*x = TextDelta{}
+	mi := &file_curfew_mesh_v1_mesh_proto_msgTypes[4]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *TextDelta) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*TextDelta) ProtoMessage() {}
+
+func (x *TextDelta) ProtoReflect() protoreflect.Message {
+	mi := &file_curfew_mesh_v1_mesh_proto_msgTypes[4]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use TextDelta.ProtoReflect.Descriptor instead.
+func (*TextDelta) Descriptor() ([]byte, []int) {
+	return file_curfew_mesh_v1_mesh_proto_rawDescGZIP(), []int{4}
+}
+
+func (x *TextDelta) GetText() string {
+	if x != nil {
+		return x.Text
+	}
+	return ""
+}
+
+func (x *TextDelta) GetOffset() int64 {
+	if x != nil {
+		return x.Offset
+	}
+	return 0
+}
+
 // Fallback is one provider of a model alias's chain that did not answer a call.
 type Fallback struct {
 	state    protoimpl.MessageState `protogen:"open.v1"`
@@ -705,7 +784,7 @@ type Fallback struct {
 
 func (x *Fallback) Reset() {
 	*x = Fallback{}
-	mi := &file_curfew_mesh_v1_mesh_proto_msgTypes[4]
+	mi := &file_curfew_mesh_v1_mesh_proto_msgTypes[5]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -717,7 +796,7 @@ func (x *Fallback) String() string {
 func (*Fallback) ProtoMessage() {}
 
 func (x *Fallback) ProtoReflect() protoreflect.Message {
-	mi := &file_curfew_mesh_v1_mesh_proto_msgTypes[4]
+	mi := &file_curfew_mesh_v1_mesh_proto_msgTypes[5]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -730,7 +809,7 @@ func (x *Fallback) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Fallback.ProtoReflect.Descriptor instead.
 func (*Fallback) Descriptor() ([]byte, []int) {
-	return file_curfew_mesh_v1_mesh_proto_rawDescGZIP(), []int{4}
+	return file_curfew_mesh_v1_mesh_proto_rawDescGZIP(), []int{5}
 }
 
 func (x *Fallback) GetProvider() string {
@@ -784,7 +863,7 @@ type AttemptRecord struct {
 
 func (x *AttemptRecord) Reset() {
 	*x = AttemptRecord{}
-	mi := &file_curfew_mesh_v1_mesh_proto_msgTypes[5]
+	mi := &file_curfew_mesh_v1_mesh_proto_msgTypes[6]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -796,7 +875,7 @@ func (x *AttemptRecord) String() string {
 func (*AttemptRecord) ProtoMessage() {}
 
 func (x *AttemptRecord) ProtoReflect() protoreflect.Message {
-	mi := &file_curfew_mesh_v1_mesh_proto_msgTypes[5]
+	mi := &file_curfew_mesh_v1_mesh_proto_msgTypes[6]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -809,7 +888,7 @@ func (x *AttemptRecord) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use AttemptRecord.ProtoReflect.Descriptor instead.
 func (*AttemptRecord) Descriptor() ([]byte, []int) {
-	return file_curfew_mesh_v1_mesh_proto_rawDescGZIP(), []int{5}
+	return file_curfew_mesh_v1_mesh_proto_rawDescGZIP(), []int{6}
 }
 
 func (x *AttemptRecord) GetAttempt() int32 {
@@ -877,7 +956,7 @@ type ListNodesRequest struct {
 
 func (x *ListNodesRequest) Reset() {
 	*x = ListNodesRequest{}
-	mi := &file_curfew_mesh_v1_mesh_proto_msgTypes[6]
+	mi := &file_curfew_mesh_v1_mesh_proto_msgTypes[7]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -889,7 +968,7 @@ func (x *ListNodesRequest) String() string {
 func (*ListNodesRequest) ProtoMessage() {}
 
 func (x *ListNodesRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_curfew_mesh_v1_mesh_proto_msgTypes[6]
+	mi := &file_curfew_mesh_v1_mesh_proto_msgTypes[7]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -902,7 +981,7 @@ func (x *ListNodesRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListNodesRequest.ProtoReflect.Descriptor instead.
 func (*ListNodesRequest) Descriptor() ([]byte, []int) {
-	return file_curfew_mesh_v1_mesh_proto_rawDescGZIP(), []int{6}
+	return file_curfew_mesh_v1_mesh_proto_rawDescGZIP(), []int{7}
 }
 
 func (x *ListNodesRequest) GetRunId() string {
@@ -945,7 +1024,7 @@ type ListNodesResponse struct {
 
 func (x *ListNodesResponse) Reset() {
 	*x = ListNodesResponse{}
-	mi := &file_curfew_mesh_v1_mesh_proto_msgTypes[7]
+	mi := &file_curfew_mesh_v1_mesh_proto_msgTypes[8]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -957,7 +1036,7 @@ func (x *ListNodesResponse) String() string {
 func (*ListNodesResponse) ProtoMessage() {}
 
 func (x *ListNodesResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_curfew_mesh_v1_mesh_proto_msgTypes[7]
+	mi := &file_curfew_mesh_v1_mesh_proto_msgTypes[8]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -970,7 +1049,7 @@ func (x *ListNodesResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListNodesResponse.ProtoReflect.Descriptor instead.
 func (*ListNodesResponse) Descriptor() ([]byte, []int) {
-	return file_curfew_mesh_v1_mesh_proto_rawDescGZIP(), []int{7}
+	return file_curfew_mesh_v1_mesh_proto_rawDescGZIP(), []int{8}
 }
 
 func (x *ListNodesResponse) GetNodes() []*Node {
@@ -1006,7 +1085,7 @@ type CancelNodesRequest struct {
 
 func (x *CancelNodesRequest) Reset() {
 	*x = CancelNodesRequest{}
-	mi := &file_curfew_mesh_v1_mesh_proto_msgTypes[8]
+	mi := &file_curfew_mesh_v1_mesh_proto_msgTypes[9]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1018,7 +1097,7 @@ func (x *CancelNodesRequest) String() string {
 func (*CancelNodesRequest) ProtoMessage() {}
 
 func (x *CancelNodesRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_curfew_mesh_v1_mesh_proto_msgTypes[8]
+	mi := &file_curfew_mesh_v1_mesh_proto_msgTypes[9]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1031,7 +1110,7 @@ func (x *CancelNodesRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CancelNodesRequest.ProtoReflect.Descriptor instead.
 func (*CancelNodesRequest) Descriptor() ([]byte, []int) {
-	return file_curfew_mesh_v1_mesh_proto_rawDescGZIP(), []int{8}
+	return file_curfew_mesh_v1_mesh_proto_rawDescGZIP(), []int{9}
 }
 
 func (x *CancelNodesRequest) GetRunId() string {
@@ -1074,7 +1153,7 @@ type CancelNodesResponse struct {
 
 func (x *CancelNodesResponse) Reset() {
 	*x = CancelNodesResponse{}
-	mi := &file_curfew_mesh_v1_mesh_proto_msgTypes[9]
+	mi := &file_curfew_mesh_v1_mesh_proto_msgTypes[10]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1086,7 +1165,7 @@ func (x *CancelNodesResponse) String() string {
 func (*CancelNodesResponse) ProtoMessage() {}
 
 func (x *CancelNodesResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_curfew_mesh_v1_mesh_proto_msgTypes[9]
+	mi := &file_curfew_mesh_v1_mesh_proto_msgTypes[10]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1099,7 +1178,7 @@ func (x *CancelNodesResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CancelNodesResponse.ProtoReflect.Descriptor instead.
 func (*CancelNodesResponse) Descriptor() ([]byte, []int) {
-	return file_curfew_mesh_v1_mesh_proto_rawDescGZIP(), []int{9}
+	return file_curfew_mesh_v1_mesh_proto_rawDescGZIP(), []int{10}
 }
 
 func (x *CancelNodesResponse) GetCancelled() int32 {
@@ -1154,17 +1233,21 @@ const file_curfew_mesh_v1_mesh_proto_rawDesc = "" +
 	"\bprovider\x18\x13 \x01(\tR\bprovider\x12!\n" +
 	"\fserved_model\x18\x14 \x01(\tR\vservedModel\x12\x16\n" +
 	"\x06cached\x18\x15 \x01(\bR\x06cached\x126\n" +
-	"\tfallbacks\x18\x16 \x03(\v2\x18.curfew.mesh.v1.FallbackR\tfallbacks\"\x90\x01\n" +
+	"\tfallbacks\x18\x16 \x03(\v2\x18.curfew.mesh.v1.FallbackR\tfallbacks\"\xc1\x01\n" +
 	"\tNodeEvent\x12\x17\n" +
 	"\anode_id\x18\x01 \x01(\tR\x06nodeId\x12*\n" +
 	"\x02at\x18\x02 \x01(\v2\x1a.google.protobuf.TimestampR\x02at\x126\n" +
 	"\bprogress\x18\n" +
-	" \x01(\v2\x18.curfew.mesh.v1.ProgressH\x00R\bprogressB\x06\n" +
+	" \x01(\v2\x18.curfew.mesh.v1.ProgressH\x00R\bprogress\x12/\n" +
+	"\x04text\x18\v \x01(\v2\x19.curfew.mesh.v1.TextDeltaH\x00R\x04textB\x06\n" +
 	"\x04kind\"V\n" +
 	"\bProgress\x12\x1a\n" +
 	"\bprogress\x18\x01 \x01(\x01R\bprogress\x12\x14\n" +
 	"\x05total\x18\x02 \x01(\x01R\x05total\x12\x18\n" +
-	"\amessage\x18\x03 \x01(\tR\amessage\"\x98\x01\n" +
+	"\amessage\x18\x03 \x01(\tR\amessage\"7\n" +
+	"\tTextDelta\x12\x12\n" +
+	"\x04text\x18\x01 \x01(\tR\x04text\x12\x16\n" +
+	"\x06offset\x18\x02 \x01(\x03R\x06offset\"\x98\x01\n" +
 	"\bFallback\x12\x1a\n" +
 	"\bprovider\x18\x01 \x01(\tR\bprovider\x12\x14\n" +
 	"\x05model\x18\x02 \x01(\tR\x05model\x12\x16\n" +
@@ -1239,7 +1322,7 @@ func file_curfew_mesh_v1_mesh_proto_rawDescGZIP() []byte {
 }
 
 var file_curfew_mesh_v1_mesh_proto_enumTypes = make([]protoimpl.EnumInfo, 3)
-var file_curfew_mesh_v1_mesh_proto_msgTypes = make([]protoimpl.MessageInfo, 10)
+var file_curfew_mesh_v1_mesh_proto_msgTypes = make([]protoimpl.MessageInfo, 11)
 var file_curfew_mesh_v1_mesh_proto_goTypes = []any{
 	(CancelCause)(0),              // 0: curfew.mesh.v1.CancelCause
 	(NodeKind)(0),                 // 1: curfew.mesh.v1.NodeKind
@@ -1248,49 +1331,51 @@ var file_curfew_mesh_v1_mesh_proto_goTypes = []any{
 	(*Node)(nil),                  // 4: curfew.mesh.v1.Node
 	(*NodeEvent)(nil),             // 5: curfew.mesh.v1.NodeEvent
 	(*Progress)(nil),              // 6: curfew.mesh.v1.Progress
-	(*Fallback)(nil),              // 7: curfew.mesh.v1.Fallback
-	(*AttemptRecord)(nil),         // 8: curfew.mesh.v1.AttemptRecord
-	(*ListNodesRequest)(nil),      // 9: curfew.mesh.v1.ListNodesRequest
-	(*ListNodesResponse)(nil),     // 10: curfew.mesh.v1.ListNodesResponse
-	(*CancelNodesRequest)(nil),    // 11: curfew.mesh.v1.CancelNodesRequest
-	(*CancelNodesResponse)(nil),   // 12: curfew.mesh.v1.CancelNodesResponse
-	(*timestamppb.Timestamp)(nil), // 13: google.protobuf.Timestamp
-	(*durationpb.Duration)(nil),   // 14: google.protobuf.Duration
+	(*TextDelta)(nil),             // 7: curfew.mesh.v1.TextDelta
+	(*Fallback)(nil),              // 8: curfew.mesh.v1.Fallback
+	(*AttemptRecord)(nil),         // 9: curfew.mesh.v1.AttemptRecord
+	(*ListNodesRequest)(nil),      // 10: curfew.mesh.v1.ListNodesRequest
+	(*ListNodesResponse)(nil),     // 11: curfew.mesh.v1.ListNodesResponse
+	(*CancelNodesRequest)(nil),    // 12: curfew.mesh.v1.CancelNodesRequest
+	(*CancelNodesResponse)(nil),   // 13: curfew.mesh.v1.CancelNodesResponse
+	(*timestamppb.Timestamp)(nil), // 14: google.protobuf.Timestamp
+	(*durationpb.Duration)(nil),   // 15: google.protobuf.Duration
 }
 var file_curfew_mesh_v1_mesh_proto_depIdxs = []int32{
-	13, // 0: curfew.mesh.v1.Cleanup.started_at:type_name -> google.protobuf.Timestamp
-	13, // 1: curfew.mesh.v1.Cleanup.ended_at:type_name -> google.protobuf.Timestamp
-	14, // 2: curfew.mesh.v1.Cleanup.budget:type_name -> google.protobuf.Duration
+	14, // 0: curfew.mesh.v1.Cleanup.started_at:type_name -> google.protobuf.Timestamp
+	14, // 1: curfew.mesh.v1.Cleanup.ended_at:type_name -> google.protobuf.Timestamp
+	15, // 2: curfew.mesh.v1.Cleanup.budget:type_name -> google.protobuf.Duration
 	1,  // 3: curfew.mesh.v1.Node.kind:type_name -> curfew.mesh.v1.NodeKind
 	2,  // 4: curfew.mesh.v1.Node.status:type_name -> curfew.mesh.v1.NodeStatus
 	0,  // 5: curfew.mesh.v1.Node.cause:type_name -> curfew.mesh.v1.CancelCause
-	13, // 6: curfew.mesh.v1.Node.started_at:type_name -> google.protobuf.Timestamp
-	13, // 7: curfew.mesh.v1.Node.ended_at:type_name -> google.protobuf.Timestamp
-	13, // 8: curfew.mesh.v1.Node.deadline:type_name -> google.protobuf.Timestamp
-	13, // 9: curfew.mesh.v1.Node.cancelled_at:type_name -> google.protobuf.Timestamp
+	14, // 6: curfew.mesh.v1.Node.started_at:type_name -> google.protobuf.Timestamp
+	14, // 7: curfew.mesh.v1.Node.ended_at:type_name -> google.protobuf.Timestamp
+	14, // 8: curfew.mesh.v1.Node.deadline:type_name -> google.protobuf.Timestamp
+	14, // 9: curfew.mesh.v1.Node.cancelled_at:type_name -> google.protobuf.Timestamp
 	3,  // 10: curfew.mesh.v1.Node.cleanup:type_name -> curfew.mesh.v1.Cleanup
-	8,  // 11: curfew.mesh.v1.Node.earlier_attempts:type_name -> curfew.mesh.v1.AttemptRecord
-	7,  // 12: curfew.mesh.v1.Node.fallbacks:type_name -> curfew.mesh.v1.Fallback
-	13, // 13: curfew.mesh.v1.NodeEvent.at:type_name -> google.protobuf.Timestamp
+	9,  // 11: curfew.mesh.v1.Node.earlier_attempts:type_name -> curfew.mesh.v1.AttemptRecord
+	8,  // 12: curfew.mesh.v1.Node.fallbacks:type_name -> curfew.mesh.v1.Fallback
+	14, // 13: curfew.mesh.v1.NodeEvent.at:type_name -> google.protobuf.Timestamp
 	6,  // 14: curfew.mesh.v1.NodeEvent.progress:type_name -> curfew.mesh.v1.Progress
-	2,  // 15: curfew.mesh.v1.AttemptRecord.status:type_name -> curfew.mesh.v1.NodeStatus
-	0,  // 16: curfew.mesh.v1.AttemptRecord.cause:type_name -> curfew.mesh.v1.CancelCause
-	13, // 17: curfew.mesh.v1.AttemptRecord.started_at:type_name -> google.protobuf.Timestamp
-	13, // 18: curfew.mesh.v1.AttemptRecord.ended_at:type_name -> google.protobuf.Timestamp
-	14, // 19: curfew.mesh.v1.ListNodesRequest.settle_timeout:type_name -> google.protobuf.Duration
-	13, // 20: curfew.mesh.v1.ListNodesRequest.cancel_at:type_name -> google.protobuf.Timestamp
-	4,  // 21: curfew.mesh.v1.ListNodesResponse.nodes:type_name -> curfew.mesh.v1.Node
-	0,  // 22: curfew.mesh.v1.CancelNodesRequest.cause:type_name -> curfew.mesh.v1.CancelCause
-	14, // 23: curfew.mesh.v1.CancelNodesRequest.settle_timeout:type_name -> google.protobuf.Duration
-	9,  // 24: curfew.mesh.v1.NodeReportService.ListNodes:input_type -> curfew.mesh.v1.ListNodesRequest
-	11, // 25: curfew.mesh.v1.NodeReportService.CancelNodes:input_type -> curfew.mesh.v1.CancelNodesRequest
-	10, // 26: curfew.mesh.v1.NodeReportService.ListNodes:output_type -> curfew.mesh.v1.ListNodesResponse
-	12, // 27: curfew.mesh.v1.NodeReportService.CancelNodes:output_type -> curfew.mesh.v1.CancelNodesResponse
-	26, // [26:28] is the sub-list for method output_type
-	24, // [24:26] is the sub-list for method input_type
-	24, // [24:24] is the sub-list for extension type_name
-	24, // [24:24] is the sub-list for extension extendee
-	0,  // [0:24] is the sub-list for field type_name
+	7,  // 15: curfew.mesh.v1.NodeEvent.text:type_name -> curfew.mesh.v1.TextDelta
+	2,  // 16: curfew.mesh.v1.AttemptRecord.status:type_name -> curfew.mesh.v1.NodeStatus
+	0,  // 17: curfew.mesh.v1.AttemptRecord.cause:type_name -> curfew.mesh.v1.CancelCause
+	14, // 18: curfew.mesh.v1.AttemptRecord.started_at:type_name -> google.protobuf.Timestamp
+	14, // 19: curfew.mesh.v1.AttemptRecord.ended_at:type_name -> google.protobuf.Timestamp
+	15, // 20: curfew.mesh.v1.ListNodesRequest.settle_timeout:type_name -> google.protobuf.Duration
+	14, // 21: curfew.mesh.v1.ListNodesRequest.cancel_at:type_name -> google.protobuf.Timestamp
+	4,  // 22: curfew.mesh.v1.ListNodesResponse.nodes:type_name -> curfew.mesh.v1.Node
+	0,  // 23: curfew.mesh.v1.CancelNodesRequest.cause:type_name -> curfew.mesh.v1.CancelCause
+	15, // 24: curfew.mesh.v1.CancelNodesRequest.settle_timeout:type_name -> google.protobuf.Duration
+	10, // 25: curfew.mesh.v1.NodeReportService.ListNodes:input_type -> curfew.mesh.v1.ListNodesRequest
+	12, // 26: curfew.mesh.v1.NodeReportService.CancelNodes:input_type -> curfew.mesh.v1.CancelNodesRequest
+	11, // 27: curfew.mesh.v1.NodeReportService.ListNodes:output_type -> curfew.mesh.v1.ListNodesResponse
+	13, // 28: curfew.mesh.v1.NodeReportService.CancelNodes:output_type -> curfew.mesh.v1.CancelNodesResponse
+	27, // [27:29] is the sub-list for method output_type
+	25, // [25:27] is the sub-list for method input_type
+	25, // [25:25] is the sub-list for extension type_name
+	25, // [25:25] is the sub-list for extension extendee
+	0,  // [0:25] is the sub-list for field type_name
 }
 
 func init() { file_curfew_mesh_v1_mesh_proto_init() }
@@ -1300,6 +1385,7 @@ func file_curfew_mesh_v1_mesh_proto_init() {
 	}
 	file_curfew_mesh_v1_mesh_proto_msgTypes[2].OneofWrappers = []any{
 		(*NodeEvent_Progress)(nil),
+		(*NodeEvent_Text)(nil),
 	}
 	type x struct{}
 	out := protoimpl.TypeBuilder{
@@ -1307,7 +1393,7 @@ func file_curfew_mesh_v1_mesh_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_curfew_mesh_v1_mesh_proto_rawDesc), len(file_curfew_mesh_v1_mesh_proto_rawDesc)),
 			NumEnums:      3,
-			NumMessages:   10,
+			NumMessages:   11,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

@@ -4,6 +4,7 @@ import (
 	"fmt"
 	"strings"
 	"testing"
+	"unicode/utf8"
 
 	meshv1 "github.com/curfew-mesh/curfew/gen/curfew/mesh/v1"
 	orchestratorv1 "github.com/curfew-mesh/curfew/gen/curfew/orchestrator/v1"
@@ -19,7 +20,8 @@ func prog(id string, p float64) *meshv1.NodeEvent {
 	return &meshv1.NodeEvent{NodeId: id, Kind: &meshv1.NodeEvent_Progress{Progress: &meshv1.Progress{Progress: p, Total: 100}}}
 }
 
-// received is what a subscriber has been sent so far: "node ID STATUS" or "event ID P".
+// received is what a subscriber has been sent so far: "node ID STATUS", "event ID P" or
+// "text ID OFFSET TEXT".
 func received(c chan *orchestratorv1.RunResponse) []string {
 	var out []string
 	for {
@@ -29,6 +31,10 @@ func received(c chan *orchestratorv1.RunResponse) []string {
 			case *orchestratorv1.RunResponse_Node:
 				out = append(out, "node "+e.Node.GetId()+" "+strings.TrimPrefix(e.Node.GetStatus().String(), "NODE_STATUS_"))
 			case *orchestratorv1.RunResponse_NodeEvent:
+				if d := e.NodeEvent.GetText(); d != nil {
+					out = append(out, fmt.Sprintf("text %s %d %s", e.NodeEvent.GetNodeId(), d.GetOffset(), d.GetText()))
+					continue
+				}
 				out = append(out, fmt.Sprintf("event %s %g", e.NodeEvent.GetNodeId(), e.NodeEvent.GetProgress().GetProgress()))
 			}
 		default:
@@ -120,5 +126,130 @@ func TestRunningNodesBounded(t *testing.T) {
 	rn.publishNode(endedNode("root"))
 	if rn.running != nil {
 		t.Fatalf("running = %d nodes after the root ended, want none", len(rn.running))
+	}
+}
+
+func textEv(id string, offset int, text string) *meshv1.NodeEvent {
+	return &meshv1.NodeEvent{NodeId: id, Kind: &meshv1.NodeEvent_Text{Text: &meshv1.TextDelta{Text: text, Offset: int64(offset)}}}
+}
+
+// A model node's text deltas go out in order with its node, never after its end (nor
+// the end of a node above it); what was kept of its text goes with the end.
+func TestTextDeltasOnlyWhileTheNodeRuns(t *testing.T) {
+	rn := &run{}
+	sub := rn.subscribe()
+	rn.publishNode(runningNode("root/m0"))
+	rn.publishEvent(textEv("root/m0", 0, "hello"))
+	rn.publishEvent(textEv("root/m0", 5, " world"))
+	rn.publishNode(runningNode("root/s0.t0"))
+	rn.publishNode(runningNode("root/s0.t0/sub/m0"))
+	rn.publishEvent(textEv("root/s0.t0/sub/m0", 0, "nested"))
+	rn.publishNode(endedNode("root/m0"))
+	rn.publishEvent(textEv("root/m0", 11, " late"))
+	rn.publishNode(endedNode("root/s0.t0")) // the subagent's model node ends with it
+	rn.publishEvent(textEv("root/s0.t0/sub/m0", 6, " late"))
+	wantReceived(t, sub,
+		"node root/m0 RUNNING",
+		"text root/m0 0 hello",
+		"text root/m0 5  world",
+		"node root/s0.t0 RUNNING",
+		"node root/s0.t0/sub/m0 RUNNING",
+		"text root/s0.t0/sub/m0 0 nested",
+		"node root/m0 SUCCEEDED",
+		"node root/s0.t0 SUCCEEDED",
+	)
+	if rn.text != nil || rn.textBytes != 0 {
+		t.Fatalf("text kept after every node ended: %v (%d bytes)", rn.text, rn.textBytes)
+	}
+}
+
+// A subscriber that arrives late is sent the text so far of each running model node as
+// one delta at offset 0, then the deltas that follow; nothing of an ended node's text.
+func TestLateSubscriberGetsTextSoFar(t *testing.T) {
+	rn := &run{}
+	rn.publishNode(runningNode("root/m0"))
+	rn.publishEvent(textEv("root/m0", 0, "think"))
+	rn.publishNode(endedNode("root/m0"))
+	rn.publishNode(runningNode("root/m1"))
+	rn.publishEvent(textEv("root/m1", 0, "the"))
+	rn.publishEvent(textEv("root/m1", 3, " answer"))
+	rn.publishNode(runningNode("root/s1.t0"))
+	rn.publishEvent(prog("root/s1.t0", 7))
+	sub := rn.subscribe()
+	rn.publishEvent(textEv("root/m1", 10, " is"))
+	wantReceived(t, sub,
+		"text root/m1 0 the answer",
+		"event root/s1.t0 7",
+		"text root/m1 10  is",
+	)
+}
+
+// The text kept for late subscribers is bounded: the latest maxNodeText bytes of a node,
+// cut at a character's start, at the offset where they begin; maxRunText in all, beyond
+// which a node is replayed without text until its next delta fits.
+func TestKeptTextIsBounded(t *testing.T) {
+	rn := &run{}
+	rn.publishNode(runningNode("root/m0"))
+	chunk := strings.Repeat("é", 1000) // 2 bytes a character
+	off := 0
+	for range 20 {
+		rn.publishEvent(textEv("root/m0", off, chunk))
+		off += len(chunk)
+	}
+	kt := rn.text["root/m0"]
+	if len(kt.text) > maxNodeText || len(kt.text) < maxNodeText-1 || !utf8.ValidString(kt.text) {
+		t.Fatalf("kept %d bytes (valid UTF-8: %v), want the last %d, whole characters", len(kt.text), utf8.ValidString(kt.text), maxNodeText)
+	}
+	if kt.offset+int64(len(kt.text)) != int64(off) {
+		t.Fatalf("kept text at offset %d, %d bytes: does not end at %d", kt.offset, len(kt.text), off)
+	}
+	sub := rn.subscribe()
+	if got := received(sub); len(got) != 1 || !strings.HasPrefix(got[0], fmt.Sprintf("text root/m0 %d é", kt.offset)) {
+		t.Fatalf("late subscriber got %.60q, want one delta at offset %d", got, kt.offset)
+	}
+	rn.unsubscribe(sub)
+
+	// Many nodes: no more than maxRunText in all.
+	big := strings.Repeat("x", maxNodeText)
+	for i := range 2 * maxRunText / maxNodeText {
+		id := fmt.Sprintf("root/s0.t%d/sub/m0", i)
+		rn.publishNode(runningNode(id))
+		rn.publishEvent(textEv(id, 0, big))
+	}
+	total := 0
+	for _, kt := range rn.text {
+		total += len(kt.text)
+	}
+	if total > maxRunText || total != rn.textBytes {
+		t.Fatalf("kept %d bytes (counted %d), want at most %d", total, rn.textBytes, maxRunText)
+	}
+	// A node ending frees room for the next delta of another.
+	rn.publishNode(endedNode("root/m0"))
+	last := fmt.Sprintf("root/s0.t%d/sub/m0", 2*maxRunText/maxNodeText-1)
+	rn.publishEvent(textEv(last, maxNodeText, "y"))
+	if kt := rn.text[last]; kt == nil || kt.text != "y" || kt.offset != maxNodeText {
+		t.Fatalf("kept %+v for %s after room was freed, want its latest delta", kt, last)
+	}
+}
+
+// A subscriber that does not keep up loses node events first: once its buffer is half
+// full, only node updates, from which its tree is drawn, still go in.
+func TestSlowSubscriberKeepsNodeUpdates(t *testing.T) {
+	rn := &run{}
+	rn.publishNode(runningNode("root/s0.m0"))
+	sub := rn.subscribe()
+	for i := range eventBuffer {
+		rn.publishEvent(textEv("root/s0.m0", i, "x"))
+	}
+	if n := len(sub); n != eventBuffer/2 {
+		t.Fatalf("%d events buffered, want text to stop at half the buffer (%d)", n, eventBuffer/2)
+	}
+	rn.publishNode(endedNode("root/s0.m0"))
+	var last *orchestratorv1.RunResponse
+	for len(sub) > 0 {
+		last = <-sub
+	}
+	if last.GetNode().GetId() != "root/s0.m0" || last.GetNode().GetStatus() == meshv1.NodeStatus_NODE_STATUS_RUNNING {
+		t.Fatalf("last event %v, want the node's end", last)
 	}
 }

@@ -10,6 +10,7 @@ import (
 	"strings"
 	"sync"
 	"time"
+	"unicode/utf8"
 
 	"go.opentelemetry.io/otel/trace"
 	"google.golang.org/grpc/codes"
@@ -32,6 +33,15 @@ const eventBuffer = 256
 // (see run.running): a node started beyond it sends none. A plan's tool calls alone
 // are at most plan.MaxToolCalls.
 const maxRunningNodes = 4096
+
+// maxNodeText and maxRunText bound the text of running model nodes a run keeps for late
+// subscribers (see run.text): the latest maxNodeText bytes of each node, and
+// maxRunText bytes in all. A node whose text would take the run past maxRunText is
+// replayed without text until its next delta fits.
+const (
+	maxNodeText = 16 << 10
+	maxRunText  = 256 << 10
+)
 
 // errLeaseLost stops a run this process no longer owns; errHandover one it gives up.
 var (
@@ -68,6 +78,11 @@ type run struct {
 	// that fail the tool's schema, an unknown tool), whose error went back to the model.
 	// An executor's own record of a node comes first (collect).
 	failedCalls []*meshv1.Node
+	// text is the latest text of running model nodes (its TextDelta events), which a
+	// late subscriber is sent as one delta per node; textBytes is its total length. Bounded
+	// by maxNodeText and maxRunText; nil when there is none.
+	text      map[string]*keptText
+	textBytes int
 	// span is the run's span (package tracing): every call the run makes is its child.
 	span trace.Span
 
@@ -119,7 +134,14 @@ func (rn *run) publishNode(n *meshv1.Node) {
 		for k := range rn.running {
 			if k == id || strings.HasPrefix(k, id+"/") {
 				delete(rn.running, k)
+				if kt := rn.text[k]; kt != nil {
+					rn.textBytes -= len(kt.text)
+					delete(rn.text, k)
+				}
 			}
+		}
+		if len(rn.text) == 0 {
+			rn.text = nil
 		}
 		if len(rn.running) == 0 {
 			rn.running = nil
@@ -138,6 +160,9 @@ func (rn *run) publishEvent(ev *meshv1.NodeEvent) {
 	}
 	if replayed(ev) {
 		rn.running[ev.GetNodeId()] = keepLatest(kept, ev)
+	}
+	if d := ev.GetText(); d != nil {
+		rn.keepText(ev.GetNodeId(), ev.GetAt(), d)
 	}
 	rn.publish(&orchestratorv1.RunResponse{Event: &orchestratorv1.RunResponse_NodeEvent{NodeEvent: ev}})
 }
@@ -167,9 +192,56 @@ func keepLatest(kept []*meshv1.NodeEvent, ev *meshv1.NodeEvent) []*meshv1.NodeEv
 	return append(kept, ev)
 }
 
-// publish sends ev to every subscriber, under rn.mu.
+// keptText is the latest text of a running model node: text follows offset bytes of
+// the node's text and ends where its latest delta ended.
+type keptText struct {
+	offset int64
+	text   string
+	at     *timestamppb.Timestamp // the latest delta's
+}
+
+// keepText adds delta d of node id, sent at at, to the text kept for late subscribers,
+// within maxNodeText and maxRunText, under rn.mu. Kept text is always one piece that
+// ends at the node's latest delta: a delta that does not follow it (one lost on the way)
+// starts the piece again.
+func (rn *run) keepText(id string, at *timestamppb.Timestamp, d *meshv1.TextDelta) {
+	kt := rn.text[id]
+	if kt == nil {
+		kt = &keptText{}
+		if rn.text == nil {
+			rn.text = map[string]*keptText{}
+		}
+		rn.text[id] = kt
+	}
+	rn.textBytes -= len(kt.text)
+	if kt.text == "" || kt.offset+int64(len(kt.text)) != d.GetOffset() {
+		kt.offset, kt.text = d.GetOffset(), d.GetText()
+	} else {
+		kt.text += d.GetText()
+	}
+	kt.at = at
+	if cut := len(kt.text) - maxNodeText; cut > 0 {
+		for cut < len(kt.text) && !utf8.RuneStart(kt.text[cut]) { // whole characters
+			cut++
+		}
+		kt.offset += int64(cut)
+		kt.text = strings.Clone(kt.text[cut:])
+	}
+	if rn.textBytes+len(kt.text) > maxRunText {
+		kt.offset, kt.text = 0, ""
+	}
+	rn.textBytes += len(kt.text)
+}
+
+// publish sends ev to every subscriber, under rn.mu. A slow subscriber loses node
+// events (progress, text) once its buffer is half full, so that the room left keeps the
+// node updates its tree is drawn from.
 func (rn *run) publish(ev *orchestratorv1.RunResponse) {
+	_, isEvent := ev.GetEvent().(*orchestratorv1.RunResponse_NodeEvent)
 	for c := range rn.subs {
+		if isEvent && len(c) >= cap(c)/2 {
+			continue
+		}
 		select {
 		case c <- ev:
 		default: // slow subscriber: drop progress, the summary carries everything
@@ -178,7 +250,8 @@ func (rn *run) publish(ev *orchestratorv1.RunResponse) {
 }
 
 // subscribe returns a channel of the run's events from now on, led by the replay of the
-// latest replayed events of the nodes running now (in node order, as many as fit).
+// latest replayed events of the nodes running now and the text kept of each, as one
+// TextDelta (in node order, as many as fit).
 func (rn *run) subscribe() chan *orchestratorv1.RunResponse {
 	c := make(chan *orchestratorv1.RunResponse, eventBuffer)
 	rn.mu.Lock()
@@ -190,6 +263,13 @@ replay:
 				break replay
 			}
 			c <- &orchestratorv1.RunResponse{Event: &orchestratorv1.RunResponse_NodeEvent{NodeEvent: ev}}
+		}
+		if kt := rn.text[id]; kt != nil && kt.text != "" {
+			if len(c) == cap(c)/2 {
+				break replay
+			}
+			c <- &orchestratorv1.RunResponse{Event: &orchestratorv1.RunResponse_NodeEvent{NodeEvent: &meshv1.NodeEvent{
+				NodeId: id, At: kt.at, Kind: &meshv1.NodeEvent_Text{Text: &meshv1.TextDelta{Text: kt.text, Offset: kt.offset}}}}}
 		}
 	}
 	if rn.subs == nil {

@@ -37,13 +37,24 @@ func TestRunSucceeds(t *testing.T) {
 	if len(evs) < 2 {
 		t.Fatalf("events = %v", evs)
 	}
-	// Node events, then the summary last.
+	// Node updates and the model nodes' text, then the summary last.
 	var order []string
+	text := map[string]string{}
+	ended := map[string]bool{}
 	for _, ev := range evs[:len(evs)-1] {
+		if d := ev.GetNodeEvent().GetText(); d != nil {
+			id := ev.GetNodeEvent().GetNodeId()
+			if ended[id] || int(d.GetOffset()) != len(text[id]) {
+				t.Fatalf("text %v of %s after its end or out of order (%d bytes before)", d, id, len(text[id]))
+			}
+			text[id] += d.GetText()
+			continue
+		}
 		n := ev.GetNode()
 		if n == nil {
-			t.Fatalf("event %v before the summary is not a node event", ev)
+			t.Fatalf("event %v before the summary is not a node update nor text", ev)
 		}
+		ended[n.GetId()] = n.GetStatus() != meshv1.NodeStatus_NODE_STATUS_RUNNING
 		order = append(order, n.GetId()+" "+strings.TrimPrefix(n.GetStatus().String(), "NODE_STATUS_"))
 	}
 	idx := func(s string) int {
@@ -72,6 +83,9 @@ func TestRunSucceeds(t *testing.T) {
 	if r.GetStatus() != orchestratorv1.RunStatus_RUN_STATUS_SUCCEEDED || r.GetAnswer() != "w w w w w " ||
 		r.GetCause() != meshv1.CancelCause_CANCEL_CAUSE_UNSPECIFIED || r.GetCancelledAt() != nil || r.GetErrorCode() != "" {
 		t.Fatalf("summary = %v, want SUCCEEDED with the answer", r)
+	}
+	if text["root/m1"] != r.GetAnswer() {
+		t.Fatalf("the answer step streamed %q, want the answer %q", text["root/m1"], r.GetAnswer())
 	}
 	if r.GetModel() != agent.DefaultModel || r.GetTask() != fastPlan || r.GetTenant() != md.DefaultTenant || r.GetEndedAt() == nil {
 		t.Fatalf("summary fields = %v", r)

@@ -387,17 +387,37 @@ func TestSpawnForwardsNodeEvents(t *testing.T) {
 		t.Fatal(err)
 	}
 	var got []string
+	text := map[string]string{} // each model node's text, from its deltas
+	running := map[string]bool{}
+	var answer string
 	for _, r := range resps {
 		switch ev := r.GetEvent().(type) {
 		case *subagentv1.SpawnResponse_Node:
 			if n := ev.Node; n.GetKind() != meshv1.NodeKind_NODE_KIND_MODEL {
 				got = append(got, "node "+n.GetId()+" "+strings.TrimPrefix(n.GetStatus().String(), "NODE_STATUS_"))
+			} else {
+				running[n.GetId()] = n.GetStatus() == meshv1.NodeStatus_NODE_STATUS_RUNNING
 			}
 		case *subagentv1.SpawnResponse_NodeEvent:
+			if d := ev.NodeEvent.GetText(); d != nil {
+				id := ev.NodeEvent.GetNodeId()
+				if !running[id] {
+					t.Fatalf("text of %s outside its node's life", id)
+				}
+				if int(d.GetOffset()) != len(text[id]) {
+					t.Fatalf("text of %s at offset %d, after %d bytes", id, d.GetOffset(), len(text[id]))
+				}
+				text[id] += d.GetText()
+				continue
+			}
 			got = append(got, "event "+ev.NodeEvent.GetNodeId()+" "+ev.NodeEvent.GetProgress().GetMessage())
 		case *subagentv1.SpawnResponse_Result:
 			got = append(got, "result")
+			answer = ev.Result.GetAnswer()
 		}
+	}
+	if answer == "" || text[parent+"/sub/m1"] != answer {
+		t.Fatalf("the answer step's text %q, want the answer %q", text[parent+"/sub/m1"], answer)
 	}
 	tool := parent + "/sub/s0.t0"
 	want := []string{

@@ -12,7 +12,7 @@ import type { Message } from "@bufbuild/protobuf";
  * Describes the file curfew/mesh/v1/mesh.proto.
  */
 export const file_curfew_mesh_v1_mesh: GenFile = /*@__PURE__*/
-  fileDesc("ChljdXJmZXcvbWVzaC92MS9tZXNoLnByb3RvEg5jdXJmZXcubWVzaC52MSLEAQoHQ2xlYW51cBIOCgZhY3Rpb24YASABKAkSEQoJY29tcGxldGVkGAIgASgIEg0KBWVycm9yGAMgASgJEi4KCnN0YXJ0ZWRfYXQYBCABKAsyGi5nb29nbGUucHJvdG9idWYuVGltZXN0YW1wEiwKCGVuZGVkX2F0GAUgASgLMhouZ29vZ2xlLnByb3RvYnVmLlRpbWVzdGFtcBIpCgZidWRnZXQYBiABKAsyGS5nb29nbGUucHJvdG9idWYuRHVyYXRpb24iuwUKBE5vZGUSCgoCaWQYASABKAkSJgoEa2luZBgCIAEoDjIYLmN1cmZldy5tZXNoLnYxLk5vZGVLaW5kEgwKBG5hbWUYAyABKAkSKgoGc3RhdHVzGAQgASgOMhouY3VyZmV3Lm1lc2gudjEuTm9kZVN0YXR1cxIqCgVjYXVzZRgFIAEoDjIbLmN1cmZldy5tZXNoLnYxLkNhbmNlbENhdXNlEg4KBnRva2VucxgGIAEoAxIYChB0b2tlbnNfYXRfY2FuY2VsGAcgASgDEhsKE3Rva2Vuc19hZnRlcl9jYW5jZWwYCCABKAMSLgoKc3RhcnRlZF9hdBgJIAEoCzIaLmdvb2dsZS5wcm90b2J1Zi5UaW1lc3RhbXASLAoIZW5kZWRfYXQYCiABKAsyGi5nb29nbGUucHJvdG9idWYuVGltZXN0YW1wEhIKCmVycm9yX2NvZGUYCyABKAkSFQoNZXJyb3JfbWVzc2FnZRgMIAEoCRIsCghkZWFkbGluZRgNIAEoCzIaLmdvb2dsZS5wcm90b2J1Zi5UaW1lc3RhbXASMAoMY2FuY2VsbGVkX2F0GA4gASgLMhouZ29vZ2xlLnByb3RvYnVmLlRpbWVzdGFtcBIoCgdjbGVhbnVwGA8gASgLMhcuY3VyZmV3Lm1lc2gudjEuQ2xlYW51cBIQCghyZXRyeV9pZBgQIAEoCRIPCgdhdHRlbXB0GBEgASgFEjcKEGVhcmxpZXJfYXR0ZW1wdHMYEiADKAsyHS5jdXJmZXcubWVzaC52MS5BdHRlbXB0UmVjb3JkEhAKCHByb3ZpZGVyGBMgASgJEhQKDHNlcnZlZF9tb2RlbBgUIAEoCRIOCgZjYWNoZWQYFSABKAgSKwoJZmFsbGJhY2tzGBYgAygLMhguY3VyZmV3Lm1lc2gudjEuRmFsbGJhY2siegoJTm9kZUV2ZW50Eg8KB25vZGVfaWQYASABKAkSJgoCYXQYAiABKAsyGi5nb29nbGUucHJvdG9idWYuVGltZXN0YW1wEiwKCHByb2dyZXNzGAogASgLMhguY3VyZmV3Lm1lc2gudjEuUHJvZ3Jlc3NIAEIGCgRraW5kIjwKCFByb2dyZXNzEhAKCHByb2dyZXNzGAEgASgBEg0KBXRvdGFsGAIgASgBEg8KB21lc3NhZ2UYAyABKAkiZgoIRmFsbGJhY2sSEAoIcHJvdmlkZXIYASABKAkSDQoFbW9kZWwYAiABKAkSDgoGcmVhc29uGAMgASgJEhIKCmVycm9yX2NvZGUYBCABKAkSFQoNZXJyb3JfbWVzc2FnZRgFIAEoCSL8AQoNQXR0ZW1wdFJlY29yZBIPCgdhdHRlbXB0GAEgASgFEhAKCHJldHJ5X2lkGAIgASgJEioKBnN0YXR1cxgDIAEoDjIaLmN1cmZldy5tZXNoLnYxLk5vZGVTdGF0dXMSKgoFY2F1c2UYBCABKA4yGy5jdXJmZXcubWVzaC52MS5DYW5jZWxDYXVzZRISCgplcnJvcl9jb2RlGAUgASgJEi4KCnN0YXJ0ZWRfYXQYBiABKAsyGi5nb29nbGUucHJvdG9idWYuVGltZXN0YW1wEiwKCGVuZGVkX2F0GAcgASgLMhouZ29vZ2xlLnByb3RvYnVmLlRpbWVzdGFtcCKbAQoQTGlzdE5vZGVzUmVxdWVzdBIOCgZydW5faWQYASABKAkSMQoOc2V0dGxlX3RpbWVvdXQYAiABKAsyGS5nb29nbGUucHJvdG9idWYuRHVyYXRpb24SLQoJY2FuY2VsX2F0GAMgASgLMhouZ29vZ2xlLnByb3RvYnVmLlRpbWVzdGFtcBIVCg1ub2RlX3ByZWZpeGVzGAQgAygJIkkKEUxpc3ROb2Rlc1Jlc3BvbnNlEiMKBW5vZGVzGAEgAygLMhQuY3VyZmV3Lm1lc2gudjEuTm9kZRIPCgdzZXR0bGVkGAIgASgIIpoBChJDYW5jZWxOb2Rlc1JlcXVlc3QSDgoGcnVuX2lkGAEgASgJEhUKDW5vZGVfcHJlZml4ZXMYAiADKAkSKgoFY2F1c2UYAyABKA4yGy5jdXJmZXcubWVzaC52MS5DYW5jZWxDYXVzZRIxCg5zZXR0bGVfdGltZW91dBgEIAEoCzIZLmdvb2dsZS5wcm90b2J1Zi5EdXJhdGlvbiI5ChNDYW5jZWxOb2Rlc1Jlc3BvbnNlEhEKCWNhbmNlbGxlZBgBIAEoBRIPCgdzZXR0bGVkGAIgASgIKvwBCgtDYW5jZWxDYXVzZRIcChhDQU5DRUxfQ0FVU0VfVU5TUEVDSUZJRUQQABIiCh5DQU5DRUxfQ0FVU0VfQ0xJRU5UX0RJU0NPTk5FQ1QQARIZChVDQU5DRUxfQ0FVU0VfREVBRExJTkUQAhIZChVDQU5DRUxfQ0FVU0VfT1BFUkFUT1IQAxIfChtDQU5DRUxfQ0FVU0VfU0lCTElOR19GQUlMRUQQBBIbChdDQU5DRUxfQ0FVU0VfU1VQRVJTRURFRBAFEhcKE0NBTkNFTF9DQVVTRV9CVURHRVQQBhIeChpDQU5DRUxfQ0FVU0VfTEVBU0VfRVhQSVJFRBAHKnkKCE5vZGVLaW5kEhkKFU5PREVfS0lORF9VTlNQRUNJRklFRBAAEhEKDU5PREVfS0lORF9SVU4QARITCg9OT0RFX0tJTkRfTU9ERUwQAhISCg5OT0RFX0tJTkRfVE9PTBADEhYKEk5PREVfS0lORF9TVUJBR0VOVBAEKrMBCgpOb2RlU3RhdHVzEhsKF05PREVfU1RBVFVTX1VOU1BFQ0lGSUVEEAASFwoTTk9ERV9TVEFUVVNfUlVOTklORxABEhkKFU5PREVfU1RBVFVTX1NVQ0NFRURFRBACEhYKEk5PREVfU1RBVFVTX0ZBSUxFRBADEhkKFU5PREVfU1RBVFVTX0NBTkNFTExFRBAEEiEKHU5PREVfU1RBVFVTX0RFQURMSU5FX0VYQ0VFREVEEAUyvQEKEU5vZGVSZXBvcnRTZXJ2aWNlElAKCUxpc3ROb2RlcxIgLmN1cmZldy5tZXNoLnYxLkxpc3ROb2Rlc1JlcXVlc3QaIS5jdXJmZXcubWVzaC52MS5MaXN0Tm9kZXNSZXNwb25zZRJWCgtDYW5jZWxOb2RlcxIiLmN1cmZldy5tZXNoLnYxLkNhbmNlbE5vZGVzUmVxdWVzdBojLmN1cmZldy5tZXNoLnYxLkNhbmNlbE5vZGVzUmVzcG9uc2VCsgEKEmNvbS5jdXJmZXcubWVzaC52MUIJTWVzaFByb3RvUAFaN2dpdGh1Yi5jb20vY3VyZmV3LW1lc2gvY3VyZmV3L2dlbi9jdXJmZXcvbWVzaC92MTttZXNodjGiAgNDTViqAg5DdXJmZXcuTWVzaC5WMcoCDkN1cmZld1xNZXNoXFYx4gIaQ3VyZmV3XE1lc2hcVjFcR1BCTWV0YWRhdGHqAhBDdXJmZXc6Ok1lc2g6OlYxYgZwcm90bzM", [file_google_protobuf_duration, file_google_protobuf_timestamp]);
+  fileDesc("ChljdXJmZXcvbWVzaC92MS9tZXNoLnByb3RvEg5jdXJmZXcubWVzaC52MSLEAQoHQ2xlYW51cBIOCgZhY3Rpb24YASABKAkSEQoJY29tcGxldGVkGAIgASgIEg0KBWVycm9yGAMgASgJEi4KCnN0YXJ0ZWRfYXQYBCABKAsyGi5nb29nbGUucHJvdG9idWYuVGltZXN0YW1wEiwKCGVuZGVkX2F0GAUgASgLMhouZ29vZ2xlLnByb3RvYnVmLlRpbWVzdGFtcBIpCgZidWRnZXQYBiABKAsyGS5nb29nbGUucHJvdG9idWYuRHVyYXRpb24iuwUKBE5vZGUSCgoCaWQYASABKAkSJgoEa2luZBgCIAEoDjIYLmN1cmZldy5tZXNoLnYxLk5vZGVLaW5kEgwKBG5hbWUYAyABKAkSKgoGc3RhdHVzGAQgASgOMhouY3VyZmV3Lm1lc2gudjEuTm9kZVN0YXR1cxIqCgVjYXVzZRgFIAEoDjIbLmN1cmZldy5tZXNoLnYxLkNhbmNlbENhdXNlEg4KBnRva2VucxgGIAEoAxIYChB0b2tlbnNfYXRfY2FuY2VsGAcgASgDEhsKE3Rva2Vuc19hZnRlcl9jYW5jZWwYCCABKAMSLgoKc3RhcnRlZF9hdBgJIAEoCzIaLmdvb2dsZS5wcm90b2J1Zi5UaW1lc3RhbXASLAoIZW5kZWRfYXQYCiABKAsyGi5nb29nbGUucHJvdG9idWYuVGltZXN0YW1wEhIKCmVycm9yX2NvZGUYCyABKAkSFQoNZXJyb3JfbWVzc2FnZRgMIAEoCRIsCghkZWFkbGluZRgNIAEoCzIaLmdvb2dsZS5wcm90b2J1Zi5UaW1lc3RhbXASMAoMY2FuY2VsbGVkX2F0GA4gASgLMhouZ29vZ2xlLnByb3RvYnVmLlRpbWVzdGFtcBIoCgdjbGVhbnVwGA8gASgLMhcuY3VyZmV3Lm1lc2gudjEuQ2xlYW51cBIQCghyZXRyeV9pZBgQIAEoCRIPCgdhdHRlbXB0GBEgASgFEjcKEGVhcmxpZXJfYXR0ZW1wdHMYEiADKAsyHS5jdXJmZXcubWVzaC52MS5BdHRlbXB0UmVjb3JkEhAKCHByb3ZpZGVyGBMgASgJEhQKDHNlcnZlZF9tb2RlbBgUIAEoCRIOCgZjYWNoZWQYFSABKAgSKwoJZmFsbGJhY2tzGBYgAygLMhguY3VyZmV3Lm1lc2gudjEuRmFsbGJhY2sipQEKCU5vZGVFdmVudBIPCgdub2RlX2lkGAEgASgJEiYKAmF0GAIgASgLMhouZ29vZ2xlLnByb3RvYnVmLlRpbWVzdGFtcBIsCghwcm9ncmVzcxgKIAEoCzIYLmN1cmZldy5tZXNoLnYxLlByb2dyZXNzSAASKQoEdGV4dBgLIAEoCzIZLmN1cmZldy5tZXNoLnYxLlRleHREZWx0YUgAQgYKBGtpbmQiPAoIUHJvZ3Jlc3MSEAoIcHJvZ3Jlc3MYASABKAESDQoFdG90YWwYAiABKAESDwoHbWVzc2FnZRgDIAEoCSIpCglUZXh0RGVsdGESDAoEdGV4dBgBIAEoCRIOCgZvZmZzZXQYAiABKAMiZgoIRmFsbGJhY2sSEAoIcHJvdmlkZXIYASABKAkSDQoFbW9kZWwYAiABKAkSDgoGcmVhc29uGAMgASgJEhIKCmVycm9yX2NvZGUYBCABKAkSFQoNZXJyb3JfbWVzc2FnZRgFIAEoCSL8AQoNQXR0ZW1wdFJlY29yZBIPCgdhdHRlbXB0GAEgASgFEhAKCHJldHJ5X2lkGAIgASgJEioKBnN0YXR1cxgDIAEoDjIaLmN1cmZldy5tZXNoLnYxLk5vZGVTdGF0dXMSKgoFY2F1c2UYBCABKA4yGy5jdXJmZXcubWVzaC52MS5DYW5jZWxDYXVzZRISCgplcnJvcl9jb2RlGAUgASgJEi4KCnN0YXJ0ZWRfYXQYBiABKAsyGi5nb29nbGUucHJvdG9idWYuVGltZXN0YW1wEiwKCGVuZGVkX2F0GAcgASgLMhouZ29vZ2xlLnByb3RvYnVmLlRpbWVzdGFtcCKbAQoQTGlzdE5vZGVzUmVxdWVzdBIOCgZydW5faWQYASABKAkSMQoOc2V0dGxlX3RpbWVvdXQYAiABKAsyGS5nb29nbGUucHJvdG9idWYuRHVyYXRpb24SLQoJY2FuY2VsX2F0GAMgASgLMhouZ29vZ2xlLnByb3RvYnVmLlRpbWVzdGFtcBIVCg1ub2RlX3ByZWZpeGVzGAQgAygJIkkKEUxpc3ROb2Rlc1Jlc3BvbnNlEiMKBW5vZGVzGAEgAygLMhQuY3VyZmV3Lm1lc2gudjEuTm9kZRIPCgdzZXR0bGVkGAIgASgIIpoBChJDYW5jZWxOb2Rlc1JlcXVlc3QSDgoGcnVuX2lkGAEgASgJEhUKDW5vZGVfcHJlZml4ZXMYAiADKAkSKgoFY2F1c2UYAyABKA4yGy5jdXJmZXcubWVzaC52MS5DYW5jZWxDYXVzZRIxCg5zZXR0bGVfdGltZW91dBgEIAEoCzIZLmdvb2dsZS5wcm90b2J1Zi5EdXJhdGlvbiI5ChNDYW5jZWxOb2Rlc1Jlc3BvbnNlEhEKCWNhbmNlbGxlZBgBIAEoBRIPCgdzZXR0bGVkGAIgASgIKvwBCgtDYW5jZWxDYXVzZRIcChhDQU5DRUxfQ0FVU0VfVU5TUEVDSUZJRUQQABIiCh5DQU5DRUxfQ0FVU0VfQ0xJRU5UX0RJU0NPTk5FQ1QQARIZChVDQU5DRUxfQ0FVU0VfREVBRExJTkUQAhIZChVDQU5DRUxfQ0FVU0VfT1BFUkFUT1IQAxIfChtDQU5DRUxfQ0FVU0VfU0lCTElOR19GQUlMRUQQBBIbChdDQU5DRUxfQ0FVU0VfU1VQRVJTRURFRBAFEhcKE0NBTkNFTF9DQVVTRV9CVURHRVQQBhIeChpDQU5DRUxfQ0FVU0VfTEVBU0VfRVhQSVJFRBAHKnkKCE5vZGVLaW5kEhkKFU5PREVfS0lORF9VTlNQRUNJRklFRBAAEhEKDU5PREVfS0lORF9SVU4QARITCg9OT0RFX0tJTkRfTU9ERUwQAhISCg5OT0RFX0tJTkRfVE9PTBADEhYKEk5PREVfS0lORF9TVUJBR0VOVBAEKrMBCgpOb2RlU3RhdHVzEhsKF05PREVfU1RBVFVTX1VOU1BFQ0lGSUVEEAASFwoTTk9ERV9TVEFUVVNfUlVOTklORxABEhkKFU5PREVfU1RBVFVTX1NVQ0NFRURFRBACEhYKEk5PREVfU1RBVFVTX0ZBSUxFRBADEhkKFU5PREVfU1RBVFVTX0NBTkNFTExFRBAEEiEKHU5PREVfU1RBVFVTX0RFQURMSU5FX0VYQ0VFREVEEAUyvQEKEU5vZGVSZXBvcnRTZXJ2aWNlElAKCUxpc3ROb2RlcxIgLmN1cmZldy5tZXNoLnYxLkxpc3ROb2Rlc1JlcXVlc3QaIS5jdXJmZXcubWVzaC52MS5MaXN0Tm9kZXNSZXNwb25zZRJWCgtDYW5jZWxOb2RlcxIiLmN1cmZldy5tZXNoLnYxLkNhbmNlbE5vZGVzUmVxdWVzdBojLmN1cmZldy5tZXNoLnYxLkNhbmNlbE5vZGVzUmVzcG9uc2VCsgEKEmNvbS5jdXJmZXcubWVzaC52MUIJTWVzaFByb3RvUAFaN2dpdGh1Yi5jb20vY3VyZmV3LW1lc2gvY3VyZmV3L2dlbi9jdXJmZXcvbWVzaC92MTttZXNodjGiAgNDTViqAg5DdXJmZXcuTWVzaC5WMcoCDkN1cmZld1xNZXNoXFYx4gIaQ3VyZmV3XE1lc2hcVjFcR1BCTWV0YWRhdGHqAhBDdXJmZXc6Ok1lc2g6OlYxYgZwcm90bzM", [file_google_protobuf_duration, file_google_protobuf_timestamp]);
 
 /**
  * Cleanup records the teardown a node ran on its own budget after it was cancelled.
@@ -249,6 +249,14 @@ export type NodeEvent = Message<"curfew.mesh.v1.NodeEvent"> & {
      */
     value: Progress;
     case: "progress";
+  } | {
+    /**
+     * A model node produced text: the next piece of its output as it streams.
+     *
+     * @generated from field: curfew.mesh.v1.TextDelta text = 11;
+     */
+    value: TextDelta;
+    case: "text";
   } | { case: undefined; value?: undefined };
 };
 
@@ -296,6 +304,41 @@ export const ProgressSchema: GenMessage<Progress> = /*@__PURE__*/
   messageDesc(file_curfew_mesh_v1_mesh, 3);
 
 /**
+ * TextDelta is the next piece of a model node's output text, sent as the model streams
+ * it: the node's text is the concatenation of its deltas in order. It adds to what came
+ * before rather than stating where the node is, so a client that joins late, or lost
+ * events to a slow read, tells where it stands by offset.
+ *
+ * @generated from message curfew.mesh.v1.TextDelta
+ */
+export type TextDelta = Message<"curfew.mesh.v1.TextDelta"> & {
+  /**
+   * The text, whole UTF-8 characters; never empty.
+   *
+   * @generated from field: string text = 1;
+   */
+  text: string;
+
+  /**
+   * Where text starts in the node's text: the length in bytes of the node's text before
+   * it. A client that has fewer bytes of the node's text missed some; one that has more
+   * already holds the start of this delta. A late WatchRun watcher's first delta of a
+   * node is the text so far in one piece, or its latest part (offset > 0) when the text
+   * is longer than the orchestrator keeps (docs/api.md).
+   *
+   * @generated from field: int64 offset = 2;
+   */
+  offset: bigint;
+};
+
+/**
+ * Describes the message curfew.mesh.v1.TextDelta.
+ * Use `create(TextDeltaSchema)` to create a new message.
+ */
+export const TextDeltaSchema: GenMessage<TextDelta> = /*@__PURE__*/
+  messageDesc(file_curfew_mesh_v1_mesh, 4);
+
+/**
  * Fallback is one provider of a model alias's chain that did not answer a call.
  *
  * @generated from message curfew.mesh.v1.Fallback
@@ -338,7 +381,7 @@ export type Fallback = Message<"curfew.mesh.v1.Fallback"> & {
  * Use `create(FallbackSchema)` to create a new message.
  */
 export const FallbackSchema: GenMessage<Fallback> = /*@__PURE__*/
-  messageDesc(file_curfew_mesh_v1_mesh, 4);
+  messageDesc(file_curfew_mesh_v1_mesh, 5);
 
 /**
  * AttemptRecord is an earlier attempt of a node that was retried.
@@ -387,7 +430,7 @@ export type AttemptRecord = Message<"curfew.mesh.v1.AttemptRecord"> & {
  * Use `create(AttemptRecordSchema)` to create a new message.
  */
 export const AttemptRecordSchema: GenMessage<AttemptRecord> = /*@__PURE__*/
-  messageDesc(file_curfew_mesh_v1_mesh, 5);
+  messageDesc(file_curfew_mesh_v1_mesh, 6);
 
 /**
  * ListNodesRequest asks a service for the nodes of one run it ran or is running.
@@ -427,7 +470,7 @@ export type ListNodesRequest = Message<"curfew.mesh.v1.ListNodesRequest"> & {
  * Use `create(ListNodesRequestSchema)` to create a new message.
  */
 export const ListNodesRequestSchema: GenMessage<ListNodesRequest> = /*@__PURE__*/
-  messageDesc(file_curfew_mesh_v1_mesh, 6);
+  messageDesc(file_curfew_mesh_v1_mesh, 7);
 
 /**
  * ListNodesResponse holds the nodes this service knows for the run.
@@ -453,7 +496,7 @@ export type ListNodesResponse = Message<"curfew.mesh.v1.ListNodesResponse"> & {
  * Use `create(ListNodesResponseSchema)` to create a new message.
  */
 export const ListNodesResponseSchema: GenMessage<ListNodesResponse> = /*@__PURE__*/
-  messageDesc(file_curfew_mesh_v1_mesh, 7);
+  messageDesc(file_curfew_mesh_v1_mesh, 8);
 
 /**
  * CancelNodesRequest stops running nodes of a run on this process.
@@ -496,7 +539,7 @@ export type CancelNodesRequest = Message<"curfew.mesh.v1.CancelNodesRequest"> & 
  * Use `create(CancelNodesRequestSchema)` to create a new message.
  */
 export const CancelNodesRequestSchema: GenMessage<CancelNodesRequest> = /*@__PURE__*/
-  messageDesc(file_curfew_mesh_v1_mesh, 8);
+  messageDesc(file_curfew_mesh_v1_mesh, 9);
 
 /**
  * CancelNodesResponse says how many running nodes were told to stop.
@@ -522,7 +565,7 @@ export type CancelNodesResponse = Message<"curfew.mesh.v1.CancelNodesResponse"> 
  * Use `create(CancelNodesResponseSchema)` to create a new message.
  */
 export const CancelNodesResponseSchema: GenMessage<CancelNodesResponse> = /*@__PURE__*/
-  messageDesc(file_curfew_mesh_v1_mesh, 9);
+  messageDesc(file_curfew_mesh_v1_mesh, 10);
 
 /**
  * CancelCause says why a node stopped before it finished on its own.
