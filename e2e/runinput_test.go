@@ -100,3 +100,22 @@ func TestRunInputOverRealModel(t *testing.T) {
 	}
 	t.Logf("the model was told: %s", content)
 }
+
+// curfew run's input flags reach the run: --max-steps 1 stops a two-step plan at its
+// step limit, and a bad --temperature is refused naming the field.
+func TestCLIRunInputFlags(t *testing.T) {
+	t.Parallel()
+	plan := `{"tokens_per_second": 500, "steps": [{"think_tokens": 2, "tools": [{"name": "sleep", "args": {"ms": 5}}]}, {"answer_tokens": 2}]}`
+	out, stderr, code := curfew(t, "run", "--deadline", "10s", "--system", "be brief", "--max-tokens", "20", "--max-steps", "1", plan)
+	if code == 0 || !strings.Contains(out+stderr, "step limit 1 reached") {
+		t.Errorf("--max-steps 1: exit %d, want the step limit:\n%s\n%s", code, out, stderr)
+	}
+	out, stderr, code = curfew(t, "run", "--deadline", "10s", "--temperature", "3", plan)
+	if code == 0 || !strings.Contains(out+stderr, "temperature: must be between 0 and 2") {
+		t.Errorf("--temperature 3: exit %d, want INVALID_ARGUMENT naming temperature:\n%s\n%s", code, out, stderr)
+	}
+	out, stderr, code = curfew(t, "run", "--deadline", "10s", "--system", "be brief", "--temperature", "0", "--tools", "sleep", plan)
+	if code != 0 || !strings.Contains(out, "succeeded") {
+		t.Errorf("with input flags: exit %d:\n%s\n%s", code, out, stderr)
+	}
+}
