@@ -196,3 +196,45 @@ func TestInputMaxSteps(t *testing.T) {
 		t.Errorf("%d model calls, want 2", n)
 	}
 }
+
+// A tool's own time limit (DEADLINE_EXCEEDED well before the loop's deadline) is the
+// tool's failure, told to the model; the loop's deadline is not (TestToolCancelIsNotAResult
+// covers the cancel).
+func TestToolTimeoutGoesToModel(t *testing.T) {
+	r := newRig(t, agent.Config{}, []meshtest.ModelStep{
+		{ToolCalls: []*modelproxyv1.ToolCall{call(0, "slow", "{}")}},
+		{Text: "gave up on it"},
+	}, map[string]meshtest.ToolFunc{"slow": func(context.Context, string) (string, error) {
+		return "", status.Error(codes.DeadlineExceeded, "tool slow: its 1s limit passed")
+	}})
+	ctx, stop := runCtx(t, 5*time.Second)
+	defer stop()
+	answer, err := r.loop.RunInput(ctx, "root", agent.Input{Model: "gpt", Task: "t"}, nil)
+	if err != nil || answer != "gave up on it" {
+		t.Fatalf("RunInput = %q, %v; want the model's answer after the tool's timeout", answer, err)
+	}
+	msgs := r.model.Calls()[1].Messages
+	if got := msgs[len(msgs)-1].GetContent(); got != `{"error":"tool slow: its 1s limit passed"}` {
+		t.Errorf("tool result %q", got)
+	}
+}
+
+// A tool stopped by the loop's deadline is not a result: the loop ends DEADLINE_EXCEEDED.
+func TestToolAtDeadlineIsNotAResult(t *testing.T) {
+	r := newRig(t, agent.Config{}, []meshtest.ModelStep{
+		{ToolCalls: []*modelproxyv1.ToolCall{call(0, "block", "{}")}},
+		{Text: "unreachable"},
+	}, map[string]meshtest.ToolFunc{"block": func(ctx context.Context, _ string) (string, error) {
+		<-ctx.Done()
+		return "", ctx.Err()
+	}})
+	ctx, stop := runCtx(t, 400*time.Millisecond)
+	defer stop()
+	_, err := r.loop.RunInput(ctx, "root", agent.Input{Model: "gpt", Task: "t"}, nil)
+	if status.Code(err) != codes.DeadlineExceeded {
+		t.Fatalf("RunInput = %v, want DEADLINE_EXCEEDED", err)
+	}
+	if n := len(r.model.Calls()); n != 1 {
+		t.Errorf("%d model calls, want 1: a tool stopped by the deadline is not a result", n)
+	}
+}

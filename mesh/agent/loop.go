@@ -562,15 +562,17 @@ func (l *Loop) toolGone(ctx context.Context, name string, err error) {
 }
 
 // toolError reports whether err, a tool call's failure, is the tool's own (its arguments,
-// its result, its executor) rather than the loop's ending: a cancellation or the
-// deadline is never handed to the model.
+// its result, its executor, its own time limit) rather than the loop's ending: a
+// cancellation or the loop's deadline is never handed to the model.
 func toolError(ctx context.Context, err error) bool {
 	if ctx.Err() != nil {
 		return false
 	}
 	switch status.Code(err) {
-	case codes.Canceled, codes.DeadlineExceeded:
+	case codes.Canceled:
 		return false
+	case codes.DeadlineExceeded:
+		return !atDeadline(ctx, err)
 	}
 	return true
 }
