@@ -32,6 +32,10 @@ type Request struct {
 	// the run's (the service default, 30 s, when ctx has none), which is usually too short
 	// for a detached run.
 	Timeout time.Duration
+	// Input is the rest of the run's input: its conversation, max_tokens, temperature,
+	// response schema, tools, step limit and tool-error policy (docs/api.md, "A run's
+	// input"); nil for none.
+	Input *orchestratorv1.RunInput
 }
 
 // EventKind says which member of an Event is set.
@@ -57,6 +61,14 @@ type Event struct {
 	NodeEvent *meshv1.NodeEvent
 	// Finished: the run's summary.
 	Finished *orchestratorv1.Run
+}
+
+// temperature is in's temperature, nil when unset (or in is nil).
+func temperature(in *orchestratorv1.RunInput) *float64 {
+	if in == nil {
+		return nil
+	}
+	return in.Temperature
 }
 
 // streamEvent is what RunResponse and WatchRunResponse have in common.
@@ -167,7 +179,10 @@ func (c *Client) Run(ctx context.Context, req Request) (*Stream, error) {
 		return nil, status.Error(codes.InvalidArgument, "Request.Timeout is Start's: a Run's deadline is its ctx's (context.WithTimeout)")
 	}
 	ctx, cancel := context.WithCancel(ctx)
-	st, err := c.rpc.Run(ctx, &orchestratorv1.RunRequest{Task: req.Task, Model: req.Model, ContinueOnDisconnect: req.ContinueOnDisconnect})
+	in := req.Input
+	st, err := c.rpc.Run(ctx, &orchestratorv1.RunRequest{Task: req.Task, Model: req.Model, ContinueOnDisconnect: req.ContinueOnDisconnect,
+		Messages: in.GetMessages(), MaxTokens: in.GetMaxTokens(), Temperature: temperature(in), ResponseSchemaJson: in.GetResponseSchemaJson(),
+		Tools: in.GetTools(), MaxSteps: in.GetMaxSteps(), ToolErrors: in.GetToolErrors()})
 	if err != nil {
 		cancel()
 		return nil, err
@@ -216,7 +231,10 @@ func (c *Client) Watch(ctx context.Context, runID string) (*Stream, error) {
 // another task or model is ALREADY_EXISTS. Without a key Start is never retried, since a
 // retry could start a second run. req.Timeout is the run's time (see Request).
 func (c *Client) Start(ctx context.Context, req Request, idempotencyKey string) (run *orchestratorv1.Run, created bool, err error) {
-	r := &orchestratorv1.StartRunRequest{Task: req.Task, Model: req.Model, IdempotencyKey: idempotencyKey}
+	in := req.Input
+	r := &orchestratorv1.StartRunRequest{Task: req.Task, Model: req.Model, IdempotencyKey: idempotencyKey,
+		Messages: in.GetMessages(), MaxTokens: in.GetMaxTokens(), Temperature: temperature(in), ResponseSchemaJson: in.GetResponseSchemaJson(),
+		Tools: in.GetTools(), MaxSteps: in.GetMaxSteps(), ToolErrors: in.GetToolErrors()}
 	if req.Timeout > 0 {
 		r.Timeout = durationpb.New(req.Timeout)
 	}

@@ -218,3 +218,34 @@ func TestListPages(t *testing.T) {
 		t.Errorf("List pages %v, Runs %v: want the same runs, at least 3", paged, all)
 	}
 }
+
+// Request.Input reaches the run: the summary carries it, and a Start under the same key
+// with another input is ALREADY_EXISTS.
+func TestRequestInput(t *testing.T) {
+	c := newClient(t)
+	ctx, cancel := context.WithTimeout(t.Context(), time.Minute)
+	defer cancel()
+	in := &orchestratorv1.RunInput{MaxTokens: 50, MaxSteps: 4,
+		Messages: []*orchestratorv1.Message{{Role: orchestratorv1.MessageRole_MESSAGE_ROLE_SYSTEM, Content: "be brief"}}}
+	req := client.Request{Task: `{"steps": [{"answer_tokens": 3}]}`, Input: in}
+	run, err := c.RunAndWait(ctx, req)
+	if err != nil || run.GetInput().GetMaxTokens() != 50 || run.GetInput().GetMaxSteps() != 4 ||
+		run.GetInput().GetMessages()[0].GetContent() != "be brief" {
+		t.Fatalf("RunAndWait = %v, %v; want the run with its input", run.GetInput(), err)
+	}
+	bad := req
+	bad.Input = &orchestratorv1.RunInput{MaxSteps: -1}
+	if _, err := c.RunAndWait(ctx, bad); status.Code(err) != codes.InvalidArgument || !strings.Contains(err.Error(), "max_steps") {
+		t.Errorf("max_steps -1: %v, want INVALID_ARGUMENT naming max_steps", err)
+	}
+	key := fmt.Sprintf("client-input-%d", time.Now().UnixNano())
+	req.Timeout = time.Minute
+	if _, created, err := c.Start(ctx, req, key); err != nil || !created {
+		t.Fatalf("Start: created %v, %v", created, err)
+	}
+	other := req
+	other.Input = &orchestratorv1.RunInput{MaxTokens: 51, MaxSteps: 4, Messages: in.GetMessages()}
+	if _, _, err := c.Start(ctx, other, key); status.Code(err) != codes.AlreadyExists {
+		t.Errorf("the key with another input: %v, want ALREADY_EXISTS", err)
+	}
+}

@@ -3,6 +3,7 @@ package cli
 import (
 	"context"
 	"errors"
+	"flag"
 	"fmt"
 	"io"
 	"math"
@@ -35,6 +36,12 @@ func cmdRun(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	model := fs.String("model", "", "model (default: the orchestrator's, sim)")
 	cont := fs.Bool("continue", false, "keep the run going if this command goes away")
 	cancelAfter := fs.Duration("cancel-after", 0, "disconnect after this long, as a Ctrl-C would (for demos and drills)")
+	system := fs.String("system", "", "the run's system prompt")
+	maxTokens := fs.Int("max-tokens", 0, "bound on each model step's output tokens (default: the provider's)")
+	temperature := fs.Float64("temperature", 0, "sampling temperature, 0 to 2 (default: the provider's)")
+	maxSteps := fs.Int("max-steps", 0, "the most model steps (default: the orchestrator's limit, 64)")
+	tools := fs.String("tools", "", "comma-separated names of the tools the run may use (default: every tool the tenant may use)")
+	failOnToolError := fs.Bool("fail-on-tool-error", false, "a failed tool call fails the run, instead of going back to the model as its result")
 	pos, err := parse(fs, args)
 	if err != nil {
 		return usageErr(stderr, "run", err)
@@ -99,7 +106,25 @@ func cmdRun(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	}()
 
 	v := newView(stdout, c.json)
-	stream, err := client.Run(sigCtx, &orchestratorv1.RunRequest{Task: task, Model: *model, ContinueOnDisconnect: *cont})
+	req := &orchestratorv1.RunRequest{Task: task, Model: *model, ContinueOnDisconnect: *cont,
+		MaxTokens: int32(min(max(*maxTokens, -1), math.MaxInt32)), MaxSteps: int32(min(max(*maxSteps, -1), math.MaxInt32))} //nolint:gosec // clamped
+	if *system != "" {
+		req.Messages = []*orchestratorv1.Message{{Role: orchestratorv1.MessageRole_MESSAGE_ROLE_SYSTEM, Content: *system}}
+	}
+	fs.Visit(func(f *flag.Flag) { // unset is the provider's default, not 0
+		if f.Name == "temperature" {
+			req.Temperature = temperature
+		}
+	})
+	for t := range strings.SplitSeq(*tools, ",") {
+		if t = strings.TrimSpace(t); t != "" {
+			req.Tools = append(req.Tools, t)
+		}
+	}
+	if *failOnToolError {
+		req.ToolErrors = orchestratorv1.ToolErrors_TOOL_ERRORS_FAIL_RUN
+	}
+	stream, err := client.Run(sigCtx, req)
 	if err != nil {
 		return callErr(stderr, "run", err)
 	}

@@ -2,9 +2,11 @@ package agent
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
+	"slices"
 	"strings"
 	"sync"
 	"time"
@@ -138,6 +140,33 @@ func (l *Loop) Tools(ctx context.Context) *toollist.Tools {
 	return l.cfg.ToolList.Tools(ctx)
 }
 
+// Input is what one loop runs with.
+type Input struct {
+	// Model overrides the configured model when not empty.
+	Model string
+	// Messages are the conversation before Task (a system message first, if any).
+	Messages []*modelproxyv1.Message
+	// Task, when not empty, is the last user message.
+	Task string
+	// MaxTokens, Temperature and ResponseSchema go with every model step: the bound on
+	// its output tokens (0: the provider's default), its sampling temperature (nil: the
+	// provider's default), and the JSON Schema its answer must satisfy (empty: none).
+	MaxTokens      int32
+	Temperature    *float64
+	ResponseSchema string
+	// Tools, when not empty, are the names of the tools the loop may use, among those of
+	// the tenant: the model is told of those only, and a call of another fails as an
+	// unknown tool (NOT_FOUND).
+	Tools []string
+	// MaxSteps bounds the model steps; Config.MaxSteps when 0.
+	MaxSteps int
+	// FailOnToolError makes a failed tool call fail the loop. Otherwise the error goes
+	// back to the model as the tool's result, {"error": "<message>"}, and the loop goes
+	// on, except with the sim model (whose plan's failing step fails the loop), and for a
+	// tool stopped by the loop's own cancellation or deadline.
+	FailOnToolError bool
+}
+
 // Run runs the loop for task under ctx (which carries the run's identity and absolute
 // deadline). base is the node id of the loop's owner ("root" for a run); model steps are
 // base/m<i> and tools base/s<i>.t<j>. model overrides the configured model when not empty.
@@ -146,12 +175,18 @@ func (l *Loop) Run(ctx context.Context, base, model, task string) (string, error
 	return l.RunJournaled(ctx, base, model, task, nil)
 }
 
-// RunJournaled is Run with a journal: it first replays the entries an earlier incarnation
+// RunJournaled is RunInput with only a model and a task, a failed tool failing the loop.
+func (l *Loop) RunJournaled(ctx context.Context, base, model, task string, j Journal) (string, error) {
+	return l.RunInput(ctx, base, Input{Model: model, Task: task, FailOnToolError: true}, j)
+}
+
+// RunInput runs the loop for in with a journal: it first replays the entries an earlier incarnation
 // of the loop recorded (a completed model step is not generated again, completed tools
 // are not called again), then records every model step and every step's tool results as
 // they complete, before going on. A Record error stops the loop with that error. A nil
 // journal records nothing.
-func (l *Loop) RunJournaled(ctx context.Context, base, model, task string, j Journal) (string, error) {
+func (l *Loop) RunInput(ctx context.Context, base string, in Input, j Journal) (string, error) {
+	model := in.Model
 	if model == "" {
 		model = l.cfg.ModelName
 	}
@@ -173,8 +208,17 @@ func (l *Loop) RunJournaled(ctx context.Context, base, model, task string, j Jou
 		}
 		return j.Record(ctx, e)
 	}
-	msgs := []*modelproxyv1.Message{{Role: modelproxyv1.Role_ROLE_USER, Content: task}}
-	for i := 0; i < l.cfg.MaxSteps; i++ {
+	msgs := slices.Clip(in.Messages)
+	if in.Task != "" {
+		msgs = append(msgs, &modelproxyv1.Message{Role: modelproxyv1.Role_ROLE_USER, Content: in.Task})
+	}
+	maxSteps := in.MaxSteps
+	if maxSteps <= 0 {
+		maxSteps = l.cfg.MaxSteps
+	}
+	// Tool errors go back to a real model; the sim model's plan has no use for them.
+	pol := toolPolicy{toModel: !in.FailOnToolError && model != DefaultModel, allowed: in.Tools}
+	for i := 0; i < maxSteps; i++ {
 		if err := ctx.Err(); err != nil {
 			return "", cancel.Status(ctx)
 		}
@@ -189,7 +233,7 @@ func (l *Loop) RunJournaled(ctx context.Context, base, model, task string, j Jou
 					base, prior[0].Seq, prior[0].Step, prior[0].Kind, i)
 			}
 			var err error
-			res, tools, err = l.modelStep(ctx, fmt.Sprintf("%s/m%d", base, i), model, msgs)
+			res, tools, err = l.modelStep(ctx, fmt.Sprintf("%s/m%d", base, i), model, msgs, &in)
 			if err != nil {
 				return "", err
 			}
@@ -214,10 +258,10 @@ func (l *Loop) RunJournaled(ctx context.Context, base, model, task string, j Jou
 				return "", status.Errorf(codes.Internal, "journal of %s does not match the loop at step %d's tool results", base, i)
 			}
 			if tools == nil { // the model step was replayed
-				tools = l.Tools(ctx)
+				tools = l.Tools(ctx).Only(in.Tools)
 			}
 			var err error
-			outs, err = l.toolStep(ctx, fmt.Sprintf("%s/s%d", base, i), calls, tools)
+			outs, err = l.toolStep(ctx, fmt.Sprintf("%s/s%d", base, i), calls, tools, pol)
 			if err != nil {
 				return "", err
 			}
@@ -229,7 +273,7 @@ func (l *Loop) RunJournaled(ctx context.Context, base, model, task string, j Jou
 			msgs = append(msgs, &modelproxyv1.Message{Role: modelproxyv1.Role_ROLE_TOOL, ToolCallId: c.GetId(), Content: outs[j]})
 		}
 	}
-	return "", status.Errorf(codes.ResourceExhausted, "agent loop reached its step limit (%d)", l.cfg.MaxSteps)
+	return "", status.Errorf(codes.ResourceExhausted, "step limit %d reached", maxSteps)
 }
 
 type stepResult struct {
@@ -240,21 +284,28 @@ type stepResult struct {
 
 // modelStep runs one model step, telling the model of the tenant's tools; it returns the
 // step's result and those tools.
-func (l *Loop) modelStep(ctx context.Context, id, model string, msgs []*modelproxyv1.Message) (*stepResult, *toollist.Tools, error) {
+// in's tools (those of the tenant it names) and sampling options.
+func (l *Loop) modelStep(ctx context.Context, id, model string, msgs []*modelproxyv1.Message, in *Input) (*stepResult, *toollist.Tools, error) {
 	if err := deadline.Check(ctx, l.cfg.MinModelTime, "model call "+id); err != nil {
 		return nil, nil, err
 	}
-	tools := l.Tools(ctx)
-	res, err := l.generate(ctx, id, model, msgs, tools.Specs())
+	tools := l.Tools(ctx).Only(in.Tools)
+	req := &modelproxyv1.GenerateRequest{Model: model, Messages: msgs, Tools: tools.Specs(),
+		MaxTokens: in.MaxTokens, Temperature: in.Temperature}
+	if in.ResponseSchema != "" {
+		req.ResponseSchema = &modelproxyv1.ResponseSchema{Name: "answer", SchemaJson: in.ResponseSchema}
+	}
+	res, err := l.generate(ctx, id, req)
 	return res, tools, err
 }
 
-func (l *Loop) generate(ctx context.Context, id, model string, msgs []*modelproxyv1.Message, specs []*modelproxyv1.ToolSpec) (*stepResult, error) {
+// generate streams one model step of req as node id.
+func (l *Loop) generate(ctx context.Context, id string, req *modelproxyv1.GenerateRequest) (*stepResult, error) {
+	model := req.GetModel()
 	cctx, stop := context.WithCancel(md.WithNode(ctx, id))
 	defer stop()
 	node := &meshv1.Node{Id: id, Kind: meshv1.NodeKind_NODE_KIND_MODEL, Name: model,
 		Status: meshv1.NodeStatus_NODE_STATUS_RUNNING, StartedAt: timestamppb.Now()}
-	req := &modelproxyv1.GenerateRequest{Model: model, Messages: msgs, Tools: specs}
 	// The decoder's lease, renewed from when the stream opens until it ends, and released
 	// on every way out of the stream before anything else: a cancelled step's settle wait
 	// must not keep renewing a decoder whose cancel may have been lost. It is keyed by
@@ -327,18 +378,29 @@ func (l *Loop) endModel(n *meshv1.Node, err error) {
 	l.cfg.Emit(cloneNode(n))
 }
 
-// toolStep runs the calls in parallel. The first failure cancels the others with cause
-// sibling_failed; it returns only after every call, and its remote teardown, has ended.
-func (l *Loop) toolStep(ctx context.Context, prefix string, calls []*modelproxyv1.ToolCall, tools *toollist.Tools) ([]string, error) {
+// toolPolicy is what a loop's input says of its tool calls.
+type toolPolicy struct {
+	toModel bool     // a tool's failure is its result (see toolError)
+	allowed []string // the tools it may call; any when empty
+}
+
+// toolStep runs the calls in parallel. With p.toModel, a call's failure is its result (see
+// toolError) unless the loop itself is ending; otherwise the first failure cancels the
+// others with cause sibling_failed. It returns only after every call, and its remote
+// teardown, has ended.
+func (l *Loop) toolStep(ctx context.Context, prefix string, calls []*modelproxyv1.ToolCall, tools *toollist.Tools, p toolPolicy) ([]string, error) {
 	if len(calls) > l.cfg.MaxFanout {
 		return nil, status.Errorf(codes.InvalidArgument, "step calls %d tools, more than the fan-out limit %d", len(calls), l.cfg.MaxFanout)
 	}
 	if len(calls) == 1 {
 		// No sibling to cancel: run the call on this goroutine, under ctx itself (a group
 		// context and a goroutine would be held for the whole call for nothing).
-		out, err := l.callTool(ctx, prefix+".t0", calls[0], tools)
+		out, err := l.callTool(ctx, prefix+".t0", calls[0], tools, p)
 		if ctx.Err() != nil {
 			return nil, cancel.Status(ctx)
+		}
+		if err != nil && p.toModel && toolError(ctx, err) {
+			return []string{errorResult(err)}, nil
 		}
 		if err != nil {
 			return nil, err
@@ -359,9 +421,13 @@ func (l *Loop) toolStep(ctx context.Context, prefix string, calls []*modelproxyv
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			out, err := l.callTool(gctx, ids[j], c, tools)
+			out, err := l.callTool(gctx, ids[j], c, tools, p)
 			if err == nil {
 				outs[j] = out
+				return
+			}
+			if p.toModel && toolError(ctx, err) {
+				outs[j] = errorResult(err)
 				return
 			}
 			mu.Lock()
@@ -409,9 +475,12 @@ func (l *Loop) toolStep(ctx context.Context, prefix string, calls []*modelproxyv
 // callTool runs one tool call as node id. tools, what the model was told of, say the
 // tool's side effects: a tool listed as none or idempotent is retried freely, an
 // irreversible one, or one whose effects are not known, only with an idempotency key.
-func (l *Loop) callTool(ctx context.Context, id string, c *modelproxyv1.ToolCall, tools *toollist.Tools) (string, error) {
+func (l *Loop) callTool(ctx context.Context, id string, c *modelproxyv1.ToolCall, tools *toollist.Tools, p toolPolicy) (string, error) {
 	if err := deadline.Check(ctx, l.cfg.MinToolTime, "tool "+c.GetName()); err != nil {
 		return "", err
+	}
+	if len(p.allowed) > 0 && !slices.Contains(p.allowed, c.GetName()) {
+		return "", status.Errorf(codes.NotFound, "tool %s is not among the run's tools", c.GetName())
 	}
 	cctx := md.WithNode(ctx, id)
 	var opts []grpc.CallOption
@@ -490,6 +559,29 @@ func (l *Loop) toolGone(ctx context.Context, name string, err error) {
 	if status.Code(err) == codes.NotFound && l.cfg.ToolList != nil && !catalog.IsBuiltin(name) {
 		l.cfg.ToolList.Invalidate(md.IdentityFrom(ctx).Tenant)
 	}
+}
+
+// toolError reports whether err, a tool call's failure, is the tool's own (its arguments,
+// its result, its executor, its own time limit) rather than the loop's ending: a
+// cancellation or the loop's deadline is never handed to the model.
+func toolError(ctx context.Context, err error) bool {
+	if ctx.Err() != nil {
+		return false
+	}
+	switch status.Code(err) {
+	case codes.Canceled:
+		return false
+	case codes.DeadlineExceeded:
+		return !atDeadline(ctx, err)
+	}
+	return true
+}
+
+// errorResult is a failed tool call's result as the model is told of it:
+// {"error": "<the status message>"}.
+func errorResult(err error) string {
+	b, _ := json.Marshal(map[string]string{"error": status.Convert(err).Message()})
+	return string(b)
 }
 
 // within reports whether node is root or lies beneath it.

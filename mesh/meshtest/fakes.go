@@ -28,6 +28,8 @@ type Call struct {
 	Args string
 	// Messages are the messages of a Generate call.
 	Messages []*modelproxyv1.Message
+	// Request is the whole request of a Generate call.
+	Request *modelproxyv1.GenerateRequest
 	// Tools are the names of the tools a Generate call told the model about; Specs are
 	// their specs.
 	Tools []string
@@ -129,7 +131,7 @@ func (m *Model) Register(s *grpc.Server) {
 // Generate implements ModelProxyService.
 func (m *Model) Generate(req *modelproxyv1.GenerateRequest, ss grpc.ServerStreamingServer[modelproxyv1.GenerateResponse]) (err error) {
 	ctx := ss.Context()
-	c := &Call{Name: req.GetModel(), Messages: req.GetMessages()}
+	c := &Call{Name: req.GetModel(), Messages: req.GetMessages(), Request: req}
 	for _, t := range req.GetTools() {
 		c.Tools = append(c.Tools, t.GetName())
 	}

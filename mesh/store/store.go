@@ -46,8 +46,8 @@ type Runs interface {
 	// claimed by that owner at epoch 1 in StatusRunning. With a non-empty
 	// IdempotencyKey that already names a run of the tenant it inserts nothing and
 	// returns that run with created=false, atomically: concurrent calls with one key
-	// create one run. The caller should compare the returned run's Task with its own to
-	// detect a key reused for a different request.
+	// create one run. The caller should compare the returned run's Task, Model and Input
+	// with its own to detect a key reused for a different request.
 	CreateRun(ctx context.Context, r NewRun) (run Run, created bool, err error)
 	// GetRun returns the tenant's run, or ErrNotFound (also for another tenant's run).
 	GetRun(ctx context.Context, tenant, runID string) (Run, error)

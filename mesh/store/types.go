@@ -35,9 +35,12 @@ type NewRun struct {
 	RunID string
 	// IdempotencyKey, when set, is unique per tenant (StartRun's key).
 	IdempotencyKey string
-	Task           []byte    // the task or plan, opaque (the plan's JSON)
-	Model          string    // model alias the run was started with
-	Deadline       time.Time // absolute deadline, required
+	Task           []byte // the task or plan, opaque (the plan's JSON)
+	Model          string // model alias the run was started with
+	// Input is the rest of what the run was started with, opaque (the orchestrator's
+	// encoded RunInput); empty when there is none.
+	Input    []byte
+	Deadline time.Time // absolute deadline, required
 	// Owner, when set, creates the run already claimed (epoch 1) for LeaseTTL.
 	Owner    string
 	LeaseTTL time.Duration
@@ -50,6 +53,7 @@ type Run struct {
 	IdempotencyKey string
 	Task           []byte
 	Model          string
+	Input          []byte
 	Deadline       time.Time
 	Status         RunStatus
 	Cause          string // why it ended early: deadline, client_disconnect, operator, ...

@@ -4,6 +4,7 @@ import (
 	"context"
 	"log/slog"
 	"reflect"
+	"slices"
 	"sync"
 	"time"
 
@@ -62,6 +63,26 @@ func Builtins() *Tools { return builtins }
 
 // Specs returns the tools' specs, to send to modelproxy (GenerateRequest.tools).
 func (t *Tools) Specs() []*modelproxyv1.ToolSpec { return t.specs }
+
+// Only returns the tools among t named in names, in t's order, as a Tools of their own;
+// t itself when names is empty. A name t does not hold is ignored.
+func (t *Tools) Only(names []string) *Tools {
+	if len(names) == 0 {
+		return t
+	}
+	o := &Tools{effects: t.effects, listed: t.listed}
+	for _, s := range t.specs {
+		if slices.Contains(names, s.GetName()) {
+			o.specs = append(o.specs, s)
+		}
+	}
+	return o
+}
+
+// Has reports whether t holds a tool of that name.
+func (t *Tools) Has(name string) bool {
+	return slices.ContainsFunc(t.specs, func(s *modelproxyv1.ToolSpec) bool { return s.GetName() == name })
+}
 
 // Listed reports whether the tools came from toolrunner (false: the built-ins' fallback).
 func (t *Tools) Listed() bool { return t.listed }

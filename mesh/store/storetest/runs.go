@@ -115,6 +115,41 @@ var runTests = map[string]func(*env){
 			e.t.Fatal("runs without a key are never deduplicated")
 		}
 	},
+	"InputKept": func(e *env) {
+		// The input is opaque bytes, kept as given by every read: the key's lookup, a get,
+		// a list, a claim (a takeover resumes the run with it) and a finish.
+		input := []byte{0x0a, 0x00, 0xff, 0x10, 0x07}
+		r, created, err := e.s.CreateRun(e.ctx, store.NewRun{Tenant: tenantA, IdempotencyKey: "in-1", Task: []byte("t"),
+			Model: "gpt", Input: input, Deadline: e.clock.Now().Add(time.Minute)})
+		if err != nil || !created || !bytes.Equal(r.Input, input) {
+			e.t.Fatalf("create: input %x created=%v err=%v, want %x", r.Input, created, err, input)
+		}
+		again, created, err := e.s.CreateRun(e.ctx, store.NewRun{Tenant: tenantA, IdempotencyKey: "in-1",
+			Input: []byte("other"), Deadline: e.clock.Now().Add(time.Minute)})
+		if err != nil || created || !bytes.Equal(again.Input, input) {
+			e.t.Fatalf("create with the key: input %x created=%v err=%v, want the first run's %x", again.Input, created, err, input)
+		}
+		got, err := e.s.GetRun(e.ctx, tenantA, r.RunID)
+		if err != nil || !bytes.Equal(got.Input, input) {
+			e.t.Fatalf("get: input %x err=%v, want %x", got.Input, err, input)
+		}
+		runs, _, err := e.s.ListRuns(e.ctx, store.RunQuery{Tenant: tenantA})
+		if err != nil || len(runs) != 1 || !bytes.Equal(runs[0].Input, input) {
+			e.t.Fatalf("list: %d runs err=%v", len(runs), err)
+		}
+		c := e.claim(tenantA, r.RunID, "orch-a", 10*time.Second)
+		if !bytes.Equal(c.Input, input) {
+			e.t.Fatalf("claim: input %x, want %x", c.Input, input)
+		}
+		f, err := e.s.FinishRun(e.ctx, c.Lease(), store.RunResult{Status: store.StatusSucceeded, Answer: []byte("a")})
+		if err != nil || !bytes.Equal(f.Input, input) {
+			e.t.Fatalf("finish: input %x err=%v, want %x", f.Input, err, input)
+		}
+		plain := e.create(tenantA, "", "")
+		if len(plain.Input) != 0 {
+			e.t.Fatalf("a run created without input has input %x", plain.Input)
+		}
+	},
 	"IdempotencyKeyConcurrent": func(e *env) {
 		// Two replicas (two Stores on one database), 8 callers each.
 		stores := []store.Store{e.s, e.open()}

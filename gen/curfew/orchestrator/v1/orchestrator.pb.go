@@ -83,6 +83,116 @@ func (RunStatus) EnumDescriptor() ([]byte, []int) {
 	return file_curfew_orchestrator_v1_orchestrator_proto_rawDescGZIP(), []int{0}
 }
 
+// MessageRole is who said a message of a run's conversation.
+type MessageRole int32
+
+const (
+	MessageRole_MESSAGE_ROLE_UNSPECIFIED MessageRole = 0
+	MessageRole_MESSAGE_ROLE_SYSTEM      MessageRole = 1
+	MessageRole_MESSAGE_ROLE_USER        MessageRole = 2
+	MessageRole_MESSAGE_ROLE_ASSISTANT   MessageRole = 3
+	MessageRole_MESSAGE_ROLE_TOOL        MessageRole = 4
+)
+
+// Enum value maps for MessageRole.
+var (
+	MessageRole_name = map[int32]string{
+		0: "MESSAGE_ROLE_UNSPECIFIED",
+		1: "MESSAGE_ROLE_SYSTEM",
+		2: "MESSAGE_ROLE_USER",
+		3: "MESSAGE_ROLE_ASSISTANT",
+		4: "MESSAGE_ROLE_TOOL",
+	}
+	MessageRole_value = map[string]int32{
+		"MESSAGE_ROLE_UNSPECIFIED": 0,
+		"MESSAGE_ROLE_SYSTEM":      1,
+		"MESSAGE_ROLE_USER":        2,
+		"MESSAGE_ROLE_ASSISTANT":   3,
+		"MESSAGE_ROLE_TOOL":        4,
+	}
+)
+
+func (x MessageRole) Enum() *MessageRole {
+	p := new(MessageRole)
+	*p = x
+	return p
+}
+
+func (x MessageRole) String() string {
+	return protoimpl.X.EnumStringOf(x.Descriptor(), protoreflect.EnumNumber(x))
+}
+
+func (MessageRole) Descriptor() protoreflect.EnumDescriptor {
+	return file_curfew_orchestrator_v1_orchestrator_proto_enumTypes[1].Descriptor()
+}
+
+func (MessageRole) Type() protoreflect.EnumType {
+	return &file_curfew_orchestrator_v1_orchestrator_proto_enumTypes[1]
+}
+
+func (x MessageRole) Number() protoreflect.EnumNumber {
+	return protoreflect.EnumNumber(x)
+}
+
+// Deprecated: Use MessageRole.Descriptor instead.
+func (MessageRole) EnumDescriptor() ([]byte, []int) {
+	return file_curfew_orchestrator_v1_orchestrator_proto_rawDescGZIP(), []int{1}
+}
+
+// ToolErrors says what a failed tool call does to a run.
+type ToolErrors int32
+
+const (
+	// TOOL_ERRORS_TO_MODEL.
+	ToolErrors_TOOL_ERRORS_UNSPECIFIED ToolErrors = 0
+	// The error goes back to the model as the tool's result ({"error": "..."}), and the
+	// run goes on. With the sim model a failing plan step still fails the run.
+	ToolErrors_TOOL_ERRORS_TO_MODEL ToolErrors = 1
+	// The first failed tool call fails the run.
+	ToolErrors_TOOL_ERRORS_FAIL_RUN ToolErrors = 2
+)
+
+// Enum value maps for ToolErrors.
+var (
+	ToolErrors_name = map[int32]string{
+		0: "TOOL_ERRORS_UNSPECIFIED",
+		1: "TOOL_ERRORS_TO_MODEL",
+		2: "TOOL_ERRORS_FAIL_RUN",
+	}
+	ToolErrors_value = map[string]int32{
+		"TOOL_ERRORS_UNSPECIFIED": 0,
+		"TOOL_ERRORS_TO_MODEL":    1,
+		"TOOL_ERRORS_FAIL_RUN":    2,
+	}
+)
+
+func (x ToolErrors) Enum() *ToolErrors {
+	p := new(ToolErrors)
+	*p = x
+	return p
+}
+
+func (x ToolErrors) String() string {
+	return protoimpl.X.EnumStringOf(x.Descriptor(), protoreflect.EnumNumber(x))
+}
+
+func (ToolErrors) Descriptor() protoreflect.EnumDescriptor {
+	return file_curfew_orchestrator_v1_orchestrator_proto_enumTypes[2].Descriptor()
+}
+
+func (ToolErrors) Type() protoreflect.EnumType {
+	return &file_curfew_orchestrator_v1_orchestrator_proto_enumTypes[2]
+}
+
+func (x ToolErrors) Number() protoreflect.EnumNumber {
+	return protoreflect.EnumNumber(x)
+}
+
+// Deprecated: Use ToolErrors.Descriptor instead.
+func (ToolErrors) EnumDescriptor() ([]byte, []int) {
+	return file_curfew_orchestrator_v1_orchestrator_proto_rawDescGZIP(), []int{2}
+}
+
 // Run is a run's record and, once it has ended, its summary.
 type Run struct {
 	state  protoimpl.MessageState `protogen:"open.v1"`
@@ -111,7 +221,10 @@ type Run struct {
 	IdempotencyKey string `protobuf:"bytes,17,opt,name=idempotency_key,json=idempotencyKey,proto3" json:"idempotency_key,omitempty"`
 	// How many times the run was claimed by an orchestrator: 1 for a run that was never
 	// taken over, more after a crashed owner's run was resumed. 0 without a durable store.
-	Epoch         int64 `protobuf:"varint,18,opt,name=epoch,proto3" json:"epoch,omitempty"`
+	Epoch int64 `protobuf:"varint,18,opt,name=epoch,proto3" json:"epoch,omitempty"`
+	// The run's input beyond its task and model, as it was started (empty for a run
+	// started with a task alone).
+	Input         *RunInput `protobuf:"bytes,19,opt,name=input,proto3" json:"input,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -272,6 +385,169 @@ func (x *Run) GetEpoch() int64 {
 	return 0
 }
 
+func (x *Run) GetInput() *RunInput {
+	if x != nil {
+		return x.Input
+	}
+	return nil
+}
+
+// Message is one turn of a run's conversation.
+type Message struct {
+	state   protoimpl.MessageState `protogen:"open.v1"`
+	Role    MessageRole            `protobuf:"varint,1,opt,name=role,proto3,enum=curfew.orchestrator.v1.MessageRole" json:"role,omitempty"`
+	Content string                 `protobuf:"bytes,2,opt,name=content,proto3" json:"content,omitempty"`
+	// On tool messages: the id of the assistant's tool call this is the result of.
+	ToolCallId    string `protobuf:"bytes,3,opt,name=tool_call_id,json=toolCallId,proto3" json:"tool_call_id,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *Message) Reset() {
+	*x = Message{}
+	mi := &file_curfew_orchestrator_v1_orchestrator_proto_msgTypes[1]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *Message) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*Message) ProtoMessage() {}
+
+func (x *Message) ProtoReflect() protoreflect.Message {
+	mi := &file_curfew_orchestrator_v1_orchestrator_proto_msgTypes[1]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use Message.ProtoReflect.Descriptor instead.
+func (*Message) Descriptor() ([]byte, []int) {
+	return file_curfew_orchestrator_v1_orchestrator_proto_rawDescGZIP(), []int{1}
+}
+
+func (x *Message) GetRole() MessageRole {
+	if x != nil {
+		return x.Role
+	}
+	return MessageRole_MESSAGE_ROLE_UNSPECIFIED
+}
+
+func (x *Message) GetContent() string {
+	if x != nil {
+		return x.Content
+	}
+	return ""
+}
+
+func (x *Message) GetToolCallId() string {
+	if x != nil {
+		return x.ToolCallId
+	}
+	return ""
+}
+
+// RunInput is what a run was started with beyond its task and model: the fields of
+// RunRequest and StartRunRequest of the same names (see there).
+type RunInput struct {
+	state              protoimpl.MessageState `protogen:"open.v1"`
+	Messages           []*Message             `protobuf:"bytes,1,rep,name=messages,proto3" json:"messages,omitempty"`
+	MaxTokens          int32                  `protobuf:"varint,2,opt,name=max_tokens,json=maxTokens,proto3" json:"max_tokens,omitempty"`
+	Temperature        *float64               `protobuf:"fixed64,3,opt,name=temperature,proto3,oneof" json:"temperature,omitempty"`
+	ResponseSchemaJson string                 `protobuf:"bytes,4,opt,name=response_schema_json,json=responseSchemaJson,proto3" json:"response_schema_json,omitempty"`
+	Tools              []string               `protobuf:"bytes,5,rep,name=tools,proto3" json:"tools,omitempty"`
+	MaxSteps           int32                  `protobuf:"varint,6,opt,name=max_steps,json=maxSteps,proto3" json:"max_steps,omitempty"`
+	ToolErrors         ToolErrors             `protobuf:"varint,7,opt,name=tool_errors,json=toolErrors,proto3,enum=curfew.orchestrator.v1.ToolErrors" json:"tool_errors,omitempty"`
+	unknownFields      protoimpl.UnknownFields
+	sizeCache          protoimpl.SizeCache
+}
+
+func (x *RunInput) Reset() {
+	*x = RunInput{}
+	mi := &file_curfew_orchestrator_v1_orchestrator_proto_msgTypes[2]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *RunInput) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*RunInput) ProtoMessage() {}
+
+func (x *RunInput) ProtoReflect() protoreflect.Message {
+	mi := &file_curfew_orchestrator_v1_orchestrator_proto_msgTypes[2]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use RunInput.ProtoReflect.Descriptor instead.
+func (*RunInput) Descriptor() ([]byte, []int) {
+	return file_curfew_orchestrator_v1_orchestrator_proto_rawDescGZIP(), []int{2}
+}
+
+func (x *RunInput) GetMessages() []*Message {
+	if x != nil {
+		return x.Messages
+	}
+	return nil
+}
+
+func (x *RunInput) GetMaxTokens() int32 {
+	if x != nil {
+		return x.MaxTokens
+	}
+	return 0
+}
+
+func (x *RunInput) GetTemperature() float64 {
+	if x != nil && x.Temperature != nil {
+		return *x.Temperature
+	}
+	return 0
+}
+
+func (x *RunInput) GetResponseSchemaJson() string {
+	if x != nil {
+		return x.ResponseSchemaJson
+	}
+	return ""
+}
+
+func (x *RunInput) GetTools() []string {
+	if x != nil {
+		return x.Tools
+	}
+	return nil
+}
+
+func (x *RunInput) GetMaxSteps() int32 {
+	if x != nil {
+		return x.MaxSteps
+	}
+	return 0
+}
+
+func (x *RunInput) GetToolErrors() ToolErrors {
+	if x != nil {
+		return x.ToolErrors
+	}
+	return ToolErrors_TOOL_ERRORS_UNSPECIFIED
+}
+
 // RunRequest starts a run. The run's absolute deadline comes from the call's gRPC deadline,
 // capped at the service maximum; without one, the service default applies.
 type RunRequest struct {
@@ -283,13 +559,31 @@ type RunRequest struct {
 	// Keep the run going when this call's client goes away. Off by default:
 	// a disconnect cancels the run with cause client_disconnect.
 	ContinueOnDisconnect bool `protobuf:"varint,3,opt,name=continue_on_disconnect,json=continueOnDisconnect,proto3" json:"continue_on_disconnect,omitempty"`
-	unknownFields        protoimpl.UnknownFields
-	sizeCache            protoimpl.SizeCache
+	// The conversation so far, oldest first; a system message, if any, comes first. With
+	// task set, the task is appended as the last user message. task or messages is
+	// required.
+	Messages []*Message `protobuf:"bytes,4,rep,name=messages,proto3" json:"messages,omitempty"`
+	// Upper bound on each model step's output tokens; 0 means the provider's default.
+	MaxTokens int32 `protobuf:"varint,5,opt,name=max_tokens,json=maxTokens,proto3" json:"max_tokens,omitempty"`
+	// Sampling temperature in [0, 2]; unset means the provider's default.
+	Temperature *float64 `protobuf:"fixed64,6,opt,name=temperature,proto3,oneof" json:"temperature,omitempty"`
+	// When set, a JSON Schema (draft 2020-12) the answer must satisfy.
+	ResponseSchemaJson string `protobuf:"bytes,7,opt,name=response_schema_json,json=responseSchemaJson,proto3" json:"response_schema_json,omitempty"`
+	// Registry names of the tools the run may use; empty means every tool the tenant may
+	// use. A name the tenant may not use is INVALID_ARGUMENT.
+	Tools []string `protobuf:"bytes,8,rep,name=tools,proto3" json:"tools,omitempty"`
+	// The most model steps the run takes; 0 means the service's limit (64 by default). A
+	// run that reaches it fails with FAILED_PRECONDITION "step limit N reached".
+	MaxSteps int32 `protobuf:"varint,9,opt,name=max_steps,json=maxSteps,proto3" json:"max_steps,omitempty"`
+	// What a failed tool call does; TOOL_ERRORS_TO_MODEL by default.
+	ToolErrors    ToolErrors `protobuf:"varint,10,opt,name=tool_errors,json=toolErrors,proto3,enum=curfew.orchestrator.v1.ToolErrors" json:"tool_errors,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
 }
 
 func (x *RunRequest) Reset() {
 	*x = RunRequest{}
-	mi := &file_curfew_orchestrator_v1_orchestrator_proto_msgTypes[1]
+	mi := &file_curfew_orchestrator_v1_orchestrator_proto_msgTypes[3]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -301,7 +595,7 @@ func (x *RunRequest) String() string {
 func (*RunRequest) ProtoMessage() {}
 
 func (x *RunRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_curfew_orchestrator_v1_orchestrator_proto_msgTypes[1]
+	mi := &file_curfew_orchestrator_v1_orchestrator_proto_msgTypes[3]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -314,7 +608,7 @@ func (x *RunRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RunRequest.ProtoReflect.Descriptor instead.
 func (*RunRequest) Descriptor() ([]byte, []int) {
-	return file_curfew_orchestrator_v1_orchestrator_proto_rawDescGZIP(), []int{1}
+	return file_curfew_orchestrator_v1_orchestrator_proto_rawDescGZIP(), []int{3}
 }
 
 func (x *RunRequest) GetTask() string {
@@ -338,6 +632,55 @@ func (x *RunRequest) GetContinueOnDisconnect() bool {
 	return false
 }
 
+func (x *RunRequest) GetMessages() []*Message {
+	if x != nil {
+		return x.Messages
+	}
+	return nil
+}
+
+func (x *RunRequest) GetMaxTokens() int32 {
+	if x != nil {
+		return x.MaxTokens
+	}
+	return 0
+}
+
+func (x *RunRequest) GetTemperature() float64 {
+	if x != nil && x.Temperature != nil {
+		return *x.Temperature
+	}
+	return 0
+}
+
+func (x *RunRequest) GetResponseSchemaJson() string {
+	if x != nil {
+		return x.ResponseSchemaJson
+	}
+	return ""
+}
+
+func (x *RunRequest) GetTools() []string {
+	if x != nil {
+		return x.Tools
+	}
+	return nil
+}
+
+func (x *RunRequest) GetMaxSteps() int32 {
+	if x != nil {
+		return x.MaxSteps
+	}
+	return 0
+}
+
+func (x *RunRequest) GetToolErrors() ToolErrors {
+	if x != nil {
+		return x.ToolErrors
+	}
+	return ToolErrors_TOOL_ERRORS_UNSPECIFIED
+}
+
 // RunStarted is the first event of a run.
 type RunStarted struct {
 	state         protoimpl.MessageState `protogen:"open.v1"`
@@ -349,7 +692,7 @@ type RunStarted struct {
 
 func (x *RunStarted) Reset() {
 	*x = RunStarted{}
-	mi := &file_curfew_orchestrator_v1_orchestrator_proto_msgTypes[2]
+	mi := &file_curfew_orchestrator_v1_orchestrator_proto_msgTypes[4]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -361,7 +704,7 @@ func (x *RunStarted) String() string {
 func (*RunStarted) ProtoMessage() {}
 
 func (x *RunStarted) ProtoReflect() protoreflect.Message {
-	mi := &file_curfew_orchestrator_v1_orchestrator_proto_msgTypes[2]
+	mi := &file_curfew_orchestrator_v1_orchestrator_proto_msgTypes[4]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -374,7 +717,7 @@ func (x *RunStarted) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RunStarted.ProtoReflect.Descriptor instead.
 func (*RunStarted) Descriptor() ([]byte, []int) {
-	return file_curfew_orchestrator_v1_orchestrator_proto_rawDescGZIP(), []int{2}
+	return file_curfew_orchestrator_v1_orchestrator_proto_rawDescGZIP(), []int{4}
 }
 
 func (x *RunStarted) GetRunId() string {
@@ -407,7 +750,7 @@ type RunResponse struct {
 
 func (x *RunResponse) Reset() {
 	*x = RunResponse{}
-	mi := &file_curfew_orchestrator_v1_orchestrator_proto_msgTypes[3]
+	mi := &file_curfew_orchestrator_v1_orchestrator_proto_msgTypes[5]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -419,7 +762,7 @@ func (x *RunResponse) String() string {
 func (*RunResponse) ProtoMessage() {}
 
 func (x *RunResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_curfew_orchestrator_v1_orchestrator_proto_msgTypes[3]
+	mi := &file_curfew_orchestrator_v1_orchestrator_proto_msgTypes[5]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -432,7 +775,7 @@ func (x *RunResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RunResponse.ProtoReflect.Descriptor instead.
 func (*RunResponse) Descriptor() ([]byte, []int) {
-	return file_curfew_orchestrator_v1_orchestrator_proto_rawDescGZIP(), []int{3}
+	return file_curfew_orchestrator_v1_orchestrator_proto_rawDescGZIP(), []int{5}
 }
 
 func (x *RunResponse) GetEvent() isRunResponse_Event {
@@ -521,19 +864,39 @@ type StartRunRequest struct {
 	// Makes the start idempotent: a StartRun with a key the tenant has used before starts
 	// nothing and returns the first run (created is false). Keys are scoped to the tenant.
 	// The curfew-idempotency-key header is read when this field is empty. A key reused
-	// with a different task or model fails with ALREADY_EXISTS.
+	// with a different input (task, model or any field below) fails with
+	// ALREADY_EXISTS.
 	IdempotencyKey string `protobuf:"bytes,3,opt,name=idempotency_key,json=idempotencyKey,proto3" json:"idempotency_key,omitempty"`
 	// The run's time from now: its absolute deadline, capped at the service maximum. When
 	// unset, the StartRun call's own gRPC deadline is the run's deadline (the service
 	// default when the call has none).
-	Timeout       *durationpb.Duration `protobuf:"bytes,4,opt,name=timeout,proto3" json:"timeout,omitempty"`
+	Timeout *durationpb.Duration `protobuf:"bytes,4,opt,name=timeout,proto3" json:"timeout,omitempty"`
+	// As in RunRequest.
+	// The conversation so far, oldest first; a system message, if any, comes first. With
+	// task set, the task is appended as the last user message. task or messages is
+	// required.
+	Messages []*Message `protobuf:"bytes,5,rep,name=messages,proto3" json:"messages,omitempty"`
+	// Upper bound on each model step's output tokens; 0 means the provider's default.
+	MaxTokens int32 `protobuf:"varint,6,opt,name=max_tokens,json=maxTokens,proto3" json:"max_tokens,omitempty"`
+	// Sampling temperature in [0, 2]; unset means the provider's default.
+	Temperature *float64 `protobuf:"fixed64,7,opt,name=temperature,proto3,oneof" json:"temperature,omitempty"`
+	// When set, a JSON Schema (draft 2020-12) the answer must satisfy.
+	ResponseSchemaJson string `protobuf:"bytes,8,opt,name=response_schema_json,json=responseSchemaJson,proto3" json:"response_schema_json,omitempty"`
+	// Registry names of the tools the run may use; empty means every tool the tenant may
+	// use. A name the tenant may not use is INVALID_ARGUMENT.
+	Tools []string `protobuf:"bytes,9,rep,name=tools,proto3" json:"tools,omitempty"`
+	// The most model steps the run takes; 0 means the service's limit (64 by default). A
+	// run that reaches it fails with FAILED_PRECONDITION "step limit N reached".
+	MaxSteps int32 `protobuf:"varint,10,opt,name=max_steps,json=maxSteps,proto3" json:"max_steps,omitempty"`
+	// What a failed tool call does; TOOL_ERRORS_TO_MODEL by default.
+	ToolErrors    ToolErrors `protobuf:"varint,11,opt,name=tool_errors,json=toolErrors,proto3,enum=curfew.orchestrator.v1.ToolErrors" json:"tool_errors,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
 
 func (x *StartRunRequest) Reset() {
 	*x = StartRunRequest{}
-	mi := &file_curfew_orchestrator_v1_orchestrator_proto_msgTypes[4]
+	mi := &file_curfew_orchestrator_v1_orchestrator_proto_msgTypes[6]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -545,7 +908,7 @@ func (x *StartRunRequest) String() string {
 func (*StartRunRequest) ProtoMessage() {}
 
 func (x *StartRunRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_curfew_orchestrator_v1_orchestrator_proto_msgTypes[4]
+	mi := &file_curfew_orchestrator_v1_orchestrator_proto_msgTypes[6]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -558,7 +921,7 @@ func (x *StartRunRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use StartRunRequest.ProtoReflect.Descriptor instead.
 func (*StartRunRequest) Descriptor() ([]byte, []int) {
-	return file_curfew_orchestrator_v1_orchestrator_proto_rawDescGZIP(), []int{4}
+	return file_curfew_orchestrator_v1_orchestrator_proto_rawDescGZIP(), []int{6}
 }
 
 func (x *StartRunRequest) GetTask() string {
@@ -589,6 +952,55 @@ func (x *StartRunRequest) GetTimeout() *durationpb.Duration {
 	return nil
 }
 
+func (x *StartRunRequest) GetMessages() []*Message {
+	if x != nil {
+		return x.Messages
+	}
+	return nil
+}
+
+func (x *StartRunRequest) GetMaxTokens() int32 {
+	if x != nil {
+		return x.MaxTokens
+	}
+	return 0
+}
+
+func (x *StartRunRequest) GetTemperature() float64 {
+	if x != nil && x.Temperature != nil {
+		return *x.Temperature
+	}
+	return 0
+}
+
+func (x *StartRunRequest) GetResponseSchemaJson() string {
+	if x != nil {
+		return x.ResponseSchemaJson
+	}
+	return ""
+}
+
+func (x *StartRunRequest) GetTools() []string {
+	if x != nil {
+		return x.Tools
+	}
+	return nil
+}
+
+func (x *StartRunRequest) GetMaxSteps() int32 {
+	if x != nil {
+		return x.MaxSteps
+	}
+	return 0
+}
+
+func (x *StartRunRequest) GetToolErrors() ToolErrors {
+	if x != nil {
+		return x.ToolErrors
+	}
+	return ToolErrors_TOOL_ERRORS_UNSPECIFIED
+}
+
 // StartRunResponse holds the run as started, or as found under the idempotency key.
 type StartRunResponse struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
@@ -601,7 +1013,7 @@ type StartRunResponse struct {
 
 func (x *StartRunResponse) Reset() {
 	*x = StartRunResponse{}
-	mi := &file_curfew_orchestrator_v1_orchestrator_proto_msgTypes[5]
+	mi := &file_curfew_orchestrator_v1_orchestrator_proto_msgTypes[7]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -613,7 +1025,7 @@ func (x *StartRunResponse) String() string {
 func (*StartRunResponse) ProtoMessage() {}
 
 func (x *StartRunResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_curfew_orchestrator_v1_orchestrator_proto_msgTypes[5]
+	mi := &file_curfew_orchestrator_v1_orchestrator_proto_msgTypes[7]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -626,7 +1038,7 @@ func (x *StartRunResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use StartRunResponse.ProtoReflect.Descriptor instead.
 func (*StartRunResponse) Descriptor() ([]byte, []int) {
-	return file_curfew_orchestrator_v1_orchestrator_proto_rawDescGZIP(), []int{5}
+	return file_curfew_orchestrator_v1_orchestrator_proto_rawDescGZIP(), []int{7}
 }
 
 func (x *StartRunResponse) GetRun() *Run {
@@ -653,7 +1065,7 @@ type WatchRunRequest struct {
 
 func (x *WatchRunRequest) Reset() {
 	*x = WatchRunRequest{}
-	mi := &file_curfew_orchestrator_v1_orchestrator_proto_msgTypes[6]
+	mi := &file_curfew_orchestrator_v1_orchestrator_proto_msgTypes[8]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -665,7 +1077,7 @@ func (x *WatchRunRequest) String() string {
 func (*WatchRunRequest) ProtoMessage() {}
 
 func (x *WatchRunRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_curfew_orchestrator_v1_orchestrator_proto_msgTypes[6]
+	mi := &file_curfew_orchestrator_v1_orchestrator_proto_msgTypes[8]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -678,7 +1090,7 @@ func (x *WatchRunRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use WatchRunRequest.ProtoReflect.Descriptor instead.
 func (*WatchRunRequest) Descriptor() ([]byte, []int) {
-	return file_curfew_orchestrator_v1_orchestrator_proto_rawDescGZIP(), []int{6}
+	return file_curfew_orchestrator_v1_orchestrator_proto_rawDescGZIP(), []int{8}
 }
 
 func (x *WatchRunRequest) GetRunId() string {
@@ -704,7 +1116,7 @@ type WatchRunResponse struct {
 
 func (x *WatchRunResponse) Reset() {
 	*x = WatchRunResponse{}
-	mi := &file_curfew_orchestrator_v1_orchestrator_proto_msgTypes[7]
+	mi := &file_curfew_orchestrator_v1_orchestrator_proto_msgTypes[9]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -716,7 +1128,7 @@ func (x *WatchRunResponse) String() string {
 func (*WatchRunResponse) ProtoMessage() {}
 
 func (x *WatchRunResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_curfew_orchestrator_v1_orchestrator_proto_msgTypes[7]
+	mi := &file_curfew_orchestrator_v1_orchestrator_proto_msgTypes[9]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -729,7 +1141,7 @@ func (x *WatchRunResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use WatchRunResponse.ProtoReflect.Descriptor instead.
 func (*WatchRunResponse) Descriptor() ([]byte, []int) {
-	return file_curfew_orchestrator_v1_orchestrator_proto_rawDescGZIP(), []int{7}
+	return file_curfew_orchestrator_v1_orchestrator_proto_rawDescGZIP(), []int{9}
 }
 
 func (x *WatchRunResponse) GetEvent() isWatchRunResponse_Event {
@@ -813,7 +1225,7 @@ type GetRunRequest struct {
 
 func (x *GetRunRequest) Reset() {
 	*x = GetRunRequest{}
-	mi := &file_curfew_orchestrator_v1_orchestrator_proto_msgTypes[8]
+	mi := &file_curfew_orchestrator_v1_orchestrator_proto_msgTypes[10]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -825,7 +1237,7 @@ func (x *GetRunRequest) String() string {
 func (*GetRunRequest) ProtoMessage() {}
 
 func (x *GetRunRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_curfew_orchestrator_v1_orchestrator_proto_msgTypes[8]
+	mi := &file_curfew_orchestrator_v1_orchestrator_proto_msgTypes[10]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -838,7 +1250,7 @@ func (x *GetRunRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetRunRequest.ProtoReflect.Descriptor instead.
 func (*GetRunRequest) Descriptor() ([]byte, []int) {
-	return file_curfew_orchestrator_v1_orchestrator_proto_rawDescGZIP(), []int{8}
+	return file_curfew_orchestrator_v1_orchestrator_proto_rawDescGZIP(), []int{10}
 }
 
 func (x *GetRunRequest) GetRunId() string {
@@ -858,7 +1270,7 @@ type GetRunResponse struct {
 
 func (x *GetRunResponse) Reset() {
 	*x = GetRunResponse{}
-	mi := &file_curfew_orchestrator_v1_orchestrator_proto_msgTypes[9]
+	mi := &file_curfew_orchestrator_v1_orchestrator_proto_msgTypes[11]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -870,7 +1282,7 @@ func (x *GetRunResponse) String() string {
 func (*GetRunResponse) ProtoMessage() {}
 
 func (x *GetRunResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_curfew_orchestrator_v1_orchestrator_proto_msgTypes[9]
+	mi := &file_curfew_orchestrator_v1_orchestrator_proto_msgTypes[11]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -883,7 +1295,7 @@ func (x *GetRunResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetRunResponse.ProtoReflect.Descriptor instead.
 func (*GetRunResponse) Descriptor() ([]byte, []int) {
-	return file_curfew_orchestrator_v1_orchestrator_proto_rawDescGZIP(), []int{9}
+	return file_curfew_orchestrator_v1_orchestrator_proto_rawDescGZIP(), []int{11}
 }
 
 func (x *GetRunResponse) GetRun() *Run {
@@ -906,7 +1318,7 @@ type ListRunsRequest struct {
 
 func (x *ListRunsRequest) Reset() {
 	*x = ListRunsRequest{}
-	mi := &file_curfew_orchestrator_v1_orchestrator_proto_msgTypes[10]
+	mi := &file_curfew_orchestrator_v1_orchestrator_proto_msgTypes[12]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -918,7 +1330,7 @@ func (x *ListRunsRequest) String() string {
 func (*ListRunsRequest) ProtoMessage() {}
 
 func (x *ListRunsRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_curfew_orchestrator_v1_orchestrator_proto_msgTypes[10]
+	mi := &file_curfew_orchestrator_v1_orchestrator_proto_msgTypes[12]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -931,7 +1343,7 @@ func (x *ListRunsRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListRunsRequest.ProtoReflect.Descriptor instead.
 func (*ListRunsRequest) Descriptor() ([]byte, []int) {
-	return file_curfew_orchestrator_v1_orchestrator_proto_rawDescGZIP(), []int{10}
+	return file_curfew_orchestrator_v1_orchestrator_proto_rawDescGZIP(), []int{12}
 }
 
 func (x *ListRunsRequest) GetPageSize() int32 {
@@ -959,7 +1371,7 @@ type ListRunsResponse struct {
 
 func (x *ListRunsResponse) Reset() {
 	*x = ListRunsResponse{}
-	mi := &file_curfew_orchestrator_v1_orchestrator_proto_msgTypes[11]
+	mi := &file_curfew_orchestrator_v1_orchestrator_proto_msgTypes[13]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -971,7 +1383,7 @@ func (x *ListRunsResponse) String() string {
 func (*ListRunsResponse) ProtoMessage() {}
 
 func (x *ListRunsResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_curfew_orchestrator_v1_orchestrator_proto_msgTypes[11]
+	mi := &file_curfew_orchestrator_v1_orchestrator_proto_msgTypes[13]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -984,7 +1396,7 @@ func (x *ListRunsResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListRunsResponse.ProtoReflect.Descriptor instead.
 func (*ListRunsResponse) Descriptor() ([]byte, []int) {
-	return file_curfew_orchestrator_v1_orchestrator_proto_rawDescGZIP(), []int{11}
+	return file_curfew_orchestrator_v1_orchestrator_proto_rawDescGZIP(), []int{13}
 }
 
 func (x *ListRunsResponse) GetRuns() []*Run {
@@ -1013,7 +1425,7 @@ type CancelRunRequest struct {
 
 func (x *CancelRunRequest) Reset() {
 	*x = CancelRunRequest{}
-	mi := &file_curfew_orchestrator_v1_orchestrator_proto_msgTypes[12]
+	mi := &file_curfew_orchestrator_v1_orchestrator_proto_msgTypes[14]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1025,7 +1437,7 @@ func (x *CancelRunRequest) String() string {
 func (*CancelRunRequest) ProtoMessage() {}
 
 func (x *CancelRunRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_curfew_orchestrator_v1_orchestrator_proto_msgTypes[12]
+	mi := &file_curfew_orchestrator_v1_orchestrator_proto_msgTypes[14]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1038,7 +1450,7 @@ func (x *CancelRunRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CancelRunRequest.ProtoReflect.Descriptor instead.
 func (*CancelRunRequest) Descriptor() ([]byte, []int) {
-	return file_curfew_orchestrator_v1_orchestrator_proto_rawDescGZIP(), []int{12}
+	return file_curfew_orchestrator_v1_orchestrator_proto_rawDescGZIP(), []int{14}
 }
 
 func (x *CancelRunRequest) GetRunId() string {
@@ -1065,7 +1477,7 @@ type CancelRunResponse struct {
 
 func (x *CancelRunResponse) Reset() {
 	*x = CancelRunResponse{}
-	mi := &file_curfew_orchestrator_v1_orchestrator_proto_msgTypes[13]
+	mi := &file_curfew_orchestrator_v1_orchestrator_proto_msgTypes[15]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1077,7 +1489,7 @@ func (x *CancelRunResponse) String() string {
 func (*CancelRunResponse) ProtoMessage() {}
 
 func (x *CancelRunResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_curfew_orchestrator_v1_orchestrator_proto_msgTypes[13]
+	mi := &file_curfew_orchestrator_v1_orchestrator_proto_msgTypes[15]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1090,7 +1502,7 @@ func (x *CancelRunResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CancelRunResponse.ProtoReflect.Descriptor instead.
 func (*CancelRunResponse) Descriptor() ([]byte, []int) {
-	return file_curfew_orchestrator_v1_orchestrator_proto_rawDescGZIP(), []int{13}
+	return file_curfew_orchestrator_v1_orchestrator_proto_rawDescGZIP(), []int{15}
 }
 
 func (x *CancelRunResponse) GetRun() *Run {
@@ -1104,7 +1516,7 @@ var File_curfew_orchestrator_v1_orchestrator_proto protoreflect.FileDescriptor
 
 const file_curfew_orchestrator_v1_orchestrator_proto_rawDesc = "" +
 	"\n" +
-	")curfew/orchestrator/v1/orchestrator.proto\x12\x16curfew.orchestrator.v1\x1a\x19curfew/mesh/v1/mesh.proto\x1a\x1egoogle/protobuf/duration.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"\xc4\x05\n" +
+	")curfew/orchestrator/v1/orchestrator.proto\x12\x16curfew.orchestrator.v1\x1a\x19curfew/mesh/v1/mesh.proto\x1a\x1egoogle/protobuf/duration.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"\xfc\x05\n" +
 	"\x03Run\x12\x15\n" +
 	"\x06run_id\x18\x01 \x01(\tR\x05runId\x12\x16\n" +
 	"\x06tenant\x18\x02 \x01(\tR\x06tenant\x129\n" +
@@ -1126,12 +1538,40 @@ const file_curfew_orchestrator_v1_orchestrator_proto_rawDesc = "" +
 	"\x05model\x18\x0f \x01(\tR\x05model\x12\x12\n" +
 	"\x04task\x18\x10 \x01(\tR\x04task\x12'\n" +
 	"\x0fidempotency_key\x18\x11 \x01(\tR\x0eidempotencyKey\x12\x14\n" +
-	"\x05epoch\x18\x12 \x01(\x03R\x05epoch\"l\n" +
+	"\x05epoch\x18\x12 \x01(\x03R\x05epoch\x126\n" +
+	"\x05input\x18\x13 \x01(\v2 .curfew.orchestrator.v1.RunInputR\x05input\"~\n" +
+	"\aMessage\x127\n" +
+	"\x04role\x18\x01 \x01(\x0e2#.curfew.orchestrator.v1.MessageRoleR\x04role\x12\x18\n" +
+	"\acontent\x18\x02 \x01(\tR\acontent\x12 \n" +
+	"\ftool_call_id\x18\x03 \x01(\tR\n" +
+	"toolCallId\"\xc7\x02\n" +
+	"\bRunInput\x12;\n" +
+	"\bmessages\x18\x01 \x03(\v2\x1f.curfew.orchestrator.v1.MessageR\bmessages\x12\x1d\n" +
+	"\n" +
+	"max_tokens\x18\x02 \x01(\x05R\tmaxTokens\x12%\n" +
+	"\vtemperature\x18\x03 \x01(\x01H\x00R\vtemperature\x88\x01\x01\x120\n" +
+	"\x14response_schema_json\x18\x04 \x01(\tR\x12responseSchemaJson\x12\x14\n" +
+	"\x05tools\x18\x05 \x03(\tR\x05tools\x12\x1b\n" +
+	"\tmax_steps\x18\x06 \x01(\x05R\bmaxSteps\x12C\n" +
+	"\vtool_errors\x18\a \x01(\x0e2\".curfew.orchestrator.v1.ToolErrorsR\n" +
+	"toolErrorsB\x0e\n" +
+	"\f_temperature\"\xa9\x03\n" +
 	"\n" +
 	"RunRequest\x12\x12\n" +
 	"\x04task\x18\x01 \x01(\tR\x04task\x12\x14\n" +
 	"\x05model\x18\x02 \x01(\tR\x05model\x124\n" +
-	"\x16continue_on_disconnect\x18\x03 \x01(\bR\x14continueOnDisconnect\"[\n" +
+	"\x16continue_on_disconnect\x18\x03 \x01(\bR\x14continueOnDisconnect\x12;\n" +
+	"\bmessages\x18\x04 \x03(\v2\x1f.curfew.orchestrator.v1.MessageR\bmessages\x12\x1d\n" +
+	"\n" +
+	"max_tokens\x18\x05 \x01(\x05R\tmaxTokens\x12%\n" +
+	"\vtemperature\x18\x06 \x01(\x01H\x00R\vtemperature\x88\x01\x01\x120\n" +
+	"\x14response_schema_json\x18\a \x01(\tR\x12responseSchemaJson\x12\x14\n" +
+	"\x05tools\x18\b \x03(\tR\x05tools\x12\x1b\n" +
+	"\tmax_steps\x18\t \x01(\x05R\bmaxSteps\x12C\n" +
+	"\vtool_errors\x18\n" +
+	" \x01(\x0e2\".curfew.orchestrator.v1.ToolErrorsR\n" +
+	"toolErrorsB\x0e\n" +
+	"\f_temperature\"[\n" +
 	"\n" +
 	"RunStarted\x12\x15\n" +
 	"\x06run_id\x18\x01 \x01(\tR\x05runId\x126\n" +
@@ -1142,12 +1582,23 @@ const file_curfew_orchestrator_v1_orchestrator_proto_rawDesc = "" +
 	"\bfinished\x18\x03 \x01(\v2\x1b.curfew.orchestrator.v1.RunH\x00R\bfinished\x12:\n" +
 	"\n" +
 	"node_event\x18\x04 \x01(\v2\x19.curfew.mesh.v1.NodeEventH\x00R\tnodeEventB\a\n" +
-	"\x05event\"\x99\x01\n" +
+	"\x05event\"\xd6\x03\n" +
 	"\x0fStartRunRequest\x12\x12\n" +
 	"\x04task\x18\x01 \x01(\tR\x04task\x12\x14\n" +
 	"\x05model\x18\x02 \x01(\tR\x05model\x12'\n" +
 	"\x0fidempotency_key\x18\x03 \x01(\tR\x0eidempotencyKey\x123\n" +
-	"\atimeout\x18\x04 \x01(\v2\x19.google.protobuf.DurationR\atimeout\"[\n" +
+	"\atimeout\x18\x04 \x01(\v2\x19.google.protobuf.DurationR\atimeout\x12;\n" +
+	"\bmessages\x18\x05 \x03(\v2\x1f.curfew.orchestrator.v1.MessageR\bmessages\x12\x1d\n" +
+	"\n" +
+	"max_tokens\x18\x06 \x01(\x05R\tmaxTokens\x12%\n" +
+	"\vtemperature\x18\a \x01(\x01H\x00R\vtemperature\x88\x01\x01\x120\n" +
+	"\x14response_schema_json\x18\b \x01(\tR\x12responseSchemaJson\x12\x14\n" +
+	"\x05tools\x18\t \x03(\tR\x05tools\x12\x1b\n" +
+	"\tmax_steps\x18\n" +
+	" \x01(\x05R\bmaxSteps\x12C\n" +
+	"\vtool_errors\x18\v \x01(\x0e2\".curfew.orchestrator.v1.ToolErrorsR\n" +
+	"toolErrorsB\x0e\n" +
+	"\f_temperature\"[\n" +
 	"\x10StartRunResponse\x12-\n" +
 	"\x03run\x18\x01 \x01(\v2\x1b.curfew.orchestrator.v1.RunR\x03run\x12\x18\n" +
 	"\acreated\x18\x02 \x01(\bR\acreated\"(\n" +
@@ -1182,7 +1633,18 @@ const file_curfew_orchestrator_v1_orchestrator_proto_rawDesc = "" +
 	"\x14RUN_STATUS_SUCCEEDED\x10\x02\x12\x15\n" +
 	"\x11RUN_STATUS_FAILED\x10\x03\x12\x18\n" +
 	"\x14RUN_STATUS_CANCELLED\x10\x04\x12 \n" +
-	"\x1cRUN_STATUS_DEADLINE_EXCEEDED\x10\x052\xc1\x04\n" +
+	"\x1cRUN_STATUS_DEADLINE_EXCEEDED\x10\x05*\x8e\x01\n" +
+	"\vMessageRole\x12\x1c\n" +
+	"\x18MESSAGE_ROLE_UNSPECIFIED\x10\x00\x12\x17\n" +
+	"\x13MESSAGE_ROLE_SYSTEM\x10\x01\x12\x15\n" +
+	"\x11MESSAGE_ROLE_USER\x10\x02\x12\x1a\n" +
+	"\x16MESSAGE_ROLE_ASSISTANT\x10\x03\x12\x15\n" +
+	"\x11MESSAGE_ROLE_TOOL\x10\x04*]\n" +
+	"\n" +
+	"ToolErrors\x12\x1b\n" +
+	"\x17TOOL_ERRORS_UNSPECIFIED\x10\x00\x12\x18\n" +
+	"\x14TOOL_ERRORS_TO_MODEL\x10\x01\x12\x18\n" +
+	"\x14TOOL_ERRORS_FAIL_RUN\x10\x022\xc1\x04\n" +
 	"\x13OrchestratorService\x12P\n" +
 	"\x03Run\x12\".curfew.orchestrator.v1.RunRequest\x1a#.curfew.orchestrator.v1.RunResponse0\x01\x12]\n" +
 	"\bStartRun\x12'.curfew.orchestrator.v1.StartRunRequest\x1a(.curfew.orchestrator.v1.StartRunResponse\x12_\n" +
@@ -1204,69 +1666,81 @@ func file_curfew_orchestrator_v1_orchestrator_proto_rawDescGZIP() []byte {
 	return file_curfew_orchestrator_v1_orchestrator_proto_rawDescData
 }
 
-var file_curfew_orchestrator_v1_orchestrator_proto_enumTypes = make([]protoimpl.EnumInfo, 1)
-var file_curfew_orchestrator_v1_orchestrator_proto_msgTypes = make([]protoimpl.MessageInfo, 14)
+var file_curfew_orchestrator_v1_orchestrator_proto_enumTypes = make([]protoimpl.EnumInfo, 3)
+var file_curfew_orchestrator_v1_orchestrator_proto_msgTypes = make([]protoimpl.MessageInfo, 16)
 var file_curfew_orchestrator_v1_orchestrator_proto_goTypes = []any{
 	(RunStatus)(0),                // 0: curfew.orchestrator.v1.RunStatus
-	(*Run)(nil),                   // 1: curfew.orchestrator.v1.Run
-	(*RunRequest)(nil),            // 2: curfew.orchestrator.v1.RunRequest
-	(*RunStarted)(nil),            // 3: curfew.orchestrator.v1.RunStarted
-	(*RunResponse)(nil),           // 4: curfew.orchestrator.v1.RunResponse
-	(*StartRunRequest)(nil),       // 5: curfew.orchestrator.v1.StartRunRequest
-	(*StartRunResponse)(nil),      // 6: curfew.orchestrator.v1.StartRunResponse
-	(*WatchRunRequest)(nil),       // 7: curfew.orchestrator.v1.WatchRunRequest
-	(*WatchRunResponse)(nil),      // 8: curfew.orchestrator.v1.WatchRunResponse
-	(*GetRunRequest)(nil),         // 9: curfew.orchestrator.v1.GetRunRequest
-	(*GetRunResponse)(nil),        // 10: curfew.orchestrator.v1.GetRunResponse
-	(*ListRunsRequest)(nil),       // 11: curfew.orchestrator.v1.ListRunsRequest
-	(*ListRunsResponse)(nil),      // 12: curfew.orchestrator.v1.ListRunsResponse
-	(*CancelRunRequest)(nil),      // 13: curfew.orchestrator.v1.CancelRunRequest
-	(*CancelRunResponse)(nil),     // 14: curfew.orchestrator.v1.CancelRunResponse
-	(v1.CancelCause)(0),           // 15: curfew.mesh.v1.CancelCause
-	(*timestamppb.Timestamp)(nil), // 16: google.protobuf.Timestamp
-	(*v1.Node)(nil),               // 17: curfew.mesh.v1.Node
-	(*v1.NodeEvent)(nil),          // 18: curfew.mesh.v1.NodeEvent
-	(*durationpb.Duration)(nil),   // 19: google.protobuf.Duration
+	(MessageRole)(0),              // 1: curfew.orchestrator.v1.MessageRole
+	(ToolErrors)(0),               // 2: curfew.orchestrator.v1.ToolErrors
+	(*Run)(nil),                   // 3: curfew.orchestrator.v1.Run
+	(*Message)(nil),               // 4: curfew.orchestrator.v1.Message
+	(*RunInput)(nil),              // 5: curfew.orchestrator.v1.RunInput
+	(*RunRequest)(nil),            // 6: curfew.orchestrator.v1.RunRequest
+	(*RunStarted)(nil),            // 7: curfew.orchestrator.v1.RunStarted
+	(*RunResponse)(nil),           // 8: curfew.orchestrator.v1.RunResponse
+	(*StartRunRequest)(nil),       // 9: curfew.orchestrator.v1.StartRunRequest
+	(*StartRunResponse)(nil),      // 10: curfew.orchestrator.v1.StartRunResponse
+	(*WatchRunRequest)(nil),       // 11: curfew.orchestrator.v1.WatchRunRequest
+	(*WatchRunResponse)(nil),      // 12: curfew.orchestrator.v1.WatchRunResponse
+	(*GetRunRequest)(nil),         // 13: curfew.orchestrator.v1.GetRunRequest
+	(*GetRunResponse)(nil),        // 14: curfew.orchestrator.v1.GetRunResponse
+	(*ListRunsRequest)(nil),       // 15: curfew.orchestrator.v1.ListRunsRequest
+	(*ListRunsResponse)(nil),      // 16: curfew.orchestrator.v1.ListRunsResponse
+	(*CancelRunRequest)(nil),      // 17: curfew.orchestrator.v1.CancelRunRequest
+	(*CancelRunResponse)(nil),     // 18: curfew.orchestrator.v1.CancelRunResponse
+	(v1.CancelCause)(0),           // 19: curfew.mesh.v1.CancelCause
+	(*timestamppb.Timestamp)(nil), // 20: google.protobuf.Timestamp
+	(*v1.Node)(nil),               // 21: curfew.mesh.v1.Node
+	(*v1.NodeEvent)(nil),          // 22: curfew.mesh.v1.NodeEvent
+	(*durationpb.Duration)(nil),   // 23: google.protobuf.Duration
 }
 var file_curfew_orchestrator_v1_orchestrator_proto_depIdxs = []int32{
 	0,  // 0: curfew.orchestrator.v1.Run.status:type_name -> curfew.orchestrator.v1.RunStatus
-	15, // 1: curfew.orchestrator.v1.Run.cause:type_name -> curfew.mesh.v1.CancelCause
-	16, // 2: curfew.orchestrator.v1.Run.deadline:type_name -> google.protobuf.Timestamp
-	16, // 3: curfew.orchestrator.v1.Run.created_at:type_name -> google.protobuf.Timestamp
-	16, // 4: curfew.orchestrator.v1.Run.ended_at:type_name -> google.protobuf.Timestamp
-	16, // 5: curfew.orchestrator.v1.Run.cancelled_at:type_name -> google.protobuf.Timestamp
-	17, // 6: curfew.orchestrator.v1.Run.nodes:type_name -> curfew.mesh.v1.Node
-	16, // 7: curfew.orchestrator.v1.RunStarted.deadline:type_name -> google.protobuf.Timestamp
-	3,  // 8: curfew.orchestrator.v1.RunResponse.started:type_name -> curfew.orchestrator.v1.RunStarted
-	17, // 9: curfew.orchestrator.v1.RunResponse.node:type_name -> curfew.mesh.v1.Node
-	1,  // 10: curfew.orchestrator.v1.RunResponse.finished:type_name -> curfew.orchestrator.v1.Run
-	18, // 11: curfew.orchestrator.v1.RunResponse.node_event:type_name -> curfew.mesh.v1.NodeEvent
-	19, // 12: curfew.orchestrator.v1.StartRunRequest.timeout:type_name -> google.protobuf.Duration
-	1,  // 13: curfew.orchestrator.v1.StartRunResponse.run:type_name -> curfew.orchestrator.v1.Run
-	3,  // 14: curfew.orchestrator.v1.WatchRunResponse.started:type_name -> curfew.orchestrator.v1.RunStarted
-	17, // 15: curfew.orchestrator.v1.WatchRunResponse.node:type_name -> curfew.mesh.v1.Node
-	1,  // 16: curfew.orchestrator.v1.WatchRunResponse.finished:type_name -> curfew.orchestrator.v1.Run
-	18, // 17: curfew.orchestrator.v1.WatchRunResponse.node_event:type_name -> curfew.mesh.v1.NodeEvent
-	1,  // 18: curfew.orchestrator.v1.GetRunResponse.run:type_name -> curfew.orchestrator.v1.Run
-	1,  // 19: curfew.orchestrator.v1.ListRunsResponse.runs:type_name -> curfew.orchestrator.v1.Run
-	1,  // 20: curfew.orchestrator.v1.CancelRunResponse.run:type_name -> curfew.orchestrator.v1.Run
-	2,  // 21: curfew.orchestrator.v1.OrchestratorService.Run:input_type -> curfew.orchestrator.v1.RunRequest
-	5,  // 22: curfew.orchestrator.v1.OrchestratorService.StartRun:input_type -> curfew.orchestrator.v1.StartRunRequest
-	7,  // 23: curfew.orchestrator.v1.OrchestratorService.WatchRun:input_type -> curfew.orchestrator.v1.WatchRunRequest
-	9,  // 24: curfew.orchestrator.v1.OrchestratorService.GetRun:input_type -> curfew.orchestrator.v1.GetRunRequest
-	11, // 25: curfew.orchestrator.v1.OrchestratorService.ListRuns:input_type -> curfew.orchestrator.v1.ListRunsRequest
-	13, // 26: curfew.orchestrator.v1.OrchestratorService.CancelRun:input_type -> curfew.orchestrator.v1.CancelRunRequest
-	4,  // 27: curfew.orchestrator.v1.OrchestratorService.Run:output_type -> curfew.orchestrator.v1.RunResponse
-	6,  // 28: curfew.orchestrator.v1.OrchestratorService.StartRun:output_type -> curfew.orchestrator.v1.StartRunResponse
-	8,  // 29: curfew.orchestrator.v1.OrchestratorService.WatchRun:output_type -> curfew.orchestrator.v1.WatchRunResponse
-	10, // 30: curfew.orchestrator.v1.OrchestratorService.GetRun:output_type -> curfew.orchestrator.v1.GetRunResponse
-	12, // 31: curfew.orchestrator.v1.OrchestratorService.ListRuns:output_type -> curfew.orchestrator.v1.ListRunsResponse
-	14, // 32: curfew.orchestrator.v1.OrchestratorService.CancelRun:output_type -> curfew.orchestrator.v1.CancelRunResponse
-	27, // [27:33] is the sub-list for method output_type
-	21, // [21:27] is the sub-list for method input_type
-	21, // [21:21] is the sub-list for extension type_name
-	21, // [21:21] is the sub-list for extension extendee
-	0,  // [0:21] is the sub-list for field type_name
+	19, // 1: curfew.orchestrator.v1.Run.cause:type_name -> curfew.mesh.v1.CancelCause
+	20, // 2: curfew.orchestrator.v1.Run.deadline:type_name -> google.protobuf.Timestamp
+	20, // 3: curfew.orchestrator.v1.Run.created_at:type_name -> google.protobuf.Timestamp
+	20, // 4: curfew.orchestrator.v1.Run.ended_at:type_name -> google.protobuf.Timestamp
+	20, // 5: curfew.orchestrator.v1.Run.cancelled_at:type_name -> google.protobuf.Timestamp
+	21, // 6: curfew.orchestrator.v1.Run.nodes:type_name -> curfew.mesh.v1.Node
+	5,  // 7: curfew.orchestrator.v1.Run.input:type_name -> curfew.orchestrator.v1.RunInput
+	1,  // 8: curfew.orchestrator.v1.Message.role:type_name -> curfew.orchestrator.v1.MessageRole
+	4,  // 9: curfew.orchestrator.v1.RunInput.messages:type_name -> curfew.orchestrator.v1.Message
+	2,  // 10: curfew.orchestrator.v1.RunInput.tool_errors:type_name -> curfew.orchestrator.v1.ToolErrors
+	4,  // 11: curfew.orchestrator.v1.RunRequest.messages:type_name -> curfew.orchestrator.v1.Message
+	2,  // 12: curfew.orchestrator.v1.RunRequest.tool_errors:type_name -> curfew.orchestrator.v1.ToolErrors
+	20, // 13: curfew.orchestrator.v1.RunStarted.deadline:type_name -> google.protobuf.Timestamp
+	7,  // 14: curfew.orchestrator.v1.RunResponse.started:type_name -> curfew.orchestrator.v1.RunStarted
+	21, // 15: curfew.orchestrator.v1.RunResponse.node:type_name -> curfew.mesh.v1.Node
+	3,  // 16: curfew.orchestrator.v1.RunResponse.finished:type_name -> curfew.orchestrator.v1.Run
+	22, // 17: curfew.orchestrator.v1.RunResponse.node_event:type_name -> curfew.mesh.v1.NodeEvent
+	23, // 18: curfew.orchestrator.v1.StartRunRequest.timeout:type_name -> google.protobuf.Duration
+	4,  // 19: curfew.orchestrator.v1.StartRunRequest.messages:type_name -> curfew.orchestrator.v1.Message
+	2,  // 20: curfew.orchestrator.v1.StartRunRequest.tool_errors:type_name -> curfew.orchestrator.v1.ToolErrors
+	3,  // 21: curfew.orchestrator.v1.StartRunResponse.run:type_name -> curfew.orchestrator.v1.Run
+	7,  // 22: curfew.orchestrator.v1.WatchRunResponse.started:type_name -> curfew.orchestrator.v1.RunStarted
+	21, // 23: curfew.orchestrator.v1.WatchRunResponse.node:type_name -> curfew.mesh.v1.Node
+	3,  // 24: curfew.orchestrator.v1.WatchRunResponse.finished:type_name -> curfew.orchestrator.v1.Run
+	22, // 25: curfew.orchestrator.v1.WatchRunResponse.node_event:type_name -> curfew.mesh.v1.NodeEvent
+	3,  // 26: curfew.orchestrator.v1.GetRunResponse.run:type_name -> curfew.orchestrator.v1.Run
+	3,  // 27: curfew.orchestrator.v1.ListRunsResponse.runs:type_name -> curfew.orchestrator.v1.Run
+	3,  // 28: curfew.orchestrator.v1.CancelRunResponse.run:type_name -> curfew.orchestrator.v1.Run
+	6,  // 29: curfew.orchestrator.v1.OrchestratorService.Run:input_type -> curfew.orchestrator.v1.RunRequest
+	9,  // 30: curfew.orchestrator.v1.OrchestratorService.StartRun:input_type -> curfew.orchestrator.v1.StartRunRequest
+	11, // 31: curfew.orchestrator.v1.OrchestratorService.WatchRun:input_type -> curfew.orchestrator.v1.WatchRunRequest
+	13, // 32: curfew.orchestrator.v1.OrchestratorService.GetRun:input_type -> curfew.orchestrator.v1.GetRunRequest
+	15, // 33: curfew.orchestrator.v1.OrchestratorService.ListRuns:input_type -> curfew.orchestrator.v1.ListRunsRequest
+	17, // 34: curfew.orchestrator.v1.OrchestratorService.CancelRun:input_type -> curfew.orchestrator.v1.CancelRunRequest
+	8,  // 35: curfew.orchestrator.v1.OrchestratorService.Run:output_type -> curfew.orchestrator.v1.RunResponse
+	10, // 36: curfew.orchestrator.v1.OrchestratorService.StartRun:output_type -> curfew.orchestrator.v1.StartRunResponse
+	12, // 37: curfew.orchestrator.v1.OrchestratorService.WatchRun:output_type -> curfew.orchestrator.v1.WatchRunResponse
+	14, // 38: curfew.orchestrator.v1.OrchestratorService.GetRun:output_type -> curfew.orchestrator.v1.GetRunResponse
+	16, // 39: curfew.orchestrator.v1.OrchestratorService.ListRuns:output_type -> curfew.orchestrator.v1.ListRunsResponse
+	18, // 40: curfew.orchestrator.v1.OrchestratorService.CancelRun:output_type -> curfew.orchestrator.v1.CancelRunResponse
+	35, // [35:41] is the sub-list for method output_type
+	29, // [29:35] is the sub-list for method input_type
+	29, // [29:29] is the sub-list for extension type_name
+	29, // [29:29] is the sub-list for extension extendee
+	0,  // [0:29] is the sub-list for field type_name
 }
 
 func init() { file_curfew_orchestrator_v1_orchestrator_proto_init() }
@@ -1274,13 +1748,16 @@ func file_curfew_orchestrator_v1_orchestrator_proto_init() {
 	if File_curfew_orchestrator_v1_orchestrator_proto != nil {
 		return
 	}
-	file_curfew_orchestrator_v1_orchestrator_proto_msgTypes[3].OneofWrappers = []any{
+	file_curfew_orchestrator_v1_orchestrator_proto_msgTypes[2].OneofWrappers = []any{}
+	file_curfew_orchestrator_v1_orchestrator_proto_msgTypes[3].OneofWrappers = []any{}
+	file_curfew_orchestrator_v1_orchestrator_proto_msgTypes[5].OneofWrappers = []any{
 		(*RunResponse_Started)(nil),
 		(*RunResponse_Node)(nil),
 		(*RunResponse_Finished)(nil),
 		(*RunResponse_NodeEvent)(nil),
 	}
-	file_curfew_orchestrator_v1_orchestrator_proto_msgTypes[7].OneofWrappers = []any{
+	file_curfew_orchestrator_v1_orchestrator_proto_msgTypes[6].OneofWrappers = []any{}
+	file_curfew_orchestrator_v1_orchestrator_proto_msgTypes[9].OneofWrappers = []any{
 		(*WatchRunResponse_Started)(nil),
 		(*WatchRunResponse_Node)(nil),
 		(*WatchRunResponse_Finished)(nil),
@@ -1291,8 +1768,8 @@ func file_curfew_orchestrator_v1_orchestrator_proto_init() {
 		File: protoimpl.DescBuilder{
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_curfew_orchestrator_v1_orchestrator_proto_rawDesc), len(file_curfew_orchestrator_v1_orchestrator_proto_rawDesc)),
-			NumEnums:      1,
-			NumMessages:   14,
+			NumEnums:      3,
+			NumMessages:   16,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

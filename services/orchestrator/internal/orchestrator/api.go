@@ -31,7 +31,9 @@ const (
 // Run implements OrchestratorService.Run.
 func (s *Server) Run(req *orchestratorv1.RunRequest, stream orchestratorv1.OrchestratorService_RunServer) error {
 	ctx := stream.Context()
-	st, err := s.start(ctx, startRequest{tenant: md.IdentityFrom(ctx).Tenant, model: req.GetModel(), task: req.GetTask(), attached: true})
+	st, err := s.start(ctx, startRequest{tenant: md.IdentityFrom(ctx).Tenant, model: req.GetModel(), task: req.GetTask(), attached: true,
+		input: runInput(req.GetMessages(), req.GetMaxTokens(), req.Temperature, req.GetResponseSchemaJson(), req.GetTools(),
+			req.GetMaxSteps(), req.GetToolErrors())})
 	if err != nil {
 		return err
 	}
@@ -99,7 +101,9 @@ func (s *Server) StartRun(ctx context.Context, req *orchestratorv1.StartRunReque
 		}
 		timeout = req.GetTimeout().AsDuration()
 	}
-	r, created, err := s.startDetached(ctx, key, req.GetModel(), req.GetTask(), timeout)
+	in := runInput(req.GetMessages(), req.GetMaxTokens(), req.Temperature, req.GetResponseSchemaJson(), req.GetTools(),
+		req.GetMaxSteps(), req.GetToolErrors())
+	r, created, err := s.startDetached(ctx, key, req.GetModel(), req.GetTask(), in, timeout)
 	if err != nil {
 		return nil, err
 	}
@@ -110,13 +114,15 @@ func (s *Server) StartRun(ctx context.Context, req *orchestratorv1.StartRunReque
 type ReplayPayload struct {
 	Task  string `json:"task"`
 	Model string `json:"model,omitempty"`
+	// Input is the run's encoded RunInput, if it had one.
+	Input []byte `json:"input,omitempty"`
 }
 
 // Replay starts a dead letter's payload as a new detached run, idempotently on key: the
 // Replayer of the DeadLetterService.
 func (s *Server) Replay(ctx context.Context, key string, payload []byte, timeout time.Duration) (string, bool, error) {
 	var p ReplayPayload
-	if err := json.Unmarshal(payload, &p); err != nil || p.Task == "" {
+	if err := json.Unmarshal(payload, &p); err != nil || p.Task == "" && len(p.Input) == 0 {
 		return "", false, status.Error(codes.FailedPrecondition, "the dead letter's payload is not a run this service can replay")
 	}
 	if timeout == 0 {
@@ -126,7 +132,7 @@ func (s *Server) Replay(ctx context.Context, key string, payload []byte, timeout
 			timeout = min(timeout, max(time.Until(dl), s.cfg.MinRunTime))
 		}
 	}
-	r, created, err := s.startDetached(ctx, key, p.Model, p.Task, timeout)
+	r, created, err := s.startDetached(ctx, key, p.Model, p.Task, decodeInput(p.Input), timeout)
 	if err != nil {
 		return "", false, err
 	}
@@ -135,8 +141,8 @@ func (s *Server) Replay(ctx context.Context, key string, payload []byte, timeout
 
 // startDetached starts a run that no call follows (StartRun, Replay) and returns it, or
 // the existing run that key names (created false).
-func (s *Server) startDetached(ctx context.Context, key, model, task string, timeout time.Duration) (*orchestratorv1.Run, bool, error) {
-	st, err := s.start(ctx, startRequest{tenant: md.IdentityFrom(ctx).Tenant, key: key, model: model, task: task, timeout: timeout})
+func (s *Server) startDetached(ctx context.Context, key, model, task string, in *orchestratorv1.RunInput, timeout time.Duration) (*orchestratorv1.Run, bool, error) {
+	st, err := s.start(ctx, startRequest{tenant: md.IdentityFrom(ctx).Tenant, key: key, model: model, task: task, input: in, timeout: timeout})
 	if err != nil || st.rn == nil {
 		return st.existing, false, err
 	}

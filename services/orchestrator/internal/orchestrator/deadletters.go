@@ -226,7 +226,7 @@ func (s *Server) deadLetter(ctx context.Context, r *orchestratorv1.Run, errType 
 	if errType == "" {
 		errType = strings.ToLower(r.GetErrorCode())
 	}
-	payload, _ := json.Marshal(ReplayPayload{Task: r.GetTask(), Model: r.GetModel()})
+	payload, _ := json.Marshal(ReplayPayload{Task: r.GetTask(), Model: r.GetModel(), Input: encodeInput(r.GetInput())})
 	dctx, stop := context.WithTimeout(context.WithoutCancel(ctx), storeTimeout)
 	defer stop()
 	d, added, err := s.cfg.DeadLetters.Record(dctx, store.DeadLetter{Tenant: r.GetTenant(), RunID: r.GetRunId(), Step: step,

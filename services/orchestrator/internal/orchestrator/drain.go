@@ -175,7 +175,7 @@ func (s *Server) Shutdown(by time.Time) {
 // existingRun is the run of this process that key (of tenant) already started, for a
 // StartRun during the drain; nil when there is none. Only the runs this process holds
 // are searched: another replica finds the rest in the store.
-func (s *Server) existingRun(tenant, key, model, task string) (*orchestratorv1.Run, error) {
+func (s *Server) existingRun(tenant, key, model, task string, in *orchestratorv1.RunInput) (*orchestratorv1.Run, error) {
 	if key == "" {
 		return nil, nil
 	}
@@ -192,8 +192,8 @@ func (s *Server) existingRun(tenant, key, model, task string) (*orchestratorv1.R
 		return nil, nil
 	}
 	r := found.snapshot(s.shared)
-	if r.GetTask() != task || r.GetModel() != model {
-		return nil, status.Errorf(codes.AlreadyExists, "idempotency key %q already started run %s with another task or model", key, r.GetRunId())
+	if r.GetTask() != task || r.GetModel() != model || !sameInput(r.GetInput(), in) {
+		return nil, status.Errorf(codes.AlreadyExists, "idempotency key %q already started run %s with another input (task, model or other fields)", key, r.GetRunId())
 	}
 	return r, nil
 }

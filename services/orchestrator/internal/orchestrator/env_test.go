@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"log/slog"
+	"slices"
 	"sync"
 	"testing"
 	"time"
@@ -88,18 +89,36 @@ type fakeModel struct {
 	// orphan is how many tokens a cancelled decoder still spends after it saw the cancel:
 	// only the decoder's own record knows them.
 	orphan int
+
+	mu   sync.Mutex
+	reqs []*modelproxyv1.GenerateRequest // every request, in arrival order
+}
+
+// requests returns the requests the fake received so far.
+func (f *fakeModel) requests() []*modelproxyv1.GenerateRequest {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	return slices.Clone(f.reqs)
 }
 
 func (f *fakeModel) Generate(req *modelproxyv1.GenerateRequest, stream modelproxyv1.ModelProxyService_GenerateServer) error {
 	ctx := stream.Context()
 	id := md.IdentityFrom(ctx)
-	turns := 0
+	f.mu.Lock()
+	f.reqs = append(f.reqs, req)
+	f.mu.Unlock()
+	turns, task := 0, ""
 	for _, m := range req.GetMessages() {
-		if m.GetRole() == modelproxyv1.Role_ROLE_ASSISTANT {
+		switch m.GetRole() {
+		case modelproxyv1.Role_ROLE_ASSISTANT:
 			turns++
+		case modelproxyv1.Role_ROLE_USER:
+			if task == "" {
+				task = m.GetContent()
+			}
 		}
 	}
-	p, err := plan.Parse([]byte(req.GetMessages()[0].GetContent()))
+	p, err := plan.Parse([]byte(task))
 	if err != nil || turns >= len(p.Steps) {
 		return status.Error(codes.InvalidArgument, "fake model: bad conversation")
 	}

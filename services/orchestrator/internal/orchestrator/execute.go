@@ -3,6 +3,7 @@ package orchestrator
 import (
 	"context"
 	"math/rand/v2"
+	"slices"
 	"sync"
 	"time"
 
@@ -23,11 +24,11 @@ import (
 
 // execute runs the loop, then ends the root node, waits for the tree's teardown,
 // assembles the summary, commits it to the store and publishes it.
-func (s *Server) execute(rctx context.Context, rn *run, model, task string, j agent.Journal) {
+func (s *Server) execute(rctx context.Context, rn *run, in agent.Input, j agent.Journal) {
 	lc := s.cfg.Loop
 	lc.Notes = s.nodes
 	lc.Emit, lc.EmitEvent = rn.publishNode, rn.publishEvent
-	answer, err := s.runLoop(rctx, rn, agent.New(lc), model, task, j)
+	answer, err := s.runLoop(rctx, rn, agent.New(lc), in, j)
 	if rn.moved() {
 		s.abandon(rctx, rn)
 		return
@@ -102,9 +103,9 @@ var breakerParking = retry.Policy{MaxAttempts: 9, Base: 500 * time.Millisecond, 
 
 // runLoop runs the agent loop and, with a journal, runs it again after a breaker
 // refusal (see breakerParking), while the run has time left for the wait.
-func (s *Server) runLoop(rctx context.Context, rn *run, loop *agent.Loop, model, task string, j agent.Journal) (string, error) {
+func (s *Server) runLoop(rctx context.Context, rn *run, loop *agent.Loop, in agent.Input, j agent.Journal) (string, error) {
 	for attempt := 1; ; attempt++ {
-		answer, err := loop.RunJournaled(rctx, RootNode, model, task, j)
+		answer, err := loop.RunInput(rctx, RootNode, in, j)
 		if err == nil || j == nil || rn.moved() || rctx.Err() != nil || attempt >= breakerParking.MaxAttempts {
 			return answer, err
 		}
@@ -177,6 +178,11 @@ func (s *Server) collect(ctx context.Context, run string, cancelAt time.Time, se
 		}()
 	}
 	wg.Wait()
+	if rn, err := s.get(run); err == nil { // last: the executors' records come first
+		rn.mu.Lock()
+		reports = append(reports, slices.Clone(rn.failedCalls))
+		rn.mu.Unlock()
+	}
 	return nodes.Merge(reports...)
 }
 

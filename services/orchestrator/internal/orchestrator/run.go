@@ -73,6 +73,11 @@ type run struct {
 	// (see replayed). A node event is published only for one of them: none before its
 	// node's start, none after its end. At most maxRunningNodes; nil when there are none.
 	running map[string][]*meshv1.NodeEvent
+	// failedCalls are the tool nodes the loop published as failed, as the loop saw them:
+	// the summary's record of a call its executor refused before recording it (arguments
+	// that fail the tool's schema, an unknown tool), whose error went back to the model.
+	// An executor's own record of a node comes first (collect).
+	failedCalls []*meshv1.Node
 	// text is the latest text of running model nodes (its TextDelta events), which a
 	// late subscriber is sent as one delta per node; textBytes is its total length. Bounded
 	// by maxNodeText and maxRunText; nil when there is none.
@@ -103,7 +108,7 @@ func newRun(r store.Run) *run {
 		id: r.RunID, dl: r.Deadline, done: make(chan struct{}), lease: r.Lease(),
 		rec: &orchestratorv1.Run{RunId: r.RunID, Tenant: r.Tenant, Status: orchestratorv1.RunStatus_RUN_STATUS_RUNNING,
 			Deadline: timestamppb.New(r.Deadline), CreatedAt: timestamppb.New(r.CreatedAt), Model: r.Model, Task: string(r.Task),
-			IdempotencyKey: r.IdempotencyKey},
+			IdempotencyKey: r.IdempotencyKey, Input: decodeInput(r.Input)},
 	}
 }
 
@@ -120,6 +125,10 @@ func (rn *run) publishNode(n *meshv1.Node) {
 			rn.running[id] = nil
 		}
 	} else {
+		if n.GetKind() == meshv1.NodeKind_NODE_KIND_TOOL && n.GetStatus() == meshv1.NodeStatus_NODE_STATUS_FAILED &&
+			len(rn.failedCalls) < maxRunningNodes {
+			rn.failedCalls = append(rn.failedCalls, n)
+		}
 		// Ended, and with it whatever ran beneath it: a nested node whose own end was lost
 		// with its caller's stream (a cancelled subagent's) ends here too.
 		for k := range rn.running {

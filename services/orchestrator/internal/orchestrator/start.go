@@ -25,6 +25,8 @@ import (
 // startRequest is a new run as its caller asked for it.
 type startRequest struct {
 	tenant, key, model, task string
+	// input is the rest of the run's input; nil when there is none.
+	input *orchestratorv1.RunInput
 	// timeout is the run's time from now, capped at MaxRunTime; 0: the call's own
 	// deadline.
 	timeout time.Duration
@@ -47,13 +49,13 @@ type started struct {
 // draining → minimum time → admit → create (releasing the admission if that fails) →
 // launch. A run taken over from another orchestrator enters at launch (resume).
 func (s *Server) start(ctx context.Context, req startRequest) (started, error) {
-	model, err := s.validate(req.task, req.model)
+	model, err := s.validate(req.task, req.model, req.input)
 	if err != nil {
 		return started{}, err
 	}
 	if s.draining.Load() {
 		// No new run; a key that already names one of this process's runs still gets it.
-		if r, err := s.existingRun(req.tenant, req.key, model, req.task); r != nil || err != nil {
+		if r, err := s.existingRun(req.tenant, req.key, model, req.task, req.input); r != nil || err != nil {
 			return started{existing: r}, err
 		}
 		return started{}, errDraining()
@@ -71,7 +73,7 @@ func (s *Server) start(ctx context.Context, req startRequest) (started, error) {
 	if err != nil {
 		return started{}, err
 	}
-	rn, existing, err := s.create(ctx, req.tenant, req.key, model, req.task, dl)
+	rn, existing, err := s.create(ctx, req.tenant, req.key, model, req.task, req.input, dl)
 	if err != nil || rn == nil {
 		tk.Release(admission.Outcome{Ended: admission.EndFailed})
 		return started{existing: existing}, err
@@ -85,16 +87,19 @@ func (s *Server) start(ctx context.Context, req startRequest) (started, error) {
 	return started{rn: rn, root: root, sub: sub}, nil
 }
 
-// validate checks a run's task and model and returns the model to run.
-func (s *Server) validate(task, model string) (string, error) {
+// validate checks a run's task, model and input and returns the model to run.
+func (s *Server) validate(task, model string, in *orchestratorv1.RunInput) (string, error) {
 	if model == "" {
 		model = s.cfg.Loop.ModelName
 	}
 	if model == "" {
 		model = agent.DefaultModel
 	}
-	if task == "" {
+	if task == "" && (model == agent.DefaultModel || len(in.GetMessages()) == 0) {
 		return "", status.Error(codes.InvalidArgument, "task is required")
+	}
+	if err := validateInput(task, model, in, s.maxSteps()); err != nil {
+		return "", err
 	}
 	if model == agent.DefaultModel {
 		if !plan.LooksLikePlan(task) {
@@ -125,19 +130,19 @@ func (s *Server) runDeadline(ctx context.Context, timeout time.Duration) (time.T
 // create records a new run, owned by this process, and returns it, not yet launched.
 // With an idempotency key that names an existing run of the tenant it creates nothing
 // and returns that run instead (rn is nil).
-func (s *Server) create(ctx context.Context, tenant, key, model, task string, dl time.Time) (rn *run, existing *orchestratorv1.Run, err error) {
+func (s *Server) create(ctx context.Context, tenant, key, model, task string, in *orchestratorv1.RunInput, dl time.Time) (rn *run, existing *orchestratorv1.Run, err error) {
 	if err := s.checkTenantDeadline(tenant, dl); err != nil {
 		return nil, nil, err
 	}
 	began := time.Now()
 	r, created, err := s.cfg.Store.CreateRun(ctx, store.NewRun{Tenant: tenant, IdempotencyKey: key, Task: []byte(task),
-		Model: model, Deadline: dl, Owner: s.cfg.Owner, LeaseTTL: s.cfg.LeaseTTL})
+		Model: model, Input: encodeInput(in), Deadline: dl, Owner: s.cfg.Owner, LeaseTTL: s.cfg.LeaseTTL})
 	if err != nil {
 		return nil, nil, runStoreErr(ctx, s.cfg.Log, "create run", "", err)
 	}
 	if !created {
-		if string(r.Task) != task || r.Model != model {
-			return nil, nil, status.Errorf(codes.AlreadyExists, "idempotency key %q already started run %s with another task or model", key, r.RunID)
+		if string(r.Task) != task || r.Model != model || !sameInput(decodeInput(r.Input), in) {
+			return nil, nil, status.Errorf(codes.AlreadyExists, "idempotency key %q already started run %s with another input (task, model or other fields)", key, r.RunID)
 		}
 		return nil, s.fromStore(ctx, r), nil
 	}
@@ -184,12 +189,12 @@ func (s *Server) launch(ctx context.Context, rn *run, prior []agent.Entry, subsc
 		// none, and a run on it is not parked on an open breaker either (runLoop).
 		j = &runJournal{s: s, rn: rn, prior: prior, next: len(prior)}
 	}
-	model, task := rn.rec.GetModel(), rn.rec.GetTask()
+	in := loopInput(rn.rec.GetModel(), rn.rec.GetTask(), rn.rec.GetInput())
 	s.wg.Add(1)
 	go func() {
 		defer s.wg.Done()
 		defer cancelDL()
-		s.execute(rctx, rn, model, task, j)
+		s.execute(rctx, rn, in, j)
 	}()
 	return root, sub
 }

@@ -60,7 +60,7 @@ func (s *Server) fromStore(ctx context.Context, run store.Run) *orchestratorv1.R
 	}
 	r := &orchestratorv1.Run{RunId: run.RunID, Tenant: run.Tenant, Status: apiStatusOf(run.Status),
 		Deadline: timestamppb.New(run.Deadline), CreatedAt: timestamppb.New(run.CreatedAt), Answer: string(run.Answer),
-		ErrorMessage: run.Error, Model: run.Model, Task: string(run.Task), IdempotencyKey: run.IdempotencyKey,
+		ErrorMessage: run.Error, Model: run.Model, Task: string(run.Task), IdempotencyKey: run.IdempotencyKey, Input: decodeInput(run.Input),
 		Epoch: epochOf(run.Epoch, s.shared)}
 	if !run.EndedAt.IsZero() {
 		r.EndedAt = timestamppb.New(run.EndedAt)

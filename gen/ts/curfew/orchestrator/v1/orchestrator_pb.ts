@@ -8,20 +8,20 @@ import type { CancelCause, Node, NodeEvent } from "../../mesh/v1/mesh_pb.js";
 import { file_curfew_mesh_v1_mesh } from "../../mesh/v1/mesh_pb.js";
 import type { Duration, Timestamp } from "@bufbuild/protobuf/wkt";
 import { file_google_protobuf_duration, file_google_protobuf_timestamp } from "@bufbuild/protobuf/wkt";
-import type { Message } from "@bufbuild/protobuf";
+import type { Message as Message$1 } from "@bufbuild/protobuf";
 
 /**
  * Describes the file curfew/orchestrator/v1/orchestrator.proto.
  */
 export const file_curfew_orchestrator_v1_orchestrator: GenFile = /*@__PURE__*/
-  fileDesc("CiljdXJmZXcvb3JjaGVzdHJhdG9yL3YxL29yY2hlc3RyYXRvci5wcm90bxIWY3VyZmV3Lm9yY2hlc3RyYXRvci52MSKUBAoDUnVuEg4KBnJ1bl9pZBgBIAEoCRIOCgZ0ZW5hbnQYAiABKAkSMQoGc3RhdHVzGAMgASgOMiEuY3VyZmV3Lm9yY2hlc3RyYXRvci52MS5SdW5TdGF0dXMSKgoFY2F1c2UYBCABKA4yGy5jdXJmZXcubWVzaC52MS5DYW5jZWxDYXVzZRIsCghkZWFkbGluZRgFIAEoCzIaLmdvb2dsZS5wcm90b2J1Zi5UaW1lc3RhbXASLgoKY3JlYXRlZF9hdBgGIAEoCzIaLmdvb2dsZS5wcm90b2J1Zi5UaW1lc3RhbXASLAoIZW5kZWRfYXQYByABKAsyGi5nb29nbGUucHJvdG9idWYuVGltZXN0YW1wEjAKDGNhbmNlbGxlZF9hdBgIIAEoCzIaLmdvb2dsZS5wcm90b2J1Zi5UaW1lc3RhbXASDgoGYW5zd2VyGAkgASgJEhIKCmVycm9yX2NvZGUYCiABKAkSFQoNZXJyb3JfbWVzc2FnZRgLIAEoCRIjCgVub2RlcxgMIAMoCzIULmN1cmZldy5tZXNoLnYxLk5vZGUSDgoGdG9rZW5zGA0gASgDEhsKE3Rva2Vuc19hZnRlcl9jYW5jZWwYDiABKAMSDQoFbW9kZWwYDyABKAkSDAoEdGFzaxgQIAEoCRIXCg9pZGVtcG90ZW5jeV9rZXkYESABKAkSDQoFZXBvY2gYEiABKAMiSQoKUnVuUmVxdWVzdBIMCgR0YXNrGAEgASgJEg0KBW1vZGVsGAIgASgJEh4KFmNvbnRpbnVlX29uX2Rpc2Nvbm5lY3QYAyABKAgiSgoKUnVuU3RhcnRlZBIOCgZydW5faWQYASABKAkSLAoIZGVhZGxpbmUYAiABKAsyGi5nb29nbGUucHJvdG9idWYuVGltZXN0YW1wItUBCgtSdW5SZXNwb25zZRI1CgdzdGFydGVkGAEgASgLMiIuY3VyZmV3Lm9yY2hlc3RyYXRvci52MS5SdW5TdGFydGVkSAASJAoEbm9kZRgCIAEoCzIULmN1cmZldy5tZXNoLnYxLk5vZGVIABIvCghmaW5pc2hlZBgDIAEoCzIbLmN1cmZldy5vcmNoZXN0cmF0b3IudjEuUnVuSAASLwoKbm9kZV9ldmVudBgEIAEoCzIZLmN1cmZldy5tZXNoLnYxLk5vZGVFdmVudEgAQgcKBWV2ZW50InMKD1N0YXJ0UnVuUmVxdWVzdBIMCgR0YXNrGAEgASgJEg0KBW1vZGVsGAIgASgJEhcKD2lkZW1wb3RlbmN5X2tleRgDIAEoCRIqCgd0aW1lb3V0GAQgASgLMhkuZ29vZ2xlLnByb3RvYnVmLkR1cmF0aW9uIk0KEFN0YXJ0UnVuUmVzcG9uc2USKAoDcnVuGAEgASgLMhsuY3VyZmV3Lm9yY2hlc3RyYXRvci52MS5SdW4SDwoHY3JlYXRlZBgCIAEoCCIhCg9XYXRjaFJ1blJlcXVlc3QSDgoGcnVuX2lkGAEgASgJItoBChBXYXRjaFJ1blJlc3BvbnNlEjUKB3N0YXJ0ZWQYASABKAsyIi5jdXJmZXcub3JjaGVzdHJhdG9yLnYxLlJ1blN0YXJ0ZWRIABIkCgRub2RlGAIgASgLMhQuY3VyZmV3Lm1lc2gudjEuTm9kZUgAEi8KCGZpbmlzaGVkGAMgASgLMhsuY3VyZmV3Lm9yY2hlc3RyYXRvci52MS5SdW5IABIvCgpub2RlX2V2ZW50GAQgASgLMhkuY3VyZmV3Lm1lc2gudjEuTm9kZUV2ZW50SABCBwoFZXZlbnQiHwoNR2V0UnVuUmVxdWVzdBIOCgZydW5faWQYASABKAkiOgoOR2V0UnVuUmVzcG9uc2USKAoDcnVuGAEgASgLMhsuY3VyZmV3Lm9yY2hlc3RyYXRvci52MS5SdW4iOAoPTGlzdFJ1bnNSZXF1ZXN0EhEKCXBhZ2Vfc2l6ZRgBIAEoBRISCgpwYWdlX3Rva2VuGAIgASgJIlYKEExpc3RSdW5zUmVzcG9uc2USKQoEcnVucxgBIAMoCzIbLmN1cmZldy5vcmNoZXN0cmF0b3IudjEuUnVuEhcKD25leHRfcGFnZV90b2tlbhgCIAEoCSIyChBDYW5jZWxSdW5SZXF1ZXN0Eg4KBnJ1bl9pZBgBIAEoCRIOCgZyZWFzb24YAiABKAkiPQoRQ2FuY2VsUnVuUmVzcG9uc2USKAoDcnVuGAEgASgLMhsuY3VyZmV3Lm9yY2hlc3RyYXRvci52MS5SdW4qrAEKCVJ1blN0YXR1cxIaChZSVU5fU1RBVFVTX1VOU1BFQ0lGSUVEEAASFgoSUlVOX1NUQVRVU19SVU5OSU5HEAESGAoUUlVOX1NUQVRVU19TVUNDRUVERUQQAhIVChFSVU5fU1RBVFVTX0ZBSUxFRBADEhgKFFJVTl9TVEFUVVNfQ0FOQ0VMTEVEEAQSIAocUlVOX1NUQVRVU19ERUFETElORV9FWENFRURFRBAFMsEEChNPcmNoZXN0cmF0b3JTZXJ2aWNlElAKA1J1bhIiLmN1cmZldy5vcmNoZXN0cmF0b3IudjEuUnVuUmVxdWVzdBojLmN1cmZldy5vcmNoZXN0cmF0b3IudjEuUnVuUmVzcG9uc2UwARJdCghTdGFydFJ1bhInLmN1cmZldy5vcmNoZXN0cmF0b3IudjEuU3RhcnRSdW5SZXF1ZXN0GiguY3VyZmV3Lm9yY2hlc3RyYXRvci52MS5TdGFydFJ1blJlc3BvbnNlEl8KCFdhdGNoUnVuEicuY3VyZmV3Lm9yY2hlc3RyYXRvci52MS5XYXRjaFJ1blJlcXVlc3QaKC5jdXJmZXcub3JjaGVzdHJhdG9yLnYxLldhdGNoUnVuUmVzcG9uc2UwARJXCgZHZXRSdW4SJS5jdXJmZXcub3JjaGVzdHJhdG9yLnYxLkdldFJ1blJlcXVlc3QaJi5jdXJmZXcub3JjaGVzdHJhdG9yLnYxLkdldFJ1blJlc3BvbnNlEl0KCExpc3RSdW5zEicuY3VyZmV3Lm9yY2hlc3RyYXRvci52MS5MaXN0UnVuc1JlcXVlc3QaKC5jdXJmZXcub3JjaGVzdHJhdG9yLnYxLkxpc3RSdW5zUmVzcG9uc2USYAoJQ2FuY2VsUnVuEiguY3VyZmV3Lm9yY2hlc3RyYXRvci52MS5DYW5jZWxSdW5SZXF1ZXN0GikuY3VyZmV3Lm9yY2hlc3RyYXRvci52MS5DYW5jZWxSdW5SZXNwb25zZULyAQoaY29tLmN1cmZldy5vcmNoZXN0cmF0b3IudjFCEU9yY2hlc3RyYXRvclByb3RvUAFaR2dpdGh1Yi5jb20vY3VyZmV3LW1lc2gvY3VyZmV3L2dlbi9jdXJmZXcvb3JjaGVzdHJhdG9yL3YxO29yY2hlc3RyYXRvcnYxogIDQ09YqgIWQ3VyZmV3Lk9yY2hlc3RyYXRvci5WMcoCFkN1cmZld1xPcmNoZXN0cmF0b3JcVjHiAiJDdXJmZXdcT3JjaGVzdHJhdG9yXFYxXEdQQk1ldGFkYXRh6gIYQ3VyZmV3OjpPcmNoZXN0cmF0b3I6OlYxYgZwcm90bzM", [file_curfew_mesh_v1_mesh, file_google_protobuf_duration, file_google_protobuf_timestamp]);
+  fileDesc("CiljdXJmZXcvb3JjaGVzdHJhdG9yL3YxL29yY2hlc3RyYXRvci5wcm90bxIWY3VyZmV3Lm9yY2hlc3RyYXRvci52MSLFBAoDUnVuEg4KBnJ1bl9pZBgBIAEoCRIOCgZ0ZW5hbnQYAiABKAkSMQoGc3RhdHVzGAMgASgOMiEuY3VyZmV3Lm9yY2hlc3RyYXRvci52MS5SdW5TdGF0dXMSKgoFY2F1c2UYBCABKA4yGy5jdXJmZXcubWVzaC52MS5DYW5jZWxDYXVzZRIsCghkZWFkbGluZRgFIAEoCzIaLmdvb2dsZS5wcm90b2J1Zi5UaW1lc3RhbXASLgoKY3JlYXRlZF9hdBgGIAEoCzIaLmdvb2dsZS5wcm90b2J1Zi5UaW1lc3RhbXASLAoIZW5kZWRfYXQYByABKAsyGi5nb29nbGUucHJvdG9idWYuVGltZXN0YW1wEjAKDGNhbmNlbGxlZF9hdBgIIAEoCzIaLmdvb2dsZS5wcm90b2J1Zi5UaW1lc3RhbXASDgoGYW5zd2VyGAkgASgJEhIKCmVycm9yX2NvZGUYCiABKAkSFQoNZXJyb3JfbWVzc2FnZRgLIAEoCRIjCgVub2RlcxgMIAMoCzIULmN1cmZldy5tZXNoLnYxLk5vZGUSDgoGdG9rZW5zGA0gASgDEhsKE3Rva2Vuc19hZnRlcl9jYW5jZWwYDiABKAMSDQoFbW9kZWwYDyABKAkSDAoEdGFzaxgQIAEoCRIXCg9pZGVtcG90ZW5jeV9rZXkYESABKAkSDQoFZXBvY2gYEiABKAMSLwoFaW5wdXQYEyABKAsyIC5jdXJmZXcub3JjaGVzdHJhdG9yLnYxLlJ1bklucHV0ImMKB01lc3NhZ2USMQoEcm9sZRgBIAEoDjIjLmN1cmZldy5vcmNoZXN0cmF0b3IudjEuTWVzc2FnZVJvbGUSDwoHY29udGVudBgCIAEoCRIUCgx0b29sX2NhbGxfaWQYAyABKAki9AEKCFJ1bklucHV0EjEKCG1lc3NhZ2VzGAEgAygLMh8uY3VyZmV3Lm9yY2hlc3RyYXRvci52MS5NZXNzYWdlEhIKCm1heF90b2tlbnMYAiABKAUSGAoLdGVtcGVyYXR1cmUYAyABKAFIAIgBARIcChRyZXNwb25zZV9zY2hlbWFfanNvbhgEIAEoCRINCgV0b29scxgFIAMoCRIRCgltYXhfc3RlcHMYBiABKAUSNwoLdG9vbF9lcnJvcnMYByABKA4yIi5jdXJmZXcub3JjaGVzdHJhdG9yLnYxLlRvb2xFcnJvcnNCDgoMX3RlbXBlcmF0dXJlIrMCCgpSdW5SZXF1ZXN0EgwKBHRhc2sYASABKAkSDQoFbW9kZWwYAiABKAkSHgoWY29udGludWVfb25fZGlzY29ubmVjdBgDIAEoCBIxCghtZXNzYWdlcxgEIAMoCzIfLmN1cmZldy5vcmNoZXN0cmF0b3IudjEuTWVzc2FnZRISCgptYXhfdG9rZW5zGAUgASgFEhgKC3RlbXBlcmF0dXJlGAYgASgBSACIAQESHAoUcmVzcG9uc2Vfc2NoZW1hX2pzb24YByABKAkSDQoFdG9vbHMYCCADKAkSEQoJbWF4X3N0ZXBzGAkgASgFEjcKC3Rvb2xfZXJyb3JzGAogASgOMiIuY3VyZmV3Lm9yY2hlc3RyYXRvci52MS5Ub29sRXJyb3JzQg4KDF90ZW1wZXJhdHVyZSJKCgpSdW5TdGFydGVkEg4KBnJ1bl9pZBgBIAEoCRIsCghkZWFkbGluZRgCIAEoCzIaLmdvb2dsZS5wcm90b2J1Zi5UaW1lc3RhbXAi1QEKC1J1blJlc3BvbnNlEjUKB3N0YXJ0ZWQYASABKAsyIi5jdXJmZXcub3JjaGVzdHJhdG9yLnYxLlJ1blN0YXJ0ZWRIABIkCgRub2RlGAIgASgLMhQuY3VyZmV3Lm1lc2gudjEuTm9kZUgAEi8KCGZpbmlzaGVkGAMgASgLMhsuY3VyZmV3Lm9yY2hlc3RyYXRvci52MS5SdW5IABIvCgpub2RlX2V2ZW50GAQgASgLMhkuY3VyZmV3Lm1lc2gudjEuTm9kZUV2ZW50SABCBwoFZXZlbnQi3QIKD1N0YXJ0UnVuUmVxdWVzdBIMCgR0YXNrGAEgASgJEg0KBW1vZGVsGAIgASgJEhcKD2lkZW1wb3RlbmN5X2tleRgDIAEoCRIqCgd0aW1lb3V0GAQgASgLMhkuZ29vZ2xlLnByb3RvYnVmLkR1cmF0aW9uEjEKCG1lc3NhZ2VzGAUgAygLMh8uY3VyZmV3Lm9yY2hlc3RyYXRvci52MS5NZXNzYWdlEhIKCm1heF90b2tlbnMYBiABKAUSGAoLdGVtcGVyYXR1cmUYByABKAFIAIgBARIcChRyZXNwb25zZV9zY2hlbWFfanNvbhgIIAEoCRINCgV0b29scxgJIAMoCRIRCgltYXhfc3RlcHMYCiABKAUSNwoLdG9vbF9lcnJvcnMYCyABKA4yIi5jdXJmZXcub3JjaGVzdHJhdG9yLnYxLlRvb2xFcnJvcnNCDgoMX3RlbXBlcmF0dXJlIk0KEFN0YXJ0UnVuUmVzcG9uc2USKAoDcnVuGAEgASgLMhsuY3VyZmV3Lm9yY2hlc3RyYXRvci52MS5SdW4SDwoHY3JlYXRlZBgCIAEoCCIhCg9XYXRjaFJ1blJlcXVlc3QSDgoGcnVuX2lkGAEgASgJItoBChBXYXRjaFJ1blJlc3BvbnNlEjUKB3N0YXJ0ZWQYASABKAsyIi5jdXJmZXcub3JjaGVzdHJhdG9yLnYxLlJ1blN0YXJ0ZWRIABIkCgRub2RlGAIgASgLMhQuY3VyZmV3Lm1lc2gudjEuTm9kZUgAEi8KCGZpbmlzaGVkGAMgASgLMhsuY3VyZmV3Lm9yY2hlc3RyYXRvci52MS5SdW5IABIvCgpub2RlX2V2ZW50GAQgASgLMhkuY3VyZmV3Lm1lc2gudjEuTm9kZUV2ZW50SABCBwoFZXZlbnQiHwoNR2V0UnVuUmVxdWVzdBIOCgZydW5faWQYASABKAkiOgoOR2V0UnVuUmVzcG9uc2USKAoDcnVuGAEgASgLMhsuY3VyZmV3Lm9yY2hlc3RyYXRvci52MS5SdW4iOAoPTGlzdFJ1bnNSZXF1ZXN0EhEKCXBhZ2Vfc2l6ZRgBIAEoBRISCgpwYWdlX3Rva2VuGAIgASgJIlYKEExpc3RSdW5zUmVzcG9uc2USKQoEcnVucxgBIAMoCzIbLmN1cmZldy5vcmNoZXN0cmF0b3IudjEuUnVuEhcKD25leHRfcGFnZV90b2tlbhgCIAEoCSIyChBDYW5jZWxSdW5SZXF1ZXN0Eg4KBnJ1bl9pZBgBIAEoCRIOCgZyZWFzb24YAiABKAkiPQoRQ2FuY2VsUnVuUmVzcG9uc2USKAoDcnVuGAEgASgLMhsuY3VyZmV3Lm9yY2hlc3RyYXRvci52MS5SdW4qrAEKCVJ1blN0YXR1cxIaChZSVU5fU1RBVFVTX1VOU1BFQ0lGSUVEEAASFgoSUlVOX1NUQVRVU19SVU5OSU5HEAESGAoUUlVOX1NUQVRVU19TVUNDRUVERUQQAhIVChFSVU5fU1RBVFVTX0ZBSUxFRBADEhgKFFJVTl9TVEFUVVNfQ0FOQ0VMTEVEEAQSIAocUlVOX1NUQVRVU19ERUFETElORV9FWENFRURFRBAFKo4BCgtNZXNzYWdlUm9sZRIcChhNRVNTQUdFX1JPTEVfVU5TUEVDSUZJRUQQABIXChNNRVNTQUdFX1JPTEVfU1lTVEVNEAESFQoRTUVTU0FHRV9ST0xFX1VTRVIQAhIaChZNRVNTQUdFX1JPTEVfQVNTSVNUQU5UEAMSFQoRTUVTU0FHRV9ST0xFX1RPT0wQBCpdCgpUb29sRXJyb3JzEhsKF1RPT0xfRVJST1JTX1VOU1BFQ0lGSUVEEAASGAoUVE9PTF9FUlJPUlNfVE9fTU9ERUwQARIYChRUT09MX0VSUk9SU19GQUlMX1JVThACMsEEChNPcmNoZXN0cmF0b3JTZXJ2aWNlElAKA1J1bhIiLmN1cmZldy5vcmNoZXN0cmF0b3IudjEuUnVuUmVxdWVzdBojLmN1cmZldy5vcmNoZXN0cmF0b3IudjEuUnVuUmVzcG9uc2UwARJdCghTdGFydFJ1bhInLmN1cmZldy5vcmNoZXN0cmF0b3IudjEuU3RhcnRSdW5SZXF1ZXN0GiguY3VyZmV3Lm9yY2hlc3RyYXRvci52MS5TdGFydFJ1blJlc3BvbnNlEl8KCFdhdGNoUnVuEicuY3VyZmV3Lm9yY2hlc3RyYXRvci52MS5XYXRjaFJ1blJlcXVlc3QaKC5jdXJmZXcub3JjaGVzdHJhdG9yLnYxLldhdGNoUnVuUmVzcG9uc2UwARJXCgZHZXRSdW4SJS5jdXJmZXcub3JjaGVzdHJhdG9yLnYxLkdldFJ1blJlcXVlc3QaJi5jdXJmZXcub3JjaGVzdHJhdG9yLnYxLkdldFJ1blJlc3BvbnNlEl0KCExpc3RSdW5zEicuY3VyZmV3Lm9yY2hlc3RyYXRvci52MS5MaXN0UnVuc1JlcXVlc3QaKC5jdXJmZXcub3JjaGVzdHJhdG9yLnYxLkxpc3RSdW5zUmVzcG9uc2USYAoJQ2FuY2VsUnVuEiguY3VyZmV3Lm9yY2hlc3RyYXRvci52MS5DYW5jZWxSdW5SZXF1ZXN0GikuY3VyZmV3Lm9yY2hlc3RyYXRvci52MS5DYW5jZWxSdW5SZXNwb25zZULyAQoaY29tLmN1cmZldy5vcmNoZXN0cmF0b3IudjFCEU9yY2hlc3RyYXRvclByb3RvUAFaR2dpdGh1Yi5jb20vY3VyZmV3LW1lc2gvY3VyZmV3L2dlbi9jdXJmZXcvb3JjaGVzdHJhdG9yL3YxO29yY2hlc3RyYXRvcnYxogIDQ09YqgIWQ3VyZmV3Lk9yY2hlc3RyYXRvci5WMcoCFkN1cmZld1xPcmNoZXN0cmF0b3JcVjHiAiJDdXJmZXdcT3JjaGVzdHJhdG9yXFYxXEdQQk1ldGFkYXRh6gIYQ3VyZmV3OjpPcmNoZXN0cmF0b3I6OlYxYgZwcm90bzM", [file_curfew_mesh_v1_mesh, file_google_protobuf_duration, file_google_protobuf_timestamp]);
 
 /**
  * Run is a run's record and, once it has ended, its summary.
  *
  * @generated from message curfew.orchestrator.v1.Run
  */
-export type Run = Message<"curfew.orchestrator.v1.Run"> & {
+export type Run = Message$1<"curfew.orchestrator.v1.Run"> & {
   /**
    * @generated from field: string run_id = 1;
    */
@@ -126,6 +126,14 @@ export type Run = Message<"curfew.orchestrator.v1.Run"> & {
    * @generated from field: int64 epoch = 18;
    */
   epoch: bigint;
+
+  /**
+   * The run's input beyond its task and model, as it was started (empty for a run
+   * started with a task alone).
+   *
+   * @generated from field: curfew.orchestrator.v1.RunInput input = 19;
+   */
+  input?: RunInput | undefined;
 };
 
 /**
@@ -136,12 +144,93 @@ export const RunSchema: GenMessage<Run> = /*@__PURE__*/
   messageDesc(file_curfew_orchestrator_v1_orchestrator, 0);
 
 /**
+ * Message is one turn of a run's conversation.
+ *
+ * @generated from message curfew.orchestrator.v1.Message
+ */
+export type Message = Message$1<"curfew.orchestrator.v1.Message"> & {
+  /**
+   * @generated from field: curfew.orchestrator.v1.MessageRole role = 1;
+   */
+  role: MessageRole;
+
+  /**
+   * @generated from field: string content = 2;
+   */
+  content: string;
+
+  /**
+   * On tool messages: the id of the assistant's tool call this is the result of.
+   *
+   * @generated from field: string tool_call_id = 3;
+   */
+  toolCallId: string;
+};
+
+/**
+ * Describes the message curfew.orchestrator.v1.Message.
+ * Use `create(MessageSchema)` to create a new message.
+ */
+export const MessageSchema: GenMessage<Message> = /*@__PURE__*/
+  messageDesc(file_curfew_orchestrator_v1_orchestrator, 1);
+
+/**
+ * RunInput is what a run was started with beyond its task and model: the fields of
+ * RunRequest and StartRunRequest of the same names (see there).
+ *
+ * @generated from message curfew.orchestrator.v1.RunInput
+ */
+export type RunInput = Message$1<"curfew.orchestrator.v1.RunInput"> & {
+  /**
+   * @generated from field: repeated curfew.orchestrator.v1.Message messages = 1;
+   */
+  messages: Message[];
+
+  /**
+   * @generated from field: int32 max_tokens = 2;
+   */
+  maxTokens: number;
+
+  /**
+   * @generated from field: optional double temperature = 3;
+   */
+  temperature?: number | undefined;
+
+  /**
+   * @generated from field: string response_schema_json = 4;
+   */
+  responseSchemaJson: string;
+
+  /**
+   * @generated from field: repeated string tools = 5;
+   */
+  tools: string[];
+
+  /**
+   * @generated from field: int32 max_steps = 6;
+   */
+  maxSteps: number;
+
+  /**
+   * @generated from field: curfew.orchestrator.v1.ToolErrors tool_errors = 7;
+   */
+  toolErrors: ToolErrors;
+};
+
+/**
+ * Describes the message curfew.orchestrator.v1.RunInput.
+ * Use `create(RunInputSchema)` to create a new message.
+ */
+export const RunInputSchema: GenMessage<RunInput> = /*@__PURE__*/
+  messageDesc(file_curfew_orchestrator_v1_orchestrator, 2);
+
+/**
  * RunRequest starts a run. The run's absolute deadline comes from the call's gRPC deadline,
  * capped at the service maximum; without one, the service default applies.
  *
  * @generated from message curfew.orchestrator.v1.RunRequest
  */
-export type RunRequest = Message<"curfew.orchestrator.v1.RunRequest"> & {
+export type RunRequest = Message$1<"curfew.orchestrator.v1.RunRequest"> & {
   /**
    * The task; with the sim model, a JSON plan (see docs/plan.md).
    *
@@ -163,6 +252,59 @@ export type RunRequest = Message<"curfew.orchestrator.v1.RunRequest"> & {
    * @generated from field: bool continue_on_disconnect = 3;
    */
   continueOnDisconnect: boolean;
+
+  /**
+   * The conversation so far, oldest first; a system message, if any, comes first. With
+   * task set, the task is appended as the last user message. task or messages is
+   * required.
+   *
+   * @generated from field: repeated curfew.orchestrator.v1.Message messages = 4;
+   */
+  messages: Message[];
+
+  /**
+   * Upper bound on each model step's output tokens; 0 means the provider's default.
+   *
+   * @generated from field: int32 max_tokens = 5;
+   */
+  maxTokens: number;
+
+  /**
+   * Sampling temperature in [0, 2]; unset means the provider's default.
+   *
+   * @generated from field: optional double temperature = 6;
+   */
+  temperature?: number | undefined;
+
+  /**
+   * When set, a JSON Schema (draft 2020-12) the answer must satisfy.
+   *
+   * @generated from field: string response_schema_json = 7;
+   */
+  responseSchemaJson: string;
+
+  /**
+   * Registry names of the tools the run may use; empty means every tool the tenant may
+   * use. A name the tenant may not use is INVALID_ARGUMENT.
+   *
+   * @generated from field: repeated string tools = 8;
+   */
+  tools: string[];
+
+  /**
+   * The most model steps the run takes; 0 means the service's limit (64 by default). A
+   * run that reaches it fails with FAILED_PRECONDITION "step limit N reached".
+   *
+   * @generated from field: int32 max_steps = 9;
+   */
+  maxSteps: number;
+
+  /**
+   * What a failed tool call does; TOOL_ERRORS_TO_MODEL by default.
+   *
+   * @generated from field: curfew.orchestrator.v1.ToolErrors tool_errors = 10;
+   */
+  toolErrors: ToolErrors;
 };
 
 /**
@@ -170,14 +312,14 @@ export type RunRequest = Message<"curfew.orchestrator.v1.RunRequest"> & {
  * Use `create(RunRequestSchema)` to create a new message.
  */
 export const RunRequestSchema: GenMessage<RunRequest> = /*@__PURE__*/
-  messageDesc(file_curfew_orchestrator_v1_orchestrator, 1);
+  messageDesc(file_curfew_orchestrator_v1_orchestrator, 3);
 
 /**
  * RunStarted is the first event of a run.
  *
  * @generated from message curfew.orchestrator.v1.RunStarted
  */
-export type RunStarted = Message<"curfew.orchestrator.v1.RunStarted"> & {
+export type RunStarted = Message$1<"curfew.orchestrator.v1.RunStarted"> & {
   /**
    * @generated from field: string run_id = 1;
    */
@@ -194,14 +336,14 @@ export type RunStarted = Message<"curfew.orchestrator.v1.RunStarted"> & {
  * Use `create(RunStartedSchema)` to create a new message.
  */
 export const RunStartedSchema: GenMessage<RunStarted> = /*@__PURE__*/
-  messageDesc(file_curfew_orchestrator_v1_orchestrator, 2);
+  messageDesc(file_curfew_orchestrator_v1_orchestrator, 4);
 
 /**
  * RunResponse is one event of a run's stream.
  *
  * @generated from message curfew.orchestrator.v1.RunResponse
  */
-export type RunResponse = Message<"curfew.orchestrator.v1.RunResponse"> & {
+export type RunResponse = Message$1<"curfew.orchestrator.v1.RunResponse"> & {
   /**
    * @generated from oneof curfew.orchestrator.v1.RunResponse.event
    */
@@ -246,7 +388,7 @@ export type RunResponse = Message<"curfew.orchestrator.v1.RunResponse"> & {
  * Use `create(RunResponseSchema)` to create a new message.
  */
 export const RunResponseSchema: GenMessage<RunResponse> = /*@__PURE__*/
-  messageDesc(file_curfew_orchestrator_v1_orchestrator, 3);
+  messageDesc(file_curfew_orchestrator_v1_orchestrator, 5);
 
 /**
  * StartRunRequest starts a detached run: it goes on after the caller leaves, until it
@@ -254,7 +396,7 @@ export const RunResponseSchema: GenMessage<RunResponse> = /*@__PURE__*/
  *
  * @generated from message curfew.orchestrator.v1.StartRunRequest
  */
-export type StartRunRequest = Message<"curfew.orchestrator.v1.StartRunRequest"> & {
+export type StartRunRequest = Message$1<"curfew.orchestrator.v1.StartRunRequest"> & {
   /**
    * As in RunRequest.
    *
@@ -271,7 +413,8 @@ export type StartRunRequest = Message<"curfew.orchestrator.v1.StartRunRequest"> 
    * Makes the start idempotent: a StartRun with a key the tenant has used before starts
    * nothing and returns the first run (created is false). Keys are scoped to the tenant.
    * The curfew-idempotency-key header is read when this field is empty. A key reused
-   * with a different task or model fails with ALREADY_EXISTS.
+   * with a different input (task, model or any field below) fails with
+   * ALREADY_EXISTS.
    *
    * @generated from field: string idempotency_key = 3;
    */
@@ -285,6 +428,60 @@ export type StartRunRequest = Message<"curfew.orchestrator.v1.StartRunRequest"> 
    * @generated from field: google.protobuf.Duration timeout = 4;
    */
   timeout?: Duration | undefined;
+
+  /**
+   * As in RunRequest.
+   * The conversation so far, oldest first; a system message, if any, comes first. With
+   * task set, the task is appended as the last user message. task or messages is
+   * required.
+   *
+   * @generated from field: repeated curfew.orchestrator.v1.Message messages = 5;
+   */
+  messages: Message[];
+
+  /**
+   * Upper bound on each model step's output tokens; 0 means the provider's default.
+   *
+   * @generated from field: int32 max_tokens = 6;
+   */
+  maxTokens: number;
+
+  /**
+   * Sampling temperature in [0, 2]; unset means the provider's default.
+   *
+   * @generated from field: optional double temperature = 7;
+   */
+  temperature?: number | undefined;
+
+  /**
+   * When set, a JSON Schema (draft 2020-12) the answer must satisfy.
+   *
+   * @generated from field: string response_schema_json = 8;
+   */
+  responseSchemaJson: string;
+
+  /**
+   * Registry names of the tools the run may use; empty means every tool the tenant may
+   * use. A name the tenant may not use is INVALID_ARGUMENT.
+   *
+   * @generated from field: repeated string tools = 9;
+   */
+  tools: string[];
+
+  /**
+   * The most model steps the run takes; 0 means the service's limit (64 by default). A
+   * run that reaches it fails with FAILED_PRECONDITION "step limit N reached".
+   *
+   * @generated from field: int32 max_steps = 10;
+   */
+  maxSteps: number;
+
+  /**
+   * What a failed tool call does; TOOL_ERRORS_TO_MODEL by default.
+   *
+   * @generated from field: curfew.orchestrator.v1.ToolErrors tool_errors = 11;
+   */
+  toolErrors: ToolErrors;
 };
 
 /**
@@ -292,14 +489,14 @@ export type StartRunRequest = Message<"curfew.orchestrator.v1.StartRunRequest"> 
  * Use `create(StartRunRequestSchema)` to create a new message.
  */
 export const StartRunRequestSchema: GenMessage<StartRunRequest> = /*@__PURE__*/
-  messageDesc(file_curfew_orchestrator_v1_orchestrator, 4);
+  messageDesc(file_curfew_orchestrator_v1_orchestrator, 6);
 
 /**
  * StartRunResponse holds the run as started, or as found under the idempotency key.
  *
  * @generated from message curfew.orchestrator.v1.StartRunResponse
  */
-export type StartRunResponse = Message<"curfew.orchestrator.v1.StartRunResponse"> & {
+export type StartRunResponse = Message$1<"curfew.orchestrator.v1.StartRunResponse"> & {
   /**
    * @generated from field: curfew.orchestrator.v1.Run run = 1;
    */
@@ -318,14 +515,14 @@ export type StartRunResponse = Message<"curfew.orchestrator.v1.StartRunResponse"
  * Use `create(StartRunResponseSchema)` to create a new message.
  */
 export const StartRunResponseSchema: GenMessage<StartRunResponse> = /*@__PURE__*/
-  messageDesc(file_curfew_orchestrator_v1_orchestrator, 5);
+  messageDesc(file_curfew_orchestrator_v1_orchestrator, 7);
 
 /**
  * WatchRunRequest names a run to follow.
  *
  * @generated from message curfew.orchestrator.v1.WatchRunRequest
  */
-export type WatchRunRequest = Message<"curfew.orchestrator.v1.WatchRunRequest"> & {
+export type WatchRunRequest = Message$1<"curfew.orchestrator.v1.WatchRunRequest"> & {
   /**
    * @generated from field: string run_id = 1;
    */
@@ -337,14 +534,14 @@ export type WatchRunRequest = Message<"curfew.orchestrator.v1.WatchRunRequest"> 
  * Use `create(WatchRunRequestSchema)` to create a new message.
  */
 export const WatchRunRequestSchema: GenMessage<WatchRunRequest> = /*@__PURE__*/
-  messageDesc(file_curfew_orchestrator_v1_orchestrator, 6);
+  messageDesc(file_curfew_orchestrator_v1_orchestrator, 8);
 
 /**
  * WatchRunResponse is one event of a watched run, in the order Run sends them.
  *
  * @generated from message curfew.orchestrator.v1.WatchRunResponse
  */
-export type WatchRunResponse = Message<"curfew.orchestrator.v1.WatchRunResponse"> & {
+export type WatchRunResponse = Message$1<"curfew.orchestrator.v1.WatchRunResponse"> & {
   /**
    * @generated from oneof curfew.orchestrator.v1.WatchRunResponse.event
    */
@@ -380,14 +577,14 @@ export type WatchRunResponse = Message<"curfew.orchestrator.v1.WatchRunResponse"
  * Use `create(WatchRunResponseSchema)` to create a new message.
  */
 export const WatchRunResponseSchema: GenMessage<WatchRunResponse> = /*@__PURE__*/
-  messageDesc(file_curfew_orchestrator_v1_orchestrator, 7);
+  messageDesc(file_curfew_orchestrator_v1_orchestrator, 9);
 
 /**
  * GetRunRequest names a run.
  *
  * @generated from message curfew.orchestrator.v1.GetRunRequest
  */
-export type GetRunRequest = Message<"curfew.orchestrator.v1.GetRunRequest"> & {
+export type GetRunRequest = Message$1<"curfew.orchestrator.v1.GetRunRequest"> & {
   /**
    * @generated from field: string run_id = 1;
    */
@@ -399,14 +596,14 @@ export type GetRunRequest = Message<"curfew.orchestrator.v1.GetRunRequest"> & {
  * Use `create(GetRunRequestSchema)` to create a new message.
  */
 export const GetRunRequestSchema: GenMessage<GetRunRequest> = /*@__PURE__*/
-  messageDesc(file_curfew_orchestrator_v1_orchestrator, 8);
+  messageDesc(file_curfew_orchestrator_v1_orchestrator, 10);
 
 /**
  * GetRunResponse holds the run.
  *
  * @generated from message curfew.orchestrator.v1.GetRunResponse
  */
-export type GetRunResponse = Message<"curfew.orchestrator.v1.GetRunResponse"> & {
+export type GetRunResponse = Message$1<"curfew.orchestrator.v1.GetRunResponse"> & {
   /**
    * @generated from field: curfew.orchestrator.v1.Run run = 1;
    */
@@ -418,14 +615,14 @@ export type GetRunResponse = Message<"curfew.orchestrator.v1.GetRunResponse"> & 
  * Use `create(GetRunResponseSchema)` to create a new message.
  */
 export const GetRunResponseSchema: GenMessage<GetRunResponse> = /*@__PURE__*/
-  messageDesc(file_curfew_orchestrator_v1_orchestrator, 9);
+  messageDesc(file_curfew_orchestrator_v1_orchestrator, 11);
 
 /**
  * ListRunsRequest pages through runs, newest first.
  *
  * @generated from message curfew.orchestrator.v1.ListRunsRequest
  */
-export type ListRunsRequest = Message<"curfew.orchestrator.v1.ListRunsRequest"> & {
+export type ListRunsRequest = Message$1<"curfew.orchestrator.v1.ListRunsRequest"> & {
   /**
    * At most this many; 0 means 50, and the maximum is 500.
    *
@@ -446,14 +643,14 @@ export type ListRunsRequest = Message<"curfew.orchestrator.v1.ListRunsRequest"> 
  * Use `create(ListRunsRequestSchema)` to create a new message.
  */
 export const ListRunsRequestSchema: GenMessage<ListRunsRequest> = /*@__PURE__*/
-  messageDesc(file_curfew_orchestrator_v1_orchestrator, 10);
+  messageDesc(file_curfew_orchestrator_v1_orchestrator, 12);
 
 /**
  * ListRunsResponse is one page of runs (without their nodes).
  *
  * @generated from message curfew.orchestrator.v1.ListRunsResponse
  */
-export type ListRunsResponse = Message<"curfew.orchestrator.v1.ListRunsResponse"> & {
+export type ListRunsResponse = Message$1<"curfew.orchestrator.v1.ListRunsResponse"> & {
   /**
    * @generated from field: repeated curfew.orchestrator.v1.Run runs = 1;
    */
@@ -470,14 +667,14 @@ export type ListRunsResponse = Message<"curfew.orchestrator.v1.ListRunsResponse"
  * Use `create(ListRunsResponseSchema)` to create a new message.
  */
 export const ListRunsResponseSchema: GenMessage<ListRunsResponse> = /*@__PURE__*/
-  messageDesc(file_curfew_orchestrator_v1_orchestrator, 11);
+  messageDesc(file_curfew_orchestrator_v1_orchestrator, 13);
 
 /**
  * CancelRunRequest asks to stop a run with cause operator.
  *
  * @generated from message curfew.orchestrator.v1.CancelRunRequest
  */
-export type CancelRunRequest = Message<"curfew.orchestrator.v1.CancelRunRequest"> & {
+export type CancelRunRequest = Message$1<"curfew.orchestrator.v1.CancelRunRequest"> & {
   /**
    * @generated from field: string run_id = 1;
    */
@@ -496,14 +693,14 @@ export type CancelRunRequest = Message<"curfew.orchestrator.v1.CancelRunRequest"
  * Use `create(CancelRunRequestSchema)` to create a new message.
  */
 export const CancelRunRequestSchema: GenMessage<CancelRunRequest> = /*@__PURE__*/
-  messageDesc(file_curfew_orchestrator_v1_orchestrator, 12);
+  messageDesc(file_curfew_orchestrator_v1_orchestrator, 14);
 
 /**
  * CancelRunResponse holds the run after its tree has been torn down.
  *
  * @generated from message curfew.orchestrator.v1.CancelRunResponse
  */
-export type CancelRunResponse = Message<"curfew.orchestrator.v1.CancelRunResponse"> & {
+export type CancelRunResponse = Message$1<"curfew.orchestrator.v1.CancelRunResponse"> & {
   /**
    * @generated from field: curfew.orchestrator.v1.Run run = 1;
    */
@@ -515,7 +712,7 @@ export type CancelRunResponse = Message<"curfew.orchestrator.v1.CancelRunRespons
  * Use `create(CancelRunResponseSchema)` to create a new message.
  */
 export const CancelRunResponseSchema: GenMessage<CancelRunResponse> = /*@__PURE__*/
-  messageDesc(file_curfew_orchestrator_v1_orchestrator, 13);
+  messageDesc(file_curfew_orchestrator_v1_orchestrator, 15);
 
 /**
  * RunStatus is the state of a whole run.
@@ -559,6 +756,79 @@ export enum RunStatus {
  */
 export const RunStatusSchema: GenEnum<RunStatus> = /*@__PURE__*/
   enumDesc(file_curfew_orchestrator_v1_orchestrator, 0);
+
+/**
+ * MessageRole is who said a message of a run's conversation.
+ *
+ * @generated from enum curfew.orchestrator.v1.MessageRole
+ */
+export enum MessageRole {
+  /**
+   * @generated from enum value: MESSAGE_ROLE_UNSPECIFIED = 0;
+   */
+  UNSPECIFIED = 0,
+
+  /**
+   * @generated from enum value: MESSAGE_ROLE_SYSTEM = 1;
+   */
+  SYSTEM = 1,
+
+  /**
+   * @generated from enum value: MESSAGE_ROLE_USER = 2;
+   */
+  USER = 2,
+
+  /**
+   * @generated from enum value: MESSAGE_ROLE_ASSISTANT = 3;
+   */
+  ASSISTANT = 3,
+
+  /**
+   * @generated from enum value: MESSAGE_ROLE_TOOL = 4;
+   */
+  TOOL = 4,
+}
+
+/**
+ * Describes the enum curfew.orchestrator.v1.MessageRole.
+ */
+export const MessageRoleSchema: GenEnum<MessageRole> = /*@__PURE__*/
+  enumDesc(file_curfew_orchestrator_v1_orchestrator, 1);
+
+/**
+ * ToolErrors says what a failed tool call does to a run.
+ *
+ * @generated from enum curfew.orchestrator.v1.ToolErrors
+ */
+export enum ToolErrors {
+  /**
+   * TOOL_ERRORS_TO_MODEL.
+   *
+   * @generated from enum value: TOOL_ERRORS_UNSPECIFIED = 0;
+   */
+  UNSPECIFIED = 0,
+
+  /**
+   * The error goes back to the model as the tool's result ({"error": "..."}), and the
+   * run goes on. With the sim model a failing plan step still fails the run.
+   *
+   * @generated from enum value: TOOL_ERRORS_TO_MODEL = 1;
+   */
+  TO_MODEL = 1,
+
+  /**
+   * The first failed tool call fails the run.
+   *
+   * @generated from enum value: TOOL_ERRORS_FAIL_RUN = 2;
+   */
+  FAIL_RUN = 2,
+}
+
+/**
+ * Describes the enum curfew.orchestrator.v1.ToolErrors.
+ */
+export const ToolErrorsSchema: GenEnum<ToolErrors> = /*@__PURE__*/
+  enumDesc(file_curfew_orchestrator_v1_orchestrator, 2);
 
 /**
  * OrchestratorService is curfew's public entry point.
