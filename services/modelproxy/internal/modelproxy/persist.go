@@ -90,6 +90,9 @@ func (d *spend) record(at time.Time, n int) {
 	}
 }
 
+// prompt adds the n prompt tokens the provider charged the decoder's request.
+func (d *spend) prompt(n int64) { d.ledger.RecordPrompt(d.run, d.node, n) }
+
 // end stops watching the context and returns the decoder's tokens split at the instant
 // its context was cancelled: all of them are output when it was not. Without a shared
 // store it returns nothing: nothing is persisted.

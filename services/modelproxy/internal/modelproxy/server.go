@@ -73,6 +73,7 @@ func (s *Server) Report() *nodes.Server {
 			at = req.GetCancelAt().AsTime()
 		}
 		n.Tokens, n.TokensAtCancel, n.TokensAfterCancel = s.Ledger.Figures(run, n.GetId(), at)
+		n.PromptTokens = s.Ledger.Prompt(run, n.GetId())
 		if at.IsZero() {
 			n.TokensAtCancel = 0
 		}
