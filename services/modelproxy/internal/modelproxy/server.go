@@ -136,7 +136,7 @@ func (s *Server) Generate(req *modelproxyv1.GenerateRequest, stream modelproxyv1
 	s.Leases.end(lease)
 	dctx := dec.context()
 	err = leaseErr(dctx, err)
-	output, orphan := sp.end()
+	output, orphan, prompt := sp.end()
 	tokens.end()
 	ended := s.Nodes.Finish(dctx, run, node, err, func(n *meshv1.Node) {
 		if dctx.Err() != nil {
@@ -144,7 +144,7 @@ func (s *Server) Generate(req *modelproxyv1.GenerateRequest, stream modelproxyv1
 		}
 	})
 	prun, _ := s.ledgerKey(ctx, model, id.RunID, node)
-	s.persist(ctx, prun, lnode, rt.provider(ended), output, orphan)
+	s.persist(ctx, prun, lnode, rt.provider(ended), output, orphan, prompt)
 	return err
 }
 
