@@ -2,7 +2,6 @@ package e2e
 
 import (
 	"bytes"
-	"context"
 	"io"
 	"net"
 	"os"
@@ -14,80 +13,12 @@ import (
 	"testing"
 	"time"
 
-	orchestratorv1 "github.com/curfew-mesh/curfew/gen/curfew/orchestrator/v1"
 	"github.com/curfew-mesh/curfew/internal/meshproc"
 )
 
 // Helpers of the registry-tool tests: a cluster whose toolrunner reads a tools file, the
 // test MCP server and the Node ToolService server as real processes, and a TCP proxy that
 // loses one reply.
-
-// effectsRig is a cluster (meshproc.Cluster) whose toolrunner has --tools-config, with one
-// orchestrator.
-type effectsRig struct {
-	c     *meshproc.Cluster
-	tools *meshproc.Proc
-	orch  *meshproc.Proc
-	oc    orchestratorv1.OrchestratorServiceClient
-}
-
-// newEffectsRig starts the cluster with toolsJSON as toolrunner's tools file, waits until
-// toolrunner has listed the sources named in wantUp, then starts an orchestrator whose
-// --toolrunner is route(toolrunner's address) (nil: toolrunner itself).
-func newEffectsRig(t *testing.T, toolsJSON string, wantUp []string, route func(toolrunner string) string) *effectsRig {
-	t.Helper()
-	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
-	defer cancel()
-	dir, err := os.MkdirTemp("", "curfew-tools-") // kept when the test fails, for the logs
-	if err != nil {
-		t.Fatal(err)
-	}
-	c, err := meshproc.NewCluster(t.Context(), dir, "sqlite://"+filepath.Join(dir, "curfew.db"))
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() {
-		if err := c.Close(); err != nil {
-			t.Errorf("cluster: %v", err)
-		}
-		if t.Failed() {
-			t.Logf("process logs are in %s", dir)
-		} else {
-			_ = os.RemoveAll(dir)
-		}
-	})
-	cfg := filepath.Join(dir, "tools.json")
-	if err := os.WriteFile(cfg, []byte(toolsJSON), 0o600); err != nil {
-		t.Fatal(err)
-	}
-	model, sub, tools, err := c.Mesh(ctx, map[string][]string{"toolrunner": {"--tools-config", cfg}})
-	if err != nil {
-		t.Fatal(err)
-	}
-	for _, name := range wantUp {
-		waitLog(t, tools.Log, 30*time.Second, "tool source up", `"`+name+`"`)
-	}
-	args := c.OrchestratorArgs(model, sub, tools)
-	if route != nil {
-		for i := range args[:len(args)-1] {
-			if args[i] == "--toolrunner" {
-				args[i+1] = route(args[i+1])
-			}
-		}
-	}
-	orch, err := c.Add(ctx, "orchestrator", "orchestrator", args...)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := orch.Start(ctx); err != nil {
-		t.Fatal(err)
-	}
-	conn, err := c.Conn(orch)
-	if err != nil {
-		t.Fatal(err)
-	}
-	return &effectsRig{c: c, tools: tools, orch: orch, oc: orchestratorv1.NewOrchestratorServiceClient(conn)}
-}
 
 // waitLog waits until a line of the log at path holds every one of want.
 func waitLog(t *testing.T, path string, within time.Duration, want ...string) {
