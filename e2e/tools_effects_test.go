@@ -13,17 +13,18 @@ import (
 	meshv1 "github.com/curfew-mesh/curfew/gen/curfew/mesh/v1"
 	orchestratorv1 "github.com/curfew-mesh/curfew/gen/curfew/orchestrator/v1"
 	"github.com/curfew-mesh/curfew/internal/mcptest"
+	"github.com/curfew-mesh/curfew/internal/nodetool"
 )
 
 // Registry tools through the whole mesh, over real processes: an irreversible MCP tool
 // whose reply is lost after its effect, and the Node ToolService server's view of a run's
 // deadline and cancel.
 
-// effectsTools is a tools file with the test MCP server over stdio, recording each call
-// to record, every tool of it irreversible whatever the server says.
+// effectsTools is the sources of a tools file: the test MCP server over stdio, recording
+// each call to record, every tool of it irreversible whatever the server says.
 func effectsTools(bin, record string) string {
-	return fmt.Sprintf(`{"sources": [{"name": "fx", "kind": "mcp_stdio", "command": %q, "args": ["--record", %q],
-	  "side_effects": "irreversible"}]}`, bin, record)
+	return fmt.Sprintf(`[{"name": "fx", "kind": "mcp_stdio", "command": %q, "args": ["--record", %q],
+	  "side_effects": "irreversible"}]`, bin, record)
 }
 
 // oneToolPlan calls tool with args (a JSON object) and, when key is not "", the
@@ -80,7 +81,7 @@ func TestToolEffectsExactlyOnceWhenTheReplyIsLost(t *testing.T) {
 		}
 	}
 	var keyProxy, echoProxy *cutProxy
-	rig := newEffectsRig(t, effectsTools(mcptestServer(t), record), []string{"fx"}, func(toolrunner string) string {
+	rig := newToolsRigVia(t, effectsTools(mcptestServer(t), record), func(toolrunner string) string {
 		echoProxy = startCutProxy(t, toolrunner, echoText, calls("echo"))
 		keyProxy = startCutProxy(t, echoProxy.addr(), key, calls("effect"))
 		return keyProxy.addr()
@@ -90,17 +91,17 @@ func TestToolEffectsExactlyOnceWhenTheReplyIsLost(t *testing.T) {
 	// What the orchestrator saw of its Execute calls: attempts by code, first or retry.
 	type seen struct{ unavailable, retries float64 }
 	saw := func() seen {
-		return seen{executeAttempts(t, rig.orch, "Unavailable", false) + executeAttempts(t, rig.orch, "Unavailable", true),
-			executeAttempts(t, rig.orch, "OK", true) + executeAttempts(t, rig.orch, "Unavailable", true)}
+		return seen{executeAttempts(t, rig.orchProc, "Unavailable", false) + executeAttempts(t, rig.orchProc, "Unavailable", true),
+			executeAttempts(t, rig.orchProc, "OK", true) + executeAttempts(t, rig.orchProc, "Unavailable", true)}
 	}
 
 	t.Run("with a key: replayed", func(t *testing.T) {
 		before := saw()
-		res, _ := runPlan(ctx, rig.oc, oneToolPlan("fx__effect", `{}`, key), 30*time.Second, 0, false)
+		res, _ := runPlan(ctx, rig.orch, oneToolPlan("fx__effect", `{}`, key), 30*time.Second, 0, false)
 		if res.err != nil {
 			t.Fatalf("run: %v", res.err)
 		}
-		r := finishedRun(ctx, t, rig.oc, res)
+		r := finishedRun(ctx, t, rig.orch, res)
 		if cuts, atCut := keyProxy.cut(); cuts != 1 || atCut != 1 {
 			t.Fatalf("the proxy lost %d replies, with %d effect calls recorded at the cut; want one lost after the effect", cuts, atCut)
 		}
@@ -127,8 +128,8 @@ func TestToolEffectsExactlyOnceWhenTheReplyIsLost(t *testing.T) {
 
 	t.Run("without a key: not retried", func(t *testing.T) {
 		before := saw()
-		res, _ := runPlan(ctx, rig.oc, oneToolPlan("fx__echo", fmt.Sprintf(`{"text": %q}`, echoText), ""), 30*time.Second, 0, false)
-		r := finishedRun(ctx, t, rig.oc, res)
+		res, _ := runPlan(ctx, rig.orch, oneToolPlan("fx__echo", fmt.Sprintf(`{"text": %q}`, echoText), ""), 30*time.Second, 0, false)
+		r := finishedRun(ctx, t, rig.orch, res)
 		if cuts, atCut := echoProxy.cut(); cuts != 1 || atCut != 1 {
 			t.Fatalf("the proxy lost %d replies, with %d echo calls recorded at the cut; want one lost after the call", cuts, atCut)
 		}
@@ -156,20 +157,20 @@ func TestToolEffectsExactlyOnceWhenTheReplyIsLost(t *testing.T) {
 // server; a plan's call reaches it with the run's deadline and ids, and CancelRun
 // reaches its wait promptly.
 func TestNodeToolServerThroughTheMesh(t *testing.T) {
-	addr, events := startNodeTool(t)
-	rig := newEffectsRig(t, fmt.Sprintf(`{"sources": [{"name": "node", "kind": "grpc", "address": %q}]}`, addr), []string{"node"}, nil)
+	addr, events := nodetool.Start(t)
+	rig := newToolsRig(t, fmt.Sprintf(`[{"name": "node", "kind": "grpc", "address": %q}]`, addr))
 	ctx := context.Background()
 
 	t.Run("time_left", func(t *testing.T) {
-		res, _ := runPlan(ctx, rig.oc, oneToolPlan("node__time_left", `{}`, ""), 20*time.Second, 0, false)
+		res, _ := runPlan(ctx, rig.orch, oneToolPlan("node__time_left", `{}`, ""), 20*time.Second, 0, false)
 		if res.err != nil {
 			t.Fatalf("run: %v", res.err)
 		}
-		r := finishedRun(ctx, t, rig.oc, res)
+		r := finishedRun(ctx, t, rig.orch, res)
 		if r.GetStatus() != orchestratorv1.RunStatus_RUN_STATUS_SUCCEEDED {
 			t.Fatalf("run %s\n%s", r.GetStatus(), dump(r))
 		}
-		ev := nextNodeEvent(t, events, "call", "time_left", 5*time.Second)
+		ev := nodetool.Next(t, events, "call", "time_left", 5*time.Second)
 		if ev.RunID != r.GetRunId() || ev.NodeID != "root/s0.t0" {
 			t.Errorf("the server saw run %q node %q, want %s root/s0.t0", ev.RunID, ev.NodeID, r.GetRunId())
 		}
@@ -190,27 +191,27 @@ func TestNodeToolServerThroughTheMesh(t *testing.T) {
 	t.Run("wait cancelled", func(t *testing.T) {
 		cctx, cancel := context.WithTimeout(ctx, time.Minute)
 		defer cancel()
-		started, err := rig.oc.StartRun(cctx, &orchestratorv1.StartRunRequest{Task: oneToolPlan("node__wait", `{"max_ms": 60000}`, ""),
+		started, err := rig.orch.StartRun(cctx, &orchestratorv1.StartRunRequest{Task: oneToolPlan("node__wait", `{"max_ms": 60000}`, ""),
 			Timeout: durationpb.New(60 * time.Second)})
 		if err != nil {
 			t.Fatal(err)
 		}
 		id := started.GetRun().GetRunId()
-		call := nextNodeEvent(t, events, "call", "wait", 30*time.Second)
+		call := nodetool.Next(t, events, "call", "wait", 30*time.Second)
 		if call.RunID != id {
 			t.Fatalf("the server's wait is of run %q, want %s", call.RunID, id)
 		}
 		cancelledAt := time.Now()
-		resp, err := rig.oc.CancelRun(cctx, &orchestratorv1.CancelRunRequest{RunId: id, Reason: "e2e: mid-wait"})
+		resp, err := rig.orch.CancelRun(cctx, &orchestratorv1.CancelRunRequest{RunId: id, Reason: "e2e: mid-wait"})
 		if err != nil {
 			t.Fatalf("CancelRun: %v", err)
 		}
-		ev := nextNodeEvent(t, events, "cancelled", "wait", 10*time.Second)
+		ev := nodetool.Next(t, events, "cancelled", "wait", 10*time.Second)
 		lag := ev.AtMS - cancelledAt.UnixMilli()
 		if ev.RunID != id || lag < -1 || lag > 3000 {
 			t.Errorf("the server saw the cancel of run %q %d ms after CancelRun, want %s within 3 s", ev.RunID, lag, id)
 		}
-		r := summary(ctx, t, rig.oc, id)
+		r := summary(ctx, t, rig.orch, id)
 		if resp.GetRun().GetStatus() != orchestratorv1.RunStatus_RUN_STATUS_CANCELLED || r.GetStatus() != orchestratorv1.RunStatus_RUN_STATUS_CANCELLED ||
 			r.GetCause() != meshv1.CancelCause_CANCEL_CAUSE_OPERATOR {
 			t.Errorf("CancelRun answered %s, the run ended %s (cause %s); want CANCELLED by the operator\n%s",

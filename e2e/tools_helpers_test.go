@@ -1,10 +1,7 @@
 package e2e
 
 import (
-	"bufio"
 	"bytes"
-	"context"
-	"encoding/json"
 	"io"
 	"net"
 	"os"
@@ -13,84 +10,15 @@ import (
 	"strconv"
 	"strings"
 	"sync"
-	"syscall"
 	"testing"
 	"time"
 
-	orchestratorv1 "github.com/curfew-mesh/curfew/gen/curfew/orchestrator/v1"
 	"github.com/curfew-mesh/curfew/internal/meshproc"
 )
 
 // Helpers of the registry-tool tests: a cluster whose toolrunner reads a tools file, the
 // test MCP server and the Node ToolService server as real processes, and a TCP proxy that
 // loses one reply.
-
-// effectsRig is a cluster (meshproc.Cluster) whose toolrunner has --tools-config, with one
-// orchestrator.
-type effectsRig struct {
-	c     *meshproc.Cluster
-	tools *meshproc.Proc
-	orch  *meshproc.Proc
-	oc    orchestratorv1.OrchestratorServiceClient
-}
-
-// newEffectsRig starts the cluster with toolsJSON as toolrunner's tools file, waits until
-// toolrunner has listed the sources named in wantUp, then starts an orchestrator whose
-// --toolrunner is route(toolrunner's address) (nil: toolrunner itself).
-func newEffectsRig(t *testing.T, toolsJSON string, wantUp []string, route func(toolrunner string) string) *effectsRig {
-	t.Helper()
-	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
-	defer cancel()
-	dir, err := os.MkdirTemp("", "curfew-tools-") // kept when the test fails, for the logs
-	if err != nil {
-		t.Fatal(err)
-	}
-	c, err := meshproc.NewCluster(t.Context(), dir, "sqlite://"+filepath.Join(dir, "curfew.db"))
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() {
-		if err := c.Close(); err != nil {
-			t.Errorf("cluster: %v", err)
-		}
-		if t.Failed() {
-			t.Logf("process logs are in %s", dir)
-		} else {
-			_ = os.RemoveAll(dir)
-		}
-	})
-	cfg := filepath.Join(dir, "tools.json")
-	if err := os.WriteFile(cfg, []byte(toolsJSON), 0o600); err != nil {
-		t.Fatal(err)
-	}
-	model, sub, tools, err := c.Mesh(ctx, map[string][]string{"toolrunner": {"--tools-config", cfg}})
-	if err != nil {
-		t.Fatal(err)
-	}
-	for _, name := range wantUp {
-		waitLog(t, tools.Log, 30*time.Second, "tool source up", `"`+name+`"`)
-	}
-	args := c.OrchestratorArgs(model, sub, tools)
-	if route != nil {
-		for i := range args[:len(args)-1] {
-			if args[i] == "--toolrunner" {
-				args[i+1] = route(args[i+1])
-			}
-		}
-	}
-	orch, err := c.Add(ctx, "orchestrator", "orchestrator", args...)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := orch.Start(ctx); err != nil {
-		t.Fatal(err)
-	}
-	conn, err := c.Conn(orch)
-	if err != nil {
-		t.Fatal(err)
-	}
-	return &effectsRig{c: c, tools: tools, orch: orch, oc: orchestratorv1.NewOrchestratorServiceClient(conn)}
-}
 
 // waitLog waits until a line of the log at path holds every one of want.
 func waitLog(t *testing.T, path string, within time.Duration, want ...string) {
@@ -250,128 +178,6 @@ func (p *cutProxy) close() {
 // The Node ToolService server of examples/node-tool (see
 // services/toolrunner/internal/source/grpctool/node_test.go): scripts/node.sh builds it;
 // without Node.js the tests skip locally (meshproc.Missing) and fail under CI=true.
-
-var (
-	nodeToolOnce sync.Once
-	nodeToolJS   string
-	nodeMissing  string
-	nodeToolErr  string
-)
-
-func nodeTool(t *testing.T) string {
-	t.Helper()
-	nodeToolOnce.Do(func() {
-		if _, err := exec.LookPath("node"); err != nil && os.Getenv("CI") != "true" {
-			nodeMissing = "node is not installed"
-			return
-		}
-		repo, err := meshproc.Repo()
-		if err != nil {
-			nodeToolErr = err.Error()
-			return
-		}
-		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
-		defer cancel()
-		cmd := exec.CommandContext(ctx, "bash", filepath.Join(repo, "scripts", "node.sh"), "node-tool")
-		cmd.Dir = repo
-		if out, err := cmd.CombinedOutput(); err != nil {
-			nodeToolErr = "scripts/node.sh node-tool: " + err.Error() + "\n" + string(out)
-			return
-		}
-		nodeToolJS = filepath.Join(repo, "examples", "node-tool", "dist", "server.js")
-	})
-	if nodeMissing != "" {
-		meshproc.Missing(t, "the Node tool server: %s", nodeMissing)
-	}
-	if nodeToolErr != "" {
-		t.Fatal(nodeToolErr)
-	}
-	return nodeToolJS
-}
-
-// nodeToolEvent is one line the Node server prints: its events, with curfew's metadata of
-// the call as it received it.
-type nodeToolEvent struct {
-	Event      string `json:"event"`
-	Address    string `json:"address"`
-	Tool       string `json:"tool"`
-	RunID      string `json:"runId"`
-	NodeID     string `json:"nodeId"`
-	RetryID    string `json:"retryId"`
-	Deadline   string `json:"deadline"`     // Unix ms, as sent
-	TimeLeftMS *int64 `json:"time_left_ms"` // from grpc-timeout
-	Reason     string `json:"reason"`
-	AtMS       int64  `json:"at_ms"`
-}
-
-// startNodeTool runs the Node server on a free loopback port and returns its address
-// and its events after "listening".
-func startNodeTool(t *testing.T) (string, <-chan nodeToolEvent) {
-	t.Helper()
-	js := nodeTool(t)
-	cmd := exec.Command("node", js, "--listen", "127.0.0.1:0") //nolint:noctx // stopped with SIGTERM at the test's end
-	cmd.Stderr = os.Stderr
-	stdout, err := cmd.StdoutPipe()
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := cmd.Start(); err != nil {
-		t.Fatal(err)
-	}
-	events := make(chan nodeToolEvent, 64)
-	go func() {
-		defer close(events)
-		sc := bufio.NewScanner(stdout)
-		for sc.Scan() {
-			var ev nodeToolEvent
-			if json.Unmarshal(sc.Bytes(), &ev) == nil {
-				events <- ev
-			}
-		}
-	}()
-	t.Cleanup(func() {
-		_ = cmd.Process.Signal(syscall.SIGTERM)
-		done := make(chan struct{})
-		go func() { _ = cmd.Wait(); close(done) }()
-		select {
-		case <-done:
-		case <-time.After(10 * time.Second):
-			_ = cmd.Process.Kill()
-			<-done
-		}
-		for range events { // the reader ends with the process
-		}
-	})
-	select {
-	case ev := <-events:
-		if ev.Event != "listening" || ev.Address == "" {
-			t.Fatalf("first event %+v, want listening", ev)
-		}
-		return ev.Address, events
-	case <-time.After(30 * time.Second):
-		t.Fatal("the Node tool server did not start listening")
-		return "", nil
-	}
-}
-
-// nextNodeEvent returns the next event named name of tool, failing after within.
-func nextNodeEvent(t *testing.T, events <-chan nodeToolEvent, name, tool string, within time.Duration) nodeToolEvent {
-	t.Helper()
-	timeout := time.After(within)
-	for {
-		select {
-		case ev, ok := <-events:
-			if !ok {
-				t.Fatalf("the Node tool server exited before %q", name)
-			}
-			if ev.Event == name && ev.Tool == tool {
-				return ev
-			}
-		case <-timeout:
-			t.Fatalf("no %q event of %s from the Node tool server within %v", name, tool, within)
-		}
-	}
-}
 
 // executeAttempts counts the orchestrator's attempts of toolrunner's Execute with the
 // outcome code ("Unavailable", "OK") that were retries (retry) or first attempts, from

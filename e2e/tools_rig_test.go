@@ -160,17 +160,26 @@ func freePort(t *testing.T) int {
 	return ln.Addr().(*net.TCPAddr).Port
 }
 
+// toolsRig is a cluster (meshproc.Cluster) on its own SQLite store whose toolrunner reads
+// a tools file, with one orchestrator.
 type toolsRig struct {
-	t     *testing.T
-	c     *meshproc.Cluster
-	tools *meshproc.Proc
-	orch  orchestratorv1.OrchestratorServiceClient
-	st    store.Store
+	t        *testing.T
+	c        *meshproc.Cluster
+	tools    *meshproc.Proc
+	orchProc *meshproc.Proc
+	orch     orchestratorv1.OrchestratorServiceClient
+	st       store.Store
 }
 
 // newToolsRig starts a cluster whose toolrunner reads a tools file of sources (the JSON
 // array of its "sources").
 func newToolsRig(t *testing.T, sources string) *toolsRig {
+	return newToolsRigVia(t, sources, nil)
+}
+
+// newToolsRigVia is newToolsRig with the orchestrator's --toolrunner set to
+// route(toolrunner's address) (a proxy that loses a reply, say); nil routes nothing.
+func newToolsRigVia(t *testing.T, sources string, route func(toolrunner string) string) *toolsRig {
 	t.Helper()
 	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
 	defer cancel()
@@ -203,13 +212,20 @@ func newToolsRig(t *testing.T, sources string) *toolsRig {
 	if err != nil {
 		t.Fatal(err)
 	}
-	o, err := c.Add(ctx, "orchestrator", "orchestrator", c.OrchestratorArgs(model, sub, r.tools)...)
+	args := c.OrchestratorArgs(model, sub, r.tools)
+	for i := range args[:len(args)-1] {
+		if args[i] == "--toolrunner" && route != nil {
+			args[i+1] = route(args[i+1])
+		}
+	}
+	o, err := c.Add(ctx, "orchestrator", "orchestrator", args...)
 	if err != nil {
 		t.Fatal(err)
 	}
 	if err := o.Start(ctx); err != nil {
 		t.Fatal(err)
 	}
+	r.orchProc = o
 	conn, err := c.Conn(o)
 	if err != nil {
 		t.Fatal(err)
