@@ -73,7 +73,7 @@ func Builtins() []Tool {
 			Name:        plan.ToolSpawnSubagent,
 			SideEffects: None,
 			Spec: &modelproxyv1.ToolSpec{
-				Name:        plan.ToolSpawnSubagent,
+				Name: plan.ToolSpawnSubagent,
 				Description: "Run a nested agent loop on a task under the run's deadline and return its answer as {\"answer\": ...}. " +
 					"Give task (or, for the sim model, plan), and optionally the subagent's model, the tools it may use, " +
 					"the bound on its output tokens per step, and the time to keep for yourself after it (reserve).",
