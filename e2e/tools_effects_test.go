@@ -13,6 +13,7 @@ import (
 	meshv1 "github.com/curfew-mesh/curfew/gen/curfew/mesh/v1"
 	orchestratorv1 "github.com/curfew-mesh/curfew/gen/curfew/orchestrator/v1"
 	"github.com/curfew-mesh/curfew/internal/mcptest"
+	"github.com/curfew-mesh/curfew/internal/nodetool"
 )
 
 // Registry tools through the whole mesh, over real processes: an irreversible MCP tool
@@ -156,7 +157,7 @@ func TestToolEffectsExactlyOnceWhenTheReplyIsLost(t *testing.T) {
 // server; a plan's call reaches it with the run's deadline and ids, and CancelRun
 // reaches its wait promptly.
 func TestNodeToolServerThroughTheMesh(t *testing.T) {
-	addr, events := startNodeTool(t)
+	addr, events := nodetool.Start(t)
 	rig := newEffectsRig(t, fmt.Sprintf(`{"sources": [{"name": "node", "kind": "grpc", "address": %q}]}`, addr), []string{"node"}, nil)
 	ctx := context.Background()
 
@@ -169,7 +170,7 @@ func TestNodeToolServerThroughTheMesh(t *testing.T) {
 		if r.GetStatus() != orchestratorv1.RunStatus_RUN_STATUS_SUCCEEDED {
 			t.Fatalf("run %s\n%s", r.GetStatus(), dump(r))
 		}
-		ev := nextNodeEvent(t, events, "call", "time_left", 5*time.Second)
+		ev := nodetool.Next(t, events, "call", "time_left", 5*time.Second)
 		if ev.RunID != r.GetRunId() || ev.NodeID != "root/s0.t0" {
 			t.Errorf("the server saw run %q node %q, want %s root/s0.t0", ev.RunID, ev.NodeID, r.GetRunId())
 		}
@@ -196,7 +197,7 @@ func TestNodeToolServerThroughTheMesh(t *testing.T) {
 			t.Fatal(err)
 		}
 		id := started.GetRun().GetRunId()
-		call := nextNodeEvent(t, events, "call", "wait", 30*time.Second)
+		call := nodetool.Next(t, events, "call", "wait", 30*time.Second)
 		if call.RunID != id {
 			t.Fatalf("the server's wait is of run %q, want %s", call.RunID, id)
 		}
@@ -205,7 +206,7 @@ func TestNodeToolServerThroughTheMesh(t *testing.T) {
 		if err != nil {
 			t.Fatalf("CancelRun: %v", err)
 		}
-		ev := nextNodeEvent(t, events, "cancelled", "wait", 10*time.Second)
+		ev := nodetool.Next(t, events, "cancelled", "wait", 10*time.Second)
 		lag := ev.AtMS - cancelledAt.UnixMilli()
 		if ev.RunID != id || lag < -1 || lag > 3000 {
 			t.Errorf("the server saw the cancel of run %q %d ms after CancelRun, want %s within 3 s", ev.RunID, lag, id)

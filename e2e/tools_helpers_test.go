@@ -1,10 +1,8 @@
 package e2e
 
 import (
-	"bufio"
 	"bytes"
 	"context"
-	"encoding/json"
 	"io"
 	"net"
 	"os"
@@ -13,7 +11,6 @@ import (
 	"strconv"
 	"strings"
 	"sync"
-	"syscall"
 	"testing"
 	"time"
 
@@ -250,128 +247,6 @@ func (p *cutProxy) close() {
 // The Node ToolService server of examples/node-tool (see
 // services/toolrunner/internal/source/grpctool/node_test.go): scripts/node.sh builds it;
 // without Node.js the tests skip locally (meshproc.Missing) and fail under CI=true.
-
-var (
-	nodeToolOnce sync.Once
-	nodeToolJS   string
-	nodeMissing  string
-	nodeToolErr  string
-)
-
-func nodeTool(t *testing.T) string {
-	t.Helper()
-	nodeToolOnce.Do(func() {
-		if _, err := exec.LookPath("node"); err != nil && os.Getenv("CI") != "true" {
-			nodeMissing = "node is not installed"
-			return
-		}
-		repo, err := meshproc.Repo()
-		if err != nil {
-			nodeToolErr = err.Error()
-			return
-		}
-		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
-		defer cancel()
-		cmd := exec.CommandContext(ctx, "bash", filepath.Join(repo, "scripts", "node.sh"), "node-tool")
-		cmd.Dir = repo
-		if out, err := cmd.CombinedOutput(); err != nil {
-			nodeToolErr = "scripts/node.sh node-tool: " + err.Error() + "\n" + string(out)
-			return
-		}
-		nodeToolJS = filepath.Join(repo, "examples", "node-tool", "dist", "server.js")
-	})
-	if nodeMissing != "" {
-		meshproc.Missing(t, "the Node tool server: %s", nodeMissing)
-	}
-	if nodeToolErr != "" {
-		t.Fatal(nodeToolErr)
-	}
-	return nodeToolJS
-}
-
-// nodeToolEvent is one line the Node server prints: its events, with curfew's metadata of
-// the call as it received it.
-type nodeToolEvent struct {
-	Event      string `json:"event"`
-	Address    string `json:"address"`
-	Tool       string `json:"tool"`
-	RunID      string `json:"runId"`
-	NodeID     string `json:"nodeId"`
-	RetryID    string `json:"retryId"`
-	Deadline   string `json:"deadline"`     // Unix ms, as sent
-	TimeLeftMS *int64 `json:"time_left_ms"` // from grpc-timeout
-	Reason     string `json:"reason"`
-	AtMS       int64  `json:"at_ms"`
-}
-
-// startNodeTool runs the Node server on a free loopback port and returns its address
-// and its events after "listening".
-func startNodeTool(t *testing.T) (string, <-chan nodeToolEvent) {
-	t.Helper()
-	js := nodeTool(t)
-	cmd := exec.Command("node", js, "--listen", "127.0.0.1:0") //nolint:noctx // stopped with SIGTERM at the test's end
-	cmd.Stderr = os.Stderr
-	stdout, err := cmd.StdoutPipe()
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := cmd.Start(); err != nil {
-		t.Fatal(err)
-	}
-	events := make(chan nodeToolEvent, 64)
-	go func() {
-		defer close(events)
-		sc := bufio.NewScanner(stdout)
-		for sc.Scan() {
-			var ev nodeToolEvent
-			if json.Unmarshal(sc.Bytes(), &ev) == nil {
-				events <- ev
-			}
-		}
-	}()
-	t.Cleanup(func() {
-		_ = cmd.Process.Signal(syscall.SIGTERM)
-		done := make(chan struct{})
-		go func() { _ = cmd.Wait(); close(done) }()
-		select {
-		case <-done:
-		case <-time.After(10 * time.Second):
-			_ = cmd.Process.Kill()
-			<-done
-		}
-		for range events { // the reader ends with the process
-		}
-	})
-	select {
-	case ev := <-events:
-		if ev.Event != "listening" || ev.Address == "" {
-			t.Fatalf("first event %+v, want listening", ev)
-		}
-		return ev.Address, events
-	case <-time.After(30 * time.Second):
-		t.Fatal("the Node tool server did not start listening")
-		return "", nil
-	}
-}
-
-// nextNodeEvent returns the next event named name of tool, failing after within.
-func nextNodeEvent(t *testing.T, events <-chan nodeToolEvent, name, tool string, within time.Duration) nodeToolEvent {
-	t.Helper()
-	timeout := time.After(within)
-	for {
-		select {
-		case ev, ok := <-events:
-			if !ok {
-				t.Fatalf("the Node tool server exited before %q", name)
-			}
-			if ev.Event == name && ev.Tool == tool {
-				return ev
-			}
-		case <-timeout:
-			t.Fatalf("no %q event of %s from the Node tool server within %v", name, tool, within)
-		}
-	}
-}
 
 // executeAttempts counts the orchestrator's attempts of toolrunner's Execute with the
 // outcome code ("Unavailable", "OK") that were retries (retry) or first attempts, from

@@ -1,14 +1,9 @@
 package grpctool_test
 
 import (
-	"bufio"
 	"context"
 	"encoding/json"
-	"os"
-	"os/exec"
-	"path/filepath"
 	"sync"
-	"syscall"
 	"testing"
 	"time"
 
@@ -16,137 +11,16 @@ import (
 	"google.golang.org/grpc/status"
 
 	meshv1 "github.com/curfew-mesh/curfew/gen/curfew/mesh/v1"
-	"github.com/curfew-mesh/curfew/internal/meshproc"
+	"github.com/curfew-mesh/curfew/internal/nodetool"
 	"github.com/curfew-mesh/curfew/services/toolrunner/internal/source"
 	"github.com/curfew-mesh/curfew/services/toolrunner/internal/source/grpctool"
 )
 
 // The Node tests run examples/node-tool, a ToolService written in TypeScript on Connect's
-// gRPC protocol, as a real process, and call it through the source. scripts/node.sh
-// installs its pinned dependencies and builds it (and Node.js itself under CI=true);
-// without Node.js they skip locally (meshproc.Missing), and a failed build fails them.
-
-var (
-	nodeToolOnce sync.Once
-	nodeToolJS   string
-	nodeMissing  string // node is not installed: skip locally, fail under CI=true
-	nodeToolErr  string // the build failed: fail
-)
-
-// nodeTool returns the path of the built server (dist/server.js), building it once.
-func nodeTool(t *testing.T) string {
-	t.Helper()
-	nodeToolOnce.Do(func() {
-		// Under CI=true scripts/node.sh installs Node.js when it is missing.
-		if _, err := exec.LookPath("node"); err != nil && os.Getenv("CI") != "true" {
-			nodeMissing = "node is not installed"
-			return
-		}
-		repo, err := meshproc.Repo()
-		if err != nil {
-			nodeToolErr = err.Error()
-			return
-		}
-		ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
-		defer cancel()
-		cmd := exec.CommandContext(ctx, "bash", filepath.Join(repo, "scripts", "node.sh"), "node-tool")
-		cmd.Dir = repo
-		if out, err := cmd.CombinedOutput(); err != nil {
-			nodeToolErr = "scripts/node.sh node-tool: " + err.Error() + "\n" + string(out)
-			return
-		}
-		nodeToolJS = filepath.Join(repo, "examples", "node-tool", "dist", "server.js")
-	})
-	if nodeMissing != "" {
-		meshproc.Missing(t, "the Node tool server: %s", nodeMissing)
-	}
-	if nodeToolErr != "" {
-		t.Fatal(nodeToolErr)
-	}
-	return nodeToolJS
-}
-
-// nodeEvent is one line the server prints.
-type nodeEvent struct {
-	Event   string `json:"event"`
-	Address string `json:"address"`
-	Tool    string `json:"tool"`
-	RetryID string `json:"retryId"`
-	Reason  string `json:"reason"`
-	AtMS    int64  `json:"at_ms"`
-}
-
-// startNodeTool runs the server on a free loopback port and returns its address and its
-// events after the first.
-func startNodeTool(t *testing.T) (string, <-chan nodeEvent) {
-	t.Helper()
-	js := nodeTool(t)
-	cmd := exec.Command("node", js, "--listen", "127.0.0.1:0")
-	cmd.Stderr = os.Stderr
-	stdout, err := cmd.StdoutPipe()
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := cmd.Start(); err != nil {
-		t.Fatal(err)
-	}
-	events := make(chan nodeEvent, 64)
-	go func() {
-		defer close(events)
-		sc := bufio.NewScanner(stdout)
-		for sc.Scan() {
-			var ev nodeEvent
-			if json.Unmarshal(sc.Bytes(), &ev) == nil {
-				events <- ev
-			}
-		}
-	}()
-	t.Cleanup(func() {
-		_ = cmd.Process.Signal(syscall.SIGTERM)
-		done := make(chan struct{})
-		go func() { _ = cmd.Wait(); close(done) }()
-		select {
-		case <-done:
-		case <-time.After(10 * time.Second):
-			_ = cmd.Process.Kill()
-			<-done
-		}
-		for range events { // the reader ends with the process
-		}
-	})
-	select {
-	case ev := <-events:
-		if ev.Event != "listening" || ev.Address == "" {
-			t.Fatalf("first event %+v, want listening", ev)
-		}
-		return ev.Address, events
-	case <-time.After(30 * time.Second):
-		t.Fatal("the Node tool server did not start listening")
-		return "", nil
-	}
-}
-
-// next returns the next event named name, failing after within.
-func next(t *testing.T, events <-chan nodeEvent, name string, within time.Duration) nodeEvent {
-	t.Helper()
-	timeout := time.After(within)
-	for {
-		select {
-		case ev, ok := <-events:
-			if !ok {
-				t.Fatalf("the Node tool server exited before %q", name)
-			}
-			if ev.Event == name {
-				return ev
-			}
-		case <-timeout:
-			t.Fatalf("no %q event from the Node tool server within %v", name, within)
-		}
-	}
-}
+// gRPC protocol, as a real process (package nodetool), and call it through the source.
 
 func TestNodeToolServer(t *testing.T) {
-	addr, events := startNodeTool(t)
+	addr, events := nodetool.Start(t)
 	src := open(t, addr, grpctool.Options{})
 	ctx := context.Background()
 
@@ -220,7 +94,7 @@ func TestNodeToolServer(t *testing.T) {
 		case <-time.After(30 * time.Second):
 			t.Fatal("Call did not return")
 		}
-		ev := next(t, events, "cancelled", 10*time.Second)
+		ev := nodetool.Next(t, events, "cancelled", "", 10*time.Second)
 		// The server saw the reset: no sooner than the cancel (ms rounding), within 2 s.
 		mu.Lock()
 		lag := ev.AtMS - cancelledAt.UnixMilli()
