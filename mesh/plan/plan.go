@@ -173,7 +173,7 @@ type SpawnArgs struct {
 	// Tools, when not empty, are the only tools the nested loop may use.
 	Tools []string `json:"tools,omitempty"`
 	// MaxTokens bounds each of the nested loop's model steps; 0: the provider's default.
-	MaxTokens int `json:"max_tokens,omitempty"`
+	MaxTokens int32 `json:"max_tokens,omitempty"`
 	// Reserve is the time the caller keeps after the nested loop (see ParseReserve).
 	Reserve string `json:"reserve,omitempty"`
 }

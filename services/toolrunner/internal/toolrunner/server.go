@@ -316,7 +316,7 @@ func (s *Server) prepare(ctx context.Context, req *toolrunnerv1.ExecuteRequest, 
 		}
 		return func(ctx context.Context) (string, *meshv1.Cleanup, error) {
 			return s.spawn(ctx, &subagentv1.SpawnRequest{Task: a.SpawnTask(), Model: a.Model, Tools: a.Tools,
-				MaxTokens: int32(a.MaxTokens), Reserve: a.Reserve}, emit, event) // validated: MaxTokens fits
+				MaxTokens: a.MaxTokens, Reserve: a.Reserve}, emit, event)
 
 		}, nil
 	}
