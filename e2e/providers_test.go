@@ -157,8 +157,9 @@ func TestProvidersOverRealProcesses(t *testing.T) {
 
 	t.Run("model drives tools", func(t *testing.T) {
 		ups["primary"].enqueue(t,
-			`{"content": ["Let", " me", " wait"], "tool_calls": [{"id": "call_1", "name": "sleep", "arguments": "{\"ms\": 30}", "fragments": 2}], "finish_reason": "tool_calls"}`,
-			`{"content": ["waited", " 30", " ms"]}`)
+			`{"content": ["Let", " me", " wait"], "tool_calls": [{"id": "call_1", "name": "sleep", "arguments": "{\"ms\": 30}", "fragments": 2}], "finish_reason": "tool_calls",
+			  "usage": {"prompt_tokens": 100, "completion_tokens": 5}}`,
+			`{"content": ["waited", " 30", " ms"], "usage": {"prompt_tokens": 120, "completion_tokens": 3}}`)
 		oc, err := m.Orchestrator()
 		if err != nil {
 			t.Fatal(err)
@@ -187,6 +188,10 @@ func TestProvidersOverRealProcesses(t *testing.T) {
 		}
 		if n := nm["root/s0.t0"]; n.GetName() != "sleep" || n.GetStatus() != meshv1.NodeStatus_NODE_STATUS_SUCCEEDED {
 			t.Fatalf("tool node = %v\n%s", n, dump(fin))
+		}
+		// The provider's usage.prompt_tokens is each model node's prompt_tokens.
+		if p0, p1 := nm["root/m0"].GetPromptTokens(), nm["root/m1"].GetPromptTokens(); p0 != 100 || p1 != 120 || fin.GetPromptTokens() != 220 {
+			t.Fatalf("prompt tokens root/m0 %d, root/m1 %d, run %d: want the usage's 100, 120 and their sum", p0, p1, fin.GetPromptTokens())
 		}
 		calls := ups["primary"].calls(t)
 		if len(calls) < 2 {

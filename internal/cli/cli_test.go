@@ -91,7 +91,7 @@ func TestPrintSummary(t *testing.T) {
 	now := time.Now()
 	r := &orchestratorv1.Run{RunId: "r1", Status: orchestratorv1.RunStatus_RUN_STATUS_CANCELLED,
 		Cause: meshv1.CancelCause_CANCEL_CAUSE_CLIENT_DISCONNECT, Deadline: timestamppb.New(now.Add(time.Second)),
-		CancelledAt: timestamppb.New(now), Tokens: 41, TokensAfterCancel: 1, ErrorCode: "CANCELLED", ErrorMessage: "client disconnected",
+		CancelledAt: timestamppb.New(now), Tokens: 41, TokensAfterCancel: 1, PromptTokens: 9, ErrorCode: "CANCELLED", ErrorMessage: "client disconnected",
 		Nodes: []*meshv1.Node{
 			{Id: "root", Kind: meshv1.NodeKind_NODE_KIND_RUN, Status: meshv1.NodeStatus_NODE_STATUS_CANCELLED, Cause: meshv1.CancelCause_CANCEL_CAUSE_CLIENT_DISCONNECT},
 			{Id: "root/m0", Kind: meshv1.NodeKind_NODE_KIND_MODEL, Status: meshv1.NodeStatus_NODE_STATUS_SUCCEEDED, Tokens: 40, TokensAtCancel: 40},
@@ -101,7 +101,7 @@ func TestPrintSummary(t *testing.T) {
 	var b bytes.Buffer
 	printSummary(&b, r)
 	out := b.String()
-	for _, want := range []string{"run r1  cancelled (cause client_disconnect)", "tokens 41   tokens after cancel 1",
+	for _, want := range []string{"run r1  cancelled (cause client_disconnect)", "tokens 41   tokens after cancel 1   prompt tokens 9",
 		"root/m0", "succeeded         -", `cleanup "abort deploy job 1" completed in 300ms`} {
 		if !strings.Contains(out, want) {
 			t.Errorf("summary lacks %q:\n%s", want, out)

@@ -532,7 +532,7 @@ func printSummary(w io.Writer, r *orchestratorv1.Run) {
 	if r.GetCancelledAt() != nil {
 		fmt.Fprintf(w, "   cancelled at %s", r.GetCancelledAt().AsTime().Local().Format("15:04:05.000"))
 	}
-	fmt.Fprintf(w, "   tokens %d   tokens after cancel %d\n", r.GetTokens(), r.GetTokensAfterCancel())
+	fmt.Fprintf(w, "   tokens %d   tokens after cancel %d   prompt tokens %d\n", r.GetTokens(), r.GetTokensAfterCancel(), r.GetPromptTokens())
 	if len(r.GetNodes()) > 0 {
 		fmt.Fprintf(w, "%-34s %-9s %-17s %-18s %7s %9s %8s %9s\n", "NODE", "KIND", "STATUS", "CAUSE", "TOKENS", "AT_CANCEL", "AFTER", "RAN")
 	}

@@ -34,10 +34,12 @@ type Timeline struct {
 	// run was not cancelled.
 	CancelMS *float64 `json:"cancel_ms,omitempty"`
 	// EndedMS is when the run's summary was complete.
-	EndedMS           *float64       `json:"ended_ms,omitempty"`
-	Tokens            int64          `json:"tokens"`
-	TokensAfterCancel int64          `json:"tokens_after_cancel"`
-	Nodes             []TimelineNode `json:"nodes"`
+	EndedMS           *float64 `json:"ended_ms,omitempty"`
+	Tokens            int64    `json:"tokens"`
+	TokensAfterCancel int64    `json:"tokens_after_cancel"`
+	// PromptTokens is the run's prompt (input) tokens; Tokens counts output tokens.
+	PromptTokens int64          `json:"prompt_tokens"`
+	Nodes        []TimelineNode `json:"nodes"`
 }
 
 // TimelineNode is one node of a Timeline.
@@ -62,7 +64,9 @@ type TimelineNode struct {
 	LeftMS            *float64 `json:"left_ms,omitempty"`
 	Tokens            int64    `json:"tokens"`
 	TokensAfterCancel int64    `json:"tokens_after_cancel"`
-	Attempts          int      `json:"attempts"`
+	// PromptTokens is a model node's prompt (input) tokens.
+	PromptTokens int64 `json:"prompt_tokens,omitempty"`
+	Attempts     int   `json:"attempts"`
 }
 
 func cmdTrace(ctx context.Context, args []string, stdout, stderr io.Writer) int {
@@ -109,7 +113,7 @@ func NewTimeline(r *orchestratorv1.Run) *Timeline {
 	tl := &Timeline{
 		RunID: r.GetRunId(), Status: lower(r.GetStatus().String(), "RUN_STATUS_"), StartedAt: zero.UTC().Format(time.RFC3339Nano),
 		DeadlineMS: rel(r.GetDeadline()), CancelMS: rel(r.GetCancelledAt()), EndedMS: rel(r.GetEndedAt()),
-		Tokens: r.GetTokens(), TokensAfterCancel: r.GetTokensAfterCancel(), Nodes: []TimelineNode{},
+		Tokens: r.GetTokens(), TokensAfterCancel: r.GetTokensAfterCancel(), PromptTokens: r.GetPromptTokens(), Nodes: []TimelineNode{},
 	}
 	if c := r.GetCause(); c != meshv1.CancelCause_CANCEL_CAUSE_UNSPECIFIED {
 		tl.Cause = causeName(c)
@@ -119,7 +123,7 @@ func NewTimeline(r *orchestratorv1.Run) *Timeline {
 			ID: n.GetId(), Depth: strings.Count(n.GetId(), "/"), Kind: lower(n.GetKind().String(), "NODE_KIND_"), Name: n.GetName(),
 			Status: lower(n.GetStatus().String(), "NODE_STATUS_"), StartMS: rel(n.GetStartedAt()), EndMS: rel(n.GetEndedAt()),
 			CancelledMS: rel(n.GetCancelledAt()), DeadlineMS: rel(n.GetDeadline()),
-			Tokens: n.GetTokens(), TokensAfterCancel: n.GetTokensAfterCancel(), Attempts: len(n.GetEarlierAttempts()) + 1,
+			Tokens: n.GetTokens(), TokensAfterCancel: n.GetTokensAfterCancel(), PromptTokens: n.GetPromptTokens(), Attempts: len(n.GetEarlierAttempts()) + 1,
 		}
 		if c := n.GetCause(); c != meshv1.CancelCause_CANCEL_CAUSE_UNSPECIFIED {
 			tn.Cause = causeName(c)
@@ -161,7 +165,8 @@ func printTimeline(w io.Writer, tl *Timeline, width int) {
 		fmt.Fprintf(w, " (cause %s)", tl.Cause)
 	}
 	fmt.Fprintf(w, "  started %s\n", tl.StartedAt)
-	fmt.Fprintf(w, "deadline %s   cancel %s   tokens %d   tokens after cancel %d\n", fmtMS(tl.DeadlineMS), fmtMS(tl.CancelMS), tl.Tokens, tl.TokensAfterCancel)
+	fmt.Fprintf(w, "deadline %s   cancel %s   tokens %d   tokens after cancel %d   prompt tokens %d\n", fmtMS(tl.DeadlineMS), fmtMS(tl.CancelMS),
+		tl.Tokens, tl.TokensAfterCancel, tl.PromptTokens)
 
 	// The axis spans the run's activity: up to the last end or the cancel, and the
 	// deadline too unless it lies far beyond (more than 4 times as far: a 10-minute

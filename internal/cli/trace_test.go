@@ -24,13 +24,13 @@ func traceRun() *orchestratorv1.Run {
 	}
 	return &orchestratorv1.Run{RunId: "r1", Status: orchestratorv1.RunStatus_RUN_STATUS_CANCELLED,
 		Cause: meshv1.CancelCause_CANCEL_CAUSE_OPERATOR, CreatedAt: at(0), Deadline: at(4000), CancelledAt: at(1000), EndedAt: at(1020),
-		Tokens: 41, TokensAfterCancel: 1,
+		Tokens: 41, TokensAfterCancel: 1, PromptTokens: 12,
 		Nodes: []*meshv1.Node{
 			{Id: "root", Kind: meshv1.NodeKind_NODE_KIND_RUN, Name: "run", Status: meshv1.NodeStatus_NODE_STATUS_CANCELLED,
 				Cause: meshv1.CancelCause_CANCEL_CAUSE_OPERATOR, StartedAt: at(0), EndedAt: at(1010), Deadline: at(4000)},
 			{Id: "root/m0", Kind: meshv1.NodeKind_NODE_KIND_MODEL, Name: "sim", Status: meshv1.NodeStatus_NODE_STATUS_CANCELLED,
 				Cause: meshv1.CancelCause_CANCEL_CAUSE_OPERATOR, StartedAt: at(10), EndedAt: at(1005), CancelledAt: at(1005), Deadline: at(4000),
-				Tokens: 41, TokensAtCancel: 40, TokensAfterCancel: 1},
+				Tokens: 41, TokensAtCancel: 40, TokensAfterCancel: 1, PromptTokens: 12},
 			{Id: "root/s0.t0", Kind: meshv1.NodeKind_NODE_KIND_TOOL, Name: "fail", Status: meshv1.NodeStatus_NODE_STATUS_SUCCEEDED,
 				StartedAt: at(200), EndedAt: at(400), Deadline: at(4000), EarlierAttempts: []*meshv1.AttemptRecord{{Attempt: 1}}},
 			{Id: "root/s0.t1/sub", Kind: meshv1.NodeKind_NODE_KIND_SUBAGENT, Name: "subagent", Status: meshv1.NodeStatus_NODE_STATUS_RUNNING,
@@ -41,7 +41,7 @@ func traceRun() *orchestratorv1.Run {
 func TestNewTimeline(t *testing.T) {
 	tl := NewTimeline(traceRun())
 	if tl.RunID != "r1" || tl.Status != "cancelled" || tl.Cause != "operator" || *tl.CancelMS != 1000 || *tl.DeadlineMS != 4000 ||
-		*tl.EndedMS != 1020 || tl.StartedAt != "2026-12-01T10:00:00Z" || tl.Tokens != 41 || tl.TokensAfterCancel != 1 {
+		*tl.EndedMS != 1020 || tl.StartedAt != "2026-12-01T10:00:00Z" || tl.Tokens != 41 || tl.TokensAfterCancel != 1 || tl.PromptTokens != 12 || tl.Nodes[1].PromptTokens != 12 {
 		t.Fatalf("run figures: %+v", tl)
 	}
 	if len(tl.Nodes) != 4 {
@@ -85,7 +85,7 @@ func TestPrintTimeline(t *testing.T) {
 	printTimeline(&b, NewTimeline(traceRun()), 41)
 	out := b.String()
 	lines := strings.Split(strings.TrimRight(out, "\n"), "\n")
-	for _, want := range []string{"run r1  cancelled (cause operator)", "deadline +4000ms   cancel +1000ms   tokens 41   tokens after cancel 1",
+	for _, want := range []string{"run r1  cancelled (cause operator)", "deadline +4000ms   cancel +1000ms   tokens 41   tokens after cancel 1   prompt tokens 12",
 		"AFTER_CANCEL", "0 .. 4000ms"} {
 		if !strings.Contains(out, want) {
 			t.Errorf("timeline lacks %q:\n%s", want, out)

@@ -165,7 +165,8 @@ type Ledger interface {
 	// already present (or earlier in es) is skipped. An invalid entry appends none of
 	// them (ErrInvalidArgument).
 	AddTokens(ctx context.Context, es ...LedgerEntry) (added int, err error)
-	// TokenUsage sums the run's entries, in total and per node.
+	// TokenUsage sums the run's entries, in total and per node, the prompt entries
+	// (KindPrompt) apart.
 	TokenUsage(ctx context.Context, tenant, runID string) (Usage, error)
 }
 

@@ -277,7 +277,7 @@ type LedgerEntry struct {
 	RunID  string
 	NodeID string
 	Tokens int64
-	Kind   string // optional: "output", "orphan", ...
+	Kind   string // optional: "output", "orphan", KindPrompt, ...
 	// RetryID and Provider attribute the tokens further: the logical call (its
 	// curfew-retry-id) and the provider that decoded them ("sim" for the built-in model).
 	RetryID  string
@@ -286,11 +286,18 @@ type LedgerEntry struct {
 	At       time.Time // zero: the store's clock
 }
 
+// KindPrompt is the Kind of ledger entries that count prompt (input) tokens. Usage sums
+// them apart: Total, ByNode and ByProvider count the other (output) entries.
+const KindPrompt = "prompt"
+
 // Usage is a run's token spend.
 type Usage struct {
 	Total      int64
 	ByNode     map[string]int64
 	ByProvider map[string]int64 // "" for entries that named none
+	// Prompt and PromptByNode sum the entries of kind KindPrompt.
+	Prompt       int64
+	PromptByNode map[string]int64
 }
 
 // WaitTool polls the record under key until it is no longer in progress with a live

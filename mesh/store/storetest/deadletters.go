@@ -217,8 +217,22 @@ var ledgerTests = map[string]func(*env){
 		if u.ByProvider["sim"] != 120 || u.ByProvider["openai"] != 400 || u.ByProvider[""] != 160 || len(u.ByProvider) != 3 {
 			e.t.Fatalf("usage by provider %+v", u.ByProvider)
 		}
+		if u.Prompt != 0 || len(u.PromptByNode) != 0 {
+			e.t.Fatalf("prompt usage %+v without prompt entries", u)
+		}
+		// Prompt entries are summed apart from the output ones.
+		add(store.LedgerEntry{Tenant: tenantA, RunID: "run-1", NodeID: "root", Tokens: 33, Kind: store.KindPrompt, Key: "run-1/root/0/prompt", Provider: "sim"}, true)
+		add(store.LedgerEntry{Tenant: tenantA, RunID: "run-1", NodeID: "root/sub-1", Tokens: 5, Kind: store.KindPrompt, Provider: "openai"}, true)
+		add(store.LedgerEntry{Tenant: tenantA, RunID: "run-1", NodeID: "root/sub-1", Tokens: 6, Kind: store.KindPrompt, Provider: "openai"}, true)
+		u, err = e.s.TokenUsage(e.ctx, tenantA, "run-1")
+		if err != nil || u.Total != 680 || u.ByNode["root"] != 280 || u.ByProvider["sim"] != 120 || u.ByProvider["openai"] != 400 {
+			e.t.Fatalf("usage with prompt entries %+v %v: output figures must not change", u, err)
+		}
+		if u.Prompt != 44 || u.PromptByNode["root"] != 33 || u.PromptByNode["root/sub-1"] != 11 || len(u.PromptByNode) != 2 {
+			e.t.Fatalf("prompt usage %+v, want 33 + 5 + 6", u)
+		}
 		u, _ = e.s.TokenUsage(e.ctx, tenantB, "run-1")
-		if u.Total != 9 {
+		if u.Total != 9 || u.Prompt != 0 {
 			e.t.Fatalf("tenant B usage %+v", u)
 		}
 		u, err = e.s.TokenUsage(e.ctx, tenantA, "none")

@@ -340,10 +340,15 @@ type Node struct {
 	// Model nodes: the provider and model that answered (empty for the sim model and
 	// before an answer), whether the response cache answered, and the providers tried
 	// before it, in order, with why each did not answer.
-	Provider      string      `protobuf:"bytes,19,opt,name=provider,proto3" json:"provider,omitempty"`
-	ServedModel   string      `protobuf:"bytes,20,opt,name=served_model,json=servedModel,proto3" json:"served_model,omitempty"`
-	Cached        bool        `protobuf:"varint,21,opt,name=cached,proto3" json:"cached,omitempty"`
-	Fallbacks     []*Fallback `protobuf:"bytes,22,rep,name=fallbacks,proto3" json:"fallbacks,omitempty"`
+	Provider    string      `protobuf:"bytes,19,opt,name=provider,proto3" json:"provider,omitempty"`
+	ServedModel string      `protobuf:"bytes,20,opt,name=served_model,json=servedModel,proto3" json:"served_model,omitempty"`
+	Cached      bool        `protobuf:"varint,21,opt,name=cached,proto3" json:"cached,omitempty"`
+	Fallbacks   []*Fallback `protobuf:"bytes,22,rep,name=fallbacks,proto3" json:"fallbacks,omitempty"`
+	// Model nodes: the prompt (input) tokens the node's decoders were charged, as the
+	// provider's usage reported them (the sim model counts one token per word of the
+	// request's messages). A stream that ended before the provider reported its usage adds
+	// none. Not part of tokens, which counts output tokens only.
+	PromptTokens  int64 `protobuf:"varint,23,opt,name=prompt_tokens,json=promptTokens,proto3" json:"prompt_tokens,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -530,6 +535,13 @@ func (x *Node) GetFallbacks() []*Fallback {
 		return x.Fallbacks
 	}
 	return nil
+}
+
+func (x *Node) GetPromptTokens() int64 {
+	if x != nil {
+		return x.PromptTokens
+	}
+	return 0
 }
 
 // NodeEvent is something that happened inside a running node that is not a change of
@@ -1207,7 +1219,7 @@ const file_curfew_mesh_v1_mesh_proto_rawDesc = "" +
 	"\n" +
 	"started_at\x18\x04 \x01(\v2\x1a.google.protobuf.TimestampR\tstartedAt\x125\n" +
 	"\bended_at\x18\x05 \x01(\v2\x1a.google.protobuf.TimestampR\aendedAt\x121\n" +
-	"\x06budget\x18\x06 \x01(\v2\x19.google.protobuf.DurationR\x06budget\"\x9f\a\n" +
+	"\x06budget\x18\x06 \x01(\v2\x19.google.protobuf.DurationR\x06budget\"\xc4\a\n" +
 	"\x04Node\x12\x0e\n" +
 	"\x02id\x18\x01 \x01(\tR\x02id\x12,\n" +
 	"\x04kind\x18\x02 \x01(\x0e2\x18.curfew.mesh.v1.NodeKindR\x04kind\x12\x12\n" +
@@ -1233,7 +1245,8 @@ const file_curfew_mesh_v1_mesh_proto_rawDesc = "" +
 	"\bprovider\x18\x13 \x01(\tR\bprovider\x12!\n" +
 	"\fserved_model\x18\x14 \x01(\tR\vservedModel\x12\x16\n" +
 	"\x06cached\x18\x15 \x01(\bR\x06cached\x126\n" +
-	"\tfallbacks\x18\x16 \x03(\v2\x18.curfew.mesh.v1.FallbackR\tfallbacks\"\xc1\x01\n" +
+	"\tfallbacks\x18\x16 \x03(\v2\x18.curfew.mesh.v1.FallbackR\tfallbacks\x12#\n" +
+	"\rprompt_tokens\x18\x17 \x01(\x03R\fpromptTokens\"\xc1\x01\n" +
 	"\tNodeEvent\x12\x17\n" +
 	"\anode_id\x18\x01 \x01(\tR\x06nodeId\x12*\n" +
 	"\x02at\x18\x02 \x01(\v2\x1a.google.protobuf.TimestampR\x02at\x126\n" +

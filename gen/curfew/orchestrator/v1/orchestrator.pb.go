@@ -213,10 +213,12 @@ type Run struct {
 	// Every node of the tree, the run's root first.
 	Nodes []*v1.Node `protobuf:"bytes,12,rep,name=nodes,proto3" json:"nodes,omitempty"`
 	// Sums over nodes.
-	Tokens            int64  `protobuf:"varint,13,opt,name=tokens,proto3" json:"tokens,omitempty"`
-	TokensAfterCancel int64  `protobuf:"varint,14,opt,name=tokens_after_cancel,json=tokensAfterCancel,proto3" json:"tokens_after_cancel,omitempty"`
-	Model             string `protobuf:"bytes,15,opt,name=model,proto3" json:"model,omitempty"`
-	Task              string `protobuf:"bytes,16,opt,name=task,proto3" json:"task,omitempty"`
+	Tokens            int64 `protobuf:"varint,13,opt,name=tokens,proto3" json:"tokens,omitempty"`
+	TokensAfterCancel int64 `protobuf:"varint,14,opt,name=tokens_after_cancel,json=tokensAfterCancel,proto3" json:"tokens_after_cancel,omitempty"`
+	// Sum of the nodes' prompt_tokens (input tokens; tokens counts output tokens).
+	PromptTokens int64  `protobuf:"varint,20,opt,name=prompt_tokens,json=promptTokens,proto3" json:"prompt_tokens,omitempty"`
+	Model        string `protobuf:"bytes,15,opt,name=model,proto3" json:"model,omitempty"`
+	Task         string `protobuf:"bytes,16,opt,name=task,proto3" json:"task,omitempty"`
 	// The StartRun idempotency key the run was started with, if any.
 	IdempotencyKey string `protobuf:"bytes,17,opt,name=idempotency_key,json=idempotencyKey,proto3" json:"idempotency_key,omitempty"`
 	// How many times the run was claimed by an orchestrator: 1 for a run that was never
@@ -353,6 +355,13 @@ func (x *Run) GetTokens() int64 {
 func (x *Run) GetTokensAfterCancel() int64 {
 	if x != nil {
 		return x.TokensAfterCancel
+	}
+	return 0
+}
+
+func (x *Run) GetPromptTokens() int64 {
+	if x != nil {
+		return x.PromptTokens
 	}
 	return 0
 }
@@ -1516,7 +1525,7 @@ var File_curfew_orchestrator_v1_orchestrator_proto protoreflect.FileDescriptor
 
 const file_curfew_orchestrator_v1_orchestrator_proto_rawDesc = "" +
 	"\n" +
-	")curfew/orchestrator/v1/orchestrator.proto\x12\x16curfew.orchestrator.v1\x1a\x19curfew/mesh/v1/mesh.proto\x1a\x1egoogle/protobuf/duration.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"\xfc\x05\n" +
+	")curfew/orchestrator/v1/orchestrator.proto\x12\x16curfew.orchestrator.v1\x1a\x19curfew/mesh/v1/mesh.proto\x1a\x1egoogle/protobuf/duration.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"\xa1\x06\n" +
 	"\x03Run\x12\x15\n" +
 	"\x06run_id\x18\x01 \x01(\tR\x05runId\x12\x16\n" +
 	"\x06tenant\x18\x02 \x01(\tR\x06tenant\x129\n" +
@@ -1534,7 +1543,8 @@ const file_curfew_orchestrator_v1_orchestrator_proto_rawDesc = "" +
 	"\rerror_message\x18\v \x01(\tR\ferrorMessage\x12*\n" +
 	"\x05nodes\x18\f \x03(\v2\x14.curfew.mesh.v1.NodeR\x05nodes\x12\x16\n" +
 	"\x06tokens\x18\r \x01(\x03R\x06tokens\x12.\n" +
-	"\x13tokens_after_cancel\x18\x0e \x01(\x03R\x11tokensAfterCancel\x12\x14\n" +
+	"\x13tokens_after_cancel\x18\x0e \x01(\x03R\x11tokensAfterCancel\x12#\n" +
+	"\rprompt_tokens\x18\x14 \x01(\x03R\fpromptTokens\x12\x14\n" +
 	"\x05model\x18\x0f \x01(\tR\x05model\x12\x12\n" +
 	"\x04task\x18\x10 \x01(\tR\x04task\x12'\n" +
 	"\x0fidempotency_key\x18\x11 \x01(\tR\x0eidempotencyKey\x12\x14\n" +

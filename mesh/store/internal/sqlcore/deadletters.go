@@ -207,20 +207,25 @@ func (s *Store) AddTokens(ctx context.Context, es ...store.LedgerEntry) (int, er
 
 // TokenUsage implements store.Ledger.
 func (s *Store) TokenUsage(ctx context.Context, tenant, runID string) (store.Usage, error) {
-	rows, err := s.d.Read().Query(ctx, `SELECT node_id, provider, CAST(SUM(tokens) AS BIGINT) FROM token_ledger
-		WHERE tenant = $1 AND run_id = $2 GROUP BY node_id, provider`, tenant, runID)
+	rows, err := s.d.Read().Query(ctx, `SELECT node_id, provider, kind, CAST(SUM(tokens) AS BIGINT) FROM token_ledger
+		WHERE tenant = $1 AND run_id = $2 GROUP BY node_id, provider, kind`, tenant, runID)
 	if err != nil {
 		return store.Usage{}, err
 	}
 	defer rows.Close()
-	u := store.Usage{ByNode: map[string]int64{}, ByProvider: map[string]int64{}}
+	u := store.Usage{ByNode: map[string]int64{}, ByProvider: map[string]int64{}, PromptByNode: map[string]int64{}}
 	for rows.Next() {
 		var (
-			node, provider string
-			n              int64
+			node, provider, kind string
+			n                    int64
 		)
-		if err := rows.Scan(&node, &provider, &n); err != nil {
+		if err := rows.Scan(&node, &provider, &kind, &n); err != nil {
 			return store.Usage{}, err
+		}
+		if kind == store.KindPrompt {
+			u.PromptByNode[node] += n
+			u.Prompt += n
+			continue
 		}
 		u.ByNode[node] += n
 		u.ByProvider[provider] += n

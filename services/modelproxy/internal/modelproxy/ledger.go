@@ -5,14 +5,40 @@ import (
 	"time"
 )
 
-// Ledger records the instant of every token a decoder emitted, by run and node.
+// Ledger records the instant of every token a decoder emitted, and the prompt (input)
+// tokens its decoders were charged, by run and node.
 type Ledger struct {
-	mu   sync.Mutex
-	runs map[string]map[string][]int64 // run → node → unix nanos, in emission order
+	mu     sync.Mutex
+	runs   map[string]map[string][]int64 // run → node → unix nanos, in emission order
+	prompt map[string]map[string]int64   // run → node → prompt tokens
 }
 
 // NewLedger returns an empty ledger.
-func NewLedger() *Ledger { return &Ledger{runs: make(map[string]map[string][]int64)} }
+func NewLedger() *Ledger {
+	return &Ledger{runs: make(map[string]map[string][]int64), prompt: make(map[string]map[string]int64)}
+}
+
+// RecordPrompt adds n prompt tokens charged to the node.
+func (l *Ledger) RecordPrompt(run, node string, n int64) {
+	if n <= 0 {
+		return
+	}
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	m := l.prompt[run]
+	if m == nil {
+		m = make(map[string]int64)
+		l.prompt[run] = m
+	}
+	m[node] += n
+}
+
+// Prompt returns the prompt tokens charged to the node.
+func (l *Ledger) Prompt(run, node string) int64 {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.prompt[run][node]
+}
 
 // Record adds one token emitted at instant at.
 func (l *Ledger) Record(run, node string, at time.Time) {
@@ -69,15 +95,21 @@ func (l *Ledger) Forget(run string) {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	delete(l.runs, run)
+	delete(l.prompt, run)
 }
 
 // Runs returns the runs the ledger holds.
 func (l *Ledger) Runs() []string {
 	l.mu.Lock()
 	defer l.mu.Unlock()
-	out := make([]string, 0, len(l.runs))
+	out := make([]string, 0, len(l.runs)+len(l.prompt))
 	for r := range l.runs {
 		out = append(out, r)
+	}
+	for r := range l.prompt {
+		if _, ok := l.runs[r]; !ok {
+			out = append(out, r)
+		}
 	}
 	return out
 }

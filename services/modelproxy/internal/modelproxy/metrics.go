@@ -16,6 +16,7 @@ const SimProvider = "sim"
 // decoder starts), and provider is sim or a configured provider.
 type Metrics struct {
 	tokens  *prometheus.CounterVec
+	prompt  *prometheus.CounterVec
 	orphans *prometheus.CounterVec
 
 	mu      sync.Mutex
@@ -30,6 +31,10 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 			Name: "curfew_model_tokens_total",
 			Help: "Output tokens decoders emitted, as the token ledger recorded them, by model (sim or an alias) and the provider that decoded them.",
 		}, []string{"model", "provider"}),
+		prompt: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "curfew_model_prompt_tokens_total",
+			Help: "Prompt (input) tokens decoders were charged, as the provider's usage reported them (the sim model counts one per word of the request's messages), by model and provider.",
+		}, []string{"model", "provider"}),
 		orphans: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "curfew_model_orphan_tokens_total",
 			Help: "Output tokens emitted after the run's cancel instant (tokens_after_cancel), by model and provider; counted once per node when the run's summary is assembled. Should stay at 0.",
@@ -37,9 +42,10 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 		handles: map[[2]string]prometheus.Counter{},
 	}
 	m.tokens.WithLabelValues(SimModel, SimProvider)
+	m.prompt.WithLabelValues(SimModel, SimProvider)
 	m.orphans.WithLabelValues(SimModel, SimProvider)
 	if reg != nil {
-		reg.MustRegister(m.tokens, m.orphans)
+		reg.MustRegister(m.tokens, m.prompt, m.orphans)
 	}
 	return m
 }
@@ -65,6 +71,14 @@ func (m *Metrics) addTokens(model, provider string, n int) {
 	if c := m.counter(model, provider); c != nil && n > 0 {
 		c.Add(float64(n))
 	}
+}
+
+// addPrompt counts n prompt tokens of model charged by provider.
+func (m *Metrics) addPrompt(model, provider string, n int64) {
+	if m == nil || n <= 0 {
+		return
+	}
+	m.prompt.WithLabelValues(model, provider).Add(float64(n))
 }
 
 // summarized counts a decoder node's orphan tokens once the run's summary lists it.

@@ -30,8 +30,8 @@ func TestTokenMetrics(t *testing.T) {
 	})
 	tokens := srv.Metrics.tokens.WithLabelValues(SimModel, SimProvider)
 	orphans := srv.Metrics.orphans.WithLabelValues(SimModel, SimProvider)
-	if n := testutil.CollectAndCount(reg); n != 2 {
-		t.Fatalf("%d series before any decode, want sim's 2 at 0", n)
+	if n := testutil.CollectAndCount(reg); n != 3 {
+		t.Fatalf("%d series before any decode, want sim's 3 at 0 (output, prompt, orphan)", n)
 	}
 	before := time.Now()
 	ctx, cancel := context.WithTimeout(ident("r-tok", "root/m0"), 10*time.Second)

@@ -58,6 +58,7 @@ type spend struct {
 	run, node string
 	keep      bool    // persisted: keep the instants
 	at        []int64 // unix nanos of the decoder's tokens
+	prompted  int64   // prompt tokens charged
 	cancelled atomic.Int64
 	done      chan struct{} // closed once the cancel instant is stored
 	stop      func() bool
@@ -90,12 +91,23 @@ func (d *spend) record(at time.Time, n int) {
 	}
 }
 
+// prompt adds the n prompt tokens the provider charged the decoder's request.
+func (d *spend) prompt(n int64) {
+	if n <= 0 {
+		return
+	}
+	d.ledger.RecordPrompt(d.run, d.node, n)
+	if d.keep {
+		d.prompted += n
+	}
+}
+
 // end stops watching the context and returns the decoder's tokens split at the instant
-// its context was cancelled: all of them are output when it was not. Without a shared
-// store it returns nothing: nothing is persisted.
-func (d *spend) end() (output, orphan int64) {
+// its context was cancelled (all of them are output when it was not), and the prompt
+// tokens it was charged. Without a shared store it returns nothing: nothing is persisted.
+func (d *spend) end() (output, orphan, prompt int64) {
 	if !d.keep {
-		return 0, 0
+		return 0, 0, 0
 	}
 	if !d.stop() {
 		<-d.done // the cancel fired: wait until its instant is stored
@@ -106,7 +118,7 @@ func (d *spend) end() (output, orphan int64) {
 			orphan++
 		}
 	}
-	return int64(len(d.at)) - orphan, orphan
+	return int64(len(d.at)) - orphan, orphan, d.prompted
 }
 
 // persister queues decoders' ledger entries and appends them to the store off the
@@ -215,12 +227,13 @@ func newNonce() string { return rand.Text()[:12] }
 // persist queues the entries of a decoder of node that just ended, attributed to run
 // (the ledger's key of the call's run id), the call's tenant and retry-id, and the
 // provider that decoded (its figures from spend.end): one "output" entry with the tokens
-// it emitted before a cancel, and one "orphan" entry with those after, each only when
+// it emitted before a cancel, one "orphan" entry with those after, and one "prompt"
+// entry (store.KindPrompt) with the prompt tokens it was charged, each only when
 // non-zero, and nothing for a call without a run id. The entries are queued for the
 // writer (persister), so the caller's stream ends without waiting for the store; a
 // failure is logged. Flush appends what is queued.
-func (s *Server) persist(ctx context.Context, run, node, provider string, output, orphan int64) {
-	if (output == 0 && orphan == 0) || run == "" {
+func (s *Server) persist(ctx context.Context, run, node, provider string, output, orphan, prompt int64) {
+	if (output == 0 && orphan == 0 && prompt == 0) || run == "" {
 		return
 	}
 	id := md.IdentityFrom(ctx)
@@ -239,13 +252,17 @@ func (s *Server) persist(ctx context.Context, run, node, provider string, output
 	// decoded again (by a retry or after an orchestrator restart) is a new entry, while an
 	// append of this entry repeated is not counted twice.
 	key := fmt.Sprintf("modelproxy/%s/%s/%s/%d/%s.%d", id.RunID, node, retry, max(id.Attempt, 1), p.nonce, p.seq.Add(1))
-	entries := make([]store.LedgerEntry, 0, 2)
+	entries := make([]store.LedgerEntry, 0, 3)
 	if output > 0 {
 		entries = append(entries, store.LedgerEntry{Tenant: tenant, RunID: id.RunID, NodeID: node, Tokens: output, Kind: KindOutput, Key: key,
 			RetryID: id.RetryID, Provider: provider})
 	}
 	if orphan > 0 {
 		entries = append(entries, store.LedgerEntry{Tenant: tenant, RunID: id.RunID, NodeID: node, Tokens: orphan, Kind: KindOrphan, Key: key + "/" + KindOrphan,
+			RetryID: id.RetryID, Provider: provider})
+	}
+	if prompt > 0 {
+		entries = append(entries, store.LedgerEntry{Tenant: tenant, RunID: id.RunID, NodeID: node, Tokens: prompt, Kind: store.KindPrompt, Key: key + "/" + store.KindPrompt,
 			RetryID: id.RetryID, Provider: provider})
 	}
 	s.enqueue(ctx, entries...)

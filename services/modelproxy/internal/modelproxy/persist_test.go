@@ -25,6 +25,7 @@ import (
 	"github.com/curfew-mesh/curfew/mesh/store"
 	"github.com/curfew-mesh/curfew/mesh/store/sqlite"
 	"github.com/curfew-mesh/curfew/mesh/store/storetest"
+	"github.com/curfew-mesh/curfew/services/modelproxy/internal/provider/sim"
 )
 
 const testTenant = "acme"
@@ -54,8 +55,21 @@ type row struct {
 	tokens                       int64
 }
 
-// rows reads the run's ledger rows in insertion order, straight from the database file.
+// rows reads the run's output and orphan ledger rows in insertion order, straight from
+// the database file.
 func (d *durable) rows(t *testing.T, run string) []row {
+	t.Helper()
+	return d.query(t, run, "kind <> '"+store.KindPrompt+"'")
+}
+
+// promptRows reads the run's prompt ledger rows (store.KindPrompt) in insertion order.
+func (d *durable) promptRows(t *testing.T, run string) []row {
+	t.Helper()
+	return d.query(t, run, "kind = '"+store.KindPrompt+"'")
+}
+
+// query reads the run's ledger rows that satisfy cond, in insertion order.
+func (d *durable) query(t *testing.T, run, cond string) []row {
 	t.Helper()
 	db, err := sql.Open("sqlite", "file:"+d.path+"?_pragma=query_only(1)")
 	if err != nil {
@@ -63,7 +77,7 @@ func (d *durable) rows(t *testing.T, run string) []row {
 	}
 	defer func() { _ = db.Close() }()
 	rs, err := db.QueryContext(context.Background(), `SELECT tenant, run_id, node_id, kind, COALESCE(entry_key, ''), tokens
-		FROM token_ledger WHERE run_id = ? ORDER BY id`, run)
+		FROM token_ledger WHERE run_id = ? AND `+cond+` ORDER BY id`, run)
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -181,6 +195,9 @@ func TestLedgerPersistsOneEntryPerDecoder(t *testing.T) {
 	if want := first + second + third; u.ByNode[node] != want || u.Total != want || u.ByProvider[SimModel] != want {
 		t.Fatalf("usage = %+v, want %d tokens on %s, all decoded by %s (what the three streams delivered)", u, want, node, SimModel)
 	}
+	if want := 3 * sim.PromptTokens(conversation(fivePlan, 0)); u.Prompt != want || len(d.promptRows(t, run)) != 3 {
+		t.Fatalf("prompt usage %d in %d rows, want %d in one row per decoder", u.Prompt, len(d.promptRows(t, run)), want)
+	}
 	if u, _ := d.s.TokenUsage(context.Background(), md.DefaultTenant, run); u.Total != 0 {
 		t.Fatalf("another tenant sees %+v", u)
 	}
@@ -267,28 +284,32 @@ func TestLedgerPersistsOrphanTokens(t *testing.T) {
 	clock = base.Add(20 * time.Millisecond)
 	cancel() // the cancel instant is the clock's: +20 ms
 	sp.record(base.Add(30*time.Millisecond), 2)
-	output, orphan := sp.end()
-	if output != 3 || orphan != 2 {
-		t.Fatalf("split = %d output, %d orphan; want 3 and 2", output, orphan)
+	sp.prompt(9)
+	output, orphan, prompt := sp.end()
+	if output != 3 || orphan != 2 || prompt != 9 {
+		t.Fatalf("split = %d output, %d orphan, %d prompt; want 3, 2 and 9", output, orphan, prompt)
 	}
 	if total, before, after := s.Ledger.Figures(run, node, clock); total != 5 || before != 3 || after != 2 {
 		t.Fatalf("in-memory figures = %d, %d, %d; want 5, 3, 2", total, before, after)
 	}
-	s.persist(ctx, run, node, SimModel, output, orphan)
+	s.persist(ctx, run, node, SimModel, output, orphan, prompt)
 	s.Flush()
+	if pr := d.promptRows(t, run); len(pr) != 1 || pr[0].tokens != 9 || pr[0].key == "" {
+		t.Fatalf("prompt rows = %+v, want one of 9 tokens under the decoder's key", pr)
+	}
 	rows := d.rows(t, run)
 	if len(rows) != 2 || rows[0].kind != KindOutput || rows[0].tokens != 3 || rows[1].kind != KindOrphan || rows[1].tokens != 2 ||
 		rows[1].key != rows[0].key+"/orphan" || !strings.HasPrefix(rows[0].key, "modelproxy/"+run+"/"+node+"/-/1/") {
 		t.Fatalf("rows = %+v, want output 3 and orphan 2 under the decoder's key", rows)
 	}
-	if u := d.usage(t, run); u.ByNode[node] != 5 {
-		t.Fatalf("usage = %+v, want 5 on %s", u, node)
+	if u := d.usage(t, run); u.ByNode[node] != 5 || u.PromptByNode[node] != 9 {
+		t.Fatalf("usage = %+v, want 5 output and 9 prompt tokens on %s", u, node)
 	}
 
 	// Without a cancel every token is output.
 	sp = s.newSpend(md.WithIdentity(context.Background(), md.Identity{RunID: run, NodeID: node}), run, node)
 	sp.record(clock, 4)
-	if output, orphan := sp.end(); output != 4 || orphan != 0 {
+	if output, orphan, _ := sp.end(); output != 4 || orphan != 0 {
 		t.Fatalf("uncancelled split = %d, %d; want 4, 0", output, orphan)
 	}
 }
@@ -340,7 +361,7 @@ func (b *batches) seen() []int {
 func decoderEnded(s *Server, run string, n int) {
 	for i := range n {
 		node := fmt.Sprintf("root/m%d", i)
-		s.persist(md.WithIdentity(context.Background(), md.Identity{Tenant: testTenant, RunID: run, NodeID: node}), run, node, SimModel, 3, 1)
+		s.persist(md.WithIdentity(context.Background(), md.Identity{Tenant: testTenant, RunID: run, NodeID: node}), run, node, SimModel, 3, 1, 0)
 	}
 }
 

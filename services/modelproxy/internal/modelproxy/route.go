@@ -80,6 +80,10 @@ func (d direct) serve(ctx context.Context, c *call) error {
 				counted.Add(float64(ch.Tokens))
 			}
 		}
+		if p := ch.Usage.GetPromptTokens(); p > 0 {
+			c.spend.prompt(p)
+			c.metrics.addPrompt(c.model, d.p.Name(), p)
+		}
 		if gone {
 			continue
 		}

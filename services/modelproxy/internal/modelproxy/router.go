@@ -482,6 +482,10 @@ func (c *chainCall) stream1(ctx context.Context, t Target, lat *latency) (_ *cac
 		c.spend.record(time.Now(), int(extra))
 		c.metrics.addTokens(c.rt.alias, t.Provider, int(extra))
 	}
+	if p := usage.GetPromptTokens(); p > 0 {
+		c.spend.prompt(p)
+		c.metrics.addPrompt(c.rt.alias, t.Provider, p)
+	}
 	if !first.IsZero() {
 		lat.observe(first.Sub(start), int(counted), last.Sub(first))
 	}

@@ -73,6 +73,7 @@ func (s *Server) Report() *nodes.Server {
 			at = req.GetCancelAt().AsTime()
 		}
 		n.Tokens, n.TokensAtCancel, n.TokensAfterCancel = s.Ledger.Figures(run, n.GetId(), at)
+		n.PromptTokens = s.Ledger.Prompt(run, n.GetId())
 		if at.IsZero() {
 			n.TokensAtCancel = 0
 		}
@@ -135,7 +136,7 @@ func (s *Server) Generate(req *modelproxyv1.GenerateRequest, stream modelproxyv1
 	s.Leases.end(lease)
 	dctx := dec.context()
 	err = leaseErr(dctx, err)
-	output, orphan := sp.end()
+	output, orphan, prompt := sp.end()
 	tokens.end()
 	ended := s.Nodes.Finish(dctx, run, node, err, func(n *meshv1.Node) {
 		if dctx.Err() != nil {
@@ -143,7 +144,7 @@ func (s *Server) Generate(req *modelproxyv1.GenerateRequest, stream modelproxyv1
 		}
 	})
 	prun, _ := s.ledgerKey(ctx, model, id.RunID, node)
-	s.persist(ctx, prun, lnode, rt.provider(ended), output, orphan)
+	s.persist(ctx, prun, lnode, rt.provider(ended), output, orphan, prompt)
 	return err
 }
 

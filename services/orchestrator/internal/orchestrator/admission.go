@@ -169,7 +169,8 @@ func (s *Server) endAdmission(rn *run, r *orchestratorv1.Run) {
 	case orchestratorv1.RunStatus_RUN_STATUS_DEADLINE_EXCEEDED:
 		end = admission.EndDeadline
 	}
-	rn.ticket.Release(admission.Outcome{Tokens: r.GetTokens(), Service: r.GetEndedAt().AsTime().Sub(r.GetCreatedAt().AsTime()), Ended: end})
+	// The budget counts what a run was charged: its output tokens and its prompt tokens.
+	rn.ticket.Release(admission.Outcome{Tokens: r.GetTokens() + r.GetPromptTokens(), Service: r.GetEndedAt().AsTime().Sub(r.GetCreatedAt().AsTime()), Ended: end})
 	s.cfg.Admission.ObserveOrphanTokens(orphanTokens(r))
 	if r.GetCancelledAt() == nil {
 		return

@@ -135,8 +135,9 @@ func TestAdmissionTenantBudget(t *testing.T) {
 		t.Fatal(err)
 	}
 	u := adm.TenantUsage("acme")
-	if u.Reserved != 0 || u.Used != cr.GetRun().GetTokens() || u.Used >= 1001 {
-		t.Fatalf("after the early end: %+v, want nothing reserved and the %d tokens spent used", u, cr.GetRun().GetTokens())
+	spent := cr.GetRun().GetTokens() + cr.GetRun().GetPromptTokens()
+	if u.Reserved != 0 || u.Used != spent || u.Used >= 1001 {
+		t.Fatalf("after the early end: %+v, want nothing reserved and the %d tokens spent used", u, spent)
 	}
 	if _, err := e.orch.StartRun(ctx, &orchestratorv1.StartRunRequest{Task: tinyPlan}); err != nil {
 		t.Fatalf("within budget again: %v", err)
@@ -227,5 +228,34 @@ func TestAdmissionTenantMaxDeadline(t *testing.T) {
 	}
 	if _, err := e.orch.StartRun(context.Background(), &orchestratorv1.StartRunRequest{Task: tinyPlan, Timeout: durationpb.New(time.Minute)}); err != nil {
 		t.Errorf("another tenant's 1m run: %v", err)
+	}
+}
+
+// A run's budget charge is its output tokens and its prompt tokens.
+func TestAdmissionBudgetChargesPromptTokens(t *testing.T) {
+	cfg := DefaultAdmission()
+	cfg.Tenants = map[string]admission.TenantLimits{"acme": {TokenBudget: 100000, Window: time.Hour}}
+	e, adm := newAdmittedEnv(t, cfg, nil)
+	ctx := metadata.AppendToOutgoingContext(context.Background(), md.Tenant, "acme")
+	rs, _ := e.start(ctx, t, &orchestratorv1.RunRequest{Task: fastPlan})
+	evs, err := rs.rest()
+	if err != nil || len(evs) == 0 {
+		t.Fatal(err)
+	}
+	r := evs[len(evs)-1].GetFinished()
+	if r.GetStatus() != orchestratorv1.RunStatus_RUN_STATUS_SUCCEEDED {
+		t.Fatalf("run %v", r.GetStatus())
+	}
+	var models int64
+	for _, n := range r.GetNodes() {
+		if n.GetKind() == meshv1.NodeKind_NODE_KIND_MODEL {
+			models++
+		}
+	}
+	if r.GetTokens() == 0 || r.GetPromptTokens() < fakePromptTokens*models {
+		t.Fatalf("run tokens %d prompt %d over %d model nodes: want both counted", r.GetTokens(), r.GetPromptTokens(), models)
+	}
+	if u := adm.TenantUsage("acme"); u.Used != r.GetTokens()+r.GetPromptTokens() || u.Reserved != 0 {
+		t.Fatalf("tenant usage %+v, want %d output + %d prompt tokens used", u, r.GetTokens(), r.GetPromptTokens())
 	}
 }

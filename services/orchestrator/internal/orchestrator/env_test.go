@@ -39,8 +39,19 @@ var quiet = slog.New(slog.DiscardHandler)
 // ledger records token instants per run and node, like modelproxy's, so that the fakes'
 // reports carry token figures split at the run's cancel instant.
 type ledger struct {
-	mu sync.Mutex
-	m  map[string][]time.Time
+	mu     sync.Mutex
+	m      map[string][]time.Time
+	prompt map[string]int64
+}
+
+// charge records n prompt tokens of the node.
+func (l *ledger) charge(run, node string, n int64) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if l.prompt == nil {
+		l.prompt = map[string]int64{}
+	}
+	l.prompt[run+"|"+node] += n
 }
 
 func (l *ledger) record(run, node string) {
@@ -64,6 +75,7 @@ func (l *ledger) report(tbl *nodes.Table) *nodes.Server {
 		defer l.mu.Unlock()
 		ts := l.m[run+"|"+n.GetId()]
 		n.Tokens = int64(len(ts))
+		n.PromptTokens = l.prompt[run+"|"+n.GetId()]
 		if req.GetCancelAt() == nil {
 			return
 		}
@@ -160,8 +172,15 @@ func (f *fakeModel) decode(ctx context.Context, stream modelproxyv1.ModelProxySe
 			final.ToolCalls = append(final.ToolCalls, &modelproxyv1.ToolCall{Id: fmt.Sprintf("call_%d_%d", turns, j), Name: tl.Name, ArgsJson: string(tl.Args)})
 		}
 	}
+	// Like a provider's usage, the prompt is charged with the final chunk: fakePromptTokens
+	// per turn of the conversation.
+	f.ledger.charge(id.RunID, id.NodeID, fakePromptTokens*int64(turns+1))
+	final.Usage = &modelproxyv1.Usage{PromptTokens: fakePromptTokens * int64(turns+1), CompletionTokens: int64(n)}
 	return stream.Send(final)
 }
+
+// fakePromptTokens is the prompt tokens fakeModel charges per turn of a conversation.
+const fakePromptTokens = 10
 
 // fakeTools is a ToolRunnerService: sleep waits args.ms (cancellable), anything else
 // succeeds at once.

@@ -188,10 +188,11 @@ func (s *Server) collect(ctx context.Context, run string, cancelAt time.Time, se
 
 func setNodes(r *orchestratorv1.Run, ns []*meshv1.Node) {
 	r.Nodes = ns
-	r.Tokens, r.TokensAfterCancel = 0, 0
+	r.Tokens, r.TokensAfterCancel, r.PromptTokens = 0, 0, 0
 	for _, n := range ns {
 		r.Tokens += n.GetTokens()
 		r.TokensAfterCancel += n.GetTokensAfterCancel()
+		r.PromptTokens += n.GetPromptTokens()
 	}
 }
 

@@ -6,4 +6,7 @@
 // A sim stream stops at the next token boundary once its context is cancelled: the wait
 // for each token selects on the context, so a cancel costs at most the token being
 // emitted.
+//
+// Each word of output is one token; the prompt's tokens are counted by the same rule
+// (PromptTokens) and reported in the usage of a step's final chunk.
 package sim

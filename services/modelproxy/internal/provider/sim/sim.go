@@ -5,6 +5,7 @@ import (
 	"fmt"
 	"io"
 	"math/rand/v2"
+	"strings"
 	"time"
 
 	"google.golang.org/grpc/codes"
@@ -75,7 +76,7 @@ func (p *Provider) Stream(ctx context.Context, req *provider.Request) (provider.
 	if st.AnswerTokens > 0 {
 		n = st.AnswerTokens
 	}
-	return &stream{ctx: ctx, step: st, n: n, now: now,
+	return &stream{ctx: ctx, step: st, n: n, now: now, prompt: PromptTokens(req.Messages),
 		interval: time.Duration(float64(time.Second) / st.plan.TPS()),
 		start:    now().Add(time.Duration(st.FirstTokenDelayMS) * time.Millisecond)}, nil
 }
@@ -140,13 +141,26 @@ func pick(msgs []*modelproxyv1.Message) (*step, error) {
 
 var words = []string{"the", "deadline", "reaches", "every", "leaf", "and", "the", "tree", "stops"}
 
+// PromptTokens is the sim model's count of a request's prompt tokens: one per word
+// (a run of non-space characters) of every message's content, the plan's message
+// included, as each word of its output is one token. Tool calls and tool specs count
+// none. It is the prompt_tokens of the usage on a step's final chunk.
+func PromptTokens(msgs []*modelproxyv1.Message) int64 {
+	var n int64
+	for _, m := range msgs {
+		n += int64(len(strings.Fields(m.GetContent())))
+	}
+	return n
+}
+
 // stream emits a step's tokens at the plan's rate, on an absolute schedule so that the
 // rate does not drift, and then the final chunk.
 type stream struct {
 	ctx      context.Context
 	step     *step
-	n        int // tokens to emit
-	i        int // tokens emitted
+	n        int   // tokens to emit
+	prompt   int64 // the request's prompt tokens (PromptTokens)
+	i        int   // tokens emitted
 	done     bool
 	now      func() time.Time
 	interval time.Duration
@@ -189,7 +203,7 @@ func (s *stream) Recv() (*provider.Chunk, error) {
 // final is the step's last chunk: its usage, and its finish reason and tool calls.
 func (s *stream) final() *provider.Chunk {
 	st := s.step
-	c := &provider.Chunk{Usage: &modelproxyv1.Usage{CompletionTokens: int64(s.n)}}
+	c := &provider.Chunk{Usage: &modelproxyv1.Usage{PromptTokens: s.prompt, CompletionTokens: int64(s.n)}}
 	if st.AnswerTokens > 0 {
 		c.FinishReason = "stop"
 		return c

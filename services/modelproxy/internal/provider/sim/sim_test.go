@@ -111,3 +111,20 @@ func TestModelErrorFailsAttempt(t *testing.T) {
 	}
 	_ = st.Close()
 }
+
+// The sim model's prompt tokens are the words of every message's content; tool calls
+// count none.
+func TestPromptTokensCountWords(t *testing.T) {
+	msgs := []*modelproxyv1.Message{
+		{Role: modelproxyv1.Role_ROLE_SYSTEM, Content: "be brief"},
+		{Role: modelproxyv1.Role_ROLE_USER, Content: " one\ttwo\n three  "},
+		{Role: modelproxyv1.Role_ROLE_ASSISTANT, ToolCalls: []*modelproxyv1.ToolCall{{Name: "sleep", ArgsJson: `{"ms": 5}`}}},
+		{Role: modelproxyv1.Role_ROLE_TOOL, Content: ""},
+	}
+	if n := PromptTokens(msgs); n != 5 {
+		t.Fatalf("PromptTokens = %d, want 2+3", n)
+	}
+	if n := PromptTokens(nil); n != 0 {
+		t.Fatalf("PromptTokens(nil) = %d", n)
+	}
+}
