@@ -254,3 +254,55 @@ func TestOpenAIStream(t *testing.T) {
 		t.Errorf("streamed text %q; the run's answer %q (%v)", text.String(), run.GetRun().GetAnswer(), err)
 	}
 }
+
+// A request with an Idempotency-Key starts its run under the key: a retry after the
+// client left attaches to the same run, which went on meanwhile, and gets its answer.
+func TestOpenAIIdempotencyKey(t *testing.T) {
+	t.Parallel()
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	key := tenantKey(ctx, t, "openai-idem-"+uuid.NewString()[:8], false)
+	ext := newExternal(t, key)
+	idem := "idem-" + uuid.NewString()
+	body := simPlan(`{"tokens_per_second": 40, "steps": [{"think_tokens": 60}, {"answer_tokens": 8}]}`)
+	b, _ := json.Marshal(body)
+
+	// The first try leaves after half a second, as a client whose connection broke.
+	rctx, rcancel := context.WithTimeout(ctx, 500*time.Millisecond)
+	req, _ := http.NewRequestWithContext(rctx, http.MethodPost, openAIURL(t)+"/chat/completions", bytes.NewReader(b))
+	req.Header.Set("Authorization", "Bearer "+key)
+	req.Header.Set("Idempotency-Key", idem)
+	if res, err := http.DefaultClient.Do(req); err == nil {
+		res.Body.Close()
+		t.Fatalf("the first try answered %d before the run could end", res.StatusCode)
+	}
+	rcancel()
+	l, err := ext.orch.ListRuns(ctx, &orchestratorv1.ListRunsRequest{})
+	if err != nil || len(l.GetRuns()) != 1 || l.GetRuns()[0].GetStatus() != orchestratorv1.RunStatus_RUN_STATUS_RUNNING {
+		t.Fatalf("after the first try left: runs %v (%v); want its one run, still running", l.GetRuns(), err)
+	}
+	first := l.GetRuns()[0].GetRunId()
+
+	res := openAIPost(ctx, t, key, body, "Idempotency-Key", idem)
+	var c struct {
+		ID      string `json:"id"`
+		Choices []struct {
+			Message struct{ Content string } `json:"message"`
+		} `json:"choices"`
+	}
+	b, _ = io.ReadAll(res.Body)
+	res.Body.Close()
+	if err := json.Unmarshal(b, &c); err != nil || res.StatusCode != http.StatusOK || c.ID != first || len(c.Choices) != 1 || c.Choices[0].Message.Content == "" {
+		t.Fatalf("the retry: %d %s (%v); want the answer of run %s", res.StatusCode, b, err, first)
+	}
+	if l, err := ext.orch.ListRuns(ctx, &orchestratorv1.ListRunsRequest{}); err != nil || len(l.GetRuns()) != 1 {
+		t.Errorf("runs after the retry: %v (%v), want the one", l.GetRuns(), err)
+	}
+	// A keyed request's failure leaves retrying to the SDK: the retry would attach.
+	res = openAIPost(ctx, t, key, simPlan(`{"tokens_per_second": 50, "steps": [{"think_tokens": 100000}, {"answer_tokens": 1}]}`),
+		"Idempotency-Key", "idem-"+uuid.NewString(), "X-Curfew-Timeout", "1s")
+	res.Body.Close()
+	if res.StatusCode != http.StatusGatewayTimeout || res.Header.Get("X-Should-Retry") == "false" {
+		t.Errorf("a keyed request out of time: %d, x-should-retry %q; want 504 without false", res.StatusCode, res.Header.Get("X-Should-Retry"))
+	}
+}

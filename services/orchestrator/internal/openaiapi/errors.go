@@ -15,7 +15,9 @@ import (
 )
 
 // ShouldRetryHeader tells OpenAI's SDKs whether to retry a failed request. A retry of a
-// completion would start the agent again, so every error says false (docs/openai.md).
+// completion without an idempotency key would start the agent again, so every error of
+// one says false; with a key, a retry attaches to the same run, and the SDK decides
+// (docs/openai.md).
 const ShouldRetryHeader = "X-Should-Retry"
 
 // httpError maps a gRPC code to the HTTP status and OpenAI error type of its answer.
@@ -50,9 +52,11 @@ func (h *Handler) writeStatus(w http.ResponseWriter, err error) {
 	if errors.Is(err, context.Canceled) || errors.Is(err, context.DeadlineExceeded) {
 		err = status.FromContextError(err).Err()
 	}
+	if a, ok := w.(*answer); !ok || !a.keyed {
+		w.Header().Set(ShouldRetryHeader, "false")
+	}
 	var br *badRequest
 	if errors.As(err, &br) {
-		w.Header().Set(ShouldRetryHeader, "false")
 		writeError(w, http.StatusBadRequest, "invalid_request_error", br.param, "invalid_request", br.msg)
 		return
 	}
@@ -68,7 +72,6 @@ func (h *Handler) writeStatus(w http.ResponseWriter, err error) {
 			w.Header().Set("Retry-After", strconv.FormatInt(int64(math.Ceil(d)), 10))
 		}
 	}
-	w.Header().Set(ShouldRetryHeader, "false")
 	writeError(w, code, typ, "", codeName(st.Code()), msg)
 }
 

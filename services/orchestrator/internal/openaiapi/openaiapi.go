@@ -114,19 +114,19 @@ func authorize(w http.ResponseWriter, r *http.Request, ctx context.Context) (con
 	return metadata.AppendToOutgoingContext(ctx, "authorization", "Bearer "+key), true
 }
 
-// deadline applies the request's TimeoutHeader to ctx.
-func deadline(r *http.Request, ctx context.Context) (context.Context, context.CancelFunc, error) {
+// deadline applies the request's TimeoutHeader to ctx, and returns it (0 for none).
+func deadline(r *http.Request, ctx context.Context) (context.Context, context.CancelFunc, time.Duration, error) {
 	v := r.Header.Get(TimeoutHeader)
 	if v == "" {
 		ctx, cancel := context.WithCancel(ctx)
-		return ctx, cancel, nil
+		return ctx, cancel, 0, nil
 	}
 	d, err := time.ParseDuration(v)
 	if err != nil || d <= 0 {
-		return nil, nil, invalid(TimeoutHeader, "header %s: %q is not a positive duration such as 30s", TimeoutHeader, v)
+		return nil, nil, 0, invalid(TimeoutHeader, "header %s: %q is not a positive duration such as 30s", TimeoutHeader, v)
 	}
 	ctx, cancel := context.WithTimeout(ctx, d)
-	return ctx, cancel, nil
+	return ctx, cancel, d, nil
 }
 
 func (h *Handler) models(w http.ResponseWriter, r *http.Request) {
@@ -154,10 +154,13 @@ func (h *Handler) completions(w http.ResponseWriter, r *http.Request) {
 	if !ok {
 		return
 	}
+	key := r.Header.Get(IdempotencyKeyHeader)
+	w = &answer{ResponseWriter: w, keyed: key != ""}
 	req, err := decodeRequest(io.LimitReader(r.Body, maxBody))
+	var timeout time.Duration
 	if err == nil {
 		var cancel context.CancelFunc
-		ctx, cancel, err = deadline(r, ctx)
+		ctx, cancel, timeout, err = deadline(r, ctx)
 		if err == nil {
 			defer cancel()
 		}
@@ -171,24 +174,25 @@ func (h *Handler) completions(w http.ResponseWriter, r *http.Request) {
 		h.writeStatus(w, err)
 		return
 	}
-	if req.Stream {
-		h.stream(ctx, w, req, run)
-		return
-	}
-	h.complete(ctx, w, req, run)
-}
-
-// complete answers a non-streamed completion once the run has ended. The Run call's
-// context is the request's: a client that leaves cancels the run.
-func (h *Handler) complete(ctx context.Context, w http.ResponseWriter, req *chatRequest, run *orchestratorv1.RunRequest) {
-	stream, err := h.cfg.Orchestrator.Run(ctx, run)
+	recv, err := h.open(ctx, run, key, timeout)
 	if err != nil {
 		h.writeStatus(w, err)
 		return
 	}
+	if req.Stream {
+		h.stream(w, req, recv)
+		return
+	}
+	h.complete(w, req, recv)
+}
+
+// complete answers a non-streamed completion once the run has ended. The Run call's
+// context is the request's: a client that leaves cancels the run (one without an
+// idempotency key: IdempotencyKeyHeader).
+func (h *Handler) complete(w http.ResponseWriter, req *chatRequest, recv events) {
 	var finished *orchestratorv1.Run
 	for {
-		ev, err := stream.Recv()
+		ev, err := recv()
 		if err == io.EOF {
 			break
 		}
@@ -221,4 +225,18 @@ func runStatus(r *orchestratorv1.Run) error {
 		c = codes.Unknown
 	}
 	return status.Error(c, r.GetErrorMessage())
+}
+
+// answer is a completion's response writer: it knows whether the request has an
+// idempotency key, which decides whether an SDK may retry a failure (writeStatus).
+type answer struct {
+	http.ResponseWriter
+	keyed bool
+}
+
+// Flush flushes the stream's events.
+func (a *answer) Flush() {
+	if f, ok := a.ResponseWriter.(http.Flusher); ok {
+		f.Flush()
+	}
 }

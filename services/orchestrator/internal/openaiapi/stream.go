@@ -1,7 +1,6 @@
 package openaiapi
 
 import (
-	"context"
 	"encoding/json"
 	"io"
 	"net/http"
@@ -35,15 +34,8 @@ type delta struct {
 // deltas of the run's own model steps (nodes root/m<i>, see
 // rootModel), then a chunk with finish_reason, a usage chunk when asked, and [DONE]. An
 // error before the first chunk is an HTTP error; after it, an SSE error event.
-func (h *Handler) stream(ctx context.Context, w http.ResponseWriter, req *chatRequest, run *orchestratorv1.RunRequest) {
-	ctx, cancel := context.WithCancel(ctx)
-	defer cancel()
-	rs, err := h.cfg.Orchestrator.Run(ctx, run)
-	if err != nil {
-		h.writeStatus(w, err)
-		return
-	}
-	first, err := rs.Recv()
+func (h *Handler) stream(w http.ResponseWriter, req *chatRequest, recv events) {
+	first, err := recv()
 	if err != nil {
 		h.writeStatus(w, err)
 		return
@@ -73,7 +65,7 @@ func (h *Handler) stream(ctx context.Context, w http.ResponseWriter, req *chatRe
 	}
 	var finished *orchestratorv1.Run
 	for {
-		ev, err := rs.Recv()
+		ev, err := recv()
 		if err == io.EOF {
 			break
 		}
