@@ -73,10 +73,18 @@ func Builtins() []Tool {
 			Name:        plan.ToolSpawnSubagent,
 			SideEffects: None,
 			Spec: &modelproxyv1.ToolSpec{
-				Name:        plan.ToolSpawnSubagent,
-				Description: "Run a nested agent on a plan (the sim model's JSON plan format, see docs/plan.md) under the run's deadline.",
-				ParametersJson: `{"type": "object", "additionalProperties": false, "required": ["plan"], "properties": {` +
-					`"plan": {"type": "object", "description": "the subagent's plan: {\"steps\": [...]}"}}}`,
+				Name: plan.ToolSpawnSubagent,
+				Description: "Run a nested agent loop on a task under the run's deadline and return its answer as {\"answer\": ...}. " +
+					"Give task (or, for the sim model, plan), and optionally the subagent's model, the tools it may use, " +
+					"the bound on its output tokens per step, and the time to keep for yourself after it (reserve).",
+				ParametersJson: fmt.Sprintf(`{"type": "object", "additionalProperties": false, "properties": {`+
+					`"task": {"type": "string", "minLength": 1, "description": "what the subagent is to do: its user message"}, `+
+					`"plan": {"type": "object", "description": "instead of task, for the sim model only: the subagent's JSON plan {\"steps\": [...]} (docs/plan.md)"}, `+
+					`"model": {"type": "string", "maxLength": %d, "description": "the subagent's model; the subagent service's default when omitted"}, `+
+					`"tools": {"type": "array", "maxItems": %d, "items": {"type": "string", "minLength": 1}, "description": "the only tools the subagent may use; all of the run's when omitted"}, `+
+					`"max_tokens": {"type": "integer", "minimum": 0, "maximum": %d, "description": "bound on the output tokens of each of the subagent's model steps; the provider's default when omitted"}, `+
+					`"reserve": {"type": "string", "description": "time to keep for yourself after the subagent: a duration like \"2s\" or a fraction of the time left like \"0.2\"; the subagent's deadline is the run's minus it"}}}`,
+					plan.MaxModelNameLen, plan.MaxSpawnTools, plan.MaxTokens),
 			},
 		},
 		{

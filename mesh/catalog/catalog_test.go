@@ -27,7 +27,7 @@ func TestToolSpecs(t *testing.T) {
 	examples := map[string]string{
 		plan.ToolSleep:         `{"ms": 5, "progress_ms": 10}`,
 		plan.ToolDeploy:        `{"duration_ms": 10, "poll_ms": 1}`,
-		plan.ToolSpawnSubagent: `{"plan": {"steps": [{"answer_tokens": 1}]}}`,
+		plan.ToolSpawnSubagent: `{"task": "check the deploy", "model": "gpt-4o-mini", "tools": ["sleep"], "max_tokens": 512, "reserve": "2s"}`,
 		plan.ToolKVPut:         `{"key": "release", "value": {"version": 3}}`,
 		plan.ToolNotify:        `{"channel": "ops", "message": "deployed"}`,
 	}

@@ -6,7 +6,9 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"strconv"
 	"strings"
+	"time"
 
 	"google.golang.org/grpc/codes"
 )
@@ -159,9 +161,78 @@ type FailArgs struct {
 	Rate float64 `json:"rate,omitempty"`
 }
 
-// SpawnArgs are the arguments of spawn_subagent.
+// SpawnArgs are the arguments of spawn_subagent: a task (or, for the sim model, a
+// plan), and the nested loop's run input.
 type SpawnArgs struct {
-	Plan json.RawMessage `json:"plan"`
+	// Task is the nested loop's user message; with the sim model, a JSON plan.
+	Task string `json:"task,omitempty"`
+	// Plan is a sim plan given as a JSON object, the task of a sim subagent; not with Task.
+	Plan json.RawMessage `json:"plan,omitempty"`
+	// Model is the nested loop's model; the subagent service's default when empty.
+	Model string `json:"model,omitempty"`
+	// Tools, when not empty, are the only tools the nested loop may use.
+	Tools []string `json:"tools,omitempty"`
+	// MaxTokens bounds each of the nested loop's model steps; 0: the provider's default.
+	MaxTokens int32 `json:"max_tokens,omitempty"`
+	// Reserve is the time the caller keeps after the nested loop (see ParseReserve).
+	Reserve string `json:"reserve,omitempty"`
+}
+
+// SpawnTask is the task a spawn_subagent call's nested loop runs: Task, or the plan.
+func (a SpawnArgs) SpawnTask() string {
+	if a.Task != "" {
+		return a.Task
+	}
+	return string(a.Plan)
+}
+
+// Limits of spawn_subagent's arguments.
+const (
+	MaxModelNameLen = 128
+	MaxSpawnTools   = 64
+	MaxToolNameLen  = 128
+)
+
+// Reserve is the time a caller keeps for itself after a nested loop: a fixed duration,
+// or a fraction of the time left.
+type Reserve struct {
+	Duration time.Duration
+	Fraction float64
+}
+
+// ParseReserve parses a reserve: a Go duration ("2s", "500ms"), more than 0 and at most
+// MaxSleepMS, or a fraction of the time left ("0.2"), in (0, 1). Empty is no reserve.
+func ParseReserve(s string) (Reserve, error) {
+	if s == "" {
+		return Reserve{}, nil
+	}
+	if f, err := strconv.ParseFloat(s, 64); err == nil {
+		if !(f > 0 && f < 1) {
+			return Reserve{}, fmt.Errorf("a fraction of the time left must be in (0, 1), got %q", s)
+		}
+		return Reserve{Fraction: f}, nil
+	}
+	d, err := time.ParseDuration(s)
+	if err != nil {
+		return Reserve{}, fmt.Errorf(`must be a duration ("2s") or a fraction of the time left ("0.2"), got %q`, s)
+	}
+	if d <= 0 || d > MaxSleepMS*time.Millisecond {
+		return Reserve{}, fmt.Errorf("a duration must be more than 0 and at most %v, got %q", MaxSleepMS*time.Millisecond, s)
+	}
+	return Reserve{Duration: d}, nil
+}
+
+// Deadline returns the deadline left to a nested loop started at now under the caller's
+// deadline: the caller's minus the reserve, never later than the caller's.
+func (r Reserve) Deadline(caller, now time.Time) time.Time {
+	cut := r.Duration
+	if r.Fraction > 0 {
+		cut = time.Duration(float64(caller.Sub(now)) * r.Fraction)
+	}
+	if cut <= 0 {
+		return caller
+	}
+	return caller.Add(-cut)
 }
 
 // Error is a validation error naming the bad field.
@@ -372,10 +443,7 @@ func validateTool(t Tool, path string, depth int, calls *int) error {
 		if err := strict(t.Args, &a, ap); err != nil {
 			return err
 		}
-		if len(a.Plan) == 0 {
-			return &Error{ap + ".plan", "is required"}
-		}
-		if _, err := parse(a.Plan, ap+".plan", depth+1, calls); err != nil {
+		if err := validateSpawn(a, ap, depth, calls); err != nil {
 			return err
 		}
 	case "":
@@ -393,6 +461,42 @@ func validateTool(t Tool, path string, depth int, calls *int) error {
 		if err := strict(t.Args, &obj, ap); err != nil {
 			return err
 		}
+	}
+	return nil
+}
+
+// validateSpawn checks spawn_subagent's arguments at path ap.
+func validateSpawn(a SpawnArgs, ap string, depth int, calls *int) error {
+	hasPlan := len(a.Plan) > 0 && string(bytes.TrimSpace(a.Plan)) != "null"
+	switch {
+	case hasPlan && a.Task != "":
+		return &Error{ap + ".task", "give either task or plan, not both"}
+	case !hasPlan && strings.TrimSpace(a.Task) == "":
+		return &Error{ap + ".task", "is required (or, for the sim model, plan)"}
+	case len(a.Task) > MaxBytes:
+		return &Error{ap + ".task", fmt.Sprintf("at most %d bytes, got %d", MaxBytes, len(a.Task))}
+	}
+	if hasPlan {
+		if _, err := parse(a.Plan, ap+".plan", depth+1, calls); err != nil {
+			return err
+		}
+	}
+	if len(a.Model) > MaxModelNameLen || strings.ContainsFunc(a.Model, func(r rune) bool { return r <= 0x20 || r == 0x7f }) {
+		return &Error{ap + ".model", fmt.Sprintf("at most %d characters, without spaces or control characters", MaxModelNameLen)}
+	}
+	if len(a.Tools) > MaxSpawnTools {
+		return &Error{ap + ".tools", fmt.Sprintf("at most %d tools, got %d", MaxSpawnTools, len(a.Tools))}
+	}
+	for i, n := range a.Tools {
+		if n == "" || len(n) > MaxToolNameLen {
+			return &Error{fmt.Sprintf("%s.tools[%d]", ap, i), fmt.Sprintf("a tool name of 1 to %d characters", MaxToolNameLen)}
+		}
+	}
+	if a.MaxTokens < 0 || a.MaxTokens > MaxTokens {
+		return &Error{ap + ".max_tokens", fmt.Sprintf("must be between 0 (the provider's default) and %d, got %d", MaxTokens, a.MaxTokens)}
+	}
+	if _, err := ParseReserve(a.Reserve); err != nil {
+		return &Error{ap + ".reserve", err.Error()}
 	}
 	return nil
 }

@@ -167,7 +167,7 @@ func TestParseInvalid(t *testing.T) {
 		{"fail after", tool(`{"name":"fail","args":{"after_ms":-1}}`), "steps[0].tools[0].args.after_ms", "must be between 0"},
 		{"deploy duration", tool(`{"name":"deploy","args":{"poll_ms":10}}`), "steps[0].tools[0].args.duration_ms", "must be between 1 and 3600000"},
 		{"deploy cleanup", tool(`{"name":"deploy","args":{"duration_ms":10,"cleanup_ms":-1}}`), "steps[0].tools[0].args.cleanup_ms", "must be between 0 and 3600000"},
-		{"spawn without plan", tool(`{"name":"spawn_subagent","args":{}}`), "steps[0].tools[0].args.plan", "is required"},
+		{"spawn without plan", tool(`{"name":"spawn_subagent","args":{}}`), "steps[0].tools[0].args.task", "is required (or, for the sim model, plan)"},
 		{"spawn bad nested plan", tool(`{"name":"spawn_subagent","args":{"plan":{"steps":[{"think_tokens":4,"tools":[{"name":"sleep","args":{"ms":1}}]},{"think_tokens":1}]}}}`),
 			"steps[0].tools[0].args.plan.steps[1].answer_tokens", "the last step must answer"},
 		{"spawn nested unknown field", tool(`{"name":"spawn_subagent","args":{"plan":{"stepz":[]}}}`), "steps[0].tools[0].args.plan", `unknown field "stepz"`},

@@ -28,7 +28,17 @@ type SpawnRequest struct {
 	// The task; with the sim model, a JSON plan.
 	Task string `protobuf:"bytes,1,opt,name=task,proto3" json:"task,omitempty"`
 	// Model to use; empty means the service default.
-	Model         string `protobuf:"bytes,2,opt,name=model,proto3" json:"model,omitempty"`
+	Model string `protobuf:"bytes,2,opt,name=model,proto3" json:"model,omitempty"`
+	// Names of the tools the nested loop may use, among those of the tenant; empty means
+	// all of them.
+	Tools []string `protobuf:"bytes,3,rep,name=tools,proto3" json:"tools,omitempty"`
+	// Bound on the output tokens of each of the nested loop's model steps; 0 means the
+	// provider's default.
+	MaxTokens int32 `protobuf:"varint,4,opt,name=max_tokens,json=maxTokens,proto3" json:"max_tokens,omitempty"`
+	// Time the caller keeps for itself after the nested loop: a duration ("2s") or a
+	// fraction of the time left ("0.2"). The nested loop's deadline is the caller's minus
+	// it, never later. Empty means none.
+	Reserve       string `protobuf:"bytes,5,opt,name=reserve,proto3" json:"reserve,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -73,6 +83,27 @@ func (x *SpawnRequest) GetTask() string {
 func (x *SpawnRequest) GetModel() string {
 	if x != nil {
 		return x.Model
+	}
+	return ""
+}
+
+func (x *SpawnRequest) GetTools() []string {
+	if x != nil {
+		return x.Tools
+	}
+	return nil
+}
+
+func (x *SpawnRequest) GetMaxTokens() int32 {
+	if x != nil {
+		return x.MaxTokens
+	}
+	return 0
+}
+
+func (x *SpawnRequest) GetReserve() string {
+	if x != nil {
+		return x.Reserve
 	}
 	return ""
 }
@@ -226,10 +257,14 @@ var File_curfew_subagent_v1_subagent_proto protoreflect.FileDescriptor
 
 const file_curfew_subagent_v1_subagent_proto_rawDesc = "" +
 	"\n" +
-	"!curfew/subagent/v1/subagent.proto\x12\x12curfew.subagent.v1\x1a\x19curfew/mesh/v1/mesh.proto\"8\n" +
+	"!curfew/subagent/v1/subagent.proto\x12\x12curfew.subagent.v1\x1a\x19curfew/mesh/v1/mesh.proto\"\x87\x01\n" +
 	"\fSpawnRequest\x12\x12\n" +
 	"\x04task\x18\x01 \x01(\tR\x04task\x12\x14\n" +
-	"\x05model\x18\x02 \x01(\tR\x05model\"%\n" +
+	"\x05model\x18\x02 \x01(\tR\x05model\x12\x14\n" +
+	"\x05tools\x18\x03 \x03(\tR\x05tools\x12\x1d\n" +
+	"\n" +
+	"max_tokens\x18\x04 \x01(\x05R\tmaxTokens\x12\x18\n" +
+	"\areserve\x18\x05 \x01(\tR\areserve\"%\n" +
 	"\vSpawnResult\x12\x16\n" +
 	"\x06answer\x18\x01 \x01(\tR\x06answer\"\xbb\x01\n" +
 	"\rSpawnResponse\x12*\n" +

@@ -132,7 +132,10 @@ func planTokens(p *plan.Plan, depth int) int64 {
 			if plan.Args(tl.Args, &a) != nil {
 				continue
 			}
-			if sub, err := plan.Parse(a.Plan); err == nil {
+			if !plan.LooksLikePlan(a.SpawnTask()) {
+				continue
+			}
+			if sub, err := plan.Parse([]byte(a.SpawnTask())); err == nil {
 				n += planTokens(sub, depth+1)
 			}
 		}

@@ -1,8 +1,10 @@
 package subagent
 
 import (
+	"context"
 	"strings"
 	"sync"
+	"time"
 
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
@@ -13,6 +15,7 @@ import (
 	"github.com/curfew-mesh/curfew/mesh/agent"
 	"github.com/curfew-mesh/curfew/mesh/md"
 	"github.com/curfew-mesh/curfew/mesh/nodes"
+	"github.com/curfew-mesh/curfew/mesh/plan"
 )
 
 // DefaultMaxDepth is the deepest nesting of subagents served.
@@ -54,9 +57,28 @@ func (s *Server) Spawn(req *subagentv1.SpawnRequest, stream subagentv1.SubagentS
 	if req.GetTask() == "" {
 		return status.Error(codes.InvalidArgument, "task is required")
 	}
+	if n := req.GetMaxTokens(); n < 0 {
+		return status.Errorf(codes.InvalidArgument, "max_tokens must be 0 (the provider's default) or more, got %d", n)
+	}
+	for i, t := range req.GetTools() {
+		if t == "" {
+			return status.Errorf(codes.InvalidArgument, "tools[%d]: a tool name is required", i)
+		}
+	}
+	reserve, err := plan.ParseReserve(req.GetReserve())
+	if err != nil {
+		return status.Errorf(codes.InvalidArgument, "reserve: %v", err)
+	}
 	node := id.NodeID + "/sub"
 	if depth := strings.Count(node, "/sub"); depth > s.cfg.MaxDepth {
 		return status.Errorf(codes.FailedPrecondition, "subagent depth %d exceeds the limit %d", depth, s.cfg.MaxDepth)
+	}
+	// The caller keeps its reserve: the nested loop runs under the caller's deadline
+	// minus it, never later.
+	if dl, ok := ctx.Deadline(); ok {
+		var cancel context.CancelFunc
+		ctx, cancel = context.WithDeadline(ctx, reserve.Deadline(dl, time.Now()))
+		defer cancel()
 	}
 	if err := ctx.Err(); err != nil {
 		return err
@@ -82,7 +104,10 @@ func (s *Server) Spawn(req *subagentv1.SpawnRequest, stream subagentv1.SubagentS
 	emit(started)
 	lc := s.cfg.Loop
 	lc.Emit, lc.EmitEvent = emit, event
-	answer, err := agent.New(lc).Run(md.WithNode(wctx, node), node, req.GetModel(), req.GetTask())
+	// The same run input as a root's: a real model is told of its tool failures and goes
+	// on (the sim model's plan still fails on them).
+	answer, err := agent.New(lc).RunInput(md.WithNode(wctx, node), node, agent.Input{
+		Model: req.GetModel(), Task: req.GetTask(), Tools: req.GetTools(), MaxTokens: req.GetMaxTokens()}, nil)
 	cancelled := wctx.Err() != nil
 	emit(s.Nodes.Finish(wctx, id.RunID, node, err, func(n *meshv1.Node) {
 		if cancelled {

@@ -34,6 +34,8 @@ type modelCall struct {
 	id       md.Identity
 	model    string
 	msgs     []*modelproxyv1.Message
+	tools    []string // the names of the tools the model was told of
+	maxTok   int32
 	deadline time.Time
 }
 
@@ -54,7 +56,11 @@ func (f *fakeModel) Generate(req *modelproxyv1.GenerateRequest, stream modelprox
 	ctx := stream.Context()
 	id := md.IdentityFrom(ctx)
 	dl, _ := ctx.Deadline()
-	f.calls <- modelCall{id: id, model: req.GetModel(), msgs: req.GetMessages(), deadline: dl}
+	var tools []string
+	for _, t := range req.GetTools() {
+		tools = append(tools, t.GetName())
+	}
+	f.calls <- modelCall{id: id, model: req.GetModel(), msgs: req.GetMessages(), tools: tools, maxTok: req.GetMaxTokens(), deadline: dl}
 	if req.GetModel() == "broken" {
 		return status.Error(codes.Unavailable, "provider down")
 	}
@@ -112,8 +118,10 @@ func (f *fakeModel) decode(ctx context.Context, stream modelproxyv1.ModelProxySe
 type fakeTools struct {
 	toolrunnerv1.UnimplementedToolRunnerServiceServer
 	table *nodes.Table
-	mu    sync.Mutex
-	seen  []md.Identity
+	// failing, when set, is the name of a tool that fails (INTERNAL) instead.
+	failing string
+	mu      sync.Mutex
+	seen    []md.Identity
 }
 
 func (f *fakeTools) Execute(req *toolrunnerv1.ExecuteRequest, stream toolrunnerv1.ToolRunnerService_ExecuteServer) error {
@@ -126,6 +134,11 @@ func (f *fakeTools) Execute(req *toolrunnerv1.ExecuteRequest, stream toolrunnerv
 		_ = stream.Send(&toolrunnerv1.ExecuteResponse{Event: &toolrunnerv1.ExecuteResponse_Node{Node: n}})
 	}
 	send(f.table.Start(id.RunID, &meshv1.Node{Id: id.NodeID, Kind: meshv1.NodeKind_NODE_KIND_TOOL, Name: req.GetName()}))
+	if req.GetName() == f.failing {
+		err := status.Error(codes.Internal, "disk full")
+		send(f.table.Finish(ctx, id.RunID, id.NodeID, err, nil))
+		return err
+	}
 	_ = stream.Send(&toolrunnerv1.ExecuteResponse{Event: &toolrunnerv1.ExecuteResponse_NodeEvent{NodeEvent: &meshv1.NodeEvent{
 		NodeId: id.NodeID, Kind: &meshv1.NodeEvent_Progress{Progress: &meshv1.Progress{Progress: 1, Total: 2, Message: "half"}}}}})
 	send(f.table.Finish(ctx, id.RunID, id.NodeID, nil, nil))
@@ -141,8 +154,13 @@ type env struct {
 
 func newEnv(t *testing.T, fm *fakeModel, maxDepth int) *env {
 	t.Helper()
+	return newEnvTools(t, fm, &fakeTools{}, maxDepth)
+}
+
+func newEnvTools(t *testing.T, fm *fakeModel, ft *fakeTools, maxDepth int) *env {
+	t.Helper()
 	fm.table, fm.calls = nodes.New(0), make(chan modelCall, 16)
-	ft := &fakeTools{table: nodes.New(0)}
+	ft.table = nodes.New(0)
 	mc := meshtest.Serve(t, quiet, func(gs *grpc.Server) {
 		modelproxyv1.RegisterModelProxyServiceServer(gs, fm)
 		meshv1.RegisterNodeReportServiceServer(gs, &nodes.Server{Table: fm.table})
@@ -432,5 +450,60 @@ func TestSpawnForwardsNodeEvents(t *testing.T) {
 	}
 	if strings.Join(got, "\n") != strings.Join(want, "\n") {
 		t.Fatalf("stream:\n%s\nwant:\n%s", strings.Join(got, "\n"), strings.Join(want, "\n"))
+	}
+}
+
+// A subagent runs the model, tools and max_tokens it is given, under its caller's deadline
+// minus the reserve, and a real model is told of a failed tool and goes on.
+func TestSpawnRunInput(t *testing.T) {
+	e := newEnvTools(t, &fakeModel{}, &fakeTools{failing: "sleep"}, 0)
+	ctx, cancel := context.WithTimeout(ident("r-input", "root/s0.t0"), 10*time.Second)
+	defer cancel()
+	r := spawn(ctx, t, e.sub, &subagentv1.SpawnRequest{Task: "check the deploy", Model: "gpt-4o-mini",
+		Tools: []string{"sleep"}, MaxTokens: 64, Reserve: "4s"})
+	if r.err != nil || r.answer != "the answer" {
+		t.Fatalf("answer %q, err %v: want the model's answer after the failed tool", r.answer, r.err)
+	}
+	callerDL, _ := ctx.Deadline()
+	for i := range 2 {
+		c := <-e.model.calls
+		if c.model != "gpt-4o-mini" || c.maxTok != 64 || strings.Join(c.tools, ",") != "sleep" {
+			t.Fatalf("step %d: model %q, max_tokens %d, tools %v: want gpt-4o-mini, 64, [sleep]", i, c.model, c.maxTok, c.tools)
+		}
+		if len(c.msgs) == 0 || c.msgs[0].GetRole() != modelproxyv1.Role_ROLE_USER || c.msgs[0].GetContent() != "check the deploy" {
+			t.Fatalf("step %d: messages %v, want the task as the first user message", i, c.msgs)
+		}
+		// The reserve comes off the caller's deadline (its 4 s, less a margin for ms rounding).
+		if c.deadline.IsZero() || c.deadline.After(callerDL.Add(-3900*time.Millisecond)) {
+			t.Fatalf("step %d: deadline %v, want at least 4s before the caller's %v", i, c.deadline, callerDL)
+		}
+		if i == 1 {
+			last := c.msgs[len(c.msgs)-1]
+			if last.GetRole() != modelproxyv1.Role_ROLE_TOOL || !strings.Contains(last.GetContent(), "disk full") {
+				t.Fatalf("step 1: last message %v, want the tool's error", last)
+			}
+		}
+	}
+}
+
+// With the sim model a failed tool still fails the subagent, as its plan expects.
+func TestSpawnSimFailsOnToolError(t *testing.T) {
+	e := newEnvTools(t, &fakeModel{}, &fakeTools{failing: "sleep"}, 0)
+	r := spawn(ident("r-simfail", "root/s0.t0"), t, e.sub, &subagentv1.SpawnRequest{Task: task})
+	meshtest.WantCode(t, r.err, codes.Internal, "disk full")
+}
+
+func TestSpawnInputValidation(t *testing.T) {
+	e := newEnv(t, &fakeModel{}, 0)
+	for _, tc := range []struct {
+		req  *subagentv1.SpawnRequest
+		want string
+	}{
+		{&subagentv1.SpawnRequest{Task: "t", MaxTokens: -1}, "max_tokens"},
+		{&subagentv1.SpawnRequest{Task: "t", Tools: []string{""}}, "tools[0]"},
+		{&subagentv1.SpawnRequest{Task: "t", Reserve: "later"}, "reserve"},
+	} {
+		r := spawn(ident("r-bad", "root/s0.t0"), t, e.sub, tc.req)
+		meshtest.WantCode(t, r.err, codes.InvalidArgument, tc.want)
 	}
 }

@@ -9,7 +9,8 @@
 //     (args.cleanup_ms, default 5 s), detached from the cancelled context, since the
 //     deadline that triggered the teardown has by definition no time left; then it
 //     re-raises the cancellation.
-//   - spawn_subagent: runs args.plan in the subagent service under the same deadline and
+//   - spawn_subagent: runs args.task (or a sim plan, args.plan) in the subagent service, with
+//     the model, tools, max_tokens and reserve given, under the same deadline and
 //     node path, streaming the nested nodes and node events back. Limited in depth and
 //     per-run fan-out.
 //

@@ -315,7 +315,9 @@ func (s *Server) prepare(ctx context.Context, req *toolrunnerv1.ExecuteRequest, 
 			return nil, status.Errorf(codes.FailedPrecondition, "spawn_subagent: depth %d exceeds the limit %d", depth, s.cfg.MaxSubagentDepth)
 		}
 		return func(ctx context.Context) (string, *meshv1.Cleanup, error) {
-			return s.spawn(ctx, string(a.Plan), emit, event)
+			return s.spawn(ctx, &subagentv1.SpawnRequest{Task: a.SpawnTask(), Model: a.Model, Tools: a.Tools,
+				MaxTokens: a.MaxTokens, Reserve: a.Reserve}, emit, event)
+
 		}, nil
 	}
 }
@@ -377,8 +379,8 @@ func (s *Server) deploy(ctx context.Context, a plan.DeployArgs) (string, *meshv1
 	}
 }
 
-// spawn runs a plan in the subagent service and forwards its nodes and node events.
-func (s *Server) spawn(ctx context.Context, task string, emit func(*meshv1.Node), event func(*meshv1.NodeEvent)) (string, *meshv1.Cleanup, error) {
+// spawn runs a nested loop in the subagent service and forwards its nodes and node events.
+func (s *Server) spawn(ctx context.Context, req *subagentv1.SpawnRequest, emit func(*meshv1.Node), event func(*meshv1.NodeEvent)) (string, *meshv1.Cleanup, error) {
 	run := md.IdentityFrom(ctx).RunID
 	s.mu.Lock()
 	if s.fanout[run] >= s.cfg.MaxSubagentFanout {
@@ -394,7 +396,7 @@ func (s *Server) spawn(ctx context.Context, task string, emit func(*meshv1.Node)
 		}
 		s.mu.Unlock()
 	}()
-	st, err := s.cfg.Subagent.Spawn(ctx, &subagentv1.SpawnRequest{Task: task})
+	st, err := s.cfg.Subagent.Spawn(ctx, req)
 	if err != nil {
 		return "", nil, s.settle(ctx, err)
 	}

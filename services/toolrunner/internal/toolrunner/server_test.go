@@ -16,6 +16,7 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/metadata"
 	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/proto"
 
 	meshv1 "github.com/curfew-mesh/curfew/gen/curfew/mesh/v1"
 	subagentv1 "github.com/curfew-mesh/curfew/gen/curfew/subagent/v1"
@@ -405,6 +406,8 @@ func TestExecuteValidation(t *testing.T) {
 		{"deploy duration", "deploy", `{"poll_ms":10}`, ok, codes.InvalidArgument, []string{"args.duration_ms"}},
 		{"fail code", "fail", `{"code":"SOMETIMES"}`, ok, codes.InvalidArgument, []string{"args.code", "SOMETIMES"}},
 		{"spawn bad plan", "spawn_subagent", `{"plan":{"steps":[]}}`, ok, codes.InvalidArgument, []string{"steps"}},
+		{"spawn with task and plan", "spawn_subagent", `{"task":"t","plan":{"steps":[{"answer_tokens":1}]}}`, ok, codes.InvalidArgument, []string{"args.task", "not both"}},
+		{"spawn bad reserve", "spawn_subagent", `{"task":"t","reserve":"later"}`, ok, codes.InvalidArgument, []string{"args.reserve"}},
 		{"spawn without subagent service", "spawn_subagent", `{"plan":{"steps":[{"answer_tokens":1}]}}`, ok, codes.FailedPrecondition, []string{"no subagent service"}},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
@@ -450,6 +453,7 @@ func (f *fakeSubagent) waitEntered(t *testing.T, what string) {
 type spawnCall struct {
 	id       md.Identity
 	task     string
+	req      *subagentv1.SpawnRequest
 	deadline time.Time
 }
 
@@ -462,7 +466,7 @@ func (f *fakeSubagent) Spawn(req *subagentv1.SpawnRequest, stream subagentv1.Sub
 	}
 	sub := id.NodeID + "/sub"
 	send(f.table.Start(id.RunID, &meshv1.Node{Id: sub, Kind: meshv1.NodeKind_NODE_KIND_SUBAGENT}))
-	f.entered <- spawnCall{id: id, task: req.GetTask(), deadline: dl}
+	f.entered <- spawnCall{id: id, task: req.GetTask(), req: req, deadline: dl}
 	if f.hold != nil {
 		select {
 		case <-f.hold:
@@ -547,6 +551,24 @@ func TestSpawnSubagentForwardsNodesAndAnswer(t *testing.T) {
 	callerDL, _ := ctx.Deadline()
 	if call.deadline.IsZero() || call.deadline.After(callerDL) {
 		t.Fatalf("subagent deadline %v, want set and not after the caller's %v", call.deadline, callerDL)
+	}
+}
+
+// spawn_subagent's run input reaches the subagent service as given.
+func TestSpawnSubagentPassesArgs(t *testing.T) {
+	f := &fakeSubagent{}
+	e := newSubagentEnv(t, f, Config{})
+	ctx, cancel := context.WithTimeout(ident("r-spawnargs", "root/s0.t0"), 5*time.Second)
+	defer cancel()
+	r := execute(ctx, t, e.tools, "spawn_subagent",
+		`{"task":"check the deploy","model":"gpt-4o-mini","tools":["sleep","kv_put"],"max_tokens":64,"reserve":"0.2"}`)
+	if r.err != nil {
+		t.Fatal(r.err)
+	}
+	call := <-f.entered
+	want := &subagentv1.SpawnRequest{Task: "check the deploy", Model: "gpt-4o-mini", Tools: []string{"sleep", "kv_put"}, MaxTokens: 64, Reserve: "0.2"}
+	if !proto.Equal(call.req, want) {
+		t.Fatalf("SpawnRequest = %v, want %v", call.req, want)
 	}
 }
 

@@ -12,7 +12,7 @@ import type { Message } from "@bufbuild/protobuf";
  * Describes the file curfew/subagent/v1/subagent.proto.
  */
 export const file_curfew_subagent_v1_subagent: GenFile = /*@__PURE__*/
-  fileDesc("CiFjdXJmZXcvc3ViYWdlbnQvdjEvc3ViYWdlbnQucHJvdG8SEmN1cmZldy5zdWJhZ2VudC52MSIrCgxTcGF3blJlcXVlc3QSDAoEdGFzaxgBIAEoCRINCgVtb2RlbBgCIAEoCSIdCgtTcGF3blJlc3VsdBIOCgZhbnN3ZXIYASABKAkiogEKDVNwYXduUmVzcG9uc2USJAoEbm9kZRgBIAEoCzIULmN1cmZldy5tZXNoLnYxLk5vZGVIABIxCgZyZXN1bHQYAiABKAsyHy5jdXJmZXcuc3ViYWdlbnQudjEuU3Bhd25SZXN1bHRIABIvCgpub2RlX2V2ZW50GAMgASgLMhkuY3VyZmV3Lm1lc2gudjEuTm9kZUV2ZW50SABCBwoFZXZlbnQyYQoPU3ViYWdlbnRTZXJ2aWNlEk4KBVNwYXduEiAuY3VyZmV3LnN1YmFnZW50LnYxLlNwYXduUmVxdWVzdBohLmN1cmZldy5zdWJhZ2VudC52MS5TcGF3blJlc3BvbnNlMAFC0gEKFmNvbS5jdXJmZXcuc3ViYWdlbnQudjFCDVN1YmFnZW50UHJvdG9QAVo/Z2l0aHViLmNvbS9jdXJmZXctbWVzaC9jdXJmZXcvZ2VuL2N1cmZldy9zdWJhZ2VudC92MTtzdWJhZ2VudHYxogIDQ1NYqgISQ3VyZmV3LlN1YmFnZW50LlYxygISQ3VyZmV3XFN1YmFnZW50XFYx4gIeQ3VyZmV3XFN1YmFnZW50XFYxXEdQQk1ldGFkYXRh6gIUQ3VyZmV3OjpTdWJhZ2VudDo6VjFiBnByb3RvMw", [file_curfew_mesh_v1_mesh]);
+  fileDesc("CiFjdXJmZXcvc3ViYWdlbnQvdjEvc3ViYWdlbnQucHJvdG8SEmN1cmZldy5zdWJhZ2VudC52MSJfCgxTcGF3blJlcXVlc3QSDAoEdGFzaxgBIAEoCRINCgVtb2RlbBgCIAEoCRINCgV0b29scxgDIAMoCRISCgptYXhfdG9rZW5zGAQgASgFEg8KB3Jlc2VydmUYBSABKAkiHQoLU3Bhd25SZXN1bHQSDgoGYW5zd2VyGAEgASgJIqIBCg1TcGF3blJlc3BvbnNlEiQKBG5vZGUYASABKAsyFC5jdXJmZXcubWVzaC52MS5Ob2RlSAASMQoGcmVzdWx0GAIgASgLMh8uY3VyZmV3LnN1YmFnZW50LnYxLlNwYXduUmVzdWx0SAASLwoKbm9kZV9ldmVudBgDIAEoCzIZLmN1cmZldy5tZXNoLnYxLk5vZGVFdmVudEgAQgcKBWV2ZW50MmEKD1N1YmFnZW50U2VydmljZRJOCgVTcGF3bhIgLmN1cmZldy5zdWJhZ2VudC52MS5TcGF3blJlcXVlc3QaIS5jdXJmZXcuc3ViYWdlbnQudjEuU3Bhd25SZXNwb25zZTABQtIBChZjb20uY3VyZmV3LnN1YmFnZW50LnYxQg1TdWJhZ2VudFByb3RvUAFaP2dpdGh1Yi5jb20vY3VyZmV3LW1lc2gvY3VyZmV3L2dlbi9jdXJmZXcvc3ViYWdlbnQvdjE7c3ViYWdlbnR2MaICA0NTWKoCEkN1cmZldy5TdWJhZ2VudC5WMcoCEkN1cmZld1xTdWJhZ2VudFxWMeICHkN1cmZld1xTdWJhZ2VudFxWMVxHUEJNZXRhZGF0YeoCFEN1cmZldzo6U3ViYWdlbnQ6OlYxYgZwcm90bzM", [file_curfew_mesh_v1_mesh]);
 
 /**
  * SpawnRequest runs a nested agent loop under the caller's deadline and node path.
@@ -33,6 +33,31 @@ export type SpawnRequest = Message<"curfew.subagent.v1.SpawnRequest"> & {
    * @generated from field: string model = 2;
    */
   model: string;
+
+  /**
+   * Names of the tools the nested loop may use, among those of the tenant; empty means
+   * all of them.
+   *
+   * @generated from field: repeated string tools = 3;
+   */
+  tools: string[];
+
+  /**
+   * Bound on the output tokens of each of the nested loop's model steps; 0 means the
+   * provider's default.
+   *
+   * @generated from field: int32 max_tokens = 4;
+   */
+  maxTokens: number;
+
+  /**
+   * Time the caller keeps for itself after the nested loop: a duration ("2s") or a
+   * fraction of the time left ("0.2"). The nested loop's deadline is the caller's minus
+   * it, never later. Empty means none.
+   *
+   * @generated from field: string reserve = 5;
+   */
+  reserve: string;
 };
 
 /**
