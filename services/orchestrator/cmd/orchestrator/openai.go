@@ -64,7 +64,7 @@ func serveOpenAI(ctx context.Context, rt *service.Runtime, addr, model string, t
 		// Shutdown closes the listener at once and waits, in the background so as not to
 		// hold the drain, for the completions in flight: each ends with its run's stream.
 		go func() {
-			sctx, cancel := context.WithDeadline(context.Background(), rt.StopDeadline())
+			sctx, cancel := context.WithDeadline(context.WithoutCancel(ctx), rt.StopDeadline())
 			defer cancel()
 			_ = srv.Shutdown(sctx)
 			_ = cc.Close()

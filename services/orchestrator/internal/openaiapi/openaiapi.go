@@ -3,6 +3,7 @@ package openaiapi
 import (
 	"context"
 	"encoding/json"
+	"errors"
 	"fmt"
 	"io"
 	"log/slog"
@@ -101,7 +102,7 @@ func invalid(param, format string, a ...any) error {
 // authorize returns ctx carrying the request's bearer key as the call's API key, or
 // false after answering 401. A request without a key never reaches the orchestrator:
 // the loopback connection is a mesh peer, which the guard would let name a tenant.
-func authorize(w http.ResponseWriter, r *http.Request, ctx context.Context) (context.Context, bool) {
+func authorize(ctx context.Context, w http.ResponseWriter, r *http.Request) (context.Context, bool) {
 	auth := r.Header.Get("Authorization")
 	scheme, key, ok := strings.Cut(auth, " ")
 	key = strings.TrimSpace(key)
@@ -115,7 +116,7 @@ func authorize(w http.ResponseWriter, r *http.Request, ctx context.Context) (con
 }
 
 // deadline applies the request's TimeoutHeader to ctx, and returns it (0 for none).
-func deadline(r *http.Request, ctx context.Context) (context.Context, context.CancelFunc, time.Duration, error) {
+func deadline(ctx context.Context, r *http.Request) (context.Context, context.CancelFunc, time.Duration, error) {
 	v := r.Header.Get(TimeoutHeader)
 	if v == "" {
 		ctx, cancel := context.WithCancel(ctx)
@@ -130,7 +131,7 @@ func deadline(r *http.Request, ctx context.Context) (context.Context, context.Ca
 }
 
 func (h *Handler) models(w http.ResponseWriter, r *http.Request) {
-	if _, ok := authorize(w, r, r.Context()); !ok {
+	if _, ok := authorize(r.Context(), w, r); !ok {
 		return
 	}
 	type model struct {
@@ -150,7 +151,7 @@ func (h *Handler) models(w http.ResponseWriter, r *http.Request) {
 }
 
 func (h *Handler) completions(w http.ResponseWriter, r *http.Request) {
-	ctx, ok := authorize(w, r, r.Context())
+	ctx, ok := authorize(r.Context(), w, r)
 	if !ok {
 		return
 	}
@@ -160,7 +161,7 @@ func (h *Handler) completions(w http.ResponseWriter, r *http.Request) {
 	var timeout time.Duration
 	if err == nil {
 		var cancel context.CancelFunc
-		ctx, cancel, timeout, err = deadline(r, ctx)
+		ctx, cancel, timeout, err = deadline(ctx, r)
 		if err == nil {
 			defer cancel()
 		}
@@ -193,7 +194,7 @@ func (h *Handler) complete(w http.ResponseWriter, req *chatRequest, recv events)
 	var finished *orchestratorv1.Run
 	for {
 		ev, err := recv()
-		if err == io.EOF {
+		if errors.Is(err, io.EOF) {
 			break
 		}
 		if err != nil {

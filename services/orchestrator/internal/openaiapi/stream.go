@@ -2,6 +2,7 @@ package openaiapi
 
 import (
 	"encoding/json"
+	"errors"
 	"io"
 	"net/http"
 	"strings"
@@ -66,7 +67,7 @@ func (h *Handler) stream(w http.ResponseWriter, req *chatRequest, recv events) {
 	var finished *orchestratorv1.Run
 	for {
 		ev, err := recv()
-		if err == io.EOF {
+		if errors.Is(err, io.EOF) {
 			break
 		}
 		if err != nil {
