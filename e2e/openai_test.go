@@ -128,6 +128,16 @@ func TestOpenAICompletions(t *testing.T) {
 	bad = simPlan(`{"steps": [{"answer_tokens": 1}]}`)
 	bad["tools"] = []map[string]any{{"type": "function", "function": map[string]any{"name": "get_weather", "parameters": map[string]any{}}}}
 	wantOpenAIError(t, openAIPost(ctx, t, key, bad), http.StatusBadRequest, "curfew runs its own tools; get_weather is not a registered tool")
+	// A registered tool is the run's allow-list: the plan may call it.
+	ok := simPlan(`{"tokens_per_second": 500, "steps": [{"tools": [{"name": "sleep", "args": {"ms": 10}}]}, {"answer_tokens": 1}]}`)
+	ok["tools"] = []map[string]any{{"type": "function", "function": map[string]any{"name": "sleep"}}}
+	if res := openAIPost(ctx, t, key, ok); res.StatusCode != http.StatusOK {
+		b, _ := io.ReadAll(res.Body)
+		t.Errorf("a registered tool: %d %s, want 200", res.StatusCode, b)
+		res.Body.Close()
+	} else {
+		res.Body.Close()
+	}
 	bad = simPlan(`{"steps": [{"answer_tokens": 1}]}`)
 	bad["temperature"] = 2.5
 	wantOpenAIError(t, openAIPost(ctx, t, key, bad), http.StatusBadRequest, "temperature")
