@@ -6,6 +6,8 @@
 #                       @bufbuild/protoc-gen-es), linked into .tools/bin for buf generate
 #   examples/node       the Node example's dependencies, then its build (tsc) into dist/
 #   examples/node-tool  the Node tool server's dependencies, then its build into dist/
+#   examples/openai-node  the official openai SDK, which e2e/openai_node_test.go drives
+#                       curfew's OpenAI-compatible API with (no build)
 #   .tools/mcp-everything  the MCP reference server @modelcontextprotocol/server-everything
 #                       (scripts/mcp-everything/package.json), which the toolrunner's MCP
 #                       source is tested against
@@ -15,6 +17,7 @@
 #   scripts/node.sh example    the example only
 #   scripts/node.sh node-tool  the tool server only
 #   scripts/node.sh mcp        the MCP reference server only
+#   scripts/node.sh openai     the openai SDK client only
 #
 # Needs Node.js >= 20 with npm. Without node it installs Debian's nodejs and npm when it
 # runs as root under CI=true; otherwise it fails and says so.
@@ -69,6 +72,9 @@ fi
 if [[ "$what" == all || "$what" == node-tool ]]; then
   ci examples/node-tool examples/node-tool
   (cd examples/node-tool && npm run --silent build >&2)
+fi
+if [[ "$what" == all || "$what" == openai ]]; then
+  ci examples/openai-node examples/openai-node
 fi
 if [[ "$what" == all || "$what" == mcp ]]; then
   ci .tools/mcp-everything scripts/mcp-everything

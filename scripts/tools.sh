@@ -35,6 +35,9 @@ bash scripts/node.sh tools
 # The MCP reference server the toolrunner's MCP source is tested against, pinned by
 # scripts/mcp-everything/package-lock.json (its test fails under CI=true without it).
 bash scripts/node.sh mcp
+# The official openai SDK the OpenAI-compatible API is tested with, pinned by
+# examples/openai-node/package-lock.json.
+bash scripts/node.sh openai
 if [[ "${CURFEW_SKIP_LINT_INSTALL:-}" != 1 ]]; then
   install golangci-lint github.com/golangci/golangci-lint/v2/cmd/golangci-lint "$GOLANGCI_LINT_VERSION"
 fi

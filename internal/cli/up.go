@@ -56,7 +56,7 @@ func readEndpoints(dir string) (*Endpoints, error) {
 func cmdUp(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	fs := newFlags("up", stderr)
 	dataDir := fs.String("data-dir", defaultDataDir(), "data directory: endpoints.json and logs/")
-	basePort := fs.Int("base-port", 7700, "first of 8 consecutive ports (gRPC and admin per service); 0 picks free ports")
+	basePort := fs.Int("base-port", 7700, "first of 9 consecutive ports (gRPC and admin per service, then the orchestrator's OpenAI-compatible API); 0 picks free ports")
 	binDir := fs.String("bin-dir", "", "directory of the service binaries (default: next to curfew, else $PATH)")
 	grace := fs.Duration("shutdown-grace", service.DefaultShutdownGrace, "each service's --shutdown-grace: how long its in-flight calls and runs get to finish on stop; a service still running after its whole stop bound (docs/leases.md#drain) is killed")
 	startTimeout := fs.Duration("start-timeout", 30*time.Second, "how long to wait for every service to report SERVING")
@@ -196,6 +196,11 @@ func cmdUp(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		for i := len(procs) - 1; i >= 0; i-- {
 			p := procs[i]
 			fmt.Fprintf(stdout, "%-13s %-21s admin http://%s  pid %d\n", p.Name, p.Addr, p.AdminAddr, p.PID())
+		}
+		for _, p := range procs {
+			if p.OpenAIAddr != "" {
+				fmt.Fprintf(stdout, "openai        http://%s/v1 (docs/openai.md)\n", p.OpenAIAddr)
+			}
 		}
 		fmt.Fprintf(stdout, "endpoints     %s\nlogs          %s\n", filepath.Join(*dataDir, EndpointsFile), logs)
 		if tlsDir != "" {

@@ -16,6 +16,9 @@ var Services = []string{"modelproxy", "subagent", "toolrunner", "orchestrator"}
 // admin port next to it.
 var portOffset = map[string]int{"orchestrator": 0, "toolrunner": 2, "subagent": 4, "modelproxy": 6}
 
+// openAIOffset is the orchestrator's OpenAI-compatible API's port above the base port.
+const openAIOffset = 8
+
 // peers are the services each service calls, with the flag that names each one.
 var peers = map[string][]string{
 	"orchestrator": {"modelproxy", "toolrunner", "subagent"},
@@ -27,20 +30,30 @@ var peers = map[string][]string{
 type Endpoint struct {
 	Addr      string `json:"addr"`
 	AdminAddr string `json:"admin_addr"`
-	PID       int    `json:"pid"` // 0 until the process has started
+	// OpenAIAddr is the orchestrator's OpenAI-compatible API (--openai-addr); other
+	// services have none.
+	OpenAIAddr string `json:"openai_addr,omitempty"`
+	PID        int    `json:"pid"` // 0 until the process has started
 }
 
-// Allocate assigns every service its gRPC and admin address on 127.0.0.1: base, base+1,
+// Allocate assigns every service its gRPC and admin address on 127.0.0.1 (and the
+// orchestrator its OpenAI-compatible API's, base+8): base, base+1,
 // ... in the fixed layout of `curfew up --base-port` (the orchestrator on base), or free
 // ports when base is 0. A free port is released before the service binds it, so another
 // process may take it meanwhile.
 func Allocate(base int) (map[string]Endpoint, error) {
 	eps := map[string]Endpoint{}
 	for _, name := range Services {
-		var ports [2]int
+		ports := []int{0, 0}
+		if name == "orchestrator" {
+			ports = append(ports, 0)
+		}
 		for i := range ports {
 			if base != 0 {
 				ports[i] = base + portOffset[name] + i
+				if i == 2 {
+					ports[i] = base + openAIOffset
+				}
 				continue
 			}
 			l, err := net.Listen("tcp", "127.0.0.1:0") //nolint:noctx // a local bind, nothing to cancel
@@ -50,7 +63,11 @@ func Allocate(base int) (map[string]Endpoint, error) {
 			ports[i] = l.Addr().(*net.TCPAddr).Port
 			defer l.Close() // hold every port until all are picked, so none repeats
 		}
-		eps[name] = Endpoint{Addr: "127.0.0.1:" + strconv.Itoa(ports[0]), AdminAddr: "127.0.0.1:" + strconv.Itoa(ports[1])}
+		ep := Endpoint{Addr: "127.0.0.1:" + strconv.Itoa(ports[0]), AdminAddr: "127.0.0.1:" + strconv.Itoa(ports[1])}
+		if len(ports) > 2 {
+			ep.OpenAIAddr = "127.0.0.1:" + strconv.Itoa(ports[2])
+		}
+		eps[name] = ep
 	}
 	return eps, nil
 }

@@ -47,8 +47,11 @@ func Start(cfg Config) (*Mesh, error) {
 	for _, name := range Services {
 		ep := cfg.Endpoints[name]
 		args := append([]string{"--addr", ep.Addr, "--admin-addr", ep.AdminAddr}, PeerFlags(name, cfg.Endpoints)...)
+		if ep.OpenAIAddr != "" {
+			args = append(args, "--openai-addr", ep.OpenAIAddr)
+		}
 		p := &Process{Name: name, Bin: cfg.Bins[name], Args: append(args, cfg.Args[name]...),
-			Addr: ep.Addr, AdminAddr: ep.AdminAddr, Log: filepath.Join(cfg.LogDir, name+".log")}
+			Addr: ep.Addr, AdminAddr: ep.AdminAddr, OpenAIAddr: ep.OpenAIAddr, Log: filepath.Join(cfg.LogDir, name+".log")}
 		if err := p.Start(); err != nil {
 			m.Stop()
 			return nil, err
@@ -65,7 +68,7 @@ func (m *Mesh) Processes() []*Process { return m.procs }
 func (m *Mesh) Endpoints() map[string]Endpoint {
 	eps := map[string]Endpoint{}
 	for _, p := range m.procs {
-		eps[p.Name] = Endpoint{Addr: p.Addr, AdminAddr: p.AdminAddr, PID: p.PID()}
+		eps[p.Name] = Endpoint{Addr: p.Addr, AdminAddr: p.AdminAddr, OpenAIAddr: p.OpenAIAddr, PID: p.PID()}
 	}
 	return eps
 }

@@ -24,7 +24,9 @@ type Process struct {
 	Args      []string // its flags, addresses included
 	Addr      string   // its gRPC address, which WaitServing asks
 	AdminAddr string   // its admin address, for the caller's reference
-	Log       string   // the file its stdout and stderr are appended to
+	// OpenAIAddr is the orchestrator's OpenAI-compatible API, for the caller's reference.
+	OpenAIAddr string
+	Log        string // the file its stdout and stderr are appended to
 	// Creds are what WaitServing presents to the service; nil is plaintext.
 	Creds credentials.TransportCredentials
 	// ParentDeathSignal is sent to the process when its parent dies; SIGTERM when 0,

@@ -56,6 +56,7 @@ func run(args []string) int {
 	admissionFile := fs.String("admission-config", "", "JSON file of admission pools, tenant limits and token budgets (docs/admission.md); default: a paid pool of 512 and an overflow pool of 128 runs, 50 run starts per second per tenant (burst 100)")
 	heartbeat := fs.Duration("decoder-heartbeat", decoderlease.DefaultPeriod, "longest period between two renewals of a decoder's lease (docs/leases.md); each is renewed at least every third of its call's remaining deadline")
 	decoderTTL := fs.Duration("decoder-lease-ttl", 0, "decoder lease TTL asked of modelproxy; default 3 × --decoder-heartbeat")
+	openaiAddr := fs.String("openai-addr", "", "address of the OpenAI-compatible HTTP API (docs/openai.md): POST /v1/chat/completions and GET /v1/models, each completion a run; off unless set")
 	admissionOff := fs.Bool("admission-off", false, "admit every run at once: no pools, queue, budgets or shedding")
 	if err := service.Parse(fs, args, os.Getenv); err != nil {
 		fmt.Fprintln(os.Stderr, "orchestrator:", err)
@@ -236,6 +237,14 @@ func run(args []string) int {
 	rt.OnDrain(func() { srv.Drain(rt.StopDeadline()) })
 	rt.OnStop(func() { srv.Shutdown(rt.StopDeadline()) })
 	rt.OnStop(peers.close)
+	if *openaiAddr != "" {
+		closeOpenAI, err := serveOpenAI(ctx, rt, *openaiAddr, *model, toolrunnerv1.NewToolRunnerServiceClient(tc))
+		if err != nil {
+			fmt.Fprintln(os.Stderr, "orchestrator: --openai-addr:", err)
+			return 2
+		}
+		rt.OnDrain(closeOpenAI)
+	}
 	err = rt.Serve(ctx)
 	if err != nil {
 		rt.Log.Error("serve", "error", err.Error())

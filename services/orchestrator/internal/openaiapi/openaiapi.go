@@ -1,0 +1,243 @@
+package openaiapi
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"log/slog"
+	"net/http"
+	"strings"
+	"time"
+
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/metadata"
+	"google.golang.org/grpc/status"
+
+	orchestratorv1 "github.com/curfew-mesh/curfew/gen/curfew/orchestrator/v1"
+)
+
+// TimeoutHeader is the request header of a completion's time limit, a Go duration
+// ("30s"); without it the orchestrator's default deadline applies, and either is capped
+// at its maximum.
+const TimeoutHeader = "X-Curfew-Timeout"
+
+// maxBody bounds a request's body.
+const maxBody = 4 << 20
+
+// Config is a front door's configuration.
+type Config struct {
+	// Orchestrator is a client of the orchestrator's own gRPC listener (loopback), so
+	// that every call passes its server chain. Required.
+	Orchestrator orchestratorv1.OrchestratorServiceClient
+	// Models are the model aliases GET /v1/models lists, the default first.
+	Models []string
+	// Registered, when set, returns the tool registry's names: a request's tools must be
+	// among them. Nil: tools are passed to the run unchecked.
+	Registered func(context.Context) (map[string]bool, error)
+	// Log receives the internal errors a client is not told of; nil: slog.Default().
+	Log *slog.Logger
+}
+
+// Handler serves the OpenAI-compatible API.
+type Handler struct {
+	cfg Config
+	mux *http.ServeMux
+}
+
+// New returns the handler of cfg.
+func New(cfg Config) *Handler {
+	if cfg.Log == nil {
+		cfg.Log = slog.Default()
+	}
+	h := &Handler{cfg: cfg, mux: http.NewServeMux()}
+	h.mux.HandleFunc("POST /v1/chat/completions", h.completions)
+	h.mux.HandleFunc("GET /v1/models", h.models)
+	h.mux.HandleFunc("/", func(w http.ResponseWriter, r *http.Request) {
+		writeError(w, http.StatusNotFound, "invalid_request_error", "", "not_found", "no such endpoint: "+r.Method+" "+r.URL.Path)
+	})
+	return h
+}
+
+func (h *Handler) ServeHTTP(w http.ResponseWriter, r *http.Request) { h.mux.ServeHTTP(w, r) }
+
+// apiError is OpenAI's error body.
+type apiError struct {
+	Error struct {
+		Message string  `json:"message"`
+		Type    string  `json:"type"`
+		Param   *string `json:"param"`
+		Code    *string `json:"code"`
+	} `json:"error"`
+}
+
+func writeError(w http.ResponseWriter, httpStatus int, typ, param, code, msg string) {
+	var e apiError
+	e.Error.Message, e.Error.Type = msg, typ
+	if param != "" {
+		e.Error.Param = &param
+	}
+	if code != "" {
+		e.Error.Code = &code
+	}
+	writeJSON(w, httpStatus, e)
+}
+
+func writeJSON(w http.ResponseWriter, httpStatus int, v any) {
+	w.Header().Set("Content-Type", "application/json")
+	w.WriteHeader(httpStatus)
+	_ = json.NewEncoder(w).Encode(v)
+}
+
+// badRequest is a request error naming its field.
+type badRequest struct{ param, msg string }
+
+func (e *badRequest) Error() string { return e.msg }
+
+func invalid(param, format string, a ...any) error {
+	return &badRequest{param: param, msg: fmt.Sprintf(format, a...)}
+}
+
+// authorize returns ctx carrying the request's bearer key as the call's API key, or
+// false after answering 401. A request without a key never reaches the orchestrator:
+// the loopback connection is a mesh peer, which the guard would let name a tenant.
+func authorize(ctx context.Context, w http.ResponseWriter, r *http.Request) (context.Context, bool) {
+	auth := r.Header.Get("Authorization")
+	scheme, key, ok := strings.Cut(auth, " ")
+	key = strings.TrimSpace(key)
+	if !ok || !strings.EqualFold(scheme, "Bearer") || key == "" {
+		w.Header().Set(ShouldRetryHeader, "false")
+		writeError(w, http.StatusUnauthorized, "invalid_request_error", "", "invalid_api_key",
+			"missing API key: send Authorization: Bearer <key> (curfew tenant create makes one)")
+		return nil, false
+	}
+	return metadata.AppendToOutgoingContext(ctx, "authorization", "Bearer "+key), true
+}
+
+// deadline applies the request's TimeoutHeader to ctx, and returns it (0 for none).
+func deadline(ctx context.Context, r *http.Request) (context.Context, context.CancelFunc, time.Duration, error) {
+	v := r.Header.Get(TimeoutHeader)
+	if v == "" {
+		ctx, cancel := context.WithCancel(ctx)
+		return ctx, cancel, 0, nil
+	}
+	d, err := time.ParseDuration(v)
+	if err != nil || d <= 0 {
+		return nil, nil, 0, invalid(TimeoutHeader, "header %s: %q is not a positive duration such as 30s", TimeoutHeader, v)
+	}
+	ctx, cancel := context.WithTimeout(ctx, d)
+	return ctx, cancel, d, nil
+}
+
+func (h *Handler) models(w http.ResponseWriter, r *http.Request) {
+	if _, ok := authorize(r.Context(), w, r); !ok {
+		return
+	}
+	type model struct {
+		ID      string `json:"id"`
+		Object  string `json:"object"`
+		Created int64  `json:"created"`
+		OwnedBy string `json:"owned_by"`
+	}
+	list := struct {
+		Object string  `json:"object"`
+		Data   []model `json:"data"`
+	}{Object: "list", Data: []model{}}
+	for _, m := range h.cfg.Models {
+		list.Data = append(list.Data, model{ID: m, Object: "model", OwnedBy: "curfew"})
+	}
+	writeJSON(w, http.StatusOK, list)
+}
+
+func (h *Handler) completions(w http.ResponseWriter, r *http.Request) {
+	ctx, ok := authorize(r.Context(), w, r)
+	if !ok {
+		return
+	}
+	key := r.Header.Get(IdempotencyKeyHeader)
+	w = &answer{ResponseWriter: w, keyed: key != ""}
+	req, err := decodeRequest(io.LimitReader(r.Body, maxBody))
+	var timeout time.Duration
+	if err == nil {
+		var cancel context.CancelFunc
+		ctx, cancel, timeout, err = deadline(ctx, r)
+		if err == nil {
+			defer cancel()
+		}
+	}
+	var run *orchestratorv1.RunRequest
+	if err == nil {
+		req.registered = h.cfg.Registered
+		run, err = req.runRequest(ctx)
+	}
+	if err != nil {
+		h.writeStatus(w, err)
+		return
+	}
+	recv, err := h.open(ctx, run, key, timeout)
+	if err != nil {
+		h.writeStatus(w, err)
+		return
+	}
+	if req.Stream {
+		h.stream(w, req, recv)
+		return
+	}
+	h.complete(w, req, recv)
+}
+
+// complete answers a non-streamed completion once the run has ended. The Run call's
+// context is the request's: a client that leaves cancels the run (one without an
+// idempotency key: IdempotencyKeyHeader).
+func (h *Handler) complete(w http.ResponseWriter, req *chatRequest, recv events) {
+	var finished *orchestratorv1.Run
+	for {
+		ev, err := recv()
+		if errors.Is(err, io.EOF) {
+			break
+		}
+		if err != nil {
+			if finished == nil || finished.GetStatus() != orchestratorv1.RunStatus_RUN_STATUS_SUCCEEDED {
+				h.writeStatus(w, err)
+				return
+			}
+			break
+		}
+		if f := ev.GetFinished(); f != nil {
+			finished = f
+		}
+	}
+	if finished == nil {
+		h.writeStatus(w, status.Error(codes.Internal, "the run's stream ended without its summary"))
+		return
+	}
+	if finished.GetStatus() != orchestratorv1.RunStatus_RUN_STATUS_SUCCEEDED {
+		h.writeStatus(w, runStatus(finished))
+		return
+	}
+	writeJSON(w, http.StatusOK, completion(finished, req.Model))
+}
+
+// runStatus is the status error of a run that did not succeed.
+func runStatus(r *orchestratorv1.Run) error {
+	var c codes.Code
+	if err := c.UnmarshalJSON([]byte(`"` + r.GetErrorCode() + `"`)); err != nil || c == codes.OK {
+		c = codes.Unknown
+	}
+	return status.Error(c, r.GetErrorMessage())
+}
+
+// answer is a completion's response writer: it knows whether the request has an
+// idempotency key, which decides whether an SDK may retry a failure (writeStatus).
+type answer struct {
+	http.ResponseWriter
+	keyed bool
+}
+
+// Flush flushes the stream's events.
+func (a *answer) Flush() {
+	if f, ok := a.ResponseWriter.(http.Flusher); ok {
+		f.Flush()
+	}
+}

@@ -1,0 +1,156 @@
+package openaiapi
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"net/http"
+	"net/http/httptest"
+	"strings"
+	"testing"
+	"time"
+
+	"google.golang.org/genproto/googleapis/rpc/errdetails"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/types/known/durationpb"
+
+	orchestratorv1 "github.com/curfew-mesh/curfew/gen/curfew/orchestrator/v1"
+)
+
+func decode(t *testing.T, body string) *chatRequest {
+	t.Helper()
+	req, err := decodeRequest(strings.NewReader(body))
+	if err != nil {
+		t.Fatal(err)
+	}
+	return req
+}
+
+// A request becomes a run: the last user message is the task, the ones before it the
+// conversation; the other fields map to the run's input.
+func TestRunRequest(t *testing.T) {
+	req := decode(t, `{"model": "fast", "messages": [
+		{"role": "system", "content": "be brief"},
+		{"role": "user", "content": [{"type": "text", "text": "hi "}, {"type": "text", "text": "there"}]},
+		{"role": "assistant", "content": "hello"},
+		{"role": "user", "content": "what now?"}],
+		"max_tokens": 10, "max_completion_tokens": 20, "temperature": 0.5,
+		"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}},
+		"tools": [{"type": "function", "function": {"name": "sleep"}}]}`)
+	req.registered = func(context.Context) (map[string]bool, error) { return map[string]bool{"sleep": true}, nil }
+	run, err := req.runRequest(context.Background())
+	if err != nil {
+		t.Fatal(err)
+	}
+	if run.GetTask() != "what now?" || run.GetModel() != "fast" || run.GetMaxTokens() != 20 || run.GetTemperature() != 0.5 ||
+		run.GetResponseSchemaJson() != `{"type": "object"}` || len(run.GetTools()) != 1 || run.GetTools()[0] != "sleep" {
+		t.Errorf("run request: %v", run)
+	}
+	want := []struct {
+		role    orchestratorv1.MessageRole
+		content string
+	}{{orchestratorv1.MessageRole_MESSAGE_ROLE_SYSTEM, "be brief"}, {orchestratorv1.MessageRole_MESSAGE_ROLE_USER, "hi there"},
+		{orchestratorv1.MessageRole_MESSAGE_ROLE_ASSISTANT, "hello"}}
+	if len(run.GetMessages()) != len(want) {
+		t.Fatalf("messages: %v", run.GetMessages())
+	}
+	for i, w := range want {
+		if m := run.GetMessages()[i]; m.GetRole() != w.role || m.GetContent() != w.content {
+			t.Errorf("messages[%d] = %v, want %v %q", i, m, w.role, w.content)
+		}
+	}
+}
+
+// What curfew cannot honour is a 400 naming the field.
+func TestRunRequestRejects(t *testing.T) {
+	registry := func(context.Context) (map[string]bool, error) { return map[string]bool{"sleep": true}, nil }
+	for _, c := range []struct{ body, param, msg string }{
+		{`{"messages": []}`, "messages", "at least one"},
+		{`{"messages": [{"role": "tool", "content": "x"}, {"role": "user", "content": "q"}]}`, "messages[0].role", `"tool" is not supported`},
+		{`{"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}`, "messages[0].content[0].type", `"image_url" is not supported`},
+		{`{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}`, "messages[1].role", "last message"},
+		{`{"messages": [{"role": "user"}]}`, "messages[0].content", "required"},
+		{`{"messages": [{"role": "user", "content": "q"}], "tools": [{"type": "function", "function": {"name": "get_weather"}}]}`,
+			"tools[0].function.name", "curfew runs its own tools; get_weather is not a registered tool"},
+		{`{"messages": [{"role": "user", "content": "q"}], "tools": [{"type": "web_search"}]}`, "tools[0]", "must be"},
+		{`{"messages": [{"role": "user", "content": "q"}], "response_format": {"type": "json_object"}}`, "response_format.type", "not supported"},
+		{`{"messages": [{"role": "user", "content": "q"}], "n": 2}`, "n", "only 1"},
+	} {
+		req := decode(t, c.body)
+		req.registered = registry
+		_, err := req.runRequest(context.Background())
+		var br *badRequest
+		if !errors.As(err, &br) || br.param != c.param || !strings.Contains(br.msg, c.msg) {
+			t.Errorf("%s: %v, want a bad request of %s with %q", c.body, err, c.param, c.msg)
+		}
+	}
+}
+
+// Without a bearer key a request is answered 401 in OpenAI's error shape, and never
+// reaches the orchestrator (the handler has none here: a call would panic).
+func TestMissingKey(t *testing.T) {
+	h := New(Config{})
+	for _, auth := range []string{"", "Basic abc", "Bearer ", "Bearer"} {
+		for _, target := range []string{"POST /v1/chat/completions", "GET /v1/models"} {
+			method, path, _ := strings.Cut(target, " ")
+			r := httptest.NewRequest(method, path, strings.NewReader(`{"messages": [{"role": "user", "content": "q"}]}`))
+			if auth != "" {
+				r.Header.Set("Authorization", auth)
+			}
+			w := httptest.NewRecorder()
+			h.ServeHTTP(w, r)
+			var e apiError
+			if err := json.Unmarshal(w.Body.Bytes(), &e); err != nil || w.Code != http.StatusUnauthorized || e.Error.Message == "" ||
+				w.Header().Get(ShouldRetryHeader) != "false" {
+				t.Errorf("%s with %q: %d %s", target, auth, w.Code, w.Body)
+			}
+		}
+	}
+}
+
+// gRPC statuses map to HTTP statuses; RESOURCE_EXHAUSTED's RetryInfo is Retry-After; an
+// internal error's detail stays in the log; only a keyed request may be retried.
+func TestWriteStatus(t *testing.T) {
+	h := New(Config{})
+	shed, _ := status.New(codes.ResourceExhausted, "shed").WithDetails(&errdetails.RetryInfo{RetryDelay: durationpb.New(1500 * time.Millisecond)})
+	for _, c := range []struct {
+		err     error
+		keyed   bool
+		code    int
+		msg     string
+		header  string
+		value   string
+		errCode string
+	}{
+		{status.Error(codes.InvalidArgument, "temperature: must be between 0 and 2"), false, 400, "temperature", ShouldRetryHeader, "false", "invalid_argument"},
+		{status.Error(codes.Unauthenticated, "bad key"), false, 401, "bad key", ShouldRetryHeader, "false", "unauthenticated"},
+		{status.Error(codes.PermissionDenied, "no"), false, 403, "no", ShouldRetryHeader, "false", "permission_denied"},
+		{status.Error(codes.NotFound, "no run"), false, 404, "no run", ShouldRetryHeader, "false", "not_found"},
+		{shed.Err(), false, 429, "shed", "Retry-After", "2", "resource_exhausted"},
+		{status.Error(codes.DeadlineExceeded, "late"), false, 504, "late", ShouldRetryHeader, "false", "deadline_exceeded"},
+		{status.Error(codes.Unavailable, "down"), true, 503, "down", ShouldRetryHeader, "", "unavailable"},
+		{status.Error(codes.Internal, "secret stack"), false, 500, "internal error", ShouldRetryHeader, "false", "internal"},
+		{context.DeadlineExceeded, false, 504, "", ShouldRetryHeader, "false", "deadline_exceeded"},
+	} {
+		rec := httptest.NewRecorder()
+		h.writeStatus(&answer{ResponseWriter: rec, keyed: c.keyed}, c.err)
+		var e apiError
+		if err := json.Unmarshal(rec.Body.Bytes(), &e); err != nil || rec.Code != c.code || !strings.Contains(e.Error.Message, c.msg) ||
+			e.Error.Code == nil || *e.Error.Code != c.errCode || rec.Header().Get(c.header) != c.value {
+			t.Errorf("%v: %d %s %v, want %d with %q, %s: %q", c.err, rec.Code, rec.Body, rec.Header(), c.code, c.msg, c.header, c.value)
+		}
+		if strings.Contains(rec.Body.String(), "secret") {
+			t.Errorf("%v: the internal detail leaked: %s", c.err, rec.Body)
+		}
+	}
+}
+
+func TestRootModel(t *testing.T) {
+	for node, want := range map[string]bool{"root/m0": true, "root/m12": true, "root": false, "root/m": false,
+		"root/s0.t1": false, "root/s0.t1/m0": false, "root/m1x": false} {
+		if rootModel(node) != want {
+			t.Errorf("rootModel(%q) = %v", node, !want)
+		}
+	}
+}
