@@ -102,6 +102,7 @@ func TestOpenAICompletions(t *testing.T) {
 			FinishReason string                         `json:"finish_reason"`
 		} `json:"choices"`
 		Usage struct {
+			PromptTokens     int64 `json:"prompt_tokens"`
 			CompletionTokens int64 `json:"completion_tokens"`
 			TotalTokens      int64 `json:"total_tokens"`
 		} `json:"usage"`
@@ -115,6 +116,10 @@ func TestOpenAICompletions(t *testing.T) {
 	run, err := newExternal(t, key).orch.GetRun(ctx, &orchestratorv1.GetRunRequest{RunId: c.ID})
 	if err != nil || run.GetRun().GetTenant() != tenant || run.GetRun().GetAnswer() != c.Choices[0].Message.Content {
 		t.Errorf("the completion's run %s: %v, %v; want the tenant's run with its answer", c.ID, run.GetRun(), err)
+	}
+	if u := c.Usage; u.PromptTokens != run.GetRun().GetPromptTokens() || u.PromptTokens == 0 || u.CompletionTokens != run.GetRun().GetTokens() ||
+		u.TotalTokens != u.PromptTokens+u.CompletionTokens {
+		t.Errorf("usage %+v, want the run's prompt_tokens %d and tokens %d", u, run.GetRun().GetPromptTokens(), run.GetRun().GetTokens())
 	}
 
 	for _, key := range []string{"", "hunter2", key[:len(key)-4] + "AAAA"} {

@@ -4,8 +4,8 @@ import (
 	orchestratorv1 "github.com/curfew-mesh/curfew/gen/curfew/orchestrator/v1"
 )
 
-// usage is OpenAI's token usage. curfew counts the tokens its models generate; it does
-// not count prompt tokens, so prompt_tokens is 0 (docs/openai.md).
+// usage is OpenAI's token usage: the run's, over every model node of its tree, subagents
+// included (docs/openai.md).
 type usage struct {
 	PromptTokens     int64 `json:"prompt_tokens"`
 	CompletionTokens int64 `json:"completion_tokens"`
@@ -13,7 +13,7 @@ type usage struct {
 }
 
 func usageOf(r *orchestratorv1.Run) *usage {
-	return &usage{CompletionTokens: r.GetTokens(), TotalTokens: r.GetTokens()}
+	return &usage{PromptTokens: r.GetPromptTokens(), CompletionTokens: r.GetTokens(), TotalTokens: r.GetPromptTokens() + r.GetTokens()}
 }
 
 type message struct {
