@@ -20,24 +20,6 @@ import (
 	"github.com/curfew-mesh/curfew/internal/ollamatest"
 )
 
-// readmeBlocks returns README.md's marked blocks by name (readmeBlock).
-func readmeBlocks(t *testing.T) (repo string, blocks map[string]string) {
-	t.Helper()
-	repo, err := meshproc.Repo()
-	if err != nil {
-		t.Fatal(err)
-	}
-	readme, err := os.ReadFile(filepath.Join(repo, "README.md")) //nolint:gosec // the repository's README
-	if err != nil {
-		t.Fatal(err)
-	}
-	blocks = map[string]string{}
-	for _, m := range readmeBlock.FindAllStringSubmatch(string(readme), -1) {
-		blocks[m[1]] = m[2]
-	}
-	return repo, blocks
-}
-
 // TestRunRealInferenceServer: a run through the whole mesh (orchestrator → modelproxy →
 // a real ollama server with a tiny model, internal/ollamatest), configured as README.md's
 // "Run a real model" says, and its commands, curl line and Go snippet as written.
