@@ -15,6 +15,7 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 
+	meshv1 "github.com/curfew-mesh/curfew/gen/curfew/mesh/v1"
 	orchestratorv1 "github.com/curfew-mesh/curfew/gen/curfew/orchestrator/v1"
 	"github.com/curfew-mesh/curfew/internal/meshproc"
 	"github.com/curfew-mesh/curfew/internal/ollamatest"
@@ -189,22 +190,33 @@ func TestRunRealInferenceServer(t *testing.T) {
 		// ollama v0.6.8 holds back a completion offered tools (the agent loop offers its
 		// tools on every step) until it ends, so no text reaches the caller while it
 		// decodes: the cancel comes once the runner's CPU shows decoding.
+		var runID string // written before the call returns, read after
 		res := ollamatest.CancelWhileDecoding(ctx, t, srv, func(ctx context.Context) error {
 			st, err := oc.Run(ctx, &orchestratorv1.RunRequest{Task: "Tell me a long story about the night bell.", Model: alias})
 			if err != nil {
 				return err
 			}
 			for {
-				if _, err := st.Recv(); errors.Is(err, io.EOF) {
+				resp, err := st.Recv()
+				if errors.Is(err, io.EOF) {
 					return nil
-				} else if err != nil {
+				}
+				if err != nil {
 					return err
+				}
+				if s := resp.GetStarted(); s != nil {
+					runID = s.GetRunId()
 				}
 			}
 		})
 		res.Check(t)
 		if status.Code(res.CallErr) != codes.Canceled {
 			t.Errorf("the disconnected Run ended with %v, want CANCELLED", res.CallErr)
+		}
+		// The run is over by now: CancelWhileDecoding watched the runner for 2 s after it.
+		got, err := oc.GetRun(ctx, &orchestratorv1.GetRunRequest{RunId: runID})
+		if r := got.GetRun(); err != nil || r.GetStatus() != orchestratorv1.RunStatus_RUN_STATUS_CANCELLED || r.GetCause() != meshv1.CancelCause_CANCEL_CAUSE_CLIENT_DISCONNECT {
+			t.Errorf("GetRun %q: %v, %v; want CANCELLED by client_disconnect", runID, err, dump(r))
 		}
 	})
 }
