@@ -21,11 +21,9 @@ import (
 // marks, by NAME.
 var readmeBlock = regexp.MustCompile("(?s)<!-- readme-test: (\\S+) -->\n```\\w*\n(.*?)```")
 
-// TestReadmeToolsExample runs README.md's "Bring your own tools" example as written: its
-// commands in order, from the repository's root, with its tools.json and plan.json, so
-// that the example cannot rot. Only the data directory and the files' location are the
-// test's own (the files live in a temporary directory, not the repository).
-func TestReadmeToolsExample(t *testing.T) {
+// readmeBlocks returns README.md's marked blocks by name (readmeBlock).
+func readmeBlocks(t *testing.T) (repo string, blocks map[string]string) {
+	t.Helper()
 	repo, err := meshproc.Repo()
 	if err != nil {
 		t.Fatal(err)
@@ -34,10 +32,19 @@ func TestReadmeToolsExample(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	blocks := map[string]string{}
+	blocks = map[string]string{}
 	for _, m := range readmeBlock.FindAllStringSubmatch(string(readme), -1) {
 		blocks[m[1]] = m[2]
 	}
+	return repo, blocks
+}
+
+// TestReadmeToolsExample runs README.md's "Bring your own tools" example as written: its
+// commands in order, from the repository's root, with its tools.json and plan.json, so
+// that the example cannot rot. Only the data directory and the files' location are the
+// test's own (the files live in a temporary directory, not the repository).
+func TestReadmeToolsExample(t *testing.T) {
+	repo, blocks := readmeBlocks(t)
 	dir := t.TempDir()
 	files := map[string]string{} // a name the commands use → where the test wrote it
 	for _, name := range []string{"tools.json", "plan.json"} {

@@ -102,16 +102,73 @@ func CancelMidStream(ctx context.Context, t testing.TB, s *Server, call func(ctx
 	res.TokensPerSecond = float64(n1-n0) / t1.Sub(t0).Seconds()
 	res.DecodeCPU = (c1 - c0).Seconds() / t1.Sub(t0).Seconds()
 
-	cpuCancel := cpu()
+	res.CallErr = cancelAndObserve(ctx, t, s, &res, sentAt, func() {
+		mu.Lock()
+		cancelled = true
+		res.TokensBeforeCancel = tokens
+		res.CancelledAt = time.Now()
+		mu.Unlock()
+		callCancel()
+	}, callDone)
 	mu.Lock()
-	cancelled = true
-	res.TokensBeforeCancel = tokens
-	res.CancelledAt = time.Now()
+	res.TokensAfterCancel = after
 	mu.Unlock()
-	callCancel()
+	return res
+}
 
+// CancelWhileDecoding is CancelMidStream for a call whose tokens do not reach the caller
+// as they are decoded (ollama holds back a completion offered tools until it ends): it
+// cancels once the runner's CPU time shows it decoding (MinDecodeCPU over a second), and
+// observes the server as CancelMidStream does. The result's token counts are zero.
+func CancelWhileDecoding(ctx context.Context, t testing.TB, s *Server, call func(ctx context.Context) error) CancelResult {
+	t.Helper()
+	var res CancelResult
+	sentAt := time.Now()
+	callCtx, callCancel := context.WithCancel(ctx)
+	defer callCancel()
+	callDone := make(chan error, 1)
+	go func() { callDone <- call(callCtx) }()
+	for start := time.Now(); ; {
+		c0, t0 := runnerCPU(t, s), time.Now()
+		select {
+		case err := <-callDone:
+			t.Fatalf("the call ended before the server decoded for a second: %v", err)
+		case <-time.After(time.Second):
+		}
+		res.DecodeCPU = (runnerCPU(t, s) - c0).Seconds() / time.Since(t0).Seconds()
+		if res.DecodeCPU >= MinDecodeCPU {
+			break
+		}
+		if time.Since(start) > 60*time.Second {
+			t.Fatalf("the runner did not decode within 60s (%.2f CPU)", res.DecodeCPU)
+		}
+	}
+	res.CallErr = cancelAndObserve(ctx, t, s, &res, sentAt, func() {
+		res.CancelledAt = time.Now()
+		callCancel()
+	}, callDone)
+	return res
+}
+
+func runnerCPU(t testing.TB, s *Server) time.Duration {
+	t.Helper()
+	d, err := s.RunnerCPU()
+	if err != nil {
+		t.Fatal(err)
+	}
+	return d
+}
+
+// cancelAndObserve cancels the call (cancel records res.CancelledAt), waits for it to
+// return, and fills in res what the server shows: when the request ended, and the runner's
+// CPU time after the cancel and after the end. It returns the call's error.
+func cancelAndObserve(ctx context.Context, t testing.TB, s *Server, res *CancelResult, sentAt time.Time, cancel func(), callDone <-chan error) error {
+	t.Helper()
+	cpuCancel := runnerCPU(t, s)
+	cancel()
+	var callErr error
 	select {
-	case res.CallErr = <-callDone:
+	case callErr = <-callDone:
 	case <-time.After(10 * time.Second):
 		t.Fatal("the call did not return within 10s of its cancel")
 	}
@@ -124,14 +181,11 @@ func CancelMidStream(ctx context.Context, t testing.TB, s *Server, call func(ctx
 	res.Request = r
 	res.EndAfterCancel = r.Ended.Sub(res.CancelledAt)
 	time.Sleep(time.Until(r.Ended.Add(CPUSettle)))
-	cpuEnd := cpu()
+	cpuEnd := runnerCPU(t, s)
 	res.CPUCancelToEnd = cpuEnd - cpuCancel
 	time.Sleep(CPUFlatWindow)
-	res.CPUAfterEnd = cpu() - cpuEnd
-	mu.Lock()
-	res.TokensAfterCancel = after
-	mu.Unlock()
-	return res
+	res.CPUAfterEnd = runnerCPU(t, s) - cpuEnd
+	return callErr
 }
 
 // Check asserts the bounds and logs the figures.

@@ -388,10 +388,13 @@ func (s *Server) waitReady(ctx context.Context) error {
 }
 
 // Modelfile is the recipe the model is created from: the GGUF file, one thread, and a plain
-// chat template (the file has none).
+// chat template (the file has none). The template names the request's tools, which is how
+// ollama tells a model that takes tools (it refuses tools to one whose template has no
+// .Tools): curfew's agent loop offers its tools on every model step, as with a real model.
 func Modelfile(gguf string, threads int) string {
 	return fmt.Sprintf(`FROM %s
-TEMPLATE """{{- range .Messages }}{{ .Role }}: {{ .Content }}
+TEMPLATE """{{- if .Tools }}tools:{{ range .Tools }} {{ .Function.Name }}{{ end }}
+{{ end }}{{- range .Messages }}{{ .Role }}: {{ .Content }}
 {{ end }}assistant:"""
 PARAMETER num_thread %d
 PARAMETER num_ctx 2048
