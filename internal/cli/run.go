@@ -25,6 +25,7 @@ import (
 
 	meshv1 "github.com/curfew-mesh/curfew/gen/curfew/mesh/v1"
 	orchestratorv1 "github.com/curfew-mesh/curfew/gen/curfew/orchestrator/v1"
+	"github.com/curfew-mesh/curfew/mesh/agent"
 )
 
 func cmdRun(ctx context.Context, args []string, stdout, stderr io.Writer) int {
@@ -304,7 +305,7 @@ func (v *view) event(ev *orchestratorv1.RunResponse, e *meshv1.NodeEvent) {
 // plain output (not a terminal) the text is written as it arrives, after a "root/m1: "
 // label, and its line ends with its node: nothing is repainted.
 func (v *view) text(id string, d *meshv1.TextDelta) {
-	if !isRootModel(id) {
+	if !agent.IsModelStepOf("root", id) {
 		return
 	}
 	v.mu.Lock()
@@ -328,20 +329,6 @@ func (v *view) text(id string, d *meshv1.TextDelta) {
 		a.open = true
 	}
 	fmt.Fprint(v.w, printable(add, true))
-}
-
-// isRootModel reports whether id is one of the root's own model steps, root/m<i>.
-func isRootModel(id string) bool {
-	rest, ok := strings.CutPrefix(id, "root/m")
-	if !ok || rest == "" {
-		return false
-	}
-	for _, r := range rest {
-		if r < '0' || r > '9' {
-			return false
-		}
-	}
-	return true
 }
 
 // maxText bounds the text the view keeps of a node (its latest part); maxTextLines the

@@ -233,7 +233,7 @@ func (l *Loop) RunInput(ctx context.Context, base string, in Input, j Journal) (
 					base, prior[0].Seq, prior[0].Step, prior[0].Kind, i)
 			}
 			var err error
-			res, tools, err = l.modelStep(ctx, fmt.Sprintf("%s/m%d", base, i), model, msgs, &in)
+			res, tools, err = l.modelStep(ctx, ModelStepID(base, i), model, msgs, &in)
 			if err != nil {
 				return "", err
 			}

@@ -145,12 +145,3 @@ func TestWriteStatus(t *testing.T) {
 		}
 	}
 }
-
-func TestRootModel(t *testing.T) {
-	for node, want := range map[string]bool{"root/m0": true, "root/m12": true, "root": false, "root/m": false,
-		"root/s0.t1": false, "root/s0.t1/m0": false, "root/m1x": false} {
-		if rootModel(node) != want {
-			t.Errorf("rootModel(%q) = %v", node, !want)
-		}
-	}
-}

@@ -5,9 +5,9 @@ import (
 	"errors"
 	"io"
 	"net/http"
-	"strings"
 
 	orchestratorv1 "github.com/curfew-mesh/curfew/gen/curfew/orchestrator/v1"
+	"github.com/curfew-mesh/curfew/mesh/agent"
 )
 
 // chunk is OpenAI's chat.completion.chunk.
@@ -82,7 +82,7 @@ func (h *Handler) stream(w http.ResponseWriter, req *chatRequest, recv events) {
 			continue
 		}
 		ne := ev.GetNodeEvent()
-		if t := ne.GetText(); t != nil && rootModel(ne.GetNodeId()) {
+		if t := ne.GetText(); t != nil && agent.IsModelStepOf("root", ne.GetNodeId()) {
 			c := base
 			c.Choices = []chunkChoice{{Delta: delta{Content: t.GetText()}}}
 			if !send(c) {
@@ -137,18 +137,3 @@ type recorder struct {
 func (r *recorder) Header() http.Header         { return r.header }
 func (r *recorder) Write(b []byte) (int, error) { r.body = append(r.body, b...); return len(b), nil }
 func (r *recorder) WriteHeader(int)             {}
-
-// rootModel reports whether node is a model step of the run's own agent loop
-// ("root/m<i>"), not of a subagent deeper in the tree.
-func rootModel(node string) bool {
-	rest, ok := strings.CutPrefix(node, "root/m")
-	if !ok || rest == "" {
-		return false
-	}
-	for _, r := range rest {
-		if r < '0' || r > '9' {
-			return false
-		}
-	}
-	return true
-}
