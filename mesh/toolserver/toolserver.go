@@ -15,6 +15,7 @@ import (
 
 	meshv1 "github.com/curfew-mesh/curfew/gen/curfew/mesh/v1"
 	toolv1 "github.com/curfew-mesh/curfew/gen/curfew/tool/v1"
+	meshcancel "github.com/curfew-mesh/curfew/mesh/cancel"
 	"github.com/curfew-mesh/curfew/mesh/md"
 )
 
@@ -185,7 +186,8 @@ func (s *Server) CallTool(req *toolv1.CallToolRequest, stream grpc.ServerStreami
 // the stream's context ends. done releases it.
 func handlerContext(sctx context.Context) (context.Context, func()) {
 	ctx, cancel := context.WithCancelCause(context.WithoutCancel(sctx))
-	if dl, ok := sctx.Deadline(); ok {
+	dl, hasDL := sctx.Deadline()
+	if hasDL {
 		var cancelDL context.CancelFunc
 		ctx, cancelDL = context.WithDeadlineCause(ctx, dl, ErrDeadline)
 		prev := cancel
@@ -193,7 +195,9 @@ func handlerContext(sctx context.Context) (context.Context, func()) {
 	}
 	stop := context.AfterFunc(sctx, func() {
 		switch cause := context.Cause(sctx); {
-		case errors.Is(sctx.Err(), context.DeadlineExceeded):
+		// A caller whose own deadline passed resets the stream, which can arrive before
+		// this server's timer fires: an end that close to the deadline is the deadline.
+		case errors.Is(sctx.Err(), context.DeadlineExceeded), hasDL && time.Until(dl) <= meshcancel.DeadlineSlop:
 			cancel(ErrDeadline)
 		case cause != nil && cause != context.Canceled: //nolint:errorlint // the bare sentinel means no cause was given
 			// A cause the server's chain gave (mesh's retry-id layer: a newer attempt
