@@ -85,18 +85,7 @@ func TestModelCallsTeamToolOverRealProcesses(t *testing.T) {
 			t.Fatalf("toolrunner did not list team__lookup: %v %v", resp, err)
 		}
 	}
-	st, err := oc.Run(ctx, &orchestratorv1.RunRequest{Task: "where is order o-7?", Model: "agent"})
-	if err != nil {
-		t.Fatal(err)
-	}
-	var fin *orchestratorv1.Run
-	for fin == nil {
-		ev, err := st.Recv()
-		if err != nil {
-			t.Fatalf("run: %v", err)
-		}
-		fin = ev.GetFinished()
-	}
+	fin := runToSummary(ctx, t, oc, &orchestratorv1.RunRequest{Task: "where is order o-7?", Model: "agent"})
 	if fin.GetStatus() != orchestratorv1.RunStatus_RUN_STATUS_SUCCEEDED || fin.GetAnswer() != "o-7 has shipped" {
 		t.Fatalf("run ended %v: %s", fin.GetStatus(), dump(fin))
 	}

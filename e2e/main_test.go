@@ -95,6 +95,26 @@ type result struct {
 
 // runPlan calls Run with the plan and a client-side deadline. If cancelAt > 0 the client
 // disconnects (cancels the call) that long after the call started, and cancelled is the
+
+// runToSummary runs req on oc and returns its summary, failing the test if the call
+// fails or the stream ends without one.
+func runToSummary(ctx context.Context, t *testing.T, oc orchestratorv1.OrchestratorServiceClient, req *orchestratorv1.RunRequest) *orchestratorv1.Run {
+	t.Helper()
+	st, err := oc.Run(ctx, req)
+	if err != nil {
+		t.Fatal(err)
+	}
+	for {
+		ev, err := st.Recv()
+		if err != nil {
+			t.Fatalf("run: %v", err)
+		}
+		if fin := ev.GetFinished(); fin != nil {
+			return fin
+		}
+	}
+}
+
 // instant it did so.
 func runPlan(ctx context.Context, c orchestratorv1.OrchestratorServiceClient, plan string, dl, cancelAt time.Duration, cont bool) (res result, cancelled time.Time) {
 	cctx, cancel := context.WithTimeout(ctx, dl)

@@ -44,21 +44,10 @@ func TestRunInputOverRealModel(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	st, err := oc.Run(ctx, &orchestratorv1.RunRequest{Task: "wait a little, then say you are done", Model: "agent",
+	fin := runToSummary(ctx, t, oc, &orchestratorv1.RunRequest{Task: "wait a little, then say you are done", Model: "agent",
 		Messages:  []*orchestratorv1.Message{{Role: orchestratorv1.MessageRole_MESSAGE_ROLE_SYSTEM, Content: "You are terse."}},
 		MaxTokens: 64, Temperature: proto.Float64(0.2), ResponseSchemaJson: `{"type":"object","required":["done"]}`,
 		Tools: []string{"sleep"}})
-	if err != nil {
-		t.Fatal(err)
-	}
-	var fin *orchestratorv1.Run
-	for fin == nil {
-		ev, err := st.Recv()
-		if err != nil {
-			t.Fatalf("run: %v", err)
-		}
-		fin = ev.GetFinished()
-	}
 	if fin.GetStatus() != orchestratorv1.RunStatus_RUN_STATUS_SUCCEEDED || !strings.Contains(fin.GetAnswer(), `"done": true`) {
 		t.Fatalf("run ended %v: %s", fin.GetStatus(), dump(fin))
 	}

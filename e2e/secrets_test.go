@@ -54,18 +54,7 @@ func TestSecretsNeverLeak(t *testing.T) {
 		t.Fatal(err)
 	}
 	ctx = metadata.AppendToOutgoingContext(ctx, "authorization", "Bearer "+tenantKey)
-	st, err := oc.Run(ctx, &orchestratorv1.RunRequest{Task: "answer", Model: "agent"})
-	if err != nil {
-		t.Fatal(err)
-	}
-	var fin *orchestratorv1.Run
-	for fin == nil {
-		ev, err := st.Recv()
-		if err != nil {
-			t.Fatalf("run: %v", err)
-		}
-		fin = ev.GetFinished()
-	}
+	fin := runToSummary(ctx, t, oc, &orchestratorv1.RunRequest{Task: "answer", Model: "agent"})
 	if fin.GetStatus() != orchestratorv1.RunStatus_RUN_STATUS_SUCCEEDED || fin.GetTenant() != "acme" {
 		t.Fatalf("run ended %v for tenant %q (the provider refuses requests without the key): %s", fin.GetStatus(), fin.GetTenant(), dump(fin))
 	}

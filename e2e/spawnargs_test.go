@@ -31,18 +31,7 @@ func TestSpawnSubagentOverRealModel(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	st, err := oc.Run(ctx, &orchestratorv1.RunRequest{Task: "ask a helper to count the sheep", Model: "agent"})
-	if err != nil {
-		t.Fatal(err)
-	}
-	var fin *orchestratorv1.Run
-	for fin == nil {
-		ev, err := st.Recv()
-		if err != nil {
-			t.Fatalf("run: %v", err)
-		}
-		fin = ev.GetFinished()
-	}
+	fin := runToSummary(ctx, t, oc, &orchestratorv1.RunRequest{Task: "ask a helper to count the sheep", Model: "agent"})
 	if fin.GetStatus() != orchestratorv1.RunStatus_RUN_STATUS_SUCCEEDED || fin.GetAnswer() != "the helper counted 42" {
 		t.Fatalf("run ended %v: %s", fin.GetStatus(), dump(fin))
 	}
