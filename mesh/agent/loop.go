@@ -28,6 +28,7 @@ import (
 	"github.com/curfew-mesh/curfew/mesh/decoderlease"
 	"github.com/curfew-mesh/curfew/mesh/md"
 	"github.com/curfew-mesh/curfew/mesh/nodes"
+	"github.com/curfew-mesh/curfew/mesh/plan"
 	"github.com/curfew-mesh/curfew/mesh/retry"
 	"github.com/curfew-mesh/curfew/mesh/toollist"
 )
@@ -62,6 +63,9 @@ type Config struct {
 	// MaxFanout is the most tool calls one step may make (they all run in parallel); a step
 	// asking for more fails with INVALID_ARGUMENT. DefaultMaxFanout when 0.
 	MaxFanout int
+	// PartialMargin is how long before its deadline a loop with Input.Partial stops;
+	// DefaultPartialMargin when 0.
+	PartialMargin time.Duration
 	// SettleTimeout bounds the wait for a cancelled child's teardown;
 	// cancel.DefaultSettleTimeout when 0. It covers the default cleanup budget of a tool.
 	SettleTimeout time.Duration
@@ -115,6 +119,9 @@ func New(cfg Config) *Loop {
 	if cfg.SettleTimeout == 0 {
 		cfg.SettleTimeout = cancel.DefaultSettleTimeout
 	}
+	if cfg.PartialMargin == 0 {
+		cfg.PartialMargin = DefaultPartialMargin
+	}
 	if cfg.Emit == nil {
 		cfg.Emit = func(*meshv1.Node) {}
 	}
@@ -160,6 +167,18 @@ type Input struct {
 	Tools []string
 	// MaxSteps bounds the model steps; Config.MaxSteps when 0.
 	MaxSteps int
+	// Reserve is the time the loop keeps for its final answer (docs/reserve.md): a
+	// duration, or a fraction of the time left when it starts. Its tools and subagents
+	// run under its deadline minus the reserve, so a child's deadline is never later; and
+	// when another round of tools (about as long as the last one took) cannot end before
+	// the reserve, the model is asked for its final answer without tools. The zero
+	// Reserve keeps none: the loop then works until its deadline.
+	Reserve plan.Reserve
+	// Partial makes a loop that runs out of time return what it has as a partial answer
+	// (Result.Partial) rather than DEADLINE_EXCEEDED: it stops Config.PartialMargin before
+	// its deadline, so that the answer still reaches its caller. A cancel is still a
+	// cancel. The subagent service sets it: a child out of time does not fail its parent.
+	Partial bool
 	// FailOnToolError makes a failed tool call fail the loop. Otherwise the error goes
 	// back to the model as the tool's result, {"error": "<message>"}, and the loop goes
 	// on, except with the sim model (whose plan's failing step fails the loop), and for a
@@ -180,12 +199,25 @@ func (l *Loop) RunJournaled(ctx context.Context, base, model, task string, j Jou
 	return l.RunInput(ctx, base, Input{Model: model, Task: task, FailOnToolError: true}, j)
 }
 
-// RunInput runs the loop for in with a journal: it first replays the entries an earlier incarnation
-// of the loop recorded (a completed model step is not generated again, completed tools
-// are not called again), then records every model step and every step's tool results as
-// they complete, before going on. A Record error stops the loop with that error. A nil
-// journal records nothing.
+// RunInput is RunResult for a loop without Input.Partial: its answer, or a gRPC status
+// error.
 func (l *Loop) RunInput(ctx context.Context, base string, in Input, j Journal) (string, error) {
+	r, err := l.RunResult(ctx, base, in, j)
+	return r.Answer, err
+}
+
+// RunResult runs the loop for in with a journal: it first replays the entries an earlier
+// incarnation of the loop recorded (a completed model step is not generated again,
+// completed tools are not called again), then records every model step and every step's
+// tool results as they complete, before going on. A Record error stops the loop with that
+// error. A nil journal records nothing.
+//
+// The loop keeps in.Reserve for its final answer (docs/reserve.md): its tools and
+// subagents run under its deadline minus the reserve, every model step is told the time
+// left in a note after the conversation, and once another round of tools cannot end
+// before the reserve, the model is asked for its final answer without tools. With
+// in.Partial, a loop that runs out of time returns what it has (Result.Partial).
+func (l *Loop) RunResult(ctx context.Context, base string, in Input, j Journal) (Result, error) {
 	model := in.Model
 	if model == "" {
 		model = l.cfg.ModelName
@@ -216,12 +248,41 @@ func (l *Loop) RunInput(ctx context.Context, base string, in Input, j Journal) (
 	if maxSteps <= 0 {
 		maxSteps = l.cfg.MaxSteps
 	}
+	// The loop's instants: lctx ends when it must have answered, tctx when its tools must
+	// have (the reserve before). Both are ctx itself when there is nothing to cut.
+	at := loopTimes(ctx, in.Reserve, in.Partial, l.cfg.PartialMargin, time.Now())
+	lctx, tctx := ctx, ctx
+	if in.Partial && !at.end.IsZero() {
+		var stop context.CancelFunc
+		lctx, stop = context.WithDeadline(ctx, at.end)
+		defer stop()
+		tctx = lctx
+	}
+	if at.reserve {
+		var stop context.CancelFunc
+		tctx, stop = context.WithDeadline(lctx, at.tools)
+		defer stop()
+	}
+	var got have // what the loop has, for a partial answer
+	// outOfTime ends a loop whose lctx ended: with in.Partial and ctx itself alive (the
+	// loop ran out of its own time, not cancelled), what it has is its answer.
+	outOfTime := func(err error) (Result, error) {
+		if in.Partial && ctx.Err() == nil && lctx.Err() != nil {
+			return Result{Answer: got.answer(), Partial: true}, nil
+		}
+		return Result{}, err
+	}
 	// Tool errors go back to a real model; the sim model's plan has no use for them.
 	pol := toolPolicy{toModel: !in.FailOnToolError && model != DefaultModel, allowed: in.Tools}
+	final := false          // the model is asked for its final answer, without tools
+	var round time.Duration // how long the last round (model step and tools) took
+	minRound := l.cfg.MinModelTime + l.cfg.MinToolTime
 	for i := 0; i < maxSteps; i++ {
-		if err := ctx.Err(); err != nil {
-			return "", cancel.Status(ctx)
+		if err := lctx.Err(); err != nil {
+			return outOfTime(cancel.Status(lctx))
 		}
+		started := time.Now()
+		final = final || at.toolTimeUp(started, max(round, minRound))
 		var res *stepResult
 		var tools *toollist.Tools // what the step's model was told of; its tool calls are judged by it
 		if e := next(i, EntryModel); e != nil {
@@ -229,24 +290,37 @@ func (l *Loop) RunInput(ctx context.Context, base string, in Input, j Journal) (
 				FinishReason: e.FinishReason, ToolCalls: e.ToolCalls}, text: e.Text}
 		} else {
 			if len(prior) > 0 {
-				return "", status.Errorf(codes.Internal, "journal of %s does not match the loop: entry %d of step %d (%s) where step %d's model output belongs",
+				return Result{}, status.Errorf(codes.Internal, "journal of %s does not match the loop: entry %d of step %d (%s) where step %d's model output belongs",
 					base, prior[0].Seq, prior[0].Step, prior[0].Kind, i)
 			}
 			var err error
-			res, tools, err = l.modelStep(ctx, ModelStepID(base, i), model, msgs, &in)
+			res, tools, err = l.modelStep(lctx, ModelStepID(base, i), model, msgs, &in, at.timeNote(started, final), final)
 			if err != nil {
-				return "", err
+				if res != nil {
+					got.addText(res.text)
+				}
+				return outOfTime(err)
 			}
 			if err := record(Entry{Step: i, Kind: EntryModel, Text: res.text, FinishReason: res.GetFinishReason(),
 				ToolCalls: res.GetToolCalls(), Tokens: res.tokens}); err != nil {
-				return "", err
+				return Result{}, err
 			}
 		}
+		got.addText(res.text)
 		// The step answers unless it asked for tools. A step may think without calling
 		// any tool (finish reason "tool_calls" with none, as the sim model sends for a
 		// plan step without tools): the loop then goes on to the next step.
 		if len(res.GetToolCalls()) == 0 && res.GetFinishReason() != "tool_calls" {
-			return res.text, nil
+			return Result{Answer: res.text}, nil
+		}
+		if final {
+			// Asked for its final answer, the model asked for tools again: its text, if
+			// any, is the answer; there is no time to run them.
+			if strings.TrimSpace(res.text) != "" {
+				return Result{Answer: res.text}, nil
+			}
+			return outOfTime(status.Errorf(codes.DeadlineExceeded,
+				"%s: the time for tools is up (reserve), and the model asked for tools instead of answering", base))
 		}
 		calls := res.GetToolCalls() // res (the step's last chunk) is not kept while its tools run
 		msgs = append(msgs, &modelproxyv1.Message{Role: modelproxyv1.Role_ROLE_ASSISTANT, Content: res.text, ToolCalls: calls})
@@ -255,25 +329,35 @@ func (l *Loop) RunInput(ctx context.Context, base string, in Input, j Journal) (
 			outs = e.ToolOutputs
 		} else {
 			if e != nil || len(prior) > 0 {
-				return "", status.Errorf(codes.Internal, "journal of %s does not match the loop at step %d's tool results", base, i)
+				return Result{}, status.Errorf(codes.Internal, "journal of %s does not match the loop at step %d's tool results", base, i)
 			}
 			if tools == nil { // the model step was replayed
 				tools = l.Tools(ctx).Only(in.Tools)
 			}
-			var err error
-			outs, err = l.toolStep(ctx, fmt.Sprintf("%s/s%d", base, i), calls, tools, pol)
-			if err != nil {
-				return "", err
+			if at.reserve && tctx.Err() != nil {
+				// The model step ended past the reserve: its tools have no time to run.
+				outs = make([]string, len(calls))
+				for j, c := range calls {
+					outs[j] = reserveResult(c.GetName(), false)
+				}
+			} else {
+				var err error
+				outs, err = l.toolStep(lctx, tctx, fmt.Sprintf("%s/s%d", base, i), calls, tools, pol)
+				if err != nil {
+					return outOfTime(err)
+				}
 			}
 			if err := record(Entry{Step: i, Kind: EntryTools, ToolOutputs: outs}); err != nil {
-				return "", err
+				return Result{}, err
 			}
 		}
+		got.setTools(calls, outs)
 		for j, c := range calls {
 			msgs = append(msgs, &modelproxyv1.Message{Role: modelproxyv1.Role_ROLE_TOOL, ToolCallId: c.GetId(), Content: outs[j]})
 		}
+		round = time.Since(started)
 	}
-	return "", status.Errorf(codes.ResourceExhausted, "step limit %d reached", maxSteps)
+	return Result{}, status.Errorf(codes.ResourceExhausted, "step limit %d reached", maxSteps)
 }
 
 type stepResult struct {
@@ -282,16 +366,21 @@ type stepResult struct {
 	tokens                         int64 // the step's output tokens, as streamed
 }
 
-// modelStep runs one model step, telling the model of the tenant's tools; it returns the
-// step's result and those tools.
-// in's tools (those of the tenant it names) and sampling options.
-func (l *Loop) modelStep(ctx context.Context, id, model string, msgs []*modelproxyv1.Message, in *Input) (*stepResult, *toollist.Tools, error) {
+// modelStep runs one model step with in's sampling options and notes after the
+// conversation, telling the model of in's tools (those of the tenant it names) unless it
+// is the final step; it returns the step's result and those tools. On an error, the
+// result, when not nil, holds the text streamed before it.
+func (l *Loop) modelStep(ctx context.Context, id, model string, msgs []*modelproxyv1.Message, in *Input,
+	notes []*modelproxyv1.Message, final bool) (*stepResult, *toollist.Tools, error) {
 	if err := deadline.Check(ctx, l.cfg.MinModelTime, "model call "+id); err != nil {
 		return nil, nil, err
 	}
 	tools := l.Tools(ctx).Only(in.Tools)
-	req := &modelproxyv1.GenerateRequest{Model: model, Messages: msgs, Tools: tools.Specs(),
+	req := &modelproxyv1.GenerateRequest{Model: model, Messages: msgs, Notes: notes,
 		MaxTokens: in.MaxTokens, Temperature: in.Temperature}
+	if !final {
+		req.Tools = tools.Specs()
+	}
 	if in.ResponseSchema != "" {
 		req.ResponseSchema = &modelproxyv1.ResponseSchema{Name: "answer", SchemaJson: in.ResponseSchema}
 	}
@@ -343,7 +432,7 @@ func (l *Loop) generate(ctx context.Context, id string, req *modelproxyv1.Genera
 		if err != nil {
 			lease.Release()
 			l.endModel(node, err)
-			return nil, l.failed(ctx, l.cfg.ModelNodes, id, err)
+			return &stepResult{text: text.String(), tokens: node.Tokens}, l.failed(ctx, l.cfg.ModelNodes, id, err)
 		}
 		if d := resp.GetDelta(); d != "" {
 			l.cfg.EmitEvent(textDelta(id, d, text.Len()))
@@ -384,11 +473,13 @@ type toolPolicy struct {
 	allowed []string // the tools it may call; any when empty
 }
 
-// toolStep runs the calls in parallel. With p.toModel, a call's failure is its result (see
-// toolError) unless the loop itself is ending; otherwise the first failure cancels the
-// others with cause sibling_failed. It returns only after every call, and its remote
-// teardown, has ended.
-func (l *Loop) toolStep(ctx context.Context, prefix string, calls []*modelproxyv1.ToolCall, tools *toollist.Tools, p toolPolicy) ([]string, error) {
+// toolStep runs the calls in parallel under ctx, which ends at the loop's reserve (see
+// RunResult; loop is the loop's own context). With p.toModel, a call's failure is its
+// result (see toolError) unless the loop itself is ending; otherwise the first failure
+// cancels the others with cause sibling_failed. When the reserve stops the step while
+// the loop goes on, the calls it stopped get reserveResult as their results. It returns
+// only after every call, and its remote teardown, has ended.
+func (l *Loop) toolStep(loop, ctx context.Context, prefix string, calls []*modelproxyv1.ToolCall, tools *toollist.Tools, p toolPolicy) ([]string, error) {
 	if len(calls) > l.cfg.MaxFanout {
 		return nil, status.Errorf(codes.InvalidArgument, "step calls %d tools, more than the fan-out limit %d", len(calls), l.cfg.MaxFanout)
 	}
@@ -397,7 +488,10 @@ func (l *Loop) toolStep(ctx context.Context, prefix string, calls []*modelproxyv
 		// context and a goroutine would be held for the whole call for nothing).
 		out, err := l.callTool(ctx, prefix+".t0", calls[0], tools, p)
 		if ctx.Err() != nil {
-			return nil, cancel.Status(ctx)
+			if err == nil {
+				return []string{out}, nil
+			}
+			return reserveCut(loop, ctx, calls, make([]bool, 1), []string{""})
 		}
 		if err != nil && p.toModel && toolError(ctx, err) {
 			return []string{errorResult(err)}, nil
@@ -414,6 +508,7 @@ func (l *Loop) toolStep(ctx context.Context, prefix string, calls []*modelproxyv
 		mu       sync.Mutex
 		firstErr error
 		outs     = make([]string, len(calls))
+		done     = make([]bool, len(calls)) // the call has its result in outs
 		ids      = make([]string, len(calls))
 	)
 	for j, c := range calls {
@@ -423,11 +518,11 @@ func (l *Loop) toolStep(ctx context.Context, prefix string, calls []*modelproxyv
 			defer wg.Done()
 			out, err := l.callTool(gctx, ids[j], c, tools, p)
 			if err == nil {
-				outs[j] = out
+				outs[j], done[j] = out, true
 				return
 			}
 			if p.toModel && toolError(ctx, err) {
-				outs[j] = errorResult(err)
+				outs[j], done[j] = errorResult(err), true
 				return
 			}
 			mu.Lock()
@@ -464,10 +559,25 @@ func (l *Loop) toolStep(ctx context.Context, prefix string, calls []*modelproxyv
 	}
 	wg.Wait() // every branch settles its own remote teardown before returning
 	if ctx.Err() != nil {
-		return nil, cancel.Status(ctx)
+		return reserveCut(loop, ctx, calls, done, outs)
 	}
 	if firstErr != nil {
 		return nil, firstErr
+	}
+	return outs, nil
+}
+
+// reserveCut ends a tool step whose ctx ended: when the loop goes on (the loop's reserve
+// stopped the step), the calls without a result get reserveResult; otherwise the step
+// ends with the loop's cancellation or deadline.
+func reserveCut(loop, ctx context.Context, calls []*modelproxyv1.ToolCall, done []bool, outs []string) ([]string, error) {
+	if loop.Err() != nil || ctx == loop {
+		return nil, cancel.Status(ctx)
+	}
+	for j, c := range calls {
+		if !done[j] {
+			outs[j] = reserveResult(c.GetName(), true)
+		}
 	}
 	return outs, nil
 }

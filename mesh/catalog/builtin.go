@@ -76,14 +76,14 @@ func Builtins() []Tool {
 				Name: plan.ToolSpawnSubagent,
 				Description: "Run a nested agent loop on a task under the run's deadline and return its answer as {\"answer\": ...}. " +
 					"Give task (or, for the sim model, plan), and optionally the subagent's model, the tools it may use, " +
-					"the bound on its output tokens per step, and the time to keep for yourself after it (reserve).",
+					"the bound on its output tokens per step, and the time it keeps for its own final answer (reserve). It runs under your deadline less your own reserve; if it runs out of time it returns what it had, marked partial.",
 				ParametersJson: fmt.Sprintf(`{"type": "object", "additionalProperties": false, "properties": {`+
 					`"task": {"type": "string", "minLength": 1, "description": "what the subagent is to do: its user message"}, `+
 					`"plan": {"type": "object", "description": "instead of task, for the sim model only: the subagent's JSON plan {\"steps\": [...]} (docs/plan.md)"}, `+
 					`"model": {"type": "string", "maxLength": %d, "description": "the subagent's model; the subagent service's default when omitted"}, `+
 					`"tools": {"type": "array", "maxItems": %d, "items": {"type": "string", "minLength": 1}, "description": "the only tools the subagent may use; all of the run's when omitted"}, `+
 					`"max_tokens": {"type": "integer", "minimum": 0, "maximum": %d, "description": "bound on the output tokens of each of the subagent's model steps; the provider's default when omitted"}, `+
-					`"reserve": {"type": "string", "description": "time to keep for yourself after the subagent: a duration like \"2s\" or a fraction of the time left like \"0.2\"; the subagent's deadline is the run's minus it"}}}`,
+					`"reserve": {"type": "string", "description": "the time the subagent keeps for its final answer: a duration like \"2s\" or a fraction of its time left like \"0.2\"; its own tools and subagents stop that long before its deadline"}}}`,
 					plan.MaxModelNameLen, plan.MaxSpawnTools, plan.MaxTokens),
 			},
 		},

@@ -174,7 +174,8 @@ type SpawnArgs struct {
 	Tools []string `json:"tools,omitempty"`
 	// MaxTokens bounds each of the nested loop's model steps; 0: the provider's default.
 	MaxTokens int32 `json:"max_tokens,omitempty"`
-	// Reserve is the time the caller keeps after the nested loop (see ParseReserve).
+	// Reserve is the nested loop's own deadline reserve, the time it keeps for its final
+	// answer (see ParseReserve and docs/reserve.md).
 	Reserve string `json:"reserve,omitempty"`
 }
 
@@ -193,8 +194,8 @@ const (
 	MaxToolNameLen  = 128
 )
 
-// Reserve is the time a caller keeps for itself after a nested loop: a fixed duration,
-// or a fraction of the time left.
+// Reserve is the time an agent loop keeps for its final answer (docs/reserve.md): a fixed
+// duration, or a fraction of the time left when it starts.
 type Reserve struct {
 	Duration time.Duration
 	Fraction float64
@@ -222,8 +223,8 @@ func ParseReserve(s string) (Reserve, error) {
 	return Reserve{Duration: d}, nil
 }
 
-// Deadline returns the deadline left to a nested loop started at now under the caller's
-// deadline: the caller's minus the reserve, never later than the caller's.
+// Deadline returns the deadline of the work of a loop started at now under deadline
+// caller (its tools and subagents): the caller's minus the reserve, never later.
 func (r Reserve) Deadline(caller, now time.Time) time.Time {
 	cut := r.Duration
 	if r.Fraction > 0 {

@@ -348,7 +348,11 @@ type Node struct {
 	// provider's usage reported them (the sim model counts one token per word of the
 	// request's messages). A stream that ended before the provider reported its usage adds
 	// none. Not part of tokens, which counts output tokens only.
-	PromptTokens  int64 `protobuf:"varint,23,opt,name=prompt_tokens,json=promptTokens,proto3" json:"prompt_tokens,omitempty"`
+	PromptTokens int64 `protobuf:"varint,23,opt,name=prompt_tokens,json=promptTokens,proto3" json:"prompt_tokens,omitempty"`
+	// Subagent nodes: the nested loop ran out of time and returned what it had, a partial
+	// answer marked as such to its caller's model, instead of failing (docs/reserve.md).
+	// The node's status is then SUCCEEDED.
+	Partial       bool `protobuf:"varint,24,opt,name=partial,proto3" json:"partial,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -542,6 +546,13 @@ func (x *Node) GetPromptTokens() int64 {
 		return x.PromptTokens
 	}
 	return 0
+}
+
+func (x *Node) GetPartial() bool {
+	if x != nil {
+		return x.Partial
+	}
+	return false
 }
 
 // NodeEvent is something that happened inside a running node that is not a change of
@@ -1219,7 +1230,7 @@ const file_curfew_mesh_v1_mesh_proto_rawDesc = "" +
 	"\n" +
 	"started_at\x18\x04 \x01(\v2\x1a.google.protobuf.TimestampR\tstartedAt\x125\n" +
 	"\bended_at\x18\x05 \x01(\v2\x1a.google.protobuf.TimestampR\aendedAt\x121\n" +
-	"\x06budget\x18\x06 \x01(\v2\x19.google.protobuf.DurationR\x06budget\"\xc4\a\n" +
+	"\x06budget\x18\x06 \x01(\v2\x19.google.protobuf.DurationR\x06budget\"\xde\a\n" +
 	"\x04Node\x12\x0e\n" +
 	"\x02id\x18\x01 \x01(\tR\x02id\x12,\n" +
 	"\x04kind\x18\x02 \x01(\x0e2\x18.curfew.mesh.v1.NodeKindR\x04kind\x12\x12\n" +
@@ -1246,7 +1257,8 @@ const file_curfew_mesh_v1_mesh_proto_rawDesc = "" +
 	"\fserved_model\x18\x14 \x01(\tR\vservedModel\x12\x16\n" +
 	"\x06cached\x18\x15 \x01(\bR\x06cached\x126\n" +
 	"\tfallbacks\x18\x16 \x03(\v2\x18.curfew.mesh.v1.FallbackR\tfallbacks\x12#\n" +
-	"\rprompt_tokens\x18\x17 \x01(\x03R\fpromptTokens\"\xc1\x01\n" +
+	"\rprompt_tokens\x18\x17 \x01(\x03R\fpromptTokens\x12\x18\n" +
+	"\apartial\x18\x18 \x01(\bR\apartial\"\xc1\x01\n" +
 	"\tNodeEvent\x12\x17\n" +
 	"\anode_id\x18\x01 \x01(\tR\x06nodeId\x12*\n" +
 	"\x02at\x18\x02 \x01(\v2\x1a.google.protobuf.TimestampR\x02at\x126\n" +

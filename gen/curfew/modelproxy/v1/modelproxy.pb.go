@@ -250,7 +250,12 @@ type GenerateRequest struct {
 	// last renewal (RenewLeases), and a decoder whose lease lapsed stops by itself with
 	// cause lease_expired. Unset or 0 means the server's default (--decoder-lease-ttl);
 	// otherwise at least 50ms (less, or negative, is INVALID_ARGUMENT).
-	LeaseTtl      *durationpb.Duration `protobuf:"bytes,9,opt,name=lease_ttl,json=leaseTtl,proto3" json:"lease_ttl,omitempty"`
+	LeaseTtl *durationpb.Duration `protobuf:"bytes,9,opt,name=lease_ttl,json=leaseTtl,proto3" json:"lease_ttl,omitempty"`
+	// Messages the provider sees after messages, for this call only: the agent loop's note
+	// of the time left (docs/reserve.md). They are not part of the cache key, and coming
+	// last they leave the prompt's prefix as it was, so the response cache and a provider's
+	// prefix cache still hit as the time left changes. The sim model ignores them.
+	Notes         []*Message `protobuf:"bytes,10,rep,name=notes,proto3" json:"notes,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -344,6 +349,13 @@ func (x *GenerateRequest) GetCacheable() bool {
 func (x *GenerateRequest) GetLeaseTtl() *durationpb.Duration {
 	if x != nil {
 		return x.LeaseTtl
+	}
+	return nil
+}
+
+func (x *GenerateRequest) GetNotes() []*Message {
+	if x != nil {
+		return x.Notes
 	}
 	return nil
 }
@@ -808,7 +820,7 @@ const file_curfew_modelproxy_v1_modelproxy_proto_rawDesc = "" +
 	"\n" +
 	"tool_calls\x18\x03 \x03(\v2\x1e.curfew.modelproxy.v1.ToolCallR\ttoolCalls\x12 \n" +
 	"\ftool_call_id\x18\x04 \x01(\tR\n" +
-	"toolCallId\"\xb5\x03\n" +
+	"toolCallId\"\xea\x03\n" +
 	"\x0fGenerateRequest\x12\x14\n" +
 	"\x05model\x18\x01 \x01(\tR\x05model\x129\n" +
 	"\bmessages\x18\x02 \x03(\v2\x1d.curfew.modelproxy.v1.MessageR\bmessages\x12\x1d\n" +
@@ -819,7 +831,9 @@ const file_curfew_modelproxy_v1_modelproxy_proto_rawDesc = "" +
 	"\vtemperature\x18\x06 \x01(\x01H\x00R\vtemperature\x88\x01\x01\x12\x17\n" +
 	"\x04seed\x18\a \x01(\x03H\x01R\x04seed\x88\x01\x01\x12\x1c\n" +
 	"\tcacheable\x18\b \x01(\bR\tcacheable\x126\n" +
-	"\tlease_ttl\x18\t \x01(\v2\x19.google.protobuf.DurationR\bleaseTtlB\x0e\n" +
+	"\tlease_ttl\x18\t \x01(\v2\x19.google.protobuf.DurationR\bleaseTtl\x123\n" +
+	"\x05notes\x18\n" +
+	" \x03(\v2\x1d.curfew.modelproxy.v1.MessageR\x05notesB\x0e\n" +
 	"\f_temperatureB\a\n" +
 	"\x05_seed\"i\n" +
 	"\bToolSpec\x12\x12\n" +
@@ -898,20 +912,21 @@ var file_curfew_modelproxy_v1_modelproxy_proto_depIdxs = []int32{
 	4,  // 3: curfew.modelproxy.v1.GenerateRequest.tools:type_name -> curfew.modelproxy.v1.ToolSpec
 	5,  // 4: curfew.modelproxy.v1.GenerateRequest.response_schema:type_name -> curfew.modelproxy.v1.ResponseSchema
 	11, // 5: curfew.modelproxy.v1.GenerateRequest.lease_ttl:type_name -> google.protobuf.Duration
-	1,  // 6: curfew.modelproxy.v1.GenerateResponse.tool_calls:type_name -> curfew.modelproxy.v1.ToolCall
-	6,  // 7: curfew.modelproxy.v1.GenerateResponse.usage:type_name -> curfew.modelproxy.v1.Usage
-	8,  // 8: curfew.modelproxy.v1.RenewLeasesRequest.keys:type_name -> curfew.modelproxy.v1.LeaseKey
-	11, // 9: curfew.modelproxy.v1.RenewLeasesRequest.ttl:type_name -> google.protobuf.Duration
-	8,  // 10: curfew.modelproxy.v1.RenewLeasesResponse.unknown:type_name -> curfew.modelproxy.v1.LeaseKey
-	3,  // 11: curfew.modelproxy.v1.ModelProxyService.Generate:input_type -> curfew.modelproxy.v1.GenerateRequest
-	9,  // 12: curfew.modelproxy.v1.ModelProxyService.RenewLeases:input_type -> curfew.modelproxy.v1.RenewLeasesRequest
-	7,  // 13: curfew.modelproxy.v1.ModelProxyService.Generate:output_type -> curfew.modelproxy.v1.GenerateResponse
-	10, // 14: curfew.modelproxy.v1.ModelProxyService.RenewLeases:output_type -> curfew.modelproxy.v1.RenewLeasesResponse
-	13, // [13:15] is the sub-list for method output_type
-	11, // [11:13] is the sub-list for method input_type
-	11, // [11:11] is the sub-list for extension type_name
-	11, // [11:11] is the sub-list for extension extendee
-	0,  // [0:11] is the sub-list for field type_name
+	2,  // 6: curfew.modelproxy.v1.GenerateRequest.notes:type_name -> curfew.modelproxy.v1.Message
+	1,  // 7: curfew.modelproxy.v1.GenerateResponse.tool_calls:type_name -> curfew.modelproxy.v1.ToolCall
+	6,  // 8: curfew.modelproxy.v1.GenerateResponse.usage:type_name -> curfew.modelproxy.v1.Usage
+	8,  // 9: curfew.modelproxy.v1.RenewLeasesRequest.keys:type_name -> curfew.modelproxy.v1.LeaseKey
+	11, // 10: curfew.modelproxy.v1.RenewLeasesRequest.ttl:type_name -> google.protobuf.Duration
+	8,  // 11: curfew.modelproxy.v1.RenewLeasesResponse.unknown:type_name -> curfew.modelproxy.v1.LeaseKey
+	3,  // 12: curfew.modelproxy.v1.ModelProxyService.Generate:input_type -> curfew.modelproxy.v1.GenerateRequest
+	9,  // 13: curfew.modelproxy.v1.ModelProxyService.RenewLeases:input_type -> curfew.modelproxy.v1.RenewLeasesRequest
+	7,  // 14: curfew.modelproxy.v1.ModelProxyService.Generate:output_type -> curfew.modelproxy.v1.GenerateResponse
+	10, // 15: curfew.modelproxy.v1.ModelProxyService.RenewLeases:output_type -> curfew.modelproxy.v1.RenewLeasesResponse
+	14, // [14:16] is the sub-list for method output_type
+	12, // [12:14] is the sub-list for method input_type
+	12, // [12:12] is the sub-list for extension type_name
+	12, // [12:12] is the sub-list for extension extendee
+	0,  // [0:12] is the sub-list for field type_name
 }
 
 func init() { file_curfew_modelproxy_v1_modelproxy_proto_init() }

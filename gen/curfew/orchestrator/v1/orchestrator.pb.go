@@ -474,6 +474,7 @@ type RunInput struct {
 	Tools              []string               `protobuf:"bytes,5,rep,name=tools,proto3" json:"tools,omitempty"`
 	MaxSteps           int32                  `protobuf:"varint,6,opt,name=max_steps,json=maxSteps,proto3" json:"max_steps,omitempty"`
 	ToolErrors         ToolErrors             `protobuf:"varint,7,opt,name=tool_errors,json=toolErrors,proto3,enum=curfew.orchestrator.v1.ToolErrors" json:"tool_errors,omitempty"`
+	Reserve            string                 `protobuf:"bytes,8,opt,name=reserve,proto3" json:"reserve,omitempty"`
 	unknownFields      protoimpl.UnknownFields
 	sizeCache          protoimpl.SizeCache
 }
@@ -557,6 +558,13 @@ func (x *RunInput) GetToolErrors() ToolErrors {
 	return ToolErrors_TOOL_ERRORS_UNSPECIFIED
 }
 
+func (x *RunInput) GetReserve() string {
+	if x != nil {
+		return x.Reserve
+	}
+	return ""
+}
+
 // RunRequest starts a run. The run's absolute deadline comes from the call's gRPC deadline,
 // capped at the service maximum; without one, the service default applies.
 type RunRequest struct {
@@ -585,7 +593,13 @@ type RunRequest struct {
 	// run that reaches it fails with FAILED_PRECONDITION "step limit N reached".
 	MaxSteps int32 `protobuf:"varint,9,opt,name=max_steps,json=maxSteps,proto3" json:"max_steps,omitempty"`
 	// What a failed tool call does; TOOL_ERRORS_TO_MODEL by default.
-	ToolErrors    ToolErrors `protobuf:"varint,10,opt,name=tool_errors,json=toolErrors,proto3,enum=curfew.orchestrator.v1.ToolErrors" json:"tool_errors,omitempty"`
+	ToolErrors ToolErrors `protobuf:"varint,10,opt,name=tool_errors,json=toolErrors,proto3,enum=curfew.orchestrator.v1.ToolErrors" json:"tool_errors,omitempty"`
+	// The run's deadline reserve: the time its loop keeps for its final answer, a duration
+	// ("2s") or a fraction of the time left at the start ("0.2"). Its tools and subagents
+	// run under the deadline minus it, and when too little time is left before it for
+	// another round of tools, the model is asked for its final answer with what it has
+	// (docs/reserve.md). Empty means none.
+	Reserve       string `protobuf:"bytes,11,opt,name=reserve,proto3" json:"reserve,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -688,6 +702,13 @@ func (x *RunRequest) GetToolErrors() ToolErrors {
 		return x.ToolErrors
 	}
 	return ToolErrors_TOOL_ERRORS_UNSPECIFIED
+}
+
+func (x *RunRequest) GetReserve() string {
+	if x != nil {
+		return x.Reserve
+	}
+	return ""
 }
 
 // RunStarted is the first event of a run.
@@ -898,7 +919,13 @@ type StartRunRequest struct {
 	// run that reaches it fails with FAILED_PRECONDITION "step limit N reached".
 	MaxSteps int32 `protobuf:"varint,10,opt,name=max_steps,json=maxSteps,proto3" json:"max_steps,omitempty"`
 	// What a failed tool call does; TOOL_ERRORS_TO_MODEL by default.
-	ToolErrors    ToolErrors `protobuf:"varint,11,opt,name=tool_errors,json=toolErrors,proto3,enum=curfew.orchestrator.v1.ToolErrors" json:"tool_errors,omitempty"`
+	ToolErrors ToolErrors `protobuf:"varint,11,opt,name=tool_errors,json=toolErrors,proto3,enum=curfew.orchestrator.v1.ToolErrors" json:"tool_errors,omitempty"`
+	// The run's deadline reserve: the time its loop keeps for its final answer, a duration
+	// ("2s") or a fraction of the time left at the start ("0.2"). Its tools and subagents
+	// run under the deadline minus it, and when too little time is left before it for
+	// another round of tools, the model is asked for its final answer with what it has
+	// (docs/reserve.md). Empty means none.
+	Reserve       string `protobuf:"bytes,12,opt,name=reserve,proto3" json:"reserve,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -1008,6 +1035,13 @@ func (x *StartRunRequest) GetToolErrors() ToolErrors {
 		return x.ToolErrors
 	}
 	return ToolErrors_TOOL_ERRORS_UNSPECIFIED
+}
+
+func (x *StartRunRequest) GetReserve() string {
+	if x != nil {
+		return x.Reserve
+	}
+	return ""
 }
 
 // StartRunResponse holds the run as started, or as found under the idempotency key.
@@ -1554,7 +1588,7 @@ const file_curfew_orchestrator_v1_orchestrator_proto_rawDesc = "" +
 	"\x04role\x18\x01 \x01(\x0e2#.curfew.orchestrator.v1.MessageRoleR\x04role\x12\x18\n" +
 	"\acontent\x18\x02 \x01(\tR\acontent\x12 \n" +
 	"\ftool_call_id\x18\x03 \x01(\tR\n" +
-	"toolCallId\"\xc7\x02\n" +
+	"toolCallId\"\xe1\x02\n" +
 	"\bRunInput\x12;\n" +
 	"\bmessages\x18\x01 \x03(\v2\x1f.curfew.orchestrator.v1.MessageR\bmessages\x12\x1d\n" +
 	"\n" +
@@ -1564,8 +1598,9 @@ const file_curfew_orchestrator_v1_orchestrator_proto_rawDesc = "" +
 	"\x05tools\x18\x05 \x03(\tR\x05tools\x12\x1b\n" +
 	"\tmax_steps\x18\x06 \x01(\x05R\bmaxSteps\x12C\n" +
 	"\vtool_errors\x18\a \x01(\x0e2\".curfew.orchestrator.v1.ToolErrorsR\n" +
-	"toolErrorsB\x0e\n" +
-	"\f_temperature\"\xa9\x03\n" +
+	"toolErrors\x12\x18\n" +
+	"\areserve\x18\b \x01(\tR\areserveB\x0e\n" +
+	"\f_temperature\"\xc3\x03\n" +
 	"\n" +
 	"RunRequest\x12\x12\n" +
 	"\x04task\x18\x01 \x01(\tR\x04task\x12\x14\n" +
@@ -1580,7 +1615,8 @@ const file_curfew_orchestrator_v1_orchestrator_proto_rawDesc = "" +
 	"\tmax_steps\x18\t \x01(\x05R\bmaxSteps\x12C\n" +
 	"\vtool_errors\x18\n" +
 	" \x01(\x0e2\".curfew.orchestrator.v1.ToolErrorsR\n" +
-	"toolErrorsB\x0e\n" +
+	"toolErrors\x12\x18\n" +
+	"\areserve\x18\v \x01(\tR\areserveB\x0e\n" +
 	"\f_temperature\"[\n" +
 	"\n" +
 	"RunStarted\x12\x15\n" +
@@ -1592,7 +1628,7 @@ const file_curfew_orchestrator_v1_orchestrator_proto_rawDesc = "" +
 	"\bfinished\x18\x03 \x01(\v2\x1b.curfew.orchestrator.v1.RunH\x00R\bfinished\x12:\n" +
 	"\n" +
 	"node_event\x18\x04 \x01(\v2\x19.curfew.mesh.v1.NodeEventH\x00R\tnodeEventB\a\n" +
-	"\x05event\"\xd6\x03\n" +
+	"\x05event\"\xf0\x03\n" +
 	"\x0fStartRunRequest\x12\x12\n" +
 	"\x04task\x18\x01 \x01(\tR\x04task\x12\x14\n" +
 	"\x05model\x18\x02 \x01(\tR\x05model\x12'\n" +
@@ -1607,7 +1643,8 @@ const file_curfew_orchestrator_v1_orchestrator_proto_rawDesc = "" +
 	"\tmax_steps\x18\n" +
 	" \x01(\x05R\bmaxSteps\x12C\n" +
 	"\vtool_errors\x18\v \x01(\x0e2\".curfew.orchestrator.v1.ToolErrorsR\n" +
-	"toolErrorsB\x0e\n" +
+	"toolErrors\x12\x18\n" +
+	"\areserve\x18\f \x01(\tR\areserveB\x0e\n" +
 	"\f_temperature\"[\n" +
 	"\x10StartRunResponse\x12-\n" +
 	"\x03run\x18\x01 \x01(\v2\x1b.curfew.orchestrator.v1.RunR\x03run\x12\x18\n" +

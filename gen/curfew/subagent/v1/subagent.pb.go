@@ -35,9 +35,10 @@ type SpawnRequest struct {
 	// Bound on the output tokens of each of the nested loop's model steps; 0 means the
 	// provider's default.
 	MaxTokens int32 `protobuf:"varint,4,opt,name=max_tokens,json=maxTokens,proto3" json:"max_tokens,omitempty"`
-	// Time the caller keeps for itself after the nested loop: a duration ("2s") or a
-	// fraction of the time left ("0.2"). The nested loop's deadline is the caller's minus
-	// it, never later. Empty means none.
+	// The nested loop's own deadline reserve: a duration ("2s") or a fraction of its time
+	// left ("0.2") that it keeps for its final answer; its tools and subagents run under its
+	// deadline minus it (docs/reserve.md). Empty means none. The nested loop's deadline is
+	// the call's, which the caller's loop has already shortened by the caller's reserve.
 	Reserve       string `protobuf:"bytes,5,opt,name=reserve,proto3" json:"reserve,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
@@ -110,8 +111,11 @@ func (x *SpawnRequest) GetReserve() string {
 
 // SpawnResult is the nested loop's answer.
 type SpawnResult struct {
-	state         protoimpl.MessageState `protogen:"open.v1"`
-	Answer        string                 `protobuf:"bytes,1,opt,name=answer,proto3" json:"answer,omitempty"`
+	state  protoimpl.MessageState `protogen:"open.v1"`
+	Answer string                 `protobuf:"bytes,1,opt,name=answer,proto3" json:"answer,omitempty"`
+	// The nested loop ran out of time before it answered: answer is what it had (its
+	// model's text so far, or its last tools' results), not a finished answer.
+	Partial       bool `protobuf:"varint,2,opt,name=partial,proto3" json:"partial,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -151,6 +155,13 @@ func (x *SpawnResult) GetAnswer() string {
 		return x.Answer
 	}
 	return ""
+}
+
+func (x *SpawnResult) GetPartial() bool {
+	if x != nil {
+		return x.Partial
+	}
+	return false
 }
 
 // SpawnResponse is either a node update from the nested loop or, last, its result.
@@ -264,9 +275,10 @@ const file_curfew_subagent_v1_subagent_proto_rawDesc = "" +
 	"\x05tools\x18\x03 \x03(\tR\x05tools\x12\x1d\n" +
 	"\n" +
 	"max_tokens\x18\x04 \x01(\x05R\tmaxTokens\x12\x18\n" +
-	"\areserve\x18\x05 \x01(\tR\areserve\"%\n" +
+	"\areserve\x18\x05 \x01(\tR\areserve\"?\n" +
 	"\vSpawnResult\x12\x16\n" +
-	"\x06answer\x18\x01 \x01(\tR\x06answer\"\xbb\x01\n" +
+	"\x06answer\x18\x01 \x01(\tR\x06answer\x12\x18\n" +
+	"\apartial\x18\x02 \x01(\bR\apartial\"\xbb\x01\n" +
 	"\rSpawnResponse\x12*\n" +
 	"\x04node\x18\x01 \x01(\v2\x14.curfew.mesh.v1.NodeH\x00R\x04node\x129\n" +
 	"\x06result\x18\x02 \x01(\v2\x1f.curfew.subagent.v1.SpawnResultH\x00R\x06result\x12:\n" +

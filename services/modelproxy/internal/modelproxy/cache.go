@@ -56,6 +56,9 @@ func cacheable(req *modelproxyv1.GenerateRequest, alias *AliasConfig) bool {
 func cacheKey(req *modelproxyv1.GenerateRequest) ([sha256.Size]byte, error) {
 	k := proto.Clone(req).(*modelproxyv1.GenerateRequest)
 	k.Cacheable = false // the mark does not shape the answer
+	// The time-left note changes from call to call while the answer it asks for does not:
+	// keyed on it, a cache would never hit (GenerateRequest.notes).
+	k.Notes = nil
 	b, err := proto.MarshalOptions{Deterministic: true}.Marshal(k)
 	if err != nil {
 		return [sha256.Size]byte{}, err

@@ -45,7 +45,7 @@ type call struct {
 
 // providerRequest is req as a provider sees it, for the provider's model.
 func providerRequest(model string, req *modelproxyv1.GenerateRequest) *provider.Request {
-	return &provider.Request{Model: model, Messages: req.GetMessages(), Tools: req.GetTools(),
+	return &provider.Request{Model: model, Messages: req.GetMessages(), Notes: req.GetNotes(), Tools: req.GetTools(),
 		MaxTokens: int(req.GetMaxTokens()), Temperature: req.Temperature, Seed: req.Seed, Schema: req.GetResponseSchema()}
 }
 

@@ -298,6 +298,13 @@ func chatParams(req *Request) (openai.ChatCompletionNewParams, error) {
 		}
 		params.Messages = append(params.Messages, msg)
 	}
+	for i, m := range req.Notes {
+		msg, err := chatMessage(m)
+		if err != nil {
+			return params, fmt.Errorf("note %d: %w", i, err)
+		}
+		params.Messages = append(params.Messages, msg)
+	}
 	for _, t := range req.Tools {
 		if t.GetName() == "" {
 			return params, errors.New("tool without a name")

@@ -10,8 +10,11 @@ import (
 // Request is one model step as a provider sees it: the alias already resolved to the
 // provider's own model name.
 type Request struct {
-	Model       string
-	Messages    []*modelproxyv1.Message
+	Model    string
+	Messages []*modelproxyv1.Message
+	// Notes come after Messages for this call only (the agent loop's note of the time
+	// left): a provider that takes a conversation sends them last; sim ignores them.
+	Notes       []*modelproxyv1.Message
 	Tools       []*modelproxyv1.ToolSpec
 	MaxTokens   int
 	Temperature *float64

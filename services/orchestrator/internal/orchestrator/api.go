@@ -33,7 +33,7 @@ func (s *Server) Run(req *orchestratorv1.RunRequest, stream orchestratorv1.Orche
 	ctx := stream.Context()
 	st, err := s.start(ctx, startRequest{tenant: md.IdentityFrom(ctx).Tenant, model: req.GetModel(), task: req.GetTask(), attached: true,
 		input: runInput(req.GetMessages(), req.GetMaxTokens(), req.Temperature, req.GetResponseSchemaJson(), req.GetTools(),
-			req.GetMaxSteps(), req.GetToolErrors())})
+			req.GetMaxSteps(), req.GetToolErrors(), req.GetReserve())})
 	if err != nil {
 		return err
 	}
@@ -102,7 +102,7 @@ func (s *Server) StartRun(ctx context.Context, req *orchestratorv1.StartRunReque
 		timeout = req.GetTimeout().AsDuration()
 	}
 	in := runInput(req.GetMessages(), req.GetMaxTokens(), req.Temperature, req.GetResponseSchemaJson(), req.GetTools(),
-		req.GetMaxSteps(), req.GetToolErrors())
+		req.GetMaxSteps(), req.GetToolErrors(), req.GetReserve())
 	r, created, err := s.startDetached(ctx, key, req.GetModel(), req.GetTask(), in, timeout)
 	if err != nil {
 		return nil, err

@@ -14,6 +14,7 @@ import (
 	modelproxyv1 "github.com/curfew-mesh/curfew/gen/curfew/modelproxy/v1"
 	orchestratorv1 "github.com/curfew-mesh/curfew/gen/curfew/orchestrator/v1"
 	"github.com/curfew-mesh/curfew/mesh/agent"
+	"github.com/curfew-mesh/curfew/mesh/plan"
 )
 
 // Bounds of a run's input.
@@ -27,9 +28,9 @@ const (
 // runInput gathers the input fields of a RunRequest or StartRunRequest; nil when none is
 // set (a run started with a task alone), so that such a run stores and compares as before.
 func runInput(msgs []*orchestratorv1.Message, maxTokens int32, temperature *float64, schema string,
-	tools []string, maxSteps int32, toolErrors orchestratorv1.ToolErrors) *orchestratorv1.RunInput {
+	tools []string, maxSteps int32, toolErrors orchestratorv1.ToolErrors, reserve string) *orchestratorv1.RunInput {
 	in := &orchestratorv1.RunInput{Messages: msgs, MaxTokens: maxTokens, Temperature: temperature,
-		ResponseSchemaJson: schema, Tools: tools, MaxSteps: maxSteps, ToolErrors: toolErrors}
+		ResponseSchemaJson: schema, Tools: tools, MaxSteps: maxSteps, ToolErrors: toolErrors, Reserve: reserve}
 	if proto.Size(in) == 0 {
 		return nil
 	}
@@ -104,6 +105,9 @@ func validateInput(task, model string, in *orchestratorv1.RunInput, maxSteps int
 	if _, ok := orchestratorv1.ToolErrors_name[int32(in.GetToolErrors())]; !ok {
 		return bad("tool_errors", "unknown policy %d", in.GetToolErrors())
 	}
+	if _, err := plan.ParseReserve(in.GetReserve()); err != nil {
+		return bad("reserve", "%v", err)
+	}
 	return nil
 }
 
@@ -162,6 +166,9 @@ func loopInput(model, task string, in *orchestratorv1.RunInput) agent.Input {
 	li := agent.Input{Model: model, Task: task, MaxTokens: in.GetMaxTokens(),
 		ResponseSchema: in.GetResponseSchemaJson(), Tools: in.GetTools(), MaxSteps: int(in.GetMaxSteps()),
 		FailOnToolError: in.GetToolErrors() == orchestratorv1.ToolErrors_TOOL_ERRORS_FAIL_RUN}
+	// Validated at the start; a stored input of a newer version that does not parse
+	// keeps no reserve.
+	li.Reserve, _ = plan.ParseReserve(in.GetReserve())
 	if in != nil {
 		li.Temperature = in.Temperature
 	}

@@ -66,6 +66,9 @@ func TestRunInputValidation(t *testing.T) {
 		{"tool twice", &orchestratorv1.RunRequest{Model: "gpt", Task: "t", Tools: []string{"sleep", "sleep"}}, `tools[1]: "sleep" is listed twice`},
 		{"max_steps above the service's", &orchestratorv1.RunRequest{Model: "gpt", Task: "t", MaxSteps: 65}, "max_steps: must be between 0"},
 		{"unknown tool_errors", &orchestratorv1.RunRequest{Model: "gpt", Task: "t", ToolErrors: 7}, "tool_errors: unknown policy 7"},
+		{"reserve not a duration", &orchestratorv1.RunRequest{Model: "gpt", Task: "t", Reserve: "soon"}, "reserve: must be a duration"},
+		{"reserve fraction of 1", &orchestratorv1.RunRequest{Model: "gpt", Task: "t", Reserve: "1"}, "reserve: a fraction of the time left must be in (0, 1)"},
+		{"reserve negative", &orchestratorv1.RunRequest{Model: "gpt", Task: "t", Reserve: "-2s"}, "reserve: a duration must be more than 0"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			st, err := e.orch.Run(context.Background(), tc.req)
@@ -75,7 +78,7 @@ func TestRunInputValidation(t *testing.T) {
 			meshtest.WantCode(t, err, codes.InvalidArgument, tc.want)
 			sr := &orchestratorv1.StartRunRequest{Task: tc.req.GetTask(), Model: tc.req.GetModel(), Messages: tc.req.GetMessages(),
 				MaxTokens: tc.req.GetMaxTokens(), Temperature: tc.req.Temperature, ResponseSchemaJson: tc.req.GetResponseSchemaJson(),
-				Tools: tc.req.GetTools(), MaxSteps: tc.req.GetMaxSteps(), ToolErrors: tc.req.GetToolErrors()}
+				Tools: tc.req.GetTools(), MaxSteps: tc.req.GetMaxSteps(), ToolErrors: tc.req.GetToolErrors(), Reserve: tc.req.GetReserve()}
 			_, err = e.orch.StartRun(context.Background(), sr)
 			meshtest.WantCode(t, err, codes.InvalidArgument, tc.want)
 		})
@@ -146,6 +149,7 @@ func TestStartRunKeyComparesInput(t *testing.T) {
 		func(r *orchestratorv1.StartRunRequest) { r.MaxSteps = 0 },
 		func(r *orchestratorv1.StartRunRequest) { r.ToolErrors = orchestratorv1.ToolErrors_TOOL_ERRORS_TO_MODEL },
 		func(r *orchestratorv1.StartRunRequest) { r.ResponseSchemaJson = `{"type":"string"}` },
+		func(r *orchestratorv1.StartRunRequest) { r.Reserve = "2s" },
 	} {
 		r := base()
 		change(r)
@@ -155,7 +159,7 @@ func TestStartRunKeyComparesInput(t *testing.T) {
 	// The stored run carries its input: another server on the store serves it.
 	got, err := st.GetRun(context.Background(), "acme", first.GetRun().GetRunId())
 	if err != nil || !proto.Equal(decodeInput(got.Input), runInput(base().GetMessages(), 10, proto.Float64(0.5), "", []string{"sleep"}, 3,
-		orchestratorv1.ToolErrors_TOOL_ERRORS_FAIL_RUN)) {
+		orchestratorv1.ToolErrors_TOOL_ERRORS_FAIL_RUN, "")) {
 		t.Fatalf("stored input %v, %v", decodeInput(got.Input), err)
 	}
 }
@@ -165,7 +169,7 @@ func TestStartRunKeyComparesInput(t *testing.T) {
 func TestTakeoverRunsWithTheStoredInput(t *testing.T) {
 	st := openStore(t)
 	ctx := context.Background()
-	in := runInput([]*orchestratorv1.Message{msg(system, "stored prompt")}, 42, proto.Float64(1.5), "", nil, 0, 0)
+	in := runInput([]*orchestratorv1.Message{msg(system, "stored prompt")}, 42, proto.Float64(1.5), "", nil, 0, 0, "0.25")
 	run, _, err := st.CreateRun(ctx, store.NewRun{Tenant: "acme", Task: []byte(tinyPlan), Model: agent.DefaultModel,
 		Input: encodeInput(in), Deadline: time.Now().Add(20 * time.Second), Owner: "dead", LeaseTTL: 50 * time.Millisecond})
 	if err != nil {
@@ -200,7 +204,7 @@ func TestTakeoverRunsWithTheStoredInput(t *testing.T) {
 func TestReplayKeepsTheInput(t *testing.T) {
 	e := newEnv(t, mesh.ServerConfig{}, nil)
 	in := runInput([]*orchestratorv1.Message{msg(system, "replayed prompt")}, 7, nil, "", []string{"sleep"}, 2,
-		orchestratorv1.ToolErrors_TOOL_ERRORS_FAIL_RUN)
+		orchestratorv1.ToolErrors_TOOL_ERRORS_FAIL_RUN, "1s")
 	var p ReplayPayload
 	b, _ := json.Marshal(ReplayPayload{Task: tinyPlan, Input: encodeInput(in)})
 	if err := json.Unmarshal(b, &p); err != nil || !proto.Equal(decodeInput(p.Input), in) {

@@ -1,10 +1,8 @@
 package subagent
 
 import (
-	"context"
 	"strings"
 	"sync"
-	"time"
 
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
@@ -73,13 +71,8 @@ func (s *Server) Spawn(req *subagentv1.SpawnRequest, stream subagentv1.SubagentS
 	if depth := strings.Count(node, "/sub"); depth > s.cfg.MaxDepth {
 		return status.Errorf(codes.FailedPrecondition, "subagent depth %d exceeds the limit %d", depth, s.cfg.MaxDepth)
 	}
-	// The caller keeps its reserve: the nested loop runs under the caller's deadline
-	// minus it, never later.
-	if dl, ok := ctx.Deadline(); ok {
-		var cancel context.CancelFunc
-		ctx, cancel = context.WithDeadline(ctx, reserve.Deadline(dl, time.Now()))
-		defer cancel()
-	}
+	// The nested loop runs under the call's deadline, which the caller's loop has already
+	// shortened by its own reserve (docs/reserve.md); reserve is the nested loop's own.
 	if err := ctx.Err(); err != nil {
 		return err
 	}
@@ -105,19 +98,23 @@ func (s *Server) Spawn(req *subagentv1.SpawnRequest, stream subagentv1.SubagentS
 	lc := s.cfg.Loop
 	lc.Emit, lc.EmitEvent = emit, event
 	// The same run input as a root's: a real model is told of its tool failures and goes
-	// on (the sim model's plan still fails on them).
-	answer, err := agent.New(lc).RunInput(md.WithNode(wctx, node), node, agent.Input{
-		Model: req.GetModel(), Task: req.GetTask(), Tools: req.GetTools(), MaxTokens: req.GetMaxTokens()}, nil)
+	// on (the sim model's plan still fails on them). A nested loop out of time returns
+	// what it has, so that its caller's model can answer with it.
+	res, err := agent.New(lc).RunResult(md.WithNode(wctx, node), node, agent.Input{
+		Model: req.GetModel(), Task: req.GetTask(), Tools: req.GetTools(), MaxTokens: req.GetMaxTokens(),
+		Reserve: reserve, Partial: true}, nil)
 	cancelled := wctx.Err() != nil
 	emit(s.Nodes.Finish(wctx, id.RunID, node, err, func(n *meshv1.Node) {
 		if cancelled {
 			n.CancelledAt = timestamppb.Now()
 		}
+		n.Partial = res.Partial
 	}))
 	if err != nil {
 		return err
 	}
 	mu.Lock()
 	defer mu.Unlock()
-	return stream.Send(&subagentv1.SpawnResponse{Event: &subagentv1.SpawnResponse_Result{Result: &subagentv1.SpawnResult{Answer: answer}}})
+	return stream.Send(&subagentv1.SpawnResponse{Event: &subagentv1.SpawnResponse_Result{Result: &subagentv1.SpawnResult{
+		Answer: res.Answer, Partial: res.Partial}}})
 }

@@ -3,6 +3,7 @@ package subagent
 import (
 	"context"
 	"log/slog"
+	"slices"
 	"strings"
 	"sync"
 	"testing"
@@ -119,16 +120,19 @@ type fakeTools struct {
 	toolrunnerv1.UnimplementedToolRunnerServiceServer
 	table *nodes.Table
 	// failing, when set, is the name of a tool that fails (INTERNAL) instead.
-	failing string
-	mu      sync.Mutex
-	seen    []md.Identity
+	failing   string
+	mu        sync.Mutex
+	seen      []md.Identity
+	deadlines []time.Time // the calls' deadlines, in order
 }
 
 func (f *fakeTools) Execute(req *toolrunnerv1.ExecuteRequest, stream toolrunnerv1.ToolRunnerService_ExecuteServer) error {
 	ctx := stream.Context()
 	id := md.IdentityFrom(ctx)
+	dl, _ := ctx.Deadline()
 	f.mu.Lock()
 	f.seen = append(f.seen, id)
+	f.deadlines = append(f.deadlines, dl)
 	f.mu.Unlock()
 	send := func(n *meshv1.Node) {
 		_ = stream.Send(&toolrunnerv1.ExecuteResponse{Event: &toolrunnerv1.ExecuteResponse_Node{Node: n}})
@@ -453,8 +457,9 @@ func TestSpawnForwardsNodeEvents(t *testing.T) {
 	}
 }
 
-// A subagent runs the model, tools and max_tokens it is given, under its caller's deadline
-// minus the reserve, and a real model is told of a failed tool and goes on.
+// A subagent runs the model, tools and max_tokens it is given, its model steps under its
+// call's deadline less the partial margin, its tools under that less its own reserve, and
+// a real model is told of a failed tool and goes on.
 func TestSpawnRunInput(t *testing.T) {
 	e := newEnvTools(t, &fakeModel{}, &fakeTools{failing: "sleep"}, 0)
 	ctx, cancel := context.WithTimeout(ident("r-input", "root/s0.t0"), 10*time.Second)
@@ -465,6 +470,13 @@ func TestSpawnRunInput(t *testing.T) {
 		t.Fatalf("answer %q, err %v: want the model's answer after the failed tool", r.answer, r.err)
 	}
 	callerDL, _ := ctx.Deadline()
+	// The nested loop's own reserve comes off its tools' deadline.
+	e.tools.mu.Lock()
+	seen := slices.Clone(e.tools.deadlines)
+	e.tools.mu.Unlock()
+	if len(seen) != 1 || seen[0].After(callerDL.Add(-agent.DefaultPartialMargin-4*time.Second)) {
+		t.Fatalf("tool deadlines %v, want one, 4s (the reserve) and the partial margin before the call's %v", seen, callerDL)
+	}
 	for i := range 2 {
 		c := <-e.model.calls
 		if c.model != "gpt-4o-mini" || c.maxTok != 64 || strings.Join(c.tools, ",") != "sleep" {
@@ -473,9 +485,10 @@ func TestSpawnRunInput(t *testing.T) {
 		if len(c.msgs) == 0 || c.msgs[0].GetRole() != modelproxyv1.Role_ROLE_USER || c.msgs[0].GetContent() != "check the deploy" {
 			t.Fatalf("step %d: messages %v, want the task as the first user message", i, c.msgs)
 		}
-		// The reserve comes off the caller's deadline (its 4 s, less a margin for ms rounding).
-		if c.deadline.IsZero() || c.deadline.After(callerDL.Add(-3900*time.Millisecond)) {
-			t.Fatalf("step %d: deadline %v, want at least 4s before the caller's %v", i, c.deadline, callerDL)
+		// The model steps end the partial margin before the call's deadline (the wire
+		// carries milliseconds): the nested loop's answer must still reach its caller.
+		if d := callerDL.Sub(c.deadline); d < agent.DefaultPartialMargin || d > agent.DefaultPartialMargin+5*time.Millisecond {
+			t.Fatalf("step %d: deadline %v, want %v before the call's %v", i, c.deadline, agent.DefaultPartialMargin, callerDL)
 		}
 		if i == 1 {
 			last := c.msgs[len(c.msgs)-1]

@@ -400,7 +400,7 @@ func (s *Server) spawn(ctx context.Context, req *subagentv1.SpawnRequest, emit f
 	if err != nil {
 		return "", nil, s.settle(ctx, err)
 	}
-	var answer string
+	var res *subagentv1.SpawnResult
 	for {
 		ev, err := st.Recv()
 		if errors.Is(err, io.EOF) {
@@ -415,11 +415,26 @@ func (s *Server) spawn(ctx context.Context, req *subagentv1.SpawnRequest, emit f
 		case *subagentv1.SpawnResponse_NodeEvent:
 			event(e.NodeEvent)
 		case *subagentv1.SpawnResponse_Result:
-			answer = e.Result.GetAnswer()
+			res = e.Result
 		}
 	}
-	out, _ := json.Marshal(map[string]string{"answer": answer})
-	return string(out), nil, nil
+	return spawnOutput(res), nil, nil
+}
+
+// spawnOutput is spawn_subagent's result as the caller's model reads it: {"answer": ...},
+// and for a subagent that ran out of time, "partial": true and a note saying what the
+// answer is (docs/reserve.md).
+func spawnOutput(res *subagentv1.SpawnResult) string {
+	out := struct {
+		Answer  string `json:"answer"`
+		Partial bool   `json:"partial,omitempty"`
+		Note    string `json:"note,omitempty"`
+	}{Answer: res.GetAnswer(), Partial: res.GetPartial()}
+	if out.Partial {
+		out.Note = "the subagent ran out of time before it answered: this is what it had"
+	}
+	b, _ := json.Marshal(out)
+	return string(b)
 }
 
 // settle waits for a cancelled subagent's teardown before the tool node ends. A subagent

@@ -12,7 +12,7 @@ import type { Message } from "@bufbuild/protobuf";
  * Describes the file curfew/subagent/v1/subagent.proto.
  */
 export const file_curfew_subagent_v1_subagent: GenFile = /*@__PURE__*/
-  fileDesc("CiFjdXJmZXcvc3ViYWdlbnQvdjEvc3ViYWdlbnQucHJvdG8SEmN1cmZldy5zdWJhZ2VudC52MSJfCgxTcGF3blJlcXVlc3QSDAoEdGFzaxgBIAEoCRINCgVtb2RlbBgCIAEoCRINCgV0b29scxgDIAMoCRISCgptYXhfdG9rZW5zGAQgASgFEg8KB3Jlc2VydmUYBSABKAkiHQoLU3Bhd25SZXN1bHQSDgoGYW5zd2VyGAEgASgJIqIBCg1TcGF3blJlc3BvbnNlEiQKBG5vZGUYASABKAsyFC5jdXJmZXcubWVzaC52MS5Ob2RlSAASMQoGcmVzdWx0GAIgASgLMh8uY3VyZmV3LnN1YmFnZW50LnYxLlNwYXduUmVzdWx0SAASLwoKbm9kZV9ldmVudBgDIAEoCzIZLmN1cmZldy5tZXNoLnYxLk5vZGVFdmVudEgAQgcKBWV2ZW50MmEKD1N1YmFnZW50U2VydmljZRJOCgVTcGF3bhIgLmN1cmZldy5zdWJhZ2VudC52MS5TcGF3blJlcXVlc3QaIS5jdXJmZXcuc3ViYWdlbnQudjEuU3Bhd25SZXNwb25zZTABQtIBChZjb20uY3VyZmV3LnN1YmFnZW50LnYxQg1TdWJhZ2VudFByb3RvUAFaP2dpdGh1Yi5jb20vY3VyZmV3LW1lc2gvY3VyZmV3L2dlbi9jdXJmZXcvc3ViYWdlbnQvdjE7c3ViYWdlbnR2MaICA0NTWKoCEkN1cmZldy5TdWJhZ2VudC5WMcoCEkN1cmZld1xTdWJhZ2VudFxWMeICHkN1cmZld1xTdWJhZ2VudFxWMVxHUEJNZXRhZGF0YeoCFEN1cmZldzo6U3ViYWdlbnQ6OlYxYgZwcm90bzM", [file_curfew_mesh_v1_mesh]);
+  fileDesc("CiFjdXJmZXcvc3ViYWdlbnQvdjEvc3ViYWdlbnQucHJvdG8SEmN1cmZldy5zdWJhZ2VudC52MSJfCgxTcGF3blJlcXVlc3QSDAoEdGFzaxgBIAEoCRINCgVtb2RlbBgCIAEoCRINCgV0b29scxgDIAMoCRISCgptYXhfdG9rZW5zGAQgASgFEg8KB3Jlc2VydmUYBSABKAkiLgoLU3Bhd25SZXN1bHQSDgoGYW5zd2VyGAEgASgJEg8KB3BhcnRpYWwYAiABKAgiogEKDVNwYXduUmVzcG9uc2USJAoEbm9kZRgBIAEoCzIULmN1cmZldy5tZXNoLnYxLk5vZGVIABIxCgZyZXN1bHQYAiABKAsyHy5jdXJmZXcuc3ViYWdlbnQudjEuU3Bhd25SZXN1bHRIABIvCgpub2RlX2V2ZW50GAMgASgLMhkuY3VyZmV3Lm1lc2gudjEuTm9kZUV2ZW50SABCBwoFZXZlbnQyYQoPU3ViYWdlbnRTZXJ2aWNlEk4KBVNwYXduEiAuY3VyZmV3LnN1YmFnZW50LnYxLlNwYXduUmVxdWVzdBohLmN1cmZldy5zdWJhZ2VudC52MS5TcGF3blJlc3BvbnNlMAFC0gEKFmNvbS5jdXJmZXcuc3ViYWdlbnQudjFCDVN1YmFnZW50UHJvdG9QAVo/Z2l0aHViLmNvbS9jdXJmZXctbWVzaC9jdXJmZXcvZ2VuL2N1cmZldy9zdWJhZ2VudC92MTtzdWJhZ2VudHYxogIDQ1NYqgISQ3VyZmV3LlN1YmFnZW50LlYxygISQ3VyZmV3XFN1YmFnZW50XFYx4gIeQ3VyZmV3XFN1YmFnZW50XFYxXEdQQk1ldGFkYXRh6gIUQ3VyZmV3OjpTdWJhZ2VudDo6VjFiBnByb3RvMw", [file_curfew_mesh_v1_mesh]);
 
 /**
  * SpawnRequest runs a nested agent loop under the caller's deadline and node path.
@@ -51,9 +51,10 @@ export type SpawnRequest = Message<"curfew.subagent.v1.SpawnRequest"> & {
   maxTokens: number;
 
   /**
-   * Time the caller keeps for itself after the nested loop: a duration ("2s") or a
-   * fraction of the time left ("0.2"). The nested loop's deadline is the caller's minus
-   * it, never later. Empty means none.
+   * The nested loop's own deadline reserve: a duration ("2s") or a fraction of its time
+   * left ("0.2") that it keeps for its final answer; its tools and subagents run under its
+   * deadline minus it (docs/reserve.md). Empty means none. The nested loop's deadline is
+   * the call's, which the caller's loop has already shortened by the caller's reserve.
    *
    * @generated from field: string reserve = 5;
    */
@@ -77,6 +78,14 @@ export type SpawnResult = Message<"curfew.subagent.v1.SpawnResult"> & {
    * @generated from field: string answer = 1;
    */
   answer: string;
+
+  /**
+   * The nested loop ran out of time before it answered: answer is what it had (its
+   * model's text so far, or its last tools' results), not a finished answer.
+   *
+   * @generated from field: bool partial = 2;
+   */
+  partial: boolean;
 };
 
 /**
