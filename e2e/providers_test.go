@@ -87,6 +87,30 @@ func startUpstream(t *testing.T, args ...string) *upstream {
 
 func (u *upstream) control() string { return strings.TrimSuffix(u.url, "/v1") + "/_openaitest" }
 
+// timeNote is how the agent loop's time-left note starts: a system message after each
+// model request's conversation (docs/reserve.md).
+const timeNote = "[curfew] Time left for this task"
+
+// chatMessage is a message of a chat completions request as the model server received it.
+type chatMessage struct {
+	Role       string `json:"role"`
+	Content    any    `json:"content"`
+	ToolCallID string `json:"tool_call_id"`
+}
+
+// withoutTimeNote returns a request's messages without the time-left note that ends
+// them, and whether it was there.
+func withoutTimeNote(msgs []chatMessage) ([]chatMessage, bool) {
+	if len(msgs) == 0 {
+		return msgs, false
+	}
+	last := msgs[len(msgs)-1]
+	if s, _ := last.Content.(string); last.Role != "system" || !strings.HasPrefix(s, timeNote) {
+		return msgs, false
+	}
+	return msgs[:len(msgs)-1], true
+}
+
 // enqueue scripts the next replies, one per request, as openaitest.Reply JSON objects.
 func (u *upstream) enqueue(t *testing.T, replies ...string) {
 	t.Helper()

@@ -15,11 +15,7 @@ import (
 
 // chatRequest is the part of a chat completions request the run-input test reads.
 type chatRequest struct {
-	Messages []struct {
-		Role       string `json:"role"`
-		Content    any    `json:"content"`
-		ToolCallID string `json:"tool_call_id"`
-	} `json:"messages"`
+	Messages       []chatMessage   `json:"messages"`
 	MaxTokens      *int            `json:"max_tokens"`
 	Temperature    *float64        `json:"temperature"`
 	ResponseFormat json.RawMessage `json:"response_format"`
@@ -79,8 +75,13 @@ func TestRunInputOverRealModel(t *testing.T) {
 			t.Errorf("request %d: max_tokens %v temperature %v response_format %s", i, r.MaxTokens, r.Temperature, r.ResponseFormat)
 		}
 	}
-	// The request after the bad call carries the tool's error as that call's result.
-	last := reqs[1].Messages[len(reqs[1].Messages)-1]
+	// The request after the bad call carries the tool's error as that call's result, its
+	// last message before the time-left note.
+	msgs, noted := withoutTimeNote(reqs[1].Messages)
+	if !noted {
+		t.Errorf("second request: %+v, want the time-left note last", reqs[1].Messages)
+	}
+	last := msgs[len(msgs)-1]
 	content, _ := last.Content.(string)
 	var result struct{ Error string }
 	if last.Role != "tool" || last.ToolCallID != "call_bad" || json.Unmarshal([]byte(content), &result) != nil ||

@@ -40,12 +40,9 @@ func TestSpawnSubagentOverRealModel(t *testing.T) {
 	}
 
 	type spawnChat struct {
-		Model    string `json:"model"`
-		Messages []struct {
-			Role    string `json:"role"`
-			Content any    `json:"content"`
-		} `json:"messages"`
-		MaxTokens *int `json:"max_tokens"`
+		Model     string        `json:"model"`
+		Messages  []chatMessage `json:"messages"`
+		MaxTokens *int          `json:"max_tokens"`
 		Tools     []struct {
 			Function struct {
 				Name string `json:"name"`
@@ -66,6 +63,10 @@ func TestSpawnSubagentOverRealModel(t *testing.T) {
 		t.Errorf("root requests name models %q and %q, want m", reqs[0].Model, reqs[2].Model)
 	}
 	sub := reqs[1]
+	var noted bool
+	if sub.Messages, noted = withoutTimeNote(sub.Messages); !noted {
+		t.Errorf("subagent request %s: want the time-left note last", calls[1].Request.Body)
+	}
 	var tools []string
 	for _, tl := range sub.Tools {
 		tools = append(tools, tl.Function.Name)
@@ -74,7 +75,8 @@ func TestSpawnSubagentOverRealModel(t *testing.T) {
 		sub.MaxTokens == nil || *sub.MaxTokens != 32 || strings.Join(tools, ",") != "sleep" {
 		t.Errorf("subagent request: %s\nwant model m2, the task as its only message, max_tokens 32, tools [sleep]", calls[1].Request.Body)
 	}
-	last := reqs[2].Messages[len(reqs[2].Messages)-1]
+	root, _ := withoutTimeNote(reqs[2].Messages)
+	last := root[len(root)-1]
 	if content, _ := last.Content.(string); last.Role != "tool" || content != `{"answer":"42 sheep"}` {
 		t.Errorf("the root's second request ends %+v, want the subagent's answer as the call's result", last)
 	}

@@ -43,6 +43,7 @@ func cmdRun(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	maxSteps := fs.Int("max-steps", 0, "the most model steps (default: the orchestrator's limit, 64)")
 	tools := fs.String("tools", "", "comma-separated names of the tools the run may use (default: every tool the tenant may use)")
 	failOnToolError := fs.Bool("fail-on-tool-error", false, "a failed tool call fails the run, instead of going back to the model as its result")
+	reserve := fs.String("reserve", "", `time the run keeps for its final answer: a duration ("2s") or a fraction of the deadline ("0.2"); its tools and subagents stop that long before the deadline (docs/reserve.md)`)
 	pos, err := parse(fs, args)
 	if err != nil {
 		return usageErr(stderr, "run", err)
@@ -107,7 +108,7 @@ func cmdRun(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	}()
 
 	v := newView(stdout, c.json)
-	req := &orchestratorv1.RunRequest{Task: task, Model: *model, ContinueOnDisconnect: *cont,
+	req := &orchestratorv1.RunRequest{Task: task, Model: *model, ContinueOnDisconnect: *cont, Reserve: *reserve,
 		MaxTokens: int32(min(max(*maxTokens, -1), math.MaxInt32)), MaxSteps: int32(min(max(*maxSteps, -1), math.MaxInt32))} //nolint:gosec // clamped
 	if *system != "" {
 		req.Messages = []*orchestratorv1.Message{{Role: orchestratorv1.MessageRole_MESSAGE_ROLE_SYSTEM, Content: *system}}
