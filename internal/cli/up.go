@@ -62,7 +62,7 @@ func cmdUp(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	startTimeout := fs.Duration("start-timeout", 30*time.Second, "how long to wait for every service to report SERVING")
 	asJSON := fs.Bool("json", false, "print the endpoints as JSON")
 	providers := fs.String("providers-config", "", "modelproxy's providers file (docs/providers.md); default $CURFEW_PROVIDERS_CONFIG, else only the sim model")
-	admissionFile := fs.String("admission-config", "", "orchestrator's admission file: pools, tenant limits, token budgets (docs/admission.md); default $CURFEW_ADMISSION_CONFIG, else the built-in pools")
+	admissionFile := fs.String("admission-config", "", "admission file: pools, tenant limits, token budgets (docs/admission.md), for the orchestrator's admission and modelproxy's per-call budget reservations; default $CURFEW_ADMISSION_CONFIG, else the built-in pools")
 	toolsFile := fs.String("tools-config", "", "toolrunner's tool sources file: MCP and ToolService servers (docs/tools.md); default $CURFEW_TOOLS_CONFIG, else the built-in tools only")
 	storeDSN := fs.String("store", "", "the durable store: a postgres:// DSN, or a SQLite path (default: curfew.db in --data-dir)")
 	insecureFlag := fs.Bool("insecure", false, "run the services plaintext, without mTLS: only for local debugging (default: a local CA and per-service certificates in --data-dir/tls, re-issued at each start)")
@@ -89,6 +89,8 @@ func cmdUp(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 			return usageErr(stderr, "up", fmt.Errorf("--admission-config: %w", err))
 		}
 		extra["orchestrator"] = append(extra["orchestrator"], "--admission-config", abs)
+		// modelproxy reads the same file's token budgets for its per-call reservations.
+		extra["modelproxy"] = append(extra["modelproxy"], "--admission-config", abs)
 	}
 	if *toolsFile != "" {
 		abs, err := filepath.Abs(*toolsFile)

@@ -21,6 +21,7 @@ import (
 	meshv1 "github.com/curfew-mesh/curfew/gen/curfew/mesh/v1"
 	modelproxyv1 "github.com/curfew-mesh/curfew/gen/curfew/modelproxy/v1"
 	toolrunnerv1 "github.com/curfew-mesh/curfew/gen/curfew/toolrunner/v1"
+	"github.com/curfew-mesh/curfew/mesh/budget"
 	"github.com/curfew-mesh/curfew/mesh/cancel"
 	"github.com/curfew-mesh/curfew/mesh/catalog"
 	"github.com/curfew-mesh/curfew/mesh/chaos"
@@ -534,6 +535,10 @@ func (l *Loop) toolStep(loop, ctx context.Context, prefix string, calls []*model
 			if ctx.Err() == nil { // the parent is alive: this failure is the siblings' cause
 				why, cause := cancel.ErrSiblingFailed, meshv1.CancelCause_CANCEL_CAUSE_SIBLING_FAILED
 				switch {
+				case budget.Refused(err):
+					// The tenant's budget stopped a call below: the run is being stopped
+					// for it, and the siblings with it.
+					why, cause = cancel.ErrBudget, meshv1.CancelCause_CANCEL_CAUSE_BUDGET
 				case atDeadline(ctx, err):
 					// The child's own copy of the run's deadline fired a moment before ours:
 					// that is the deadline stopping the step, not a failed sibling.
@@ -673,9 +678,9 @@ func (l *Loop) toolGone(ctx context.Context, name string, err error) {
 
 // toolError reports whether err, a tool call's failure, is the tool's own (its arguments,
 // its result, its executor, its own time limit) rather than the loop's ending: a
-// cancellation or the loop's deadline is never handed to the model.
+// cancellation, the loop's deadline or the tenant's budget is never handed to the model.
 func toolError(ctx context.Context, err error) bool {
-	if ctx.Err() != nil {
+	if ctx.Err() != nil || budget.Refused(err) {
 		return false
 	}
 	switch status.Code(err) {

@@ -10,6 +10,7 @@ import (
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 
+	"github.com/curfew-mesh/curfew/mesh/budget"
 	"github.com/curfew-mesh/curfew/mesh/deadline"
 	"github.com/curfew-mesh/curfew/mesh/retry"
 )
@@ -77,7 +78,9 @@ func Failure(ctx context.Context, err error) bool {
 //   - RESOURCE_EXHAUSTED with RetryInfo: ignored. A deliberate pushback (load shedding, a
 //     tenant's budget): the target protects itself and said when to come back, the retry
 //     layer honours it, and one tenant's spent budget must not fence off the target for
-//     every tenant. Without RetryInfo: failure (the target ran out of something of its
+//     every tenant. So is a tenant's budget refusal (ErrorInfo BUDGET_EXHAUSTED, package
+//     budget), which carries no RetryInfo so that no retry layer waits for its window.
+//     Without either: failure (the target ran out of something of its
 //     own: memory, a provider quota).
 //   - any code carrying a relay marker, an ErrorInfo (domain curfew.dev) with reason
 //     BREAKER_OPEN (a breaker below the target refused; this breaker's own refusals never
@@ -124,7 +127,7 @@ func Classify(ctx context.Context, err error) Outcome {
 		codes.Aborted:
 		return OutcomeSuccess
 	case codes.ResourceExhausted:
-		if hasRetryInfo(st) {
+		if hasRetryInfo(st) || budget.Refused(err) {
 			return OutcomeIgnored
 		}
 		return OutcomeFailure

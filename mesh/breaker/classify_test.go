@@ -13,6 +13,7 @@ import (
 	"google.golang.org/protobuf/types/known/durationpb"
 
 	"github.com/curfew-mesh/curfew/mesh/breaker"
+	"github.com/curfew-mesh/curfew/mesh/budget"
 	"github.com/curfew-mesh/curfew/mesh/retry"
 )
 
@@ -76,6 +77,7 @@ func TestClassify(t *testing.T) {
 		{"ABORTED", live, status.Error(codes.Aborted, "superseded"), S},
 		{"RESOURCE_EXHAUSTED with RetryInfo", live, pushback.Err(), I},
 		{"RESOURCE_EXHAUSTED without RetryInfo", live, status.Error(codes.ResourceExhausted, "x"), F},
+		{"RESOURCE_EXHAUSTED, a tenant's budget refusal", live, (&budget.Refusal{Tenant: "acme", Budget: 1}).GRPCStatus().Err(), I},
 		{"UNAVAILABLE", live, status.Error(codes.Unavailable, "x"), F},
 		{"INTERNAL", live, status.Error(codes.Internal, "x"), F},
 		{"UNKNOWN", live, status.Error(codes.Unknown, "x"), F},

@@ -144,3 +144,38 @@ func TestServerCancelNodesSettles(t *testing.T) {
 		t.Fatalf("CancelNodes without a settle timeout = %v, %v; want settled false", resp, err)
 	}
 }
+
+// A run's cancel (CancelNodes) is remembered: a node it selects that arrives after it is
+// refused by BeginLive with the cancel's cause and never recorded; one outside its
+// prefixes, or of another run, begins; Begin itself is not refused.
+func TestBeginLiveAfterCancelRun(t *testing.T) {
+	tab := nodes.New(0)
+	ctx := context.Background()
+	if _, _, err := tab.BeginLive(ctx, "r1", &meshv1.Node{Id: "root/s0", Kind: meshv1.NodeKind_NODE_KIND_MODEL}); err != nil {
+		t.Fatal(err)
+	}
+	srv := &nodes.Server{Table: tab}
+	resp, err := srv.CancelNodes(ctx, &meshv1.CancelNodesRequest{RunId: "r1", NodePrefixes: []string{"root"}, Cause: meshv1.CancelCause_CANCEL_CAUSE_BUDGET})
+	if err != nil || resp.GetCancelled() != 1 {
+		t.Fatalf("CancelNodes = %v, %v; want the running node cancelled", resp, err)
+	}
+	_, n, err := tab.BeginLive(ctx, "r1", &meshv1.Node{Id: "root/s1", Kind: meshv1.NodeKind_NODE_KIND_MODEL})
+	if !errors.Is(err, cancel.ErrBudget) || n != nil {
+		t.Fatalf("BeginLive after the run's cancel = %v, %v; want cause budget", n, err)
+	}
+	ns, _ := tab.List(ctx, "r1", nil, 0)
+	for _, n := range ns {
+		if n.GetId() == "root/s1" {
+			t.Errorf("the refused node was recorded: %v", n)
+		}
+	}
+	for _, c := range []struct{ run, id string }{{"r1", "other/s0"}, {"r2", "root/s1"}} {
+		cctx, _, err := tab.BeginLive(ctx, c.run, &meshv1.Node{Id: c.id, Kind: meshv1.NodeKind_NODE_KIND_MODEL})
+		if err != nil || cctx.Err() != nil {
+			t.Errorf("BeginLive(%s, %s) = %v: not selected by the cancel", c.run, c.id, err)
+		}
+	}
+	if cctx, _ := tab.Begin(ctx, "r1", &meshv1.Node{Id: "root/s2"}); cctx.Err() != nil {
+		t.Error("Begin was refused")
+	}
+}

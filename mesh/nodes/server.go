@@ -47,7 +47,7 @@ func (s *Server) CancelNodes(ctx context.Context, req *meshv1.CancelNodesRequest
 		return nil, status.Errorf(codes.InvalidArgument, "settle_timeout must be 0 or more, got %v", settle)
 	}
 	settle = min(settle, maxCancelSettle)
-	n := s.Table.Cancel(req.GetRunId(), req.GetNodePrefixes(), cause)
+	n := s.Table.CancelRun(req.GetRunId(), req.GetNodePrefixes(), cause)
 	settled := settle > 0 && (n == 0 || s.Table.Settle(ctx, req.GetRunId(), req.GetNodePrefixes(), settle))
 	return &meshv1.CancelNodesResponse{Cancelled: int32(n), Settled: settled}, nil //nolint:gosec // a count of one run's nodes in this process, far below 2^31
 }

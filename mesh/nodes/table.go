@@ -2,6 +2,7 @@ package nodes
 
 import (
 	"context"
+	"slices"
 	"sort"
 	"strings"
 	"sync"
@@ -36,6 +37,15 @@ type run struct {
 	// summarized are the ended nodes a summary has listed (Server.Summarized); nil
 	// until the first.
 	summarized map[string]struct{}
+	// stopped are the run's cancels (CancelRun): a node they select may not begin
+	// afterwards with BeginLive.
+	stopped []stop
+}
+
+// stop is one CancelRun of a run: the nodes it selected, and its cause.
+type stop struct {
+	prefixes []string
+	cause    error
 }
 
 // waiter is a List waiting until no node it selects is running. Ends and starts count
@@ -99,14 +109,16 @@ func (t *Table) runLocked(id string) *run {
 // Start records node n of run as running, stamping its start time. It returns a copy. A
 // new attempt of a node that has ended keeps the earlier attempt in EarlierAttempts.
 func (t *Table) Start(runID string, n *meshv1.Node) *meshv1.Node {
-	n = t.start(runID, n, "", 0, nodeCancel{})
+	n, _ = t.start(runID, n, "", 0, nodeCancel{}, false)
 	defer t.mu.Unlock()
 	return proto.Clone(n).(*meshv1.Node)
 }
 
 // start records a copy of n (with retryID and attempt when retryID is not empty) and
-// returns it with t.mu held. nc, if set, is registered as the node's cancel.
-func (t *Table) start(runID string, n *meshv1.Node, retryID string, attempt int32, nc nodeCancel) *meshv1.Node {
+// returns it with t.mu held. nc, if set, is registered as the node's cancel. With live,
+// a node a CancelRun of the run selected is not recorded: the cancel's cause is returned
+// (t.mu still held).
+func (t *Table) start(runID string, n *meshv1.Node, retryID string, attempt int32, nc nodeCancel, live bool) (*meshv1.Node, error) {
 	n = proto.Clone(n).(*meshv1.Node)
 	n.Status = meshv1.NodeStatus_NODE_STATUS_RUNNING
 	if n.StartedAt == nil {
@@ -116,6 +128,15 @@ func (t *Table) start(runID string, n *meshv1.Node, retryID string, attempt int3
 		n.RetryId, n.Attempt = retryID, attempt
 	}
 	t.mu.Lock()
+	if live {
+		if r := t.runs[runID]; r != nil {
+			for _, st := range r.stopped {
+				if Selected(n.Id, st.prefixes) {
+					return nil, st.cause
+				}
+			}
+		}
+	}
 	r := t.runLocked(runID)
 	old, hadOld := r.nodes.get(n.Id)
 	if hadOld {
@@ -136,7 +157,7 @@ func (t *Table) start(runID string, n *meshv1.Node, retryID string, attempt int3
 		}
 		r.cancels.set(n.Id, nc)
 	}
-	return n
+	return n, nil
 }
 
 // Begin records node n of run as running, like Start, and returns a context that Cancel
@@ -145,6 +166,19 @@ func (t *Table) start(runID string, n *meshv1.Node, retryID string, attempt int3
 // the call's handler receives), otherwise a context derived from ctx. The node's work must
 // run under the returned context and end with End or Finish, which release a derived one.
 func (t *Table) Begin(ctx context.Context, runID string, n *meshv1.Node) (context.Context, *meshv1.Node) {
+	cctx, n, _ := t.begin(ctx, runID, n, false)
+	return cctx, n
+}
+
+// BeginLive is Begin for work that must not start once its run was cancelled: when a
+// CancelRun of the run selected n, it records nothing and returns that cancel's cause
+// (a cancel.Err* error). The check and the start are one step under the table's lock,
+// so a cancel either refuses the node or finds it running and cancels it.
+func (t *Table) BeginLive(ctx context.Context, runID string, n *meshv1.Node) (context.Context, *meshv1.Node, error) {
+	return t.begin(ctx, runID, n, true)
+}
+
+func (t *Table) begin(ctx context.Context, runID string, n *meshv1.Node, live bool) (context.Context, *meshv1.Node, error) {
 	cctx := ctx
 	nc := nodeCancel{}
 	if fn, ok := cancel.Take(ctx); ok {
@@ -158,9 +192,30 @@ func (t *Table) Begin(ctx context.Context, runID string, n *meshv1.Node) (contex
 	if id := md.IdentityFrom(ctx); id.RetryID != "" && n.RetryId == "" {
 		retryID, attempt = id.RetryID, int32(max(id.Attempt, 1)) //nolint:gosec // recorded for display only; retries are ordered on the int
 	}
-	n = t.start(runID, n, retryID, attempt, nc)
-	defer t.mu.Unlock()
-	return cctx, proto.Clone(n).(*meshv1.Node)
+	n, err := t.start(runID, n, retryID, attempt, nc, live)
+	t.mu.Unlock()
+	if err != nil {
+		if nc.owned {
+			nc.fn(nil)
+		}
+		return nil, nil, err
+	}
+	return cctx, proto.Clone(n).(*meshv1.Node), nil
+}
+
+// CancelRun is Cancel for a run's cancel (NodeReportService.CancelNodes): besides
+// cancelling the selected running nodes, it remembers the cancel, so that a node it
+// selects does not begin afterwards with BeginLive (a model call sent just before the
+// cancel that arrives just after it). The memory goes with the run's (Sweep).
+func (t *Table) CancelRun(runID string, prefixes []string, cause error) int {
+	t.mu.Lock()
+	r := t.runLocked(runID)
+	r.stopped = append(r.stopped, stop{prefixes: slices.Clone(prefixes), cause: cause})
+	if r.running == 0 {
+		r.lastEnd = time.Now() // a run known only by its cancel is swept like an ended one
+	}
+	t.mu.Unlock()
+	return t.Cancel(runID, prefixes, cause)
 }
 
 // Cancel cancels the running nodes of run selected by prefixes (all when empty) that were

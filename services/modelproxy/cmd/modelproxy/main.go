@@ -15,6 +15,8 @@ import (
 
 	meshv1 "github.com/curfew-mesh/curfew/gen/curfew/mesh/v1"
 	modelproxyv1 "github.com/curfew-mesh/curfew/gen/curfew/modelproxy/v1"
+	"github.com/curfew-mesh/curfew/mesh/admission"
+	"github.com/curfew-mesh/curfew/mesh/budget"
 	"github.com/curfew-mesh/curfew/mesh/nodes"
 	"github.com/curfew-mesh/curfew/mesh/service"
 	"github.com/curfew-mesh/curfew/mesh/store/memory"
@@ -33,6 +35,7 @@ func run(args []string) int {
 	minDecode := fs.Duration("min-decode-time", 50*time.Millisecond, "least time left to start a decoder; less fails fast with DEADLINE_EXCEEDED")
 	providers := fs.String("providers-config", "", "JSON file of OpenAI-compatible providers and model aliases (see docs/providers.md); only the built-in sim model when empty")
 	leaseTTL := fs.Duration("decoder-lease-ttl", modelproxy.DefaultLeaseTTL, "TTL of a decoder's lease when its caller names none (GenerateRequest.lease_ttl): a decoder whose caller has not renewed its lease (RenewLeases) for this long stops by itself, cause lease_expired (see docs/leases.md); 0 gives such decoders no lease")
+	admissionFile := fs.String("admission-config", "", "the orchestrator's admission file (docs/admission.md), read for its tenants' token budgets: each model call reserves its prompt and max_tokens against its tenant's budget before it starts and is refused RESOURCE_EXHAUSTED when the budget cannot cover it; counted per modelproxy replica; no reservations when empty or no tenant has a budget")
 	storeDSN := fs.String("store", "", "durable store of the token ledger: a SQLite path (sqlite:///path/curfew.db) or a postgres:// DSN; `curfew up` passes one under its data directory; without one the ledger is kept in memory only and a run's spend does not survive a restart")
 	if err := service.Parse(fs, args, os.Getenv); err != nil {
 		fmt.Fprintln(os.Stderr, "modelproxy:", err)
@@ -50,7 +53,10 @@ func run(args []string) int {
 		fmt.Fprintln(os.Stderr, "modelproxy: --decoder-lease-ttl:", err)
 		return 2
 	}
-	var file *modelproxy.File
+	var (
+		file *modelproxy.File
+		err  error
+	)
 	if *providers != "" {
 		f, err := modelproxy.LoadFile(*providers)
 		if err != nil {
@@ -58,6 +64,13 @@ func run(args []string) int {
 			return 2
 		}
 		file = f
+	}
+	var limits admission.Config // no budgets
+	if *admissionFile != "" {
+		if limits, err = admission.Load(*admissionFile); err != nil {
+			fmt.Fprintln(os.Stderr, "modelproxy: --admission-config:", err)
+			return 2
+		}
 	}
 	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
 	defer stop()
@@ -81,6 +94,10 @@ func run(args []string) int {
 	srv.Metrics = modelproxy.NewMetrics(rt.Registry)
 	srv.Log = rt.Log
 	srv.Leases.TTL = *leaseTTL
+	// The metrics exist at 0 with or without budgets; reservations only with one.
+	if b := budget.NewMemory(limits, budget.Options{Registry: rt.Registry}); hasBudget(limits) {
+		srv.Budgets = b
+	}
 	rt.Registry.MustRegister(srv.Leases.Collector())
 	if file != nil {
 		if srv.Router, err = modelproxy.NewRouter(file, modelproxy.RouterOptions{Registry: rt.Registry, Log: rt.Log}); err != nil {
@@ -104,4 +121,17 @@ func run(args []string) int {
 		return 1
 	}
 	return 0
+}
+
+// hasBudget reports whether any tenant of c, or its default, has a token budget.
+func hasBudget(c admission.Config) bool {
+	if c.DefaultTenant.TokenBudget > 0 {
+		return true
+	}
+	for _, l := range c.Tenants {
+		if l.TokenBudget > 0 {
+			return true
+		}
+	}
+	return false
 }

@@ -24,6 +24,8 @@ func TestRunRejectsBadConfiguration(t *testing.T) {
 		{Name: "bad lease ttl from env", Env: map[string]string{"CURFEW_DECODER_LEASE_TTL": "soon"}, Want: "CURFEW_DECODER_LEASE_TTL"},
 		{Name: "missing providers file", Args: []string{"--providers-config=/nonexistent/providers.json"}, Want: "--providers-config"},
 		{Name: "invalid providers file from env", Env: map[string]string{"CURFEW_PROVIDERS_CONFIG": badProviders(t)}, Want: "unknown provider"},
+		{Name: "missing admission file", Args: []string{"--admission-config=/nonexistent/admission.json"}, Want: "--admission-config"},
+		{Name: "invalid admission file from env", Env: map[string]string{"CURFEW_ADMISSION_CONFIG": badAdmission(t)}, Want: "admission: pools[0].max_in_flight 0"},
 		{Name: "unknown store scheme", Args: []string{"--store=mysql://db/curfew"}, Want: "--store"},
 		{Name: "unreachable store from env", Env: map[string]string{"CURFEW_STORE": "postgres://nobody@127.0.0.1:1/none?connect_timeout=2"}, Want: "--store"},
 	}...)
@@ -35,6 +37,15 @@ func badProviders(t *testing.T) string {
 	p := filepath.Join(t.TempDir(), "providers.json")
 	b := `{"providers": [{"name": "p", "base_url": "http://127.0.0.1:1/v1", "models": ["m"]}], "models": {"a": {"chain": ["q/m"]}}}`
 	if err := os.WriteFile(p, []byte(b), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	return p
+}
+
+// badAdmission writes an admission file whose only pool has no slots.
+func badAdmission(t *testing.T) string {
+	p := filepath.Join(t.TempDir(), "admission.json")
+	if err := os.WriteFile(p, []byte(`{"pools": [{"name": "paid", "max_in_flight": 0}], "tenants": {"acme": {"token_budget": 10}}}`), 0o600); err != nil {
 		t.Fatal(err)
 	}
 	return p

@@ -59,6 +59,7 @@ type spend struct {
 	keep      bool    // persisted: keep the instants
 	at        []int64 // unix nanos of the decoder's tokens
 	prompted  int64   // prompt tokens charged
+	spent     int64   // output and prompt tokens recorded, persisted or not (the budget's settle)
 	cancelled atomic.Int64
 	done      chan struct{} // closed once the cancel instant is stored
 	stop      func() bool
@@ -82,6 +83,7 @@ func (d *spend) record(at time.Time, n int) {
 	if n <= 0 {
 		return
 	}
+	d.spent += int64(n)
 	d.ledger.RecordN(d.run, d.node, at, n)
 	if d.keep {
 		ns := at.UnixNano()
@@ -96,6 +98,7 @@ func (d *spend) prompt(n int64) {
 	if n <= 0 {
 		return
 	}
+	d.spent += n
 	d.ledger.RecordPrompt(d.run, d.node, n)
 	if d.keep {
 		d.prompted += n

@@ -41,6 +41,9 @@ type call struct {
 	metrics   *Metrics
 	decoder   *decoder
 	now       func() time.Time // the clock of the tokens' instants
+	// maxTokens, when > 0, is the max_tokens a provider is sent for a request without
+	// one: the bound the call's budget reservation counted on (DefaultMaxTokens).
+	maxTokens int32
 }
 
 // providerRequest is req as a provider sees it, for the provider's model.

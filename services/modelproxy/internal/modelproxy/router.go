@@ -423,7 +423,11 @@ func (c *chainCall) stream1(ctx context.Context, t Target, lat *latency) (_ *cac
 	p := c.r.providers[t.Provider]
 	start := time.Now()
 	c.nodes.Update(c.run, c.node, func(n *meshv1.Node) { n.Provider, n.ServedModel = t.Provider, t.Model })
-	st, err := p.Stream(ctx, providerRequest(t.Model, c.req))
+	pr := providerRequest(t.Model, c.req)
+	if pr.MaxTokens <= 0 && c.maxTokens > 0 {
+		pr.MaxTokens = int(c.maxTokens)
+	}
+	st, err := p.Stream(ctx, pr)
 	if err != nil {
 		return nil, false, err
 	}

@@ -13,6 +13,7 @@ import (
 
 	meshv1 "github.com/curfew-mesh/curfew/gen/curfew/mesh/v1"
 	modelproxyv1 "github.com/curfew-mesh/curfew/gen/curfew/modelproxy/v1"
+	"github.com/curfew-mesh/curfew/mesh/budget"
 	"github.com/curfew-mesh/curfew/mesh/md"
 	"github.com/curfew-mesh/curfew/mesh/nodes"
 	"github.com/curfew-mesh/curfew/services/modelproxy/internal/provider"
@@ -47,6 +48,10 @@ type Server struct {
 	// Log receives the appends that failed and the leases that lapsed; nil is
 	// slog.Default().
 	Log *slog.Logger
+	// Budgets, if set, reserves each call's prompt and max_tokens against its tenant's
+	// token budget before the call starts, and settles to its spend when it ends
+	// (budget.go); nil reserves nothing.
+	Budgets budget.Budgets
 	// Leases is the decoder lease table (lease.go); its TTL is the default of decoders
 	// whose caller names none (DefaultLeaseTTL from New; 0 gives those no lease).
 	Leases *Leases
@@ -120,10 +125,22 @@ func (s *Server) Generate(req *modelproxyv1.GenerateRequest, stream modelproxyv1
 	if dl, ok := ctx.Deadline(); ok {
 		n.Deadline = timestamppb.New(dl)
 	}
-	ctx, _ = s.Nodes.Begin(ctx, run, n)
+	// Nor for a call of a run whose cancel (CancelNodes) came first.
+	bctx, _, err := s.Nodes.BeginLive(ctx, run, n)
+	if err != nil {
+		return cancelledRun(err)
+	}
+	ctx = bctx
 	tenant := id.Tenant
 	if tenant == "" {
 		tenant = md.DefaultTenant
+	}
+	// The tenant's budget covers the call's prompt and max_tokens, or it does not start:
+	// its node ends at once, failed with the refusal, and no provider is asked.
+	hold, bound, err := s.reserve(ctx, tenant, rt, req)
+	if err != nil {
+		s.Nodes.Finish(ctx, run, node, err, nil)
+		return err
 	}
 	dec := &decoder{node: ctx}
 	defer dec.close()
@@ -132,10 +149,11 @@ func (s *Server) Generate(req *modelproxyv1.GenerateRequest, stream modelproxyv1
 	lrun, lnode := s.ledgerKey(ctx, model, run, node)
 	sp := s.newSpend(ctx, lrun, lnode)
 	err = rt.serve(ctx, &call{model: model, req: req, stream: stream, run: run, node: node, spend: sp,
-		nodes: s.Nodes, metrics: s.Metrics, decoder: dec, now: s.now})
+		nodes: s.Nodes, metrics: s.Metrics, decoder: dec, now: s.now, maxTokens: bound})
 	s.Leases.end(lease)
 	dctx := dec.context()
 	err = leaseErr(dctx, err)
+	hold.Settle(sp.spent) // to what the ledger recorded, however the call ended
 	output, orphan, prompt := sp.end()
 	tokens.end()
 	ended := s.Nodes.Finish(dctx, run, node, err, func(n *meshv1.Node) {

@@ -2,6 +2,7 @@ package orchestrator
 
 import (
 	"context"
+	"fmt"
 	"math/rand/v2"
 	"slices"
 	"sync"
@@ -16,6 +17,8 @@ import (
 	orchestratorv1 "github.com/curfew-mesh/curfew/gen/curfew/orchestrator/v1"
 	"github.com/curfew-mesh/curfew/mesh/agent"
 	"github.com/curfew-mesh/curfew/mesh/breaker"
+	"github.com/curfew-mesh/curfew/mesh/budget"
+	"github.com/curfew-mesh/curfew/mesh/cancel"
 	"github.com/curfew-mesh/curfew/mesh/nodes"
 	"github.com/curfew-mesh/curfew/mesh/retry"
 	"github.com/curfew-mesh/curfew/mesh/toollist"
@@ -32,6 +35,13 @@ func (s *Server) execute(rctx context.Context, rn *run, in agent.Input, j agent.
 	if rn.moved() {
 		s.abandon(rctx, rn)
 		return
+	}
+	if budget.Refused(err) && rctx.Err() == nil {
+		// A model call of the tree that the tenant's budget could not cover (modelproxy
+		// refused it before it started): the run stops for its budget. The decoders-first
+		// cancel ends every node still running with cause budget, and modelproxy starts
+		// no model call of the run after it.
+		rn.cancelWith(fmt.Errorf("%w: %s", cancel.ErrBudget, status.Convert(err).Message()))
 	}
 	o := nodes.OutcomeOf(rctx, err)
 	if o.Status == meshv1.NodeStatus_NODE_STATUS_DEADLINE_EXCEEDED {

@@ -139,6 +139,20 @@ func pick(msgs []*modelproxyv1.Message) (*step, error) {
 	return &step{plan: p, index: turns, Step: p.Steps[turns]}, nil
 }
 
+// StepTokens is the output tokens the step Check left in req.Checked will decode (its
+// answer_tokens, else its think_tokens); ok is false when req was not checked by the sim
+// model. The sim model ignores max_tokens, so this is the exact output of its call.
+func StepTokens(req *provider.Request) (n int, ok bool) {
+	st, ok := req.Checked.(*step)
+	if !ok {
+		return 0, false
+	}
+	if st.AnswerTokens > 0 {
+		return st.AnswerTokens, true
+	}
+	return st.ThinkTokens, true
+}
+
 var words = []string{"the", "deadline", "reaches", "every", "leaf", "and", "the", "tree", "stops"}
 
 // PromptTokens is the sim model's count of a request's prompt tokens: one per word

@@ -1,0 +1,43 @@
+// Package budget is the per-call token reservation against a tenant's budget: before a
+// model call starts, the tokens it may spend (its prompt plus its max_tokens) are
+// reserved in the tenant's current budget window; when the call ends, however it ends,
+// the reservation is settled to the tokens actually spent. A call the budget cannot
+// cover is refused before it starts.
+//
+// # Use
+//
+//	b := budget.NewMemory(cfg, budget.Options{Registry: reg}) // cfg: an admission.Config
+//	h, err := b.Reserve(ctx, tenant, prompt+maxTokens)
+//	if err != nil {
+//		return err // a *Refusal: RESOURCE_EXHAUSTED with ErrorInfo BUDGET_EXHAUSTED
+//	}
+//	defer func() { h.Settle(spent) }() // on every way out: EOF, error, cancel
+//
+// # The rule
+//
+// A tenant's budget is admission's: TokenBudget tokens per fixed Window, windows aligned
+// to the Unix epoch (admission.TenantLimits, read from the same --admission-config file).
+// A reservation of n is granted when
+//
+//	spent in this window + reserved by calls in flight + n <= budget
+//
+// and refused otherwise (n < 1 counts as 1, so a tenant whose budget is used up starts
+// nothing). Settle removes the reservation and charges the actual spend to the window in
+// which the call ends; reservations carry over a window boundary (their calls are still
+// running). A call that spent more than it reserved is charged what it spent: the
+// reservation is a bound the caller computes, and the ledger is the truth. A tenant
+// without a budget (TokenBudget 0) reserves nothing: [Budgets.Reserve] returns a no-op
+// [Hold] without taking a lock.
+//
+// # Where it holds
+//
+// [Memory] counts in the memory of one process: modelproxy keeps one per replica, so
+// until the cluster work (issue 24) backs [Budgets] with the store, each modelproxy
+// replica enforces the whole budget on the calls it serves. The reservations of a
+// process that crashes go with its memory; the spend its ledger persisted stays in the
+// store.
+//
+// [Refused] recognises a refusal, here or after it crossed the wire, so that an agent
+// loop does not hand it to the model as a tool's error and cancels the run's tree with
+// cause budget instead.
+package budget
