@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"slices"
 
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
@@ -32,7 +33,7 @@ const (
 // For sim the figures are exact: its prompt count (one per word, sim.PromptTokens) and
 // its plan step's tokens (it ignores max_tokens). For a real provider the prompt is
 // bounded by bytes: a BPE token covers at least one byte of UTF-8, so the bytes of the
-// messages' contents, tool calls and the tool specs, plus messageOverhead per message,
+// messages' (and notes') contents, tool calls and the tool specs, plus messageOverhead per message,
 // are at least its prompt tokens; the output by max_tokens (DefaultMaxTokens when 0).
 func reservation(rt route, req *modelproxyv1.GenerateRequest) (need int64, bound int32, detail string) {
 	if d, ok := rt.(direct); ok {
@@ -42,7 +43,8 @@ func reservation(rt route, req *modelproxyv1.GenerateRequest) (need int64, bound
 		}
 	}
 	var prompt int64
-	for _, m := range req.GetMessages() {
+	// The notes (the time-left note) go to the provider after the messages: they count.
+	for _, m := range append(slices.Clip(req.GetMessages()), req.GetNotes()...) {
 		prompt += int64(len(m.GetContent())+len(m.GetToolCallId())) + messageOverhead
 		for _, c := range m.GetToolCalls() {
 			prompt += int64(len(c.GetId()) + len(c.GetName()) + len(c.GetArgsJson()))
