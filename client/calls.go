@@ -182,7 +182,7 @@ func (c *Client) Run(ctx context.Context, req Request) (*Stream, error) {
 	in := req.Input
 	st, err := c.rpc.Run(ctx, &orchestratorv1.RunRequest{Task: req.Task, Model: req.Model, ContinueOnDisconnect: req.ContinueOnDisconnect,
 		Messages: in.GetMessages(), MaxTokens: in.GetMaxTokens(), Temperature: temperature(in), ResponseSchemaJson: in.GetResponseSchemaJson(),
-		Tools: in.GetTools(), MaxSteps: in.GetMaxSteps(), ToolErrors: in.GetToolErrors()})
+		Tools: in.GetTools(), MaxSteps: in.GetMaxSteps(), ToolErrors: in.GetToolErrors(), Reserve: in.GetReserve()})
 	if err != nil {
 		cancel()
 		return nil, err
@@ -234,7 +234,7 @@ func (c *Client) Start(ctx context.Context, req Request, idempotencyKey string) 
 	in := req.Input
 	r := &orchestratorv1.StartRunRequest{Task: req.Task, Model: req.Model, IdempotencyKey: idempotencyKey,
 		Messages: in.GetMessages(), MaxTokens: in.GetMaxTokens(), Temperature: temperature(in), ResponseSchemaJson: in.GetResponseSchemaJson(),
-		Tools: in.GetTools(), MaxSteps: in.GetMaxSteps(), ToolErrors: in.GetToolErrors()}
+		Tools: in.GetTools(), MaxSteps: in.GetMaxSteps(), ToolErrors: in.GetToolErrors(), Reserve: in.GetReserve()}
 	if req.Timeout > 0 {
 		r.Timeout = durationpb.New(req.Timeout)
 	}

@@ -225,12 +225,12 @@ func TestRequestInput(t *testing.T) {
 	c := newClient(t)
 	ctx, cancel := context.WithTimeout(t.Context(), time.Minute)
 	defer cancel()
-	in := &orchestratorv1.RunInput{MaxTokens: 50, MaxSteps: 4,
+	in := &orchestratorv1.RunInput{MaxTokens: 50, MaxSteps: 4, Reserve: "0.1",
 		Messages: []*orchestratorv1.Message{{Role: orchestratorv1.MessageRole_MESSAGE_ROLE_SYSTEM, Content: "be brief"}}}
 	req := client.Request{Task: `{"steps": [{"answer_tokens": 3}]}`, Input: in}
 	run, err := c.RunAndWait(ctx, req)
 	if err != nil || run.GetInput().GetMaxTokens() != 50 || run.GetInput().GetMaxSteps() != 4 ||
-		run.GetInput().GetMessages()[0].GetContent() != "be brief" {
+		run.GetInput().GetMessages()[0].GetContent() != "be brief" || run.GetInput().GetReserve() != "0.1" {
 		t.Fatalf("RunAndWait = %v, %v; want the run with its input", run.GetInput(), err)
 	}
 	bad := req
