@@ -15,26 +15,40 @@ import (
 
 	meshv1 "github.com/curfew-mesh/curfew/gen/curfew/mesh/v1"
 	orchestratorv1 "github.com/curfew-mesh/curfew/gen/curfew/orchestrator/v1"
+	"github.com/curfew-mesh/curfew/internal/meshproc"
 )
 
 // openAIURL is the shared mesh's OpenAI-compatible API, which `curfew up` turns on.
 func openAIURL(t *testing.T) string {
 	t.Helper()
-	addr := mesh.Endpoints.Services["orchestrator"].OpenAIAddr
+	return openAIURLOf(t, mesh)
+}
+
+// openAIURLOf is mesh m's OpenAI-compatible API.
+func openAIURLOf(t *testing.T, m *meshproc.Mesh) string {
+	t.Helper()
+	addr := m.Endpoints.Services["orchestrator"].OpenAIAddr
 	if addr == "" {
 		t.Fatal("curfew up wrote no openai_addr for the orchestrator")
 	}
 	return "http://" + addr + "/v1"
 }
 
-// openAIPost posts body to the chat completions endpoint with key as the bearer key.
+// openAIPost posts body to the shared mesh's chat completions endpoint with key as the
+// bearer key.
 func openAIPost(ctx context.Context, t *testing.T, key string, body any, header ...string) *http.Response {
+	t.Helper()
+	return openAIPostTo(ctx, t, openAIURL(t), key, body, header...)
+}
+
+// openAIPostTo is openAIPost to the OpenAI-compatible API at base.
+func openAIPostTo(ctx context.Context, t *testing.T, base, key string, body any, header ...string) *http.Response {
 	t.Helper()
 	b, err := json.Marshal(body)
 	if err != nil {
 		t.Fatal(err)
 	}
-	req, err := http.NewRequestWithContext(ctx, http.MethodPost, openAIURL(t)+"/chat/completions", bytes.NewReader(b))
+	req, err := http.NewRequestWithContext(ctx, http.MethodPost, base+"/chat/completions", bytes.NewReader(b))
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -197,11 +197,14 @@ func run(args []string) int {
 		defer closer.Close()
 		reports[name] = r
 	}
+	// One toolrunner client for the loop and the front door, so that both ask the same
+	// toollist.Lister (one cached list per tenant).
+	tools := toolrunnerv1.NewToolRunnerServiceClient(tc)
 	srv := orchestrator.New(orchestrator.Config{
 		Loop: agent.Config{
 			Model:      modelproxyv1.NewModelProxyServiceClient(mc),
 			ModelNodes: reports["modelproxy"],
-			Tools:      toolrunnerv1.NewToolRunnerServiceClient(tc),
+			Tools:      tools,
 			ToolNodes:  reports["toolrunner"],
 			ModelName:  *model,
 			// The decoder-lease keeper's renewal warnings go to the service's log.
@@ -238,7 +241,7 @@ func run(args []string) int {
 	rt.OnStop(func() { srv.Shutdown(rt.StopDeadline()) })
 	rt.OnStop(peers.close)
 	if *openaiAddr != "" {
-		closeOpenAI, err := serveOpenAI(ctx, rt, *openaiAddr, *model, toolrunnerv1.NewToolRunnerServiceClient(tc))
+		closeOpenAI, err := serveOpenAI(ctx, rt, *openaiAddr, *model, guard.Keys, tools)
 		if err != nil {
 			fmt.Fprintln(os.Stderr, "orchestrator: --openai-addr:", err)
 			return 2

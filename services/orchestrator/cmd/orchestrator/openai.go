@@ -10,10 +10,16 @@ import (
 	orchestratorv1 "github.com/curfew-mesh/curfew/gen/curfew/orchestrator/v1"
 	toolrunnerv1 "github.com/curfew-mesh/curfew/gen/curfew/toolrunner/v1"
 	"github.com/curfew-mesh/curfew/mesh/agent"
+	"github.com/curfew-mesh/curfew/mesh/apikey"
+	"github.com/curfew-mesh/curfew/mesh/md"
 	"github.com/curfew-mesh/curfew/mesh/meshtls"
 	"github.com/curfew-mesh/curfew/mesh/service"
+	"github.com/curfew-mesh/curfew/mesh/toollist"
 	"github.com/curfew-mesh/curfew/services/orchestrator/internal/openaiapi"
 	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/metadata"
+	"google.golang.org/grpc/status"
 )
 
 // serveOpenAI serves the OpenAI-compatible API on addr. Its calls go to this
@@ -22,7 +28,7 @@ import (
 // adds no retries, since a retried Run would start the agent again. The returned func
 // stops the listener: with the drain, no new completions, and those in flight end with
 // their runs' streams.
-func serveOpenAI(ctx context.Context, rt *service.Runtime, addr, model string, tools toolrunnerv1.ToolRunnerServiceClient) (func(), error) {
+func serveOpenAI(ctx context.Context, rt *service.Runtime, addr, model string, keys *apikey.Authenticator, tools toolrunnerv1.ToolRunnerServiceClient) (func(), error) {
 	var lc net.ListenConfig
 	lis, err := lc.Listen(ctx, "tcp", addr)
 	if err != nil {
@@ -40,18 +46,8 @@ func serveOpenAI(ctx context.Context, rt *service.Runtime, addr, model string, t
 	h := openaiapi.New(openaiapi.Config{
 		Orchestrator: orchestratorv1.NewOrchestratorServiceClient(cc),
 		Models:       models,
-		Registered: func(ctx context.Context) (map[string]bool, error) {
-			res, err := tools.ListTools(ctx, &toolrunnerv1.ListToolsRequest{})
-			if err != nil {
-				return nil, err
-			}
-			names := map[string]bool{}
-			for _, t := range res.GetTools() {
-				names[t.GetName()] = true
-			}
-			return names, nil
-		},
-		Log: rt.Log,
+		Registered:   registered(keys, tools),
+		Log:          rt.Log,
 	})
 	srv := &http.Server{Handler: h, ReadHeaderTimeout: 10 * time.Second}
 	go func() {
@@ -70,6 +66,36 @@ func serveOpenAI(ctx context.Context, rt *service.Runtime, addr, model string, t
 			_ = cc.Close()
 		}()
 	}, nil
+}
+
+// registered returns the front door's tools rule: the names of the tools the tenant of an
+// API key may use, as the agent loop learns them (the process's toollist.Lister of the
+// same toolrunner client, asked for that tenant), so that a request may name exactly
+// the tools its run's model could be told of. keys is nil without a store, where no key
+// is valid.
+func registered(keys *apikey.Authenticator, tools toolrunnerv1.ToolRunnerServiceClient) func(context.Context, string) (map[string]bool, error) {
+	lister := toollist.Shared(tools)
+	return func(ctx context.Context, key string) (map[string]bool, error) {
+		if keys == nil {
+			return nil, status.Error(codes.Unauthenticated, "this orchestrator keeps no API keys (it runs without a store)")
+		}
+		tenant, err := keys.KeyTenant(ctx, key)
+		if err != nil {
+			return nil, err
+		}
+		// The listing is the orchestrator's call for tenant: none of the request's own
+		// outgoing metadata (its bearer key) goes to toolrunner.
+		ctx = md.WithIdentity(metadata.NewOutgoingContext(ctx, metadata.MD{}), md.Identity{Tenant: tenant})
+		list := lister.Tools(ctx)
+		if !list.Listed() {
+			return nil, status.Error(codes.Unavailable, "toolrunner did not list the tools; retry")
+		}
+		names := map[string]bool{}
+		for _, s := range list.Specs() {
+			names[s.GetName()] = true
+		}
+		return names, nil
+	}
 }
 
 // loopback is addr with an unspecified host ("[::]:7700") made 127.0.0.1.

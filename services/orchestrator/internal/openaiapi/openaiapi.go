@@ -33,9 +33,11 @@ type Config struct {
 	Orchestrator orchestratorv1.OrchestratorServiceClient
 	// Models are the model aliases GET /v1/models lists, the default first.
 	Models []string
-	// Registered, when set, returns the tool registry's names: a request's tools must be
-	// among them. Nil: tools are passed to the run unchecked.
-	Registered func(context.Context) (map[string]bool, error)
+	// Registered, when set, returns the names of the registered tools the tenant of the
+	// request's API key may use (toolrunner's ListTools for that tenant): a request's
+	// tools must be among them. Its error is a status (UNAUTHENTICATED for a bad key).
+	// Nil: tools are passed to the run unchecked.
+	Registered func(ctx context.Context, apiKey string) (map[string]bool, error)
 	// Log receives the internal errors a client is not told of; nil: slog.Default().
 	Log *slog.Logger
 }
@@ -112,7 +114,20 @@ func authorize(ctx context.Context, w http.ResponseWriter, r *http.Request) (con
 			"missing API key: send Authorization: Bearer <key> (curfew tenant create makes one)")
 		return nil, false
 	}
-	return metadata.AppendToOutgoingContext(ctx, "authorization", "Bearer "+key), true
+	return withKey(metadata.AppendToOutgoingContext(ctx, "authorization", "Bearer "+key), key), true
+}
+
+type keyCtx struct{}
+
+// withKey returns ctx carrying the request's API key, for Config.Registered.
+func withKey(ctx context.Context, key string) context.Context {
+	return context.WithValue(ctx, keyCtx{}, key)
+}
+
+// keyFrom returns the request's API key on ctx (authorize put it there).
+func keyFrom(ctx context.Context) string {
+	k, _ := ctx.Value(keyCtx{}).(string)
+	return k
 }
 
 // deadline applies the request's TimeoutHeader to ctx, and returns it (0 for none).

@@ -38,8 +38,10 @@ func TestRunRequest(t *testing.T) {
 		"max_tokens": 10, "max_completion_tokens": 20, "temperature": 0.5,
 		"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}},
 		"tools": [{"type": "function", "function": {"name": "sleep"}}]}`)
-	req.registered = func(context.Context) (map[string]bool, error) { return map[string]bool{"sleep": true}, nil }
-	run, err := req.runRequest(context.Background())
+	req.registered = func(_ context.Context, key string) (map[string]bool, error) {
+		return map[string]bool{"sleep": key == "k1"}, nil
+	}
+	run, err := req.runRequest(withKey(context.Background(), "k1"))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -64,7 +66,7 @@ func TestRunRequest(t *testing.T) {
 
 // What curfew cannot honour is a 400 naming the field.
 func TestRunRequestRejects(t *testing.T) {
-	registry := func(context.Context) (map[string]bool, error) { return map[string]bool{"sleep": true}, nil }
+	registry := func(context.Context, string) (map[string]bool, error) { return map[string]bool{"sleep": true}, nil }
 	for _, c := range []struct{ body, param, msg string }{
 		{`{"messages": []}`, "messages", "at least one"},
 		{`{"messages": [{"role": "tool", "content": "x"}, {"role": "user", "content": "q"}]}`, "messages[0].role", `"tool" is not supported`},
@@ -84,6 +86,33 @@ func TestRunRequestRejects(t *testing.T) {
 		if !errors.As(err, &br) || br.param != c.param || !strings.Contains(br.msg, c.msg) {
 			t.Errorf("%s: %v, want a bad request of %s with %q", c.body, err, c.param, c.msg)
 		}
+	}
+}
+
+// The tools rule asks the registry for the tools of the request's key's tenant: a tool
+// another key's tenant may use is refused, and the registry's error is the request's.
+func TestToolsAreTheKeysTenants(t *testing.T) {
+	registry := func(_ context.Context, key string) (map[string]bool, error) {
+		switch key {
+		case "acme-key":
+			return map[string]bool{"sleep": true, "team__secret": true}, nil
+		case "other-key":
+			return map[string]bool{"sleep": true}, nil
+		}
+		return nil, status.Error(codes.Unauthenticated, "invalid API key")
+	}
+	body := `{"messages": [{"role": "user", "content": "q"}], "tools": [{"type": "function", "function": {"name": "team__secret"}}]}`
+	req := decode(t, body)
+	req.registered = registry
+	if run, err := req.runRequest(withKey(context.Background(), "acme-key")); err != nil || len(run.GetTools()) != 1 {
+		t.Errorf("acme's own tool: %v, %v; want it on the run", run, err)
+	}
+	var br *badRequest
+	if _, err := req.runRequest(withKey(context.Background(), "other-key")); !errors.As(err, &br) || br.param != "tools[0].function.name" {
+		t.Errorf("another tenant's tool: %v, want a bad request of tools[0].function.name", err)
+	}
+	if _, err := req.runRequest(withKey(context.Background(), "bad")); status.Code(err) != codes.Unauthenticated {
+		t.Errorf("a bad key: %v, want the registry's UNAUTHENTICATED", err)
 	}
 }
 

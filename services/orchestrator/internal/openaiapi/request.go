@@ -26,8 +26,8 @@ type chatRequest struct {
 	} `json:"stream_options"`
 	N *int `json:"n"`
 
-	// registered is the registry's tool names, for the tools rule.
-	registered func(context.Context) (map[string]bool, error)
+	// registered is the registry's tool names the key's tenant may use, for the tools rule.
+	registered func(ctx context.Context, apiKey string) (map[string]bool, error)
 }
 
 type chatMessage struct {
@@ -144,7 +144,7 @@ func (c *chatRequest) runRequest(ctx context.Context) (*orchestratorv1.RunReques
 		var known map[string]bool
 		if c.registered != nil {
 			var err error
-			if known, err = c.registered(ctx); err != nil {
+			if known, err = c.registered(ctx, keyFrom(ctx)); err != nil {
 				return nil, err
 			}
 		}

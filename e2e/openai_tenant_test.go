@@ -1,0 +1,80 @@
+package e2e
+
+import (
+	"context"
+	"encoding/json"
+	"io"
+	"net"
+	"net/http"
+	"os"
+	"path/filepath"
+	"slices"
+	"testing"
+	"time"
+
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/metadata"
+
+	toolv1 "github.com/curfew-mesh/curfew/gen/curfew/tool/v1"
+	toolrunnerv1 "github.com/curfew-mesh/curfew/gen/curfew/toolrunner/v1"
+	"github.com/curfew-mesh/curfew/mesh/md"
+	"github.com/curfew-mesh/curfew/mesh/meshtls"
+	"github.com/curfew-mesh/curfew/mesh/toolserver"
+)
+
+// The front door's tools allow-list is the key's tenant's: a tool that only acme may
+// use is accepted in acme's request (and its run calls it), and refused with 400 in
+// another tenant's, as a tool that is not registered.
+func TestOpenAIToolsOfTheKeysTenant(t *testing.T) {
+	t.Parallel()
+	srv := toolserver.New(toolserver.Tool{Name: "secret", Description: "Only acme's.", SideEffects: toolv1.SideEffects_SIDE_EFFECTS_NONE,
+		Handler: func(context.Context, toolserver.Call, func(done, total float64, msg string)) (json.RawMessage, error) {
+			return json.RawMessage(`{"ok": true}`), nil
+		}})
+	lis, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	gs := grpc.NewServer()
+	srv.Register(gs)
+	go func() { _ = gs.Serve(lis) }()
+	t.Cleanup(gs.Stop)
+	tools := filepath.Join(t.TempDir(), "tools.json")
+	if err := os.WriteFile(tools, []byte(`{"sources": [{"name": "team", "kind": "grpc", "address": "`+lis.Addr().String()+`", "trusted": true,
+	  "tools": {"secret": {"tenants": ["acme"]}}}]}`), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	m := startOwnMesh(t, "CURFEW_TOOLS_CONFIG="+tools)
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	// Wait until toolrunner lists the tool for acme (as the orchestrator asks), so that
+	// the front door's first listing for acme holds it.
+	conn, err := m.ConnAs(meshtls.Orchestrator, "toolrunner")
+	if err != nil {
+		t.Fatal(err)
+	}
+	tr := toolrunnerv1.NewToolRunnerServiceClient(conn)
+	for end := time.Now().Add(30 * time.Second); ; time.Sleep(20 * time.Millisecond) {
+		resp, err := tr.ListTools(metadata.AppendToOutgoingContext(ctx, md.Tenant, "acme"), &toolrunnerv1.ListToolsRequest{})
+		if err == nil && slices.ContainsFunc(resp.GetTools(), func(ti *toolrunnerv1.ToolInfo) bool { return ti.GetName() == "team__secret" }) {
+			break
+		}
+		if time.Now().After(end) {
+			t.Fatalf("toolrunner did not list team__secret for acme: %v %v", resp, err)
+		}
+	}
+	base := openAIURLOf(t, m)
+	body := simPlan(`{"tokens_per_second": 500, "steps": [{"tools": [{"name": "team__secret", "args": {}}]}, {"answer_tokens": 1}]}`)
+	body["tools"] = []map[string]any{{"type": "function", "function": map[string]any{"name": "team__secret"}}}
+
+	res := openAIPostTo(ctx, t, base, tenantKeyOf(ctx, t, m, "acme", false), body)
+	b, _ := io.ReadAll(res.Body)
+	res.Body.Close()
+	if res.StatusCode != http.StatusOK {
+		t.Errorf("acme naming its own tool: %d %s, want 200", res.StatusCode, b)
+	}
+	wantOpenAIError(t, openAIPostTo(ctx, t, base, tenantKeyOf(ctx, t, m, "globex", false), body), http.StatusBadRequest,
+		"curfew runs its own tools; team__secret is not a registered tool")
+	// A bad key with tools is 401, as without.
+	wantOpenAIError(t, openAIPostTo(ctx, t, base, "cfk_bad", body), http.StatusUnauthorized, "API key")
+}
