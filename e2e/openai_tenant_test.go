@@ -9,6 +9,7 @@ import (
 	"os"
 	"path/filepath"
 	"slices"
+	"strings"
 	"testing"
 	"time"
 
@@ -77,4 +78,51 @@ func TestOpenAIToolsOfTheKeysTenant(t *testing.T) {
 		"curfew runs its own tools; team__secret is not a registered tool")
 	// A bad key with tools is 401, as without.
 	wantOpenAIError(t, openAIPostTo(ctx, t, base, "cfk_bad", body), http.StatusUnauthorized, "API key")
+}
+
+// GET /v1/models lists modelproxy's aliases (from its providers file) beside sim, the
+// default first, in OpenAI's list shape; a bad key is 401.
+func TestOpenAIModelsListsTheAliases(t *testing.T) {
+	t.Parallel()
+	ups := map[string]*upstream{"primary": startUpstream(t), "backup": startUpstream(t)}
+	m := startProviderMesh(t, `{"providers": [
+	    {"name": "primary", "base_url": "{primary}", "models": ["big"]},
+	    {"name": "backup", "base_url": "{backup}", "models": ["big", "small"]}],
+	  "models": {"smart": {"chain": ["primary/big", "backup/big"]}, "fast": {"chain": ["backup/small"]}}}`, ups)
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	get := func(key string) (*http.Response, []byte) {
+		req, _ := http.NewRequestWithContext(ctx, http.MethodGet, openAIURLOf(t, m)+"/models", nil)
+		req.Header.Set("Authorization", "Bearer "+key)
+		res, err := http.DefaultClient.Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		b, _ := io.ReadAll(res.Body)
+		res.Body.Close()
+		return res, b
+	}
+	res, b := get(tenantKeyOf(ctx, t, m, "acme", false))
+	var list struct {
+		Object string `json:"object"`
+		Data   []struct {
+			ID      string `json:"id"`
+			Object  string `json:"object"`
+			OwnedBy string `json:"owned_by"`
+		} `json:"data"`
+	}
+	if err := json.Unmarshal(b, &list); err != nil || res.StatusCode != http.StatusOK || list.Object != "list" {
+		t.Fatalf("GET /v1/models: %d %s (%v)", res.StatusCode, b, err)
+	}
+	var got []string
+	for _, d := range list.Data {
+		got = append(got, d.ID+"/"+d.OwnedBy)
+	}
+	// curfew up's orchestrator defaults to sim.
+	if want := []string{"sim/curfew", "fast/backup", "smart/primary"}; !slices.Equal(got, want) {
+		t.Errorf("GET /v1/models: %v, want %v", got, want)
+	}
+	if res, b := get("cfk_bad"); res.StatusCode != http.StatusUnauthorized || !strings.Contains(string(b), `"error"`) {
+		t.Errorf("GET /v1/models with a bad key: %d %s, want 401 in OpenAI's error shape", res.StatusCode, b)
+	}
 }

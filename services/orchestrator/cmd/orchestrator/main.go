@@ -199,10 +199,10 @@ func run(args []string) int {
 	}
 	// One toolrunner client for the loop and the front door, so that both ask the same
 	// toollist.Lister (one cached list per tenant).
-	tools := toolrunnerv1.NewToolRunnerServiceClient(tc)
+	tools, models := toolrunnerv1.NewToolRunnerServiceClient(tc), modelproxyv1.NewModelProxyServiceClient(mc)
 	srv := orchestrator.New(orchestrator.Config{
 		Loop: agent.Config{
-			Model:      modelproxyv1.NewModelProxyServiceClient(mc),
+			Model:      models,
 			ModelNodes: reports["modelproxy"],
 			Tools:      tools,
 			ToolNodes:  reports["toolrunner"],
@@ -241,7 +241,7 @@ func run(args []string) int {
 	rt.OnStop(func() { srv.Shutdown(rt.StopDeadline()) })
 	rt.OnStop(peers.close)
 	if *openaiAddr != "" {
-		closeOpenAI, err := serveOpenAI(ctx, rt, *openaiAddr, *model, guard.Keys, tools)
+		closeOpenAI, err := serveOpenAI(ctx, rt, *openaiAddr, *model, guard.Keys, tools, models)
 		if err != nil {
 			fmt.Fprintln(os.Stderr, "orchestrator: --openai-addr:", err)
 			return 2

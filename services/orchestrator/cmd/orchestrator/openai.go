@@ -7,9 +7,9 @@ import (
 	"net/http"
 	"time"
 
+	modelproxyv1 "github.com/curfew-mesh/curfew/gen/curfew/modelproxy/v1"
 	orchestratorv1 "github.com/curfew-mesh/curfew/gen/curfew/orchestrator/v1"
 	toolrunnerv1 "github.com/curfew-mesh/curfew/gen/curfew/toolrunner/v1"
-	"github.com/curfew-mesh/curfew/mesh/agent"
 	"github.com/curfew-mesh/curfew/mesh/apikey"
 	"github.com/curfew-mesh/curfew/mesh/md"
 	"github.com/curfew-mesh/curfew/mesh/meshtls"
@@ -28,7 +28,8 @@ import (
 // adds no retries, since a retried Run would start the agent again. The returned func
 // stops the listener: with the drain, no new completions, and those in flight end with
 // their runs' streams.
-func serveOpenAI(ctx context.Context, rt *service.Runtime, addr, model string, keys *apikey.Authenticator, tools toolrunnerv1.ToolRunnerServiceClient) (func(), error) {
+func serveOpenAI(ctx context.Context, rt *service.Runtime, addr, model string, keys *apikey.Authenticator,
+	tools toolrunnerv1.ToolRunnerServiceClient, models modelproxyv1.ModelProxyServiceClient) (func(), error) {
 	var lc net.ListenConfig
 	lis, err := lc.Listen(ctx, "tcp", addr)
 	if err != nil {
@@ -39,13 +40,10 @@ func serveOpenAI(ctx context.Context, rt *service.Runtime, addr, model string, k
 		_ = lis.Close()
 		return nil, err
 	}
-	models := []string{model}
-	if model != agent.DefaultModel {
-		models = append(models, agent.DefaultModel)
-	}
 	h := openaiapi.New(openaiapi.Config{
 		Orchestrator: orchestratorv1.NewOrchestratorServiceClient(cc),
-		Models:       models,
+		Models:       listModels(keys, models),
+		DefaultModel: model,
 		Registered:   registered(keys, tools),
 		Log:          rt.Log,
 	})
@@ -68,6 +66,41 @@ func serveOpenAI(ctx context.Context, rt *service.Runtime, addr, model string, k
 	}, nil
 }
 
+// keyTenant returns the tenant of an API key, checked as the orchestrator's server chain
+// checks it; keys is nil without a store, where no key is valid.
+func keyTenant(ctx context.Context, keys *apikey.Authenticator, key string) (string, error) {
+	if keys == nil {
+		return "", status.Error(codes.Unauthenticated, "this orchestrator keeps no API keys (it runs without a store)")
+	}
+	return keys.KeyTenant(ctx, key)
+}
+
+// asTenant is ctx for the orchestrator's own call acting for tenant: none of the HTTP
+// request's outgoing metadata (its bearer key) goes to the callee.
+func asTenant(ctx context.Context, tenant string) context.Context {
+	return md.WithIdentity(metadata.NewOutgoingContext(ctx, metadata.MD{}), md.Identity{Tenant: tenant})
+}
+
+// listModels returns the front door's model list: modelproxy's ListModels, asked
+// through the mesh's client chain once the key is checked.
+func listModels(keys *apikey.Authenticator, models modelproxyv1.ModelProxyServiceClient) func(context.Context, string) ([]openaiapi.Model, error) {
+	return func(ctx context.Context, key string) ([]openaiapi.Model, error) {
+		tenant, err := keyTenant(ctx, keys, key)
+		if err != nil {
+			return nil, err
+		}
+		resp, err := models.ListModels(asTenant(ctx, tenant), &modelproxyv1.ListModelsRequest{})
+		if err != nil {
+			return nil, err
+		}
+		var out []openaiapi.Model
+		for _, m := range resp.GetModels() {
+			out = append(out, openaiapi.Model{ID: m.GetName(), OwnedBy: m.GetProvider()})
+		}
+		return out, nil
+	}
+}
+
 // registered returns the front door's tools rule: the names of the tools the tenant of an
 // API key may use, as the agent loop learns them (the process's toollist.Lister of the
 // same toolrunner client, asked for that tenant), so that a request may name exactly
@@ -76,17 +109,11 @@ func serveOpenAI(ctx context.Context, rt *service.Runtime, addr, model string, k
 func registered(keys *apikey.Authenticator, tools toolrunnerv1.ToolRunnerServiceClient) func(context.Context, string) (map[string]bool, error) {
 	lister := toollist.Shared(tools)
 	return func(ctx context.Context, key string) (map[string]bool, error) {
-		if keys == nil {
-			return nil, status.Error(codes.Unauthenticated, "this orchestrator keeps no API keys (it runs without a store)")
-		}
-		tenant, err := keys.KeyTenant(ctx, key)
+		tenant, err := keyTenant(ctx, keys, key)
 		if err != nil {
 			return nil, err
 		}
-		// The listing is the orchestrator's call for tenant: none of the request's own
-		// outgoing metadata (its bearer key) goes to toolrunner.
-		ctx = md.WithIdentity(metadata.NewOutgoingContext(ctx, metadata.MD{}), md.Identity{Tenant: tenant})
-		list := lister.Tools(ctx)
+		list := lister.Tools(asTenant(ctx, tenant))
 		if !list.Listed() {
 			return nil, status.Error(codes.Unavailable, "toolrunner did not list the tools; retry")
 		}

@@ -8,6 +8,7 @@ import (
 	"io"
 	"log/slog"
 	"net/http"
+	"slices"
 	"strings"
 	"time"
 
@@ -31,8 +32,12 @@ type Config struct {
 	// Orchestrator is a client of the orchestrator's own gRPC listener (loopback), so
 	// that every call passes its server chain. Required.
 	Orchestrator orchestratorv1.OrchestratorServiceClient
-	// Models are the model aliases GET /v1/models lists, the default first.
-	Models []string
+	// Models, when set, returns the models GET /v1/models lists, for the request's API
+	// key (modelproxy's ListModels, once the key is checked). Its error is a status
+	// (UNAUTHENTICATED for a bad key).
+	Models func(ctx context.Context, apiKey string) ([]Model, error)
+	// DefaultModel is the orchestrator's default model (--model): listed first.
+	DefaultModel string
 	// Registered, when set, returns the names of the registered tools the tenant of the
 	// request's API key may use (toolrunner's ListTools for that tenant): a request's
 	// tools must be among them. Its error is a status (UNAUTHENTICATED for a bad key).
@@ -145,9 +150,31 @@ func deadline(ctx context.Context, r *http.Request) (context.Context, context.Ca
 	return ctx, cancel, d, nil
 }
 
+// Model is one model GET /v1/models lists: a name a request's model may give.
+type Model struct {
+	// ID is the model's name: sim or an alias of modelproxy's providers file.
+	ID string
+	// OwnedBy is the provider of the alias's chain's first entry; "" is "curfew" (sim).
+	OwnedBy string
+}
+
 func (h *Handler) models(w http.ResponseWriter, r *http.Request) {
-	if _, ok := authorize(r.Context(), w, r); !ok {
+	ctx, ok := authorize(r.Context(), w, r)
+	if !ok {
 		return
+	}
+	w = &answer{ResponseWriter: w}
+	var models []Model
+	if h.cfg.Models != nil {
+		var err error
+		if models, err = h.cfg.Models(ctx, keyFrom(ctx)); err != nil {
+			h.writeStatus(w, err)
+			return
+		}
+	}
+	// The default model first, as OpenAI's clients often take the first.
+	if i := slices.IndexFunc(models, func(m Model) bool { return m.ID == h.cfg.DefaultModel }); i > 0 {
+		models = slices.Concat(models[i:i+1], models[:i], models[i+1:])
 	}
 	type model struct {
 		ID      string `json:"id"`
@@ -159,8 +186,12 @@ func (h *Handler) models(w http.ResponseWriter, r *http.Request) {
 		Object string  `json:"object"`
 		Data   []model `json:"data"`
 	}{Object: "list", Data: []model{}}
-	for _, m := range h.cfg.Models {
-		list.Data = append(list.Data, model{ID: m, Object: "model", OwnedBy: "curfew"})
+	for _, m := range models {
+		owner := m.OwnedBy
+		if owner == "" {
+			owner = "curfew"
+		}
+		list.Data = append(list.Data, model{ID: m.ID, Object: "model", OwnedBy: owner})
 	}
 	writeJSON(w, http.StatusOK, list)
 }

@@ -174,3 +174,47 @@ func TestWriteStatus(t *testing.T) {
 		}
 	}
 }
+
+// GET /v1/models answers the models of Config.Models in OpenAI's list shape, the default
+// model first; a key the list refuses is 401 in OpenAI's error shape.
+func TestModels(t *testing.T) {
+	h := New(Config{DefaultModel: "smart", Models: func(_ context.Context, key string) ([]Model, error) {
+		if key != "good" {
+			return nil, status.Error(codes.Unauthenticated, "invalid API key")
+		}
+		return []Model{{ID: "sim"}, {ID: "fast", OwnedBy: "backup"}, {ID: "smart", OwnedBy: "primary"}}, nil
+	}})
+	get := func(key string) *httptest.ResponseRecorder {
+		r := httptest.NewRequest(http.MethodGet, "/v1/models", nil)
+		r.Header.Set("Authorization", "Bearer "+key)
+		w := httptest.NewRecorder()
+		h.ServeHTTP(w, r)
+		return w
+	}
+	w := get("good")
+	var list struct {
+		Object string `json:"object"`
+		Data   []struct {
+			ID      string `json:"id"`
+			Object  string `json:"object"`
+			OwnedBy string `json:"owned_by"`
+		} `json:"data"`
+	}
+	if err := json.Unmarshal(w.Body.Bytes(), &list); err != nil || w.Code != http.StatusOK || list.Object != "list" {
+		t.Fatalf("GET /v1/models: %d %s", w.Code, w.Body)
+	}
+	var got []string
+	for _, m := range list.Data {
+		if m.Object != "model" {
+			t.Errorf("%s: object %q, want model", m.ID, m.Object)
+		}
+		got = append(got, m.ID+"/"+m.OwnedBy)
+	}
+	if want := "smart/primary sim/curfew fast/backup"; strings.Join(got, " ") != want {
+		t.Errorf("models %v, want %s", got, want)
+	}
+	var e apiError
+	if w := get("bad"); w.Code != http.StatusUnauthorized || json.Unmarshal(w.Body.Bytes(), &e) != nil || e.Error.Message == "" {
+		t.Errorf("a bad key: %d %s, want 401 in OpenAI's error shape", w.Code, w.Body)
+	}
+}

@@ -12,7 +12,7 @@ import type { Message as Message$1 } from "@bufbuild/protobuf";
  * Describes the file curfew/modelproxy/v1/modelproxy.proto.
  */
 export const file_curfew_modelproxy_v1_modelproxy: GenFile = /*@__PURE__*/
-  fileDesc("CiVjdXJmZXcvbW9kZWxwcm94eS92MS9tb2RlbHByb3h5LnByb3RvEhRjdXJmZXcubW9kZWxwcm94eS52MSJQCghUb29sQ2FsbBIKCgJpZBgBIAEoCRIMCgRuYW1lGAIgASgJEhEKCWFyZ3NfanNvbhgDIAEoCRIXCg9pZGVtcG90ZW5jeV9rZXkYBCABKAkijgEKB01lc3NhZ2USKAoEcm9sZRgBIAEoDjIaLmN1cmZldy5tb2RlbHByb3h5LnYxLlJvbGUSDwoHY29udGVudBgCIAEoCRIyCgp0b29sX2NhbGxzGAMgAygLMh4uY3VyZmV3Lm1vZGVscHJveHkudjEuVG9vbENhbGwSFAoMdG9vbF9jYWxsX2lkGAQgASgJItoCCg9HZW5lcmF0ZVJlcXVlc3QSDQoFbW9kZWwYASABKAkSLwoIbWVzc2FnZXMYAiADKAsyHS5jdXJmZXcubW9kZWxwcm94eS52MS5NZXNzYWdlEhIKCm1heF90b2tlbnMYAyABKAUSLQoFdG9vbHMYBCADKAsyHi5jdXJmZXcubW9kZWxwcm94eS52MS5Ub29sU3BlYxI9Cg9yZXNwb25zZV9zY2hlbWEYBSABKAsyJC5jdXJmZXcubW9kZWxwcm94eS52MS5SZXNwb25zZVNjaGVtYRIYCgt0ZW1wZXJhdHVyZRgGIAEoAUgAiAEBEhEKBHNlZWQYByABKANIAYgBARIRCgljYWNoZWFibGUYCCABKAgSLAoJbGVhc2VfdHRsGAkgASgLMhkuZ29vZ2xlLnByb3RvYnVmLkR1cmF0aW9uQg4KDF90ZW1wZXJhdHVyZUIHCgVfc2VlZCJGCghUb29sU3BlYxIMCgRuYW1lGAEgASgJEhMKC2Rlc2NyaXB0aW9uGAIgASgJEhcKD3BhcmFtZXRlcnNfanNvbhgDIAEoCSIzCg5SZXNwb25zZVNjaGVtYRIMCgRuYW1lGAEgASgJEhMKC3NjaGVtYV9qc29uGAIgASgJIjkKBVVzYWdlEhUKDXByb21wdF90b2tlbnMYASABKAMSGQoRY29tcGxldGlvbl90b2tlbnMYAiABKAMi4AEKEEdlbmVyYXRlUmVzcG9uc2USDQoFZGVsdGEYASABKAkSDgoGdG9rZW5zGAIgASgFEjIKCnRvb2xfY2FsbHMYAyADKAsyHi5jdXJmZXcubW9kZWxwcm94eS52MS5Ub29sQ2FsbBIVCg1maW5pc2hfcmVhc29uGAQgASgJEioKBXVzYWdlGAUgASgLMhsuY3VyZmV3Lm1vZGVscHJveHkudjEuVXNhZ2USEAoIcHJvdmlkZXIYBiABKAkSFAoMc2VydmVkX21vZGVsGAcgASgJEg4KBmNhY2hlZBgIIAEoCCI9CghMZWFzZUtleRIOCgZydW5faWQYASABKAkSDwoHbm9kZV9pZBgCIAEoCRIQCghyZXRyeV9pZBgDIAEoCSJqChJSZW5ld0xlYXNlc1JlcXVlc3QSLAoEa2V5cxgBIAMoCzIeLmN1cmZldy5tb2RlbHByb3h5LnYxLkxlYXNlS2V5EiYKA3R0bBgCIAEoCzIZLmdvb2dsZS5wcm90b2J1Zi5EdXJhdGlvbiJGChNSZW5ld0xlYXNlc1Jlc3BvbnNlEi8KB3Vua25vd24YASADKAsyHi5jdXJmZXcubW9kZWxwcm94eS52MS5MZWFzZUtleSpfCgRSb2xlEhQKEFJPTEVfVU5TUEVDSUZJRUQQABIPCgtST0xFX1NZU1RFTRABEg0KCVJPTEVfVVNFUhACEhIKDlJPTEVfQVNTSVNUQU5UEAMSDQoJUk9MRV9UT09MEAQy1AEKEU1vZGVsUHJveHlTZXJ2aWNlElsKCEdlbmVyYXRlEiUuY3VyZmV3Lm1vZGVscHJveHkudjEuR2VuZXJhdGVSZXF1ZXN0GiYuY3VyZmV3Lm1vZGVscHJveHkudjEuR2VuZXJhdGVSZXNwb25zZTABEmIKC1JlbmV3TGVhc2VzEiguY3VyZmV3Lm1vZGVscHJveHkudjEuUmVuZXdMZWFzZXNSZXF1ZXN0GikuY3VyZmV3Lm1vZGVscHJveHkudjEuUmVuZXdMZWFzZXNSZXNwb25zZULiAQoYY29tLmN1cmZldy5tb2RlbHByb3h5LnYxQg9Nb2RlbHByb3h5UHJvdG9QAVpDZ2l0aHViLmNvbS9jdXJmZXctbWVzaC9jdXJmZXcvZ2VuL2N1cmZldy9tb2RlbHByb3h5L3YxO21vZGVscHJveHl2MaICA0NNWKoCFEN1cmZldy5Nb2RlbHByb3h5LlYxygIUQ3VyZmV3XE1vZGVscHJveHlcVjHiAiBDdXJmZXdcTW9kZWxwcm94eVxWMVxHUEJNZXRhZGF0YeoCFkN1cmZldzo6TW9kZWxwcm94eTo6VjFiBnByb3RvMw", [file_google_protobuf_duration]);
+  fileDesc("CiVjdXJmZXcvbW9kZWxwcm94eS92MS9tb2RlbHByb3h5LnByb3RvEhRjdXJmZXcubW9kZWxwcm94eS52MSJQCghUb29sQ2FsbBIKCgJpZBgBIAEoCRIMCgRuYW1lGAIgASgJEhEKCWFyZ3NfanNvbhgDIAEoCRIXCg9pZGVtcG90ZW5jeV9rZXkYBCABKAkijgEKB01lc3NhZ2USKAoEcm9sZRgBIAEoDjIaLmN1cmZldy5tb2RlbHByb3h5LnYxLlJvbGUSDwoHY29udGVudBgCIAEoCRIyCgp0b29sX2NhbGxzGAMgAygLMh4uY3VyZmV3Lm1vZGVscHJveHkudjEuVG9vbENhbGwSFAoMdG9vbF9jYWxsX2lkGAQgASgJItoCCg9HZW5lcmF0ZVJlcXVlc3QSDQoFbW9kZWwYASABKAkSLwoIbWVzc2FnZXMYAiADKAsyHS5jdXJmZXcubW9kZWxwcm94eS52MS5NZXNzYWdlEhIKCm1heF90b2tlbnMYAyABKAUSLQoFdG9vbHMYBCADKAsyHi5jdXJmZXcubW9kZWxwcm94eS52MS5Ub29sU3BlYxI9Cg9yZXNwb25zZV9zY2hlbWEYBSABKAsyJC5jdXJmZXcubW9kZWxwcm94eS52MS5SZXNwb25zZVNjaGVtYRIYCgt0ZW1wZXJhdHVyZRgGIAEoAUgAiAEBEhEKBHNlZWQYByABKANIAYgBARIRCgljYWNoZWFibGUYCCABKAgSLAoJbGVhc2VfdHRsGAkgASgLMhkuZ29vZ2xlLnByb3RvYnVmLkR1cmF0aW9uQg4KDF90ZW1wZXJhdHVyZUIHCgVfc2VlZCJGCghUb29sU3BlYxIMCgRuYW1lGAEgASgJEhMKC2Rlc2NyaXB0aW9uGAIgASgJEhcKD3BhcmFtZXRlcnNfanNvbhgDIAEoCSIzCg5SZXNwb25zZVNjaGVtYRIMCgRuYW1lGAEgASgJEhMKC3NjaGVtYV9qc29uGAIgASgJIjkKBVVzYWdlEhUKDXByb21wdF90b2tlbnMYASABKAMSGQoRY29tcGxldGlvbl90b2tlbnMYAiABKAMi4AEKEEdlbmVyYXRlUmVzcG9uc2USDQoFZGVsdGEYASABKAkSDgoGdG9rZW5zGAIgASgFEjIKCnRvb2xfY2FsbHMYAyADKAsyHi5jdXJmZXcubW9kZWxwcm94eS52MS5Ub29sQ2FsbBIVCg1maW5pc2hfcmVhc29uGAQgASgJEioKBXVzYWdlGAUgASgLMhsuY3VyZmV3Lm1vZGVscHJveHkudjEuVXNhZ2USEAoIcHJvdmlkZXIYBiABKAkSFAoMc2VydmVkX21vZGVsGAcgASgJEg4KBmNhY2hlZBgIIAEoCCI9CghMZWFzZUtleRIOCgZydW5faWQYASABKAkSDwoHbm9kZV9pZBgCIAEoCRIQCghyZXRyeV9pZBgDIAEoCSJqChJSZW5ld0xlYXNlc1JlcXVlc3QSLAoEa2V5cxgBIAMoCzIeLmN1cmZldy5tb2RlbHByb3h5LnYxLkxlYXNlS2V5EiYKA3R0bBgCIAEoCzIZLmdvb2dsZS5wcm90b2J1Zi5EdXJhdGlvbiJGChNSZW5ld0xlYXNlc1Jlc3BvbnNlEi8KB3Vua25vd24YASADKAsyHi5jdXJmZXcubW9kZWxwcm94eS52MS5MZWFzZUtleSITChFMaXN0TW9kZWxzUmVxdWVzdCJDCglNb2RlbEluZm8SDAoEbmFtZRgBIAEoCRIQCghwcm92aWRlchgCIAEoCRIWCg5wcm92aWRlcl9tb2RlbBgDIAEoCSJFChJMaXN0TW9kZWxzUmVzcG9uc2USLwoGbW9kZWxzGAEgAygLMh8uY3VyZmV3Lm1vZGVscHJveHkudjEuTW9kZWxJbmZvKl8KBFJvbGUSFAoQUk9MRV9VTlNQRUNJRklFRBAAEg8KC1JPTEVfU1lTVEVNEAESDQoJUk9MRV9VU0VSEAISEgoOUk9MRV9BU1NJU1RBTlQQAxINCglST0xFX1RPT0wQBDK1AgoRTW9kZWxQcm94eVNlcnZpY2USWwoIR2VuZXJhdGUSJS5jdXJmZXcubW9kZWxwcm94eS52MS5HZW5lcmF0ZVJlcXVlc3QaJi5jdXJmZXcubW9kZWxwcm94eS52MS5HZW5lcmF0ZVJlc3BvbnNlMAESYgoLUmVuZXdMZWFzZXMSKC5jdXJmZXcubW9kZWxwcm94eS52MS5SZW5ld0xlYXNlc1JlcXVlc3QaKS5jdXJmZXcubW9kZWxwcm94eS52MS5SZW5ld0xlYXNlc1Jlc3BvbnNlEl8KCkxpc3RNb2RlbHMSJy5jdXJmZXcubW9kZWxwcm94eS52MS5MaXN0TW9kZWxzUmVxdWVzdBooLmN1cmZldy5tb2RlbHByb3h5LnYxLkxpc3RNb2RlbHNSZXNwb25zZULiAQoYY29tLmN1cmZldy5tb2RlbHByb3h5LnYxQg9Nb2RlbHByb3h5UHJvdG9QAVpDZ2l0aHViLmNvbS9jdXJmZXctbWVzaC9jdXJmZXcvZ2VuL2N1cmZldy9tb2RlbHByb3h5L3YxO21vZGVscHJveHl2MaICA0NNWKoCFEN1cmZldy5Nb2RlbHByb3h5LlYxygIUQ3VyZmV3XE1vZGVscHJveHlcVjHiAiBDdXJmZXdcTW9kZWxwcm94eVxWMVxHUEJNZXRhZGF0YeoCFkN1cmZldzo6TW9kZWxwcm94eTo6VjFiBnByb3RvMw", [file_google_protobuf_duration]);
 
 /**
  * ToolCall is a model's request to run a tool.
@@ -408,6 +408,76 @@ export const RenewLeasesResponseSchema: GenMessage<RenewLeasesResponse> = /*@__P
   messageDesc(file_curfew_modelproxy_v1_modelproxy, 9);
 
 /**
+ * ListModelsRequest asks which model names modelproxy serves.
+ *
+ * @generated from message curfew.modelproxy.v1.ListModelsRequest
+ */
+export type ListModelsRequest = Message$1<"curfew.modelproxy.v1.ListModelsRequest"> & {
+};
+
+/**
+ * Describes the message curfew.modelproxy.v1.ListModelsRequest.
+ * Use `create(ListModelsRequestSchema)` to create a new message.
+ */
+export const ListModelsRequestSchema: GenMessage<ListModelsRequest> = /*@__PURE__*/
+  messageDesc(file_curfew_modelproxy_v1_modelproxy, 10);
+
+/**
+ * ModelInfo is one model name a GenerateRequest may give: the built-in sim model or an
+ * alias of the providers file (docs/providers.md).
+ *
+ * @generated from message curfew.modelproxy.v1.ModelInfo
+ */
+export type ModelInfo = Message$1<"curfew.modelproxy.v1.ModelInfo"> & {
+  /**
+   * The name to give as GenerateRequest.model.
+   *
+   * @generated from field: string name = 1;
+   */
+  name: string;
+
+  /**
+   * The provider and the provider's model of the alias's chain's first entry, the one
+   * that answers while it is healthy; empty for sim.
+   *
+   * @generated from field: string provider = 2;
+   */
+  provider: string;
+
+  /**
+   * @generated from field: string provider_model = 3;
+   */
+  providerModel: string;
+};
+
+/**
+ * Describes the message curfew.modelproxy.v1.ModelInfo.
+ * Use `create(ModelInfoSchema)` to create a new message.
+ */
+export const ModelInfoSchema: GenMessage<ModelInfo> = /*@__PURE__*/
+  messageDesc(file_curfew_modelproxy_v1_modelproxy, 11);
+
+/**
+ * ListModelsResponse lists the models served: sim first, then the aliases by name.
+ * Names of the form provider/model are served too but not listed.
+ *
+ * @generated from message curfew.modelproxy.v1.ListModelsResponse
+ */
+export type ListModelsResponse = Message$1<"curfew.modelproxy.v1.ListModelsResponse"> & {
+  /**
+   * @generated from field: repeated curfew.modelproxy.v1.ModelInfo models = 1;
+   */
+  models: ModelInfo[];
+};
+
+/**
+ * Describes the message curfew.modelproxy.v1.ListModelsResponse.
+ * Use `create(ListModelsResponseSchema)` to create a new message.
+ */
+export const ListModelsResponseSchema: GenMessage<ListModelsResponse> = /*@__PURE__*/
+  messageDesc(file_curfew_modelproxy_v1_modelproxy, 12);
+
+/**
  * Role is who said a message.
  *
  * @generated from enum curfew.modelproxy.v1.Role
@@ -471,6 +541,16 @@ export const ModelProxyService: GenService<{
     methodKind: "unary";
     input: typeof RenewLeasesRequestSchema;
     output: typeof RenewLeasesResponseSchema;
+  },
+  /**
+   * ListModels lists the model names served (the OpenAI front door's GET /v1/models).
+   *
+   * @generated from rpc curfew.modelproxy.v1.ModelProxyService.ListModels
+   */
+  listModels: {
+    methodKind: "unary";
+    input: typeof ListModelsRequestSchema;
+    output: typeof ListModelsResponseSchema;
   },
 }> = /*@__PURE__*/
   serviceDesc(file_curfew_modelproxy_v1_modelproxy, 0);
