@@ -48,6 +48,7 @@ var rules = []rule{
 	{RetryID, checkID},
 	{Attempt, checkAttempt},
 	{IdempotencyKey, checkIdempotencyKey},
+	{ToolErrors, checkToolErrors},
 }
 
 // Check applies the wire contract's rules to the incoming call's curfew-* headers. A
@@ -205,4 +206,11 @@ func clip(v string) string {
 		return v
 	}
 	return v[:n] + "…"
+}
+
+func checkToolErrors(v string) error {
+	if v != ToolErrorsToModel && v != ToolErrorsFailRun {
+		return fmt.Errorf("must be %s or %s, got %q", ToolErrorsToModel, ToolErrorsFailRun, v)
+	}
+	return nil
 }

@@ -107,7 +107,8 @@ func (s *Server) Spawn(req *subagentv1.SpawnRequest, stream subagentv1.SubagentS
 	// The same run input as a root's: a real model is told of its tool failures and goes
 	// on (the sim model's plan still fails on them).
 	answer, err := agent.New(lc).RunInput(md.WithNode(wctx, node), node, agent.Input{
-		Model: req.GetModel(), Task: req.GetTask(), Tools: req.GetTools(), MaxTokens: req.GetMaxTokens()}, nil)
+		Model: req.GetModel(), Task: req.GetTask(), Tools: req.GetTools(), MaxTokens: req.GetMaxTokens(),
+		FailOnToolError: req.GetToolErrors() == subagentv1.ToolErrors_TOOL_ERRORS_FAIL_RUN}, nil)
 	cancelled := wctx.Err() != nil
 	emit(s.Nodes.Finish(wctx, id.RunID, node, err, func(n *meshv1.Node) {
 		if cancelled {
