@@ -126,3 +126,59 @@ func TestOpenAIModelsListsTheAliases(t *testing.T) {
 		t.Errorf("GET /v1/models with a bad key: %d %s, want 401 in OpenAI's error shape", res.StatusCode, b)
 	}
 }
+
+// A prior tool turn in a completion's messages (an assistant message with tool_calls,
+// then the tool message) reaches the model server in OpenAI's wire shape, through the
+// front door, the run's input and modelproxy.
+func TestOpenAIPriorToolTurnReachesTheModel(t *testing.T) {
+	t.Parallel()
+	ups := map[string]*upstream{"p": startUpstream(t)}
+	m := startProviderMesh(t, `{"providers": [{"name": "p", "base_url": "{p}", "models": ["m"]}],
+  "models": {"agent": {"chain": ["p/m"]}}}`, ups)
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	ups["p"].enqueue(t, `{"content": ["it", " is", " shipped"]}`)
+	body := map[string]any{"model": "agent", "messages": []map[string]any{
+		{"role": "user", "content": "where is order o-7?"},
+		{"role": "assistant", "content": nil, "tool_calls": []map[string]any{
+			{"id": "call_7", "type": "function", "function": map[string]any{"name": "sleep", "arguments": `{"ms": 1}`}}}},
+		{"role": "tool", "tool_call_id": "call_7", "content": `{"slept_ms": 1}`},
+		{"role": "user", "content": "so?"},
+	}}
+	res := openAIPostTo(ctx, t, openAIURLOf(t, m), tenantKeyOf(ctx, t, m, "acme", false), body)
+	b, _ := io.ReadAll(res.Body)
+	res.Body.Close()
+	if res.StatusCode != http.StatusOK || !strings.Contains(string(b), "it is shipped") {
+		t.Fatalf("completion: %d %s", res.StatusCode, b)
+	}
+	calls := ups["p"].calls(t)
+	if len(calls) != 1 {
+		t.Fatalf("the model saw %d requests, want 1", len(calls))
+	}
+	var req struct {
+		Messages []struct {
+			Role       string  `json:"role"`
+			Content    *string `json:"content"`
+			ToolCallID string  `json:"tool_call_id"`
+			ToolCalls  []struct {
+				ID       string `json:"id"`
+				Type     string `json:"type"`
+				Function struct {
+					Name      string `json:"name"`
+					Arguments string `json:"arguments"`
+				} `json:"function"`
+			} `json:"tool_calls"`
+		} `json:"messages"`
+	}
+	if err := json.Unmarshal(calls[0].Request.Body, &req); err != nil || len(req.Messages) < 4 {
+		t.Fatalf("request %s (%v), want 4 messages", calls[0].Request.Body, err)
+	}
+	a, tm := req.Messages[1], req.Messages[2]
+	if a.Role != "assistant" || len(a.ToolCalls) != 1 || a.ToolCalls[0].ID != "call_7" || a.ToolCalls[0].Type != "function" ||
+		a.ToolCalls[0].Function.Name != "sleep" || a.ToolCalls[0].Function.Arguments != `{"ms": 1}` {
+		t.Errorf("the model got the assistant turn as %s, want its tool call", calls[0].Request.Body)
+	}
+	if tm.Role != "tool" || tm.ToolCallID != "call_7" || tm.Content == nil || *tm.Content != `{"slept_ms": 1}` {
+		t.Errorf("the model got the tool turn as %s, want the tool message of call_7", calls[0].Request.Body)
+	}
+}

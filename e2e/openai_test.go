@@ -140,10 +140,14 @@ func TestOpenAICompletions(t *testing.T) {
 		wantOpenAIError(t, openAIPost(ctx, t, key, simPlan(`{"steps": [{"answer_tokens": 1}]}`)), http.StatusUnauthorized, "API key")
 	}
 	bad := simPlan(`{"steps": [{"answer_tokens": 1}]}`)
-	bad["messages"] = []map[string]any{{"role": "tool", "content": "x", "tool_call_id": "1"}, {"role": "user", "content": "{}"}}
+	bad["messages"] = []map[string]any{{"role": "function", "content": "x", "name": "f"}, {"role": "user", "content": "{}"}}
 	if e := wantOpenAIError(t, openAIPost(ctx, t, key, bad), http.StatusBadRequest, "messages[0].role"); e.Error.Param == nil || *e.Error.Param != "messages[0].role" {
 		t.Errorf("an unsupported role: param %v, want messages[0].role", e.Error.Param)
 	}
+	// A tool message must answer an earlier assistant message's call.
+	bad["model"] = "fast"
+	bad["messages"] = []map[string]any{{"role": "tool", "content": "x", "tool_call_id": "1"}, {"role": "user", "content": "{}"}}
+	wantOpenAIError(t, openAIPost(ctx, t, key, bad), http.StatusBadRequest, `messages[0].tool_call_id: "1" names no tool call`)
 	bad = simPlan(`{"steps": [{"answer_tokens": 1}]}`)
 	bad["tools"] = []map[string]any{{"type": "function", "function": map[string]any{"name": "get_weather", "parameters": map[string]any{}}}}
 	wantOpenAIError(t, openAIPost(ctx, t, key, bad), http.StatusBadRequest, "curfew runs its own tools; get_weather is not a registered tool")

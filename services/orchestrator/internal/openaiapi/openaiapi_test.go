@@ -69,7 +69,9 @@ func TestRunRequestRejects(t *testing.T) {
 	registry := func(context.Context, string) (map[string]bool, error) { return map[string]bool{"sleep": true}, nil }
 	for _, c := range []struct{ body, param, msg string }{
 		{`{"messages": []}`, "messages", "at least one"},
-		{`{"messages": [{"role": "tool", "content": "x"}, {"role": "user", "content": "q"}]}`, "messages[0].role", `"tool" is not supported`},
+		{`{"messages": [{"role": "function", "content": "x"}, {"role": "user", "content": "q"}]}`, "messages[0].role", `"function" is not supported`},
+		{`{"messages": [{"role": "assistant", "content": null, "tool_calls": [{"id": "c", "type": "custom", "function": {"name": "x"}}]}, {"role": "user", "content": "q"}]}`,
+			"messages[0].tool_calls[0].type", `"custom" is not supported`},
 		{`{"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}`, "messages[0].content[0].type", `"image_url" is not supported`},
 		{`{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}`, "messages[1].role", "last message"},
 		{`{"messages": [{"role": "user"}]}`, "messages[0].content", "required"},
@@ -86,6 +88,32 @@ func TestRunRequestRejects(t *testing.T) {
 		if !errors.As(err, &br) || br.param != c.param || !strings.Contains(br.msg, c.msg) {
 			t.Errorf("%s: %v, want a bad request of %s with %q", c.body, err, c.param, c.msg)
 		}
+	}
+}
+
+// A prior tool turn in OpenAI's shape (an assistant message with tool_calls and no
+// content, then tool messages) becomes the run's assistant tool calls and tool messages.
+func TestRunRequestPriorToolTurn(t *testing.T) {
+	req := decode(t, `{"model": "fast", "messages": [
+		{"role": "user", "content": "wait"},
+		{"role": "assistant", "content": null, "tool_calls": [{"id": "call_1", "type": "function", "function": {"name": "sleep", "arguments": "{\"ms\": 10}"}}]},
+		{"role": "tool", "tool_call_id": "call_1", "content": "{\"slept_ms\": 10}"},
+		{"role": "user", "content": "and now?"}]}`)
+	run, err := req.runRequest(context.Background())
+	if err != nil {
+		t.Fatal(err)
+	}
+	msgs := run.GetMessages()
+	if len(msgs) != 3 {
+		t.Fatalf("messages %v, want 3", msgs)
+	}
+	a, tm := msgs[1], msgs[2]
+	if a.GetRole() != orchestratorv1.MessageRole_MESSAGE_ROLE_ASSISTANT || a.GetContent() != "" || len(a.GetToolCalls()) != 1 ||
+		a.GetToolCalls()[0].GetId() != "call_1" || a.GetToolCalls()[0].GetName() != "sleep" || a.GetToolCalls()[0].GetArgumentsJson() != `{"ms": 10}` {
+		t.Errorf("the assistant turn: %v", a)
+	}
+	if tm.GetRole() != orchestratorv1.MessageRole_MESSAGE_ROLE_TOOL || tm.GetToolCallId() != "call_1" || tm.GetContent() != `{"slept_ms": 10}` {
+		t.Errorf("the tool turn: %v", tm)
 	}
 }
 
