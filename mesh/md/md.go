@@ -38,6 +38,12 @@ const (
 	// spawn_subagent call gives the nested loop its caller's policy; absent means
 	// ToolErrorsToModel.
 	ToolErrors = "curfew-tool-errors"
+	// CancelCause, on a CancelRun, says the caller cancels because its own client went
+	// away: the only value is CancelCauseClientDisconnect, and the run's cause is
+	// client_disconnect instead of operator. A gateway that holds a detached run for a
+	// client (the orchestrator's OpenAI front door, for a keyed request whose client left
+	// and did not come back) sends it; it is forwarded to the run's owner with the cancel.
+	CancelCause = "curfew-cancel-cause"
 	// CancelForwarded marks a CancelRun one orchestrator forwarded to the run's owner: it
 	// is not forwarded again, so a run that moved while the call was on its way cannot
 	// make it loop.
@@ -51,6 +57,9 @@ const (
 	// ToolErrorsFailRun: a failed tool call fails the run.
 	ToolErrorsFailRun = "fail_run"
 )
+
+// CancelCauseClientDisconnect is the one value of the CancelCause header.
+const CancelCauseClientDisconnect = "client_disconnect"
 
 // ToolErrorsFailsRun reports whether the incoming call's ToolErrors header says
 // ToolErrorsFailRun (Check refuses values other than the two).

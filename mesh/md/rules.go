@@ -49,6 +49,7 @@ var rules = []rule{
 	{Attempt, checkAttempt},
 	{IdempotencyKey, checkIdempotencyKey},
 	{ToolErrors, checkToolErrors},
+	{CancelCause, checkCancelCause},
 }
 
 // Check applies the wire contract's rules to the incoming call's curfew-* headers. A
@@ -211,6 +212,13 @@ func clip(v string) string {
 func checkToolErrors(v string) error {
 	if v != ToolErrorsToModel && v != ToolErrorsFailRun {
 		return fmt.Errorf("must be %s or %s, got %q", ToolErrorsToModel, ToolErrorsFailRun, v)
+	}
+	return nil
+}
+
+func checkCancelCause(v string) error {
+	if v != CancelCauseClientDisconnect {
+		return fmt.Errorf("must be %s, got %q", CancelCauseClientDisconnect, v)
 	}
 	return nil
 }

@@ -73,6 +73,8 @@ func TestCheck(t *testing.T) {
 		{"tool errors to model", []string{md.ToolErrors, md.ToolErrorsToModel}, ""},
 		{"tool errors fail run", []string{md.ToolErrors, md.ToolErrorsFailRun}, ""},
 		{"tool errors other", []string{md.ToolErrors, "FAIL_RUN"}, md.ToolErrors},
+		{"cancel cause", []string{md.CancelCause, md.CancelCauseClientDisconnect}, ""},
+		{"cancel cause other", []string{md.CancelCause, "deadline"}, md.CancelCause},
 		{"key unicode", []string{md.IdempotencyKey, "ключ"}, md.IdempotencyKey},
 	} {
 		t.Run(tc.name, func(t *testing.T) {

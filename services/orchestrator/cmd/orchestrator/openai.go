@@ -22,13 +22,13 @@ import (
 	"google.golang.org/grpc/status"
 )
 
-// serveOpenAI serves the OpenAI-compatible API on addr. Its calls go to this
-// orchestrator's own gRPC listener, so they pass the same server chain (API keys,
-// request rate, admission, deadlines) as every other client's; the loopback connection
-// adds no retries, since a retried Run would start the agent again. The returned func
-// stops the listener: with the drain, no new completions, and those in flight end with
-// their runs' streams.
-func serveOpenAI(ctx context.Context, rt *service.Runtime, addr, model string, keys *apikey.Authenticator,
+// serveOpenAI serves the OpenAI-compatible API of cfg (its default model and grace) on
+// addr. Its calls go to this orchestrator's own gRPC listener, so they pass the same
+// server chain (API keys, request rate, admission, deadlines) as every other client's;
+// the loopback connection adds no retries, since a retried Run would start the agent
+// again. The returned func stops the listener: with the drain, no new completions, and
+// those in flight end with their runs' streams.
+func serveOpenAI(ctx context.Context, rt *service.Runtime, cfg openaiapi.Config, addr string, keys *apikey.Authenticator,
 	tools toolrunnerv1.ToolRunnerServiceClient, models modelproxyv1.ModelProxyServiceClient) (func(), error) {
 	var lc net.ListenConfig
 	lis, err := lc.Listen(ctx, "tcp", addr)
@@ -40,13 +40,9 @@ func serveOpenAI(ctx context.Context, rt *service.Runtime, addr, model string, k
 		_ = lis.Close()
 		return nil, err
 	}
-	h := openaiapi.New(openaiapi.Config{
-		Orchestrator: orchestratorv1.NewOrchestratorServiceClient(cc),
-		Models:       listModels(keys, models),
-		DefaultModel: model,
-		Registered:   registered(keys, tools),
-		Log:          rt.Log,
-	})
+	cfg.Orchestrator = orchestratorv1.NewOrchestratorServiceClient(cc)
+	cfg.Models, cfg.Registered, cfg.Log = listModels(keys, models), registered(keys, tools), rt.Log
+	h := openaiapi.New(cfg)
 	srv := &http.Server{Handler: h, ReadHeaderTimeout: 10 * time.Second}
 	go func() {
 		if err := srv.Serve(lis); err != nil && !errors.Is(err, http.ErrServerClosed) {

@@ -43,20 +43,28 @@ type Config struct {
 	// tools must be among them. Its error is a status (UNAUTHENTICATED for a bad key).
 	// Nil: tools are passed to the run unchecked.
 	Registered func(ctx context.Context, apiKey string) (map[string]bool, error)
+	// DisconnectGrace is how long a keyed run whose clients all left waits for a retry
+	// to attach before it is cancelled (IdempotencyKeyHeader); DefaultDisconnectGrace
+	// when 0.
+	DisconnectGrace time.Duration
 	// Log receives the internal errors a client is not told of; nil: slog.Default().
 	Log *slog.Logger
 }
 
 // Handler serves the OpenAI-compatible API.
 type Handler struct {
-	cfg Config
-	mux *http.ServeMux
+	cfg   Config
+	mux   *http.ServeMux
+	keyed attached // the requests attached to each keyed run
 }
 
 // New returns the handler of cfg.
 func New(cfg Config) *Handler {
 	if cfg.Log == nil {
 		cfg.Log = slog.Default()
+	}
+	if cfg.DisconnectGrace <= 0 {
+		cfg.DisconnectGrace = DefaultDisconnectGrace
 	}
 	h := &Handler{cfg: cfg, mux: http.NewServeMux()}
 	h.mux.HandleFunc("POST /v1/chat/completions", h.completions)
@@ -221,7 +229,9 @@ func (h *Handler) completions(w http.ResponseWriter, r *http.Request) {
 		h.writeStatus(w, err)
 		return
 	}
-	recv, err := h.open(ctx, run, key, timeout)
+	recv, done, err := h.open(ctx, run, key, timeout)
+	// A client that left before the answer was written abandons a keyed run (open).
+	defer func() { done(r.Context().Err() != nil) }()
 	if err != nil {
 		h.writeStatus(w, err)
 		return

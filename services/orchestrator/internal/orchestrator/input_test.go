@@ -12,6 +12,7 @@ import (
 	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/types/known/durationpb"
 
+	meshv1 "github.com/curfew-mesh/curfew/gen/curfew/mesh/v1"
 	modelproxyv1 "github.com/curfew-mesh/curfew/gen/curfew/modelproxy/v1"
 	orchestratorv1 "github.com/curfew-mesh/curfew/gen/curfew/orchestrator/v1"
 	"github.com/curfew-mesh/curfew/mesh"
@@ -266,5 +267,31 @@ func TestPriorToolTurn(t *testing.T) {
 	}
 	if m := li.Messages[2]; m.GetRole() != modelproxyv1.Role_ROLE_TOOL || m.GetToolCallId() != "c1" || m.GetContent() != `{"slept_ms": 10}` {
 		t.Errorf("the tool turn reaches the model as %v", m)
+	}
+}
+
+// A CancelRun whose caller says its own client left (md.CancelCause) ends the run with
+// cause client_disconnect; without the header the cause is operator.
+func TestCancelRunClientLeft(t *testing.T) {
+	e := newEnv(t, mesh.ServerConfig{}, nil)
+	for _, c := range []struct {
+		header []string
+		want   meshv1.CancelCause
+	}{
+		{nil, meshv1.CancelCause_CANCEL_CAUSE_OPERATOR},
+		{[]string{md.CancelCause, md.CancelCauseClientDisconnect}, meshv1.CancelCause_CANCEL_CAUSE_CLIENT_DISCONNECT},
+	} {
+		res, err := e.orch.StartRun(context.Background(), &orchestratorv1.StartRunRequest{Task: slowPlan, Timeout: durationpb.New(20 * time.Second)})
+		if err != nil {
+			t.Fatal(err)
+		}
+		ctx := metadata.AppendToOutgoingContext(context.Background(), c.header...)
+		cr, err := e.orch.CancelRun(ctx, &orchestratorv1.CancelRunRequest{RunId: res.GetRun().GetRunId()})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if r := cr.GetRun(); r.GetStatus() != orchestratorv1.RunStatus_RUN_STATUS_CANCELLED || r.GetCause() != c.want {
+			t.Errorf("CancelRun with %v: %v cause %v, want CANCELLED %v", c.header, r.GetStatus(), r.GetCause(), c.want)
+		}
 	}
 }
