@@ -119,7 +119,7 @@ func (c *chatRequest) runRequest(ctx context.Context) (*orchestratorv1.RunReques
 	for i, m := range c.Messages {
 		var text string
 		// An assistant message that called tools may have no content.
-		if !(m.Role == "assistant" && len(m.ToolCalls) > 0 && isNull(m.Content)) {
+		if callsOnly := m.Role == "assistant" && len(m.ToolCalls) > 0 && isNull(m.Content); !callsOnly {
 			var err error
 			if text, err = m.content(i); err != nil {
 				return nil, err
