@@ -15,26 +15,40 @@ import (
 
 	meshv1 "github.com/curfew-mesh/curfew/gen/curfew/mesh/v1"
 	orchestratorv1 "github.com/curfew-mesh/curfew/gen/curfew/orchestrator/v1"
+	"github.com/curfew-mesh/curfew/internal/meshproc"
 )
 
 // openAIURL is the shared mesh's OpenAI-compatible API, which `curfew up` turns on.
 func openAIURL(t *testing.T) string {
 	t.Helper()
-	addr := mesh.Endpoints.Services["orchestrator"].OpenAIAddr
+	return openAIURLOf(t, mesh)
+}
+
+// openAIURLOf is mesh m's OpenAI-compatible API.
+func openAIURLOf(t *testing.T, m *meshproc.Mesh) string {
+	t.Helper()
+	addr := m.Endpoints.Services["orchestrator"].OpenAIAddr
 	if addr == "" {
 		t.Fatal("curfew up wrote no openai_addr for the orchestrator")
 	}
 	return "http://" + addr + "/v1"
 }
 
-// openAIPost posts body to the chat completions endpoint with key as the bearer key.
+// openAIPost posts body to the shared mesh's chat completions endpoint with key as the
+// bearer key.
 func openAIPost(ctx context.Context, t *testing.T, key string, body any, header ...string) *http.Response {
+	t.Helper()
+	return openAIPostTo(ctx, t, openAIURL(t), key, body, header...)
+}
+
+// openAIPostTo is openAIPost to the OpenAI-compatible API at base.
+func openAIPostTo(ctx context.Context, t *testing.T, base, key string, body any, header ...string) *http.Response {
 	t.Helper()
 	b, err := json.Marshal(body)
 	if err != nil {
 		t.Fatal(err)
 	}
-	req, err := http.NewRequestWithContext(ctx, http.MethodPost, openAIURL(t)+"/chat/completions", bytes.NewReader(b))
+	req, err := http.NewRequestWithContext(ctx, http.MethodPost, base+"/chat/completions", bytes.NewReader(b))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -126,10 +140,14 @@ func TestOpenAICompletions(t *testing.T) {
 		wantOpenAIError(t, openAIPost(ctx, t, key, simPlan(`{"steps": [{"answer_tokens": 1}]}`)), http.StatusUnauthorized, "API key")
 	}
 	bad := simPlan(`{"steps": [{"answer_tokens": 1}]}`)
-	bad["messages"] = []map[string]any{{"role": "tool", "content": "x", "tool_call_id": "1"}, {"role": "user", "content": "{}"}}
+	bad["messages"] = []map[string]any{{"role": "function", "content": "x", "name": "f"}, {"role": "user", "content": "{}"}}
 	if e := wantOpenAIError(t, openAIPost(ctx, t, key, bad), http.StatusBadRequest, "messages[0].role"); e.Error.Param == nil || *e.Error.Param != "messages[0].role" {
 		t.Errorf("an unsupported role: param %v, want messages[0].role", e.Error.Param)
 	}
+	// A tool message must answer an earlier assistant message's call.
+	bad["model"] = "fast"
+	bad["messages"] = []map[string]any{{"role": "tool", "content": "x", "tool_call_id": "1"}, {"role": "user", "content": "{}"}}
+	wantOpenAIError(t, openAIPost(ctx, t, key, bad), http.StatusBadRequest, `messages[0].tool_call_id: "1" names no tool call`)
 	bad = simPlan(`{"steps": [{"answer_tokens": 1}]}`)
 	bad["tools"] = []map[string]any{{"type": "function", "function": map[string]any{"name": "get_weather", "parameters": map[string]any{}}}}
 	wantOpenAIError(t, openAIPost(ctx, t, key, bad), http.StatusBadRequest, "curfew runs its own tools; get_weather is not a registered tool")
@@ -270,8 +288,9 @@ func TestOpenAIStream(t *testing.T) {
 	}
 }
 
-// A request with an Idempotency-Key starts its run under the key: a retry after the
-// client left attaches to the same run, which went on meanwhile, and gets its answer.
+// A request with an Idempotency-Key starts its run under the key: a retry within the
+// disconnect grace after the client left attaches to the same run, which went on
+// meanwhile, and gets its answer.
 func TestOpenAIIdempotencyKey(t *testing.T) {
 	t.Parallel()
 	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
@@ -320,4 +339,45 @@ func TestOpenAIIdempotencyKey(t *testing.T) {
 	if res.StatusCode != http.StatusGatewayTimeout || res.Header.Get("X-Should-Retry") == "false" {
 		t.Errorf("a keyed request out of time: %d, x-should-retry %q; want 504 without false", res.StatusCode, res.Header.Get("X-Should-Retry"))
 	}
+}
+
+// A keyed run whose client left and did not come back within the disconnect grace (2 s,
+// curfew up's default) is cancelled with cause client_disconnect, no sooner than the
+// grace after the client left, and its tree stops.
+func TestOpenAIKeyedRunAbandoned(t *testing.T) {
+	t.Parallel()
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	key := tenantKey(ctx, t, "openai-gone-"+uuid.NewString()[:8], false)
+	ext := newExternal(t, key)
+	b, _ := json.Marshal(simPlan(`{"tokens_per_second": 50, "steps": [{"think_tokens": 100000}, {"answer_tokens": 1}]}`))
+	rctx, rcancel := context.WithTimeout(ctx, 500*time.Millisecond)
+	req, _ := http.NewRequestWithContext(rctx, http.MethodPost, openAIURL(t)+"/chat/completions", bytes.NewReader(b))
+	req.Header.Set("Authorization", "Bearer "+key)
+	req.Header.Set("Idempotency-Key", "idem-"+uuid.NewString())
+	if res, err := http.DefaultClient.Do(req); err == nil {
+		res.Body.Close()
+		t.Fatalf("the request answered %d before the run could end", res.StatusCode)
+	}
+	rcancel()
+	left := time.Now()
+	l, err := ext.orch.ListRuns(ctx, &orchestratorv1.ListRunsRequest{})
+	if err != nil || len(l.GetRuns()) != 1 {
+		t.Fatalf("runs %v (%v), want the request's one", l.GetRuns(), err)
+	}
+	got := summary(ctx, t, ext.orch, l.GetRuns()[0].GetRunId())
+	if got.GetStatus() != orchestratorv1.RunStatus_RUN_STATUS_CANCELLED || got.GetCause() != meshv1.CancelCause_CANCEL_CAUSE_CLIENT_DISCONNECT {
+		t.Fatalf("the abandoned run: %v cause %v, want CANCELLED, client_disconnect\n%s", got.GetStatus(), got.GetCause(), dump(got))
+	}
+	// Load only delays the cancel: it cannot come before the grace (less a margin for
+	// the client noticing its own timeout after the server did).
+	if ended := got.GetEndedAt().AsTime(); ended.Before(left.Add(1500 * time.Millisecond)) {
+		t.Errorf("the abandoned run ended %v after its client left, want no sooner than the 2 s grace", ended.Sub(left))
+	}
+	for _, n := range got.GetNodes() {
+		if n.GetStatus() != meshv1.NodeStatus_NODE_STATUS_SUCCEEDED && n.GetCause() != meshv1.CancelCause_CANCEL_CAUSE_CLIENT_DISCONNECT {
+			t.Errorf("node %s: %v cause %v, want client_disconnect", n.GetId(), n.GetStatus(), n.GetCause())
+		}
+	}
+	checkFrozen(t, got)
 }

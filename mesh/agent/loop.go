@@ -274,7 +274,7 @@ func (l *Loop) RunResult(ctx context.Context, base string, in Input, j Journal) 
 		return Result{}, err
 	}
 	// Tool errors go back to a real model; the sim model's plan has no use for them.
-	pol := toolPolicy{toModel: !in.FailOnToolError && model != DefaultModel, allowed: in.Tools}
+	pol := toolPolicy{toModel: !in.FailOnToolError && model != DefaultModel, allowed: in.Tools, failRun: in.FailOnToolError}
 	final := false          // the model is asked for its final answer, without tools
 	var round time.Duration // how long the last round (model step and tools) took
 	minRound := l.cfg.MinModelTime + l.cfg.MinToolTime
@@ -472,6 +472,7 @@ func (l *Loop) endModel(n *meshv1.Node, err error) {
 type toolPolicy struct {
 	toModel bool     // a tool's failure is its result (see toolError)
 	allowed []string // the tools it may call; any when empty
+	failRun bool     // the run's own policy (Input.FailOnToolError), told to its tools
 }
 
 // toolStep runs the calls in parallel under ctx, which ends at the loop's reserve (see
@@ -608,6 +609,14 @@ func (l *Loop) callTool(ctx context.Context, id string, c *modelproxyv1.ToolCall
 	if k := c.GetIdempotencyKey(); k != "" {
 		cctx = metadata.AppendToOutgoingContext(cctx, md.IdempotencyKey, k)
 	}
+	// The run's tool-error policy travels with the call: spawn_subagent gives it to the
+	// nested loop. It is the run's setting, not this step's (a sim step fails on any
+	// error, whatever the run says).
+	toolErrors := md.ToolErrorsToModel
+	if p.failRun {
+		toolErrors = md.ToolErrorsFailRun
+	}
+	cctx = metadata.AppendToOutgoingContext(cctx, md.ToolErrors, toolErrors)
 	// The caller's view of the tool node, for progress: toolrunner streams only the nodes
 	// beneath a tool (a subagent's), so that a tool call stays retryable until it has a
 	// result (a stream is retried only before its first message; a tool that sends node

@@ -114,7 +114,14 @@ func (a *Authenticator) Tenant(ctx context.Context) (string, error) {
 	if !ok || !strings.EqualFold(scheme, "bearer") {
 		return "", status.Error(codes.Unauthenticated, "authorization must be: Bearer <key>")
 	}
-	id, secret, err := Parse(strings.TrimSpace(key))
+	return a.KeyTenant(ctx, strings.TrimSpace(key))
+}
+
+// KeyTenant returns the tenant of key (cfk_…), with Tenant's errors: for a caller that
+// holds the key itself rather than in incoming metadata (the orchestrator's OpenAI front
+// door, which needs the tenant before it calls the orchestrator).
+func (a *Authenticator) KeyTenant(ctx context.Context, key string) (string, error) {
+	id, secret, err := Parse(key)
 	if err != nil {
 		a.log().DebugContext(ctx, "API key refused", "reason", "malformed")
 		return "", errUnauthenticated

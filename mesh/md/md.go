@@ -33,11 +33,39 @@ const (
 	// comma-separated. A service honours it only when started with --chaos; it travels to
 	// child calls like the identity headers.
 	Chaos = "curfew-chaos"
+	// ToolErrors is the run's tool-error policy on a tool call: ToolErrorsToModel or
+	// ToolErrorsFailRun. The agent loop sets it on each of its tool calls, so that a
+	// spawn_subagent call gives the nested loop its caller's policy; absent means
+	// ToolErrorsToModel.
+	ToolErrors = "curfew-tool-errors"
+	// CancelCause, on a CancelRun, says the caller cancels because its own client went
+	// away: the only value is CancelCauseClientDisconnect, and the run's cause is
+	// client_disconnect instead of operator. A gateway that holds a detached run for a
+	// client (the orchestrator's OpenAI front door, for a keyed request whose client left
+	// and did not come back) sends it; it is forwarded to the run's owner with the cancel.
+	CancelCause = "curfew-cancel-cause"
 	// CancelForwarded marks a CancelRun one orchestrator forwarded to the run's owner: it
 	// is not forwarded again, so a run that moved while the call was on its way cannot
 	// make it loop.
 	CancelForwarded = "curfew-cancel-forwarded"
 )
+
+// The values of the ToolErrors header.
+const (
+	// ToolErrorsToModel: a failed tool call's error goes back to the model.
+	ToolErrorsToModel = "to_model"
+	// ToolErrorsFailRun: a failed tool call fails the run.
+	ToolErrorsFailRun = "fail_run"
+)
+
+// CancelCauseClientDisconnect is the one value of the CancelCause header.
+const CancelCauseClientDisconnect = "client_disconnect"
+
+// ToolErrorsFailsRun reports whether the incoming call's ToolErrors header says
+// ToolErrorsFailRun (Check refuses values other than the two).
+func ToolErrorsFailsRun(ctx context.Context) bool {
+	return incoming(ctx, ToolErrors) == ToolErrorsFailRun
+}
 
 // DefaultTenant is used when a caller names no tenant.
 const DefaultTenant = "default"

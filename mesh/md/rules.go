@@ -48,6 +48,8 @@ var rules = []rule{
 	{RetryID, checkID},
 	{Attempt, checkAttempt},
 	{IdempotencyKey, checkIdempotencyKey},
+	{ToolErrors, checkToolErrors},
+	{CancelCause, checkCancelCause},
 }
 
 // Check applies the wire contract's rules to the incoming call's curfew-* headers. A
@@ -205,4 +207,18 @@ func clip(v string) string {
 		return v
 	}
 	return v[:n] + "…"
+}
+
+func checkToolErrors(v string) error {
+	if v != ToolErrorsToModel && v != ToolErrorsFailRun {
+		return fmt.Errorf("must be %s or %s, got %q", ToolErrorsToModel, ToolErrorsFailRun, v)
+	}
+	return nil
+}
+
+func checkCancelCause(v string) error {
+	if v != CancelCauseClientDisconnect {
+		return fmt.Errorf("must be %s, got %q", CancelCauseClientDisconnect, v)
+	}
+	return nil
 }

@@ -70,6 +70,11 @@ func TestCheck(t *testing.T) {
 		{"key long", []string{md.IdempotencyKey, long(md.MaxIdempotencyKeyLen+1, "k")}, md.IdempotencyKey},
 		{"key space", []string{md.IdempotencyKey, "a b"}, md.IdempotencyKey},
 		{"key control", []string{md.IdempotencyKey, "a\tb"}, md.IdempotencyKey},
+		{"tool errors to model", []string{md.ToolErrors, md.ToolErrorsToModel}, ""},
+		{"tool errors fail run", []string{md.ToolErrors, md.ToolErrorsFailRun}, ""},
+		{"tool errors other", []string{md.ToolErrors, "FAIL_RUN"}, md.ToolErrors},
+		{"cancel cause", []string{md.CancelCause, md.CancelCauseClientDisconnect}, ""},
+		{"cancel cause other", []string{md.CancelCause, "deadline"}, md.CancelCause},
 		{"key unicode", []string{md.IdempotencyKey, "ключ"}, md.IdempotencyKey},
 	} {
 		t.Run(tc.name, func(t *testing.T) {

@@ -804,6 +804,154 @@ func (x *RenewLeasesResponse) GetUnknown() []*LeaseKey {
 	return nil
 }
 
+// ListModelsRequest asks which model names modelproxy serves.
+type ListModelsRequest struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ListModelsRequest) Reset() {
+	*x = ListModelsRequest{}
+	mi := &file_curfew_modelproxy_v1_modelproxy_proto_msgTypes[10]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ListModelsRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ListModelsRequest) ProtoMessage() {}
+
+func (x *ListModelsRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_curfew_modelproxy_v1_modelproxy_proto_msgTypes[10]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ListModelsRequest.ProtoReflect.Descriptor instead.
+func (*ListModelsRequest) Descriptor() ([]byte, []int) {
+	return file_curfew_modelproxy_v1_modelproxy_proto_rawDescGZIP(), []int{10}
+}
+
+// ModelInfo is one model name a GenerateRequest may give: the built-in sim model or an
+// alias of the providers file (docs/providers.md).
+type ModelInfo struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// The name to give as GenerateRequest.model.
+	Name string `protobuf:"bytes,1,opt,name=name,proto3" json:"name,omitempty"`
+	// The provider and the provider's model of the alias's chain's first entry, the one
+	// that answers while it is healthy; empty for sim.
+	Provider      string `protobuf:"bytes,2,opt,name=provider,proto3" json:"provider,omitempty"`
+	ProviderModel string `protobuf:"bytes,3,opt,name=provider_model,json=providerModel,proto3" json:"provider_model,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ModelInfo) Reset() {
+	*x = ModelInfo{}
+	mi := &file_curfew_modelproxy_v1_modelproxy_proto_msgTypes[11]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ModelInfo) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ModelInfo) ProtoMessage() {}
+
+func (x *ModelInfo) ProtoReflect() protoreflect.Message {
+	mi := &file_curfew_modelproxy_v1_modelproxy_proto_msgTypes[11]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ModelInfo.ProtoReflect.Descriptor instead.
+func (*ModelInfo) Descriptor() ([]byte, []int) {
+	return file_curfew_modelproxy_v1_modelproxy_proto_rawDescGZIP(), []int{11}
+}
+
+func (x *ModelInfo) GetName() string {
+	if x != nil {
+		return x.Name
+	}
+	return ""
+}
+
+func (x *ModelInfo) GetProvider() string {
+	if x != nil {
+		return x.Provider
+	}
+	return ""
+}
+
+func (x *ModelInfo) GetProviderModel() string {
+	if x != nil {
+		return x.ProviderModel
+	}
+	return ""
+}
+
+// ListModelsResponse lists the models served: sim first, then the aliases by name.
+// Names of the form provider/model are served too but not listed.
+type ListModelsResponse struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Models        []*ModelInfo           `protobuf:"bytes,1,rep,name=models,proto3" json:"models,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ListModelsResponse) Reset() {
+	*x = ListModelsResponse{}
+	mi := &file_curfew_modelproxy_v1_modelproxy_proto_msgTypes[12]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ListModelsResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ListModelsResponse) ProtoMessage() {}
+
+func (x *ListModelsResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_curfew_modelproxy_v1_modelproxy_proto_msgTypes[12]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ListModelsResponse.ProtoReflect.Descriptor instead.
+func (*ListModelsResponse) Descriptor() ([]byte, []int) {
+	return file_curfew_modelproxy_v1_modelproxy_proto_rawDescGZIP(), []int{12}
+}
+
+func (x *ListModelsResponse) GetModels() []*ModelInfo {
+	if x != nil {
+		return x.Models
+	}
+	return nil
+}
+
 var File_curfew_modelproxy_v1_modelproxy_proto protoreflect.FileDescriptor
 
 const file_curfew_modelproxy_v1_modelproxy_proto_rawDesc = "" +
@@ -865,16 +1013,25 @@ const file_curfew_modelproxy_v1_modelproxy_proto_rawDesc = "" +
 	"\x04keys\x18\x01 \x03(\v2\x1e.curfew.modelproxy.v1.LeaseKeyR\x04keys\x12+\n" +
 	"\x03ttl\x18\x02 \x01(\v2\x19.google.protobuf.DurationR\x03ttl\"O\n" +
 	"\x13RenewLeasesResponse\x128\n" +
-	"\aunknown\x18\x01 \x03(\v2\x1e.curfew.modelproxy.v1.LeaseKeyR\aunknown*_\n" +
+	"\aunknown\x18\x01 \x03(\v2\x1e.curfew.modelproxy.v1.LeaseKeyR\aunknown\"\x13\n" +
+	"\x11ListModelsRequest\"b\n" +
+	"\tModelInfo\x12\x12\n" +
+	"\x04name\x18\x01 \x01(\tR\x04name\x12\x1a\n" +
+	"\bprovider\x18\x02 \x01(\tR\bprovider\x12%\n" +
+	"\x0eprovider_model\x18\x03 \x01(\tR\rproviderModel\"M\n" +
+	"\x12ListModelsResponse\x127\n" +
+	"\x06models\x18\x01 \x03(\v2\x1f.curfew.modelproxy.v1.ModelInfoR\x06models*_\n" +
 	"\x04Role\x12\x14\n" +
 	"\x10ROLE_UNSPECIFIED\x10\x00\x12\x0f\n" +
 	"\vROLE_SYSTEM\x10\x01\x12\r\n" +
 	"\tROLE_USER\x10\x02\x12\x12\n" +
 	"\x0eROLE_ASSISTANT\x10\x03\x12\r\n" +
-	"\tROLE_TOOL\x10\x042\xd4\x01\n" +
+	"\tROLE_TOOL\x10\x042\xb5\x02\n" +
 	"\x11ModelProxyService\x12[\n" +
 	"\bGenerate\x12%.curfew.modelproxy.v1.GenerateRequest\x1a&.curfew.modelproxy.v1.GenerateResponse0\x01\x12b\n" +
-	"\vRenewLeases\x12(.curfew.modelproxy.v1.RenewLeasesRequest\x1a).curfew.modelproxy.v1.RenewLeasesResponseB\xe2\x01\n" +
+	"\vRenewLeases\x12(.curfew.modelproxy.v1.RenewLeasesRequest\x1a).curfew.modelproxy.v1.RenewLeasesResponse\x12_\n" +
+	"\n" +
+	"ListModels\x12'.curfew.modelproxy.v1.ListModelsRequest\x1a(.curfew.modelproxy.v1.ListModelsResponseB\xe2\x01\n" +
 	"\x18com.curfew.modelproxy.v1B\x0fModelproxyProtoP\x01ZCgithub.com/curfew-mesh/curfew/gen/curfew/modelproxy/v1;modelproxyv1\xa2\x02\x03CMX\xaa\x02\x14Curfew.Modelproxy.V1\xca\x02\x14Curfew\\Modelproxy\\V1\xe2\x02 Curfew\\Modelproxy\\V1\\GPBMetadata\xea\x02\x16Curfew::Modelproxy::V1b\x06proto3"
 
 var (
@@ -890,7 +1047,7 @@ func file_curfew_modelproxy_v1_modelproxy_proto_rawDescGZIP() []byte {
 }
 
 var file_curfew_modelproxy_v1_modelproxy_proto_enumTypes = make([]protoimpl.EnumInfo, 1)
-var file_curfew_modelproxy_v1_modelproxy_proto_msgTypes = make([]protoimpl.MessageInfo, 10)
+var file_curfew_modelproxy_v1_modelproxy_proto_msgTypes = make([]protoimpl.MessageInfo, 13)
 var file_curfew_modelproxy_v1_modelproxy_proto_goTypes = []any{
 	(Role)(0),                   // 0: curfew.modelproxy.v1.Role
 	(*ToolCall)(nil),            // 1: curfew.modelproxy.v1.ToolCall
@@ -903,7 +1060,10 @@ var file_curfew_modelproxy_v1_modelproxy_proto_goTypes = []any{
 	(*LeaseKey)(nil),            // 8: curfew.modelproxy.v1.LeaseKey
 	(*RenewLeasesRequest)(nil),  // 9: curfew.modelproxy.v1.RenewLeasesRequest
 	(*RenewLeasesResponse)(nil), // 10: curfew.modelproxy.v1.RenewLeasesResponse
-	(*durationpb.Duration)(nil), // 11: google.protobuf.Duration
+	(*ListModelsRequest)(nil),   // 11: curfew.modelproxy.v1.ListModelsRequest
+	(*ModelInfo)(nil),           // 12: curfew.modelproxy.v1.ModelInfo
+	(*ListModelsResponse)(nil),  // 13: curfew.modelproxy.v1.ListModelsResponse
+	(*durationpb.Duration)(nil), // 14: google.protobuf.Duration
 }
 var file_curfew_modelproxy_v1_modelproxy_proto_depIdxs = []int32{
 	0,  // 0: curfew.modelproxy.v1.Message.role:type_name -> curfew.modelproxy.v1.Role
@@ -911,22 +1071,25 @@ var file_curfew_modelproxy_v1_modelproxy_proto_depIdxs = []int32{
 	2,  // 2: curfew.modelproxy.v1.GenerateRequest.messages:type_name -> curfew.modelproxy.v1.Message
 	4,  // 3: curfew.modelproxy.v1.GenerateRequest.tools:type_name -> curfew.modelproxy.v1.ToolSpec
 	5,  // 4: curfew.modelproxy.v1.GenerateRequest.response_schema:type_name -> curfew.modelproxy.v1.ResponseSchema
-	11, // 5: curfew.modelproxy.v1.GenerateRequest.lease_ttl:type_name -> google.protobuf.Duration
+	14, // 5: curfew.modelproxy.v1.GenerateRequest.lease_ttl:type_name -> google.protobuf.Duration
 	2,  // 6: curfew.modelproxy.v1.GenerateRequest.notes:type_name -> curfew.modelproxy.v1.Message
 	1,  // 7: curfew.modelproxy.v1.GenerateResponse.tool_calls:type_name -> curfew.modelproxy.v1.ToolCall
 	6,  // 8: curfew.modelproxy.v1.GenerateResponse.usage:type_name -> curfew.modelproxy.v1.Usage
 	8,  // 9: curfew.modelproxy.v1.RenewLeasesRequest.keys:type_name -> curfew.modelproxy.v1.LeaseKey
-	11, // 10: curfew.modelproxy.v1.RenewLeasesRequest.ttl:type_name -> google.protobuf.Duration
+	14, // 10: curfew.modelproxy.v1.RenewLeasesRequest.ttl:type_name -> google.protobuf.Duration
 	8,  // 11: curfew.modelproxy.v1.RenewLeasesResponse.unknown:type_name -> curfew.modelproxy.v1.LeaseKey
-	3,  // 12: curfew.modelproxy.v1.ModelProxyService.Generate:input_type -> curfew.modelproxy.v1.GenerateRequest
-	9,  // 13: curfew.modelproxy.v1.ModelProxyService.RenewLeases:input_type -> curfew.modelproxy.v1.RenewLeasesRequest
-	7,  // 14: curfew.modelproxy.v1.ModelProxyService.Generate:output_type -> curfew.modelproxy.v1.GenerateResponse
-	10, // 15: curfew.modelproxy.v1.ModelProxyService.RenewLeases:output_type -> curfew.modelproxy.v1.RenewLeasesResponse
-	14, // [14:16] is the sub-list for method output_type
-	12, // [12:14] is the sub-list for method input_type
-	12, // [12:12] is the sub-list for extension type_name
-	12, // [12:12] is the sub-list for extension extendee
-	0,  // [0:12] is the sub-list for field type_name
+	12, // 12: curfew.modelproxy.v1.ListModelsResponse.models:type_name -> curfew.modelproxy.v1.ModelInfo
+	3,  // 13: curfew.modelproxy.v1.ModelProxyService.Generate:input_type -> curfew.modelproxy.v1.GenerateRequest
+	9,  // 14: curfew.modelproxy.v1.ModelProxyService.RenewLeases:input_type -> curfew.modelproxy.v1.RenewLeasesRequest
+	11, // 15: curfew.modelproxy.v1.ModelProxyService.ListModels:input_type -> curfew.modelproxy.v1.ListModelsRequest
+	7,  // 16: curfew.modelproxy.v1.ModelProxyService.Generate:output_type -> curfew.modelproxy.v1.GenerateResponse
+	10, // 17: curfew.modelproxy.v1.ModelProxyService.RenewLeases:output_type -> curfew.modelproxy.v1.RenewLeasesResponse
+	13, // 18: curfew.modelproxy.v1.ModelProxyService.ListModels:output_type -> curfew.modelproxy.v1.ListModelsResponse
+	16, // [16:19] is the sub-list for method output_type
+	13, // [13:16] is the sub-list for method input_type
+	13, // [13:13] is the sub-list for extension type_name
+	13, // [13:13] is the sub-list for extension extendee
+	0,  // [0:13] is the sub-list for field type_name
 }
 
 func init() { file_curfew_modelproxy_v1_modelproxy_proto_init() }
@@ -941,7 +1104,7 @@ func file_curfew_modelproxy_v1_modelproxy_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_curfew_modelproxy_v1_modelproxy_proto_rawDesc), len(file_curfew_modelproxy_v1_modelproxy_proto_rawDesc)),
 			NumEnums:      1,
-			NumMessages:   10,
+			NumMessages:   13,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

@@ -21,6 +21,7 @@ const _ = grpc.SupportPackageIsVersion9
 const (
 	ModelProxyService_Generate_FullMethodName    = "/curfew.modelproxy.v1.ModelProxyService/Generate"
 	ModelProxyService_RenewLeases_FullMethodName = "/curfew.modelproxy.v1.ModelProxyService/RenewLeases"
+	ModelProxyService_ListModels_FullMethodName  = "/curfew.modelproxy.v1.ModelProxyService/ListModels"
 )
 
 // ModelProxyServiceClient is the client API for ModelProxyService service.
@@ -34,6 +35,8 @@ type ModelProxyServiceClient interface {
 	// RenewLeases extends the leases of decoders in flight (the caller's heartbeat); see
 	// GenerateRequest.lease_ttl and docs/leases.md.
 	RenewLeases(ctx context.Context, in *RenewLeasesRequest, opts ...grpc.CallOption) (*RenewLeasesResponse, error)
+	// ListModels lists the model names served (the OpenAI front door's GET /v1/models).
+	ListModels(ctx context.Context, in *ListModelsRequest, opts ...grpc.CallOption) (*ListModelsResponse, error)
 }
 
 type modelProxyServiceClient struct {
@@ -73,6 +76,16 @@ func (c *modelProxyServiceClient) RenewLeases(ctx context.Context, in *RenewLeas
 	return out, nil
 }
 
+func (c *modelProxyServiceClient) ListModels(ctx context.Context, in *ListModelsRequest, opts ...grpc.CallOption) (*ListModelsResponse, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(ListModelsResponse)
+	err := c.cc.Invoke(ctx, ModelProxyService_ListModels_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
 // ModelProxyServiceServer is the server API for ModelProxyService service.
 // All implementations must embed UnimplementedModelProxyServiceServer
 // for forward compatibility.
@@ -84,6 +97,8 @@ type ModelProxyServiceServer interface {
 	// RenewLeases extends the leases of decoders in flight (the caller's heartbeat); see
 	// GenerateRequest.lease_ttl and docs/leases.md.
 	RenewLeases(context.Context, *RenewLeasesRequest) (*RenewLeasesResponse, error)
+	// ListModels lists the model names served (the OpenAI front door's GET /v1/models).
+	ListModels(context.Context, *ListModelsRequest) (*ListModelsResponse, error)
 	mustEmbedUnimplementedModelProxyServiceServer()
 }
 
@@ -99,6 +114,9 @@ func (UnimplementedModelProxyServiceServer) Generate(*GenerateRequest, grpc.Serv
 }
 func (UnimplementedModelProxyServiceServer) RenewLeases(context.Context, *RenewLeasesRequest) (*RenewLeasesResponse, error) {
 	return nil, status.Error(codes.Unimplemented, "method RenewLeases not implemented")
+}
+func (UnimplementedModelProxyServiceServer) ListModels(context.Context, *ListModelsRequest) (*ListModelsResponse, error) {
+	return nil, status.Error(codes.Unimplemented, "method ListModels not implemented")
 }
 func (UnimplementedModelProxyServiceServer) mustEmbedUnimplementedModelProxyServiceServer() {}
 func (UnimplementedModelProxyServiceServer) testEmbeddedByValue()                           {}
@@ -150,6 +168,24 @@ func _ModelProxyService_RenewLeases_Handler(srv interface{}, ctx context.Context
 	return interceptor(ctx, in, info, handler)
 }
 
+func _ModelProxyService_ListModels_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(ListModelsRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(ModelProxyServiceServer).ListModels(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: ModelProxyService_ListModels_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(ModelProxyServiceServer).ListModels(ctx, req.(*ListModelsRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
 // ModelProxyService_ServiceDesc is the grpc.ServiceDesc for ModelProxyService service.
 // It's only intended for direct use with grpc.RegisterService,
 // and not to be introspected or modified (even as a copy)
@@ -160,6 +196,10 @@ var ModelProxyService_ServiceDesc = grpc.ServiceDesc{
 		{
 			MethodName: "RenewLeases",
 			Handler:    _ModelProxyService_RenewLeases_Handler,
+		},
+		{
+			MethodName: "ListModels",
+			Handler:    _ModelProxyService_ListModels_Handler,
 		},
 	},
 	Streams: []grpc.StreamDesc{

@@ -403,11 +403,16 @@ func (x *Run) GetInput() *RunInput {
 
 // Message is one turn of a run's conversation.
 type Message struct {
-	state   protoimpl.MessageState `protogen:"open.v1"`
-	Role    MessageRole            `protobuf:"varint,1,opt,name=role,proto3,enum=curfew.orchestrator.v1.MessageRole" json:"role,omitempty"`
-	Content string                 `protobuf:"bytes,2,opt,name=content,proto3" json:"content,omitempty"`
-	// On tool messages: the id of the assistant's tool call this is the result of.
-	ToolCallId    string `protobuf:"bytes,3,opt,name=tool_call_id,json=toolCallId,proto3" json:"tool_call_id,omitempty"`
+	state protoimpl.MessageState `protogen:"open.v1"`
+	Role  MessageRole            `protobuf:"varint,1,opt,name=role,proto3,enum=curfew.orchestrator.v1.MessageRole" json:"role,omitempty"`
+	// Required, except on an assistant message with tool_calls.
+	Content string `protobuf:"bytes,2,opt,name=content,proto3" json:"content,omitempty"`
+	// On tool messages: the id of an earlier assistant message's tool call (tool_calls)
+	// this is the result of.
+	ToolCallId string `protobuf:"bytes,3,opt,name=tool_call_id,json=toolCallId,proto3" json:"tool_call_id,omitempty"`
+	// On assistant messages: the tools the assistant called in that turn, whose results
+	// are the tool messages after it.
+	ToolCalls     []*ToolCall `protobuf:"bytes,4,rep,name=tool_calls,json=toolCalls,proto3" json:"tool_calls,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -463,6 +468,77 @@ func (x *Message) GetToolCallId() string {
 	return ""
 }
 
+func (x *Message) GetToolCalls() []*ToolCall {
+	if x != nil {
+		return x.ToolCalls
+	}
+	return nil
+}
+
+// ToolCall is one tool call of a prior assistant turn in a run's messages.
+type ToolCall struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// The call's id, unique within the messages: a tool message's tool_call_id names it.
+	Id string `protobuf:"bytes,1,opt,name=id,proto3" json:"id,omitempty"`
+	// The tool's name, as the model called it.
+	Name string `protobuf:"bytes,2,opt,name=name,proto3" json:"name,omitempty"`
+	// The call's arguments, a JSON object; empty is {}.
+	ArgumentsJson string `protobuf:"bytes,3,opt,name=arguments_json,json=argumentsJson,proto3" json:"arguments_json,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ToolCall) Reset() {
+	*x = ToolCall{}
+	mi := &file_curfew_orchestrator_v1_orchestrator_proto_msgTypes[2]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ToolCall) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ToolCall) ProtoMessage() {}
+
+func (x *ToolCall) ProtoReflect() protoreflect.Message {
+	mi := &file_curfew_orchestrator_v1_orchestrator_proto_msgTypes[2]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ToolCall.ProtoReflect.Descriptor instead.
+func (*ToolCall) Descriptor() ([]byte, []int) {
+	return file_curfew_orchestrator_v1_orchestrator_proto_rawDescGZIP(), []int{2}
+}
+
+func (x *ToolCall) GetId() string {
+	if x != nil {
+		return x.Id
+	}
+	return ""
+}
+
+func (x *ToolCall) GetName() string {
+	if x != nil {
+		return x.Name
+	}
+	return ""
+}
+
+func (x *ToolCall) GetArgumentsJson() string {
+	if x != nil {
+		return x.ArgumentsJson
+	}
+	return ""
+}
+
 // RunInput is what a run was started with beyond its task and model: the fields of
 // RunRequest and StartRunRequest of the same names (see there).
 type RunInput struct {
@@ -481,7 +557,7 @@ type RunInput struct {
 
 func (x *RunInput) Reset() {
 	*x = RunInput{}
-	mi := &file_curfew_orchestrator_v1_orchestrator_proto_msgTypes[2]
+	mi := &file_curfew_orchestrator_v1_orchestrator_proto_msgTypes[3]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -493,7 +569,7 @@ func (x *RunInput) String() string {
 func (*RunInput) ProtoMessage() {}
 
 func (x *RunInput) ProtoReflect() protoreflect.Message {
-	mi := &file_curfew_orchestrator_v1_orchestrator_proto_msgTypes[2]
+	mi := &file_curfew_orchestrator_v1_orchestrator_proto_msgTypes[3]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -506,7 +582,7 @@ func (x *RunInput) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RunInput.ProtoReflect.Descriptor instead.
 func (*RunInput) Descriptor() ([]byte, []int) {
-	return file_curfew_orchestrator_v1_orchestrator_proto_rawDescGZIP(), []int{2}
+	return file_curfew_orchestrator_v1_orchestrator_proto_rawDescGZIP(), []int{3}
 }
 
 func (x *RunInput) GetMessages() []*Message {
@@ -606,7 +682,7 @@ type RunRequest struct {
 
 func (x *RunRequest) Reset() {
 	*x = RunRequest{}
-	mi := &file_curfew_orchestrator_v1_orchestrator_proto_msgTypes[3]
+	mi := &file_curfew_orchestrator_v1_orchestrator_proto_msgTypes[4]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -618,7 +694,7 @@ func (x *RunRequest) String() string {
 func (*RunRequest) ProtoMessage() {}
 
 func (x *RunRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_curfew_orchestrator_v1_orchestrator_proto_msgTypes[3]
+	mi := &file_curfew_orchestrator_v1_orchestrator_proto_msgTypes[4]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -631,7 +707,7 @@ func (x *RunRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RunRequest.ProtoReflect.Descriptor instead.
 func (*RunRequest) Descriptor() ([]byte, []int) {
-	return file_curfew_orchestrator_v1_orchestrator_proto_rawDescGZIP(), []int{3}
+	return file_curfew_orchestrator_v1_orchestrator_proto_rawDescGZIP(), []int{4}
 }
 
 func (x *RunRequest) GetTask() string {
@@ -722,7 +798,7 @@ type RunStarted struct {
 
 func (x *RunStarted) Reset() {
 	*x = RunStarted{}
-	mi := &file_curfew_orchestrator_v1_orchestrator_proto_msgTypes[4]
+	mi := &file_curfew_orchestrator_v1_orchestrator_proto_msgTypes[5]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -734,7 +810,7 @@ func (x *RunStarted) String() string {
 func (*RunStarted) ProtoMessage() {}
 
 func (x *RunStarted) ProtoReflect() protoreflect.Message {
-	mi := &file_curfew_orchestrator_v1_orchestrator_proto_msgTypes[4]
+	mi := &file_curfew_orchestrator_v1_orchestrator_proto_msgTypes[5]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -747,7 +823,7 @@ func (x *RunStarted) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RunStarted.ProtoReflect.Descriptor instead.
 func (*RunStarted) Descriptor() ([]byte, []int) {
-	return file_curfew_orchestrator_v1_orchestrator_proto_rawDescGZIP(), []int{4}
+	return file_curfew_orchestrator_v1_orchestrator_proto_rawDescGZIP(), []int{5}
 }
 
 func (x *RunStarted) GetRunId() string {
@@ -780,7 +856,7 @@ type RunResponse struct {
 
 func (x *RunResponse) Reset() {
 	*x = RunResponse{}
-	mi := &file_curfew_orchestrator_v1_orchestrator_proto_msgTypes[5]
+	mi := &file_curfew_orchestrator_v1_orchestrator_proto_msgTypes[6]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -792,7 +868,7 @@ func (x *RunResponse) String() string {
 func (*RunResponse) ProtoMessage() {}
 
 func (x *RunResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_curfew_orchestrator_v1_orchestrator_proto_msgTypes[5]
+	mi := &file_curfew_orchestrator_v1_orchestrator_proto_msgTypes[6]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -805,7 +881,7 @@ func (x *RunResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RunResponse.ProtoReflect.Descriptor instead.
 func (*RunResponse) Descriptor() ([]byte, []int) {
-	return file_curfew_orchestrator_v1_orchestrator_proto_rawDescGZIP(), []int{5}
+	return file_curfew_orchestrator_v1_orchestrator_proto_rawDescGZIP(), []int{6}
 }
 
 func (x *RunResponse) GetEvent() isRunResponse_Event {
@@ -932,7 +1008,7 @@ type StartRunRequest struct {
 
 func (x *StartRunRequest) Reset() {
 	*x = StartRunRequest{}
-	mi := &file_curfew_orchestrator_v1_orchestrator_proto_msgTypes[6]
+	mi := &file_curfew_orchestrator_v1_orchestrator_proto_msgTypes[7]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -944,7 +1020,7 @@ func (x *StartRunRequest) String() string {
 func (*StartRunRequest) ProtoMessage() {}
 
 func (x *StartRunRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_curfew_orchestrator_v1_orchestrator_proto_msgTypes[6]
+	mi := &file_curfew_orchestrator_v1_orchestrator_proto_msgTypes[7]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -957,7 +1033,7 @@ func (x *StartRunRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use StartRunRequest.ProtoReflect.Descriptor instead.
 func (*StartRunRequest) Descriptor() ([]byte, []int) {
-	return file_curfew_orchestrator_v1_orchestrator_proto_rawDescGZIP(), []int{6}
+	return file_curfew_orchestrator_v1_orchestrator_proto_rawDescGZIP(), []int{7}
 }
 
 func (x *StartRunRequest) GetTask() string {
@@ -1056,7 +1132,7 @@ type StartRunResponse struct {
 
 func (x *StartRunResponse) Reset() {
 	*x = StartRunResponse{}
-	mi := &file_curfew_orchestrator_v1_orchestrator_proto_msgTypes[7]
+	mi := &file_curfew_orchestrator_v1_orchestrator_proto_msgTypes[8]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1068,7 +1144,7 @@ func (x *StartRunResponse) String() string {
 func (*StartRunResponse) ProtoMessage() {}
 
 func (x *StartRunResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_curfew_orchestrator_v1_orchestrator_proto_msgTypes[7]
+	mi := &file_curfew_orchestrator_v1_orchestrator_proto_msgTypes[8]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1081,7 +1157,7 @@ func (x *StartRunResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use StartRunResponse.ProtoReflect.Descriptor instead.
 func (*StartRunResponse) Descriptor() ([]byte, []int) {
-	return file_curfew_orchestrator_v1_orchestrator_proto_rawDescGZIP(), []int{7}
+	return file_curfew_orchestrator_v1_orchestrator_proto_rawDescGZIP(), []int{8}
 }
 
 func (x *StartRunResponse) GetRun() *Run {
@@ -1108,7 +1184,7 @@ type WatchRunRequest struct {
 
 func (x *WatchRunRequest) Reset() {
 	*x = WatchRunRequest{}
-	mi := &file_curfew_orchestrator_v1_orchestrator_proto_msgTypes[8]
+	mi := &file_curfew_orchestrator_v1_orchestrator_proto_msgTypes[9]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1120,7 +1196,7 @@ func (x *WatchRunRequest) String() string {
 func (*WatchRunRequest) ProtoMessage() {}
 
 func (x *WatchRunRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_curfew_orchestrator_v1_orchestrator_proto_msgTypes[8]
+	mi := &file_curfew_orchestrator_v1_orchestrator_proto_msgTypes[9]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1133,7 +1209,7 @@ func (x *WatchRunRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use WatchRunRequest.ProtoReflect.Descriptor instead.
 func (*WatchRunRequest) Descriptor() ([]byte, []int) {
-	return file_curfew_orchestrator_v1_orchestrator_proto_rawDescGZIP(), []int{8}
+	return file_curfew_orchestrator_v1_orchestrator_proto_rawDescGZIP(), []int{9}
 }
 
 func (x *WatchRunRequest) GetRunId() string {
@@ -1159,7 +1235,7 @@ type WatchRunResponse struct {
 
 func (x *WatchRunResponse) Reset() {
 	*x = WatchRunResponse{}
-	mi := &file_curfew_orchestrator_v1_orchestrator_proto_msgTypes[9]
+	mi := &file_curfew_orchestrator_v1_orchestrator_proto_msgTypes[10]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1171,7 +1247,7 @@ func (x *WatchRunResponse) String() string {
 func (*WatchRunResponse) ProtoMessage() {}
 
 func (x *WatchRunResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_curfew_orchestrator_v1_orchestrator_proto_msgTypes[9]
+	mi := &file_curfew_orchestrator_v1_orchestrator_proto_msgTypes[10]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1184,7 +1260,7 @@ func (x *WatchRunResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use WatchRunResponse.ProtoReflect.Descriptor instead.
 func (*WatchRunResponse) Descriptor() ([]byte, []int) {
-	return file_curfew_orchestrator_v1_orchestrator_proto_rawDescGZIP(), []int{9}
+	return file_curfew_orchestrator_v1_orchestrator_proto_rawDescGZIP(), []int{10}
 }
 
 func (x *WatchRunResponse) GetEvent() isWatchRunResponse_Event {
@@ -1268,7 +1344,7 @@ type GetRunRequest struct {
 
 func (x *GetRunRequest) Reset() {
 	*x = GetRunRequest{}
-	mi := &file_curfew_orchestrator_v1_orchestrator_proto_msgTypes[10]
+	mi := &file_curfew_orchestrator_v1_orchestrator_proto_msgTypes[11]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1280,7 +1356,7 @@ func (x *GetRunRequest) String() string {
 func (*GetRunRequest) ProtoMessage() {}
 
 func (x *GetRunRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_curfew_orchestrator_v1_orchestrator_proto_msgTypes[10]
+	mi := &file_curfew_orchestrator_v1_orchestrator_proto_msgTypes[11]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1293,7 +1369,7 @@ func (x *GetRunRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetRunRequest.ProtoReflect.Descriptor instead.
 func (*GetRunRequest) Descriptor() ([]byte, []int) {
-	return file_curfew_orchestrator_v1_orchestrator_proto_rawDescGZIP(), []int{10}
+	return file_curfew_orchestrator_v1_orchestrator_proto_rawDescGZIP(), []int{11}
 }
 
 func (x *GetRunRequest) GetRunId() string {
@@ -1313,7 +1389,7 @@ type GetRunResponse struct {
 
 func (x *GetRunResponse) Reset() {
 	*x = GetRunResponse{}
-	mi := &file_curfew_orchestrator_v1_orchestrator_proto_msgTypes[11]
+	mi := &file_curfew_orchestrator_v1_orchestrator_proto_msgTypes[12]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1325,7 +1401,7 @@ func (x *GetRunResponse) String() string {
 func (*GetRunResponse) ProtoMessage() {}
 
 func (x *GetRunResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_curfew_orchestrator_v1_orchestrator_proto_msgTypes[11]
+	mi := &file_curfew_orchestrator_v1_orchestrator_proto_msgTypes[12]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1338,7 +1414,7 @@ func (x *GetRunResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use GetRunResponse.ProtoReflect.Descriptor instead.
 func (*GetRunResponse) Descriptor() ([]byte, []int) {
-	return file_curfew_orchestrator_v1_orchestrator_proto_rawDescGZIP(), []int{11}
+	return file_curfew_orchestrator_v1_orchestrator_proto_rawDescGZIP(), []int{12}
 }
 
 func (x *GetRunResponse) GetRun() *Run {
@@ -1361,7 +1437,7 @@ type ListRunsRequest struct {
 
 func (x *ListRunsRequest) Reset() {
 	*x = ListRunsRequest{}
-	mi := &file_curfew_orchestrator_v1_orchestrator_proto_msgTypes[12]
+	mi := &file_curfew_orchestrator_v1_orchestrator_proto_msgTypes[13]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1373,7 +1449,7 @@ func (x *ListRunsRequest) String() string {
 func (*ListRunsRequest) ProtoMessage() {}
 
 func (x *ListRunsRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_curfew_orchestrator_v1_orchestrator_proto_msgTypes[12]
+	mi := &file_curfew_orchestrator_v1_orchestrator_proto_msgTypes[13]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1386,7 +1462,7 @@ func (x *ListRunsRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListRunsRequest.ProtoReflect.Descriptor instead.
 func (*ListRunsRequest) Descriptor() ([]byte, []int) {
-	return file_curfew_orchestrator_v1_orchestrator_proto_rawDescGZIP(), []int{12}
+	return file_curfew_orchestrator_v1_orchestrator_proto_rawDescGZIP(), []int{13}
 }
 
 func (x *ListRunsRequest) GetPageSize() int32 {
@@ -1414,7 +1490,7 @@ type ListRunsResponse struct {
 
 func (x *ListRunsResponse) Reset() {
 	*x = ListRunsResponse{}
-	mi := &file_curfew_orchestrator_v1_orchestrator_proto_msgTypes[13]
+	mi := &file_curfew_orchestrator_v1_orchestrator_proto_msgTypes[14]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1426,7 +1502,7 @@ func (x *ListRunsResponse) String() string {
 func (*ListRunsResponse) ProtoMessage() {}
 
 func (x *ListRunsResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_curfew_orchestrator_v1_orchestrator_proto_msgTypes[13]
+	mi := &file_curfew_orchestrator_v1_orchestrator_proto_msgTypes[14]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1439,7 +1515,7 @@ func (x *ListRunsResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListRunsResponse.ProtoReflect.Descriptor instead.
 func (*ListRunsResponse) Descriptor() ([]byte, []int) {
-	return file_curfew_orchestrator_v1_orchestrator_proto_rawDescGZIP(), []int{13}
+	return file_curfew_orchestrator_v1_orchestrator_proto_rawDescGZIP(), []int{14}
 }
 
 func (x *ListRunsResponse) GetRuns() []*Run {
@@ -1468,7 +1544,7 @@ type CancelRunRequest struct {
 
 func (x *CancelRunRequest) Reset() {
 	*x = CancelRunRequest{}
-	mi := &file_curfew_orchestrator_v1_orchestrator_proto_msgTypes[14]
+	mi := &file_curfew_orchestrator_v1_orchestrator_proto_msgTypes[15]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1480,7 +1556,7 @@ func (x *CancelRunRequest) String() string {
 func (*CancelRunRequest) ProtoMessage() {}
 
 func (x *CancelRunRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_curfew_orchestrator_v1_orchestrator_proto_msgTypes[14]
+	mi := &file_curfew_orchestrator_v1_orchestrator_proto_msgTypes[15]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1493,7 +1569,7 @@ func (x *CancelRunRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CancelRunRequest.ProtoReflect.Descriptor instead.
 func (*CancelRunRequest) Descriptor() ([]byte, []int) {
-	return file_curfew_orchestrator_v1_orchestrator_proto_rawDescGZIP(), []int{14}
+	return file_curfew_orchestrator_v1_orchestrator_proto_rawDescGZIP(), []int{15}
 }
 
 func (x *CancelRunRequest) GetRunId() string {
@@ -1520,7 +1596,7 @@ type CancelRunResponse struct {
 
 func (x *CancelRunResponse) Reset() {
 	*x = CancelRunResponse{}
-	mi := &file_curfew_orchestrator_v1_orchestrator_proto_msgTypes[15]
+	mi := &file_curfew_orchestrator_v1_orchestrator_proto_msgTypes[16]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1532,7 +1608,7 @@ func (x *CancelRunResponse) String() string {
 func (*CancelRunResponse) ProtoMessage() {}
 
 func (x *CancelRunResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_curfew_orchestrator_v1_orchestrator_proto_msgTypes[15]
+	mi := &file_curfew_orchestrator_v1_orchestrator_proto_msgTypes[16]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1545,7 +1621,7 @@ func (x *CancelRunResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CancelRunResponse.ProtoReflect.Descriptor instead.
 func (*CancelRunResponse) Descriptor() ([]byte, []int) {
-	return file_curfew_orchestrator_v1_orchestrator_proto_rawDescGZIP(), []int{15}
+	return file_curfew_orchestrator_v1_orchestrator_proto_rawDescGZIP(), []int{16}
 }
 
 func (x *CancelRunResponse) GetRun() *Run {
@@ -1583,12 +1659,18 @@ const file_curfew_orchestrator_v1_orchestrator_proto_rawDesc = "" +
 	"\x04task\x18\x10 \x01(\tR\x04task\x12'\n" +
 	"\x0fidempotency_key\x18\x11 \x01(\tR\x0eidempotencyKey\x12\x14\n" +
 	"\x05epoch\x18\x12 \x01(\x03R\x05epoch\x126\n" +
-	"\x05input\x18\x13 \x01(\v2 .curfew.orchestrator.v1.RunInputR\x05input\"~\n" +
+	"\x05input\x18\x13 \x01(\v2 .curfew.orchestrator.v1.RunInputR\x05input\"\xbf\x01\n" +
 	"\aMessage\x127\n" +
 	"\x04role\x18\x01 \x01(\x0e2#.curfew.orchestrator.v1.MessageRoleR\x04role\x12\x18\n" +
 	"\acontent\x18\x02 \x01(\tR\acontent\x12 \n" +
 	"\ftool_call_id\x18\x03 \x01(\tR\n" +
-	"toolCallId\"\xe1\x02\n" +
+	"toolCallId\x12?\n" +
+	"\n" +
+	"tool_calls\x18\x04 \x03(\v2 .curfew.orchestrator.v1.ToolCallR\ttoolCalls\"U\n" +
+	"\bToolCall\x12\x0e\n" +
+	"\x02id\x18\x01 \x01(\tR\x02id\x12\x12\n" +
+	"\x04name\x18\x02 \x01(\tR\x04name\x12%\n" +
+	"\x0earguments_json\x18\x03 \x01(\tR\rargumentsJson\"\xe1\x02\n" +
 	"\bRunInput\x12;\n" +
 	"\bmessages\x18\x01 \x03(\v2\x1f.curfew.orchestrator.v1.MessageR\bmessages\x12\x1d\n" +
 	"\n" +
@@ -1714,80 +1796,82 @@ func file_curfew_orchestrator_v1_orchestrator_proto_rawDescGZIP() []byte {
 }
 
 var file_curfew_orchestrator_v1_orchestrator_proto_enumTypes = make([]protoimpl.EnumInfo, 3)
-var file_curfew_orchestrator_v1_orchestrator_proto_msgTypes = make([]protoimpl.MessageInfo, 16)
+var file_curfew_orchestrator_v1_orchestrator_proto_msgTypes = make([]protoimpl.MessageInfo, 17)
 var file_curfew_orchestrator_v1_orchestrator_proto_goTypes = []any{
 	(RunStatus)(0),                // 0: curfew.orchestrator.v1.RunStatus
 	(MessageRole)(0),              // 1: curfew.orchestrator.v1.MessageRole
 	(ToolErrors)(0),               // 2: curfew.orchestrator.v1.ToolErrors
 	(*Run)(nil),                   // 3: curfew.orchestrator.v1.Run
 	(*Message)(nil),               // 4: curfew.orchestrator.v1.Message
-	(*RunInput)(nil),              // 5: curfew.orchestrator.v1.RunInput
-	(*RunRequest)(nil),            // 6: curfew.orchestrator.v1.RunRequest
-	(*RunStarted)(nil),            // 7: curfew.orchestrator.v1.RunStarted
-	(*RunResponse)(nil),           // 8: curfew.orchestrator.v1.RunResponse
-	(*StartRunRequest)(nil),       // 9: curfew.orchestrator.v1.StartRunRequest
-	(*StartRunResponse)(nil),      // 10: curfew.orchestrator.v1.StartRunResponse
-	(*WatchRunRequest)(nil),       // 11: curfew.orchestrator.v1.WatchRunRequest
-	(*WatchRunResponse)(nil),      // 12: curfew.orchestrator.v1.WatchRunResponse
-	(*GetRunRequest)(nil),         // 13: curfew.orchestrator.v1.GetRunRequest
-	(*GetRunResponse)(nil),        // 14: curfew.orchestrator.v1.GetRunResponse
-	(*ListRunsRequest)(nil),       // 15: curfew.orchestrator.v1.ListRunsRequest
-	(*ListRunsResponse)(nil),      // 16: curfew.orchestrator.v1.ListRunsResponse
-	(*CancelRunRequest)(nil),      // 17: curfew.orchestrator.v1.CancelRunRequest
-	(*CancelRunResponse)(nil),     // 18: curfew.orchestrator.v1.CancelRunResponse
-	(v1.CancelCause)(0),           // 19: curfew.mesh.v1.CancelCause
-	(*timestamppb.Timestamp)(nil), // 20: google.protobuf.Timestamp
-	(*v1.Node)(nil),               // 21: curfew.mesh.v1.Node
-	(*v1.NodeEvent)(nil),          // 22: curfew.mesh.v1.NodeEvent
-	(*durationpb.Duration)(nil),   // 23: google.protobuf.Duration
+	(*ToolCall)(nil),              // 5: curfew.orchestrator.v1.ToolCall
+	(*RunInput)(nil),              // 6: curfew.orchestrator.v1.RunInput
+	(*RunRequest)(nil),            // 7: curfew.orchestrator.v1.RunRequest
+	(*RunStarted)(nil),            // 8: curfew.orchestrator.v1.RunStarted
+	(*RunResponse)(nil),           // 9: curfew.orchestrator.v1.RunResponse
+	(*StartRunRequest)(nil),       // 10: curfew.orchestrator.v1.StartRunRequest
+	(*StartRunResponse)(nil),      // 11: curfew.orchestrator.v1.StartRunResponse
+	(*WatchRunRequest)(nil),       // 12: curfew.orchestrator.v1.WatchRunRequest
+	(*WatchRunResponse)(nil),      // 13: curfew.orchestrator.v1.WatchRunResponse
+	(*GetRunRequest)(nil),         // 14: curfew.orchestrator.v1.GetRunRequest
+	(*GetRunResponse)(nil),        // 15: curfew.orchestrator.v1.GetRunResponse
+	(*ListRunsRequest)(nil),       // 16: curfew.orchestrator.v1.ListRunsRequest
+	(*ListRunsResponse)(nil),      // 17: curfew.orchestrator.v1.ListRunsResponse
+	(*CancelRunRequest)(nil),      // 18: curfew.orchestrator.v1.CancelRunRequest
+	(*CancelRunResponse)(nil),     // 19: curfew.orchestrator.v1.CancelRunResponse
+	(v1.CancelCause)(0),           // 20: curfew.mesh.v1.CancelCause
+	(*timestamppb.Timestamp)(nil), // 21: google.protobuf.Timestamp
+	(*v1.Node)(nil),               // 22: curfew.mesh.v1.Node
+	(*v1.NodeEvent)(nil),          // 23: curfew.mesh.v1.NodeEvent
+	(*durationpb.Duration)(nil),   // 24: google.protobuf.Duration
 }
 var file_curfew_orchestrator_v1_orchestrator_proto_depIdxs = []int32{
 	0,  // 0: curfew.orchestrator.v1.Run.status:type_name -> curfew.orchestrator.v1.RunStatus
-	19, // 1: curfew.orchestrator.v1.Run.cause:type_name -> curfew.mesh.v1.CancelCause
-	20, // 2: curfew.orchestrator.v1.Run.deadline:type_name -> google.protobuf.Timestamp
-	20, // 3: curfew.orchestrator.v1.Run.created_at:type_name -> google.protobuf.Timestamp
-	20, // 4: curfew.orchestrator.v1.Run.ended_at:type_name -> google.protobuf.Timestamp
-	20, // 5: curfew.orchestrator.v1.Run.cancelled_at:type_name -> google.protobuf.Timestamp
-	21, // 6: curfew.orchestrator.v1.Run.nodes:type_name -> curfew.mesh.v1.Node
-	5,  // 7: curfew.orchestrator.v1.Run.input:type_name -> curfew.orchestrator.v1.RunInput
+	20, // 1: curfew.orchestrator.v1.Run.cause:type_name -> curfew.mesh.v1.CancelCause
+	21, // 2: curfew.orchestrator.v1.Run.deadline:type_name -> google.protobuf.Timestamp
+	21, // 3: curfew.orchestrator.v1.Run.created_at:type_name -> google.protobuf.Timestamp
+	21, // 4: curfew.orchestrator.v1.Run.ended_at:type_name -> google.protobuf.Timestamp
+	21, // 5: curfew.orchestrator.v1.Run.cancelled_at:type_name -> google.protobuf.Timestamp
+	22, // 6: curfew.orchestrator.v1.Run.nodes:type_name -> curfew.mesh.v1.Node
+	6,  // 7: curfew.orchestrator.v1.Run.input:type_name -> curfew.orchestrator.v1.RunInput
 	1,  // 8: curfew.orchestrator.v1.Message.role:type_name -> curfew.orchestrator.v1.MessageRole
-	4,  // 9: curfew.orchestrator.v1.RunInput.messages:type_name -> curfew.orchestrator.v1.Message
-	2,  // 10: curfew.orchestrator.v1.RunInput.tool_errors:type_name -> curfew.orchestrator.v1.ToolErrors
-	4,  // 11: curfew.orchestrator.v1.RunRequest.messages:type_name -> curfew.orchestrator.v1.Message
-	2,  // 12: curfew.orchestrator.v1.RunRequest.tool_errors:type_name -> curfew.orchestrator.v1.ToolErrors
-	20, // 13: curfew.orchestrator.v1.RunStarted.deadline:type_name -> google.protobuf.Timestamp
-	7,  // 14: curfew.orchestrator.v1.RunResponse.started:type_name -> curfew.orchestrator.v1.RunStarted
-	21, // 15: curfew.orchestrator.v1.RunResponse.node:type_name -> curfew.mesh.v1.Node
-	3,  // 16: curfew.orchestrator.v1.RunResponse.finished:type_name -> curfew.orchestrator.v1.Run
-	22, // 17: curfew.orchestrator.v1.RunResponse.node_event:type_name -> curfew.mesh.v1.NodeEvent
-	23, // 18: curfew.orchestrator.v1.StartRunRequest.timeout:type_name -> google.protobuf.Duration
-	4,  // 19: curfew.orchestrator.v1.StartRunRequest.messages:type_name -> curfew.orchestrator.v1.Message
-	2,  // 20: curfew.orchestrator.v1.StartRunRequest.tool_errors:type_name -> curfew.orchestrator.v1.ToolErrors
-	3,  // 21: curfew.orchestrator.v1.StartRunResponse.run:type_name -> curfew.orchestrator.v1.Run
-	7,  // 22: curfew.orchestrator.v1.WatchRunResponse.started:type_name -> curfew.orchestrator.v1.RunStarted
-	21, // 23: curfew.orchestrator.v1.WatchRunResponse.node:type_name -> curfew.mesh.v1.Node
-	3,  // 24: curfew.orchestrator.v1.WatchRunResponse.finished:type_name -> curfew.orchestrator.v1.Run
-	22, // 25: curfew.orchestrator.v1.WatchRunResponse.node_event:type_name -> curfew.mesh.v1.NodeEvent
-	3,  // 26: curfew.orchestrator.v1.GetRunResponse.run:type_name -> curfew.orchestrator.v1.Run
-	3,  // 27: curfew.orchestrator.v1.ListRunsResponse.runs:type_name -> curfew.orchestrator.v1.Run
-	3,  // 28: curfew.orchestrator.v1.CancelRunResponse.run:type_name -> curfew.orchestrator.v1.Run
-	6,  // 29: curfew.orchestrator.v1.OrchestratorService.Run:input_type -> curfew.orchestrator.v1.RunRequest
-	9,  // 30: curfew.orchestrator.v1.OrchestratorService.StartRun:input_type -> curfew.orchestrator.v1.StartRunRequest
-	11, // 31: curfew.orchestrator.v1.OrchestratorService.WatchRun:input_type -> curfew.orchestrator.v1.WatchRunRequest
-	13, // 32: curfew.orchestrator.v1.OrchestratorService.GetRun:input_type -> curfew.orchestrator.v1.GetRunRequest
-	15, // 33: curfew.orchestrator.v1.OrchestratorService.ListRuns:input_type -> curfew.orchestrator.v1.ListRunsRequest
-	17, // 34: curfew.orchestrator.v1.OrchestratorService.CancelRun:input_type -> curfew.orchestrator.v1.CancelRunRequest
-	8,  // 35: curfew.orchestrator.v1.OrchestratorService.Run:output_type -> curfew.orchestrator.v1.RunResponse
-	10, // 36: curfew.orchestrator.v1.OrchestratorService.StartRun:output_type -> curfew.orchestrator.v1.StartRunResponse
-	12, // 37: curfew.orchestrator.v1.OrchestratorService.WatchRun:output_type -> curfew.orchestrator.v1.WatchRunResponse
-	14, // 38: curfew.orchestrator.v1.OrchestratorService.GetRun:output_type -> curfew.orchestrator.v1.GetRunResponse
-	16, // 39: curfew.orchestrator.v1.OrchestratorService.ListRuns:output_type -> curfew.orchestrator.v1.ListRunsResponse
-	18, // 40: curfew.orchestrator.v1.OrchestratorService.CancelRun:output_type -> curfew.orchestrator.v1.CancelRunResponse
-	35, // [35:41] is the sub-list for method output_type
-	29, // [29:35] is the sub-list for method input_type
-	29, // [29:29] is the sub-list for extension type_name
-	29, // [29:29] is the sub-list for extension extendee
-	0,  // [0:29] is the sub-list for field type_name
+	5,  // 9: curfew.orchestrator.v1.Message.tool_calls:type_name -> curfew.orchestrator.v1.ToolCall
+	4,  // 10: curfew.orchestrator.v1.RunInput.messages:type_name -> curfew.orchestrator.v1.Message
+	2,  // 11: curfew.orchestrator.v1.RunInput.tool_errors:type_name -> curfew.orchestrator.v1.ToolErrors
+	4,  // 12: curfew.orchestrator.v1.RunRequest.messages:type_name -> curfew.orchestrator.v1.Message
+	2,  // 13: curfew.orchestrator.v1.RunRequest.tool_errors:type_name -> curfew.orchestrator.v1.ToolErrors
+	21, // 14: curfew.orchestrator.v1.RunStarted.deadline:type_name -> google.protobuf.Timestamp
+	8,  // 15: curfew.orchestrator.v1.RunResponse.started:type_name -> curfew.orchestrator.v1.RunStarted
+	22, // 16: curfew.orchestrator.v1.RunResponse.node:type_name -> curfew.mesh.v1.Node
+	3,  // 17: curfew.orchestrator.v1.RunResponse.finished:type_name -> curfew.orchestrator.v1.Run
+	23, // 18: curfew.orchestrator.v1.RunResponse.node_event:type_name -> curfew.mesh.v1.NodeEvent
+	24, // 19: curfew.orchestrator.v1.StartRunRequest.timeout:type_name -> google.protobuf.Duration
+	4,  // 20: curfew.orchestrator.v1.StartRunRequest.messages:type_name -> curfew.orchestrator.v1.Message
+	2,  // 21: curfew.orchestrator.v1.StartRunRequest.tool_errors:type_name -> curfew.orchestrator.v1.ToolErrors
+	3,  // 22: curfew.orchestrator.v1.StartRunResponse.run:type_name -> curfew.orchestrator.v1.Run
+	8,  // 23: curfew.orchestrator.v1.WatchRunResponse.started:type_name -> curfew.orchestrator.v1.RunStarted
+	22, // 24: curfew.orchestrator.v1.WatchRunResponse.node:type_name -> curfew.mesh.v1.Node
+	3,  // 25: curfew.orchestrator.v1.WatchRunResponse.finished:type_name -> curfew.orchestrator.v1.Run
+	23, // 26: curfew.orchestrator.v1.WatchRunResponse.node_event:type_name -> curfew.mesh.v1.NodeEvent
+	3,  // 27: curfew.orchestrator.v1.GetRunResponse.run:type_name -> curfew.orchestrator.v1.Run
+	3,  // 28: curfew.orchestrator.v1.ListRunsResponse.runs:type_name -> curfew.orchestrator.v1.Run
+	3,  // 29: curfew.orchestrator.v1.CancelRunResponse.run:type_name -> curfew.orchestrator.v1.Run
+	7,  // 30: curfew.orchestrator.v1.OrchestratorService.Run:input_type -> curfew.orchestrator.v1.RunRequest
+	10, // 31: curfew.orchestrator.v1.OrchestratorService.StartRun:input_type -> curfew.orchestrator.v1.StartRunRequest
+	12, // 32: curfew.orchestrator.v1.OrchestratorService.WatchRun:input_type -> curfew.orchestrator.v1.WatchRunRequest
+	14, // 33: curfew.orchestrator.v1.OrchestratorService.GetRun:input_type -> curfew.orchestrator.v1.GetRunRequest
+	16, // 34: curfew.orchestrator.v1.OrchestratorService.ListRuns:input_type -> curfew.orchestrator.v1.ListRunsRequest
+	18, // 35: curfew.orchestrator.v1.OrchestratorService.CancelRun:input_type -> curfew.orchestrator.v1.CancelRunRequest
+	9,  // 36: curfew.orchestrator.v1.OrchestratorService.Run:output_type -> curfew.orchestrator.v1.RunResponse
+	11, // 37: curfew.orchestrator.v1.OrchestratorService.StartRun:output_type -> curfew.orchestrator.v1.StartRunResponse
+	13, // 38: curfew.orchestrator.v1.OrchestratorService.WatchRun:output_type -> curfew.orchestrator.v1.WatchRunResponse
+	15, // 39: curfew.orchestrator.v1.OrchestratorService.GetRun:output_type -> curfew.orchestrator.v1.GetRunResponse
+	17, // 40: curfew.orchestrator.v1.OrchestratorService.ListRuns:output_type -> curfew.orchestrator.v1.ListRunsResponse
+	19, // 41: curfew.orchestrator.v1.OrchestratorService.CancelRun:output_type -> curfew.orchestrator.v1.CancelRunResponse
+	36, // [36:42] is the sub-list for method output_type
+	30, // [30:36] is the sub-list for method input_type
+	30, // [30:30] is the sub-list for extension type_name
+	30, // [30:30] is the sub-list for extension extendee
+	0,  // [0:30] is the sub-list for field type_name
 }
 
 func init() { file_curfew_orchestrator_v1_orchestrator_proto_init() }
@@ -1795,16 +1879,16 @@ func file_curfew_orchestrator_v1_orchestrator_proto_init() {
 	if File_curfew_orchestrator_v1_orchestrator_proto != nil {
 		return
 	}
-	file_curfew_orchestrator_v1_orchestrator_proto_msgTypes[2].OneofWrappers = []any{}
 	file_curfew_orchestrator_v1_orchestrator_proto_msgTypes[3].OneofWrappers = []any{}
-	file_curfew_orchestrator_v1_orchestrator_proto_msgTypes[5].OneofWrappers = []any{
+	file_curfew_orchestrator_v1_orchestrator_proto_msgTypes[4].OneofWrappers = []any{}
+	file_curfew_orchestrator_v1_orchestrator_proto_msgTypes[6].OneofWrappers = []any{
 		(*RunResponse_Started)(nil),
 		(*RunResponse_Node)(nil),
 		(*RunResponse_Finished)(nil),
 		(*RunResponse_NodeEvent)(nil),
 	}
-	file_curfew_orchestrator_v1_orchestrator_proto_msgTypes[6].OneofWrappers = []any{}
-	file_curfew_orchestrator_v1_orchestrator_proto_msgTypes[9].OneofWrappers = []any{
+	file_curfew_orchestrator_v1_orchestrator_proto_msgTypes[7].OneofWrappers = []any{}
+	file_curfew_orchestrator_v1_orchestrator_proto_msgTypes[10].OneofWrappers = []any{
 		(*WatchRunResponse_Started)(nil),
 		(*WatchRunResponse_Node)(nil),
 		(*WatchRunResponse_Finished)(nil),
@@ -1816,7 +1900,7 @@ func file_curfew_orchestrator_v1_orchestrator_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_curfew_orchestrator_v1_orchestrator_proto_rawDesc), len(file_curfew_orchestrator_v1_orchestrator_proto_rawDesc)),
 			NumEnums:      3,
-			NumMessages:   16,
+			NumMessages:   17,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

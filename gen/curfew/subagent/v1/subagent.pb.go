@@ -22,6 +22,60 @@ const (
 	_ = protoimpl.EnforceVersion(protoimpl.MaxVersion - 20)
 )
 
+// ToolErrors says what a failed tool call does to a nested loop; the values mean what
+// curfew.orchestrator.v1.ToolErrors's do for a run.
+type ToolErrors int32
+
+const (
+	// TOOL_ERRORS_TO_MODEL.
+	ToolErrors_TOOL_ERRORS_UNSPECIFIED ToolErrors = 0
+	// The error goes back to the model as the tool's result, and the loop goes on.
+	ToolErrors_TOOL_ERRORS_TO_MODEL ToolErrors = 1
+	// The first failed tool call fails the nested loop, and with it its caller's call.
+	ToolErrors_TOOL_ERRORS_FAIL_RUN ToolErrors = 2
+)
+
+// Enum value maps for ToolErrors.
+var (
+	ToolErrors_name = map[int32]string{
+		0: "TOOL_ERRORS_UNSPECIFIED",
+		1: "TOOL_ERRORS_TO_MODEL",
+		2: "TOOL_ERRORS_FAIL_RUN",
+	}
+	ToolErrors_value = map[string]int32{
+		"TOOL_ERRORS_UNSPECIFIED": 0,
+		"TOOL_ERRORS_TO_MODEL":    1,
+		"TOOL_ERRORS_FAIL_RUN":    2,
+	}
+)
+
+func (x ToolErrors) Enum() *ToolErrors {
+	p := new(ToolErrors)
+	*p = x
+	return p
+}
+
+func (x ToolErrors) String() string {
+	return protoimpl.X.EnumStringOf(x.Descriptor(), protoreflect.EnumNumber(x))
+}
+
+func (ToolErrors) Descriptor() protoreflect.EnumDescriptor {
+	return file_curfew_subagent_v1_subagent_proto_enumTypes[0].Descriptor()
+}
+
+func (ToolErrors) Type() protoreflect.EnumType {
+	return &file_curfew_subagent_v1_subagent_proto_enumTypes[0]
+}
+
+func (x ToolErrors) Number() protoreflect.EnumNumber {
+	return protoreflect.EnumNumber(x)
+}
+
+// Deprecated: Use ToolErrors.Descriptor instead.
+func (ToolErrors) EnumDescriptor() ([]byte, []int) {
+	return file_curfew_subagent_v1_subagent_proto_rawDescGZIP(), []int{0}
+}
+
 // SpawnRequest runs a nested agent loop under the caller's deadline and node path.
 type SpawnRequest struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
@@ -39,7 +93,11 @@ type SpawnRequest struct {
 	// left ("0.2") that it keeps for its final answer; its tools and subagents run under its
 	// deadline minus it (docs/reserve.md). Empty means none. The nested loop's deadline is
 	// the call's, which the caller's loop has already shortened by the caller's reserve.
-	Reserve       string `protobuf:"bytes,5,opt,name=reserve,proto3" json:"reserve,omitempty"`
+	Reserve string `protobuf:"bytes,5,opt,name=reserve,proto3" json:"reserve,omitempty"`
+	// What a failed tool call of the nested loop does: the run's policy (its caller's
+	// loop's), which toolrunner's spawn_subagent learns from the call's curfew-tool-errors
+	// header. Unspecified is TOOL_ERRORS_TO_MODEL.
+	ToolErrors    ToolErrors `protobuf:"varint,6,opt,name=tool_errors,json=toolErrors,proto3,enum=curfew.subagent.v1.ToolErrors" json:"tool_errors,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -107,6 +165,13 @@ func (x *SpawnRequest) GetReserve() string {
 		return x.Reserve
 	}
 	return ""
+}
+
+func (x *SpawnRequest) GetToolErrors() ToolErrors {
+	if x != nil {
+		return x.ToolErrors
+	}
+	return ToolErrors_TOOL_ERRORS_UNSPECIFIED
 }
 
 // SpawnResult is the nested loop's answer.
@@ -268,14 +333,16 @@ var File_curfew_subagent_v1_subagent_proto protoreflect.FileDescriptor
 
 const file_curfew_subagent_v1_subagent_proto_rawDesc = "" +
 	"\n" +
-	"!curfew/subagent/v1/subagent.proto\x12\x12curfew.subagent.v1\x1a\x19curfew/mesh/v1/mesh.proto\"\x87\x01\n" +
+	"!curfew/subagent/v1/subagent.proto\x12\x12curfew.subagent.v1\x1a\x19curfew/mesh/v1/mesh.proto\"\xc8\x01\n" +
 	"\fSpawnRequest\x12\x12\n" +
 	"\x04task\x18\x01 \x01(\tR\x04task\x12\x14\n" +
 	"\x05model\x18\x02 \x01(\tR\x05model\x12\x14\n" +
 	"\x05tools\x18\x03 \x03(\tR\x05tools\x12\x1d\n" +
 	"\n" +
 	"max_tokens\x18\x04 \x01(\x05R\tmaxTokens\x12\x18\n" +
-	"\areserve\x18\x05 \x01(\tR\areserve\"?\n" +
+	"\areserve\x18\x05 \x01(\tR\areserve\x12?\n" +
+	"\vtool_errors\x18\x06 \x01(\x0e2\x1e.curfew.subagent.v1.ToolErrorsR\n" +
+	"toolErrors\"?\n" +
 	"\vSpawnResult\x12\x16\n" +
 	"\x06answer\x18\x01 \x01(\tR\x06answer\x12\x18\n" +
 	"\apartial\x18\x02 \x01(\bR\apartial\"\xbb\x01\n" +
@@ -284,7 +351,12 @@ const file_curfew_subagent_v1_subagent_proto_rawDesc = "" +
 	"\x06result\x18\x02 \x01(\v2\x1f.curfew.subagent.v1.SpawnResultH\x00R\x06result\x12:\n" +
 	"\n" +
 	"node_event\x18\x03 \x01(\v2\x19.curfew.mesh.v1.NodeEventH\x00R\tnodeEventB\a\n" +
-	"\x05event2a\n" +
+	"\x05event*]\n" +
+	"\n" +
+	"ToolErrors\x12\x1b\n" +
+	"\x17TOOL_ERRORS_UNSPECIFIED\x10\x00\x12\x18\n" +
+	"\x14TOOL_ERRORS_TO_MODEL\x10\x01\x12\x18\n" +
+	"\x14TOOL_ERRORS_FAIL_RUN\x10\x022a\n" +
 	"\x0fSubagentService\x12N\n" +
 	"\x05Spawn\x12 .curfew.subagent.v1.SpawnRequest\x1a!.curfew.subagent.v1.SpawnResponse0\x01B\xd2\x01\n" +
 	"\x16com.curfew.subagent.v1B\rSubagentProtoP\x01Z?github.com/curfew-mesh/curfew/gen/curfew/subagent/v1;subagentv1\xa2\x02\x03CSX\xaa\x02\x12Curfew.Subagent.V1\xca\x02\x12Curfew\\Subagent\\V1\xe2\x02\x1eCurfew\\Subagent\\V1\\GPBMetadata\xea\x02\x14Curfew::Subagent::V1b\x06proto3"
@@ -301,25 +373,28 @@ func file_curfew_subagent_v1_subagent_proto_rawDescGZIP() []byte {
 	return file_curfew_subagent_v1_subagent_proto_rawDescData
 }
 
+var file_curfew_subagent_v1_subagent_proto_enumTypes = make([]protoimpl.EnumInfo, 1)
 var file_curfew_subagent_v1_subagent_proto_msgTypes = make([]protoimpl.MessageInfo, 3)
 var file_curfew_subagent_v1_subagent_proto_goTypes = []any{
-	(*SpawnRequest)(nil),  // 0: curfew.subagent.v1.SpawnRequest
-	(*SpawnResult)(nil),   // 1: curfew.subagent.v1.SpawnResult
-	(*SpawnResponse)(nil), // 2: curfew.subagent.v1.SpawnResponse
-	(*v1.Node)(nil),       // 3: curfew.mesh.v1.Node
-	(*v1.NodeEvent)(nil),  // 4: curfew.mesh.v1.NodeEvent
+	(ToolErrors)(0),       // 0: curfew.subagent.v1.ToolErrors
+	(*SpawnRequest)(nil),  // 1: curfew.subagent.v1.SpawnRequest
+	(*SpawnResult)(nil),   // 2: curfew.subagent.v1.SpawnResult
+	(*SpawnResponse)(nil), // 3: curfew.subagent.v1.SpawnResponse
+	(*v1.Node)(nil),       // 4: curfew.mesh.v1.Node
+	(*v1.NodeEvent)(nil),  // 5: curfew.mesh.v1.NodeEvent
 }
 var file_curfew_subagent_v1_subagent_proto_depIdxs = []int32{
-	3, // 0: curfew.subagent.v1.SpawnResponse.node:type_name -> curfew.mesh.v1.Node
-	1, // 1: curfew.subagent.v1.SpawnResponse.result:type_name -> curfew.subagent.v1.SpawnResult
-	4, // 2: curfew.subagent.v1.SpawnResponse.node_event:type_name -> curfew.mesh.v1.NodeEvent
-	0, // 3: curfew.subagent.v1.SubagentService.Spawn:input_type -> curfew.subagent.v1.SpawnRequest
-	2, // 4: curfew.subagent.v1.SubagentService.Spawn:output_type -> curfew.subagent.v1.SpawnResponse
-	4, // [4:5] is the sub-list for method output_type
-	3, // [3:4] is the sub-list for method input_type
-	3, // [3:3] is the sub-list for extension type_name
-	3, // [3:3] is the sub-list for extension extendee
-	0, // [0:3] is the sub-list for field type_name
+	0, // 0: curfew.subagent.v1.SpawnRequest.tool_errors:type_name -> curfew.subagent.v1.ToolErrors
+	4, // 1: curfew.subagent.v1.SpawnResponse.node:type_name -> curfew.mesh.v1.Node
+	2, // 2: curfew.subagent.v1.SpawnResponse.result:type_name -> curfew.subagent.v1.SpawnResult
+	5, // 3: curfew.subagent.v1.SpawnResponse.node_event:type_name -> curfew.mesh.v1.NodeEvent
+	1, // 4: curfew.subagent.v1.SubagentService.Spawn:input_type -> curfew.subagent.v1.SpawnRequest
+	3, // 5: curfew.subagent.v1.SubagentService.Spawn:output_type -> curfew.subagent.v1.SpawnResponse
+	5, // [5:6] is the sub-list for method output_type
+	4, // [4:5] is the sub-list for method input_type
+	4, // [4:4] is the sub-list for extension type_name
+	4, // [4:4] is the sub-list for extension extendee
+	0, // [0:4] is the sub-list for field type_name
 }
 
 func init() { file_curfew_subagent_v1_subagent_proto_init() }
@@ -337,13 +412,14 @@ func file_curfew_subagent_v1_subagent_proto_init() {
 		File: protoimpl.DescBuilder{
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_curfew_subagent_v1_subagent_proto_rawDesc), len(file_curfew_subagent_v1_subagent_proto_rawDesc)),
-			NumEnums:      0,
+			NumEnums:      1,
 			NumMessages:   3,
 			NumExtensions: 0,
 			NumServices:   1,
 		},
 		GoTypes:           file_curfew_subagent_v1_subagent_proto_goTypes,
 		DependencyIndexes: file_curfew_subagent_v1_subagent_proto_depIdxs,
+		EnumInfos:         file_curfew_subagent_v1_subagent_proto_enumTypes,
 		MessageInfos:      file_curfew_subagent_v1_subagent_proto_msgTypes,
 	}.Build()
 	File_curfew_subagent_v1_subagent_proto = out.File

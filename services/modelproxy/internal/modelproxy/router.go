@@ -196,6 +196,20 @@ func (r *Router) Models() []string {
 	return out
 }
 
+// Aliases returns the aliases of the providers file, each with the first target of its
+// chain (the one that answers while healthy).
+func (r *Router) Aliases() map[string]Target {
+	out := make(map[string]Target, len(r.file.Models))
+	for a, cfg := range r.file.Models {
+		var first Target
+		if len(cfg.Chain) > 0 {
+			first, _ = ParseTarget(cfg.Chain[0]) // validated
+		}
+		out[a] = first
+	}
+	return out
+}
+
 // chainRoute is a model name the router resolved: its fallback chain.
 type chainRoute struct {
 	r       *Router

@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"log/slog"
+	"slices"
 	"strings"
 	"sync"
 	"testing"
@@ -450,5 +451,25 @@ func TestFallbackReasonsAndCacheableAlias(t *testing.T) {
 	}
 	if got := pe.up["backup"].Count(); got != 1 {
 		t.Fatalf("backup saw %d requests, want 1", got)
+	}
+}
+
+// ListModels answers sim and the file's aliases by name, each with its chain's first
+// provider and model; the provider/model names are served but not listed.
+func TestListModelsListsTheAliases(t *testing.T) {
+	pe := newProviderEnv(t, `{"providers": [
+	    {"name": "primary", "base_url": "{primary}", "models": ["big"]},
+	    {"name": "backup", "base_url": "{backup}", "models": ["big", "small"]}],
+	  "models": {"smart": {"chain": ["primary/big", "backup/big"]}, "fast": {"chain": ["backup/small"]}}}`, "primary", "backup")
+	resp, err := pe.model.ListModels(context.Background(), &modelproxyv1.ListModelsRequest{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var got []string
+	for _, m := range resp.GetModels() {
+		got = append(got, m.GetName()+"="+m.GetProvider()+"/"+m.GetProviderModel())
+	}
+	if want := []string{"sim=/", "fast=backup/small", "smart=primary/big"}; !slices.Equal(got, want) {
+		t.Errorf("ListModels = %v, want %v", got, want)
 	}
 }

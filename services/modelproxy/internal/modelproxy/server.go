@@ -3,6 +3,7 @@ package modelproxy
 import (
 	"context"
 	"log/slog"
+	"maps"
 	"slices"
 	"strings"
 	"time"
@@ -201,6 +202,25 @@ func orUnattributed(id string) string {
 		return unattributed
 	}
 	return id
+}
+
+// ListModels lists sim and the aliases of the route table, by name, each with its chain's
+// first provider and model. The names of the form provider/model, served too, are not
+// listed: they are the file's plumbing, the aliases its interface.
+func (s *Server) ListModels(context.Context, *modelproxyv1.ListModelsRequest) (*modelproxyv1.ListModelsResponse, error) {
+	resp := &modelproxyv1.ListModelsResponse{Models: []*modelproxyv1.ModelInfo{{Name: SimModel}}}
+	if s.Router == nil {
+		return resp, nil
+	}
+	aliases := s.Router.Aliases()
+	for _, a := range slices.Sorted(maps.Keys(aliases)) {
+		if a == SimModel {
+			continue // sim is always the built-in model (resolve)
+		}
+		t := aliases[a]
+		resp.Models = append(resp.Models, &modelproxyv1.ModelInfo{Name: a, Provider: t.Provider, ProviderModel: t.Model})
+	}
+	return resp, nil
 }
 
 // models lists the model names served, sim first.

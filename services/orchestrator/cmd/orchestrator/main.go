@@ -28,6 +28,7 @@ import (
 	"github.com/curfew-mesh/curfew/mesh/store/memory"
 	_ "github.com/curfew-mesh/curfew/mesh/store/postgres" // postgres:// DSNs
 	_ "github.com/curfew-mesh/curfew/mesh/store/sqlite"   // SQLite paths
+	"github.com/curfew-mesh/curfew/services/orchestrator/internal/openaiapi"
 	"github.com/curfew-mesh/curfew/services/orchestrator/internal/orchestrator"
 	"github.com/google/uuid"
 	"github.com/nats-io/nats.go"
@@ -57,6 +58,7 @@ func run(args []string) int {
 	heartbeat := fs.Duration("decoder-heartbeat", decoderlease.DefaultPeriod, "longest period between two renewals of a decoder's lease (docs/leases.md); each is renewed at least every third of its call's remaining deadline")
 	decoderTTL := fs.Duration("decoder-lease-ttl", 0, "decoder lease TTL asked of modelproxy; default 3 × --decoder-heartbeat")
 	openaiAddr := fs.String("openai-addr", "", "address of the OpenAI-compatible HTTP API (docs/openai.md): POST /v1/chat/completions and GET /v1/models, each completion a run; off unless set")
+	openaiGrace := fs.Duration("openai-disconnect-grace", openaiapi.DefaultDisconnectGrace, "with --openai-addr: how long a run started with an Idempotency-Key waits, once its last client left, for a retry with the key to attach before it is cancelled (cause client_disconnect)")
 	admissionOff := fs.Bool("admission-off", false, "admit every run at once: no pools, queue, budgets or shedding")
 	if err := service.Parse(fs, args, os.Getenv); err != nil {
 		fmt.Fprintln(os.Stderr, "orchestrator:", err)
@@ -197,11 +199,14 @@ func run(args []string) int {
 		defer closer.Close()
 		reports[name] = r
 	}
+	// One toolrunner client for the loop and the front door, so that both ask the same
+	// toollist.Lister (one cached list per tenant).
+	tools, models := toolrunnerv1.NewToolRunnerServiceClient(tc), modelproxyv1.NewModelProxyServiceClient(mc)
 	srv := orchestrator.New(orchestrator.Config{
 		Loop: agent.Config{
-			Model:      modelproxyv1.NewModelProxyServiceClient(mc),
+			Model:      models,
 			ModelNodes: reports["modelproxy"],
-			Tools:      toolrunnerv1.NewToolRunnerServiceClient(tc),
+			Tools:      tools,
 			ToolNodes:  reports["toolrunner"],
 			ModelName:  *model,
 			// The decoder-lease keeper's renewal warnings go to the service's log.
@@ -238,7 +243,7 @@ func run(args []string) int {
 	rt.OnStop(func() { srv.Shutdown(rt.StopDeadline()) })
 	rt.OnStop(peers.close)
 	if *openaiAddr != "" {
-		closeOpenAI, err := serveOpenAI(ctx, rt, *openaiAddr, *model, toolrunnerv1.NewToolRunnerServiceClient(tc))
+		closeOpenAI, err := serveOpenAI(ctx, rt, openaiapi.Config{DefaultModel: *model, DisconnectGrace: *openaiGrace}, *openaiAddr, guard.Keys, tools, models)
 		if err != nil {
 			fmt.Fprintln(os.Stderr, "orchestrator: --openai-addr:", err)
 			return 2

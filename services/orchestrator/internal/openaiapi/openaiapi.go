@@ -8,6 +8,7 @@ import (
 	"io"
 	"log/slog"
 	"net/http"
+	"slices"
 	"strings"
 	"time"
 
@@ -31,25 +32,39 @@ type Config struct {
 	// Orchestrator is a client of the orchestrator's own gRPC listener (loopback), so
 	// that every call passes its server chain. Required.
 	Orchestrator orchestratorv1.OrchestratorServiceClient
-	// Models are the model aliases GET /v1/models lists, the default first.
-	Models []string
-	// Registered, when set, returns the tool registry's names: a request's tools must be
-	// among them. Nil: tools are passed to the run unchecked.
-	Registered func(context.Context) (map[string]bool, error)
+	// Models, when set, returns the models GET /v1/models lists, for the request's API
+	// key (modelproxy's ListModels, once the key is checked). Its error is a status
+	// (UNAUTHENTICATED for a bad key).
+	Models func(ctx context.Context, apiKey string) ([]Model, error)
+	// DefaultModel is the orchestrator's default model (--model): listed first.
+	DefaultModel string
+	// Registered, when set, returns the names of the registered tools the tenant of the
+	// request's API key may use (toolrunner's ListTools for that tenant): a request's
+	// tools must be among them. Its error is a status (UNAUTHENTICATED for a bad key).
+	// Nil: tools are passed to the run unchecked.
+	Registered func(ctx context.Context, apiKey string) (map[string]bool, error)
+	// DisconnectGrace is how long a keyed run whose clients all left waits for a retry
+	// to attach before it is cancelled (IdempotencyKeyHeader); DefaultDisconnectGrace
+	// when 0.
+	DisconnectGrace time.Duration
 	// Log receives the internal errors a client is not told of; nil: slog.Default().
 	Log *slog.Logger
 }
 
 // Handler serves the OpenAI-compatible API.
 type Handler struct {
-	cfg Config
-	mux *http.ServeMux
+	cfg   Config
+	mux   *http.ServeMux
+	keyed attached // the requests attached to each keyed run
 }
 
 // New returns the handler of cfg.
 func New(cfg Config) *Handler {
 	if cfg.Log == nil {
 		cfg.Log = slog.Default()
+	}
+	if cfg.DisconnectGrace <= 0 {
+		cfg.DisconnectGrace = DefaultDisconnectGrace
 	}
 	h := &Handler{cfg: cfg, mux: http.NewServeMux()}
 	h.mux.HandleFunc("POST /v1/chat/completions", h.completions)
@@ -112,7 +127,20 @@ func authorize(ctx context.Context, w http.ResponseWriter, r *http.Request) (con
 			"missing API key: send Authorization: Bearer <key> (curfew tenant create makes one)")
 		return nil, false
 	}
-	return metadata.AppendToOutgoingContext(ctx, "authorization", "Bearer "+key), true
+	return withKey(metadata.AppendToOutgoingContext(ctx, "authorization", "Bearer "+key), key), true
+}
+
+type keyCtx struct{}
+
+// withKey returns ctx carrying the request's API key, for Config.Registered.
+func withKey(ctx context.Context, key string) context.Context {
+	return context.WithValue(ctx, keyCtx{}, key)
+}
+
+// keyFrom returns the request's API key on ctx (authorize put it there).
+func keyFrom(ctx context.Context) string {
+	k, _ := ctx.Value(keyCtx{}).(string)
+	return k
 }
 
 // deadline applies the request's TimeoutHeader to ctx, and returns it (0 for none).
@@ -130,9 +158,31 @@ func deadline(ctx context.Context, r *http.Request) (context.Context, context.Ca
 	return ctx, cancel, d, nil
 }
 
+// Model is one model GET /v1/models lists: a name a request's model may give.
+type Model struct {
+	// ID is the model's name: sim or an alias of modelproxy's providers file.
+	ID string
+	// OwnedBy is the provider of the alias's chain's first entry; "" is "curfew" (sim).
+	OwnedBy string
+}
+
 func (h *Handler) models(w http.ResponseWriter, r *http.Request) {
-	if _, ok := authorize(r.Context(), w, r); !ok {
+	ctx, ok := authorize(r.Context(), w, r)
+	if !ok {
 		return
+	}
+	w = &answer{ResponseWriter: w}
+	var models []Model
+	if h.cfg.Models != nil {
+		var err error
+		if models, err = h.cfg.Models(ctx, keyFrom(ctx)); err != nil {
+			h.writeStatus(w, err)
+			return
+		}
+	}
+	// The default model first, as OpenAI's clients often take the first.
+	if i := slices.IndexFunc(models, func(m Model) bool { return m.ID == h.cfg.DefaultModel }); i > 0 {
+		models = slices.Concat(models[i:i+1], models[:i], models[i+1:])
 	}
 	type model struct {
 		ID      string `json:"id"`
@@ -144,8 +194,12 @@ func (h *Handler) models(w http.ResponseWriter, r *http.Request) {
 		Object string  `json:"object"`
 		Data   []model `json:"data"`
 	}{Object: "list", Data: []model{}}
-	for _, m := range h.cfg.Models {
-		list.Data = append(list.Data, model{ID: m, Object: "model", OwnedBy: "curfew"})
+	for _, m := range models {
+		owner := m.OwnedBy
+		if owner == "" {
+			owner = "curfew"
+		}
+		list.Data = append(list.Data, model{ID: m.ID, Object: "model", OwnedBy: owner})
 	}
 	writeJSON(w, http.StatusOK, list)
 }
@@ -175,7 +229,9 @@ func (h *Handler) completions(w http.ResponseWriter, r *http.Request) {
 		h.writeStatus(w, err)
 		return
 	}
-	recv, err := h.open(ctx, run, key, timeout)
+	recv, done, err := h.open(ctx, run, key, timeout)
+	// A client that left before the answer was written abandons a keyed run (open).
+	defer func() { done(r.Context().Err() != nil) }()
 	if err != nil {
 		h.writeStatus(w, err)
 		return

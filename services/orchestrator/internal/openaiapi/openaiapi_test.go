@@ -38,8 +38,10 @@ func TestRunRequest(t *testing.T) {
 		"max_tokens": 10, "max_completion_tokens": 20, "temperature": 0.5,
 		"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "object"}}},
 		"tools": [{"type": "function", "function": {"name": "sleep"}}]}`)
-	req.registered = func(context.Context) (map[string]bool, error) { return map[string]bool{"sleep": true}, nil }
-	run, err := req.runRequest(context.Background())
+	req.registered = func(_ context.Context, key string) (map[string]bool, error) {
+		return map[string]bool{"sleep": key == "k1"}, nil
+	}
+	run, err := req.runRequest(withKey(context.Background(), "k1"))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -64,10 +66,12 @@ func TestRunRequest(t *testing.T) {
 
 // What curfew cannot honour is a 400 naming the field.
 func TestRunRequestRejects(t *testing.T) {
-	registry := func(context.Context) (map[string]bool, error) { return map[string]bool{"sleep": true}, nil }
+	registry := func(context.Context, string) (map[string]bool, error) { return map[string]bool{"sleep": true}, nil }
 	for _, c := range []struct{ body, param, msg string }{
 		{`{"messages": []}`, "messages", "at least one"},
-		{`{"messages": [{"role": "tool", "content": "x"}, {"role": "user", "content": "q"}]}`, "messages[0].role", `"tool" is not supported`},
+		{`{"messages": [{"role": "function", "content": "x"}, {"role": "user", "content": "q"}]}`, "messages[0].role", `"function" is not supported`},
+		{`{"messages": [{"role": "assistant", "content": null, "tool_calls": [{"id": "c", "type": "custom", "function": {"name": "x"}}]}, {"role": "user", "content": "q"}]}`,
+			"messages[0].tool_calls[0].type", `"custom" is not supported`},
 		{`{"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]}`, "messages[0].content[0].type", `"image_url" is not supported`},
 		{`{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}]}`, "messages[1].role", "last message"},
 		{`{"messages": [{"role": "user"}]}`, "messages[0].content", "required"},
@@ -84,6 +88,59 @@ func TestRunRequestRejects(t *testing.T) {
 		if !errors.As(err, &br) || br.param != c.param || !strings.Contains(br.msg, c.msg) {
 			t.Errorf("%s: %v, want a bad request of %s with %q", c.body, err, c.param, c.msg)
 		}
+	}
+}
+
+// A prior tool turn in OpenAI's shape (an assistant message with tool_calls and no
+// content, then tool messages) becomes the run's assistant tool calls and tool messages.
+func TestRunRequestPriorToolTurn(t *testing.T) {
+	req := decode(t, `{"model": "fast", "messages": [
+		{"role": "user", "content": "wait"},
+		{"role": "assistant", "content": null, "tool_calls": [{"id": "call_1", "type": "function", "function": {"name": "sleep", "arguments": "{\"ms\": 10}"}}]},
+		{"role": "tool", "tool_call_id": "call_1", "content": "{\"slept_ms\": 10}"},
+		{"role": "user", "content": "and now?"}]}`)
+	run, err := req.runRequest(context.Background())
+	if err != nil {
+		t.Fatal(err)
+	}
+	msgs := run.GetMessages()
+	if len(msgs) != 3 {
+		t.Fatalf("messages %v, want 3", msgs)
+	}
+	a, tm := msgs[1], msgs[2]
+	if a.GetRole() != orchestratorv1.MessageRole_MESSAGE_ROLE_ASSISTANT || a.GetContent() != "" || len(a.GetToolCalls()) != 1 ||
+		a.GetToolCalls()[0].GetId() != "call_1" || a.GetToolCalls()[0].GetName() != "sleep" || a.GetToolCalls()[0].GetArgumentsJson() != `{"ms": 10}` {
+		t.Errorf("the assistant turn: %v", a)
+	}
+	if tm.GetRole() != orchestratorv1.MessageRole_MESSAGE_ROLE_TOOL || tm.GetToolCallId() != "call_1" || tm.GetContent() != `{"slept_ms": 10}` {
+		t.Errorf("the tool turn: %v", tm)
+	}
+}
+
+// The tools rule asks the registry for the tools of the request's key's tenant: a tool
+// another key's tenant may use is refused, and the registry's error is the request's.
+func TestToolsAreTheKeysTenants(t *testing.T) {
+	registry := func(_ context.Context, key string) (map[string]bool, error) {
+		switch key {
+		case "acme-key":
+			return map[string]bool{"sleep": true, "team__secret": true}, nil
+		case "other-key":
+			return map[string]bool{"sleep": true}, nil
+		}
+		return nil, status.Error(codes.Unauthenticated, "invalid API key")
+	}
+	body := `{"messages": [{"role": "user", "content": "q"}], "tools": [{"type": "function", "function": {"name": "team__secret"}}]}`
+	req := decode(t, body)
+	req.registered = registry
+	if run, err := req.runRequest(withKey(context.Background(), "acme-key")); err != nil || len(run.GetTools()) != 1 {
+		t.Errorf("acme's own tool: %v, %v; want it on the run", run, err)
+	}
+	var br *badRequest
+	if _, err := req.runRequest(withKey(context.Background(), "other-key")); !errors.As(err, &br) || br.param != "tools[0].function.name" {
+		t.Errorf("another tenant's tool: %v, want a bad request of tools[0].function.name", err)
+	}
+	if _, err := req.runRequest(withKey(context.Background(), "bad")); status.Code(err) != codes.Unauthenticated {
+		t.Errorf("a bad key: %v, want the registry's UNAUTHENTICATED", err)
 	}
 }
 
@@ -143,5 +200,49 @@ func TestWriteStatus(t *testing.T) {
 		if strings.Contains(rec.Body.String(), "secret") {
 			t.Errorf("%v: the internal detail leaked: %s", c.err, rec.Body)
 		}
+	}
+}
+
+// GET /v1/models answers the models of Config.Models in OpenAI's list shape, the default
+// model first; a key the list refuses is 401 in OpenAI's error shape.
+func TestModels(t *testing.T) {
+	h := New(Config{DefaultModel: "smart", Models: func(_ context.Context, key string) ([]Model, error) {
+		if key != "good" {
+			return nil, status.Error(codes.Unauthenticated, "invalid API key")
+		}
+		return []Model{{ID: "sim"}, {ID: "fast", OwnedBy: "backup"}, {ID: "smart", OwnedBy: "primary"}}, nil
+	}})
+	get := func(key string) *httptest.ResponseRecorder {
+		r := httptest.NewRequest(http.MethodGet, "/v1/models", nil)
+		r.Header.Set("Authorization", "Bearer "+key)
+		w := httptest.NewRecorder()
+		h.ServeHTTP(w, r)
+		return w
+	}
+	w := get("good")
+	var list struct {
+		Object string `json:"object"`
+		Data   []struct {
+			ID      string `json:"id"`
+			Object  string `json:"object"`
+			OwnedBy string `json:"owned_by"`
+		} `json:"data"`
+	}
+	if err := json.Unmarshal(w.Body.Bytes(), &list); err != nil || w.Code != http.StatusOK || list.Object != "list" {
+		t.Fatalf("GET /v1/models: %d %s", w.Code, w.Body)
+	}
+	var got []string
+	for _, m := range list.Data {
+		if m.Object != "model" {
+			t.Errorf("%s: object %q, want model", m.ID, m.Object)
+		}
+		got = append(got, m.ID+"/"+m.OwnedBy)
+	}
+	if want := "smart/primary sim/curfew fast/backup"; strings.Join(got, " ") != want {
+		t.Errorf("models %v, want %s", got, want)
+	}
+	var e apiError
+	if w := get("bad"); w.Code != http.StatusUnauthorized || json.Unmarshal(w.Body.Bytes(), &e) != nil || e.Error.Message == "" {
+		t.Errorf("a bad key: %d %s, want 401 in OpenAI's error shape", w.Code, w.Body)
 	}
 }

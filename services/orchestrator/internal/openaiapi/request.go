@@ -26,13 +26,27 @@ type chatRequest struct {
 	} `json:"stream_options"`
 	N *int `json:"n"`
 
-	// registered is the registry's tool names, for the tools rule.
-	registered func(context.Context) (map[string]bool, error)
+	// registered is the registry's tool names the key's tenant may use, for the tools rule.
+	registered func(ctx context.Context, apiKey string) (map[string]bool, error)
 }
 
 type chatMessage struct {
 	Role    string          `json:"role"`
 	Content json.RawMessage `json:"content"`
+	// On assistant messages: the tools it called.
+	ToolCalls []chatToolCall `json:"tool_calls"`
+	// On tool messages: the call this is the result of.
+	ToolCallID string `json:"tool_call_id"`
+}
+
+// chatToolCall is an assistant message's tool call in OpenAI's shape.
+type chatToolCall struct {
+	ID       string `json:"id"`
+	Type     string `json:"type"`
+	Function struct {
+		Name      string `json:"name"`
+		Arguments string `json:"arguments"`
+	} `json:"function"`
 }
 
 type responseFormat struct {
@@ -56,6 +70,12 @@ func decodeRequest(r io.Reader) (*chatRequest, error) {
 		return nil, invalid("", "the body is not a JSON chat completion request: %v", err)
 	}
 	return &req, nil
+}
+
+// isNull reports whether a message's content is absent or null.
+func isNull(raw json.RawMessage) bool {
+	raw = bytes.TrimSpace(raw)
+	return len(raw) == 0 || bytes.Equal(raw, []byte("null"))
 }
 
 // content returns a message's text: a string, or an array of text parts.
@@ -97,9 +117,13 @@ func (c *chatRequest) runRequest(ctx context.Context) (*orchestratorv1.RunReques
 	}
 	run := &orchestratorv1.RunRequest{Model: c.Model, Temperature: c.Temperature}
 	for i, m := range c.Messages {
-		text, err := m.content(i)
-		if err != nil {
-			return nil, err
+		var text string
+		// An assistant message that called tools may have no content.
+		if callsOnly := m.Role == "assistant" && len(m.ToolCalls) > 0 && isNull(m.Content); !callsOnly {
+			var err error
+			if text, err = m.content(i); err != nil {
+				return nil, err
+			}
 		}
 		var role orchestratorv1.MessageRole
 		switch m.Role {
@@ -109,9 +133,13 @@ func (c *chatRequest) runRequest(ctx context.Context) (*orchestratorv1.RunReques
 			role = orchestratorv1.MessageRole_MESSAGE_ROLE_USER
 		case "assistant":
 			role = orchestratorv1.MessageRole_MESSAGE_ROLE_ASSISTANT
+		case "tool":
+			// A prior tool turn: the result of an earlier assistant message's call (the
+			// orchestrator checks that tool_call_id names one).
+			role = orchestratorv1.MessageRole_MESSAGE_ROLE_TOOL
 		default:
 			return nil, invalid(fmt.Sprintf("messages[%d].role", i),
-				"messages[%d].role: %q is not supported; use system, user or assistant (curfew runs its own tools)", i, m.Role)
+				"messages[%d].role: %q is not supported; use system, user, assistant or tool", i, m.Role)
 		}
 		if i == len(c.Messages)-1 {
 			if role != orchestratorv1.MessageRole_MESSAGE_ROLE_USER {
@@ -120,7 +148,15 @@ func (c *chatRequest) runRequest(ctx context.Context) (*orchestratorv1.RunReques
 			run.Task = text
 			break
 		}
-		run.Messages = append(run.Messages, &orchestratorv1.Message{Role: role, Content: text})
+		msg := &orchestratorv1.Message{Role: role, Content: text, ToolCallId: m.ToolCallID}
+		for j, tc := range m.ToolCalls {
+			if tc.Type != "" && tc.Type != "function" {
+				return nil, invalid(fmt.Sprintf("messages[%d].tool_calls[%d].type", i, j),
+					"messages[%d].tool_calls[%d].type: %q is not supported; only function calls are", i, j, tc.Type)
+			}
+			msg.ToolCalls = append(msg.ToolCalls, &orchestratorv1.ToolCall{Id: tc.ID, Name: tc.Function.Name, ArgumentsJson: tc.Function.Arguments})
+		}
+		run.Messages = append(run.Messages, msg)
 	}
 	switch {
 	case c.MaxCompletionTokens != nil:
@@ -144,7 +180,7 @@ func (c *chatRequest) runRequest(ctx context.Context) (*orchestratorv1.RunReques
 		var known map[string]bool
 		if c.registered != nil {
 			var err error
-			if known, err = c.registered(ctx); err != nil {
+			if known, err = c.registered(ctx, keyFrom(ctx)); err != nil {
 				return nil, err
 			}
 		}

@@ -3,15 +3,18 @@ package orchestrator
 import (
 	"context"
 	"errors"
+	"strings"
 	"sync"
 	"time"
 
+	"google.golang.org/grpc/metadata"
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/types/known/durationpb"
 
 	meshv1 "github.com/curfew-mesh/curfew/gen/curfew/mesh/v1"
 	orchestratorv1 "github.com/curfew-mesh/curfew/gen/curfew/orchestrator/v1"
 	"github.com/curfew-mesh/curfew/mesh/cancel"
+	"github.com/curfew-mesh/curfew/mesh/md"
 )
 
 // Bounds of a run's cancel.
@@ -95,11 +98,17 @@ func (s *Server) cancelHere(ctx context.Context, rn *run, req *orchestratorv1.Ca
 	if rn.ended() {
 		return rn.snapshot(s.shared), nil
 	}
-	s.cfg.Log.InfoContext(ctx, "run cancelled by operator", "run_id", rn.id, "reason", req.GetReason())
+	// A caller whose own client went away says so (md.CancelCause): the run's cause is
+	// then client_disconnect, as for a Run stream that ended.
+	cause, what := cancel.ErrOperator, "run cancelled by operator"
+	if clientLeft(ctx) {
+		cause, what = cancel.ErrClientDisconnect, "run cancelled: its client left"
+	}
+	s.cfg.Log.InfoContext(ctx, what, "run_id", rn.id, "reason", req.GetReason())
 	if rn.orphan {
 		rn.markCancel()
 	} else {
-		rn.cancelWith(cancel.ErrOperator)
+		rn.cancelWith(cause)
 	}
 	select {
 	case <-rn.done:
@@ -107,6 +116,13 @@ func (s *Server) cancelHere(ctx context.Context, rn *run, req *orchestratorv1.Ca
 		return nil, status.FromContextError(ctx.Err()).Err()
 	}
 	return rn.snapshot(s.shared), nil
+}
+
+// clientLeft reports whether the incoming CancelRun says its caller's client went away
+// (md.CancelCause; md.Check admits no other value).
+func clientLeft(ctx context.Context) bool {
+	v := metadata.ValueFromIncomingContext(ctx, md.CancelCause)
+	return len(v) == 1 && strings.TrimSpace(v[0]) == md.CancelCauseClientDisconnect
 }
 
 // broadcast is a run's broadcast (see run.broadcast), on the run's context rctx.

@@ -107,6 +107,9 @@ func forwardedContext(ctx context.Context) context.Context {
 	if auth := metadata.ValueFromIncomingContext(ctx, apikey.Header); len(auth) == 1 {
 		kv = append(kv, apikey.Header, auth[0])
 	}
+	if clientLeft(ctx) {
+		kv = append(kv, md.CancelCause, md.CancelCauseClientDisconnect)
+	}
 	return metadata.AppendToOutgoingContext(ctx, kv...)
 }
 

@@ -1,6 +1,7 @@
 package orchestrator
 
 import (
+	"encoding/json"
 	"fmt"
 	"math"
 	"slices"
@@ -48,6 +49,7 @@ func validateInput(task, model string, in *orchestratorv1.RunInput, maxSteps int
 		return bad("messages", "at most %d messages, got %d", maxMessages, len(msgs))
 	}
 	users := 0
+	calls := map[string]bool{} // the tool call ids of the assistant messages so far
 	for i, m := range msgs {
 		field := fmt.Sprintf("messages[%d]", i)
 		switch m.GetRole() {
@@ -61,9 +63,27 @@ func validateInput(task, model string, in *orchestratorv1.RunInput, maxSteps int
 				return bad(field+".role", "the sim model takes its plan from task, not from user messages")
 			}
 		case orchestratorv1.MessageRole_MESSAGE_ROLE_ASSISTANT:
+			for j, c := range m.GetToolCalls() {
+				cf := fmt.Sprintf("%s.tool_calls[%d]", field, j)
+				switch {
+				case c.GetId() == "":
+					return bad(cf+".id", "required")
+				case calls[c.GetId()]:
+					return bad(cf+".id", "%q is the id of an earlier call", c.GetId())
+				case c.GetName() == "":
+					return bad(cf+".name", "required")
+				}
+				if a := c.GetArgumentsJson(); a != "" && !json.Valid([]byte(a)) {
+					return bad(cf+".arguments_json", "not JSON")
+				}
+				calls[c.GetId()] = true
+			}
 		case orchestratorv1.MessageRole_MESSAGE_ROLE_TOOL:
-			if m.GetToolCallId() == "" {
+			switch id := m.GetToolCallId(); {
+			case id == "":
 				return bad(field+".tool_call_id", "required on a tool message")
+			case !calls[id]:
+				return bad(field+".tool_call_id", "%q names no tool call of an earlier assistant message", id)
 			}
 		default:
 			return bad(field+".role", "must be system, user, assistant or tool, got %v", m.GetRole())
@@ -71,7 +91,10 @@ func validateInput(task, model string, in *orchestratorv1.RunInput, maxSteps int
 		if m.GetToolCallId() != "" && m.GetRole() != orchestratorv1.MessageRole_MESSAGE_ROLE_TOOL {
 			return bad(field+".tool_call_id", "only a tool message has one")
 		}
-		if strings.TrimSpace(m.GetContent()) == "" {
+		if len(m.GetToolCalls()) > 0 && m.GetRole() != orchestratorv1.MessageRole_MESSAGE_ROLE_ASSISTANT {
+			return bad(field+".tool_calls", "only an assistant message has them")
+		}
+		if strings.TrimSpace(m.GetContent()) == "" && len(m.GetToolCalls()) == 0 {
 			return bad(field+".content", "required")
 		}
 	}
@@ -173,8 +196,15 @@ func loopInput(model, task string, in *orchestratorv1.RunInput) agent.Input {
 		li.Temperature = in.Temperature
 	}
 	for _, m := range in.GetMessages() {
-		li.Messages = append(li.Messages, &modelproxyv1.Message{Role: modelRole(m.GetRole()), Content: m.GetContent(),
-			ToolCallId: m.GetToolCallId()})
+		mm := &modelproxyv1.Message{Role: modelRole(m.GetRole()), Content: m.GetContent(), ToolCallId: m.GetToolCallId()}
+		for _, c := range m.GetToolCalls() {
+			args := c.GetArgumentsJson()
+			if args == "" {
+				args = "{}"
+			}
+			mm.ToolCalls = append(mm.ToolCalls, &modelproxyv1.ToolCall{Id: c.GetId(), Name: c.GetName(), ArgsJson: args})
+		}
+		li.Messages = append(li.Messages, mm)
 	}
 	return li
 }

@@ -12,6 +12,7 @@ import (
 	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/types/known/durationpb"
 
+	meshv1 "github.com/curfew-mesh/curfew/gen/curfew/mesh/v1"
 	modelproxyv1 "github.com/curfew-mesh/curfew/gen/curfew/modelproxy/v1"
 	orchestratorv1 "github.com/curfew-mesh/curfew/gen/curfew/orchestrator/v1"
 	"github.com/curfew-mesh/curfew/mesh"
@@ -51,6 +52,27 @@ func TestRunInputValidation(t *testing.T) {
 			msg(assistant, " ")}}, "messages[0].content: required"},
 		{"tool without call id", &orchestratorv1.RunRequest{Model: "gpt", Task: "t", Messages: []*orchestratorv1.Message{
 			msg(toolRole, "{}")}}, "messages[0].tool_call_id: required"},
+		{"tool naming no earlier call", &orchestratorv1.RunRequest{Model: "gpt", Task: "t", Messages: []*orchestratorv1.Message{
+			msg(user, "u"), {Role: toolRole, Content: "{}", ToolCallId: "call_9"}, msg(assistant, "a"), msg(user, "u")}},
+			`messages[1].tool_call_id: "call_9" names no tool call of an earlier assistant message`},
+		{"tool before its call", &orchestratorv1.RunRequest{Model: "gpt", Task: "t", Messages: []*orchestratorv1.Message{
+			msg(user, "u"), {Role: toolRole, Content: "{}", ToolCallId: "c1"},
+			{Role: assistant, ToolCalls: []*orchestratorv1.ToolCall{{Id: "c1", Name: "sleep"}}}}},
+			`messages[1].tool_call_id: "c1" names no tool call`},
+		{"call without id", &orchestratorv1.RunRequest{Model: "gpt", Task: "t", Messages: []*orchestratorv1.Message{
+			{Role: assistant, ToolCalls: []*orchestratorv1.ToolCall{{Name: "sleep"}}}}}, "messages[0].tool_calls[0].id: required"},
+		{"call id twice", &orchestratorv1.RunRequest{Model: "gpt", Task: "t", Messages: []*orchestratorv1.Message{
+			{Role: assistant, ToolCalls: []*orchestratorv1.ToolCall{{Id: "c1", Name: "sleep"}}},
+			{Role: assistant, ToolCalls: []*orchestratorv1.ToolCall{{Id: "c1", Name: "sleep"}}}}},
+			`messages[1].tool_calls[0].id: "c1" is the id of an earlier call`},
+		{"call without name", &orchestratorv1.RunRequest{Model: "gpt", Task: "t", Messages: []*orchestratorv1.Message{
+			{Role: assistant, ToolCalls: []*orchestratorv1.ToolCall{{Id: "c1"}}}}}, "messages[0].tool_calls[0].name: required"},
+		{"call arguments not JSON", &orchestratorv1.RunRequest{Model: "gpt", Task: "t", Messages: []*orchestratorv1.Message{
+			{Role: assistant, ToolCalls: []*orchestratorv1.ToolCall{{Id: "c1", Name: "sleep", ArgumentsJson: "{"}}}}},
+			"messages[0].tool_calls[0].arguments_json: not JSON"},
+		{"calls on a user message", &orchestratorv1.RunRequest{Model: "gpt", Task: "t", Messages: []*orchestratorv1.Message{
+			{Role: user, Content: "u", ToolCalls: []*orchestratorv1.ToolCall{{Id: "c1", Name: "sleep"}}}}},
+			"messages[0].tool_calls: only an assistant message has them"},
 		{"sim with user messages", &orchestratorv1.RunRequest{Task: tinyPlan, Messages: []*orchestratorv1.Message{
 			msg(user, "u")}}, "messages[0].role: the sim model takes its plan from task"},
 		{"negative max_tokens", &orchestratorv1.RunRequest{Model: "gpt", Task: "t", MaxTokens: -1}, "max_tokens: must not be negative"},
@@ -220,5 +242,60 @@ func TestReplayKeepsTheInput(t *testing.T) {
 	}
 	if reqs := e.model.requests(); len(reqs) == 0 || reqs[0].GetMessages()[0].GetContent() != "replayed prompt" || reqs[0].GetMaxTokens() != 7 {
 		t.Errorf("the replayed run's model requests %v", reqs)
+	}
+}
+
+// A prior tool turn (an assistant message's tool calls, then their tool messages) is
+// valid, survives the store's encoding, and reaches the model as modelproxy's
+// assistant tool calls and tool messages.
+func TestPriorToolTurn(t *testing.T) {
+	in := &orchestratorv1.RunInput{Messages: []*orchestratorv1.Message{
+		msg(user, "wait 10 ms"),
+		{Role: assistant, ToolCalls: []*orchestratorv1.ToolCall{{Id: "c1", Name: "sleep", ArgumentsJson: `{"ms": 10}`}, {Id: "c2", Name: "kv_get"}}},
+		{Role: toolRole, Content: `{"slept_ms": 10}`, ToolCallId: "c1"},
+		{Role: toolRole, Content: `{"value": null}`, ToolCallId: "c2"},
+	}}
+	if err := validateInput("and now?", "gpt", in, agent.DefaultMaxSteps); err != nil {
+		t.Fatal(err)
+	}
+	back := decodeInput(encodeInput(in))
+	if !proto.Equal(back, in) {
+		t.Fatalf("stored input %v, want %v", back, in)
+	}
+	li := loopInput("gpt", "and now?", back)
+	a := li.Messages[1]
+	if a.GetRole() != modelproxyv1.Role_ROLE_ASSISTANT || len(a.GetToolCalls()) != 2 ||
+		a.GetToolCalls()[0].GetId() != "c1" || a.GetToolCalls()[0].GetName() != "sleep" || a.GetToolCalls()[0].GetArgsJson() != `{"ms": 10}` ||
+		a.GetToolCalls()[1].GetArgsJson() != "{}" {
+		t.Errorf("the assistant turn reaches the model as %v", a)
+	}
+	if m := li.Messages[2]; m.GetRole() != modelproxyv1.Role_ROLE_TOOL || m.GetToolCallId() != "c1" || m.GetContent() != `{"slept_ms": 10}` {
+		t.Errorf("the tool turn reaches the model as %v", m)
+	}
+}
+
+// A CancelRun whose caller says its own client left (md.CancelCause) ends the run with
+// cause client_disconnect; without the header the cause is operator.
+func TestCancelRunClientLeft(t *testing.T) {
+	e := newEnv(t, mesh.ServerConfig{}, nil)
+	for _, c := range []struct {
+		header []string
+		want   meshv1.CancelCause
+	}{
+		{nil, meshv1.CancelCause_CANCEL_CAUSE_OPERATOR},
+		{[]string{md.CancelCause, md.CancelCauseClientDisconnect}, meshv1.CancelCause_CANCEL_CAUSE_CLIENT_DISCONNECT},
+	} {
+		res, err := e.orch.StartRun(context.Background(), &orchestratorv1.StartRunRequest{Task: slowPlan, Timeout: durationpb.New(20 * time.Second)})
+		if err != nil {
+			t.Fatal(err)
+		}
+		ctx := metadata.AppendToOutgoingContext(context.Background(), c.header...)
+		cr, err := e.orch.CancelRun(ctx, &orchestratorv1.CancelRunRequest{RunId: res.GetRun().GetRunId()})
+		if err != nil {
+			t.Fatal(err)
+		}
+		if r := cr.GetRun(); r.GetStatus() != orchestratorv1.RunStatus_RUN_STATUS_CANCELLED || r.GetCause() != c.want {
+			t.Errorf("CancelRun with %v: %v cause %v, want CANCELLED %v", c.header, r.GetStatus(), r.GetCause(), c.want)
+		}
 	}
 }

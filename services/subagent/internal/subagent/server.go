@@ -98,11 +98,13 @@ func (s *Server) Spawn(req *subagentv1.SpawnRequest, stream subagentv1.SubagentS
 	lc := s.cfg.Loop
 	lc.Emit, lc.EmitEvent = emit, event
 	// The same run input as a root's: a real model is told of its tool failures and goes
-	// on (the sim model's plan still fails on them). A nested loop out of time returns
-	// what it has, so that its caller's model can answer with it.
+	// on (the sim model's plan still fails on them), unless the run's policy says a
+	// failed tool fails the run. A nested loop out of time returns what it has, so that
+	// its caller's model can answer with it.
 	res, err := agent.New(lc).RunResult(md.WithNode(wctx, node), node, agent.Input{
 		Model: req.GetModel(), Task: req.GetTask(), Tools: req.GetTools(), MaxTokens: req.GetMaxTokens(),
-		Reserve: reserve, Partial: true}, nil)
+		FailOnToolError: req.GetToolErrors() == subagentv1.ToolErrors_TOOL_ERRORS_FAIL_RUN,
+		Reserve:         reserve, Partial: true}, nil)
 	cancelled := wctx.Err() != nil
 	emit(s.Nodes.Finish(wctx, id.RunID, node, err, func(n *meshv1.Node) {
 		if cancelled {

@@ -314,9 +314,15 @@ func (s *Server) prepare(ctx context.Context, req *toolrunnerv1.ExecuteRequest, 
 		if depth > s.cfg.MaxSubagentDepth {
 			return nil, status.Errorf(codes.FailedPrecondition, "spawn_subagent: depth %d exceeds the limit %d", depth, s.cfg.MaxSubagentDepth)
 		}
+		// The nested loop takes its caller's tool-error policy, which the caller's loop
+		// sends with the call (md.ToolErrors): it is the run's, not the model's to choose.
+		toolErrors := subagentv1.ToolErrors_TOOL_ERRORS_TO_MODEL
+		if md.ToolErrorsFailsRun(ctx) {
+			toolErrors = subagentv1.ToolErrors_TOOL_ERRORS_FAIL_RUN
+		}
 		return func(ctx context.Context) (string, *meshv1.Cleanup, error) {
 			return s.spawn(ctx, &subagentv1.SpawnRequest{Task: a.SpawnTask(), Model: a.Model, Tools: a.Tools,
-				MaxTokens: a.MaxTokens, Reserve: a.Reserve}, emit, event)
+				MaxTokens: a.MaxTokens, Reserve: a.Reserve, ToolErrors: toolErrors}, emit, event)
 
 		}, nil
 	}

@@ -566,9 +566,18 @@ func TestSpawnSubagentPassesArgs(t *testing.T) {
 		t.Fatal(r.err)
 	}
 	call := <-f.entered
-	want := &subagentv1.SpawnRequest{Task: "check the deploy", Model: "gpt-4o-mini", Tools: []string{"sleep", "kv_put"}, MaxTokens: 64, Reserve: "0.2"}
+	want := &subagentv1.SpawnRequest{Task: "check the deploy", Model: "gpt-4o-mini", Tools: []string{"sleep", "kv_put"}, MaxTokens: 64, Reserve: "0.2",
+		ToolErrors: subagentv1.ToolErrors_TOOL_ERRORS_TO_MODEL}
 	if !proto.Equal(call.req, want) {
 		t.Fatalf("SpawnRequest = %v, want %v", call.req, want)
+	}
+	// The caller's tool-error policy, from its header, is the nested loop's.
+	r = execute(metadata.AppendToOutgoingContext(ctx, md.ToolErrors, md.ToolErrorsFailRun), t, e.tools, "spawn_subagent", `{"task":"check again"}`)
+	if r.err != nil {
+		t.Fatal(r.err)
+	}
+	if call := <-f.entered; call.req.GetToolErrors() != subagentv1.ToolErrors_TOOL_ERRORS_FAIL_RUN {
+		t.Fatalf("SpawnRequest under %s: %s = %v, want TOOL_ERRORS_FAIL_RUN", md.ToolErrors, md.ToolErrorsFailRun, call.req)
 	}
 }
 

@@ -12,7 +12,7 @@ import type { Message as Message$1 } from "@bufbuild/protobuf";
  * Describes the file curfew/modelproxy/v1/modelproxy.proto.
  */
 export const file_curfew_modelproxy_v1_modelproxy: GenFile = /*@__PURE__*/
-  fileDesc("CiVjdXJmZXcvbW9kZWxwcm94eS92MS9tb2RlbHByb3h5LnByb3RvEhRjdXJmZXcubW9kZWxwcm94eS52MSJQCghUb29sQ2FsbBIKCgJpZBgBIAEoCRIMCgRuYW1lGAIgASgJEhEKCWFyZ3NfanNvbhgDIAEoCRIXCg9pZGVtcG90ZW5jeV9rZXkYBCABKAkijgEKB01lc3NhZ2USKAoEcm9sZRgBIAEoDjIaLmN1cmZldy5tb2RlbHByb3h5LnYxLlJvbGUSDwoHY29udGVudBgCIAEoCRIyCgp0b29sX2NhbGxzGAMgAygLMh4uY3VyZmV3Lm1vZGVscHJveHkudjEuVG9vbENhbGwSFAoMdG9vbF9jYWxsX2lkGAQgASgJIogDCg9HZW5lcmF0ZVJlcXVlc3QSDQoFbW9kZWwYASABKAkSLwoIbWVzc2FnZXMYAiADKAsyHS5jdXJmZXcubW9kZWxwcm94eS52MS5NZXNzYWdlEhIKCm1heF90b2tlbnMYAyABKAUSLQoFdG9vbHMYBCADKAsyHi5jdXJmZXcubW9kZWxwcm94eS52MS5Ub29sU3BlYxI9Cg9yZXNwb25zZV9zY2hlbWEYBSABKAsyJC5jdXJmZXcubW9kZWxwcm94eS52MS5SZXNwb25zZVNjaGVtYRIYCgt0ZW1wZXJhdHVyZRgGIAEoAUgAiAEBEhEKBHNlZWQYByABKANIAYgBARIRCgljYWNoZWFibGUYCCABKAgSLAoJbGVhc2VfdHRsGAkgASgLMhkuZ29vZ2xlLnByb3RvYnVmLkR1cmF0aW9uEiwKBW5vdGVzGAogAygLMh0uY3VyZmV3Lm1vZGVscHJveHkudjEuTWVzc2FnZUIOCgxfdGVtcGVyYXR1cmVCBwoFX3NlZWQiRgoIVG9vbFNwZWMSDAoEbmFtZRgBIAEoCRITCgtkZXNjcmlwdGlvbhgCIAEoCRIXCg9wYXJhbWV0ZXJzX2pzb24YAyABKAkiMwoOUmVzcG9uc2VTY2hlbWESDAoEbmFtZRgBIAEoCRITCgtzY2hlbWFfanNvbhgCIAEoCSI5CgVVc2FnZRIVCg1wcm9tcHRfdG9rZW5zGAEgASgDEhkKEWNvbXBsZXRpb25fdG9rZW5zGAIgASgDIuABChBHZW5lcmF0ZVJlc3BvbnNlEg0KBWRlbHRhGAEgASgJEg4KBnRva2VucxgCIAEoBRIyCgp0b29sX2NhbGxzGAMgAygLMh4uY3VyZmV3Lm1vZGVscHJveHkudjEuVG9vbENhbGwSFQoNZmluaXNoX3JlYXNvbhgEIAEoCRIqCgV1c2FnZRgFIAEoCzIbLmN1cmZldy5tb2RlbHByb3h5LnYxLlVzYWdlEhAKCHByb3ZpZGVyGAYgASgJEhQKDHNlcnZlZF9tb2RlbBgHIAEoCRIOCgZjYWNoZWQYCCABKAgiPQoITGVhc2VLZXkSDgoGcnVuX2lkGAEgASgJEg8KB25vZGVfaWQYAiABKAkSEAoIcmV0cnlfaWQYAyABKAkiagoSUmVuZXdMZWFzZXNSZXF1ZXN0EiwKBGtleXMYASADKAsyHi5jdXJmZXcubW9kZWxwcm94eS52MS5MZWFzZUtleRImCgN0dGwYAiABKAsyGS5nb29nbGUucHJvdG9idWYuRHVyYXRpb24iRgoTUmVuZXdMZWFzZXNSZXNwb25zZRIvCgd1bmtub3duGAEgAygLMh4uY3VyZmV3Lm1vZGVscHJveHkudjEuTGVhc2VLZXkqXwoEUm9sZRIUChBST0xFX1VOU1BFQ0lGSUVEEAASDwoLUk9MRV9TWVNURU0QARINCglST0xFX1VTRVIQAhISCg5ST0xFX0FTU0lTVEFOVBADEg0KCVJPTEVfVE9PTBAEMtQBChFNb2RlbFByb3h5U2VydmljZRJbCghHZW5lcmF0ZRIlLmN1cmZldy5tb2RlbHByb3h5LnYxLkdlbmVyYXRlUmVxdWVzdBomLmN1cmZldy5tb2RlbHByb3h5LnYxLkdlbmVyYXRlUmVzcG9uc2UwARJiCgtSZW5ld0xlYXNlcxIoLmN1cmZldy5tb2RlbHByb3h5LnYxLlJlbmV3TGVhc2VzUmVxdWVzdBopLmN1cmZldy5tb2RlbHByb3h5LnYxLlJlbmV3TGVhc2VzUmVzcG9uc2VC4gEKGGNvbS5jdXJmZXcubW9kZWxwcm94eS52MUIPTW9kZWxwcm94eVByb3RvUAFaQ2dpdGh1Yi5jb20vY3VyZmV3LW1lc2gvY3VyZmV3L2dlbi9jdXJmZXcvbW9kZWxwcm94eS92MTttb2RlbHByb3h5djGiAgNDTViqAhRDdXJmZXcuTW9kZWxwcm94eS5WMcoCFEN1cmZld1xNb2RlbHByb3h5XFYx4gIgQ3VyZmV3XE1vZGVscHJveHlcVjFcR1BCTWV0YWRhdGHqAhZDdXJmZXc6Ok1vZGVscHJveHk6OlYxYgZwcm90bzM", [file_google_protobuf_duration]);
+  fileDesc("CiVjdXJmZXcvbW9kZWxwcm94eS92MS9tb2RlbHByb3h5LnByb3RvEhRjdXJmZXcubW9kZWxwcm94eS52MSJQCghUb29sQ2FsbBIKCgJpZBgBIAEoCRIMCgRuYW1lGAIgASgJEhEKCWFyZ3NfanNvbhgDIAEoCRIXCg9pZGVtcG90ZW5jeV9rZXkYBCABKAkijgEKB01lc3NhZ2USKAoEcm9sZRgBIAEoDjIaLmN1cmZldy5tb2RlbHByb3h5LnYxLlJvbGUSDwoHY29udGVudBgCIAEoCRIyCgp0b29sX2NhbGxzGAMgAygLMh4uY3VyZmV3Lm1vZGVscHJveHkudjEuVG9vbENhbGwSFAoMdG9vbF9jYWxsX2lkGAQgASgJIogDCg9HZW5lcmF0ZVJlcXVlc3QSDQoFbW9kZWwYASABKAkSLwoIbWVzc2FnZXMYAiADKAsyHS5jdXJmZXcubW9kZWxwcm94eS52MS5NZXNzYWdlEhIKCm1heF90b2tlbnMYAyABKAUSLQoFdG9vbHMYBCADKAsyHi5jdXJmZXcubW9kZWxwcm94eS52MS5Ub29sU3BlYxI9Cg9yZXNwb25zZV9zY2hlbWEYBSABKAsyJC5jdXJmZXcubW9kZWxwcm94eS52MS5SZXNwb25zZVNjaGVtYRIYCgt0ZW1wZXJhdHVyZRgGIAEoAUgAiAEBEhEKBHNlZWQYByABKANIAYgBARIRCgljYWNoZWFibGUYCCABKAgSLAoJbGVhc2VfdHRsGAkgASgLMhkuZ29vZ2xlLnByb3RvYnVmLkR1cmF0aW9uEiwKBW5vdGVzGAogAygLMh0uY3VyZmV3Lm1vZGVscHJveHkudjEuTWVzc2FnZUIOCgxfdGVtcGVyYXR1cmVCBwoFX3NlZWQiRgoIVG9vbFNwZWMSDAoEbmFtZRgBIAEoCRITCgtkZXNjcmlwdGlvbhgCIAEoCRIXCg9wYXJhbWV0ZXJzX2pzb24YAyABKAkiMwoOUmVzcG9uc2VTY2hlbWESDAoEbmFtZRgBIAEoCRITCgtzY2hlbWFfanNvbhgCIAEoCSI5CgVVc2FnZRIVCg1wcm9tcHRfdG9rZW5zGAEgASgDEhkKEWNvbXBsZXRpb25fdG9rZW5zGAIgASgDIuABChBHZW5lcmF0ZVJlc3BvbnNlEg0KBWRlbHRhGAEgASgJEg4KBnRva2VucxgCIAEoBRIyCgp0b29sX2NhbGxzGAMgAygLMh4uY3VyZmV3Lm1vZGVscHJveHkudjEuVG9vbENhbGwSFQoNZmluaXNoX3JlYXNvbhgEIAEoCRIqCgV1c2FnZRgFIAEoCzIbLmN1cmZldy5tb2RlbHByb3h5LnYxLlVzYWdlEhAKCHByb3ZpZGVyGAYgASgJEhQKDHNlcnZlZF9tb2RlbBgHIAEoCRIOCgZjYWNoZWQYCCABKAgiPQoITGVhc2VLZXkSDgoGcnVuX2lkGAEgASgJEg8KB25vZGVfaWQYAiABKAkSEAoIcmV0cnlfaWQYAyABKAkiagoSUmVuZXdMZWFzZXNSZXF1ZXN0EiwKBGtleXMYASADKAsyHi5jdXJmZXcubW9kZWxwcm94eS52MS5MZWFzZUtleRImCgN0dGwYAiABKAsyGS5nb29nbGUucHJvdG9idWYuRHVyYXRpb24iRgoTUmVuZXdMZWFzZXNSZXNwb25zZRIvCgd1bmtub3duGAEgAygLMh4uY3VyZmV3Lm1vZGVscHJveHkudjEuTGVhc2VLZXkiEwoRTGlzdE1vZGVsc1JlcXVlc3QiQwoJTW9kZWxJbmZvEgwKBG5hbWUYASABKAkSEAoIcHJvdmlkZXIYAiABKAkSFgoOcHJvdmlkZXJfbW9kZWwYAyABKAkiRQoSTGlzdE1vZGVsc1Jlc3BvbnNlEi8KBm1vZGVscxgBIAMoCzIfLmN1cmZldy5tb2RlbHByb3h5LnYxLk1vZGVsSW5mbypfCgRSb2xlEhQKEFJPTEVfVU5TUEVDSUZJRUQQABIPCgtST0xFX1NZU1RFTRABEg0KCVJPTEVfVVNFUhACEhIKDlJPTEVfQVNTSVNUQU5UEAMSDQoJUk9MRV9UT09MEAQytQIKEU1vZGVsUHJveHlTZXJ2aWNlElsKCEdlbmVyYXRlEiUuY3VyZmV3Lm1vZGVscHJveHkudjEuR2VuZXJhdGVSZXF1ZXN0GiYuY3VyZmV3Lm1vZGVscHJveHkudjEuR2VuZXJhdGVSZXNwb25zZTABEmIKC1JlbmV3TGVhc2VzEiguY3VyZmV3Lm1vZGVscHJveHkudjEuUmVuZXdMZWFzZXNSZXF1ZXN0GikuY3VyZmV3Lm1vZGVscHJveHkudjEuUmVuZXdMZWFzZXNSZXNwb25zZRJfCgpMaXN0TW9kZWxzEicuY3VyZmV3Lm1vZGVscHJveHkudjEuTGlzdE1vZGVsc1JlcXVlc3QaKC5jdXJmZXcubW9kZWxwcm94eS52MS5MaXN0TW9kZWxzUmVzcG9uc2VC4gEKGGNvbS5jdXJmZXcubW9kZWxwcm94eS52MUIPTW9kZWxwcm94eVByb3RvUAFaQ2dpdGh1Yi5jb20vY3VyZmV3LW1lc2gvY3VyZmV3L2dlbi9jdXJmZXcvbW9kZWxwcm94eS92MTttb2RlbHByb3h5djGiAgNDTViqAhRDdXJmZXcuTW9kZWxwcm94eS5WMcoCFEN1cmZld1xNb2RlbHByb3h5XFYx4gIgQ3VyZmV3XE1vZGVscHJveHlcVjFcR1BCTWV0YWRhdGHqAhZDdXJmZXc6Ok1vZGVscHJveHk6OlYxYgZwcm90bzM", [file_google_protobuf_duration]);
 
 /**
  * ToolCall is a model's request to run a tool.
@@ -418,6 +418,76 @@ export const RenewLeasesResponseSchema: GenMessage<RenewLeasesResponse> = /*@__P
   messageDesc(file_curfew_modelproxy_v1_modelproxy, 9);
 
 /**
+ * ListModelsRequest asks which model names modelproxy serves.
+ *
+ * @generated from message curfew.modelproxy.v1.ListModelsRequest
+ */
+export type ListModelsRequest = Message$1<"curfew.modelproxy.v1.ListModelsRequest"> & {
+};
+
+/**
+ * Describes the message curfew.modelproxy.v1.ListModelsRequest.
+ * Use `create(ListModelsRequestSchema)` to create a new message.
+ */
+export const ListModelsRequestSchema: GenMessage<ListModelsRequest> = /*@__PURE__*/
+  messageDesc(file_curfew_modelproxy_v1_modelproxy, 10);
+
+/**
+ * ModelInfo is one model name a GenerateRequest may give: the built-in sim model or an
+ * alias of the providers file (docs/providers.md).
+ *
+ * @generated from message curfew.modelproxy.v1.ModelInfo
+ */
+export type ModelInfo = Message$1<"curfew.modelproxy.v1.ModelInfo"> & {
+  /**
+   * The name to give as GenerateRequest.model.
+   *
+   * @generated from field: string name = 1;
+   */
+  name: string;
+
+  /**
+   * The provider and the provider's model of the alias's chain's first entry, the one
+   * that answers while it is healthy; empty for sim.
+   *
+   * @generated from field: string provider = 2;
+   */
+  provider: string;
+
+  /**
+   * @generated from field: string provider_model = 3;
+   */
+  providerModel: string;
+};
+
+/**
+ * Describes the message curfew.modelproxy.v1.ModelInfo.
+ * Use `create(ModelInfoSchema)` to create a new message.
+ */
+export const ModelInfoSchema: GenMessage<ModelInfo> = /*@__PURE__*/
+  messageDesc(file_curfew_modelproxy_v1_modelproxy, 11);
+
+/**
+ * ListModelsResponse lists the models served: sim first, then the aliases by name.
+ * Names of the form provider/model are served too but not listed.
+ *
+ * @generated from message curfew.modelproxy.v1.ListModelsResponse
+ */
+export type ListModelsResponse = Message$1<"curfew.modelproxy.v1.ListModelsResponse"> & {
+  /**
+   * @generated from field: repeated curfew.modelproxy.v1.ModelInfo models = 1;
+   */
+  models: ModelInfo[];
+};
+
+/**
+ * Describes the message curfew.modelproxy.v1.ListModelsResponse.
+ * Use `create(ListModelsResponseSchema)` to create a new message.
+ */
+export const ListModelsResponseSchema: GenMessage<ListModelsResponse> = /*@__PURE__*/
+  messageDesc(file_curfew_modelproxy_v1_modelproxy, 12);
+
+/**
  * Role is who said a message.
  *
  * @generated from enum curfew.modelproxy.v1.Role
@@ -481,6 +551,16 @@ export const ModelProxyService: GenService<{
     methodKind: "unary";
     input: typeof RenewLeasesRequestSchema;
     output: typeof RenewLeasesResponseSchema;
+  },
+  /**
+   * ListModels lists the model names served (the OpenAI front door's GET /v1/models).
+   *
+   * @generated from rpc curfew.modelproxy.v1.ModelProxyService.ListModels
+   */
+  listModels: {
+    methodKind: "unary";
+    input: typeof ListModelsRequestSchema;
+    output: typeof ListModelsResponseSchema;
   },
 }> = /*@__PURE__*/
   serviceDesc(file_curfew_modelproxy_v1_modelproxy, 0);

@@ -14,7 +14,7 @@ import type { Message as Message$1 } from "@bufbuild/protobuf";
  * Describes the file curfew/orchestrator/v1/orchestrator.proto.
  */
 export const file_curfew_orchestrator_v1_orchestrator: GenFile = /*@__PURE__*/
-  fileDesc("CiljdXJmZXcvb3JjaGVzdHJhdG9yL3YxL29yY2hlc3RyYXRvci5wcm90bxIWY3VyZmV3Lm9yY2hlc3RyYXRvci52MSLcBAoDUnVuEg4KBnJ1bl9pZBgBIAEoCRIOCgZ0ZW5hbnQYAiABKAkSMQoGc3RhdHVzGAMgASgOMiEuY3VyZmV3Lm9yY2hlc3RyYXRvci52MS5SdW5TdGF0dXMSKgoFY2F1c2UYBCABKA4yGy5jdXJmZXcubWVzaC52MS5DYW5jZWxDYXVzZRIsCghkZWFkbGluZRgFIAEoCzIaLmdvb2dsZS5wcm90b2J1Zi5UaW1lc3RhbXASLgoKY3JlYXRlZF9hdBgGIAEoCzIaLmdvb2dsZS5wcm90b2J1Zi5UaW1lc3RhbXASLAoIZW5kZWRfYXQYByABKAsyGi5nb29nbGUucHJvdG9idWYuVGltZXN0YW1wEjAKDGNhbmNlbGxlZF9hdBgIIAEoCzIaLmdvb2dsZS5wcm90b2J1Zi5UaW1lc3RhbXASDgoGYW5zd2VyGAkgASgJEhIKCmVycm9yX2NvZGUYCiABKAkSFQoNZXJyb3JfbWVzc2FnZRgLIAEoCRIjCgVub2RlcxgMIAMoCzIULmN1cmZldy5tZXNoLnYxLk5vZGUSDgoGdG9rZW5zGA0gASgDEhsKE3Rva2Vuc19hZnRlcl9jYW5jZWwYDiABKAMSFQoNcHJvbXB0X3Rva2VucxgUIAEoAxINCgVtb2RlbBgPIAEoCRIMCgR0YXNrGBAgASgJEhcKD2lkZW1wb3RlbmN5X2tleRgRIAEoCRINCgVlcG9jaBgSIAEoAxIvCgVpbnB1dBgTIAEoCzIgLmN1cmZldy5vcmNoZXN0cmF0b3IudjEuUnVuSW5wdXQiYwoHTWVzc2FnZRIxCgRyb2xlGAEgASgOMiMuY3VyZmV3Lm9yY2hlc3RyYXRvci52MS5NZXNzYWdlUm9sZRIPCgdjb250ZW50GAIgASgJEhQKDHRvb2xfY2FsbF9pZBgDIAEoCSKFAgoIUnVuSW5wdXQSMQoIbWVzc2FnZXMYASADKAsyHy5jdXJmZXcub3JjaGVzdHJhdG9yLnYxLk1lc3NhZ2USEgoKbWF4X3Rva2VucxgCIAEoBRIYCgt0ZW1wZXJhdHVyZRgDIAEoAUgAiAEBEhwKFHJlc3BvbnNlX3NjaGVtYV9qc29uGAQgASgJEg0KBXRvb2xzGAUgAygJEhEKCW1heF9zdGVwcxgGIAEoBRI3Cgt0b29sX2Vycm9ycxgHIAEoDjIiLmN1cmZldy5vcmNoZXN0cmF0b3IudjEuVG9vbEVycm9ycxIPCgdyZXNlcnZlGAggASgJQg4KDF90ZW1wZXJhdHVyZSLEAgoKUnVuUmVxdWVzdBIMCgR0YXNrGAEgASgJEg0KBW1vZGVsGAIgASgJEh4KFmNvbnRpbnVlX29uX2Rpc2Nvbm5lY3QYAyABKAgSMQoIbWVzc2FnZXMYBCADKAsyHy5jdXJmZXcub3JjaGVzdHJhdG9yLnYxLk1lc3NhZ2USEgoKbWF4X3Rva2VucxgFIAEoBRIYCgt0ZW1wZXJhdHVyZRgGIAEoAUgAiAEBEhwKFHJlc3BvbnNlX3NjaGVtYV9qc29uGAcgASgJEg0KBXRvb2xzGAggAygJEhEKCW1heF9zdGVwcxgJIAEoBRI3Cgt0b29sX2Vycm9ycxgKIAEoDjIiLmN1cmZldy5vcmNoZXN0cmF0b3IudjEuVG9vbEVycm9ycxIPCgdyZXNlcnZlGAsgASgJQg4KDF90ZW1wZXJhdHVyZSJKCgpSdW5TdGFydGVkEg4KBnJ1bl9pZBgBIAEoCRIsCghkZWFkbGluZRgCIAEoCzIaLmdvb2dsZS5wcm90b2J1Zi5UaW1lc3RhbXAi1QEKC1J1blJlc3BvbnNlEjUKB3N0YXJ0ZWQYASABKAsyIi5jdXJmZXcub3JjaGVzdHJhdG9yLnYxLlJ1blN0YXJ0ZWRIABIkCgRub2RlGAIgASgLMhQuY3VyZmV3Lm1lc2gudjEuTm9kZUgAEi8KCGZpbmlzaGVkGAMgASgLMhsuY3VyZmV3Lm9yY2hlc3RyYXRvci52MS5SdW5IABIvCgpub2RlX2V2ZW50GAQgASgLMhkuY3VyZmV3Lm1lc2gudjEuTm9kZUV2ZW50SABCBwoFZXZlbnQi7gIKD1N0YXJ0UnVuUmVxdWVzdBIMCgR0YXNrGAEgASgJEg0KBW1vZGVsGAIgASgJEhcKD2lkZW1wb3RlbmN5X2tleRgDIAEoCRIqCgd0aW1lb3V0GAQgASgLMhkuZ29vZ2xlLnByb3RvYnVmLkR1cmF0aW9uEjEKCG1lc3NhZ2VzGAUgAygLMh8uY3VyZmV3Lm9yY2hlc3RyYXRvci52MS5NZXNzYWdlEhIKCm1heF90b2tlbnMYBiABKAUSGAoLdGVtcGVyYXR1cmUYByABKAFIAIgBARIcChRyZXNwb25zZV9zY2hlbWFfanNvbhgIIAEoCRINCgV0b29scxgJIAMoCRIRCgltYXhfc3RlcHMYCiABKAUSNwoLdG9vbF9lcnJvcnMYCyABKA4yIi5jdXJmZXcub3JjaGVzdHJhdG9yLnYxLlRvb2xFcnJvcnMSDwoHcmVzZXJ2ZRgMIAEoCUIOCgxfdGVtcGVyYXR1cmUiTQoQU3RhcnRSdW5SZXNwb25zZRIoCgNydW4YASABKAsyGy5jdXJmZXcub3JjaGVzdHJhdG9yLnYxLlJ1bhIPCgdjcmVhdGVkGAIgASgIIiEKD1dhdGNoUnVuUmVxdWVzdBIOCgZydW5faWQYASABKAki2gEKEFdhdGNoUnVuUmVzcG9uc2USNQoHc3RhcnRlZBgBIAEoCzIiLmN1cmZldy5vcmNoZXN0cmF0b3IudjEuUnVuU3RhcnRlZEgAEiQKBG5vZGUYAiABKAsyFC5jdXJmZXcubWVzaC52MS5Ob2RlSAASLwoIZmluaXNoZWQYAyABKAsyGy5jdXJmZXcub3JjaGVzdHJhdG9yLnYxLlJ1bkgAEi8KCm5vZGVfZXZlbnQYBCABKAsyGS5jdXJmZXcubWVzaC52MS5Ob2RlRXZlbnRIAEIHCgVldmVudCIfCg1HZXRSdW5SZXF1ZXN0Eg4KBnJ1bl9pZBgBIAEoCSI6Cg5HZXRSdW5SZXNwb25zZRIoCgNydW4YASABKAsyGy5jdXJmZXcub3JjaGVzdHJhdG9yLnYxLlJ1biI4Cg9MaXN0UnVuc1JlcXVlc3QSEQoJcGFnZV9zaXplGAEgASgFEhIKCnBhZ2VfdG9rZW4YAiABKAkiVgoQTGlzdFJ1bnNSZXNwb25zZRIpCgRydW5zGAEgAygLMhsuY3VyZmV3Lm9yY2hlc3RyYXRvci52MS5SdW4SFwoPbmV4dF9wYWdlX3Rva2VuGAIgASgJIjIKEENhbmNlbFJ1blJlcXVlc3QSDgoGcnVuX2lkGAEgASgJEg4KBnJlYXNvbhgCIAEoCSI9ChFDYW5jZWxSdW5SZXNwb25zZRIoCgNydW4YASABKAsyGy5jdXJmZXcub3JjaGVzdHJhdG9yLnYxLlJ1biqsAQoJUnVuU3RhdHVzEhoKFlJVTl9TVEFUVVNfVU5TUEVDSUZJRUQQABIWChJSVU5fU1RBVFVTX1JVTk5JTkcQARIYChRSVU5fU1RBVFVTX1NVQ0NFRURFRBACEhUKEVJVTl9TVEFUVVNfRkFJTEVEEAMSGAoUUlVOX1NUQVRVU19DQU5DRUxMRUQQBBIgChxSVU5fU1RBVFVTX0RFQURMSU5FX0VYQ0VFREVEEAUqjgEKC01lc3NhZ2VSb2xlEhwKGE1FU1NBR0VfUk9MRV9VTlNQRUNJRklFRBAAEhcKE01FU1NBR0VfUk9MRV9TWVNURU0QARIVChFNRVNTQUdFX1JPTEVfVVNFUhACEhoKFk1FU1NBR0VfUk9MRV9BU1NJU1RBTlQQAxIVChFNRVNTQUdFX1JPTEVfVE9PTBAEKl0KClRvb2xFcnJvcnMSGwoXVE9PTF9FUlJPUlNfVU5TUEVDSUZJRUQQABIYChRUT09MX0VSUk9SU19UT19NT0RFTBABEhgKFFRPT0xfRVJST1JTX0ZBSUxfUlVOEAIywQQKE09yY2hlc3RyYXRvclNlcnZpY2USUAoDUnVuEiIuY3VyZmV3Lm9yY2hlc3RyYXRvci52MS5SdW5SZXF1ZXN0GiMuY3VyZmV3Lm9yY2hlc3RyYXRvci52MS5SdW5SZXNwb25zZTABEl0KCFN0YXJ0UnVuEicuY3VyZmV3Lm9yY2hlc3RyYXRvci52MS5TdGFydFJ1blJlcXVlc3QaKC5jdXJmZXcub3JjaGVzdHJhdG9yLnYxLlN0YXJ0UnVuUmVzcG9uc2USXwoIV2F0Y2hSdW4SJy5jdXJmZXcub3JjaGVzdHJhdG9yLnYxLldhdGNoUnVuUmVxdWVzdBooLmN1cmZldy5vcmNoZXN0cmF0b3IudjEuV2F0Y2hSdW5SZXNwb25zZTABElcKBkdldFJ1bhIlLmN1cmZldy5vcmNoZXN0cmF0b3IudjEuR2V0UnVuUmVxdWVzdBomLmN1cmZldy5vcmNoZXN0cmF0b3IudjEuR2V0UnVuUmVzcG9uc2USXQoITGlzdFJ1bnMSJy5jdXJmZXcub3JjaGVzdHJhdG9yLnYxLkxpc3RSdW5zUmVxdWVzdBooLmN1cmZldy5vcmNoZXN0cmF0b3IudjEuTGlzdFJ1bnNSZXNwb25zZRJgCglDYW5jZWxSdW4SKC5jdXJmZXcub3JjaGVzdHJhdG9yLnYxLkNhbmNlbFJ1blJlcXVlc3QaKS5jdXJmZXcub3JjaGVzdHJhdG9yLnYxLkNhbmNlbFJ1blJlc3BvbnNlQvIBChpjb20uY3VyZmV3Lm9yY2hlc3RyYXRvci52MUIRT3JjaGVzdHJhdG9yUHJvdG9QAVpHZ2l0aHViLmNvbS9jdXJmZXctbWVzaC9jdXJmZXcvZ2VuL2N1cmZldy9vcmNoZXN0cmF0b3IvdjE7b3JjaGVzdHJhdG9ydjGiAgNDT1iqAhZDdXJmZXcuT3JjaGVzdHJhdG9yLlYxygIWQ3VyZmV3XE9yY2hlc3RyYXRvclxWMeICIkN1cmZld1xPcmNoZXN0cmF0b3JcVjFcR1BCTWV0YWRhdGHqAhhDdXJmZXc6Ok9yY2hlc3RyYXRvcjo6VjFiBnByb3RvMw", [file_curfew_mesh_v1_mesh, file_google_protobuf_duration, file_google_protobuf_timestamp]);
+  fileDesc("CiljdXJmZXcvb3JjaGVzdHJhdG9yL3YxL29yY2hlc3RyYXRvci5wcm90bxIWY3VyZmV3Lm9yY2hlc3RyYXRvci52MSLcBAoDUnVuEg4KBnJ1bl9pZBgBIAEoCRIOCgZ0ZW5hbnQYAiABKAkSMQoGc3RhdHVzGAMgASgOMiEuY3VyZmV3Lm9yY2hlc3RyYXRvci52MS5SdW5TdGF0dXMSKgoFY2F1c2UYBCABKA4yGy5jdXJmZXcubWVzaC52MS5DYW5jZWxDYXVzZRIsCghkZWFkbGluZRgFIAEoCzIaLmdvb2dsZS5wcm90b2J1Zi5UaW1lc3RhbXASLgoKY3JlYXRlZF9hdBgGIAEoCzIaLmdvb2dsZS5wcm90b2J1Zi5UaW1lc3RhbXASLAoIZW5kZWRfYXQYByABKAsyGi5nb29nbGUucHJvdG9idWYuVGltZXN0YW1wEjAKDGNhbmNlbGxlZF9hdBgIIAEoCzIaLmdvb2dsZS5wcm90b2J1Zi5UaW1lc3RhbXASDgoGYW5zd2VyGAkgASgJEhIKCmVycm9yX2NvZGUYCiABKAkSFQoNZXJyb3JfbWVzc2FnZRgLIAEoCRIjCgVub2RlcxgMIAMoCzIULmN1cmZldy5tZXNoLnYxLk5vZGUSDgoGdG9rZW5zGA0gASgDEhsKE3Rva2Vuc19hZnRlcl9jYW5jZWwYDiABKAMSFQoNcHJvbXB0X3Rva2VucxgUIAEoAxINCgVtb2RlbBgPIAEoCRIMCgR0YXNrGBAgASgJEhcKD2lkZW1wb3RlbmN5X2tleRgRIAEoCRINCgVlcG9jaBgSIAEoAxIvCgVpbnB1dBgTIAEoCzIgLmN1cmZldy5vcmNoZXN0cmF0b3IudjEuUnVuSW5wdXQimQEKB01lc3NhZ2USMQoEcm9sZRgBIAEoDjIjLmN1cmZldy5vcmNoZXN0cmF0b3IudjEuTWVzc2FnZVJvbGUSDwoHY29udGVudBgCIAEoCRIUCgx0b29sX2NhbGxfaWQYAyABKAkSNAoKdG9vbF9jYWxscxgEIAMoCzIgLmN1cmZldy5vcmNoZXN0cmF0b3IudjEuVG9vbENhbGwiPAoIVG9vbENhbGwSCgoCaWQYASABKAkSDAoEbmFtZRgCIAEoCRIWCg5hcmd1bWVudHNfanNvbhgDIAEoCSKFAgoIUnVuSW5wdXQSMQoIbWVzc2FnZXMYASADKAsyHy5jdXJmZXcub3JjaGVzdHJhdG9yLnYxLk1lc3NhZ2USEgoKbWF4X3Rva2VucxgCIAEoBRIYCgt0ZW1wZXJhdHVyZRgDIAEoAUgAiAEBEhwKFHJlc3BvbnNlX3NjaGVtYV9qc29uGAQgASgJEg0KBXRvb2xzGAUgAygJEhEKCW1heF9zdGVwcxgGIAEoBRI3Cgt0b29sX2Vycm9ycxgHIAEoDjIiLmN1cmZldy5vcmNoZXN0cmF0b3IudjEuVG9vbEVycm9ycxIPCgdyZXNlcnZlGAggASgJQg4KDF90ZW1wZXJhdHVyZSLEAgoKUnVuUmVxdWVzdBIMCgR0YXNrGAEgASgJEg0KBW1vZGVsGAIgASgJEh4KFmNvbnRpbnVlX29uX2Rpc2Nvbm5lY3QYAyABKAgSMQoIbWVzc2FnZXMYBCADKAsyHy5jdXJmZXcub3JjaGVzdHJhdG9yLnYxLk1lc3NhZ2USEgoKbWF4X3Rva2VucxgFIAEoBRIYCgt0ZW1wZXJhdHVyZRgGIAEoAUgAiAEBEhwKFHJlc3BvbnNlX3NjaGVtYV9qc29uGAcgASgJEg0KBXRvb2xzGAggAygJEhEKCW1heF9zdGVwcxgJIAEoBRI3Cgt0b29sX2Vycm9ycxgKIAEoDjIiLmN1cmZldy5vcmNoZXN0cmF0b3IudjEuVG9vbEVycm9ycxIPCgdyZXNlcnZlGAsgASgJQg4KDF90ZW1wZXJhdHVyZSJKCgpSdW5TdGFydGVkEg4KBnJ1bl9pZBgBIAEoCRIsCghkZWFkbGluZRgCIAEoCzIaLmdvb2dsZS5wcm90b2J1Zi5UaW1lc3RhbXAi1QEKC1J1blJlc3BvbnNlEjUKB3N0YXJ0ZWQYASABKAsyIi5jdXJmZXcub3JjaGVzdHJhdG9yLnYxLlJ1blN0YXJ0ZWRIABIkCgRub2RlGAIgASgLMhQuY3VyZmV3Lm1lc2gudjEuTm9kZUgAEi8KCGZpbmlzaGVkGAMgASgLMhsuY3VyZmV3Lm9yY2hlc3RyYXRvci52MS5SdW5IABIvCgpub2RlX2V2ZW50GAQgASgLMhkuY3VyZmV3Lm1lc2gudjEuTm9kZUV2ZW50SABCBwoFZXZlbnQi7gIKD1N0YXJ0UnVuUmVxdWVzdBIMCgR0YXNrGAEgASgJEg0KBW1vZGVsGAIgASgJEhcKD2lkZW1wb3RlbmN5X2tleRgDIAEoCRIqCgd0aW1lb3V0GAQgASgLMhkuZ29vZ2xlLnByb3RvYnVmLkR1cmF0aW9uEjEKCG1lc3NhZ2VzGAUgAygLMh8uY3VyZmV3Lm9yY2hlc3RyYXRvci52MS5NZXNzYWdlEhIKCm1heF90b2tlbnMYBiABKAUSGAoLdGVtcGVyYXR1cmUYByABKAFIAIgBARIcChRyZXNwb25zZV9zY2hlbWFfanNvbhgIIAEoCRINCgV0b29scxgJIAMoCRIRCgltYXhfc3RlcHMYCiABKAUSNwoLdG9vbF9lcnJvcnMYCyABKA4yIi5jdXJmZXcub3JjaGVzdHJhdG9yLnYxLlRvb2xFcnJvcnMSDwoHcmVzZXJ2ZRgMIAEoCUIOCgxfdGVtcGVyYXR1cmUiTQoQU3RhcnRSdW5SZXNwb25zZRIoCgNydW4YASABKAsyGy5jdXJmZXcub3JjaGVzdHJhdG9yLnYxLlJ1bhIPCgdjcmVhdGVkGAIgASgIIiEKD1dhdGNoUnVuUmVxdWVzdBIOCgZydW5faWQYASABKAki2gEKEFdhdGNoUnVuUmVzcG9uc2USNQoHc3RhcnRlZBgBIAEoCzIiLmN1cmZldy5vcmNoZXN0cmF0b3IudjEuUnVuU3RhcnRlZEgAEiQKBG5vZGUYAiABKAsyFC5jdXJmZXcubWVzaC52MS5Ob2RlSAASLwoIZmluaXNoZWQYAyABKAsyGy5jdXJmZXcub3JjaGVzdHJhdG9yLnYxLlJ1bkgAEi8KCm5vZGVfZXZlbnQYBCABKAsyGS5jdXJmZXcubWVzaC52MS5Ob2RlRXZlbnRIAEIHCgVldmVudCIfCg1HZXRSdW5SZXF1ZXN0Eg4KBnJ1bl9pZBgBIAEoCSI6Cg5HZXRSdW5SZXNwb25zZRIoCgNydW4YASABKAsyGy5jdXJmZXcub3JjaGVzdHJhdG9yLnYxLlJ1biI4Cg9MaXN0UnVuc1JlcXVlc3QSEQoJcGFnZV9zaXplGAEgASgFEhIKCnBhZ2VfdG9rZW4YAiABKAkiVgoQTGlzdFJ1bnNSZXNwb25zZRIpCgRydW5zGAEgAygLMhsuY3VyZmV3Lm9yY2hlc3RyYXRvci52MS5SdW4SFwoPbmV4dF9wYWdlX3Rva2VuGAIgASgJIjIKEENhbmNlbFJ1blJlcXVlc3QSDgoGcnVuX2lkGAEgASgJEg4KBnJlYXNvbhgCIAEoCSI9ChFDYW5jZWxSdW5SZXNwb25zZRIoCgNydW4YASABKAsyGy5jdXJmZXcub3JjaGVzdHJhdG9yLnYxLlJ1biqsAQoJUnVuU3RhdHVzEhoKFlJVTl9TVEFUVVNfVU5TUEVDSUZJRUQQABIWChJSVU5fU1RBVFVTX1JVTk5JTkcQARIYChRSVU5fU1RBVFVTX1NVQ0NFRURFRBACEhUKEVJVTl9TVEFUVVNfRkFJTEVEEAMSGAoUUlVOX1NUQVRVU19DQU5DRUxMRUQQBBIgChxSVU5fU1RBVFVTX0RFQURMSU5FX0VYQ0VFREVEEAUqjgEKC01lc3NhZ2VSb2xlEhwKGE1FU1NBR0VfUk9MRV9VTlNQRUNJRklFRBAAEhcKE01FU1NBR0VfUk9MRV9TWVNURU0QARIVChFNRVNTQUdFX1JPTEVfVVNFUhACEhoKFk1FU1NBR0VfUk9MRV9BU1NJU1RBTlQQAxIVChFNRVNTQUdFX1JPTEVfVE9PTBAEKl0KClRvb2xFcnJvcnMSGwoXVE9PTF9FUlJPUlNfVU5TUEVDSUZJRUQQABIYChRUT09MX0VSUk9SU19UT19NT0RFTBABEhgKFFRPT0xfRVJST1JTX0ZBSUxfUlVOEAIywQQKE09yY2hlc3RyYXRvclNlcnZpY2USUAoDUnVuEiIuY3VyZmV3Lm9yY2hlc3RyYXRvci52MS5SdW5SZXF1ZXN0GiMuY3VyZmV3Lm9yY2hlc3RyYXRvci52MS5SdW5SZXNwb25zZTABEl0KCFN0YXJ0UnVuEicuY3VyZmV3Lm9yY2hlc3RyYXRvci52MS5TdGFydFJ1blJlcXVlc3QaKC5jdXJmZXcub3JjaGVzdHJhdG9yLnYxLlN0YXJ0UnVuUmVzcG9uc2USXwoIV2F0Y2hSdW4SJy5jdXJmZXcub3JjaGVzdHJhdG9yLnYxLldhdGNoUnVuUmVxdWVzdBooLmN1cmZldy5vcmNoZXN0cmF0b3IudjEuV2F0Y2hSdW5SZXNwb25zZTABElcKBkdldFJ1bhIlLmN1cmZldy5vcmNoZXN0cmF0b3IudjEuR2V0UnVuUmVxdWVzdBomLmN1cmZldy5vcmNoZXN0cmF0b3IudjEuR2V0UnVuUmVzcG9uc2USXQoITGlzdFJ1bnMSJy5jdXJmZXcub3JjaGVzdHJhdG9yLnYxLkxpc3RSdW5zUmVxdWVzdBooLmN1cmZldy5vcmNoZXN0cmF0b3IudjEuTGlzdFJ1bnNSZXNwb25zZRJgCglDYW5jZWxSdW4SKC5jdXJmZXcub3JjaGVzdHJhdG9yLnYxLkNhbmNlbFJ1blJlcXVlc3QaKS5jdXJmZXcub3JjaGVzdHJhdG9yLnYxLkNhbmNlbFJ1blJlc3BvbnNlQvIBChpjb20uY3VyZmV3Lm9yY2hlc3RyYXRvci52MUIRT3JjaGVzdHJhdG9yUHJvdG9QAVpHZ2l0aHViLmNvbS9jdXJmZXctbWVzaC9jdXJmZXcvZ2VuL2N1cmZldy9vcmNoZXN0cmF0b3IvdjE7b3JjaGVzdHJhdG9ydjGiAgNDT1iqAhZDdXJmZXcuT3JjaGVzdHJhdG9yLlYxygIWQ3VyZmV3XE9yY2hlc3RyYXRvclxWMeICIkN1cmZld1xPcmNoZXN0cmF0b3JcVjFcR1BCTWV0YWRhdGHqAhhDdXJmZXc6Ok9yY2hlc3RyYXRvcjo6VjFiBnByb3RvMw", [file_curfew_mesh_v1_mesh, file_google_protobuf_duration, file_google_protobuf_timestamp]);
 
 /**
  * Run is a run's record and, once it has ended, its summary.
@@ -162,16 +162,27 @@ export type Message = Message$1<"curfew.orchestrator.v1.Message"> & {
   role: MessageRole;
 
   /**
+   * Required, except on an assistant message with tool_calls.
+   *
    * @generated from field: string content = 2;
    */
   content: string;
 
   /**
-   * On tool messages: the id of the assistant's tool call this is the result of.
+   * On tool messages: the id of an earlier assistant message's tool call (tool_calls)
+   * this is the result of.
    *
    * @generated from field: string tool_call_id = 3;
    */
   toolCallId: string;
+
+  /**
+   * On assistant messages: the tools the assistant called in that turn, whose results
+   * are the tool messages after it.
+   *
+   * @generated from field: repeated curfew.orchestrator.v1.ToolCall tool_calls = 4;
+   */
+  toolCalls: ToolCall[];
 };
 
 /**
@@ -180,6 +191,41 @@ export type Message = Message$1<"curfew.orchestrator.v1.Message"> & {
  */
 export const MessageSchema: GenMessage<Message> = /*@__PURE__*/
   messageDesc(file_curfew_orchestrator_v1_orchestrator, 1);
+
+/**
+ * ToolCall is one tool call of a prior assistant turn in a run's messages.
+ *
+ * @generated from message curfew.orchestrator.v1.ToolCall
+ */
+export type ToolCall = Message$1<"curfew.orchestrator.v1.ToolCall"> & {
+  /**
+   * The call's id, unique within the messages: a tool message's tool_call_id names it.
+   *
+   * @generated from field: string id = 1;
+   */
+  id: string;
+
+  /**
+   * The tool's name, as the model called it.
+   *
+   * @generated from field: string name = 2;
+   */
+  name: string;
+
+  /**
+   * The call's arguments, a JSON object; empty is {}.
+   *
+   * @generated from field: string arguments_json = 3;
+   */
+  argumentsJson: string;
+};
+
+/**
+ * Describes the message curfew.orchestrator.v1.ToolCall.
+ * Use `create(ToolCallSchema)` to create a new message.
+ */
+export const ToolCallSchema: GenMessage<ToolCall> = /*@__PURE__*/
+  messageDesc(file_curfew_orchestrator_v1_orchestrator, 2);
 
 /**
  * RunInput is what a run was started with beyond its task and model: the fields of
@@ -234,7 +280,7 @@ export type RunInput = Message$1<"curfew.orchestrator.v1.RunInput"> & {
  * Use `create(RunInputSchema)` to create a new message.
  */
 export const RunInputSchema: GenMessage<RunInput> = /*@__PURE__*/
-  messageDesc(file_curfew_orchestrator_v1_orchestrator, 2);
+  messageDesc(file_curfew_orchestrator_v1_orchestrator, 3);
 
 /**
  * RunRequest starts a run. The run's absolute deadline comes from the call's gRPC deadline,
@@ -335,7 +381,7 @@ export type RunRequest = Message$1<"curfew.orchestrator.v1.RunRequest"> & {
  * Use `create(RunRequestSchema)` to create a new message.
  */
 export const RunRequestSchema: GenMessage<RunRequest> = /*@__PURE__*/
-  messageDesc(file_curfew_orchestrator_v1_orchestrator, 3);
+  messageDesc(file_curfew_orchestrator_v1_orchestrator, 4);
 
 /**
  * RunStarted is the first event of a run.
@@ -359,7 +405,7 @@ export type RunStarted = Message$1<"curfew.orchestrator.v1.RunStarted"> & {
  * Use `create(RunStartedSchema)` to create a new message.
  */
 export const RunStartedSchema: GenMessage<RunStarted> = /*@__PURE__*/
-  messageDesc(file_curfew_orchestrator_v1_orchestrator, 4);
+  messageDesc(file_curfew_orchestrator_v1_orchestrator, 5);
 
 /**
  * RunResponse is one event of a run's stream.
@@ -411,7 +457,7 @@ export type RunResponse = Message$1<"curfew.orchestrator.v1.RunResponse"> & {
  * Use `create(RunResponseSchema)` to create a new message.
  */
 export const RunResponseSchema: GenMessage<RunResponse> = /*@__PURE__*/
-  messageDesc(file_curfew_orchestrator_v1_orchestrator, 5);
+  messageDesc(file_curfew_orchestrator_v1_orchestrator, 6);
 
 /**
  * StartRunRequest starts a detached run: it goes on after the caller leaves, until it
@@ -523,7 +569,7 @@ export type StartRunRequest = Message$1<"curfew.orchestrator.v1.StartRunRequest"
  * Use `create(StartRunRequestSchema)` to create a new message.
  */
 export const StartRunRequestSchema: GenMessage<StartRunRequest> = /*@__PURE__*/
-  messageDesc(file_curfew_orchestrator_v1_orchestrator, 6);
+  messageDesc(file_curfew_orchestrator_v1_orchestrator, 7);
 
 /**
  * StartRunResponse holds the run as started, or as found under the idempotency key.
@@ -549,7 +595,7 @@ export type StartRunResponse = Message$1<"curfew.orchestrator.v1.StartRunRespons
  * Use `create(StartRunResponseSchema)` to create a new message.
  */
 export const StartRunResponseSchema: GenMessage<StartRunResponse> = /*@__PURE__*/
-  messageDesc(file_curfew_orchestrator_v1_orchestrator, 7);
+  messageDesc(file_curfew_orchestrator_v1_orchestrator, 8);
 
 /**
  * WatchRunRequest names a run to follow.
@@ -568,7 +614,7 @@ export type WatchRunRequest = Message$1<"curfew.orchestrator.v1.WatchRunRequest"
  * Use `create(WatchRunRequestSchema)` to create a new message.
  */
 export const WatchRunRequestSchema: GenMessage<WatchRunRequest> = /*@__PURE__*/
-  messageDesc(file_curfew_orchestrator_v1_orchestrator, 8);
+  messageDesc(file_curfew_orchestrator_v1_orchestrator, 9);
 
 /**
  * WatchRunResponse is one event of a watched run, in the order Run sends them.
@@ -611,7 +657,7 @@ export type WatchRunResponse = Message$1<"curfew.orchestrator.v1.WatchRunRespons
  * Use `create(WatchRunResponseSchema)` to create a new message.
  */
 export const WatchRunResponseSchema: GenMessage<WatchRunResponse> = /*@__PURE__*/
-  messageDesc(file_curfew_orchestrator_v1_orchestrator, 9);
+  messageDesc(file_curfew_orchestrator_v1_orchestrator, 10);
 
 /**
  * GetRunRequest names a run.
@@ -630,7 +676,7 @@ export type GetRunRequest = Message$1<"curfew.orchestrator.v1.GetRunRequest"> & 
  * Use `create(GetRunRequestSchema)` to create a new message.
  */
 export const GetRunRequestSchema: GenMessage<GetRunRequest> = /*@__PURE__*/
-  messageDesc(file_curfew_orchestrator_v1_orchestrator, 10);
+  messageDesc(file_curfew_orchestrator_v1_orchestrator, 11);
 
 /**
  * GetRunResponse holds the run.
@@ -649,7 +695,7 @@ export type GetRunResponse = Message$1<"curfew.orchestrator.v1.GetRunResponse"> 
  * Use `create(GetRunResponseSchema)` to create a new message.
  */
 export const GetRunResponseSchema: GenMessage<GetRunResponse> = /*@__PURE__*/
-  messageDesc(file_curfew_orchestrator_v1_orchestrator, 11);
+  messageDesc(file_curfew_orchestrator_v1_orchestrator, 12);
 
 /**
  * ListRunsRequest pages through runs, newest first.
@@ -677,7 +723,7 @@ export type ListRunsRequest = Message$1<"curfew.orchestrator.v1.ListRunsRequest"
  * Use `create(ListRunsRequestSchema)` to create a new message.
  */
 export const ListRunsRequestSchema: GenMessage<ListRunsRequest> = /*@__PURE__*/
-  messageDesc(file_curfew_orchestrator_v1_orchestrator, 12);
+  messageDesc(file_curfew_orchestrator_v1_orchestrator, 13);
 
 /**
  * ListRunsResponse is one page of runs (without their nodes).
@@ -701,7 +747,7 @@ export type ListRunsResponse = Message$1<"curfew.orchestrator.v1.ListRunsRespons
  * Use `create(ListRunsResponseSchema)` to create a new message.
  */
 export const ListRunsResponseSchema: GenMessage<ListRunsResponse> = /*@__PURE__*/
-  messageDesc(file_curfew_orchestrator_v1_orchestrator, 13);
+  messageDesc(file_curfew_orchestrator_v1_orchestrator, 14);
 
 /**
  * CancelRunRequest asks to stop a run with cause operator.
@@ -727,7 +773,7 @@ export type CancelRunRequest = Message$1<"curfew.orchestrator.v1.CancelRunReques
  * Use `create(CancelRunRequestSchema)` to create a new message.
  */
 export const CancelRunRequestSchema: GenMessage<CancelRunRequest> = /*@__PURE__*/
-  messageDesc(file_curfew_orchestrator_v1_orchestrator, 14);
+  messageDesc(file_curfew_orchestrator_v1_orchestrator, 15);
 
 /**
  * CancelRunResponse holds the run after its tree has been torn down.
@@ -746,7 +792,7 @@ export type CancelRunResponse = Message$1<"curfew.orchestrator.v1.CancelRunRespo
  * Use `create(CancelRunResponseSchema)` to create a new message.
  */
 export const CancelRunResponseSchema: GenMessage<CancelRunResponse> = /*@__PURE__*/
-  messageDesc(file_curfew_orchestrator_v1_orchestrator, 15);
+  messageDesc(file_curfew_orchestrator_v1_orchestrator, 16);
 
 /**
  * RunStatus is the state of a whole run.

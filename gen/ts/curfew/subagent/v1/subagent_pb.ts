@@ -2,8 +2,8 @@
 // @generated from file curfew/subagent/v1/subagent.proto (package curfew.subagent.v1, syntax proto3)
 /* eslint-disable */
 
-import type { GenFile, GenMessage, GenService } from "@bufbuild/protobuf/codegenv2";
-import { fileDesc, messageDesc, serviceDesc } from "@bufbuild/protobuf/codegenv2";
+import type { GenEnum, GenFile, GenMessage, GenService } from "@bufbuild/protobuf/codegenv2";
+import { enumDesc, fileDesc, messageDesc, serviceDesc } from "@bufbuild/protobuf/codegenv2";
 import type { Node, NodeEvent } from "../../mesh/v1/mesh_pb.js";
 import { file_curfew_mesh_v1_mesh } from "../../mesh/v1/mesh_pb.js";
 import type { Message } from "@bufbuild/protobuf";
@@ -12,7 +12,7 @@ import type { Message } from "@bufbuild/protobuf";
  * Describes the file curfew/subagent/v1/subagent.proto.
  */
 export const file_curfew_subagent_v1_subagent: GenFile = /*@__PURE__*/
-  fileDesc("CiFjdXJmZXcvc3ViYWdlbnQvdjEvc3ViYWdlbnQucHJvdG8SEmN1cmZldy5zdWJhZ2VudC52MSJfCgxTcGF3blJlcXVlc3QSDAoEdGFzaxgBIAEoCRINCgVtb2RlbBgCIAEoCRINCgV0b29scxgDIAMoCRISCgptYXhfdG9rZW5zGAQgASgFEg8KB3Jlc2VydmUYBSABKAkiLgoLU3Bhd25SZXN1bHQSDgoGYW5zd2VyGAEgASgJEg8KB3BhcnRpYWwYAiABKAgiogEKDVNwYXduUmVzcG9uc2USJAoEbm9kZRgBIAEoCzIULmN1cmZldy5tZXNoLnYxLk5vZGVIABIxCgZyZXN1bHQYAiABKAsyHy5jdXJmZXcuc3ViYWdlbnQudjEuU3Bhd25SZXN1bHRIABIvCgpub2RlX2V2ZW50GAMgASgLMhkuY3VyZmV3Lm1lc2gudjEuTm9kZUV2ZW50SABCBwoFZXZlbnQyYQoPU3ViYWdlbnRTZXJ2aWNlEk4KBVNwYXduEiAuY3VyZmV3LnN1YmFnZW50LnYxLlNwYXduUmVxdWVzdBohLmN1cmZldy5zdWJhZ2VudC52MS5TcGF3blJlc3BvbnNlMAFC0gEKFmNvbS5jdXJmZXcuc3ViYWdlbnQudjFCDVN1YmFnZW50UHJvdG9QAVo/Z2l0aHViLmNvbS9jdXJmZXctbWVzaC9jdXJmZXcvZ2VuL2N1cmZldy9zdWJhZ2VudC92MTtzdWJhZ2VudHYxogIDQ1NYqgISQ3VyZmV3LlN1YmFnZW50LlYxygISQ3VyZmV3XFN1YmFnZW50XFYx4gIeQ3VyZmV3XFN1YmFnZW50XFYxXEdQQk1ldGFkYXRh6gIUQ3VyZmV3OjpTdWJhZ2VudDo6VjFiBnByb3RvMw", [file_curfew_mesh_v1_mesh]);
+  fileDesc("CiFjdXJmZXcvc3ViYWdlbnQvdjEvc3ViYWdlbnQucHJvdG8SEmN1cmZldy5zdWJhZ2VudC52MSKUAQoMU3Bhd25SZXF1ZXN0EgwKBHRhc2sYASABKAkSDQoFbW9kZWwYAiABKAkSDQoFdG9vbHMYAyADKAkSEgoKbWF4X3Rva2VucxgEIAEoBRIPCgdyZXNlcnZlGAUgASgJEjMKC3Rvb2xfZXJyb3JzGAYgASgOMh4uY3VyZmV3LnN1YmFnZW50LnYxLlRvb2xFcnJvcnMiLgoLU3Bhd25SZXN1bHQSDgoGYW5zd2VyGAEgASgJEg8KB3BhcnRpYWwYAiABKAgiogEKDVNwYXduUmVzcG9uc2USJAoEbm9kZRgBIAEoCzIULmN1cmZldy5tZXNoLnYxLk5vZGVIABIxCgZyZXN1bHQYAiABKAsyHy5jdXJmZXcuc3ViYWdlbnQudjEuU3Bhd25SZXN1bHRIABIvCgpub2RlX2V2ZW50GAMgASgLMhkuY3VyZmV3Lm1lc2gudjEuTm9kZUV2ZW50SABCBwoFZXZlbnQqXQoKVG9vbEVycm9ycxIbChdUT09MX0VSUk9SU19VTlNQRUNJRklFRBAAEhgKFFRPT0xfRVJST1JTX1RPX01PREVMEAESGAoUVE9PTF9FUlJPUlNfRkFJTF9SVU4QAjJhCg9TdWJhZ2VudFNlcnZpY2USTgoFU3Bhd24SIC5jdXJmZXcuc3ViYWdlbnQudjEuU3Bhd25SZXF1ZXN0GiEuY3VyZmV3LnN1YmFnZW50LnYxLlNwYXduUmVzcG9uc2UwAULSAQoWY29tLmN1cmZldy5zdWJhZ2VudC52MUINU3ViYWdlbnRQcm90b1ABWj9naXRodWIuY29tL2N1cmZldy1tZXNoL2N1cmZldy9nZW4vY3VyZmV3L3N1YmFnZW50L3YxO3N1YmFnZW50djGiAgNDU1iqAhJDdXJmZXcuU3ViYWdlbnQuVjHKAhJDdXJmZXdcU3ViYWdlbnRcVjHiAh5DdXJmZXdcU3ViYWdlbnRcVjFcR1BCTWV0YWRhdGHqAhRDdXJmZXc6OlN1YmFnZW50OjpWMWIGcHJvdG8z", [file_curfew_mesh_v1_mesh]);
 
 /**
  * SpawnRequest runs a nested agent loop under the caller's deadline and node path.
@@ -59,6 +59,15 @@ export type SpawnRequest = Message<"curfew.subagent.v1.SpawnRequest"> & {
    * @generated from field: string reserve = 5;
    */
   reserve: string;
+
+  /**
+   * What a failed tool call of the nested loop does: the run's policy (its caller's
+   * loop's), which toolrunner's spawn_subagent learns from the call's curfew-tool-errors
+   * header. Unspecified is TOOL_ERRORS_TO_MODEL.
+   *
+   * @generated from field: curfew.subagent.v1.ToolErrors tool_errors = 6;
+   */
+  toolErrors: ToolErrors;
 };
 
 /**
@@ -133,6 +142,41 @@ export type SpawnResponse = Message<"curfew.subagent.v1.SpawnResponse"> & {
  */
 export const SpawnResponseSchema: GenMessage<SpawnResponse> = /*@__PURE__*/
   messageDesc(file_curfew_subagent_v1_subagent, 2);
+
+/**
+ * ToolErrors says what a failed tool call does to a nested loop; the values mean what
+ * curfew.orchestrator.v1.ToolErrors's do for a run.
+ *
+ * @generated from enum curfew.subagent.v1.ToolErrors
+ */
+export enum ToolErrors {
+  /**
+   * TOOL_ERRORS_TO_MODEL.
+   *
+   * @generated from enum value: TOOL_ERRORS_UNSPECIFIED = 0;
+   */
+  UNSPECIFIED = 0,
+
+  /**
+   * The error goes back to the model as the tool's result, and the loop goes on.
+   *
+   * @generated from enum value: TOOL_ERRORS_TO_MODEL = 1;
+   */
+  TO_MODEL = 1,
+
+  /**
+   * The first failed tool call fails the nested loop, and with it its caller's call.
+   *
+   * @generated from enum value: TOOL_ERRORS_FAIL_RUN = 2;
+   */
+  FAIL_RUN = 2,
+}
+
+/**
+ * Describes the enum curfew.subagent.v1.ToolErrors.
+ */
+export const ToolErrorsSchema: GenEnum<ToolErrors> = /*@__PURE__*/
+  enumDesc(file_curfew_subagent_v1_subagent, 0);
 
 /**
  * SubagentService runs nested agent loops.
