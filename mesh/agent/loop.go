@@ -265,10 +265,11 @@ func (l *Loop) RunResult(ctx context.Context, base string, in Input, j Journal) 
 		defer stop()
 	}
 	var got have // what the loop has, for a partial answer
-	// outOfTime ends a loop whose lctx ended: with in.Partial and ctx itself alive (the
-	// loop ran out of its own time, not cancelled), what it has is its answer.
+	// outOfTime ends a loop with err: when lctx ended (or a callee's copy of its deadline
+	// fired a moment before it), with in.Partial and ctx itself alive (the loop ran out of
+	// its own time, not cancelled), what it has is its answer.
 	outOfTime := func(err error) (Result, error) {
-		if in.Partial && ctx.Err() == nil && lctx.Err() != nil {
+		if in.Partial && ctx.Err() == nil && (lctx.Err() != nil || atDeadline(lctx, err)) {
 			return Result{Answer: got.answer(), Partial: true}, nil
 		}
 		return Result{}, err
@@ -489,10 +490,10 @@ func (l *Loop) toolStep(loop, ctx context.Context, prefix string, calls []*model
 		// No sibling to cancel: run the call on this goroutine, under ctx itself (a group
 		// context and a goroutine would be held for the whole call for nothing).
 		out, err := l.callTool(ctx, prefix+".t0", calls[0], tools, p)
-		if ctx.Err() != nil {
-			if err == nil {
-				return []string{out}, nil
-			}
+		if err == nil && ctx.Err() != nil {
+			return []string{out}, nil
+		}
+		if ctx.Err() != nil || cutAtReserve(loop, ctx, err) {
 			return reserveCut(loop, ctx, calls, make([]bool, 1), []string{""})
 		}
 		if err != nil && p.toModel && toolError(ctx, err) {
@@ -564,13 +565,20 @@ func (l *Loop) toolStep(loop, ctx context.Context, prefix string, calls []*model
 		}()
 	}
 	wg.Wait() // every branch settles its own remote teardown before returning
-	if ctx.Err() != nil {
+	if ctx.Err() != nil || cutAtReserve(loop, ctx, firstErr) {
 		return reserveCut(loop, ctx, calls, done, outs)
 	}
 	if firstErr != nil {
 		return nil, firstErr
 	}
 	return outs, nil
+}
+
+// cutAtReserve reports whether err, a tool call's, is the reserve stopping the step (ctx,
+// the loop's reserve, and not the loop itself): the callee's copy of the deadline can fire,
+// and its reset arrive, a moment before ctx's own timer.
+func cutAtReserve(loop, ctx context.Context, err error) bool {
+	return ctx != loop && err != nil && atDeadline(ctx, err)
 }
 
 // reserveCut ends a tool step whose ctx ended: when the loop goes on (the loop's reserve
