@@ -140,9 +140,10 @@ func (s *modelServer) enqueue(replies []map[string]any) error {
 type modelCall struct {
 	N       int
 	Request struct{ Body []byte }
-	Start   time.Time
-	End     time.Time
-	Chunks  int
+	// Start is when the request arrived, Headers when the response headers were
+	// written, End when the handler returned.
+	Start, Headers, End time.Time
+	Chunks              int
 	// ClientGone and GoneAt: the request's context ended before the reply's end, and when
 	// (on the server's clock, the machine's wall clock).
 	ClientGone bool
@@ -284,38 +285,57 @@ func firstContent(r *bufio.Reader) (sseChunk, error) {
 
 // firstDeltaHTTP posts body and returns the time to the first chunk with content, then
 // reads the stream to its end.
-func (mm *modelMesh) firstDeltaHTTP(ctx context.Context, door bool, body []byte) (time.Duration, error) {
+func (mm *modelMesh) firstDeltaHTTP(ctx context.Context, door bool, body []byte) (deltaSample, error) {
+	var s deltaSample
 	req, hc := mm.streamRequest(ctx, door, body)
-	t0 := time.Now()
+	s.t0 = time.Now()
 	resp, err := hc.Do(req)
 	if err != nil {
-		return 0, err
+		return s, err
 	}
 	defer resp.Body.Close()
+	s.started = time.Now()
 	if resp.StatusCode != http.StatusOK {
 		b, _ := io.ReadAll(resp.Body)
-		return 0, fmt.Errorf("%s: %s", resp.Status, b)
+		return s, fmt.Errorf("%s: %s", resp.Status, b)
 	}
 	br := bufio.NewReader(resp.Body)
 	if _, err := firstContent(br); err != nil {
-		return 0, err
+		return s, err
 	}
-	d := time.Since(t0)
+	s.first = time.Now()
 	_, err = io.Copy(io.Discard, br)
-	return d, err
+	return s, err
 }
+
+// deltaSample is one sample's instants (wall clock; every process is on this machine).
+type deltaSample struct {
+	t0 time.Time // the call began
+	// started is when the response headers arrived (HTTP: the front door writes them
+	// once the run has started) or the RunStarted event (Run).
+	started time.Time
+	// at is the TextDelta's own instant, stamped by the agent loop in the orchestrator
+	// (Run only).
+	at    time.Time
+	first time.Time // the first content arrived
+	// upStart and upHeaders are the model server's records of its request: arrival and
+	// response headers (filled in after the run from its calls).
+	upStart, upHeaders time.Time
+}
+
+func (s deltaSample) d() time.Duration { return s.first.Sub(s.t0) }
 
 // firstDeltaRun calls OrchestratorService.Run and returns the time to the first
 // TextDelta node event, then reads the stream to its end.
-func (mm *modelMesh) firstDeltaRun(ctx context.Context) (time.Duration, error) {
+func (mm *modelMesh) firstDeltaRun(ctx context.Context) (deltaSample, error) {
+	var s deltaSample
 	ctx, cancel := context.WithTimeout(ctx, 2*time.Minute)
 	defer cancel()
-	t0 := time.Now()
+	s.t0 = time.Now()
 	st, err := mm.orch.Run(ctx, &orchestratorv1.RunRequest{Task: benchTask, Model: benchModel})
 	if err != nil {
-		return 0, err
+		return s, err
 	}
-	var d time.Duration
 	var fin *orchestratorv1.Run
 	for {
 		ev, err := st.Recv()
@@ -323,22 +343,26 @@ func (mm *modelMesh) firstDeltaRun(ctx context.Context) (time.Duration, error) {
 			break
 		}
 		if err != nil {
-			return 0, err
+			return s, err
 		}
-		if d == 0 && ev.GetNodeEvent().GetText() != nil {
-			d = time.Since(t0)
+		if s.started.IsZero() && ev.GetStarted() != nil {
+			s.started = time.Now()
+		}
+		if s.first.IsZero() && ev.GetNodeEvent().GetText() != nil {
+			s.first = time.Now()
+			s.at = ev.GetNodeEvent().GetAt().AsTime()
 		}
 		if f := ev.GetFinished(); f != nil {
 			fin = f
 		}
 	}
-	if d == 0 {
-		return 0, fmt.Errorf("run ended without a text delta: %v", fin)
+	if s.first.IsZero() {
+		return s, fmt.Errorf("run ended without a text delta: %v", fin)
 	}
 	if fin.GetStatus() != orchestratorv1.RunStatus_RUN_STATUS_SUCCEEDED {
-		return 0, fmt.Errorf("run %s ended %v: %s", fin.GetRunId(), fin.GetStatus(), fin.GetErrorMessage())
+		return s, fmt.Errorf("run %s ended %v: %s", fin.GetRunId(), fin.GetStatus(), fin.GetErrorMessage())
 	}
-	return d, nil
+	return s, nil
 }
 
 // upstreamBody makes one streamed completion through the front door and returns the body
@@ -399,47 +423,106 @@ func BenchmarkFirstDelta(b *testing.B) {
 			b.Fatal("floor: ", err)
 		}
 	}
-	samples := make([]Dist, len(firstDeltaPaths))
+	calls0, err := mm.model.calls()
+	if err != nil {
+		b.Fatal(err)
+	}
+	var order []int // the path of each sample, in the order the model server saw them
+	samples := make([][]deltaSample, len(firstDeltaPaths))
 	i := 0
 	for b.Loop() {
 		for k := range firstDeltaPaths {
 			p := (i + k) % len(firstDeltaPaths)
-			var d time.Duration
+			var s deltaSample
 			var err error
 			switch firstDeltaPaths[p] {
 			case "floor":
-				d, err = mm.firstDeltaHTTP(ctx, false, floorBody)
+				s, err = mm.firstDeltaHTTP(ctx, false, floorBody)
 			case "door":
-				d, err = mm.firstDeltaHTTP(ctx, true, doorBody())
+				s, err = mm.firstDeltaHTTP(ctx, true, doorBody())
 			case "run":
-				d, err = mm.firstDeltaRun(ctx)
+				s, err = mm.firstDeltaRun(ctx)
 			}
 			if err != nil {
 				b.Fatalf("%s: %v", firstDeltaPaths[p], err)
 			}
-			samples[p] = append(samples[p], d)
+			samples[p] = append(samples[p], s)
+			order = append(order, p)
 			time.Sleep(firstDeltaSettle)
 		}
 		i++
 	}
-	floor := samples[0].Quantile(.5)
+	b.StopTimer()
+	// Each sample made exactly one request to the model server, one after the other.
+	calls, err := mm.model.calls()
+	if err != nil {
+		b.Fatal(err)
+	}
+	if mine := calls[len(calls0):]; len(mine) == len(order) {
+		next := make([]int, len(firstDeltaPaths))
+		for j, p := range order {
+			samples[p][next[p]].upStart, samples[p][next[p]].upHeaders = mine[j].Start, mine[j].Headers
+			next[p]++
+		}
+	} else {
+		b.Logf("the model server saw %d requests for %d samples: no breakdown", len(mine), len(order))
+	}
+	dists := make([]Dist, len(firstDeltaPaths))
+	for p := range samples {
+		for _, s := range samples[p] {
+			dists[p] = append(dists[p], s.d())
+		}
+	}
+	floor := dists[0].Quantile(.5)
 	for p, name := range firstDeltaPaths {
-		b.ReportMetric(usf(samples[p].Quantile(.5)), name+"-p50-us")
-		b.ReportMetric(usf(samples[p].Quantile(.99)), name+"-p99-us")
+		b.ReportMetric(usf(dists[p].Quantile(.5)), name+"-p50-us")
+		b.ReportMetric(usf(dists[p].Quantile(.99)), name+"-p99-us")
 		if p > 0 {
-			b.ReportMetric(usf(samples[p].Quantile(.5)-floor), name+"-added-p50-us")
+			b.ReportMetric(usf(dists[p].Quantile(.5)-floor), name+"-added-p50-us")
 		}
 	}
 	var sb strings.Builder
-	fmt.Fprintf(&sb, "\ntime to first streamed delta (µs), %d samples per path, load %s at start, %s at end\n", len(samples[0]), load0, loadAvg())
+	fmt.Fprintf(&sb, "\ntime to first streamed delta (µs), %d samples per path, load %s at start, %s at end\n", len(dists[0]), load0, loadAvg())
 	fmt.Fprintf(&sb, "| path | p50 | p90 | p99 | max | min | added at p50 |\n|---|---:|---:|---:|---:|---:|---:|\n")
 	for p, name := range firstDeltaPaths {
-		s := samples[p]
+		s := dists[p]
 		added := "–"
 		if p > 0 {
 			added = "+" + us(s.Quantile(.5)-floor)
 		}
 		fmt.Fprintf(&sb, "| %s | %s | %s | %s | %s | %s | %s |\n", name, us(s.Quantile(.5)), us(s.Quantile(.9)), us(s.Quantile(.99)), us(s.Max()), us(s.Min()), added)
+	}
+	// Where the time goes: the p50 of each segment between the instants of a sample.
+	seg := func(ss []deltaSample, from, to func(deltaSample) time.Time) string {
+		var d Dist
+		for _, s := range ss {
+			if from(s).IsZero() || to(s).IsZero() {
+				return "–"
+			}
+			d = append(d, to(s).Sub(from(s)))
+		}
+		return us(d.Quantile(.5))
+	}
+	t0 := func(s deltaSample) time.Time { return s.t0 }
+	started := func(s deltaSample) time.Time { return s.started }
+	upStart := func(s deltaSample) time.Time { return s.upStart }
+	upHeaders := func(s deltaSample) time.Time { return s.upHeaders }
+	at := func(s deltaSample) time.Time { return s.at }
+	first := func(s deltaSample) time.Time { return s.first }
+	fmt.Fprintf(&sb, "\nsegments, p50 µs: call → started (door: response headers; run: RunStarted), started → the model server has the request, → its headers, → the loop's TextDelta (run), → the client has the content\n")
+	fmt.Fprintf(&sb, "| path | call → started | call → request at server | started → request at server | request → headers | headers → TextDelta | TextDelta → client | headers → client |\n|---|---:|---:|---:|---:|---:|---:|---:|\n")
+	for p, name := range firstDeltaPaths {
+		ss := samples[p]
+		startedCol, toUp := "–", "–"
+		if p > 0 {
+			startedCol, toUp = seg(ss, t0, started), seg(ss, started, upStart)
+		}
+		atCol, atFirst := "–", "–"
+		if name == "run" {
+			atCol, atFirst = seg(ss, upHeaders, at), seg(ss, at, first)
+		}
+		fmt.Fprintf(&sb, "| %s | %s | %s | %s | %s | %s | %s | %s |\n", name, startedCol, seg(ss, t0, upStart), toUp,
+			seg(ss, upStart, upHeaders), atCol, atFirst, seg(ss, upHeaders, first))
 	}
 	addReport(sb.String())
 }
