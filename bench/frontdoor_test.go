@@ -300,17 +300,22 @@ func (mm *modelMesh) firstDeltaHTTP(ctx context.Context, door bool, body []byte)
 		return s, fmt.Errorf("%s: %s", resp.Status, b)
 	}
 	br := bufio.NewReader(resp.Body)
-	if _, err := firstContent(br); err != nil {
+	c, err := firstContent(br)
+	if err != nil {
 		return s, err
 	}
 	s.first = time.Now()
+	if door {
+		s.run = c.ID
+	}
 	_, err = io.Copy(io.Discard, br)
 	return s, err
 }
 
 // deltaSample is one sample's instants (wall clock; every process is on this machine).
 type deltaSample struct {
-	t0 time.Time // the call began
+	run string    // the run's id (curfew's paths)
+	t0  time.Time // the call began
 	// started is when the response headers arrived (HTTP: the front door writes them
 	// once the run has started) or the RunStarted event (Run).
 	started time.Time
@@ -347,6 +352,7 @@ func (mm *modelMesh) firstDeltaRun(ctx context.Context) (deltaSample, error) {
 		}
 		if s.started.IsZero() && ev.GetStarted() != nil {
 			s.started = time.Now()
+			s.run = ev.GetStarted().GetRunId()
 		}
 		if s.first.IsZero() && ev.GetNodeEvent().GetText() != nil {
 			s.first = time.Now()
@@ -467,6 +473,9 @@ func BenchmarkFirstDelta(b *testing.B) {
 	} else {
 		b.Logf("the model server saw %d requests for %d samples: no breakdown", len(mine), len(order))
 	}
+	if err := writeDeltaRaw(samples); err != nil {
+		b.Log("raw samples: ", err)
+	}
 	dists := make([]Dist, len(firstDeltaPaths))
 	for p := range samples {
 		for _, s := range samples[p] {
@@ -525,6 +534,29 @@ func BenchmarkFirstDelta(b *testing.B) {
 			seg(ss, upStart, upHeaders), atCol, atFirst, seg(ss, upHeaders, first))
 	}
 	addReport(sb.String())
+}
+
+// writeDeltaRaw writes every sample's instants as CSV (Unix ns, 0 for none) into
+// CURFEW_BENCH_RAW (a directory) when set.
+func writeDeltaRaw(samples [][]deltaSample) error {
+	dir := os.Getenv("CURFEW_BENCH_RAW")
+	if dir == "" {
+		return nil
+	}
+	ns := func(t time.Time) int64 {
+		if t.IsZero() {
+			return 0
+		}
+		return t.UnixNano()
+	}
+	var sb strings.Builder
+	sb.WriteString("path,run,t0,started,up_start,up_headers,text_delta_at,first\n")
+	for p, name := range firstDeltaPaths {
+		for _, s := range samples[p] {
+			fmt.Fprintf(&sb, "%s,%s,%d,%d,%d,%d,%d,%d\n", name, s.run, ns(s.t0), ns(s.started), ns(s.upStart), ns(s.upHeaders), ns(s.at), ns(s.first))
+		}
+	}
+	return os.WriteFile(filepath.Join(dir, "first-delta.csv"), []byte(sb.String()), 0o644)
 }
 
 func usf(d time.Duration) float64 { return float64(d) / 1e3 }
