@@ -39,7 +39,10 @@ type stopRound struct {
 	// decoder (door only): the client's disconnect → modelproxy's ended_at of the run's
 	// model node, written when the decoder's loop returned.
 	decoder Dist
-	load    string
+	// cpu is the CPU time each service used from the disconnect to quietPause after it
+	// (index as serviceNames): the teardown of n streams.
+	cpu  [4]time.Duration
+	load string
 }
 
 func streamsOf() (int, error) {
@@ -117,7 +120,7 @@ func BenchmarkFrontDoorDisconnect(b *testing.B) {
 	}
 	var sb strings.Builder
 	fmt.Fprintf(&sb, "\nfront-door disconnect → upstream stream closed at the model server (ms), %d streams per round, load %s at start, %s at end\n", n, load0, loadAvg())
-	fmt.Fprintf(&sb, "| round | path | p50 | p90 | p99 | max | min | modelproxy ended_at p50 / p99 / max | load (1 min) |\n|---:|---|---:|---:|---:|---:|---:|---|---:|\n")
+	fmt.Fprintf(&sb, "| round | path | p50 | p90 | p99 | max | min | modelproxy ended_at p50 / p99 / max | teardown CPU ms: orch / tool / sub / model | load (1 min) |\n|---:|---|---:|---:|---:|---:|---:|---|---|---:|\n")
 	for j, r := range rounds {
 		path, dcol := "floor", "–"
 		if r.door {
@@ -125,8 +128,9 @@ func BenchmarkFrontDoorDisconnect(b *testing.B) {
 			dcol = ms(r.decoder.Quantile(.5)) + " / " + ms(r.decoder.Quantile(.99)) + " / " + ms(r.decoder.Max())
 		}
 		u := r.upstream
-		fmt.Fprintf(&sb, "| %d | %s | %s | %s | %s | %s | %s | %s | %s |\n", j+1, path,
-			ms(u.Quantile(.5)), ms(u.Quantile(.9)), ms(u.Quantile(.99)), ms(u.Max()), ms(u.Min()), dcol, r.load)
+		fmt.Fprintf(&sb, "| %d | %s | %s | %s | %s | %s | %s | %s | %s / %s / %s / %s | %s |\n", j+1, path,
+			ms(u.Quantile(.5)), ms(u.Quantile(.9)), ms(u.Quantile(.99)), ms(u.Max()), ms(u.Min()), dcol,
+			ms1(r.cpu[0]), ms1(r.cpu[1]), ms1(r.cpu[2]), ms1(r.cpu[3]), r.load)
 	}
 	addReport(sb.String())
 }
@@ -198,10 +202,23 @@ func (mm *modelMesh) disconnectRound(ctx context.Context, door bool, n int, body
 		}
 	}
 	time.Sleep(steadyPause)
+	cpu0, err := cpuTimes(mm.procsOf.pids)
+	if err != nil {
+		cancel()
+		wg.Wait()
+		return r, err
+	}
 	t0 := time.Now()
 	cancel() // the client disconnects every stream
 	wg.Wait()
 	time.Sleep(quietPause)
+	cpu1, err := cpuTimes(mm.procsOf.pids)
+	if err != nil {
+		return r, err
+	}
+	for i := range cpu1 {
+		r.cpu[i] = cpu1[i] - cpu0[i]
+	}
 	r.load = strings.Fields(loadAvg())[0]
 
 	if door {
