@@ -41,8 +41,11 @@ type stopRound struct {
 	decoder Dist
 	// cpu is the CPU time each service used from the disconnect to quietPause after it
 	// (index as serviceNames): the teardown of n streams.
-	cpu  [4]time.Duration
-	load string
+	cpu [4]time.Duration
+	// steady is the CPU time the four services used together during steadyPause, with
+	// every stream decoding: the load the teardown lands on.
+	steady time.Duration
+	load   string
 }
 
 func streamsOf() (int, error) {
@@ -120,7 +123,7 @@ func BenchmarkFrontDoorDisconnect(b *testing.B) {
 	}
 	var sb strings.Builder
 	fmt.Fprintf(&sb, "\nfront-door disconnect → upstream stream closed at the model server (ms), %d streams per round, load %s at start, %s at end\n", n, load0, loadAvg())
-	fmt.Fprintf(&sb, "| round | path | p50 | p90 | p99 | max | min | modelproxy ended_at p50 / p99 / max | teardown CPU ms: orch / tool / sub / model | load (1 min) |\n|---:|---|---:|---:|---:|---:|---:|---|---|---:|\n")
+	fmt.Fprintf(&sb, "| round | path | p50 | p90 | p99 | max | min | modelproxy ended_at p50 / p99 / max | teardown CPU ms: orch / tool / sub / model | steady CPU ms per 100 ms | load (1 min) |\n|---:|---|---:|---:|---:|---:|---:|---|---|---:|---:|\n")
 	for j, r := range rounds {
 		path, dcol := "floor", "–"
 		if r.door {
@@ -128,9 +131,9 @@ func BenchmarkFrontDoorDisconnect(b *testing.B) {
 			dcol = ms(r.decoder.Quantile(.5)) + " / " + ms(r.decoder.Quantile(.99)) + " / " + ms(r.decoder.Max())
 		}
 		u := r.upstream
-		fmt.Fprintf(&sb, "| %d | %s | %s | %s | %s | %s | %s | %s | %s / %s / %s / %s | %s |\n", j+1, path,
+		fmt.Fprintf(&sb, "| %d | %s | %s | %s | %s | %s | %s | %s | %s / %s / %s / %s | %s | %s |\n", j+1, path,
 			ms(u.Quantile(.5)), ms(u.Quantile(.9)), ms(u.Quantile(.99)), ms(u.Max()), ms(u.Min()), dcol,
-			ms1(r.cpu[0]), ms1(r.cpu[1]), ms1(r.cpu[2]), ms1(r.cpu[3]), r.load)
+			ms1(r.cpu[0]), ms1(r.cpu[1]), ms1(r.cpu[2]), ms1(r.cpu[3]), ms1(r.steady*time.Duration(100*time.Millisecond)/steadyPause), r.load)
 	}
 	addReport(sb.String())
 }
@@ -201,12 +204,21 @@ func (mm *modelMesh) disconnectRound(ctx context.Context, door bool, n int, body
 			return r, fmt.Errorf("%d streams: not all delivered content within a minute", n)
 		}
 	}
+	cpuS, err := cpuTimes(mm.procsOf.pids)
+	if err != nil {
+		cancel()
+		wg.Wait()
+		return r, err
+	}
 	time.Sleep(steadyPause)
 	cpu0, err := cpuTimes(mm.procsOf.pids)
 	if err != nil {
 		cancel()
 		wg.Wait()
 		return r, err
+	}
+	for i := range cpu0 {
+		r.steady += cpu0[i] - cpuS[i]
 	}
 	t0 := time.Now()
 	cancel() // the client disconnects every stream
