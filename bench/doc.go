@@ -12,6 +12,11 @@
 //     real toolrunner (--tools-config, the test server internal/mcptest over stdio and
 //     streamable HTTP) beside a bare go-sdk client of the same server: cancel to the
 //     handler's ctx done, one echo call, and memory per idle session and per call.
+//   - BenchmarkFirstDelta and BenchmarkFrontDoorDisconnect: a real model server (the
+//     openaitest process) behind the mesh: time to the first streamed delta through the
+//     OpenAI-compatible front door and through Run, and a disconnect of 64 front-door
+//     streams to the model server seeing each upstream stream close, each beside the same
+//     server called directly.
 //
 // Every benchmark runs only under `go test -bench`; a plain `go test ./bench/...` runs
 // the fast unit tests of the helpers and nothing else. scripts/bench.sh runs them all with

@@ -30,6 +30,7 @@ func TestMain(m *testing.M) {
 	code := m.Run()
 	meshproc.Cleanup() // the binaries Build made for this process (about 90 MB)
 	cleanupToolBins()
+	cleanupModelBin()
 	report.Lock()
 	if report.Len() > 0 {
 		fmt.Print(report.String())

@@ -2,14 +2,15 @@
 # Runs the benchmarks recorded in docs/benchmarks.md and prints their results.
 #
 #   scripts/bench.sh                 # all three (about 9 minutes on 2 cores)
-#   ONLY=chain scripts/bench.sh      # one of: chain, cancel, memory, amplify, tracing, mtls, tools
+#   ONLY=chain scripts/bench.sh      # one of: chain, cancel, memory, amplify, tracing, mtls, tools, openai
 #
 # Knobs (environment): OUT (results directory, default a new temp dir), CHAIN_COUNT (10),
 # CHAIN_ROUNDS (100), CANCEL_ITERS (50, trees of 1 and 8 leaves), CANCEL_ITERS_64 (100,
 # trees of 64 leaves), RTT_PINGS (3000), CURFEW_BENCH_RUNS (10000, memory),
 # CURFEW_BENCH_AMP_SECONDS (60) and CURFEW_BENCH_AMP_LOADS ("rate=4,conc=2,conc=16")
 # (amplify), TOOL_CANCEL_ITERS (200), TOOL_CALL_ITERS (1000), CURFEW_BENCH_MCP_SESSIONS (16),
-# CURFEW_BENCH_MEM_ROUNDS (3) and CURFEW_BENCH_TOOL_CALLS (1000) (tools), CURFEW_BIN_DIR
+# CURFEW_BENCH_MEM_ROUNDS (3) and CURFEW_BENCH_TOOL_CALLS (1000) (tools), FIRST_DELTA_ITERS (200),
+# DISCONNECT_ITERS (5, each two rounds) and CURFEW_BENCH_DISCONNECT_STREAMS (64) (openai), CURFEW_BIN_DIR
 # (reuse built binaries; by default they are built into $OUT/bin, private to this run, so
 # that nobody's `make build` can swap them mid-run).
 set -euo pipefail
@@ -27,6 +28,8 @@ mkdir -p "$OUT"
 RTT_PINGS="${RTT_PINGS:-3000}"
 TOOL_CANCEL_ITERS="${TOOL_CANCEL_ITERS:-200}"
 TOOL_CALL_ITERS="${TOOL_CALL_ITERS:-1000}"
+FIRST_DELTA_ITERS="${FIRST_DELTA_ITERS:-200}"
+DISCONNECT_ITERS="${DISCONNECT_ITERS:-5}"
 export CURFEW_BENCH_RAW="$OUT" # per-iteration samples of the cancel benchmark, as CSV
 
 if [[ -z "${CURFEW_BIN_DIR:-}" ]]; then
@@ -129,8 +132,21 @@ run_tools() {
   "$BT" -test.run '^$' -test.bench '^BenchmarkToolMemory$' -test.benchtime 1x | tee "$OUT/tool-memory.txt"
 }
 
+run_openai() {
+  # The model server (openaitest) is built by the benchmarks unless CURFEW_BIN_DIR has one.
+  echo
+  echo "## real models in the loop: time to first delta, front door and Run against the model server directly"
+  "$BT" -test.run '^$' -test.bench '^BenchmarkFirstDelta$' -test.count 3 \
+    -test.benchtime "${FIRST_DELTA_ITERS}x" -test.timeout 30m | tee "$OUT/first-delta.txt"
+  echo
+  echo "## real models in the loop: disconnect at the front door to the upstream streams closed, against the model server directly"
+  "$BT" -test.run '^$' -test.bench '^BenchmarkFrontDoorDisconnect$' -test.count 3 \
+    -test.benchtime "${DISCONNECT_ITERS}x" -test.timeout 30m | tee "$OUT/disconnect.txt"
+}
+
 case "$ONLY" in
   tools) run_tools ;;
+  openai) run_openai ;;
   all) run_chain; run_cancel; run_memory ;;
   mtls) run_mtls ;;
   amplify) run_amplify ;;
@@ -138,7 +154,7 @@ case "$ONLY" in
   chain) run_chain ;;
   cancel) run_cancel ;;
   memory) run_memory ;;
-  *) echo "ONLY must be all, chain, cancel, memory, amplify, tracing, mtls or tools" >&2; exit 2 ;;
+  *) echo "ONLY must be all, chain, cancel, memory, amplify, tracing, mtls, tools or openai" >&2; exit 2 ;;
 esac
 echo
 echo "load at end: $(cut -d' ' -f1-3 /proc/loadavg)"
