@@ -161,6 +161,20 @@ func TestOpenAICompletions(t *testing.T) {
 	} else {
 		res.Body.Close()
 	}
+	// The deadline reserve header reaches the run's input; a malformed one is refused.
+	wantOpenAIError(t, openAIPost(ctx, t, key, simPlan(`{"steps": [{"answer_tokens": 1}]}`), "X-Curfew-Reserve", "soon"),
+		http.StatusBadRequest, "reserve")
+	res = openAIPost(ctx, t, key, simPlan(`{"tokens_per_second": 500, "steps": [{"answer_tokens": 1}]}`), "X-Curfew-Reserve", "0.25")
+	var reserved struct{ ID string }
+	b, _ = io.ReadAll(res.Body)
+	res.Body.Close()
+	if err := json.Unmarshal(b, &reserved); err != nil || res.StatusCode != http.StatusOK {
+		t.Fatalf("with a reserve: %d %s", res.StatusCode, b)
+	}
+	if run, err := newExternal(t, key).orch.GetRun(ctx, &orchestratorv1.GetRunRequest{RunId: reserved.ID}); err != nil ||
+		run.GetRun().GetInput().GetReserve() != "0.25" {
+		t.Errorf("the run of a completion with X-Curfew-Reserve 0.25 has input %v, %v", run.GetRun().GetInput(), err)
+	}
 	bad = simPlan(`{"steps": [{"answer_tokens": 1}]}`)
 	bad["temperature"] = 2.5
 	wantOpenAIError(t, openAIPost(ctx, t, key, bad), http.StatusBadRequest, "temperature")

@@ -134,7 +134,7 @@ func (h *Handler) open(ctx context.Context, run *orchestratorv1.RunRequest, key 
 	start := &orchestratorv1.StartRunRequest{Task: run.GetTask(), Model: run.GetModel(), IdempotencyKey: key,
 		Messages: run.GetMessages(), MaxTokens: run.GetMaxTokens(), Temperature: run.Temperature,
 		ResponseSchemaJson: run.GetResponseSchemaJson(), Tools: run.GetTools(), MaxSteps: run.GetMaxSteps(),
-		ToolErrors: run.GetToolErrors()}
+		ToolErrors: run.GetToolErrors(), Reserve: run.GetReserve()}
 	if timeout > 0 {
 		start.Timeout = durationpb.New(timeout)
 	}

@@ -24,6 +24,11 @@ import (
 // at its maximum.
 const TimeoutHeader = "X-Curfew-Timeout"
 
+// ReserveHeader is the request header of the run's deadline reserve (docs/reserve.md): a
+// duration ("2s") or a fraction of the time left ("0.2") its loop keeps for its final
+// answer. The orchestrator checks it (INVALID_ARGUMENT naming reserve, so a 400).
+const ReserveHeader = "X-Curfew-Reserve"
+
 // maxBody bounds a request's body.
 const maxBody = 4 << 20
 
@@ -224,6 +229,9 @@ func (h *Handler) completions(w http.ResponseWriter, r *http.Request) {
 	if err == nil {
 		req.registered = h.cfg.Registered
 		run, err = req.runRequest(ctx)
+	}
+	if err == nil {
+		run.Reserve = r.Header.Get(ReserveHeader)
 	}
 	if err != nil {
 		h.writeStatus(w, err)
