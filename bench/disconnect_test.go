@@ -133,7 +133,7 @@ func BenchmarkFrontDoorDisconnect(b *testing.B) {
 		u := r.upstream
 		fmt.Fprintf(&sb, "| %d | %s | %s | %s | %s | %s | %s | %s | %s / %s / %s / %s | %s | %s |\n", j+1, path,
 			ms(u.Quantile(.5)), ms(u.Quantile(.9)), ms(u.Quantile(.99)), ms(u.Max()), ms(u.Min()), dcol,
-			ms1(r.cpu[0]), ms1(r.cpu[1]), ms1(r.cpu[2]), ms1(r.cpu[3]), ms1(r.steady*time.Duration(100*time.Millisecond)/steadyPause), r.load)
+			ms1(r.cpu[0]), ms1(r.cpu[1]), ms1(r.cpu[2]), ms1(r.cpu[3]), ms1(r.steady*(100*time.Millisecond)/steadyPause), r.load)
 	}
 	addReport(sb.String())
 }

@@ -270,7 +270,7 @@ func (l *Loop) RunResult(ctx context.Context, base string, in Input, j Journal) 
 	// its own time, not cancelled), what it has is its answer.
 	outOfTime := func(err error) (Result, error) {
 		if in.Partial && ctx.Err() == nil && (lctx.Err() != nil || atDeadline(lctx, err)) {
-			return Result{Answer: got.answer(), Partial: true}, nil
+			return Result{Answer: got.answer(), Partial: true}, nil //nolint:nilerr // out of its own time, the loop answers with what it has
 		}
 		return Result{}, err
 	}
@@ -588,9 +588,10 @@ func reserveCut(loop, ctx context.Context, calls []*modelproxyv1.ToolCall, done 
 	if loop.Err() != nil || ctx == loop {
 		return nil, cancel.Status(ctx)
 	}
+	// calls, done and outs are one per call, of the same length.
 	for j, c := range calls {
-		if !done[j] {
-			outs[j] = reserveResult(c.GetName(), true)
+		if !done[j] { //nolint:gosec // G602: done has one entry per call
+			outs[j] = reserveResult(c.GetName(), true) //nolint:gosec // G602: outs has one entry per call
 		}
 	}
 	return outs, nil
