@@ -77,7 +77,8 @@ func TestSubagentTakesTheRunsToolErrors(t *testing.T) {
 		if len(reqs) != 4 {
 			t.Fatalf("the model saw %d requests, want 4 (root, subagent, subagent, root)", len(reqs))
 		}
-		last := reqs[2].Messages[len(reqs[2].Messages)-1]
+		msgs, _ := withoutTimeNote(reqs[2].Messages)
+		last := msgs[len(msgs)-1]
 		if content, _ := last.Content.(string); last.Role != "tool" || last.ToolCallID != "call_bad" || !strings.Contains(content, toolErr) {
 			t.Errorf("the subagent's second request ends %+v, want the tool message with the error", last)
 		}
