@@ -193,14 +193,17 @@ func (t *Table) begin(ctx context.Context, runID string, n *meshv1.Node, live bo
 		retryID, attempt = id.RetryID, int32(max(id.Attempt, 1)) //nolint:gosec // recorded for display only; retries are ordered on the int
 	}
 	n, err := t.start(runID, n, retryID, attempt, nc, live)
-	t.mu.Unlock()
 	if err != nil {
+		t.mu.Unlock()
 		if nc.owned {
 			nc.fn(nil)
 		}
 		return nil, nil, err
 	}
-	return cctx, proto.Clone(n).(*meshv1.Node), nil
+	// The copy is taken under the lock: the table's node changes when it ends.
+	n = proto.Clone(n).(*meshv1.Node)
+	t.mu.Unlock()
+	return cctx, n, nil
 }
 
 // CancelRun is Cancel for a run's cancel (NodeReportService.CancelNodes): besides
