@@ -17,6 +17,7 @@ type Store interface {
 	DeadLetters
 	Ledger
 	APIKeys
+	Operators
 	Sharing
 	// Close releases the connections. Calls after Close fail.
 	Close() error

@@ -44,6 +44,8 @@ type NewRun struct {
 	// Owner, when set, creates the run already claimed (epoch 1) for LeaseTTL.
 	Owner    string
 	LeaseTTL time.Duration
+	// StartedBy is who started it: "key:<API key id>" or "mesh:<identity>".
+	StartedBy string
 }
 
 // Run is a run's record.
@@ -67,6 +69,9 @@ type Run struct {
 	// Summary is what the finisher stored with the result (the orchestrator's encoded
 	// run summary), empty while live.
 	Summary []byte
+	// StartedBy is who started it (NewRun.StartedBy); "" for runs from before it was
+	// recorded.
+	StartedBy string
 }
 
 // Lease returns the run's current lease, to pass to fenced writes.
@@ -341,7 +346,16 @@ type APIKey struct {
 	Hash      []byte // of the key's secret
 	CreatedAt time.Time
 	RevokedAt time.Time // zero while the key is valid
+	// Scopes are the key's operator scopes (ScopeAdmin, ScopeReadOnly); none for a key
+	// that only runs its tenant's work.
+	Scopes []string
 }
+
+// Operator scopes of an API key.
+const (
+	ScopeAdmin    = "admin"     // every operator call
+	ScopeReadOnly = "read-only" // the operator calls that change nothing
+)
 
 // Revoked reports whether the key has been revoked.
 func (k APIKey) Revoked() bool { return !k.RevokedAt.IsZero() }

@@ -3,19 +3,24 @@ package sqlcore
 import (
 	"context"
 	"errors"
+	"strings"
 
 	"github.com/curfew-mesh/curfew/mesh/store"
 )
 
-const keyCols = `id, tenant, hash, created_ms, revoked_ms`
+const keyCols = `id, tenant, hash, created_ms, revoked_ms, scopes`
 
 func scanKey(r Row) (store.APIKey, error) {
 	var (
 		k                store.APIKey
 		created, revoked int64
+		scopes           string
 	)
-	if err := r.Scan(&k.ID, &k.Tenant, &k.Hash, &created, &revoked); err != nil {
+	if err := r.Scan(&k.ID, &k.Tenant, &k.Hash, &created, &revoked, &scopes); err != nil {
 		return store.APIKey{}, err
+	}
+	if scopes != "" {
+		k.Scopes = strings.Split(scopes, ",")
 	}
 	k.CreatedAt, k.RevokedAt = tm(created), tm(revoked)
 	return k, nil
@@ -25,6 +30,11 @@ func scanKey(r Row) (store.APIKey, error) {
 func (s *Store) CreateAPIKey(ctx context.Context, k store.APIKey, revokeOthers bool) (store.APIKey, int64, error) {
 	if k.ID == "" || k.Tenant == "" || len(k.Hash) == 0 {
 		return store.APIKey{}, 0, invalid("API key needs id, tenant and hash")
+	}
+	for _, sc := range k.Scopes {
+		if sc != store.ScopeAdmin && sc != store.ScopeReadOnly {
+			return store.APIKey{}, 0, invalid("API key scope %q is not %s or %s", sc, store.ScopeAdmin, store.ScopeReadOnly)
+		}
 	}
 	var (
 		out     store.APIKey
@@ -39,8 +49,8 @@ func (s *Store) CreateAPIKey(ctx context.Context, k store.APIKey, revokeOthers b
 		}
 		now := s.nowMs()
 		var err error
-		out, err = scanKey(q.QueryRow(ctx, `INSERT INTO api_keys (id, tenant, hash, created_ms) VALUES ($1, $2, $3, $4)
-			ON CONFLICT (id) DO NOTHING RETURNING `+keyCols, k.ID, k.Tenant, blob(k.Hash), now))
+		out, err = scanKey(q.QueryRow(ctx, `INSERT INTO api_keys (id, tenant, hash, created_ms, scopes) VALUES ($1, $2, $3, $4, $5)
+			ON CONFLICT (id) DO NOTHING RETURNING `+keyCols, k.ID, k.Tenant, blob(k.Hash), now, strings.Join(k.Scopes, ",")))
 		if errors.Is(err, ErrNoRows) {
 			return store.ErrAlreadyExists
 		}

@@ -84,7 +84,7 @@ func pageLimit(n int) int {
 }
 
 const runCols = `run_id, tenant, COALESCE(idempotency_key, ''), task, model, deadline_ms, status,
-	cause, error, answer, created_ms, ended_ms, owner, epoch, lease_expires_ms, summary, input`
+	cause, error, answer, created_ms, ended_ms, owner, epoch, lease_expires_ms, summary, input, started_by`
 
 func scanRun(r Row) (store.Run, error) {
 	var (
@@ -93,7 +93,7 @@ func scanRun(r Row) (store.Run, error) {
 		deadline, created, ended, leaseExpires int64
 	)
 	err := r.Scan(&run.RunID, &run.Tenant, &run.IdempotencyKey, &run.Task, &run.Model, &deadline, &status,
-		&run.Cause, &run.Error, &run.Answer, &created, &ended, &run.Owner, &run.Epoch, &leaseExpires, &run.Summary, &run.Input)
+		&run.Cause, &run.Error, &run.Answer, &created, &ended, &run.Owner, &run.Epoch, &leaseExpires, &run.Summary, &run.Input, &run.StartedBy)
 	if err != nil {
 		return store.Run{}, err
 	}
@@ -137,11 +137,11 @@ func (s *Store) CreateRun(ctx context.Context, r store.NewRun) (store.Run, bool,
 	err := s.d.Tx(ctx, func(q Querier) error {
 		var err error
 		run, err = scanRun(q.QueryRow(ctx, `INSERT INTO runs (run_id, tenant, idempotency_key, task, model,
-			deadline_ms, status, created_ms, owner, epoch, lease_expires_ms, input)
-			VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12)
+			deadline_ms, status, created_ms, owner, epoch, lease_expires_ms, input, started_by)
+			VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13)
 			ON CONFLICT DO NOTHING RETURNING `+runCols,
 			id, r.Tenant, nullable(r.IdempotencyKey), blob(r.Task), r.Model, ms(r.Deadline), string(status),
-			now, r.Owner, epoch, expires, blob(r.Input)))
+			now, r.Owner, epoch, expires, blob(r.Input), r.StartedBy))
 		if err == nil {
 			created = true
 			return nil
