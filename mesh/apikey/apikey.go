@@ -17,6 +17,7 @@ import (
 	"google.golang.org/grpc/metadata"
 	"google.golang.org/grpc/status"
 
+	"github.com/curfew-mesh/curfew/mesh/meshtls"
 	"github.com/curfew-mesh/curfew/mesh/store"
 )
 
@@ -103,47 +104,77 @@ var errUnauthenticated = status.Error(codes.Unauthenticated, "invalid API key")
 // cfk_…). A call without one, or with a key that is malformed, unknown, revoked or
 // wrong, is UNAUTHENTICATED; a store failure is UNAVAILABLE.
 func (a *Authenticator) Tenant(ctx context.Context) (string, error) {
+	k, err := a.Key(ctx)
+	return k.Tenant, err
+}
+
+// Key returns the record of the call's bearer key (its tenant and scopes), with
+// Tenant's errors.
+func (a *Authenticator) Key(ctx context.Context) (store.APIKey, error) {
 	vals := metadata.ValueFromIncomingContext(ctx, Header)
 	if len(vals) == 0 {
-		return "", status.Error(codes.Unauthenticated, "missing API key: send metadata authorization: Bearer <key> (curfew tenant create makes one)")
+		return store.APIKey{}, status.Error(codes.Unauthenticated, "missing API key: send metadata authorization: Bearer <key> (curfew tenant create makes one)")
 	}
 	if len(vals) > 1 {
-		return "", status.Error(codes.Unauthenticated, "more than one authorization header")
+		return store.APIKey{}, status.Error(codes.Unauthenticated, "more than one authorization header")
 	}
 	scheme, key, ok := strings.Cut(vals[0], " ")
 	if !ok || !strings.EqualFold(scheme, "bearer") {
-		return "", status.Error(codes.Unauthenticated, "authorization must be: Bearer <key>")
+		return store.APIKey{}, status.Error(codes.Unauthenticated, "authorization must be: Bearer <key>")
 	}
-	return a.KeyTenant(ctx, strings.TrimSpace(key))
+	return a.key(ctx, strings.TrimSpace(key))
 }
 
 // KeyTenant returns the tenant of key (cfk_…), with Tenant's errors: for a caller that
 // holds the key itself rather than in incoming metadata (the orchestrator's OpenAI front
 // door, which needs the tenant before it calls the orchestrator).
 func (a *Authenticator) KeyTenant(ctx context.Context, key string) (string, error) {
+	k, err := a.key(ctx, key)
+	return k.Tenant, err
+}
+
+func (a *Authenticator) key(ctx context.Context, key string) (store.APIKey, error) {
 	id, secret, err := Parse(key)
 	if err != nil {
 		a.log().DebugContext(ctx, "API key refused", "reason", "malformed")
-		return "", errUnauthenticated
+		return store.APIKey{}, errUnauthenticated
 	}
 	rec, err := a.Keys.GetAPIKey(ctx, id)
 	switch {
 	case errors.Is(err, store.ErrNotFound):
 		a.log().DebugContext(ctx, "API key refused", "key_id", id, "reason", "unknown")
-		return "", errUnauthenticated
+		return store.APIKey{}, errUnauthenticated
 	case err != nil:
 		a.log().WarnContext(ctx, "API key lookup failed", "key_id", id, "error", err.Error())
-		return "", status.Error(codes.Unavailable, "cannot check the API key now; retry")
+		return store.APIKey{}, status.Error(codes.Unavailable, "cannot check the API key now; retry")
 	}
 	if subtle.ConstantTimeCompare(rec.Hash, hash(secret)) != 1 {
 		a.log().DebugContext(ctx, "API key refused", "key_id", id, "reason", "wrong secret")
-		return "", errUnauthenticated
+		return store.APIKey{}, errUnauthenticated
 	}
 	if rec.Revoked() {
 		a.log().DebugContext(ctx, "API key refused", "key_id", id, "reason", "revoked", "revoked_at", rec.RevokedAt)
-		return "", errUnauthenticated
+		return store.APIKey{}, errUnauthenticated
 	}
-	return rec.Tenant, nil
+	return rec, nil
+}
+
+// Caller names the caller of a server call's ctx, for the audit log and a run's
+// starter: "key:<id>" for a call with a bearer API key, "mesh:<identity>" for a mesh
+// peer without one, "" for neither. It does not authenticate: ask it once the server
+// chain has.
+func Caller(ctx context.Context) string {
+	if vals := metadata.ValueFromIncomingContext(ctx, Header); len(vals) == 1 {
+		if _, key, ok := strings.Cut(vals[0], " "); ok {
+			if id := ID(strings.TrimSpace(key)); id != "" {
+				return "key:" + id
+			}
+		}
+	}
+	if id, ok := meshtls.PeerIdentity(ctx); ok {
+		return "mesh:" + id
+	}
+	return ""
 }
 
 func (a *Authenticator) log() *slog.Logger {

@@ -11,6 +11,7 @@ import (
 	healthpb "google.golang.org/grpc/health/grpc_health_v1"
 	"google.golang.org/grpc/status"
 
+	adminv1 "github.com/curfew-mesh/curfew/gen/curfew/admin/v1"
 	meshv1 "github.com/curfew-mesh/curfew/gen/curfew/mesh/v1"
 	modelproxyv1 "github.com/curfew-mesh/curfew/gen/curfew/modelproxy/v1"
 	orchestratorv1 "github.com/curfew-mesh/curfew/gen/curfew/orchestrator/v1"
@@ -117,6 +118,7 @@ func (p *Policy) StreamServerInterceptor() grpc.StreamServerInterceptor {
 var (
 	orchestratorAPI = "/" + orchestratorv1.OrchestratorService_ServiceDesc.ServiceName + "/"
 	deadLetterAPI   = "/" + orchestratorv1.DeadLetterService_ServiceDesc.ServiceName + "/"
+	adminAPI        = "/" + adminv1.AdminService_ServiceDesc.ServiceName + "/"
 	toolRunnerAPI   = "/" + toolrunnerv1.ToolRunnerService_ServiceDesc.ServiceName + "/"
 	subagentAPI     = "/" + subagentv1.SubagentService_ServiceDesc.ServiceName + "/"
 	modelProxyAPI   = "/" + modelproxyv1.ModelProxyService_ServiceDesc.ServiceName + "/"
@@ -137,6 +139,10 @@ var callGraph = map[string][]Rule{
 		// may call it too.
 		{Method: orchestratorAPI, Public: true},
 		{Method: deadLetterAPI, Public: true},
+		// The operators' API: open here, because an operator's API key (admin or
+		// read-only scope) needs no mesh certificate; the orchestrator's admin
+		// authorizer then admits only curfew-cli and keys with an operator scope.
+		{Method: adminAPI, Public: true},
 	},
 	ToolRunner: {
 		{Method: toolRunnerAPI, Callers: []string{Orchestrator, Subagent}},

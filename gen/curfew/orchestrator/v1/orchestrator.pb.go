@@ -226,7 +226,10 @@ type Run struct {
 	Epoch int64 `protobuf:"varint,18,opt,name=epoch,proto3" json:"epoch,omitempty"`
 	// The run's input beyond its task and model, as it was started (empty for a run
 	// started with a task alone).
-	Input         *RunInput `protobuf:"bytes,19,opt,name=input,proto3" json:"input,omitempty"`
+	Input *RunInput `protobuf:"bytes,19,opt,name=input,proto3" json:"input,omitempty"`
+	// Who started the run: "key:<API key id>" or "mesh:<identity>" (the curfew CLI is
+	// mesh:curfew-cli); empty for runs recorded before it was.
+	StartedBy     string `protobuf:"bytes,21,opt,name=started_by,json=startedBy,proto3" json:"started_by,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -399,6 +402,13 @@ func (x *Run) GetInput() *RunInput {
 		return x.Input
 	}
 	return nil
+}
+
+func (x *Run) GetStartedBy() string {
+	if x != nil {
+		return x.StartedBy
+	}
+	return ""
 }
 
 // Message is one turn of a run's conversation.
@@ -1635,7 +1645,7 @@ var File_curfew_orchestrator_v1_orchestrator_proto protoreflect.FileDescriptor
 
 const file_curfew_orchestrator_v1_orchestrator_proto_rawDesc = "" +
 	"\n" +
-	")curfew/orchestrator/v1/orchestrator.proto\x12\x16curfew.orchestrator.v1\x1a\x19curfew/mesh/v1/mesh.proto\x1a\x1egoogle/protobuf/duration.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"\xa1\x06\n" +
+	")curfew/orchestrator/v1/orchestrator.proto\x12\x16curfew.orchestrator.v1\x1a\x19curfew/mesh/v1/mesh.proto\x1a\x1egoogle/protobuf/duration.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"\xc0\x06\n" +
 	"\x03Run\x12\x15\n" +
 	"\x06run_id\x18\x01 \x01(\tR\x05runId\x12\x16\n" +
 	"\x06tenant\x18\x02 \x01(\tR\x06tenant\x129\n" +
@@ -1659,7 +1669,9 @@ const file_curfew_orchestrator_v1_orchestrator_proto_rawDesc = "" +
 	"\x04task\x18\x10 \x01(\tR\x04task\x12'\n" +
 	"\x0fidempotency_key\x18\x11 \x01(\tR\x0eidempotencyKey\x12\x14\n" +
 	"\x05epoch\x18\x12 \x01(\x03R\x05epoch\x126\n" +
-	"\x05input\x18\x13 \x01(\v2 .curfew.orchestrator.v1.RunInputR\x05input\"\xbf\x01\n" +
+	"\x05input\x18\x13 \x01(\v2 .curfew.orchestrator.v1.RunInputR\x05input\x12\x1d\n" +
+	"\n" +
+	"started_by\x18\x15 \x01(\tR\tstartedBy\"\xbf\x01\n" +
 	"\aMessage\x127\n" +
 	"\x04role\x18\x01 \x01(\x0e2#.curfew.orchestrator.v1.MessageRoleR\x04role\x12\x18\n" +
 	"\acontent\x18\x02 \x01(\tR\acontent\x12 \n" +

@@ -29,6 +29,7 @@ import (
 	_ "github.com/curfew-mesh/curfew/mesh/store/postgres" // postgres:// DSNs
 	_ "github.com/curfew-mesh/curfew/mesh/store/sqlite"   // SQLite paths
 	"github.com/curfew-mesh/curfew/services/orchestrator/internal/openaiapi"
+	"github.com/curfew-mesh/curfew/services/orchestrator/internal/admin"
 	"github.com/curfew-mesh/curfew/services/orchestrator/internal/orchestrator"
 	"github.com/google/uuid"
 	"github.com/nats-io/nats.go"
@@ -117,7 +118,15 @@ func run(args []string) int {
 	if shared {
 		guard.Keys = &apikey.Authenticator{Keys: st}
 	}
-	o.Authenticate = guard.Tenant
+	// The operators' API admits curfew-cli and keys with an operator scope
+	// (docs/operations.md); the public API, tenants.
+	operators := &admin.Authorizer{Keys: guard.Keys}
+	o.Authenticate = func(ctx context.Context, fullMethod, claimed string) (string, error) {
+		if strings.HasPrefix(fullMethod, admin.Prefix) {
+			return claimed, operators.Authorize(ctx, fullMethod)
+		}
+		return guard.Tenant(ctx, fullMethod, claimed)
+	}
 	rt, err := service.New(ctx, o, nil)
 	if err != nil {
 		fmt.Fprintln(os.Stderr, "orchestrator:", err)
@@ -202,6 +211,7 @@ func run(args []string) int {
 	// One toolrunner client for the loop and the front door, so that both ask the same
 	// toollist.Lister (one cached list per tenant).
 	tools, models := toolrunnerv1.NewToolRunnerServiceClient(tc), modelproxyv1.NewModelProxyServiceClient(mc)
+	self := orchestrator.OwnerName(owner(), adv)
 	srv := orchestrator.New(orchestrator.Config{
 		Loop: agent.Config{
 			Model:      models,
@@ -219,7 +229,7 @@ func run(args []string) int {
 		Log:         rt.Log,
 		LogPrompts:  *logPrompts,
 		Store:       st,
-		Owner:       orchestrator.OwnerName(owner(), adv),
+		Owner:       self,
 		Peers:       peers.client,
 		LeaseTTL:    *leaseTTL,
 		DeadLetters: dead,
@@ -227,6 +237,7 @@ func run(args []string) int {
 		Admission:   adm,
 	})
 	orchestratorv1.RegisterOrchestratorServiceServer(rt.Server, srv)
+	admin.New(admin.Config{Store: st, Replica: self, Log: rt.Log}).Register(rt.Server)
 	if shared {
 		orchestratorv1.RegisterDeadLetterServiceServer(rt.Server, orchestrator.NewDeadLetterServer(st, srv.Replay))
 	}

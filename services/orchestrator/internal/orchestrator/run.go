@@ -108,7 +108,7 @@ func newRun(r store.Run) *run {
 		id: r.RunID, dl: r.Deadline, done: make(chan struct{}), lease: r.Lease(),
 		rec: &orchestratorv1.Run{RunId: r.RunID, Tenant: r.Tenant, Status: orchestratorv1.RunStatus_RUN_STATUS_RUNNING,
 			Deadline: timestamppb.New(r.Deadline), CreatedAt: timestamppb.New(r.CreatedAt), Model: r.Model, Task: string(r.Task),
-			IdempotencyKey: r.IdempotencyKey, Input: decodeInput(r.Input)},
+			IdempotencyKey: r.IdempotencyKey, Input: decodeInput(r.Input), StartedBy: r.StartedBy},
 	}
 }
 

@@ -12,6 +12,7 @@ import (
 	meshv1 "github.com/curfew-mesh/curfew/gen/curfew/mesh/v1"
 	orchestratorv1 "github.com/curfew-mesh/curfew/gen/curfew/orchestrator/v1"
 	"github.com/curfew-mesh/curfew/mesh/admission"
+	"github.com/curfew-mesh/curfew/mesh/apikey"
 	"github.com/curfew-mesh/curfew/mesh/agent"
 	"github.com/curfew-mesh/curfew/mesh/cancel"
 	"github.com/curfew-mesh/curfew/mesh/chaos"
@@ -136,7 +137,8 @@ func (s *Server) create(ctx context.Context, tenant, key, model, task string, in
 	}
 	began := time.Now()
 	r, created, err := s.cfg.Store.CreateRun(ctx, store.NewRun{Tenant: tenant, IdempotencyKey: key, Task: []byte(task),
-		Model: model, Input: encodeInput(in), Deadline: dl, Owner: s.cfg.Owner, LeaseTTL: s.cfg.LeaseTTL})
+		Model: model, Input: encodeInput(in), Deadline: dl, Owner: s.cfg.Owner, LeaseTTL: s.cfg.LeaseTTL,
+		StartedBy: apikey.Caller(ctx)})
 	if err != nil {
 		return nil, nil, runStoreErr(ctx, s.cfg.Log, "create run", "", err)
 	}

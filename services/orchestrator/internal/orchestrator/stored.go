@@ -54,6 +54,7 @@ func (s *Server) fromStore(ctx context.Context, run store.Run) *orchestratorv1.R
 		r := &orchestratorv1.Run{}
 		if err := proto.Unmarshal(run.Summary, r); err == nil {
 			r.Epoch = epochOf(run.Epoch, s.shared)
+			r.StartedBy = run.StartedBy
 			return r
 		}
 		s.cfg.Log.WarnContext(ctx, "stored run summary does not decode; serving the row", "run_id", run.RunID)
@@ -61,7 +62,7 @@ func (s *Server) fromStore(ctx context.Context, run store.Run) *orchestratorv1.R
 	r := &orchestratorv1.Run{RunId: run.RunID, Tenant: run.Tenant, Status: apiStatusOf(run.Status),
 		Deadline: timestamppb.New(run.Deadline), CreatedAt: timestamppb.New(run.CreatedAt), Answer: string(run.Answer),
 		ErrorMessage: run.Error, Model: run.Model, Task: string(run.Task), IdempotencyKey: run.IdempotencyKey, Input: decodeInput(run.Input),
-		Epoch: epochOf(run.Epoch, s.shared)}
+		Epoch: epochOf(run.Epoch, s.shared), StartedBy: run.StartedBy}
 	if !run.EndedAt.IsZero() {
 		r.EndedAt = timestamppb.New(run.EndedAt)
 	}

@@ -1,0 +1,61 @@
+package admin
+
+import (
+	"log/slog"
+	"time"
+
+	"google.golang.org/grpc"
+
+	adminv1 "github.com/curfew-mesh/curfew/gen/curfew/admin/v1"
+	"github.com/curfew-mesh/curfew/mesh/store"
+)
+
+// Config is what the admin server works with. Store is required; the rest is optional,
+// and a status section whose source is nil is left empty.
+type Config struct {
+	// Store is the shared store every replica reads the operators' state from.
+	Store store.Store
+	// Replica names this orchestrator (its owner name) in answers.
+	Replica string
+	// Pools is this replica's admission controller, seen by operators.
+	Pools Pools
+	// Log receives what the server does beyond its answers; nil: slog.Default().
+	Log *slog.Logger
+	// Now is the clock; nil: time.Now.
+	Now func() time.Time
+}
+
+// Pools is the admission side the rollback order acts on, as this replica sees it.
+type Pools interface {
+	// PoolStates returns every configured pool's live state on this replica (in
+	// flight, queued, the automatic fail-closed window) merged with the operators'
+	// controls it last read from the store.
+	PoolStates() []*adminv1.PoolState
+	// Pool reports whether pool is configured.
+	Pool(name string) bool
+}
+
+// Server implements adminv1.AdminServiceServer. Methods whose feature has not been
+// built answer UNIMPLEMENTED.
+type Server struct {
+	adminv1.UnimplementedAdminServiceServer
+	cfg Config
+}
+
+// New returns the admin server of cfg.
+func New(cfg Config) *Server {
+	if cfg.Log == nil {
+		cfg.Log = slog.Default()
+	}
+	if cfg.Now == nil {
+		cfg.Now = time.Now
+	}
+	return &Server{cfg: cfg}
+}
+
+// Register serves s on r.
+func (s *Server) Register(r grpc.ServiceRegistrar) { adminv1.RegisterAdminServiceServer(r, s) }
+
+func (s *Server) now() time.Time { return s.cfg.Now() }
+
+var _ adminv1.AdminServiceServer = (*Server)(nil)
