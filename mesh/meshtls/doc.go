@@ -72,6 +72,9 @@
 //	server        methods                                      callers
 //	orchestrator  curfew.orchestrator.v1.OrchestratorService/*  public (no certificate needed)
 //	              curfew.orchestrator.v1.DeadLetterService/*    public (no certificate needed)
+//	              curfew.admin.v1.AdminService/*                public here; the orchestrator's admin
+//	                                                           authorizer admits curfew-cli and keys
+//	                                                           with an operator scope
 //	toolrunner    curfew.toolrunner.v1.ToolRunnerService/*      orchestrator, subagent
 //	              curfew.mesh.v1.NodeReportService/*            orchestrator, subagent
 //	              curfew.mesh.v1.NodeReportService/ListNodes    curfew-cli
