@@ -6,8 +6,6 @@ import (
 	"errors"
 	"fmt"
 	"io"
-	"os"
-	"path/filepath"
 	"strings"
 	"text/tabwriter"
 	"time"
@@ -18,15 +16,20 @@ import (
 )
 
 const tenantUsage = `Usage:
-  curfew tenant create TENANT      [--store DSN] [--data-dir DIR] [--json]   a new API key for TENANT (its other keys stay valid)
-  curfew tenant rotate-key TENANT  [--store DSN] [--data-dir DIR] [--json]   a new API key; every other key of TENANT is revoked
-  curfew tenant revoke KEY_ID      [--store DSN] [--data-dir DIR] [--json]   revoke one key
-  curfew tenant ls [TENANT]        [--store DSN] [--data-dir DIR] [--json]   keys (ids, never secrets), of one tenant or all
+  curfew tenant create TENANT      [--scope S]... [--reason R] [--json]   a new API key for TENANT (its other keys stay valid)
+  curfew tenant rotate-key TENANT  [--scope S]... [--reason R] [--json]   a new API key; every other key of TENANT is revoked
+  curfew tenant revoke KEY_ID      [--reason R] [--json]                  revoke one key
+  curfew tenant ls [TENANT]        [--json]                               keys (ids, never secrets), of one tenant or all
 
 A key is shown once, when it is made: the store keeps only its id and a hash of its
-secret. Callers send it as metadata authorization: Bearer <key>. These commands write to
-the store directly (--store, default $CURFEW_STORE, else curfew.db in the data directory),
-so they need the store's credentials, not a running mesh.
+secret. Callers send it as metadata authorization: Bearer <key>. --scope admin or
+--scope read-only makes an operator's key (docs/operations.md): admin may call every
+operator command, read-only only those that change nothing.
+
+These commands call the orchestrator's admin API (as curfew-cli, or with an operator's
+$CURFEW_API_KEY), so each change is in the audit log (curfew audit ls). --store DSN
+writes to a store directly instead, without a running mesh and without an audit entry:
+for the first operator key of a new installation.
 `
 
 // tenantTimeout bounds one tenant command's store work.
@@ -46,9 +49,12 @@ func cmdTenant(ctx context.Context, args []string, stdout, stderr io.Writer) int
 		return usageErr(stderr, "tenant", fmt.Errorf("unknown subcommand %q\n\n%s", sub, strings.TrimSuffix(tenantUsage, "\n")))
 	}
 	fs := newFlags("tenant "+sub, stderr)
-	dsn := fs.String("store", os.Getenv("CURFEW_STORE"), "the store: a postgres:// DSN or a SQLite path (default: curfew.db in --data-dir)")
-	dataDir := fs.String("data-dir", defaultDataDir(), "data directory of `curfew up`")
-	asJSON := fs.Bool("json", false, "print JSON for scripts")
+	var c common
+	c.register(fs)
+	dsn := fs.String("store", "", "write to this store directly (a postgres:// DSN or a SQLite path) instead of calling the admin API")
+	reason := fs.String("reason", "", "why, for the audit log")
+	var scopes scopeList
+	fs.Var(&scopes, "scope", "an operator scope of the new key: admin or read-only (repeatable)")
 	pos, err := parse(fs, args)
 	if err != nil {
 		return usageErr(stderr, "tenant "+sub, err)
@@ -74,15 +80,12 @@ func cmdTenant(ctx context.Context, args []string, stdout, stderr io.Writer) int
 	if (sub == "create" || sub == "rotate-key") && !md.ValidTenant(arg) {
 		return usageErr(stderr, "tenant "+sub, fmt.Errorf("tenant %q: use letters, digits, '.', '_' and '-', at most 64", arg))
 	}
+	if len(scopes) > 0 && sub != "create" && sub != "rotate-key" {
+		return usageErr(stderr, "tenant "+sub, errors.New("--scope is for create and rotate-key"))
+	}
+	asJSON := &c.json
 	if *dsn == "" {
-		abs, err := filepath.Abs(filepath.Join(*dataDir, "curfew.db"))
-		if err != nil {
-			return usageErr(stderr, "tenant "+sub, fmt.Errorf("--data-dir: %w", err))
-		}
-		if _, err := os.Stat(abs); err != nil {
-			return usageErr(stderr, "tenant "+sub, fmt.Errorf("no store: %s does not exist (give --store, or run curfew up first)", abs))
-		}
-		*dsn = "sqlite://" + abs
+		return tenantViaAPI(ctx, &c, sub, arg, scopes, *reason, stdout, stderr)
 	}
 	ctx, cancel := context.WithTimeout(ctx, tenantTimeout)
 	defer cancel()
@@ -94,56 +97,67 @@ func cmdTenant(ctx context.Context, args []string, stdout, stderr io.Writer) int
 	defer func() { _ = st.Close() }()
 	switch sub {
 	case "create", "rotate-key":
-		return tenantNewKey(ctx, st, arg, sub == "rotate-key", *asJSON, stdout, stderr)
+		return tenantNewKey(ctx, st, arg, scopes, sub == "rotate-key", *asJSON, stdout, stderr)
 	case "revoke":
 		k, err := st.RevokeAPIKey(ctx, arg)
 		if err != nil {
 			fmt.Fprintf(stderr, "curfew tenant revoke: %s: %v\n", arg, err)
 			return ExitFail
 		}
-		if *asJSON {
-			return writeJSONLine(stdout, keyJSON(k))
-		}
-		fmt.Fprintf(stdout, "key %s of tenant %s revoked at %s\n", k.ID, k.Tenant, k.RevokedAt.UTC().Format(time.RFC3339))
-		return ExitOK
+		return printRevoked(stdout, k, *asJSON)
 	default: // ls
 		keys, err := st.ListAPIKeys(ctx, arg)
 		if err != nil {
 			fmt.Fprintln(stderr, "curfew tenant ls:", err)
 			return ExitFail
 		}
-		if *asJSON {
-			out := make([]any, 0, len(keys))
-			for _, k := range keys {
-				out = append(out, keyJSON(k))
-			}
-			return writeJSONLine(stdout, map[string]any{"keys": out})
-		}
-		tw := tabwriter.NewWriter(stdout, 0, 4, 2, ' ', 0)
-		fmt.Fprintln(tw, "TENANT\tKEY ID\tCREATED\tSTATE")
-		for _, k := range keys {
-			state := "valid"
-			if k.Revoked() {
-				state = "revoked " + k.RevokedAt.UTC().Format(time.RFC3339)
-			}
-			fmt.Fprintf(tw, "%s\t%s\t%s\t%s\n", k.Tenant, k.ID, k.CreatedAt.UTC().Format(time.RFC3339), state)
-		}
-		_ = tw.Flush()
-		return ExitOK
+		return printKeys(stdout, keys, *asJSON)
 	}
 }
 
-func tenantNewKey(ctx context.Context, st store.Store, tenant string, rotate, asJSON bool, stdout, stderr io.Writer) int {
+func printKeys(stdout io.Writer, keys []store.APIKey, asJSON bool) int {
+	if asJSON {
+		out := make([]any, 0, len(keys))
+		for _, k := range keys {
+			out = append(out, keyJSON(k))
+		}
+		return writeJSONLine(stdout, map[string]any{"keys": out})
+	}
+	tw := tabwriter.NewWriter(stdout, 0, 4, 2, ' ', 0)
+	fmt.Fprintln(tw, "TENANT\tKEY ID\tCREATED\tSCOPES\tSTATE")
+	for _, k := range keys {
+		state := "valid"
+		if k.Revoked() {
+			state = "revoked " + k.RevokedAt.UTC().Format(time.RFC3339)
+		}
+		sc := strings.Join(k.Scopes, ",")
+		if sc == "" {
+			sc = "-"
+		}
+		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\n", k.Tenant, k.ID, k.CreatedAt.UTC().Format(time.RFC3339), sc, state)
+	}
+	_ = tw.Flush()
+	return ExitOK
+}
+
+func tenantNewKey(ctx context.Context, st store.Store, tenant string, scopes []string, rotate, asJSON bool, stdout, stderr io.Writer) int {
 	k, err := apikey.New(tenant)
 	if err != nil {
 		fmt.Fprintln(stderr, "curfew tenant:", err)
 		return ExitFail
 	}
+	k.Record.Scopes = scopes
 	rec, revoked, err := st.CreateAPIKey(ctx, k.Record, rotate)
 	if err != nil {
 		fmt.Fprintln(stderr, "curfew tenant:", err)
 		return ExitFail
 	}
+	return printNewKey(stdout, rec, k.Secret, revoked, rotate, asJSON)
+}
+
+func printNewKey(stdout io.Writer, rec store.APIKey, secret string, revoked int64, rotate, asJSON bool) int {
+	tenant := rec.Tenant
+	k := struct{ Secret string }{secret}
 	if asJSON {
 		j := keyJSON(rec)
 		j["key"] = k.Secret
@@ -162,6 +176,9 @@ func keyJSON(k store.APIKey) map[string]any {
 	if k.Revoked() {
 		m["revoked_at"] = k.RevokedAt.UTC().Format(time.RFC3339Nano)
 	}
+	if len(k.Scopes) > 0 {
+		m["scopes"] = k.Scopes
+	}
 	return m
 }
 
@@ -172,5 +189,13 @@ func writeJSONLine(w io.Writer, v any) int {
 		return ExitFail
 	}
 	fmt.Fprintln(w, string(b))
+	return ExitOK
+}
+
+func printRevoked(stdout io.Writer, k store.APIKey, asJSON bool) int {
+	if asJSON {
+		return writeJSONLine(stdout, keyJSON(k))
+	}
+	fmt.Fprintf(stdout, "key %s of tenant %s revoked at %s\n", k.ID, k.Tenant, k.RevokedAt.UTC().Format(time.RFC3339))
 	return ExitOK
 }

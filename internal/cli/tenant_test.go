@@ -115,8 +115,19 @@ func TestTenantKeys(t *testing.T) {
 		t.Errorf("tenant alone: exit %d, %q", code, errb.String())
 	}
 	errb.Reset()
-	if code := Main(ctx, []string{"tenant", "ls", "--data-dir", t.TempDir()}, nil, &bytes.Buffer{}, &errb); code != ExitUsage ||
-		!strings.Contains(errb.String(), "no store") {
-		t.Errorf("ls without a store: exit %d, %q", code, errb.String())
+	// Without --store the command calls the admin API, and says so when no mesh answers.
+	if code := Main(ctx, []string{"tenant", "ls", "--data-dir", t.TempDir(), "--addr", "127.0.0.1:1", "--insecure"}, nil, &bytes.Buffer{}, &errb); code != ExitFail ||
+		!strings.Contains(errb.String(), "tenant ls: Unavailable") {
+		t.Errorf("ls without a mesh: exit %d, %q", code, errb.String())
+	}
+	errb.Reset()
+	if code := Main(ctx, []string{"tenant", "ls", "--scope", "admin", "--store", "x"}, nil, &bytes.Buffer{}, &errb); code != ExitUsage ||
+		!strings.Contains(errb.String(), "--scope is for create") {
+		t.Errorf("ls --scope: exit %d, %q", code, errb.String())
+	}
+	errb.Reset()
+	if code := Main(ctx, []string{"tenant", "create", "acme", "--scope", "root"}, nil, &bytes.Buffer{}, &errb); code != ExitUsage ||
+		!strings.Contains(errb.String(), "not a scope") {
+		t.Errorf("create --scope root: exit %d, %q", code, errb.String())
 	}
 }

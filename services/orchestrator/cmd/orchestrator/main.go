@@ -28,8 +28,8 @@ import (
 	"github.com/curfew-mesh/curfew/mesh/store/memory"
 	_ "github.com/curfew-mesh/curfew/mesh/store/postgres" // postgres:// DSNs
 	_ "github.com/curfew-mesh/curfew/mesh/store/sqlite"   // SQLite paths
-	"github.com/curfew-mesh/curfew/services/orchestrator/internal/openaiapi"
 	"github.com/curfew-mesh/curfew/services/orchestrator/internal/admin"
+	"github.com/curfew-mesh/curfew/services/orchestrator/internal/openaiapi"
 	"github.com/curfew-mesh/curfew/services/orchestrator/internal/orchestrator"
 	"github.com/google/uuid"
 	"github.com/nats-io/nats.go"
@@ -229,6 +229,7 @@ func run(args []string) int {
 		Log:         rt.Log,
 		LogPrompts:  *logPrompts,
 		Store:       st,
+		Sheds:       st,
 		Owner:       self,
 		Peers:       peers.client,
 		LeaseTTL:    *leaseTTL,
@@ -245,6 +246,8 @@ func run(args []string) int {
 	// drain, until Shutdown stops the loops (Drain stops the takeovers first).
 	srv.Start(context.WithoutCancel(ctx))
 	go service.Every(ctx, time.Minute, srv.Sweep)
+	go service.Every(ctx, orchestrator.ShedFlushPeriod, srv.FlushSheds)
+	rt.OnStop(func() { srv.FlushSheds(time.Now()) })
 	// The drain (docs/leases.md#drain): when the stop begins, no new runs and no more takeovers;
 	// the runs in flight go on until shortly before the stop deadline, when those left are
 	// handed over to another orchestrator (attached Run streams then end, so they do not

@@ -2,7 +2,6 @@ package admin
 
 import (
 	"log/slog"
-	"time"
 
 	"google.golang.org/grpc"
 
@@ -21,8 +20,6 @@ type Config struct {
 	Pools Pools
 	// Log receives what the server does beyond its answers; nil: slog.Default().
 	Log *slog.Logger
-	// Now is the clock; nil: time.Now.
-	Now func() time.Time
 }
 
 // Pools is the admission side the rollback order acts on, as this replica sees it.
@@ -47,15 +44,10 @@ func New(cfg Config) *Server {
 	if cfg.Log == nil {
 		cfg.Log = slog.Default()
 	}
-	if cfg.Now == nil {
-		cfg.Now = time.Now
-	}
 	return &Server{cfg: cfg}
 }
 
 // Register serves s on r.
 func (s *Server) Register(r grpc.ServiceRegistrar) { adminv1.RegisterAdminServiceServer(r, s) }
-
-func (s *Server) now() time.Time { return s.cfg.Now() }
 
 var _ adminv1.AdminServiceServer = (*Server)(nil)

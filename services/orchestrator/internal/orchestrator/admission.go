@@ -87,6 +87,7 @@ func (s *Server) admit(ctx context.Context, model, task string) (*admission.Tick
 		ExpectedTokens: expectedTokens(model, task)})
 	if err != nil {
 		if se, ok := admission.AsShed(err); ok {
+			s.sheds.add(id.Tenant)
 			s.cfg.Log.InfoContext(ctx, "run shed at admission", "reason", string(se.Reason), "pool", se.Pool,
 				"retry_after_ms", se.RetryAfter.Milliseconds(), "detail", se.Detail)
 			return nil, err // a ShedError is its own gRPC status

@@ -41,6 +41,9 @@ type RunStore interface {
 
 // Config configures a Server.
 type Config struct {
+	// Sheds, when set, receives the count of runs shed per tenant (FlushSheds), for
+	// curfew usage.
+	Sheds ShedCounter
 	// Loop reaches modelproxy and toolrunner; its Emit and Notes are set per run.
 	Loop agent.Config
 	// Reports are the NodeReportServices of modelproxy, toolrunner and subagent, read to
@@ -94,6 +97,8 @@ type Server struct {
 	orchestratorv1.UnimplementedOrchestratorServiceServer
 	cfg   Config
 	nodes *nodes.Table
+	// sheds counts the runs shed per tenant until FlushSheds writes them.
+	sheds shedCounts
 	// shared is whether other orchestrators share the store (store.Sharing).
 	shared bool
 
