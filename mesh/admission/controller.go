@@ -116,7 +116,7 @@ type Controller struct {
 
 // pool is one pool's state.
 type pool struct {
-	name      string // cfg.Name, which never changes: read without the lock by Ticket.Pool
+	name      string     // cfg.Name, which never changes: read without the lock by Ticket.Pool
 	cfg       PoolConfig // guarded by Controller.mu (Update replaces it)
 	inFlight  int
 	queues    [2]waitList // critQ, shedQ
