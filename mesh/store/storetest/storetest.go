@@ -87,6 +87,7 @@ func Run(t *testing.T, fresh func(t *testing.T) string) {
 		{"DeadLetters", deadLetterTests},
 		{"Ledger", ledgerTests},
 		{"APIKeys", apiKeyTests},
+		{"Replicas", replicaTests},
 		{"Migrations", migrationTests},
 	}
 	for _, g := range groups {
