@@ -3,6 +3,7 @@ package admission
 import (
 	"errors"
 	"fmt"
+	"sync/atomic"
 )
 
 // Update swaps cfg (validated first, defaults applied) into the running controller,
@@ -80,5 +81,31 @@ func (c *Controller) Update(cfg Config) error {
 		c.expireHeads(p, now)
 		c.dispatch(p, now)
 	}
+	return nil
+}
+
+// LiveLimits is a LimitSource whose Config a reload replaces: modelproxy's per-call
+// budgets (package budget) read the tenants of --admission-config through it. Make it
+// with NewLiveLimits; it is safe for concurrent use.
+type LiveLimits struct{ cfg atomic.Pointer[Config] }
+
+// NewLiveLimits returns the limits of cfg.
+func NewLiveLimits(cfg Config) *LiveLimits {
+	l := &LiveLimits{}
+	l.cfg.Store(&cfg)
+	return l
+}
+
+// TenantLimits implements LimitSource with the current Config.
+func (l *LiveLimits) TenantLimits(tenant string) TenantLimits { return l.cfg.Load().TenantLimits(tenant) }
+
+// Update replaces the Config after validating it; on error nothing changes. A tenant's
+// reservations and spend, kept by the budget, carry over.
+func (l *LiveLimits) Update(cfg Config) error {
+	if err := cfg.Validate(); err != nil {
+		return err
+	}
+	cfg = cfg.WithDefaults()
+	l.cfg.Store(&cfg)
 	return nil
 }

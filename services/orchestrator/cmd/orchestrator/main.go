@@ -3,6 +3,7 @@
 package main
 
 import (
+	"bytes"
 	"context"
 	"flag"
 	"fmt"
@@ -21,6 +22,7 @@ import (
 	"github.com/curfew-mesh/curfew/mesh/admission"
 	"github.com/curfew-mesh/curfew/mesh/agent"
 	"github.com/curfew-mesh/curfew/mesh/apikey"
+	"github.com/curfew-mesh/curfew/mesh/configwatch"
 	"github.com/curfew-mesh/curfew/mesh/decoderlease"
 	"github.com/curfew-mesh/curfew/mesh/dlq"
 	"github.com/curfew-mesh/curfew/mesh/meshtls"
@@ -151,6 +153,20 @@ func run(args []string) int {
 		// server does not serve before rt.Serve, below, so no call sees Limit unset.
 		guard.Limit = adm.AllowRequest
 	}
+	if *admissionFile != "" {
+		// Pools, tenant limits and budgets follow the file (docs/admission.md,
+		// "Reloading the configuration"): a bad rewrite keeps the running ones.
+		var apply func(admission.Config) error
+		if adm != nil {
+			apply = adm.Update
+		}
+		if _, err := service.WatchConfig(ctx, rt, configwatch.Config[admission.Config]{Name: "admission", Path: *admissionFile,
+			Load: decodeAdmission, Apply: apply}); err != nil {
+			fmt.Fprintln(os.Stderr, "orchestrator: --admission-config:", err)
+			return 2
+		}
+	}
+	rt.RecordConfigs(ctx, st)
 	var dead orchestrator.DeadLetterRecorder
 	if shared {
 		rec := &dlq.Recorder{Store: st, Log: rt.Log}
@@ -323,3 +339,6 @@ func (p *peerConns) close() {
 	}
 	p.conns = nil
 }
+
+// decodeAdmission decodes and validates the content of --admission-config.
+func decodeAdmission(b []byte) (admission.Config, error) { return admission.Decode(bytes.NewReader(b)) }
