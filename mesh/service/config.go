@@ -8,6 +8,7 @@ import (
 	"time"
 
 	"github.com/curfew-mesh/curfew/mesh/configwatch"
+	"github.com/curfew-mesh/curfew/mesh/decoderlease"
 	"github.com/curfew-mesh/curfew/mesh/store"
 )
 
@@ -117,4 +118,18 @@ func (rt *Runtime) RecordConfigs(ctx context.Context, st store.Replicas) {
 			}
 		}
 	}()
+}
+
+// WatchDecoder keeps the decoder-lease timing of leases (heartbeat and TTL) live from the
+// decoder configuration file at path (--decoder-config, decoderlease.DecodeTiming),
+// applying the file's timing now.
+func WatchDecoder(ctx context.Context, rt *Runtime, path string, leases *decoderlease.Keeper) error {
+	w, err := WatchConfig(ctx, rt, configwatch.Config[decoderlease.Timing]{Name: "decoder", Path: path,
+		Load:  decoderlease.DecodeTiming,
+		Apply: func(t decoderlease.Timing) error { return leases.SetTiming(t.Heartbeat, t.LeaseTTL) }})
+	if err != nil {
+		return err
+	}
+	t := w.Current()
+	return leases.SetTiming(t.Heartbeat, t.LeaseTTL)
 }
