@@ -97,7 +97,9 @@ func NewLiveLimits(cfg Config) *LiveLimits {
 }
 
 // TenantLimits implements LimitSource with the current Config.
-func (l *LiveLimits) TenantLimits(tenant string) TenantLimits { return l.cfg.Load().TenantLimits(tenant) }
+func (l *LiveLimits) TenantLimits(tenant string) TenantLimits {
+	return l.cfg.Load().TenantLimits(tenant)
+}
 
 // Update replaces the Config after validating it; on error nothing changes. A tenant's
 // reservations and spend, kept by the budget, carry over.
