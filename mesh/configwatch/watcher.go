@@ -154,7 +154,7 @@ func (w *Watcher[T]) Status() Status {
 // subscribed before Start returns, so a signal sent afterwards reloads rather than
 // ending the process. The watcher stops when ctx ends or on Close.
 func (w *Watcher[T]) Start(ctx context.Context) {
-	ctx, w.cancel = context.WithCancel(ctx)
+	ctx, w.cancel = context.WithCancel(ctx) //nolint:gosec // G118: Close calls w.cancel
 	w.done = make(chan struct{})
 	hup := make(chan os.Signal, 1)
 	signal.Notify(hup, syscall.SIGHUP)
@@ -168,10 +168,10 @@ func (w *Watcher[T]) Start(ctx context.Context) {
 			case <-ctx.Done():
 				return
 			case <-t.C:
-				w.check(false)
+				_ = w.check(false) // logged, counted and kept in Status
 			case <-hup:
 				w.log.Info("SIGHUP: reloading the configuration file")
-				w.check(true)
+				_ = w.check(true) // logged, counted and kept in Status
 			}
 		}
 	}()
