@@ -267,7 +267,8 @@ func (r *Registry) Update(cfg *Config) error {
 		}
 		s.mu.Unlock()
 	}
-	r.sources, r.byName, r.retired = next, byName, append(stillRetired, gone...)
+	stillRetired = append(stillRetired, gone...)
+	r.sources, r.byName, r.retired = next, byName, stillRetired
 	for _, s := range added {
 		r.startSrc(s)
 	}
@@ -313,15 +314,16 @@ func (r *Registry) closeSession(s *src, cur source.Source) {
 	r.log.Info("tool source retired by a reload is closed", "source", s.cfg.Name)
 }
 
-// begin counts a call on s and returns its session, or false when a reload retired s.
-func (s *src) begin() (cur source.Source, down error, ok bool) {
+// begin counts a call on s and returns its session and why it is down, or ok false
+// when a reload retired s.
+func (s *src) begin() (cur source.Source, ok bool, down error) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if s.retiredByLoad {
-		return nil, nil, false
+		return nil, false, nil
 	}
 	s.active++
-	return s.s, s.down, true
+	return s.s, true, s.down
 }
 
 // end ends a call begun on s, closing s's session if s was retired meanwhile and this
@@ -715,7 +717,7 @@ func (p *Prepared) Run(ctx context.Context, meta source.Meta, progress func(*mes
 		return source.Result{}, err
 	}
 	defer release()
-	cur, down, ok := e.src.begin()
+	cur, ok, down := e.src.begin()
 	if !ok {
 		return source.Result{}, status.Errorf(codes.Unavailable, "tool %s: source %s was removed or changed by a reload of the tools file", e.name, e.src.cfg.Name)
 	}
