@@ -116,7 +116,8 @@ type Controller struct {
 
 // pool is one pool's state.
 type pool struct {
-	cfg       PoolConfig
+	name      string     // cfg.Name, which never changes: read without the lock by Ticket.Pool
+	cfg       PoolConfig // guarded by Controller.mu (Update replaces it)
 	inFlight  int
 	queues    [2]waitList // critQ, shedQ
 	depth     prometheus.Gauge
@@ -197,21 +198,14 @@ func New(cfg Config, reg prometheus.Registerer) (*Controller, error) {
 	if c.limits == nil {
 		c.limits = cfg
 	}
+	c.m.closed = newClosedCollector(c)
 	for _, pc := range cfg.Pools {
-		p := &pool{cfg: pc, depth: c.m.depth.WithLabelValues(pc.Name),
-			inFlightG: c.m.inFlight.WithLabelValues(pc.Name), age: c.m.age.WithLabelValues(pc.Name)}
+		p := c.newPool(pc)
 		c.pools = append(c.pools, p)
 		c.byName[pc.Name] = p
 		if pc.Overflow {
 			c.overflow = p
 		}
-		name := pc.Name
-		c.m.closedGauge(name, func() float64 {
-			if closed, _ := c.Closed(name); closed {
-				return 1
-			}
-			return 0
-		})
 	}
 	for _, r := range Reasons() {
 		c.sheds[r] = c.m.shed.WithLabelValues(cfg.Service, string(r))
@@ -224,11 +218,37 @@ func New(cfg Config, reg prometheus.Registerer) (*Controller, error) {
 	return c, nil
 }
 
-// Config returns the controller's configuration, defaults applied.
-func (c *Controller) Config() Config { return c.cfg }
+// newPool makes the state of a pool configured by pc, with its metrics' series.
+func (c *Controller) newPool(pc PoolConfig) *pool {
+	return &pool{name: pc.Name, cfg: pc, depth: c.m.depth.WithLabelValues(pc.Name),
+		inFlightG: c.m.inFlight.WithLabelValues(pc.Name), age: c.m.age.WithLabelValues(pc.Name)}
+}
+
+// Config returns the controller's configuration, defaults applied: the one given to New,
+// or to the last Update that succeeded.
+func (c *Controller) Config() Config {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.cfg
+}
 
 // TenantLimits returns tenant's limits from the controller's LimitSource.
-func (c *Controller) TenantLimits(tenant string) TenantLimits { return c.limits.TenantLimits(tenant) }
+func (c *Controller) TenantLimits(tenant string) TenantLimits {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.limits.TenantLimits(tenant)
+}
+
+// poolNames lists the pools, in their configured order.
+func (c *Controller) poolNames() []string {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	names := make([]string, len(c.pools))
+	for i, p := range c.pools {
+		names[i] = p.name
+	}
+	return names
+}
 
 // Admit asks for a run's admission. It returns at once when the run is admitted or shed,
 // and otherwise blocks while the run is queued, until it is admitted, shed from the queue
@@ -567,7 +587,7 @@ type Ticket struct {
 }
 
 // Pool is the name of the pool the run was admitted to.
-func (t *Ticket) Pool() string { return t.pool.cfg.Name }
+func (t *Ticket) Pool() string { return t.pool.name }
 
 // Waited is how long the run waited in the queue.
 func (t *Ticket) Waited() time.Duration { return t.waited }

@@ -50,7 +50,9 @@ func (c *Controller) ObserveOrphanTokens(n int64) {
 func (c *Controller) ObserveCancelPropagation(d, slack time.Duration) {
 	bound := slack
 	if bound <= 0 {
+		c.mu.Lock()
 		bound = c.cfg.CancelGrace
+		c.mu.Unlock()
 	}
 	if d > bound {
 		c.fail(slowCancelIdx)

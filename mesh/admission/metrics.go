@@ -16,7 +16,7 @@ type metrics struct {
 	age      *prometheus.HistogramVec
 	inFlight *prometheus.GaugeVec
 	shed     *prometheus.CounterVec
-	closed   []prometheus.GaugeFunc
+	closed   *closedCollector
 }
 
 func newMetrics(service string) *metrics {
@@ -41,23 +41,36 @@ func newMetrics(service string) *metrics {
 	}
 }
 
-// closedGauge adds the curfew_admission_pool_closed gauge of pool, read from f at scrape
-// time so that it drops to 0 when the fail-closed window ends without any traffic.
-func (m *metrics) closedGauge(pool string, f func() float64) {
-	m.closed = append(m.closed, prometheus.NewGaugeFunc(prometheus.GaugeOpts{
-		Name:        "curfew_admission_pool_closed",
-		Help:        "1 while the pool has failed closed (the overflow pool, while the cancel path is not proven, or any pool after shutdown), else 0.",
-		ConstLabels: prometheus.Labels{"pool": pool},
-	}, f))
+// closedCollector is the curfew_admission_pool_closed gauge of every pool the
+// controller has now, read at scrape time so that it drops to 0 when the fail-closed
+// window ends without any traffic, and follows the pools a reload adds or removes.
+type closedCollector struct {
+	desc *prometheus.Desc
+	c    *Controller
+}
+
+func newClosedCollector(c *Controller) *closedCollector {
+	return &closedCollector{c: c, desc: prometheus.NewDesc("curfew_admission_pool_closed",
+		"1 while the pool has failed closed (the overflow pool, while the cancel path is not proven, or any pool after shutdown), else 0.",
+		[]string{"pool"}, nil)}
+}
+
+func (cc *closedCollector) Describe(ch chan<- *prometheus.Desc) { ch <- cc.desc }
+
+func (cc *closedCollector) Collect(ch chan<- prometheus.Metric) {
+	for _, name := range cc.c.poolNames() {
+		v := 0.0
+		if closed, _ := cc.c.Closed(name); closed {
+			v = 1
+		}
+		ch <- prometheus.MustNewConstMetric(cc.desc, prometheus.GaugeValue, v, name)
+	}
 }
 
 // register registers every collector with reg, undoing the registrations made so far
 // when one fails.
 func (m *metrics) register(reg prometheus.Registerer) error {
-	cs := []prometheus.Collector{m.depth, m.age, m.inFlight, m.shed}
-	for _, g := range m.closed {
-		cs = append(cs, g)
-	}
+	cs := []prometheus.Collector{m.depth, m.age, m.inFlight, m.shed, m.closed}
 	for i, c := range cs {
 		if err := reg.Register(c); err != nil {
 			for _, done := range cs[:i] {

@@ -2,9 +2,11 @@ package decoderlease
 
 import (
 	"context"
+	"fmt"
 	"log/slog"
 	"reflect"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"google.golang.org/grpc"
@@ -82,9 +84,9 @@ type Stats struct {
 // concurrent use; the zero value is not usable, call New or Shared. A nil *Keeper holds
 // nothing: Hold returns a nil *Lease, whose Release does nothing.
 type Keeper struct {
-	c   Client
-	o   Options
-	ttl *durationpb.Duration // sent with every call; never modified
+	c      Client
+	o      Options                // Period and TTL are timing's: a reload changes them
+	timing atomic.Pointer[timing] // see SetTiming
 
 	mu      sync.Mutex
 	leases  map[*Lease]struct{}
@@ -108,10 +110,43 @@ type Lease struct {
 	next   time.Time     // last + period: due
 }
 
+// timing is a keeper's renewal period and lease TTL.
+type timing struct {
+	period, ttl time.Duration
+	ttlProto    *durationpb.Duration // sent with every call; never modified
+}
+
 // New returns a keeper that renews through c.
 func New(c Client, o Options) *Keeper {
 	o = o.WithDefaults()
-	return &Keeper{c: c, o: o, ttl: durationpb.New(o.TTL), leases: map[*Lease]struct{}{}, wake: make(chan struct{}, 1)}
+	k := &Keeper{c: c, o: o, leases: map[*Lease]struct{}{}, wake: make(chan struct{}, 1)}
+	k.timing.Store(&timing{period: o.Period, ttl: o.TTL, ttlProto: durationpb.New(o.TTL)})
+	return k
+}
+
+// SetTiming changes the keeper's renewal period and lease TTL (0: 3 × period), as a
+// reload of the decoder configuration does: calls that start afterwards ask for the new
+// TTL, every renewal from now on sends it, and each held lease takes the new period
+// from its next renewal (a shorter period wakes the keeper now). It refuses a period
+// below MinTick or a TTL below the period, and then changes nothing.
+func (k *Keeper) SetTiming(period, ttl time.Duration) error {
+	if ttl == 0 {
+		ttl = 3 * period
+	}
+	if period < k.o.MinTick || ttl < period {
+		return fmt.Errorf("decoderlease: heartbeat %v must be at least %v and the lease TTL %v at least the heartbeat", period, k.o.MinTick, ttl)
+	}
+	k.timing.Store(&timing{period: period, ttl: ttl, ttlProto: durationpb.New(ttl)})
+	k.mu.Lock()
+	now := time.Now()
+	for l := range k.leases {
+		if p := k.period(l, now); l.last.Add(p).Before(l.next) {
+			l.period, l.next = p, l.last.Add(p)
+		}
+	}
+	k.mu.Unlock()
+	k.signal()
+	return nil
 }
 
 var shared struct {
@@ -150,8 +185,13 @@ func Shared(c Client, o Options) *Keeper {
 	return kp
 }
 
-// Options returns the keeper's options, defaults applied.
-func (k *Keeper) Options() Options { return k.o }
+// Options returns the keeper's options, defaults applied, with the current period and
+// TTL (SetTiming).
+func (k *Keeper) Options() Options {
+	o, t := k.o, k.timing.Load()
+	o.Period, o.TTL = t.period, t.ttl
+	return o
+}
 
 // TTLProto is the lease TTL to send as GenerateRequest.lease_ttl. It is shared by every
 // request: do not modify it. nil for a nil keeper (the server's default TTL).
@@ -159,7 +199,7 @@ func (k *Keeper) TTLProto() *durationpb.Duration {
 	if k == nil {
 		return nil
 	}
-	return k.ttl
+	return k.timing.Load().ttlProto
 }
 
 // Stats returns the keeper's counters.
@@ -241,7 +281,7 @@ func (k *Keeper) period(l *Lease, now time.Time) time.Duration {
 	if l.every > 0 {
 		return max(l.every, k.o.MinTick)
 	}
-	p := k.o.Period
+	p := k.timing.Load().period
 	if !l.deadline.IsZero() {
 		if r := l.deadline.Sub(now) / 3; r < p {
 			p = r
@@ -334,7 +374,8 @@ func (k *Keeper) renew(b batch) {
 	defer cancel()
 	for len(b.keys) > 0 {
 		n := min(len(b.keys), MaxBatch)
-		resp, err := k.c.RenewLeases(ctx, &modelproxyv1.RenewLeasesRequest{Keys: b.keys[:n], Ttl: k.ttl})
+		t := k.timing.Load()
+		resp, err := k.c.RenewLeases(ctx, &modelproxyv1.RenewLeasesRequest{Keys: b.keys[:n], Ttl: t.ttlProto})
 		k.mu.Lock()
 		k.stats.Calls++
 		k.stats.Renewed += uint64(n)
@@ -349,7 +390,7 @@ func (k *Keeper) renew(b batch) {
 		switch {
 		case err != nil && !was:
 			k.o.Log.Warn("decoder lease renewal failed; the decoders stop by themselves if it keeps failing past their TTL",
-				"tenant", b.tenant, "keys", n, "ttl", k.o.TTL.String(), "error", err.Error())
+				"tenant", b.tenant, "keys", n, "ttl", t.ttl.String(), "error", err.Error())
 		case err == nil && was:
 			k.o.Log.Info("decoder lease renewal recovered", "tenant", b.tenant, "keys", n)
 		}

@@ -76,14 +76,24 @@ func LoadFile(path string) (*File, error) {
 	if err != nil {
 		return nil, err
 	}
+	f, err := DecodeFile(b)
+	if err != nil {
+		return nil, fmt.Errorf("%s: %w", path, err)
+	}
+	return f, nil
+}
+
+// DecodeFile decodes and validates the content of a retry configuration file. Unknown
+// fields are an error.
+func DecodeFile(b []byte) (*File, error) {
 	var f File
 	dec := json.NewDecoder(bytes.NewReader(b))
 	dec.DisallowUnknownFields()
 	if err := dec.Decode(&f); err != nil {
-		return nil, fmt.Errorf("%s: %w", path, err)
+		return nil, err
 	}
 	if err := f.Validate(); err != nil {
-		return nil, fmt.Errorf("%s: %w", path, err)
+		return nil, err
 	}
 	return &f, nil
 }

@@ -43,6 +43,21 @@ func (r *Flags) Load(explicit map[string]bool) (*File, error) {
 			return nil, fmt.Errorf("--retry-config: %w", err)
 		}
 	}
+	return r.apply(f, explicit)
+}
+
+// Decode is Load with data as the content of the --retry-config file: what a reload of
+// the file does (the flags given explicitly still override it).
+func (r *Flags) Decode(data []byte, explicit map[string]bool) (*File, error) {
+	f, err := DecodeFile(data)
+	if err != nil {
+		return nil, err
+	}
+	return r.apply(f, explicit)
+}
+
+// apply sets on f what the flags say, and validates the result.
+func (r *Flags) apply(f *File, explicit map[string]bool) (*File, error) {
 	set := func(name string) bool { return explicit[name] || r.File == "" }
 	if r.Off {
 		t := true

@@ -8,6 +8,7 @@ import (
 	"math/rand/v2"
 	"strconv"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
@@ -32,6 +33,11 @@ type Config struct {
 	Budget BudgetConfig
 	// Throttle turns on client-side adaptive throttling.
 	Throttle bool
+	// Live, when set, replaces Default and Methods: every call takes its policy from
+	// Live's current File (its policies for Target), so that a reload of --retry-config
+	// changes the policies of connections already made. Budget and Throttle stay as
+	// given: a budget's counts cannot be carried into a new one honestly.
+	Live *Live
 	// Metrics, if set, receives the retry metrics.
 	Metrics *Metrics
 	// Logger receives a record per retried attempt; slog.Default when nil.
@@ -97,6 +103,8 @@ type client struct {
 	randMu   sync.Mutex
 	rng      *rand.Rand
 
+	live atomic.Pointer[livePolicies] // Config.Live's policies for Target, by File
+
 	countersMu sync.RWMutex
 	counters   map[attemptKey]prometheus.Counter // attempts, by labels looked up once
 }
@@ -157,10 +165,53 @@ func newClient(cfg Config) *client {
 }
 
 func (c *client) policy(method string) Policy {
-	if p, ok := c.cfg.Methods[method]; ok {
+	def, methods := c.cfg.Default, c.cfg.Methods
+	if c.cfg.Live != nil {
+		f := c.cfg.Live.Load()
+		lp := c.live.Load()
+		if lp == nil || lp.file != f {
+			rc := f.For(c.cfg.Target)
+			lp = &livePolicies{file: f, def: rc.Default, methods: rc.Methods}
+			c.live.Store(lp)
+		}
+		def, methods = lp.def, lp.methods
+	}
+	if p, ok := methods[method]; ok {
 		return p.WithDefaults()
 	}
-	return c.cfg.Default.WithDefaults()
+	return def.WithDefaults()
+}
+
+// Live is a retry File that a reload replaces (Config.Live). Its zero value is not
+// usable: make it with NewLive. It is safe for concurrent use.
+type Live struct{ f atomic.Pointer[File] }
+
+// NewLive returns a Live holding f.
+func NewLive(f *File) *Live {
+	l := &Live{}
+	l.f.Store(f)
+	return l
+}
+
+// Load returns the current File.
+func (l *Live) Load() *File { return l.f.Load() }
+
+// Store replaces the current File: the next call of every connection using l takes its
+// policy from f. Calls in flight keep the policy they started with.
+func (l *Live) Store(f *File) { l.f.Store(f) }
+
+// For is the current File's Config of target, with Live set to l.
+func (l *Live) For(target string) Config {
+	c := l.Load().For(target)
+	c.Live = l
+	return c
+}
+
+// livePolicies are one target's policies from one File, computed once per File.
+type livePolicies struct {
+	file    *File
+	def     Policy
+	methods map[string]Policy
 }
 
 func sleep(ctx context.Context, d time.Duration) error {

@@ -3,6 +3,7 @@ package service
 import (
 	"context"
 	"flag"
+	"fmt"
 	"log/slog"
 	"net"
 	"os"
@@ -19,6 +20,7 @@ import (
 
 	"github.com/curfew-mesh/curfew/mesh"
 	"github.com/curfew-mesh/curfew/mesh/breaker"
+	"github.com/curfew-mesh/curfew/mesh/configwatch"
 	"github.com/curfew-mesh/curfew/mesh/deadline"
 	"github.com/curfew-mesh/curfew/mesh/retry"
 	"github.com/curfew-mesh/curfew/mesh/retryid"
@@ -35,8 +37,9 @@ type Runtime struct {
 	lis      net.Listener
 	admin    net.Listener
 
-	retries      *retry.File
+	retries      *retry.Live
 	retryMetrics *retry.Metrics
+	configs      configs // see config.go
 	metrics      *metrics
 
 	// Breakers are the circuit breakers of this service's outgoing calls, one per service
@@ -73,11 +76,24 @@ func New(ctx context.Context, o Options, minTime map[string]time.Duration) (*Run
 	}
 	lvl, _ := parseLevel(o.LogLevel)
 	log := slog.New(slog.NewJSONHandler(os.Stderr, &slog.HandlerOptions{Level: lvl})).With("service", o.Name)
-	rt := &Runtime{Opts: o, Log: log, Registry: prometheus.NewRegistry(), retries: retries}
+	rt := &Runtime{Opts: o, Log: log, Registry: prometheus.NewRegistry(), retries: retry.NewLive(retries)}
+	rt.configs.kick = make(chan struct{}, 1)
+	rt.configs.metrics = configwatch.NewMetrics(o.Name, rt.Registry)
 	if err := rt.listen(ctx); err != nil {
 		return nil, err
 	}
 	rt.Registry.MustRegister(collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
+	if o.Retry.File != "" {
+		// The retry policies of every connection this service dials follow the file
+		// (retry.Live); the flags given explicitly still override it.
+		if _, err := WatchConfig(ctx, rt, configwatch.Config[*retry.File]{Name: "retry", Path: o.Retry.File,
+			Load:  func(b []byte) (*retry.File, error) { return o.Retry.Decode(b, explicit) },
+			Apply: func(f *retry.File) error { rt.retries.Store(f); return nil },
+		}); err != nil {
+			rt.closeListeners()
+			return nil, fmt.Errorf("--retry-config: %w", err)
+		}
+	}
 	rt.retryMetrics = retry.NewMetrics(rt.Registry)
 	rt.metrics = newMetrics(rt.Registry)
 	bcfg, _ := o.Breaker.Config(o.fs != nil) // checked by Validate

@@ -18,6 +18,7 @@ type Store interface {
 	Ledger
 	APIKeys
 	Operators
+	Replicas
 	Sharing
 	// Close releases the connections. Calls after Close fail.
 	Close() error
@@ -187,4 +188,20 @@ type APIKeys interface {
 	// ListAPIKeys returns the tenant's keys, or every tenant's for "", by tenant, then
 	// oldest first.
 	ListAPIKeys(ctx context.Context, tenant string) ([]APIKey, error)
+}
+
+// Replicas records which configuration each replica of each service runs: one row per
+// (service, replica, config file), written by the replica when it starts, on each
+// reload, and periodically, so that any replica can report every replica's version and
+// tell the live ones (recent SeenAt) from the gone.
+type Replicas interface {
+	// PutReplicaConfig inserts or replaces the row of (Service, Replica, Config), which
+	// are required, and sets its SeenAt to the store's clock.
+	PutReplicaConfig(ctx context.Context, c ReplicaConfig) error
+	// ListReplicaConfigs returns the rows of service, or of every service for "", by
+	// service, config, then replica.
+	ListReplicaConfigs(ctx context.Context, service string) ([]ReplicaConfig, error)
+	// PruneReplicaConfigs deletes the rows last seen before before, and returns how many:
+	// replicas that stopped long ago (a Kubernetes pod's name is new on each start).
+	PruneReplicaConfigs(ctx context.Context, before time.Time) (int64, error)
 }

@@ -359,3 +359,19 @@ const (
 
 // Revoked reports whether the key has been revoked.
 func (k APIKey) Revoked() bool { return !k.RevokedAt.IsZero() }
+
+// ReplicaConfig is the configuration one replica of a service runs from one file.
+type ReplicaConfig struct {
+	// Service is the service's name ("orchestrator"); Replica names the replica (its
+	// host and listen address); Config names the file ("admission", "retry", ...).
+	Service, Replica, Config string
+	// Version is the running configuration's version (a short hash of the file).
+	Version string
+	// LoadedAt is when the running configuration was loaded.
+	LoadedAt time.Time
+	// LastError is why the last reload failed ("" when it did not), at LastErrorAt.
+	LastError   string
+	LastErrorAt time.Time
+	// SeenAt is when the replica last wrote the row (the store's clock).
+	SeenAt time.Time
+}

@@ -88,6 +88,7 @@ func Run(t *testing.T, fresh func(t *testing.T) string) {
 		{"Ledger", ledgerTests},
 		{"APIKeys", apiKeyTests},
 		{"Operators", operatorTests},
+		{"Replicas", replicaTests},
 		{"Migrations", migrationTests},
 	}
 	for _, g := range groups {

@@ -5,6 +5,7 @@
 package main
 
 import (
+	"bytes"
 	"context"
 	"flag"
 	"fmt"
@@ -17,6 +18,7 @@ import (
 	modelproxyv1 "github.com/curfew-mesh/curfew/gen/curfew/modelproxy/v1"
 	"github.com/curfew-mesh/curfew/mesh/admission"
 	"github.com/curfew-mesh/curfew/mesh/budget"
+	"github.com/curfew-mesh/curfew/mesh/configwatch"
 	"github.com/curfew-mesh/curfew/mesh/nodes"
 	"github.com/curfew-mesh/curfew/mesh/service"
 	"github.com/curfew-mesh/curfew/mesh/store/memory"
@@ -94,10 +96,23 @@ func run(args []string) int {
 	srv.Metrics = modelproxy.NewMetrics(rt.Registry)
 	srv.Log = rt.Log
 	srv.Leases.TTL = *leaseTTL
-	// The metrics exist at 0 with or without budgets; reservations only with one.
-	if b := budget.NewMemory(limits, budget.Options{Registry: rt.Registry}); hasBudget(limits) {
+	// The metrics exist at 0 with or without budgets; reservations only with one at start
+	// (a reservation also bounds a call's max_tokens, which a file without budgets must
+	// not do), so a reload changes budgets but does not add the first one.
+	live := admission.NewLiveLimits(limits)
+	if b := budget.NewMemory(live, budget.Options{Registry: rt.Registry}); hasBudget(limits) {
 		srv.Budgets = b
 	}
+	if *admissionFile != "" {
+		// The tenants' budgets follow the file; reservations in flight settle as made.
+		if _, err := service.WatchConfig(ctx, rt, configwatch.Config[admission.Config]{Name: "admission", Path: *admissionFile,
+			Load:  func(b []byte) (admission.Config, error) { return admission.Decode(bytes.NewReader(b)) },
+			Apply: live.Update}); err != nil {
+			fmt.Fprintln(os.Stderr, "modelproxy: --admission-config:", err)
+			return 2
+		}
+	}
+	rt.RecordConfigs(ctx, st)
 	rt.Registry.MustRegister(srv.Leases.Collector())
 	if file != nil {
 		if srv.Router, err = modelproxy.NewRouter(file, modelproxy.RouterOptions{Registry: rt.Registry, Log: rt.Log}); err != nil {

@@ -3,6 +3,7 @@
 package main
 
 import (
+	"bytes"
 	"context"
 	"flag"
 	"fmt"
@@ -21,6 +22,7 @@ import (
 	"github.com/curfew-mesh/curfew/mesh/admission"
 	"github.com/curfew-mesh/curfew/mesh/agent"
 	"github.com/curfew-mesh/curfew/mesh/apikey"
+	"github.com/curfew-mesh/curfew/mesh/configwatch"
 	"github.com/curfew-mesh/curfew/mesh/decoderlease"
 	"github.com/curfew-mesh/curfew/mesh/dlq"
 	"github.com/curfew-mesh/curfew/mesh/meshtls"
@@ -58,6 +60,7 @@ func run(args []string) int {
 	admissionFile := fs.String("admission-config", "", "JSON file of admission pools, tenant limits and token budgets (docs/admission.md); default: a paid pool of 512 and an overflow pool of 128 runs, 50 run starts per second per tenant (burst 100)")
 	heartbeat := fs.Duration("decoder-heartbeat", decoderlease.DefaultPeriod, "longest period between two renewals of a decoder's lease (docs/leases.md); each is renewed at least every third of its call's remaining deadline")
 	decoderTTL := fs.Duration("decoder-lease-ttl", 0, "decoder lease TTL asked of modelproxy; default 3 × --decoder-heartbeat")
+	decoderFile := fs.String("decoder-config", "", `JSON file of the decoder-lease heartbeat and TTL, {"heartbeat": "4s", "lease_ttl": "12s"} (docs/leases.md), reloaded when it changes and on SIGHUP; instead of --decoder-heartbeat and --decoder-lease-ttl`)
 	openaiAddr := fs.String("openai-addr", "", "address of the OpenAI-compatible HTTP API (docs/openai.md): POST /v1/chat/completions and GET /v1/models, each completion a run; off unless set")
 	openaiGrace := fs.Duration("openai-disconnect-grace", openaiapi.DefaultDisconnectGrace, "with --openai-addr: how long a run started with an Idempotency-Key waits, once its last client left, for a retry with the key to attach before it is cancelled (cause client_disconnect)")
 	admissionOff := fs.Bool("admission-off", false, "admit every run at once: no pools, queue, budgets or shedding")
@@ -75,6 +78,10 @@ func run(args []string) int {
 	}
 	if *heartbeat < decoderlease.DefaultMinTick || (*decoderTTL != 0 && *decoderTTL < *heartbeat) {
 		fmt.Fprintf(os.Stderr, "orchestrator: --decoder-heartbeat must be at least %v and --decoder-lease-ttl 0 or at least the heartbeat\n", decoderlease.DefaultMinTick)
+		return 2
+	}
+	if *decoderFile != "" && (explicit(fs, "decoder-heartbeat") || explicit(fs, "decoder-lease-ttl")) {
+		fmt.Fprintln(os.Stderr, "orchestrator: --decoder-config sets the heartbeat and lease TTL: give it or --decoder-heartbeat and --decoder-lease-ttl, not both")
 		return 2
 	}
 	if *leaseTTL < 30*time.Millisecond {
@@ -160,6 +167,19 @@ func run(args []string) int {
 		// server does not serve before rt.Serve, below, so no call sees Limit unset.
 		guard.Limit = adm.AllowRequest
 	}
+	if *admissionFile != "" {
+		// Pools, tenant limits and budgets follow the file (docs/admission.md,
+		// "Reloading the configuration"): a bad rewrite keeps the running ones.
+		var apply func(admission.Config) error
+		if adm != nil {
+			apply = adm.Update
+		}
+		if _, err := service.WatchConfig(ctx, rt, configwatch.Config[admission.Config]{Name: "admission", Path: *admissionFile,
+			Load: decodeAdmission, Apply: apply}); err != nil {
+			fmt.Fprintln(os.Stderr, "orchestrator: --admission-config:", err)
+			return 2
+		}
+	}
 	var dead orchestrator.DeadLetterRecorder
 	if shared {
 		rec := &dlq.Recorder{Store: st, Log: rt.Log}
@@ -211,6 +231,16 @@ func run(args []string) int {
 	// One toolrunner client for the loop and the front door, so that both ask the same
 	// toollist.Lister (one cached list per tenant).
 	tools, models := toolrunnerv1.NewToolRunnerServiceClient(tc), modelproxyv1.NewModelProxyServiceClient(mc)
+	// The process-wide keeper of the model client renews the decoders' leases
+	// (docs/leases.md); its warnings go to the service's log, and --decoder-config
+	// changes its timing live.
+	leases := decoderlease.Shared(models, decoderlease.Options{Log: rt.Log, Period: *heartbeat, TTL: *decoderTTL})
+	if *decoderFile != "" {
+		if err := service.WatchDecoder(ctx, rt, *decoderFile, leases); err != nil {
+			fmt.Fprintln(os.Stderr, "orchestrator: --decoder-config:", err)
+			return 2
+		}
+	}
 	self := orchestrator.OwnerName(owner(), adv)
 	srv := orchestrator.New(orchestrator.Config{
 		Loop: agent.Config{
@@ -219,8 +249,7 @@ func run(args []string) int {
 			Tools:      tools,
 			ToolNodes:  reports["toolrunner"],
 			ModelName:  *model,
-			// The decoder-lease keeper's renewal warnings go to the service's log.
-			LeaseOptions: decoderlease.Options{Log: rt.Log, Period: *heartbeat, TTL: *decoderTTL},
+			Leases:     leases,
 		},
 		Reports:     []meshv1.NodeReportServiceClient{reports["modelproxy"], reports["toolrunner"], reports["subagent"]},
 		MaxRuns:     *maxRuns,
@@ -238,6 +267,7 @@ func run(args []string) int {
 		Admission:   adm,
 	})
 	orchestratorv1.RegisterOrchestratorServiceServer(rt.Server, srv)
+	rt.RecordConfigs(ctx, st)
 	admin.New(admin.Config{Store: st, Replica: self, Log: rt.Log}).Register(rt.Server)
 	if shared {
 		orchestratorv1.RegisterDeadLetterServiceServer(rt.Server, orchestrator.NewDeadLetterServer(st, srv.Replay))
@@ -336,4 +366,15 @@ func (p *peerConns) close() {
 		_ = c.Close()
 	}
 	p.conns = nil
+}
+
+// decodeAdmission decodes and validates the content of --admission-config.
+func decodeAdmission(b []byte) (admission.Config, error) { return admission.Decode(bytes.NewReader(b)) }
+
+// explicit reports whether the flag name was set on the command line or in the
+// environment.
+func explicit(fs *flag.FlagSet, name string) bool {
+	set := false
+	fs.Visit(func(f *flag.Flag) { set = set || f.Name == name })
+	return set
 }

@@ -33,6 +33,7 @@ func run(args []string) int {
 	model := fs.String("model", agent.DefaultModel, "model of nested loops when the caller names none")
 	minSpawn := fs.Duration("min-spawn-time", 100*time.Millisecond, "least time left to start a subagent; less fails fast with DEADLINE_EXCEEDED")
 	maxDepth := fs.Int("max-depth", subagent.DefaultMaxDepth, "deepest subagent nesting served")
+	decoderFile := fs.String("decoder-config", "", `JSON file of the decoder-lease heartbeat and TTL, {"heartbeat": "4s", "lease_ttl": "12s"} (docs/leases.md), reloaded when it changes and on SIGHUP; default: a 4s heartbeat and a 12s TTL`)
 	if err := service.Parse(fs, args, os.Getenv); err != nil {
 		fmt.Fprintln(os.Stderr, "subagent:", err)
 		return 2
@@ -78,15 +79,24 @@ func run(args []string) int {
 		return 2
 	}
 	defer tcl.Close()
+	models := modelproxyv1.NewModelProxyServiceClient(mc)
+	// The process-wide keeper of the model client renews the decoders' leases
+	// (docs/leases.md); its warnings go to the service's log, and --decoder-config
+	// changes its timing live.
+	leases := decoderlease.Shared(models, decoderlease.Options{Log: rt.Log})
+	if *decoderFile != "" {
+		if err := service.WatchDecoder(ctx, rt, *decoderFile, leases); err != nil {
+			fmt.Fprintln(os.Stderr, "subagent: --decoder-config:", err)
+			return 2
+		}
+	}
 	srv := subagent.New(subagent.Config{MaxDepth: *maxDepth, Loop: agent.Config{
-		Model:      modelproxyv1.NewModelProxyServiceClient(mc),
+		Model:      models,
 		ModelNodes: modelNodes,
 		Tools:      toolrunnerv1.NewToolRunnerServiceClient(tc),
 		ToolNodes:  toolNodes,
 		ModelName:  *model,
-		// The process-wide keeper of the model client renews the decoders' leases
-		// (docs/leases.md); its warnings go to the service's log.
-		LeaseOptions: decoderlease.Options{Log: rt.Log},
+		Leases:     leases,
 	}})
 	subagentv1.RegisterSubagentServiceServer(rt.Server, srv)
 	report := srv.Report()

@@ -8,6 +8,7 @@ import (
 	"flag"
 	"fmt"
 	"os"
+	"os/exec"
 	"os/signal"
 	"syscall"
 	"time"
@@ -17,6 +18,7 @@ import (
 	meshv1 "github.com/curfew-mesh/curfew/gen/curfew/mesh/v1"
 	subagentv1 "github.com/curfew-mesh/curfew/gen/curfew/subagent/v1"
 	toolrunnerv1 "github.com/curfew-mesh/curfew/gen/curfew/toolrunner/v1"
+	"github.com/curfew-mesh/curfew/mesh/configwatch"
 	"github.com/curfew-mesh/curfew/mesh/nodes"
 	"github.com/curfew-mesh/curfew/mesh/service"
 	"github.com/curfew-mesh/curfew/mesh/store/memory"
@@ -40,7 +42,7 @@ func run(args []string) int {
 	minTool := fs.Duration("min-tool-time", 10*time.Millisecond, "least time left to start a tool; less fails fast with DEADLINE_EXCEEDED")
 	maxDepth := fs.Int("max-subagent-depth", toolrunner.DefaultMaxSubagentDepth, "deepest subagent nesting spawn_subagent may create")
 	maxFanout := fs.Int("max-subagent-fanout", toolrunner.DefaultMaxSubagentFanout, "most subagents one run may have in flight on this process")
-	toolsConfig := fs.String("tools-config", "", "tool sources file: MCP servers and ToolService servers whose tools toolrunner runs as source__tool (docs/tools.md); a bad file stops toolrunner at start")
+	toolsConfig := fs.String("tools-config", "", "tool sources file: MCP servers and ToolService servers whose tools toolrunner runs as source__tool (docs/tools.md); reloaded when it changes and on SIGHUP (a bad rewrite keeps the running sources); a bad file stops toolrunner at start")
 	storeDSN := fs.String("store", "", "durable store of kv_put and notify: a SQLite path (sqlite:///path/curfew.db) or a postgres:// DSN; `curfew up` passes one under its data directory; without one those tools fail")
 	if err := service.Parse(fs, args, os.Getenv); err != nil {
 		fmt.Fprintln(os.Stderr, "toolrunner:", err)
@@ -113,6 +115,14 @@ func run(args []string) int {
 		}
 		defer func() { _ = reg.Close() }()
 		cfg.Tools = reg
+		// The sources follow the file (docs/tools.md, "Reloading the tools file"): unchanged
+		// sources keep their sessions, removed or changed ones close after their calls.
+		if _, err := service.WatchConfig(ctx, rt, configwatch.Config[*registry.Config]{Name: "tools", Path: *toolsConfig,
+			Load:  func(b []byte) (*registry.Config, error) { return registry.Parse(b, os.LookupEnv, exec.LookPath) },
+			Apply: reg.Update}); err != nil {
+			fmt.Fprintln(os.Stderr, "toolrunner: --tools-config:", err)
+			return 2
+		}
 		// Serve once every source has been tried: a run started as soon as the mesh is
 		// ready then finds the tools of every source that is up. A source that is slow to
 		// answer holds the start at most toolsReadyWait; it is then down until it answers.
@@ -122,6 +132,7 @@ func run(args []string) int {
 		}
 		cancel()
 	}
+	rt.RecordConfigs(ctx, st)
 	srv := toolrunner.New(cfg)
 	toolrunnerv1.RegisterToolRunnerServiceServer(rt.Server, srv)
 	report := srv.Report()

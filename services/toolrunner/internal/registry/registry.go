@@ -7,6 +7,7 @@ import (
 	"fmt"
 	"log/slog"
 	"math/rand/v2"
+	"reflect"
 	"sync"
 	"time"
 
@@ -71,17 +72,21 @@ type Options struct {
 // Registry holds the configured sources and their tools. Its methods are safe for
 // concurrent use.
 type Registry struct {
-	o       Options
-	log     *slog.Logger
-	sources []*src
-	byName  map[string]*src // sources by name
-	cancel  context.CancelFunc
-	wg      sync.WaitGroup
+	o        Options
+	log      *slog.Logger
+	base     context.Context // discovery's; Close cancels it
+	cancel   context.CancelFunc
+	wg       sync.WaitGroup
+	breakers *breaker.Set
 
 	calls *prometheus.CounterVec
 	late  *prometheus.CounterVec
 
 	mu         sync.RWMutex
+	sources    []*src            // in the file's order
+	byName     map[string]*src   // sources by name
+	retired    []*src            // sources a reload removed, until they are closed
+	closed     bool              // Close was called
 	tools      map[string]*entry // by model-visible name
 	collisions map[string]bool   // reported collisions, so each is logged once
 }
@@ -102,6 +107,14 @@ type src struct {
 
 	tried     chan struct{} // closed once the first open and listing have succeeded or failed
 	triedOnce sync.Once
+
+	cancel context.CancelFunc // stops its discovery
+	done   chan struct{}      // closed when its discovery has returned
+	// Under mu: the calls running on s (Run), and whether a reload retired s; a retired
+	// source is closed when its last call ends.
+	active        int
+	retiredByLoad bool
+	closed        bool
 }
 
 // triedOnce marks s's first discovery attempt as over, whatever its outcome.
@@ -154,34 +167,173 @@ func New(cfg *Config, o Options) (*Registry, error) {
 			Help: "Messages from a tool source that arrived after their call had ended (progress reports, replies), dropped.",
 		}, []string{"source"}),
 	}
-	breakers := breaker.NewSet(o.Breaker, o.Registerer)
+	if err := r.checkKinds(cfg); err != nil {
+		return nil, err
+	}
+	r.breakers = breaker.NewSet(o.Breaker, o.Registerer)
 	for _, sc := range cfg.Sources {
-		if o.Openers[sc.Kind] == nil {
-			return nil, fmt.Errorf("tool source %s: no opener for kind %q", sc.Name, sc.Kind)
-		}
-		conc := DefaultConcurrency
-		if sc.Policy.Concurrency != nil {
-			conc = *sc.Policy.Concurrency
-		}
-		s := &src{cfg: sc, breaker: breakers.Get("tool:" + sc.Name), sem: make(chan struct{}, conc), calls: r.calls,
-			down: errors.New("not listed yet"), toolSem: map[string]chan struct{}{}, tried: make(chan struct{})}
+		s := r.newSrc(sc)
 		r.sources = append(r.sources, s)
 		r.byName[sc.Name] = s
-		r.late.WithLabelValues(sc.Name) // exported at 0
 	}
 	if o.Registerer != nil {
 		o.Registerer.MustRegister(r.calls, r.late)
 	}
-	ctx, cancel := context.WithCancel(context.Background())
-	r.cancel = cancel
+	r.base, r.cancel = context.WithCancel(context.Background())
 	for _, s := range r.sources {
-		r.wg.Add(1)
-		go func() {
-			defer r.wg.Done()
-			r.discover(ctx, s)
-		}()
+		r.startSrc(s)
 	}
 	return r, nil
+}
+
+// checkKinds fails when a source's kind has no opener.
+func (r *Registry) checkKinds(cfg *Config) error {
+	for _, sc := range cfg.Sources {
+		if r.o.Openers[sc.Kind] == nil {
+			return fmt.Errorf("tool source %s: no opener for kind %q", sc.Name, sc.Kind)
+		}
+	}
+	return nil
+}
+
+// newSrc makes the state of the source sc, not yet discovering.
+func (r *Registry) newSrc(sc SourceConfig) *src {
+	conc := DefaultConcurrency
+	if sc.Policy.Concurrency != nil {
+		conc = *sc.Policy.Concurrency
+	}
+	r.late.WithLabelValues(sc.Name) // exported at 0
+	return &src{cfg: sc, breaker: r.breakers.Get("tool:" + sc.Name), sem: make(chan struct{}, conc), calls: r.calls,
+		down: errors.New("not listed yet"), toolSem: map[string]chan struct{}{}, tried: make(chan struct{})}
+}
+
+// startSrc starts s's discovery.
+func (r *Registry) startSrc(s *src) {
+	ctx, cancel := context.WithCancel(r.base)
+	s.cancel, s.done = cancel, make(chan struct{})
+	r.wg.Add(1)
+	go func() {
+		defer r.wg.Done()
+		defer close(s.done)
+		r.discover(ctx, s)
+	}()
+}
+
+// Update replaces the registry's sources with cfg's, as a reload of the tools file does
+// (docs/tools.md, "Reloading the tools file"). A source whose entry in the file is
+// unchanged keeps its session (its MCP process or connection), its tools and its calls.
+// A new source is opened and listed in the background, as at start. A source removed,
+// or whose entry changed in any way, leaves the tool list at once: calls not yet
+// started on it are refused UNAVAILABLE, calls in flight run to their end (their own
+// deadline and cancel), and then its session is closed; a changed source comes back as a
+// new source with a new session. Breakers are kept by source name. On error (a kind
+// without an opener) nothing changes.
+func (r *Registry) Update(cfg *Config) error {
+	if err := r.checkKinds(cfg); err != nil {
+		return err
+	}
+	r.mu.Lock()
+	if r.closed {
+		r.mu.Unlock()
+		return errors.New("tool registry: closed")
+	}
+	var (
+		next         []*src
+		byName       = map[string]*src{}
+		added, gone  []*src
+		kept         = map[*src]bool{}
+		stillRetired []*src
+	)
+	for _, sc := range cfg.Sources {
+		s := r.byName[sc.Name]
+		if s == nil || !reflect.DeepEqual(s.cfg, sc) {
+			s = r.newSrc(sc)
+			added = append(added, s)
+		} else {
+			kept[s] = true
+		}
+		next = append(next, s)
+		byName[sc.Name] = s
+	}
+	for _, s := range r.sources {
+		if !kept[s] {
+			gone = append(gone, s)
+		}
+	}
+	for _, s := range r.retired {
+		s.mu.Lock()
+		if !s.closed {
+			stillRetired = append(stillRetired, s)
+		}
+		s.mu.Unlock()
+	}
+	stillRetired = append(stillRetired, gone...)
+	r.sources, r.byName, r.retired = next, byName, stillRetired
+	for _, s := range added {
+		r.startSrc(s)
+	}
+	r.mu.Unlock()
+	r.rebuild() // the retired sources' tools leave the list now
+	for _, s := range gone {
+		r.retire(s)
+	}
+	r.log.Info("tool sources reloaded", "kept", len(kept), "opened", len(added), "retired", len(gone))
+	return nil
+}
+
+// retire stops s's discovery and closes its session once no call runs on it.
+func (r *Registry) retire(s *src) {
+	s.cancel()
+	<-s.done
+	s.mu.Lock()
+	s.retiredByLoad = true
+	cur := s.closeLocked()
+	s.mu.Unlock()
+	r.closeSession(s, cur)
+}
+
+// closeLocked marks s closed and returns its session when it is retired, no call runs on
+// it and it has one not yet closed; nil otherwise. s.mu is held.
+func (s *src) closeLocked() source.Source {
+	if !s.retiredByLoad || s.active > 0 || s.closed || s.s == nil {
+		return nil
+	}
+	s.closed = true
+	return s.s
+}
+
+// closeSession closes a retired source's session (nil: nothing to close).
+func (r *Registry) closeSession(s *src, cur source.Source) {
+	if cur == nil {
+		return
+	}
+	if err := cur.Close(); err != nil {
+		r.log.Warn("closing a tool source retired by a reload", "source", s.cfg.Name, "error", err.Error())
+		return
+	}
+	r.log.Info("tool source retired by a reload is closed", "source", s.cfg.Name)
+}
+
+// begin counts a call on s and returns its session and why it is down, or ok false
+// when a reload retired s.
+func (s *src) begin() (cur source.Source, ok bool, down error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.retiredByLoad {
+		return nil, false, nil
+	}
+	s.active++
+	return s.s, true, s.down
+}
+
+// end ends a call begun on s, closing s's session if s was retired meanwhile and this
+// was its last call.
+func (r *Registry) end(s *src) {
+	s.mu.Lock()
+	s.active--
+	cur := s.closeLocked()
+	s.mu.Unlock()
+	r.closeSession(s, cur)
 }
 
 // Ready waits until every source has been opened and listed once, or has failed to be,
@@ -189,7 +341,10 @@ func New(cfg *Config, o Options) (*Registry, error) {
 // serves, bounded, so that a run started as soon as the mesh is ready finds the tools of
 // every source that is up; a source that is down stays down without holding the start.
 func (r *Registry) Ready(ctx context.Context) error {
-	for _, s := range r.sources {
+	r.mu.RLock()
+	sources := r.sources
+	r.mu.RUnlock()
+	for _, s := range sources {
 		select {
 		case <-s.tried:
 		case <-ctx.Done():
@@ -200,13 +355,19 @@ func (r *Registry) Ready(ctx context.Context) error {
 }
 
 // Close stops discovery and closes the sources.
+// Calls still running on a source end as their session closes.
 func (r *Registry) Close() error {
+	r.mu.Lock()
+	r.closed = true
+	sources := append(append([]*src(nil), r.sources...), r.retired...)
+	r.mu.Unlock()
 	r.cancel()
 	r.wg.Wait()
 	var errs []error
-	for _, s := range r.sources {
+	for _, s := range sources {
 		s.mu.Lock()
-		if s.s != nil {
+		if s.s != nil && !s.closed {
+			s.closed = true
 			if err := s.s.Close(); err != nil {
 				errs = append(errs, fmt.Errorf("tool source %s: %w", s.cfg.Name, err))
 			}
@@ -358,7 +519,10 @@ func (r *Registry) setTools(s *src, tools []source.Tool, log *slog.Logger) {
 func (r *Registry) rebuild() {
 	table := map[string]*entry{}
 	var clashes []string
-	for _, s := range r.sources {
+	r.mu.RLock()
+	sources := r.sources
+	r.mu.RUnlock()
+	for _, s := range sources {
 		s.mu.Lock()
 		entries := s.entries
 		s.mu.Unlock()
@@ -466,6 +630,7 @@ func (r *Registry) Tools(tenant string) []Tool {
 
 // Prepared is a checked call of a tool, ready to run.
 type Prepared struct {
+	r    *Registry
 	e    *entry
 	args json.RawMessage
 }
@@ -480,12 +645,12 @@ func (r *Registry) Prepare(tenant, name string, args []byte) (*Prepared, error) 
 		return nil, status.Errorf(codes.Internal, "tool %s is a built-in: toolrunner runs it itself", name)
 	}
 	r.mu.RLock()
-	e := r.tools[name]
+	e, s := r.tools[name], r.byName[SourceOf(name)]
 	r.mu.RUnlock()
 	if e == nil || !e.allows(tenant) {
 		// A source that has never listed: its tools are not known, but a call naming it
 		// learns that it is down rather than that the tool does not exist.
-		if s := r.byName[SourceOf(name)]; s != nil && e == nil {
+		if s != nil && e == nil {
 			s.mu.Lock()
 			listed, down := s.listed, s.down
 			s.mu.Unlock()
@@ -507,7 +672,7 @@ func (r *Registry) Prepare(tenant, name string, args []byte) (*Prepared, error) 
 	if err := e.schema.validate(args); err != nil {
 		return nil, status.Errorf(codes.InvalidArgument, "tool %s: %v", name, err)
 	}
-	return &Prepared{e: e, args: args}, nil
+	return &Prepared{r: r, e: e, args: args}, nil
 }
 
 // reason is why a source is down: a status's message, or the error.
@@ -552,9 +717,11 @@ func (p *Prepared) Run(ctx context.Context, meta source.Meta, progress func(*mes
 		return source.Result{}, err
 	}
 	defer release()
-	e.src.mu.Lock()
-	cur, down := e.src.s, e.src.down
-	e.src.mu.Unlock()
+	cur, ok, down := e.src.begin()
+	if !ok {
+		return source.Result{}, status.Errorf(codes.Unavailable, "tool %s: source %s was removed or changed by a reload of the tools file", e.name, e.src.cfg.Name)
+	}
+	defer p.r.end(e.src)
 	if cur == nil { // not opened (cannot happen after Prepare found its tools)
 		return source.Result{}, status.Errorf(codes.Unavailable, "tool %s: source %s is down: %s", e.name, e.src.cfg.Name, reason(down))
 	}
