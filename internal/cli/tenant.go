@@ -74,15 +74,8 @@ func cmdTenant(ctx context.Context, args []string, stdout, stderr io.Writer) int
 	if (sub == "create" || sub == "rotate-key") && !md.ValidTenant(arg) {
 		return usageErr(stderr, "tenant "+sub, fmt.Errorf("tenant %q: use letters, digits, '.', '_' and '-', at most 64", arg))
 	}
-	if *dsn == "" {
-		abs, err := filepath.Abs(filepath.Join(*dataDir, "curfew.db"))
-		if err != nil {
-			return usageErr(stderr, "tenant "+sub, fmt.Errorf("--data-dir: %w", err))
-		}
-		if _, err := os.Stat(abs); err != nil {
-			return usageErr(stderr, "tenant "+sub, fmt.Errorf("no store: %s does not exist (give --store, or run curfew up first)", abs))
-		}
-		*dsn = "sqlite://" + abs
+	if *dsn, err = storeDSN(*dsn, *dataDir); err != nil {
+		return usageErr(stderr, "tenant "+sub, err)
 	}
 	ctx, cancel := context.WithTimeout(ctx, tenantTimeout)
 	defer cancel()
@@ -131,6 +124,21 @@ func cmdTenant(ctx context.Context, args []string, stdout, stderr io.Writer) int
 		_ = tw.Flush()
 		return ExitOK
 	}
+}
+
+// storeDSN is --store, else the SQLite file of `curfew up` in dataDir when it exists.
+func storeDSN(dsn, dataDir string) (string, error) {
+	if dsn != "" {
+		return dsn, nil
+	}
+	abs, err := filepath.Abs(filepath.Join(dataDir, "curfew.db"))
+	if err != nil {
+		return "", fmt.Errorf("--data-dir: %w", err)
+	}
+	if _, err := os.Stat(abs); err != nil {
+		return "", fmt.Errorf("no store: %s does not exist (give --store, or run curfew up first)", abs)
+	}
+	return "sqlite://" + abs, nil
 }
 
 func tenantNewKey(ctx context.Context, st store.Store, tenant string, rotate, asJSON bool, stdout, stderr io.Writer) int {
