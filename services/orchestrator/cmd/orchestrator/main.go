@@ -55,7 +55,8 @@ func run(args []string) int {
 	leaseTTL := fs.Duration("lease-ttl", orchestrator.DefaultLeaseTTL, "run lease TTL (with --store), and the outbox relay lease's (with --nats): heartbeats every third of it; a dead orchestrator's runs are taken over about this long after it died")
 	natsURL := fs.String("nats", "", "NATS server (nats://host:4222) whose JetStream also receives dead letters (with --store); none by default")
 	dlqStream := fs.String("dlq-stream", dlq.DefaultStream, "JetStream stream of dead letters (with --nats)")
-	outboxStream := fs.String("outbox-stream", outbox.DefaultStream, "JetStream stream the outbox (notify) is relayed to (with --nats; docs/outbox.md): created if missing, covering curfew.outbox.>, else used as it is")
+	outboxStream := fs.String("outbox-stream", outbox.DefaultStream, "JetStream stream the outbox (notify) is relayed to (with --nats; docs/outbox.md): created if missing, covering <--outbox-subject-prefix>.>, else used as it is")
+	outboxPrefix := fs.String("outbox-subject-prefix", outbox.DefaultSubjectPrefix, "subject prefix of the relayed outbox (with --nats): a tenant's channel is <prefix>.<tenant>.<channel>")
 	outboxBatch := fs.Int("outbox-batch", outbox.DefaultBatch, "outbox rows the relay reads per batch (with --nats)")
 	outboxInterval := fs.Duration("outbox-interval", outbox.DefaultInterval, "pause of the outbox relay after a batch that drained the outbox, and between tries to claim its lease (with --nats)")
 	outboxRate := fs.Float64("outbox-rate", 0, "most outbox messages the relay publishes per second, sparing the stream's consumers a burst after an outage (with --nats); 0: no cap")
@@ -179,7 +180,7 @@ func run(args []string) int {
 			rec.Publisher = js
 			// Every replica runs the relay; it publishes only while it holds the relay
 			// lease in the store (docs/outbox.md). Its loop ends with the process.
-			relay, err := outbox.New(ctx, nc, st, outbox.Config{Stream: *outboxStream, Batch: *outboxBatch, Interval: *outboxInterval,
+			relay, err := outbox.New(ctx, nc, st, outbox.Config{Stream: *outboxStream, SubjectPrefix: *outboxPrefix, Batch: *outboxBatch, Interval: *outboxInterval,
 				Rate: *outboxRate, LeaseTTL: *leaseTTL, Owner: relayOwner, Log: rt.Log, Registerer: rt.Registry})
 			if err != nil {
 				fmt.Fprintln(os.Stderr, "orchestrator: --nats:", err)
