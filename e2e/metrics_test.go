@@ -31,6 +31,7 @@ type docRow struct {
 	providers bool     // served only with --providers-config
 	tls       bool     // served only with --tls-dir
 	tools     bool     // served only with --tools-config (checked by the registry's tests)
+	nats      bool     // served only with --nats (checked by e2e/outbox_test.go)
 	planned   bool     // in the "Planned" table: not served yet
 }
 
@@ -84,6 +85,7 @@ func docMetrics(t *testing.T) []docRow {
 		r.providers = strings.Contains(where, "--providers-config")
 		r.tls = strings.Contains(where, "--tls-dir")
 		r.tools = strings.Contains(where, "--tools-config")
+		r.nats = strings.Contains(where, "--nats")
 		if len(r.names) == 0 || (!planned && len(r.where) == 0) {
 			t.Fatalf("docs/metrics.md: cannot read the row %q", line)
 		}
@@ -265,7 +267,7 @@ func TestMetricsAfterRuns(t *testing.T) {
 			withProviders = append(withProviders, r)
 			continue
 		}
-		if r.tls && !mesh.TLS() || r.tools {
+		if r.tls && !mesh.TLS() || r.tools || r.nats {
 			continue
 		}
 		for _, n := range r.names {

@@ -262,4 +262,21 @@ func TestOutboxRelayExactlyOnce(t *testing.T) {
 	r.waitRelayed(60 * time.Second)
 	time.Sleep(300 * time.Millisecond)
 	r.checkExactlyOnce()
+
+	// The metrics docs/metrics.md lists "with --nats" are served.
+	body, err := httpGet("http://" + other.AdminAddr + "/metrics")
+	if err != nil {
+		t.Fatal(err)
+	}
+	pg := parsePage(t, body)
+	for _, row := range docMetrics(t) {
+		for _, n := range row.names {
+			if row.nats && pg.mfs[n] == nil {
+				t.Errorf("%s: docs/metrics.md says the orchestrator serves it with --nats, but its /metrics lacks it", n)
+			}
+		}
+	}
+	if got := pg.value("curfew_outbox_lag", nil, false); got != 0 {
+		t.Errorf("curfew_outbox_lag %v after everything was relayed", got)
+	}
 }
