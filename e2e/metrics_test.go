@@ -53,15 +53,16 @@ func docMetrics(t *testing.T) []docRow {
 	}
 	defer f.Close()
 	var rows []docRow
-	planned := false
+	planned, known := false, false
 	sc := bufio.NewScanner(f)
 	for sc.Scan() {
 		line := sc.Text()
 		if strings.HasPrefix(line, "## ") {
 			planned = strings.HasPrefix(line, "## Planned")
+			known = strings.HasPrefix(line, "## Known in advance") // series, read by docKnown
 			continue
 		}
-		if !strings.HasPrefix(line, "| `") {
+		if known || !strings.HasPrefix(line, "| `") {
 			continue
 		}
 		cells := strings.Split(strings.Trim(line, "|"), "|")

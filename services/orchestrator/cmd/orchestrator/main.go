@@ -187,9 +187,10 @@ func run(args []string) int {
 				return 2
 			}
 			go relay.Run(ctx)
+			rt.Registry.MustRegister(outbox.LagCollector(st, time.Second))
 		}
 		dead = rec
-		rt.Registry.MustRegister(dlq.DepthCollector(st, time.Second), outbox.LagCollector(st, time.Second))
+		rt.Registry.MustRegister(dlq.DepthCollector(st, time.Second))
 	}
 	conns := map[string]string{"--modelproxy": *modelAddr, "--toolrunner": *toolAddr, "--subagent": *subAddr}
 	cc := map[string]*grpcConn{}
