@@ -50,6 +50,7 @@ Usage:
   curfew tenant  (create TENANT | rotate-key TENANT | revoke KEY_ID | ls [TENANT]) [--scope S] [--reason R] [--json]
   curfew audit   ls [--since D|TIME] [--limit N] [--json]
   curfew usage   [--tenant T] [--since D|TIME] [--json]
+  curfew outbox  ls [TENANT] [--channel C] [--pending] [--after ID] [--limit N] [--store DSN] [--json]
   curfew tls     (init DIR [--host NAME]... | k8s-secrets DIR [--namespace NS])
   curfew version
 
@@ -71,7 +72,7 @@ func Main(ctx context.Context, args []string, stdin io.Reader, stdout, stderr io
 	}
 	cmds := map[string]func(context.Context, []string, io.Writer, io.Writer) int{
 		"up": cmdUp, "run": cmdRun, "get": cmdGet, "ls": cmdLs, "cancel": cmdCancel, "trace": cmdTrace,
-		"dlq": cmdDlq, "drill": cmdDrill, "tenant": cmdTenant, "tls": cmdTLS, "audit": cmdAudit, "usage": cmdUsage,
+		"dlq": cmdDlq, "drill": cmdDrill, "tenant": cmdTenant, "tls": cmdTLS, "audit": cmdAudit, "usage": cmdUsage, "outbox": cmdOutbox,
 	}
 	switch args[0] {
 	case "help", "-h", "--help":

@@ -6,6 +6,8 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"os"
+	"path/filepath"
 	"strings"
 	"text/tabwriter"
 	"time"
@@ -138,6 +140,21 @@ func printKeys(stdout io.Writer, keys []store.APIKey, asJSON bool) int {
 	}
 	_ = tw.Flush()
 	return ExitOK
+}
+
+// storeDSN is --store, else the SQLite file of `curfew up` in dataDir when it exists.
+func storeDSN(dsn, dataDir string) (string, error) {
+	if dsn != "" {
+		return dsn, nil
+	}
+	abs, err := filepath.Abs(filepath.Join(dataDir, "curfew.db"))
+	if err != nil {
+		return "", fmt.Errorf("--data-dir: %w", err)
+	}
+	if _, err := os.Stat(abs); err != nil {
+		return "", fmt.Errorf("no store: %s does not exist (give --store, or run curfew up first)", abs)
+	}
+	return "sqlite://" + abs, nil
 }
 
 func tenantNewKey(ctx context.Context, st store.Store, tenant string, scopes []string, rotate, asJSON bool, stdout, stderr io.Writer) int {

@@ -95,6 +95,15 @@ func NewMetrics(reg prometheus.Registerer) *Metrics {
 	return m
 }
 
+// Known exports the backoff series of target's methods (full names, /pkg.Service/Method)
+// at 0 from the start, so that rate() and the alerts see 0 rather than nothing before
+// the first retry.
+func (m *Metrics) Known(target string, methods ...string) {
+	for _, method := range methods {
+		m.backoff.WithLabelValues(target, method)
+	}
+}
+
 // client is the state shared by one connection's interceptors.
 type client struct {
 	cfg      Config

@@ -76,6 +76,16 @@ func New(grace time.Duration, reg prometheus.Registerer) *Table {
 	return t
 }
 
+// Known exports the metrics of the methods (full names) at 0 from the start, so that
+// rate() and the alerts see 0 rather than nothing before their first call.
+func (t *Table) Known(methods ...string) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	for _, m := range methods {
+		t.statsLocked(m)
+	}
+}
+
 // statsLocked returns method's metrics; t.mu must be held.
 func (t *Table) statsLocked(method string) *methodStats {
 	ms := t.byMethod[method]

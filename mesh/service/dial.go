@@ -2,10 +2,13 @@ package service
 
 import (
 	"io"
+	"strings"
 
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/credentials"
 	"google.golang.org/grpc/credentials/insecure"
+	"google.golang.org/protobuf/reflect/protoreflect"
+	"google.golang.org/protobuf/reflect/protoregistry"
 
 	meshv1 "github.com/curfew-mesh/curfew/gen/curfew/mesh/v1"
 	"github.com/curfew-mesh/curfew/mesh"
@@ -32,6 +35,7 @@ func Dial(target string, creds credentials.TransportCredentials) (*grpc.ClientCo
 func (rt *Runtime) Dial(name, target string) (*grpc.ClientConn, error) {
 	rc := rt.retries.For(name)
 	rc.Metrics, rc.Logger = rt.retryMetrics, rt.Log
+	rt.retryMetrics.Known(name, packageMethods("curfew."+name+".v1")...)
 	opts := append(mesh.DialOptions(mesh.ClientConfig{Retry: rc, Breakers: rt.Breakers, Metrics: rt.metrics.client}), grpc.WithTransportCredentials(rt.Credentials(name)),
 		rt.clientTracing())
 	return grpc.NewClient(target, opts...)
@@ -59,6 +63,7 @@ func (rt *Runtime) ClientOptions(rc retry.Config) []grpc.DialOption {
 func (rt *Runtime) NodeReports(name, target string) (meshv1.NodeReportServiceClient, io.Closer, error) {
 	rc := rt.retries.For(name)
 	rc.Metrics, rc.Logger = rt.retryMetrics, rt.Log
+	rt.retryMetrics.Known(name, descMethods(meshv1.NodeReportService_ServiceDesc)...)
 	dial := func(addr string) (*grpc.ClientConn, error) {
 		opts := append(mesh.DialOptions(mesh.ClientConfig{Retry: rc, Metrics: rt.metrics.client}), grpc.WithTransportCredentials(rt.Credentials(name)),
 			rt.clientTracing())
@@ -69,4 +74,48 @@ func (rt *Runtime) NodeReports(name, target string) (meshv1.NodeReportServiceCli
 		return nil, nil, err
 	}
 	return replicas.NodeReports(set), set, nil
+}
+
+// packageMethods are the full method names of the services of proto package pkg linked
+// into this binary: a mesh service name's API is the package curfew.<name>.v1, so a
+// connection's methods, and the series of their metrics, are known before any call.
+func packageMethods(pkg string) []string {
+	var out []string
+	protoregistry.GlobalFiles.RangeFilesByPackage(protoreflect.FullName(pkg), func(f protoreflect.FileDescriptor) bool {
+		for i := range f.Services().Len() {
+			svc := f.Services().Get(i)
+			for j := range svc.Methods().Len() {
+				out = append(out, "/"+string(svc.FullName())+"/"+string(svc.Methods().Get(j).Name()))
+			}
+		}
+		return true
+	})
+	return out
+}
+
+// descMethods are the full method names of a service.
+func descMethods(d grpc.ServiceDesc) []string {
+	var out []string
+	for _, m := range d.Methods {
+		out = append(out, "/"+d.ServiceName+"/"+m.MethodName)
+	}
+	for _, s := range d.Streams {
+		out = append(out, "/"+d.ServiceName+"/"+s.StreamName)
+	}
+	return out
+}
+
+// serverMethods are the full method names of the services registered on s, but gRPC's
+// own (health, reflection), which carry no retry-id.
+func serverMethods(s *grpc.Server) []string {
+	var out []string
+	for name, info := range s.GetServiceInfo() {
+		if strings.HasPrefix(name, "grpc.") {
+			continue
+		}
+		for _, m := range info.Methods {
+			out = append(out, "/"+name+"/"+m.Name)
+		}
+	}
+	return out
 }

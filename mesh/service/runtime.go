@@ -39,7 +39,8 @@ type Runtime struct {
 
 	retries      *retry.Live
 	retryMetrics *retry.Metrics
-	configs      configs // see config.go
+	configs      configs        // see config.go
+	retryIDs     *retryid.Table // the server's, whose methods Serve exports at 0
 	metrics      *metrics
 
 	// Breakers are the circuit breakers of this service's outgoing calls, one per service
@@ -107,6 +108,7 @@ func New(ctx context.Context, o Options, minTime map[string]time.Duration) (*Run
 		return nil, err
 	}
 	//nolint:contextcheck // the interceptors take each call's own context; none is needed here
+	rt.retryIDs = retryid.New(0, rt.Registry)
 	rt.Server = grpc.NewServer(append(mesh.ServerOptions(rt.serverConfig(minTime)),
 		connectionAge(o.MaxConnectionAge, o.MaxDeadline))...)
 	rt.Health = health.NewServer()
@@ -131,7 +133,7 @@ func (rt *Runtime) serverConfig(minTime map[string]time.Duration) mesh.ServerCon
 		Deadline:          deadline.Policy{Default: o.DefaultDeadline, Max: o.MaxDeadline},
 		MinTime:           minTime,
 		Logger:            rt.Log,
-		RetryIDs:          retryid.New(0, rt.Registry),
+		RetryIDs:          rt.retryIDs,
 		Metrics:           rt.metrics.server,
 		Chaos:             o.Chaos,
 		Authorize:         rt.tls.authorize(),

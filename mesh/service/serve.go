@@ -61,6 +61,8 @@ func (rt *Runtime) StopDeadline() time.Time {
 //
 // It returns nil after a clean stop, else the error that made the server fail.
 func (rt *Runtime) Serve(ctx context.Context) error {
+	// The services are registered by now: their methods' retry-id series start at 0.
+	rt.retryIDs.Known(serverMethods(rt.Server)...)
 	rt.Health.SetServingStatus("", healthpb.HealthCheckResponse_SERVING)
 	errc := make(chan error, 3) // the gRPC, admin and health servers
 	go func() { errc <- rt.Server.Serve(rt.lis) }()

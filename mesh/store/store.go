@@ -14,6 +14,7 @@ type Store interface {
 	Runs
 	Checkpoints
 	Tools
+	Outbox
 	DeadLetters
 	Ledger
 	APIKeys
@@ -134,6 +135,43 @@ type Tools interface {
 	// ListOutbox returns the tenant's outbox entries (Notify effects) with ID > after,
 	// by ascending ID, at most limit (0: 100).
 	ListOutbox(ctx context.Context, tenant string, after int64, limit int) ([]OutboxEntry, error)
+}
+
+// Outbox is the relay's side of the outbox (Notify effects, written by Tools.CompleteTool):
+// the relay lease, one holder at a time across replicas, and a cursor per tenant and
+// channel that says how far the channel was published (docs/outbox.md).
+//
+// Every notify has a position on its channel (OutboxEntry.ChannelSeq, from 1), assigned in
+// the writer's transaction under the channel's row lock: positions are gap-free and in
+// commit order, so "published up to N" is a complete account of a channel.
+//
+// The lease is (owner, epoch, expiry) like a run's: every claim increments the epoch and
+// AdvanceOutbox is fenced by it, so a relay that lost the lease cannot move a cursor.
+type Outbox interface {
+	// ClaimOutboxRelay takes the relay lease when it is free, expired, or already this
+	// owner's, incrementing its epoch; *LeaseHeldError (ErrLeaseHeld) while another
+	// owner's lease is live.
+	ClaimOutboxRelay(ctx context.Context, owner string, ttl time.Duration) (RelayLease, error)
+	// HeartbeatOutboxRelay extends the lease to now+ttl: ErrStaleEpoch if it was claimed
+	// by someone else meanwhile (an expired lease nobody claimed is still current).
+	HeartbeatOutboxRelay(ctx context.Context, l RelayLease, ttl time.Duration) (RelayLease, error)
+	// ReleaseOutboxRelay gives the lease up (graceful stop). ErrStaleEpoch if it was no
+	// longer ours.
+	ReleaseOutboxRelay(ctx context.Context, l RelayLease) error
+	// PendingOutbox returns, across tenants, up to limit (0: 100) rows not yet relayed,
+	// by ascending ID (so by ascending position on each channel), each with its
+	// channel's cursor as it was when read.
+	PendingOutbox(ctx context.Context, limit int) ([]PendingOutbox, error)
+	// AdvanceOutbox moves the channel's cursor from c.From to c.To, recording the stream
+	// sequence and message id of the message published for position To: fenced by the
+	// lease (ErrStaleEpoch) and compare-and-set on the cursor (ErrConflict when it is not
+	// at From, or To is not past it).
+	AdvanceOutbox(ctx context.Context, l RelayLease, c CursorAdvance) error
+	// ListOutboxRows is the operator's view: rows of one tenant or all (""), with their
+	// relay state, by ascending ID.
+	ListOutboxRows(ctx context.Context, q OutboxQuery) ([]OutboxRow, error)
+	// OutboxLag counts the rows not yet relayed, across tenants (curfew_outbox_lag).
+	OutboxLag(ctx context.Context) (int64, error)
 }
 
 // DeadLetters holds steps and runs that failed for good, for operators. Tenant "" in

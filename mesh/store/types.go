@@ -238,8 +238,58 @@ type OutboxEntry struct {
 	IdempotencyKey string // the tool call that appended it (unique with Seq)
 	Seq            int    // index among the call's Notify effects
 	Channel        string
-	Payload        []byte
-	CreatedAt      time.Time
+	// ChannelSeq is the entry's position on its tenant's channel: 1, 2, ... without gaps,
+	// in commit order (0 only for a row an older binary wrote during an upgrade).
+	ChannelSeq int64
+	Payload    []byte
+	CreatedAt  time.Time
+}
+
+// OutboxCursor is how far a channel was relayed: the position of its last published
+// entry, and the JetStream stream sequence and message id of that message (0 and ""
+// before the first).
+type OutboxCursor struct {
+	RelayedSeq int64
+	StreamSeq  uint64
+	MsgID      string
+	RelayedAt  time.Time
+}
+
+// PendingOutbox is an entry not yet relayed, with its channel's cursor.
+type PendingOutbox struct {
+	OutboxEntry
+	Cursor OutboxCursor
+}
+
+// CursorAdvance moves a channel's cursor past one published entry.
+type CursorAdvance struct {
+	Tenant, Channel string
+	From            int64 // the cursor's current RelayedSeq
+	To              int64 // the published entry's ChannelSeq
+	StreamSeq       uint64
+	MsgID           string
+}
+
+// RelayLease identifies the holder of the outbox relay lease for fenced writes.
+type RelayLease struct {
+	Owner   string
+	Epoch   int64
+	Expires time.Time // informational; the epoch is what fences
+}
+
+// OutboxQuery selects outbox rows for operators.
+type OutboxQuery struct {
+	Tenant      string // "" for all tenants
+	Channel     string // optional
+	OnlyPending bool   // only rows not yet relayed
+	After       int64  // rows with ID > After
+	Limit       int    // 0: 100; at most 1000
+}
+
+// OutboxRow is an outbox entry with its relay state.
+type OutboxRow struct {
+	OutboxEntry
+	Relayed bool // published to JetStream (its channel's cursor is at or past it)
 }
 
 // DeadLetter is a step or run that failed for good, with the context to reproduce it.

@@ -84,6 +84,7 @@ func Run(t *testing.T, fresh func(t *testing.T) string) {
 		{"Leases", leaseTests},
 		{"Checkpoints", checkpointTests},
 		{"Tools", toolTests},
+		{"Outbox", outboxTests},
 		{"DeadLetters", deadLetterTests},
 		{"Ledger", ledgerTests},
 		{"APIKeys", apiKeyTests},

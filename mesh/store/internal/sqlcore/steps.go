@@ -227,9 +227,7 @@ func (s *Store) CompleteTool(ctx context.Context, c store.ToolClaim, result []by
 				if e.Channel == "" {
 					return invalid("effect %d of tool %s: notify without channel", i, c.Key)
 				}
-				if _, err := q.Exec(ctx, `INSERT INTO outbox (tenant, idempotency_key, seq, channel, payload, created_ms)
-					VALUES ($1, $2, $3, $4, $5, $6) ON CONFLICT (tenant, idempotency_key, seq) DO NOTHING`,
-					c.Tenant, c.Key, seq, e.Channel, blob(e.Payload), now); err != nil {
+				if err := s.appendOutbox(ctx, q, c, seq, e, now); err != nil {
 					return err
 				}
 				seq++
@@ -283,7 +281,7 @@ func (s *Store) GetKV(ctx context.Context, tenant, key string) (store.KV, error)
 
 // ListOutbox implements store.Tools.
 func (s *Store) ListOutbox(ctx context.Context, tenant string, after int64, limit int) ([]store.OutboxEntry, error) {
-	rows, err := s.d.Read().Query(ctx, `SELECT id, idempotency_key, seq, channel, payload, created_ms FROM outbox
+	rows, err := s.d.Read().Query(ctx, `SELECT id, idempotency_key, seq, channel, channel_seq, payload, created_ms FROM outbox
 		WHERE tenant = $1 AND id > $2 ORDER BY id LIMIT $3`, tenant, after, pageLimit(limit))
 	if err != nil {
 		return nil, err
@@ -293,7 +291,7 @@ func (s *Store) ListOutbox(ctx context.Context, tenant string, after int64, limi
 	for rows.Next() {
 		e := store.OutboxEntry{Tenant: tenant}
 		var created int64
-		if err := rows.Scan(&e.ID, &e.IdempotencyKey, &e.Seq, &e.Channel, &e.Payload, &created); err != nil {
+		if err := rows.Scan(&e.ID, &e.IdempotencyKey, &e.Seq, &e.Channel, &e.ChannelSeq, &e.Payload, &created); err != nil {
 			return nil, err
 		}
 		e.CreatedAt = tm(created)

@@ -123,6 +123,10 @@ func NewRouter(f *File, o RouterOptions) (*Router, error) {
 		r.providers[pc.Name] = p
 	}
 	r.breakers = breaker.NewSet(f.BreakerSettings(), o.Registry)
+	// The providers are known: their breakers' series start at 0, before the first call.
+	for name := range r.providers {
+		r.breakers.Get(name)
+	}
 	if c := f.Cache; c == nil || !c.Off {
 		ttl, n := DefaultCacheTTL, DefaultCacheMaxEntries
 		if c != nil && c.TTL > 0 {

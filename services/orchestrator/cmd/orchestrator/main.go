@@ -26,6 +26,7 @@ import (
 	"github.com/curfew-mesh/curfew/mesh/decoderlease"
 	"github.com/curfew-mesh/curfew/mesh/dlq"
 	"github.com/curfew-mesh/curfew/mesh/meshtls"
+	"github.com/curfew-mesh/curfew/mesh/outbox"
 	"github.com/curfew-mesh/curfew/mesh/service"
 	"github.com/curfew-mesh/curfew/mesh/store/memory"
 	_ "github.com/curfew-mesh/curfew/mesh/store/postgres" // postgres:// DSNs
@@ -54,9 +55,14 @@ func run(args []string) int {
 	logPrompts := fs.Bool("log-prompts", false, "log each run's task (its prompt) when it starts; off by default, since tasks may hold private data")
 	storeDSN := fs.String("store", "", "durable store of runs, checkpoints, leases and dead letters: a SQLite path (sqlite:///path/curfew.db) or a postgres:// DSN; `curfew up` passes one under its data directory; without one, runs live in memory only and are lost with the process")
 	advertise := fs.String("advertise-addr", "", "address other orchestrators reach this one at (with --store), named in its run leases so that a CancelRun received elsewhere is forwarded to the run's owner; default: --addr when it names a host, else none (Kubernetes: $(POD_IP):port)")
-	leaseTTL := fs.Duration("lease-ttl", orchestrator.DefaultLeaseTTL, "run lease TTL (with --store): heartbeats every third of it; a dead orchestrator's runs are taken over about this long after it died")
+	leaseTTL := fs.Duration("lease-ttl", orchestrator.DefaultLeaseTTL, "run lease TTL (with --store), and the outbox relay lease's (with --nats): heartbeats every third of it; a dead orchestrator's runs are taken over about this long after it died")
 	natsURL := fs.String("nats", "", "NATS server (nats://host:4222) whose JetStream also receives dead letters (with --store); none by default")
 	dlqStream := fs.String("dlq-stream", dlq.DefaultStream, "JetStream stream of dead letters (with --nats)")
+	outboxStream := fs.String("outbox-stream", outbox.DefaultStream, "JetStream stream the outbox (notify) is relayed to (with --nats; docs/outbox.md): created if missing, covering <--outbox-subject-prefix>.>, else used as it is")
+	outboxPrefix := fs.String("outbox-subject-prefix", outbox.DefaultSubjectPrefix, "subject prefix of the relayed outbox (with --nats): a tenant's channel is <prefix>.<tenant>.<channel>")
+	outboxBatch := fs.Int("outbox-batch", outbox.DefaultBatch, "outbox rows the relay reads per batch (with --nats)")
+	outboxInterval := fs.Duration("outbox-interval", outbox.DefaultInterval, "pause of the outbox relay after a batch that drained the outbox, and between tries to claim its lease (with --nats)")
+	outboxRate := fs.Float64("outbox-rate", 0, "most outbox messages the relay publishes per second, sparing the stream's consumers a burst after an outage (with --nats); 0: no cap")
 	admissionFile := fs.String("admission-config", "", "JSON file of admission pools, tenant limits and token budgets (docs/admission.md); default: a paid pool of 512 and an overflow pool of 128 runs, 50 run starts per second per tenant (burst 100)")
 	heartbeat := fs.Duration("decoder-heartbeat", decoderlease.DefaultPeriod, "longest period between two renewals of a decoder's lease (docs/leases.md); each is renewed at least every third of its call's remaining deadline")
 	decoderTTL := fs.Duration("decoder-lease-ttl", 0, "decoder lease TTL asked of modelproxy; default 3 × --decoder-heartbeat")
@@ -96,6 +102,10 @@ func run(args []string) int {
 			return 2
 		}
 		admCfg = c
+	}
+	if *outboxBatch < 1 || *outboxInterval <= 0 || *outboxRate < 0 {
+		fmt.Fprintln(os.Stderr, "orchestrator: --outbox-batch must be at least 1, --outbox-interval positive and --outbox-rate not negative")
+		return 2
 	}
 	if *natsURL != "" && *storeDSN == "" {
 		fmt.Fprintln(os.Stderr, "orchestrator: --nats needs --store: dead letters are kept in the store first")
@@ -181,6 +191,7 @@ func run(args []string) int {
 		}
 	}
 	var dead orchestrator.DeadLetterRecorder
+	self := orchestrator.OwnerName(owner(), adv)
 	if shared {
 		rec := &dlq.Recorder{Store: st, Log: rt.Log}
 		if *natsURL != "" {
@@ -196,6 +207,16 @@ func run(args []string) int {
 				return 2
 			}
 			rec.Publisher = js
+			// Every replica runs the relay; it publishes only while it holds the relay
+			// lease in the store (docs/outbox.md). Its loop ends with the process.
+			relay, err := outbox.New(ctx, nc, st, outbox.Config{Stream: *outboxStream, SubjectPrefix: *outboxPrefix, Batch: *outboxBatch, Interval: *outboxInterval,
+				Rate: *outboxRate, LeaseTTL: *leaseTTL, Owner: self, Log: rt.Log, Registerer: rt.Registry})
+			if err != nil {
+				fmt.Fprintln(os.Stderr, "orchestrator: --nats:", err)
+				return 2
+			}
+			go relay.Run(ctx)
+			rt.Registry.MustRegister(outbox.LagCollector(st, time.Second))
 		}
 		dead = rec
 		rt.Registry.MustRegister(dlq.DepthCollector(st, time.Second))
@@ -241,7 +262,6 @@ func run(args []string) int {
 			return 2
 		}
 	}
-	self := orchestrator.OwnerName(owner(), adv)
 	srv := orchestrator.New(orchestrator.Config{
 		Loop: agent.Config{
 			Model:      models,
