@@ -102,7 +102,7 @@ const (
 // Outcomes lists every outcome, for metrics known in advance.
 var Outcomes = []string{OutcomePublished, OutcomeDuplicate, OutcomeFound}
 
-// ErrForeign: a subject's last message is neither the row being relayed nor the last
+// ErrForeign says a subject's last message is neither the row being relayed nor the last
 // one the cursor recorded (someone else publishes there, or the stream lost messages).
 // The relay stops relaying that channel rather than risk a duplicate or a gap.
 var ErrForeign = errors.New("outbox: the subject's last message is not the relay's")

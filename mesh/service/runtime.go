@@ -107,8 +107,8 @@ func New(ctx context.Context, o Options, minTime map[string]time.Duration) (*Run
 		rt.closeListeners()
 		return nil, err
 	}
-	//nolint:contextcheck // the interceptors take each call's own context; none is needed here
 	rt.retryIDs = retryid.New(0, rt.Registry)
+	//nolint:contextcheck // the interceptors take each call's own context; none is needed here
 	rt.Server = grpc.NewServer(append(mesh.ServerOptions(rt.serverConfig(minTime)),
 		connectionAge(o.MaxConnectionAge, o.MaxDeadline))...)
 	rt.Health = health.NewServer()
