@@ -45,6 +45,10 @@ const (
 	// ModelProxyService.RenewLeases), so the decoder stopped by itself. Defence in depth
 	// for a cancel signal that was lost on the way.
 	CancelCause_CANCEL_CAUSE_LEASE_EXPIRED CancelCause = 7
+	// A tool call that needed a human's approval got no decision before its wait's cap
+	// (the run's deadline less the tool's minimum time), so it was denied without its
+	// effect (docs/operations.md, "Approval gates").
+	CancelCause_CANCEL_CAUSE_APPROVAL_TIMEOUT CancelCause = 8
 )
 
 // Enum value maps for CancelCause.
@@ -58,6 +62,7 @@ var (
 		5: "CANCEL_CAUSE_SUPERSEDED",
 		6: "CANCEL_CAUSE_BUDGET",
 		7: "CANCEL_CAUSE_LEASE_EXPIRED",
+		8: "CANCEL_CAUSE_APPROVAL_TIMEOUT",
 	}
 	CancelCause_value = map[string]int32{
 		"CANCEL_CAUSE_UNSPECIFIED":       0,
@@ -68,6 +73,7 @@ var (
 		"CANCEL_CAUSE_SUPERSEDED":        5,
 		"CANCEL_CAUSE_BUDGET":            6,
 		"CANCEL_CAUSE_LEASE_EXPIRED":     7,
+		"CANCEL_CAUSE_APPROVAL_TIMEOUT":  8,
 	}
 )
 
@@ -570,6 +576,7 @@ type NodeEvent struct {
 	//
 	//	*NodeEvent_Progress
 	//	*NodeEvent_Text
+	//	*NodeEvent_Approval
 	Kind          isNodeEvent_Kind `protobuf_oneof:"kind"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
@@ -644,6 +651,15 @@ func (x *NodeEvent) GetText() *TextDelta {
 	return nil
 }
 
+func (x *NodeEvent) GetApproval() *ApprovalGate {
+	if x != nil {
+		if x, ok := x.Kind.(*NodeEvent_Approval); ok {
+			return x.Approval
+		}
+	}
+	return nil
+}
+
 type isNodeEvent_Kind interface {
 	isNodeEvent_Kind()
 }
@@ -658,9 +674,107 @@ type NodeEvent_Text struct {
 	Text *TextDelta `protobuf:"bytes,11,opt,name=text,proto3,oneof"`
 }
 
+type NodeEvent_Approval struct {
+	// A tool node waits for a human's approval, or its wait ended.
+	Approval *ApprovalGate `protobuf:"bytes,12,opt,name=approval,proto3,oneof"`
+}
+
 func (*NodeEvent_Progress) isNodeEvent_Kind() {}
 
 func (*NodeEvent_Text) isNodeEvent_Kind() {}
+
+func (*NodeEvent_Approval) isNodeEvent_Kind() {}
+
+// ApprovalGate is a tool call that needs a human's approval before its effect: sent once
+// when the node starts waiting (state waiting_approval) and once when the wait ends.
+type ApprovalGate struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// waiting_approval, approved, denied, approval_timeout or cancelled.
+	State string `protobuf:"bytes,1,opt,name=state,proto3" json:"state,omitempty"`
+	// The tool's name as the model calls it.
+	Tool string `protobuf:"bytes,2,opt,name=tool,proto3" json:"tool,omitempty"`
+	// Why it needs approval: registry, destructive_hint or plan.
+	Why string `protobuf:"bytes,3,opt,name=why,proto3" json:"why,omitempty"`
+	// The wait's cap: the run's deadline less the tool's minimum time.
+	ExpiresAt *timestamppb.Timestamp `protobuf:"bytes,4,opt,name=expires_at,json=expiresAt,proto3" json:"expires_at,omitempty"`
+	// Who decided, and why, once decided.
+	DecidedBy     string `protobuf:"bytes,5,opt,name=decided_by,json=decidedBy,proto3" json:"decided_by,omitempty"`
+	Reason        string `protobuf:"bytes,6,opt,name=reason,proto3" json:"reason,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ApprovalGate) Reset() {
+	*x = ApprovalGate{}
+	mi := &file_curfew_mesh_v1_mesh_proto_msgTypes[3]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ApprovalGate) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ApprovalGate) ProtoMessage() {}
+
+func (x *ApprovalGate) ProtoReflect() protoreflect.Message {
+	mi := &file_curfew_mesh_v1_mesh_proto_msgTypes[3]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ApprovalGate.ProtoReflect.Descriptor instead.
+func (*ApprovalGate) Descriptor() ([]byte, []int) {
+	return file_curfew_mesh_v1_mesh_proto_rawDescGZIP(), []int{3}
+}
+
+func (x *ApprovalGate) GetState() string {
+	if x != nil {
+		return x.State
+	}
+	return ""
+}
+
+func (x *ApprovalGate) GetTool() string {
+	if x != nil {
+		return x.Tool
+	}
+	return ""
+}
+
+func (x *ApprovalGate) GetWhy() string {
+	if x != nil {
+		return x.Why
+	}
+	return ""
+}
+
+func (x *ApprovalGate) GetExpiresAt() *timestamppb.Timestamp {
+	if x != nil {
+		return x.ExpiresAt
+	}
+	return nil
+}
+
+func (x *ApprovalGate) GetDecidedBy() string {
+	if x != nil {
+		return x.DecidedBy
+	}
+	return ""
+}
+
+func (x *ApprovalGate) GetReason() string {
+	if x != nil {
+		return x.Reason
+	}
+	return ""
+}
 
 // Progress is a tool's report of how far it has come, as MCP's notifications/progress
 // carry it. It never extends anything: the run's deadline is absolute.
@@ -678,7 +792,7 @@ type Progress struct {
 
 func (x *Progress) Reset() {
 	*x = Progress{}
-	mi := &file_curfew_mesh_v1_mesh_proto_msgTypes[3]
+	mi := &file_curfew_mesh_v1_mesh_proto_msgTypes[4]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -690,7 +804,7 @@ func (x *Progress) String() string {
 func (*Progress) ProtoMessage() {}
 
 func (x *Progress) ProtoReflect() protoreflect.Message {
-	mi := &file_curfew_mesh_v1_mesh_proto_msgTypes[3]
+	mi := &file_curfew_mesh_v1_mesh_proto_msgTypes[4]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -703,7 +817,7 @@ func (x *Progress) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Progress.ProtoReflect.Descriptor instead.
 func (*Progress) Descriptor() ([]byte, []int) {
-	return file_curfew_mesh_v1_mesh_proto_rawDescGZIP(), []int{3}
+	return file_curfew_mesh_v1_mesh_proto_rawDescGZIP(), []int{4}
 }
 
 func (x *Progress) GetProgress() float64 {
@@ -747,7 +861,7 @@ type TextDelta struct {
 
 func (x *TextDelta) Reset() {
 	*x = TextDelta{}
-	mi := &file_curfew_mesh_v1_mesh_proto_msgTypes[4]
+	mi := &file_curfew_mesh_v1_mesh_proto_msgTypes[5]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -759,7 +873,7 @@ func (x *TextDelta) String() string {
 func (*TextDelta) ProtoMessage() {}
 
 func (x *TextDelta) ProtoReflect() protoreflect.Message {
-	mi := &file_curfew_mesh_v1_mesh_proto_msgTypes[4]
+	mi := &file_curfew_mesh_v1_mesh_proto_msgTypes[5]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -772,7 +886,7 @@ func (x *TextDelta) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use TextDelta.ProtoReflect.Descriptor instead.
 func (*TextDelta) Descriptor() ([]byte, []int) {
-	return file_curfew_mesh_v1_mesh_proto_rawDescGZIP(), []int{4}
+	return file_curfew_mesh_v1_mesh_proto_rawDescGZIP(), []int{5}
 }
 
 func (x *TextDelta) GetText() string {
@@ -807,7 +921,7 @@ type Fallback struct {
 
 func (x *Fallback) Reset() {
 	*x = Fallback{}
-	mi := &file_curfew_mesh_v1_mesh_proto_msgTypes[5]
+	mi := &file_curfew_mesh_v1_mesh_proto_msgTypes[6]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -819,7 +933,7 @@ func (x *Fallback) String() string {
 func (*Fallback) ProtoMessage() {}
 
 func (x *Fallback) ProtoReflect() protoreflect.Message {
-	mi := &file_curfew_mesh_v1_mesh_proto_msgTypes[5]
+	mi := &file_curfew_mesh_v1_mesh_proto_msgTypes[6]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -832,7 +946,7 @@ func (x *Fallback) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Fallback.ProtoReflect.Descriptor instead.
 func (*Fallback) Descriptor() ([]byte, []int) {
-	return file_curfew_mesh_v1_mesh_proto_rawDescGZIP(), []int{5}
+	return file_curfew_mesh_v1_mesh_proto_rawDescGZIP(), []int{6}
 }
 
 func (x *Fallback) GetProvider() string {
@@ -886,7 +1000,7 @@ type AttemptRecord struct {
 
 func (x *AttemptRecord) Reset() {
 	*x = AttemptRecord{}
-	mi := &file_curfew_mesh_v1_mesh_proto_msgTypes[6]
+	mi := &file_curfew_mesh_v1_mesh_proto_msgTypes[7]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -898,7 +1012,7 @@ func (x *AttemptRecord) String() string {
 func (*AttemptRecord) ProtoMessage() {}
 
 func (x *AttemptRecord) ProtoReflect() protoreflect.Message {
-	mi := &file_curfew_mesh_v1_mesh_proto_msgTypes[6]
+	mi := &file_curfew_mesh_v1_mesh_proto_msgTypes[7]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -911,7 +1025,7 @@ func (x *AttemptRecord) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use AttemptRecord.ProtoReflect.Descriptor instead.
 func (*AttemptRecord) Descriptor() ([]byte, []int) {
-	return file_curfew_mesh_v1_mesh_proto_rawDescGZIP(), []int{6}
+	return file_curfew_mesh_v1_mesh_proto_rawDescGZIP(), []int{7}
 }
 
 func (x *AttemptRecord) GetAttempt() int32 {
@@ -979,7 +1093,7 @@ type ListNodesRequest struct {
 
 func (x *ListNodesRequest) Reset() {
 	*x = ListNodesRequest{}
-	mi := &file_curfew_mesh_v1_mesh_proto_msgTypes[7]
+	mi := &file_curfew_mesh_v1_mesh_proto_msgTypes[8]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -991,7 +1105,7 @@ func (x *ListNodesRequest) String() string {
 func (*ListNodesRequest) ProtoMessage() {}
 
 func (x *ListNodesRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_curfew_mesh_v1_mesh_proto_msgTypes[7]
+	mi := &file_curfew_mesh_v1_mesh_proto_msgTypes[8]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1004,7 +1118,7 @@ func (x *ListNodesRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListNodesRequest.ProtoReflect.Descriptor instead.
 func (*ListNodesRequest) Descriptor() ([]byte, []int) {
-	return file_curfew_mesh_v1_mesh_proto_rawDescGZIP(), []int{7}
+	return file_curfew_mesh_v1_mesh_proto_rawDescGZIP(), []int{8}
 }
 
 func (x *ListNodesRequest) GetRunId() string {
@@ -1047,7 +1161,7 @@ type ListNodesResponse struct {
 
 func (x *ListNodesResponse) Reset() {
 	*x = ListNodesResponse{}
-	mi := &file_curfew_mesh_v1_mesh_proto_msgTypes[8]
+	mi := &file_curfew_mesh_v1_mesh_proto_msgTypes[9]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1059,7 +1173,7 @@ func (x *ListNodesResponse) String() string {
 func (*ListNodesResponse) ProtoMessage() {}
 
 func (x *ListNodesResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_curfew_mesh_v1_mesh_proto_msgTypes[8]
+	mi := &file_curfew_mesh_v1_mesh_proto_msgTypes[9]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1072,7 +1186,7 @@ func (x *ListNodesResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListNodesResponse.ProtoReflect.Descriptor instead.
 func (*ListNodesResponse) Descriptor() ([]byte, []int) {
-	return file_curfew_mesh_v1_mesh_proto_rawDescGZIP(), []int{8}
+	return file_curfew_mesh_v1_mesh_proto_rawDescGZIP(), []int{9}
 }
 
 func (x *ListNodesResponse) GetNodes() []*Node {
@@ -1108,7 +1222,7 @@ type CancelNodesRequest struct {
 
 func (x *CancelNodesRequest) Reset() {
 	*x = CancelNodesRequest{}
-	mi := &file_curfew_mesh_v1_mesh_proto_msgTypes[9]
+	mi := &file_curfew_mesh_v1_mesh_proto_msgTypes[10]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1120,7 +1234,7 @@ func (x *CancelNodesRequest) String() string {
 func (*CancelNodesRequest) ProtoMessage() {}
 
 func (x *CancelNodesRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_curfew_mesh_v1_mesh_proto_msgTypes[9]
+	mi := &file_curfew_mesh_v1_mesh_proto_msgTypes[10]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1133,7 +1247,7 @@ func (x *CancelNodesRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CancelNodesRequest.ProtoReflect.Descriptor instead.
 func (*CancelNodesRequest) Descriptor() ([]byte, []int) {
-	return file_curfew_mesh_v1_mesh_proto_rawDescGZIP(), []int{9}
+	return file_curfew_mesh_v1_mesh_proto_rawDescGZIP(), []int{10}
 }
 
 func (x *CancelNodesRequest) GetRunId() string {
@@ -1176,7 +1290,7 @@ type CancelNodesResponse struct {
 
 func (x *CancelNodesResponse) Reset() {
 	*x = CancelNodesResponse{}
-	mi := &file_curfew_mesh_v1_mesh_proto_msgTypes[10]
+	mi := &file_curfew_mesh_v1_mesh_proto_msgTypes[11]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1188,7 +1302,7 @@ func (x *CancelNodesResponse) String() string {
 func (*CancelNodesResponse) ProtoMessage() {}
 
 func (x *CancelNodesResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_curfew_mesh_v1_mesh_proto_msgTypes[10]
+	mi := &file_curfew_mesh_v1_mesh_proto_msgTypes[11]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1201,7 +1315,7 @@ func (x *CancelNodesResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CancelNodesResponse.ProtoReflect.Descriptor instead.
 func (*CancelNodesResponse) Descriptor() ([]byte, []int) {
-	return file_curfew_mesh_v1_mesh_proto_rawDescGZIP(), []int{10}
+	return file_curfew_mesh_v1_mesh_proto_rawDescGZIP(), []int{11}
 }
 
 func (x *CancelNodesResponse) GetCancelled() int32 {
@@ -1258,14 +1372,24 @@ const file_curfew_mesh_v1_mesh_proto_rawDesc = "" +
 	"\x06cached\x18\x15 \x01(\bR\x06cached\x126\n" +
 	"\tfallbacks\x18\x16 \x03(\v2\x18.curfew.mesh.v1.FallbackR\tfallbacks\x12#\n" +
 	"\rprompt_tokens\x18\x17 \x01(\x03R\fpromptTokens\x12\x18\n" +
-	"\apartial\x18\x18 \x01(\bR\apartial\"\xc1\x01\n" +
+	"\apartial\x18\x18 \x01(\bR\apartial\"\xfd\x01\n" +
 	"\tNodeEvent\x12\x17\n" +
 	"\anode_id\x18\x01 \x01(\tR\x06nodeId\x12*\n" +
 	"\x02at\x18\x02 \x01(\v2\x1a.google.protobuf.TimestampR\x02at\x126\n" +
 	"\bprogress\x18\n" +
 	" \x01(\v2\x18.curfew.mesh.v1.ProgressH\x00R\bprogress\x12/\n" +
-	"\x04text\x18\v \x01(\v2\x19.curfew.mesh.v1.TextDeltaH\x00R\x04textB\x06\n" +
-	"\x04kind\"V\n" +
+	"\x04text\x18\v \x01(\v2\x19.curfew.mesh.v1.TextDeltaH\x00R\x04text\x12:\n" +
+	"\bapproval\x18\f \x01(\v2\x1c.curfew.mesh.v1.ApprovalGateH\x00R\bapprovalB\x06\n" +
+	"\x04kind\"\xbc\x01\n" +
+	"\fApprovalGate\x12\x14\n" +
+	"\x05state\x18\x01 \x01(\tR\x05state\x12\x12\n" +
+	"\x04tool\x18\x02 \x01(\tR\x04tool\x12\x10\n" +
+	"\x03why\x18\x03 \x01(\tR\x03why\x129\n" +
+	"\n" +
+	"expires_at\x18\x04 \x01(\v2\x1a.google.protobuf.TimestampR\texpiresAt\x12\x1d\n" +
+	"\n" +
+	"decided_by\x18\x05 \x01(\tR\tdecidedBy\x12\x16\n" +
+	"\x06reason\x18\x06 \x01(\tR\x06reason\"V\n" +
 	"\bProgress\x12\x1a\n" +
 	"\bprogress\x18\x01 \x01(\x01R\bprogress\x12\x14\n" +
 	"\x05total\x18\x02 \x01(\x01R\x05total\x12\x18\n" +
@@ -1305,7 +1429,7 @@ const file_curfew_mesh_v1_mesh_proto_rawDesc = "" +
 	"\x0esettle_timeout\x18\x04 \x01(\v2\x19.google.protobuf.DurationR\rsettleTimeout\"M\n" +
 	"\x13CancelNodesResponse\x12\x1c\n" +
 	"\tcancelled\x18\x01 \x01(\x05R\tcancelled\x12\x18\n" +
-	"\asettled\x18\x02 \x01(\bR\asettled*\xfc\x01\n" +
+	"\asettled\x18\x02 \x01(\bR\asettled*\x9f\x02\n" +
 	"\vCancelCause\x12\x1c\n" +
 	"\x18CANCEL_CAUSE_UNSPECIFIED\x10\x00\x12\"\n" +
 	"\x1eCANCEL_CAUSE_CLIENT_DISCONNECT\x10\x01\x12\x19\n" +
@@ -1314,7 +1438,8 @@ const file_curfew_mesh_v1_mesh_proto_rawDesc = "" +
 	"\x1bCANCEL_CAUSE_SIBLING_FAILED\x10\x04\x12\x1b\n" +
 	"\x17CANCEL_CAUSE_SUPERSEDED\x10\x05\x12\x17\n" +
 	"\x13CANCEL_CAUSE_BUDGET\x10\x06\x12\x1e\n" +
-	"\x1aCANCEL_CAUSE_LEASE_EXPIRED\x10\a*y\n" +
+	"\x1aCANCEL_CAUSE_LEASE_EXPIRED\x10\a\x12!\n" +
+	"\x1dCANCEL_CAUSE_APPROVAL_TIMEOUT\x10\b*y\n" +
 	"\bNodeKind\x12\x19\n" +
 	"\x15NODE_KIND_UNSPECIFIED\x10\x00\x12\x11\n" +
 	"\rNODE_KIND_RUN\x10\x01\x12\x13\n" +
@@ -1347,7 +1472,7 @@ func file_curfew_mesh_v1_mesh_proto_rawDescGZIP() []byte {
 }
 
 var file_curfew_mesh_v1_mesh_proto_enumTypes = make([]protoimpl.EnumInfo, 3)
-var file_curfew_mesh_v1_mesh_proto_msgTypes = make([]protoimpl.MessageInfo, 11)
+var file_curfew_mesh_v1_mesh_proto_msgTypes = make([]protoimpl.MessageInfo, 12)
 var file_curfew_mesh_v1_mesh_proto_goTypes = []any{
 	(CancelCause)(0),              // 0: curfew.mesh.v1.CancelCause
 	(NodeKind)(0),                 // 1: curfew.mesh.v1.NodeKind
@@ -1355,52 +1480,55 @@ var file_curfew_mesh_v1_mesh_proto_goTypes = []any{
 	(*Cleanup)(nil),               // 3: curfew.mesh.v1.Cleanup
 	(*Node)(nil),                  // 4: curfew.mesh.v1.Node
 	(*NodeEvent)(nil),             // 5: curfew.mesh.v1.NodeEvent
-	(*Progress)(nil),              // 6: curfew.mesh.v1.Progress
-	(*TextDelta)(nil),             // 7: curfew.mesh.v1.TextDelta
-	(*Fallback)(nil),              // 8: curfew.mesh.v1.Fallback
-	(*AttemptRecord)(nil),         // 9: curfew.mesh.v1.AttemptRecord
-	(*ListNodesRequest)(nil),      // 10: curfew.mesh.v1.ListNodesRequest
-	(*ListNodesResponse)(nil),     // 11: curfew.mesh.v1.ListNodesResponse
-	(*CancelNodesRequest)(nil),    // 12: curfew.mesh.v1.CancelNodesRequest
-	(*CancelNodesResponse)(nil),   // 13: curfew.mesh.v1.CancelNodesResponse
-	(*timestamppb.Timestamp)(nil), // 14: google.protobuf.Timestamp
-	(*durationpb.Duration)(nil),   // 15: google.protobuf.Duration
+	(*ApprovalGate)(nil),          // 6: curfew.mesh.v1.ApprovalGate
+	(*Progress)(nil),              // 7: curfew.mesh.v1.Progress
+	(*TextDelta)(nil),             // 8: curfew.mesh.v1.TextDelta
+	(*Fallback)(nil),              // 9: curfew.mesh.v1.Fallback
+	(*AttemptRecord)(nil),         // 10: curfew.mesh.v1.AttemptRecord
+	(*ListNodesRequest)(nil),      // 11: curfew.mesh.v1.ListNodesRequest
+	(*ListNodesResponse)(nil),     // 12: curfew.mesh.v1.ListNodesResponse
+	(*CancelNodesRequest)(nil),    // 13: curfew.mesh.v1.CancelNodesRequest
+	(*CancelNodesResponse)(nil),   // 14: curfew.mesh.v1.CancelNodesResponse
+	(*timestamppb.Timestamp)(nil), // 15: google.protobuf.Timestamp
+	(*durationpb.Duration)(nil),   // 16: google.protobuf.Duration
 }
 var file_curfew_mesh_v1_mesh_proto_depIdxs = []int32{
-	14, // 0: curfew.mesh.v1.Cleanup.started_at:type_name -> google.protobuf.Timestamp
-	14, // 1: curfew.mesh.v1.Cleanup.ended_at:type_name -> google.protobuf.Timestamp
-	15, // 2: curfew.mesh.v1.Cleanup.budget:type_name -> google.protobuf.Duration
+	15, // 0: curfew.mesh.v1.Cleanup.started_at:type_name -> google.protobuf.Timestamp
+	15, // 1: curfew.mesh.v1.Cleanup.ended_at:type_name -> google.protobuf.Timestamp
+	16, // 2: curfew.mesh.v1.Cleanup.budget:type_name -> google.protobuf.Duration
 	1,  // 3: curfew.mesh.v1.Node.kind:type_name -> curfew.mesh.v1.NodeKind
 	2,  // 4: curfew.mesh.v1.Node.status:type_name -> curfew.mesh.v1.NodeStatus
 	0,  // 5: curfew.mesh.v1.Node.cause:type_name -> curfew.mesh.v1.CancelCause
-	14, // 6: curfew.mesh.v1.Node.started_at:type_name -> google.protobuf.Timestamp
-	14, // 7: curfew.mesh.v1.Node.ended_at:type_name -> google.protobuf.Timestamp
-	14, // 8: curfew.mesh.v1.Node.deadline:type_name -> google.protobuf.Timestamp
-	14, // 9: curfew.mesh.v1.Node.cancelled_at:type_name -> google.protobuf.Timestamp
+	15, // 6: curfew.mesh.v1.Node.started_at:type_name -> google.protobuf.Timestamp
+	15, // 7: curfew.mesh.v1.Node.ended_at:type_name -> google.protobuf.Timestamp
+	15, // 8: curfew.mesh.v1.Node.deadline:type_name -> google.protobuf.Timestamp
+	15, // 9: curfew.mesh.v1.Node.cancelled_at:type_name -> google.protobuf.Timestamp
 	3,  // 10: curfew.mesh.v1.Node.cleanup:type_name -> curfew.mesh.v1.Cleanup
-	9,  // 11: curfew.mesh.v1.Node.earlier_attempts:type_name -> curfew.mesh.v1.AttemptRecord
-	8,  // 12: curfew.mesh.v1.Node.fallbacks:type_name -> curfew.mesh.v1.Fallback
-	14, // 13: curfew.mesh.v1.NodeEvent.at:type_name -> google.protobuf.Timestamp
-	6,  // 14: curfew.mesh.v1.NodeEvent.progress:type_name -> curfew.mesh.v1.Progress
-	7,  // 15: curfew.mesh.v1.NodeEvent.text:type_name -> curfew.mesh.v1.TextDelta
-	2,  // 16: curfew.mesh.v1.AttemptRecord.status:type_name -> curfew.mesh.v1.NodeStatus
-	0,  // 17: curfew.mesh.v1.AttemptRecord.cause:type_name -> curfew.mesh.v1.CancelCause
-	14, // 18: curfew.mesh.v1.AttemptRecord.started_at:type_name -> google.protobuf.Timestamp
-	14, // 19: curfew.mesh.v1.AttemptRecord.ended_at:type_name -> google.protobuf.Timestamp
-	15, // 20: curfew.mesh.v1.ListNodesRequest.settle_timeout:type_name -> google.protobuf.Duration
-	14, // 21: curfew.mesh.v1.ListNodesRequest.cancel_at:type_name -> google.protobuf.Timestamp
-	4,  // 22: curfew.mesh.v1.ListNodesResponse.nodes:type_name -> curfew.mesh.v1.Node
-	0,  // 23: curfew.mesh.v1.CancelNodesRequest.cause:type_name -> curfew.mesh.v1.CancelCause
-	15, // 24: curfew.mesh.v1.CancelNodesRequest.settle_timeout:type_name -> google.protobuf.Duration
-	10, // 25: curfew.mesh.v1.NodeReportService.ListNodes:input_type -> curfew.mesh.v1.ListNodesRequest
-	12, // 26: curfew.mesh.v1.NodeReportService.CancelNodes:input_type -> curfew.mesh.v1.CancelNodesRequest
-	11, // 27: curfew.mesh.v1.NodeReportService.ListNodes:output_type -> curfew.mesh.v1.ListNodesResponse
-	13, // 28: curfew.mesh.v1.NodeReportService.CancelNodes:output_type -> curfew.mesh.v1.CancelNodesResponse
-	27, // [27:29] is the sub-list for method output_type
-	25, // [25:27] is the sub-list for method input_type
-	25, // [25:25] is the sub-list for extension type_name
-	25, // [25:25] is the sub-list for extension extendee
-	0,  // [0:25] is the sub-list for field type_name
+	10, // 11: curfew.mesh.v1.Node.earlier_attempts:type_name -> curfew.mesh.v1.AttemptRecord
+	9,  // 12: curfew.mesh.v1.Node.fallbacks:type_name -> curfew.mesh.v1.Fallback
+	15, // 13: curfew.mesh.v1.NodeEvent.at:type_name -> google.protobuf.Timestamp
+	7,  // 14: curfew.mesh.v1.NodeEvent.progress:type_name -> curfew.mesh.v1.Progress
+	8,  // 15: curfew.mesh.v1.NodeEvent.text:type_name -> curfew.mesh.v1.TextDelta
+	6,  // 16: curfew.mesh.v1.NodeEvent.approval:type_name -> curfew.mesh.v1.ApprovalGate
+	15, // 17: curfew.mesh.v1.ApprovalGate.expires_at:type_name -> google.protobuf.Timestamp
+	2,  // 18: curfew.mesh.v1.AttemptRecord.status:type_name -> curfew.mesh.v1.NodeStatus
+	0,  // 19: curfew.mesh.v1.AttemptRecord.cause:type_name -> curfew.mesh.v1.CancelCause
+	15, // 20: curfew.mesh.v1.AttemptRecord.started_at:type_name -> google.protobuf.Timestamp
+	15, // 21: curfew.mesh.v1.AttemptRecord.ended_at:type_name -> google.protobuf.Timestamp
+	16, // 22: curfew.mesh.v1.ListNodesRequest.settle_timeout:type_name -> google.protobuf.Duration
+	15, // 23: curfew.mesh.v1.ListNodesRequest.cancel_at:type_name -> google.protobuf.Timestamp
+	4,  // 24: curfew.mesh.v1.ListNodesResponse.nodes:type_name -> curfew.mesh.v1.Node
+	0,  // 25: curfew.mesh.v1.CancelNodesRequest.cause:type_name -> curfew.mesh.v1.CancelCause
+	16, // 26: curfew.mesh.v1.CancelNodesRequest.settle_timeout:type_name -> google.protobuf.Duration
+	11, // 27: curfew.mesh.v1.NodeReportService.ListNodes:input_type -> curfew.mesh.v1.ListNodesRequest
+	13, // 28: curfew.mesh.v1.NodeReportService.CancelNodes:input_type -> curfew.mesh.v1.CancelNodesRequest
+	12, // 29: curfew.mesh.v1.NodeReportService.ListNodes:output_type -> curfew.mesh.v1.ListNodesResponse
+	14, // 30: curfew.mesh.v1.NodeReportService.CancelNodes:output_type -> curfew.mesh.v1.CancelNodesResponse
+	29, // [29:31] is the sub-list for method output_type
+	27, // [27:29] is the sub-list for method input_type
+	27, // [27:27] is the sub-list for extension type_name
+	27, // [27:27] is the sub-list for extension extendee
+	0,  // [0:27] is the sub-list for field type_name
 }
 
 func init() { file_curfew_mesh_v1_mesh_proto_init() }
@@ -1411,6 +1539,7 @@ func file_curfew_mesh_v1_mesh_proto_init() {
 	file_curfew_mesh_v1_mesh_proto_msgTypes[2].OneofWrappers = []any{
 		(*NodeEvent_Progress)(nil),
 		(*NodeEvent_Text)(nil),
+		(*NodeEvent_Approval)(nil),
 	}
 	type x struct{}
 	out := protoimpl.TypeBuilder{
@@ -1418,7 +1547,7 @@ func file_curfew_mesh_v1_mesh_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_curfew_mesh_v1_mesh_proto_rawDesc), len(file_curfew_mesh_v1_mesh_proto_rawDesc)),
 			NumEnums:      3,
-			NumMessages:   11,
+			NumMessages:   12,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

@@ -10,6 +10,7 @@ import (
 	protoreflect "google.golang.org/protobuf/reflect/protoreflect"
 	protoimpl "google.golang.org/protobuf/runtime/protoimpl"
 	durationpb "google.golang.org/protobuf/types/known/durationpb"
+	timestamppb "google.golang.org/protobuf/types/known/timestamppb"
 	reflect "reflect"
 	sync "sync"
 	unsafe "unsafe"
@@ -952,11 +953,401 @@ func (x *ListModelsResponse) GetModels() []*ModelInfo {
 	return nil
 }
 
+// Decoder is one decoder this replica runs for a Generate call, and its lease.
+type Decoder struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// The replica (modelproxy instance) that runs it.
+	Replica string `protobuf:"bytes,1,opt,name=replica,proto3" json:"replica,omitempty"`
+	Tenant  string `protobuf:"bytes,2,opt,name=tenant,proto3" json:"tenant,omitempty"`
+	RunId   string `protobuf:"bytes,3,opt,name=run_id,json=runId,proto3" json:"run_id,omitempty"`
+	NodeId  string `protobuf:"bytes,4,opt,name=node_id,json=nodeId,proto3" json:"node_id,omitempty"`
+	// The model asked for, and the provider serving it.
+	Model     string                 `protobuf:"bytes,5,opt,name=model,proto3" json:"model,omitempty"`
+	Provider  string                 `protobuf:"bytes,6,opt,name=provider,proto3" json:"provider,omitempty"`
+	StartedAt *timestamppb.Timestamp `protobuf:"bytes,7,opt,name=started_at,json=startedAt,proto3" json:"started_at,omitempty"`
+	// The last renewal of its lease (RenewLeases), or its start.
+	LastHeartbeat *timestamppb.Timestamp `protobuf:"bytes,8,opt,name=last_heartbeat,json=lastHeartbeat,proto3" json:"last_heartbeat,omitempty"`
+	// Output tokens emitted so far.
+	Tokens int64 `protobuf:"varint,9,opt,name=tokens,proto3" json:"tokens,omitempty"`
+	// The run's admission pool (curfew-pool), when the caller said it.
+	Pool          string `protobuf:"bytes,10,opt,name=pool,proto3" json:"pool,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *Decoder) Reset() {
+	*x = Decoder{}
+	mi := &file_curfew_modelproxy_v1_modelproxy_proto_msgTypes[13]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *Decoder) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*Decoder) ProtoMessage() {}
+
+func (x *Decoder) ProtoReflect() protoreflect.Message {
+	mi := &file_curfew_modelproxy_v1_modelproxy_proto_msgTypes[13]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use Decoder.ProtoReflect.Descriptor instead.
+func (*Decoder) Descriptor() ([]byte, []int) {
+	return file_curfew_modelproxy_v1_modelproxy_proto_rawDescGZIP(), []int{13}
+}
+
+func (x *Decoder) GetReplica() string {
+	if x != nil {
+		return x.Replica
+	}
+	return ""
+}
+
+func (x *Decoder) GetTenant() string {
+	if x != nil {
+		return x.Tenant
+	}
+	return ""
+}
+
+func (x *Decoder) GetRunId() string {
+	if x != nil {
+		return x.RunId
+	}
+	return ""
+}
+
+func (x *Decoder) GetNodeId() string {
+	if x != nil {
+		return x.NodeId
+	}
+	return ""
+}
+
+func (x *Decoder) GetModel() string {
+	if x != nil {
+		return x.Model
+	}
+	return ""
+}
+
+func (x *Decoder) GetProvider() string {
+	if x != nil {
+		return x.Provider
+	}
+	return ""
+}
+
+func (x *Decoder) GetStartedAt() *timestamppb.Timestamp {
+	if x != nil {
+		return x.StartedAt
+	}
+	return nil
+}
+
+func (x *Decoder) GetLastHeartbeat() *timestamppb.Timestamp {
+	if x != nil {
+		return x.LastHeartbeat
+	}
+	return nil
+}
+
+func (x *Decoder) GetTokens() int64 {
+	if x != nil {
+		return x.Tokens
+	}
+	return 0
+}
+
+func (x *Decoder) GetPool() string {
+	if x != nil {
+		return x.Pool
+	}
+	return ""
+}
+
+// ProviderBreaker is the breaker of one provider on this replica.
+type ProviderBreaker struct {
+	state    protoimpl.MessageState `protogen:"open.v1"`
+	Provider string                 `protobuf:"bytes,1,opt,name=provider,proto3" json:"provider,omitempty"`
+	// closed, open or half_open.
+	State         string `protobuf:"bytes,2,opt,name=state,proto3" json:"state,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ProviderBreaker) Reset() {
+	*x = ProviderBreaker{}
+	mi := &file_curfew_modelproxy_v1_modelproxy_proto_msgTypes[14]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ProviderBreaker) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ProviderBreaker) ProtoMessage() {}
+
+func (x *ProviderBreaker) ProtoReflect() protoreflect.Message {
+	mi := &file_curfew_modelproxy_v1_modelproxy_proto_msgTypes[14]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ProviderBreaker.ProtoReflect.Descriptor instead.
+func (*ProviderBreaker) Descriptor() ([]byte, []int) {
+	return file_curfew_modelproxy_v1_modelproxy_proto_rawDescGZIP(), []int{14}
+}
+
+func (x *ProviderBreaker) GetProvider() string {
+	if x != nil {
+		return x.Provider
+	}
+	return ""
+}
+
+func (x *ProviderBreaker) GetState() string {
+	if x != nil {
+		return x.State
+	}
+	return ""
+}
+
+// ListDecodersRequest lists the decoders this replica runs.
+type ListDecodersRequest struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// Only those started longer ago than this; every one when unset.
+	OlderThan     *durationpb.Duration `protobuf:"bytes,1,opt,name=older_than,json=olderThan,proto3" json:"older_than,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ListDecodersRequest) Reset() {
+	*x = ListDecodersRequest{}
+	mi := &file_curfew_modelproxy_v1_modelproxy_proto_msgTypes[15]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ListDecodersRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ListDecodersRequest) ProtoMessage() {}
+
+func (x *ListDecodersRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_curfew_modelproxy_v1_modelproxy_proto_msgTypes[15]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ListDecodersRequest.ProtoReflect.Descriptor instead.
+func (*ListDecodersRequest) Descriptor() ([]byte, []int) {
+	return file_curfew_modelproxy_v1_modelproxy_proto_rawDescGZIP(), []int{15}
+}
+
+func (x *ListDecodersRequest) GetOlderThan() *durationpb.Duration {
+	if x != nil {
+		return x.OlderThan
+	}
+	return nil
+}
+
+// ListDecodersResponse holds them, oldest first, and the replica's breakers.
+type ListDecodersResponse struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Replica       string                 `protobuf:"bytes,1,opt,name=replica,proto3" json:"replica,omitempty"`
+	Decoders      []*Decoder             `protobuf:"bytes,2,rep,name=decoders,proto3" json:"decoders,omitempty"`
+	Breakers      []*ProviderBreaker     `protobuf:"bytes,3,rep,name=breakers,proto3" json:"breakers,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ListDecodersResponse) Reset() {
+	*x = ListDecodersResponse{}
+	mi := &file_curfew_modelproxy_v1_modelproxy_proto_msgTypes[16]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ListDecodersResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ListDecodersResponse) ProtoMessage() {}
+
+func (x *ListDecodersResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_curfew_modelproxy_v1_modelproxy_proto_msgTypes[16]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ListDecodersResponse.ProtoReflect.Descriptor instead.
+func (*ListDecodersResponse) Descriptor() ([]byte, []int) {
+	return file_curfew_modelproxy_v1_modelproxy_proto_rawDescGZIP(), []int{16}
+}
+
+func (x *ListDecodersResponse) GetReplica() string {
+	if x != nil {
+		return x.Replica
+	}
+	return ""
+}
+
+func (x *ListDecodersResponse) GetDecoders() []*Decoder {
+	if x != nil {
+		return x.Decoders
+	}
+	return nil
+}
+
+func (x *ListDecodersResponse) GetBreakers() []*ProviderBreaker {
+	if x != nil {
+		return x.Breakers
+	}
+	return nil
+}
+
+// CancelDecodersRequest cancels the decoders this replica runs that started longer ago
+// than older_than, with cause operator.
+type CancelDecodersRequest struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	OlderThan     *durationpb.Duration   `protobuf:"bytes,1,opt,name=older_than,json=olderThan,proto3" json:"older_than,omitempty"`
+	Reason        string                 `protobuf:"bytes,2,opt,name=reason,proto3" json:"reason,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *CancelDecodersRequest) Reset() {
+	*x = CancelDecodersRequest{}
+	mi := &file_curfew_modelproxy_v1_modelproxy_proto_msgTypes[17]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *CancelDecodersRequest) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*CancelDecodersRequest) ProtoMessage() {}
+
+func (x *CancelDecodersRequest) ProtoReflect() protoreflect.Message {
+	mi := &file_curfew_modelproxy_v1_modelproxy_proto_msgTypes[17]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use CancelDecodersRequest.ProtoReflect.Descriptor instead.
+func (*CancelDecodersRequest) Descriptor() ([]byte, []int) {
+	return file_curfew_modelproxy_v1_modelproxy_proto_rawDescGZIP(), []int{17}
+}
+
+func (x *CancelDecodersRequest) GetOlderThan() *durationpb.Duration {
+	if x != nil {
+		return x.OlderThan
+	}
+	return nil
+}
+
+func (x *CancelDecodersRequest) GetReason() string {
+	if x != nil {
+		return x.Reason
+	}
+	return ""
+}
+
+// CancelDecodersResponse names the decoders cancelled.
+type CancelDecodersResponse struct {
+	state         protoimpl.MessageState `protogen:"open.v1"`
+	Replica       string                 `protobuf:"bytes,1,opt,name=replica,proto3" json:"replica,omitempty"`
+	Cancelled     []*Decoder             `protobuf:"bytes,2,rep,name=cancelled,proto3" json:"cancelled,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *CancelDecodersResponse) Reset() {
+	*x = CancelDecodersResponse{}
+	mi := &file_curfew_modelproxy_v1_modelproxy_proto_msgTypes[18]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *CancelDecodersResponse) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*CancelDecodersResponse) ProtoMessage() {}
+
+func (x *CancelDecodersResponse) ProtoReflect() protoreflect.Message {
+	mi := &file_curfew_modelproxy_v1_modelproxy_proto_msgTypes[18]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use CancelDecodersResponse.ProtoReflect.Descriptor instead.
+func (*CancelDecodersResponse) Descriptor() ([]byte, []int) {
+	return file_curfew_modelproxy_v1_modelproxy_proto_rawDescGZIP(), []int{18}
+}
+
+func (x *CancelDecodersResponse) GetReplica() string {
+	if x != nil {
+		return x.Replica
+	}
+	return ""
+}
+
+func (x *CancelDecodersResponse) GetCancelled() []*Decoder {
+	if x != nil {
+		return x.Cancelled
+	}
+	return nil
+}
+
 var File_curfew_modelproxy_v1_modelproxy_proto protoreflect.FileDescriptor
 
 const file_curfew_modelproxy_v1_modelproxy_proto_rawDesc = "" +
 	"\n" +
-	"%curfew/modelproxy/v1/modelproxy.proto\x12\x14curfew.modelproxy.v1\x1a\x1egoogle/protobuf/duration.proto\"t\n" +
+	"%curfew/modelproxy/v1/modelproxy.proto\x12\x14curfew.modelproxy.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"t\n" +
 	"\bToolCall\x12\x0e\n" +
 	"\x02id\x18\x01 \x01(\tR\x02id\x12\x12\n" +
 	"\x04name\x18\x02 \x01(\tR\x04name\x12\x1b\n" +
@@ -1020,18 +1411,50 @@ const file_curfew_modelproxy_v1_modelproxy_proto_rawDesc = "" +
 	"\bprovider\x18\x02 \x01(\tR\bprovider\x12%\n" +
 	"\x0eprovider_model\x18\x03 \x01(\tR\rproviderModel\"M\n" +
 	"\x12ListModelsResponse\x127\n" +
-	"\x06models\x18\x01 \x03(\v2\x1f.curfew.modelproxy.v1.ModelInfoR\x06models*_\n" +
+	"\x06models\x18\x01 \x03(\v2\x1f.curfew.modelproxy.v1.ModelInfoR\x06models\"\xc7\x02\n" +
+	"\aDecoder\x12\x18\n" +
+	"\areplica\x18\x01 \x01(\tR\areplica\x12\x16\n" +
+	"\x06tenant\x18\x02 \x01(\tR\x06tenant\x12\x15\n" +
+	"\x06run_id\x18\x03 \x01(\tR\x05runId\x12\x17\n" +
+	"\anode_id\x18\x04 \x01(\tR\x06nodeId\x12\x14\n" +
+	"\x05model\x18\x05 \x01(\tR\x05model\x12\x1a\n" +
+	"\bprovider\x18\x06 \x01(\tR\bprovider\x129\n" +
+	"\n" +
+	"started_at\x18\a \x01(\v2\x1a.google.protobuf.TimestampR\tstartedAt\x12A\n" +
+	"\x0elast_heartbeat\x18\b \x01(\v2\x1a.google.protobuf.TimestampR\rlastHeartbeat\x12\x16\n" +
+	"\x06tokens\x18\t \x01(\x03R\x06tokens\x12\x12\n" +
+	"\x04pool\x18\n" +
+	" \x01(\tR\x04pool\"C\n" +
+	"\x0fProviderBreaker\x12\x1a\n" +
+	"\bprovider\x18\x01 \x01(\tR\bprovider\x12\x14\n" +
+	"\x05state\x18\x02 \x01(\tR\x05state\"O\n" +
+	"\x13ListDecodersRequest\x128\n" +
+	"\n" +
+	"older_than\x18\x01 \x01(\v2\x19.google.protobuf.DurationR\tolderThan\"\xae\x01\n" +
+	"\x14ListDecodersResponse\x12\x18\n" +
+	"\areplica\x18\x01 \x01(\tR\areplica\x129\n" +
+	"\bdecoders\x18\x02 \x03(\v2\x1d.curfew.modelproxy.v1.DecoderR\bdecoders\x12A\n" +
+	"\bbreakers\x18\x03 \x03(\v2%.curfew.modelproxy.v1.ProviderBreakerR\bbreakers\"i\n" +
+	"\x15CancelDecodersRequest\x128\n" +
+	"\n" +
+	"older_than\x18\x01 \x01(\v2\x19.google.protobuf.DurationR\tolderThan\x12\x16\n" +
+	"\x06reason\x18\x02 \x01(\tR\x06reason\"o\n" +
+	"\x16CancelDecodersResponse\x12\x18\n" +
+	"\areplica\x18\x01 \x01(\tR\areplica\x12;\n" +
+	"\tcancelled\x18\x02 \x03(\v2\x1d.curfew.modelproxy.v1.DecoderR\tcancelled*_\n" +
 	"\x04Role\x12\x14\n" +
 	"\x10ROLE_UNSPECIFIED\x10\x00\x12\x0f\n" +
 	"\vROLE_SYSTEM\x10\x01\x12\r\n" +
 	"\tROLE_USER\x10\x02\x12\x12\n" +
 	"\x0eROLE_ASSISTANT\x10\x03\x12\r\n" +
-	"\tROLE_TOOL\x10\x042\xb5\x02\n" +
+	"\tROLE_TOOL\x10\x042\x93\x04\n" +
 	"\x11ModelProxyService\x12[\n" +
 	"\bGenerate\x12%.curfew.modelproxy.v1.GenerateRequest\x1a&.curfew.modelproxy.v1.GenerateResponse0\x01\x12b\n" +
 	"\vRenewLeases\x12(.curfew.modelproxy.v1.RenewLeasesRequest\x1a).curfew.modelproxy.v1.RenewLeasesResponse\x12_\n" +
 	"\n" +
-	"ListModels\x12'.curfew.modelproxy.v1.ListModelsRequest\x1a(.curfew.modelproxy.v1.ListModelsResponseB\xe2\x01\n" +
+	"ListModels\x12'.curfew.modelproxy.v1.ListModelsRequest\x1a(.curfew.modelproxy.v1.ListModelsResponse\x12j\n" +
+	"\fListDecoders\x12).curfew.modelproxy.v1.ListDecodersRequest\x1a*.curfew.modelproxy.v1.ListDecodersResponse\"\x03\x90\x02\x01\x12p\n" +
+	"\x0eCancelDecoders\x12+.curfew.modelproxy.v1.CancelDecodersRequest\x1a,.curfew.modelproxy.v1.CancelDecodersResponse\"\x03\x90\x02\x02B\xe2\x01\n" +
 	"\x18com.curfew.modelproxy.v1B\x0fModelproxyProtoP\x01ZCgithub.com/curfew-mesh/curfew/gen/curfew/modelproxy/v1;modelproxyv1\xa2\x02\x03CMX\xaa\x02\x14Curfew.Modelproxy.V1\xca\x02\x14Curfew\\Modelproxy\\V1\xe2\x02 Curfew\\Modelproxy\\V1\\GPBMetadata\xea\x02\x16Curfew::Modelproxy::V1b\x06proto3"
 
 var (
@@ -1047,23 +1470,30 @@ func file_curfew_modelproxy_v1_modelproxy_proto_rawDescGZIP() []byte {
 }
 
 var file_curfew_modelproxy_v1_modelproxy_proto_enumTypes = make([]protoimpl.EnumInfo, 1)
-var file_curfew_modelproxy_v1_modelproxy_proto_msgTypes = make([]protoimpl.MessageInfo, 13)
+var file_curfew_modelproxy_v1_modelproxy_proto_msgTypes = make([]protoimpl.MessageInfo, 19)
 var file_curfew_modelproxy_v1_modelproxy_proto_goTypes = []any{
-	(Role)(0),                   // 0: curfew.modelproxy.v1.Role
-	(*ToolCall)(nil),            // 1: curfew.modelproxy.v1.ToolCall
-	(*Message)(nil),             // 2: curfew.modelproxy.v1.Message
-	(*GenerateRequest)(nil),     // 3: curfew.modelproxy.v1.GenerateRequest
-	(*ToolSpec)(nil),            // 4: curfew.modelproxy.v1.ToolSpec
-	(*ResponseSchema)(nil),      // 5: curfew.modelproxy.v1.ResponseSchema
-	(*Usage)(nil),               // 6: curfew.modelproxy.v1.Usage
-	(*GenerateResponse)(nil),    // 7: curfew.modelproxy.v1.GenerateResponse
-	(*LeaseKey)(nil),            // 8: curfew.modelproxy.v1.LeaseKey
-	(*RenewLeasesRequest)(nil),  // 9: curfew.modelproxy.v1.RenewLeasesRequest
-	(*RenewLeasesResponse)(nil), // 10: curfew.modelproxy.v1.RenewLeasesResponse
-	(*ListModelsRequest)(nil),   // 11: curfew.modelproxy.v1.ListModelsRequest
-	(*ModelInfo)(nil),           // 12: curfew.modelproxy.v1.ModelInfo
-	(*ListModelsResponse)(nil),  // 13: curfew.modelproxy.v1.ListModelsResponse
-	(*durationpb.Duration)(nil), // 14: google.protobuf.Duration
+	(Role)(0),                      // 0: curfew.modelproxy.v1.Role
+	(*ToolCall)(nil),               // 1: curfew.modelproxy.v1.ToolCall
+	(*Message)(nil),                // 2: curfew.modelproxy.v1.Message
+	(*GenerateRequest)(nil),        // 3: curfew.modelproxy.v1.GenerateRequest
+	(*ToolSpec)(nil),               // 4: curfew.modelproxy.v1.ToolSpec
+	(*ResponseSchema)(nil),         // 5: curfew.modelproxy.v1.ResponseSchema
+	(*Usage)(nil),                  // 6: curfew.modelproxy.v1.Usage
+	(*GenerateResponse)(nil),       // 7: curfew.modelproxy.v1.GenerateResponse
+	(*LeaseKey)(nil),               // 8: curfew.modelproxy.v1.LeaseKey
+	(*RenewLeasesRequest)(nil),     // 9: curfew.modelproxy.v1.RenewLeasesRequest
+	(*RenewLeasesResponse)(nil),    // 10: curfew.modelproxy.v1.RenewLeasesResponse
+	(*ListModelsRequest)(nil),      // 11: curfew.modelproxy.v1.ListModelsRequest
+	(*ModelInfo)(nil),              // 12: curfew.modelproxy.v1.ModelInfo
+	(*ListModelsResponse)(nil),     // 13: curfew.modelproxy.v1.ListModelsResponse
+	(*Decoder)(nil),                // 14: curfew.modelproxy.v1.Decoder
+	(*ProviderBreaker)(nil),        // 15: curfew.modelproxy.v1.ProviderBreaker
+	(*ListDecodersRequest)(nil),    // 16: curfew.modelproxy.v1.ListDecodersRequest
+	(*ListDecodersResponse)(nil),   // 17: curfew.modelproxy.v1.ListDecodersResponse
+	(*CancelDecodersRequest)(nil),  // 18: curfew.modelproxy.v1.CancelDecodersRequest
+	(*CancelDecodersResponse)(nil), // 19: curfew.modelproxy.v1.CancelDecodersResponse
+	(*durationpb.Duration)(nil),    // 20: google.protobuf.Duration
+	(*timestamppb.Timestamp)(nil),  // 21: google.protobuf.Timestamp
 }
 var file_curfew_modelproxy_v1_modelproxy_proto_depIdxs = []int32{
 	0,  // 0: curfew.modelproxy.v1.Message.role:type_name -> curfew.modelproxy.v1.Role
@@ -1071,25 +1501,36 @@ var file_curfew_modelproxy_v1_modelproxy_proto_depIdxs = []int32{
 	2,  // 2: curfew.modelproxy.v1.GenerateRequest.messages:type_name -> curfew.modelproxy.v1.Message
 	4,  // 3: curfew.modelproxy.v1.GenerateRequest.tools:type_name -> curfew.modelproxy.v1.ToolSpec
 	5,  // 4: curfew.modelproxy.v1.GenerateRequest.response_schema:type_name -> curfew.modelproxy.v1.ResponseSchema
-	14, // 5: curfew.modelproxy.v1.GenerateRequest.lease_ttl:type_name -> google.protobuf.Duration
+	20, // 5: curfew.modelproxy.v1.GenerateRequest.lease_ttl:type_name -> google.protobuf.Duration
 	2,  // 6: curfew.modelproxy.v1.GenerateRequest.notes:type_name -> curfew.modelproxy.v1.Message
 	1,  // 7: curfew.modelproxy.v1.GenerateResponse.tool_calls:type_name -> curfew.modelproxy.v1.ToolCall
 	6,  // 8: curfew.modelproxy.v1.GenerateResponse.usage:type_name -> curfew.modelproxy.v1.Usage
 	8,  // 9: curfew.modelproxy.v1.RenewLeasesRequest.keys:type_name -> curfew.modelproxy.v1.LeaseKey
-	14, // 10: curfew.modelproxy.v1.RenewLeasesRequest.ttl:type_name -> google.protobuf.Duration
+	20, // 10: curfew.modelproxy.v1.RenewLeasesRequest.ttl:type_name -> google.protobuf.Duration
 	8,  // 11: curfew.modelproxy.v1.RenewLeasesResponse.unknown:type_name -> curfew.modelproxy.v1.LeaseKey
 	12, // 12: curfew.modelproxy.v1.ListModelsResponse.models:type_name -> curfew.modelproxy.v1.ModelInfo
-	3,  // 13: curfew.modelproxy.v1.ModelProxyService.Generate:input_type -> curfew.modelproxy.v1.GenerateRequest
-	9,  // 14: curfew.modelproxy.v1.ModelProxyService.RenewLeases:input_type -> curfew.modelproxy.v1.RenewLeasesRequest
-	11, // 15: curfew.modelproxy.v1.ModelProxyService.ListModels:input_type -> curfew.modelproxy.v1.ListModelsRequest
-	7,  // 16: curfew.modelproxy.v1.ModelProxyService.Generate:output_type -> curfew.modelproxy.v1.GenerateResponse
-	10, // 17: curfew.modelproxy.v1.ModelProxyService.RenewLeases:output_type -> curfew.modelproxy.v1.RenewLeasesResponse
-	13, // 18: curfew.modelproxy.v1.ModelProxyService.ListModels:output_type -> curfew.modelproxy.v1.ListModelsResponse
-	16, // [16:19] is the sub-list for method output_type
-	13, // [13:16] is the sub-list for method input_type
-	13, // [13:13] is the sub-list for extension type_name
-	13, // [13:13] is the sub-list for extension extendee
-	0,  // [0:13] is the sub-list for field type_name
+	21, // 13: curfew.modelproxy.v1.Decoder.started_at:type_name -> google.protobuf.Timestamp
+	21, // 14: curfew.modelproxy.v1.Decoder.last_heartbeat:type_name -> google.protobuf.Timestamp
+	20, // 15: curfew.modelproxy.v1.ListDecodersRequest.older_than:type_name -> google.protobuf.Duration
+	14, // 16: curfew.modelproxy.v1.ListDecodersResponse.decoders:type_name -> curfew.modelproxy.v1.Decoder
+	15, // 17: curfew.modelproxy.v1.ListDecodersResponse.breakers:type_name -> curfew.modelproxy.v1.ProviderBreaker
+	20, // 18: curfew.modelproxy.v1.CancelDecodersRequest.older_than:type_name -> google.protobuf.Duration
+	14, // 19: curfew.modelproxy.v1.CancelDecodersResponse.cancelled:type_name -> curfew.modelproxy.v1.Decoder
+	3,  // 20: curfew.modelproxy.v1.ModelProxyService.Generate:input_type -> curfew.modelproxy.v1.GenerateRequest
+	9,  // 21: curfew.modelproxy.v1.ModelProxyService.RenewLeases:input_type -> curfew.modelproxy.v1.RenewLeasesRequest
+	11, // 22: curfew.modelproxy.v1.ModelProxyService.ListModels:input_type -> curfew.modelproxy.v1.ListModelsRequest
+	16, // 23: curfew.modelproxy.v1.ModelProxyService.ListDecoders:input_type -> curfew.modelproxy.v1.ListDecodersRequest
+	18, // 24: curfew.modelproxy.v1.ModelProxyService.CancelDecoders:input_type -> curfew.modelproxy.v1.CancelDecodersRequest
+	7,  // 25: curfew.modelproxy.v1.ModelProxyService.Generate:output_type -> curfew.modelproxy.v1.GenerateResponse
+	10, // 26: curfew.modelproxy.v1.ModelProxyService.RenewLeases:output_type -> curfew.modelproxy.v1.RenewLeasesResponse
+	13, // 27: curfew.modelproxy.v1.ModelProxyService.ListModels:output_type -> curfew.modelproxy.v1.ListModelsResponse
+	17, // 28: curfew.modelproxy.v1.ModelProxyService.ListDecoders:output_type -> curfew.modelproxy.v1.ListDecodersResponse
+	19, // 29: curfew.modelproxy.v1.ModelProxyService.CancelDecoders:output_type -> curfew.modelproxy.v1.CancelDecodersResponse
+	25, // [25:30] is the sub-list for method output_type
+	20, // [20:25] is the sub-list for method input_type
+	20, // [20:20] is the sub-list for extension type_name
+	20, // [20:20] is the sub-list for extension extendee
+	0,  // [0:20] is the sub-list for field type_name
 }
 
 func init() { file_curfew_modelproxy_v1_modelproxy_proto_init() }
@@ -1104,7 +1545,7 @@ func file_curfew_modelproxy_v1_modelproxy_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_curfew_modelproxy_v1_modelproxy_proto_rawDesc), len(file_curfew_modelproxy_v1_modelproxy_proto_rawDesc)),
 			NumEnums:      1,
-			NumMessages:   13,
+			NumMessages:   19,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

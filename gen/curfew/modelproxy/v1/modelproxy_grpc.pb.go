@@ -19,9 +19,11 @@ import (
 const _ = grpc.SupportPackageIsVersion9
 
 const (
-	ModelProxyService_Generate_FullMethodName    = "/curfew.modelproxy.v1.ModelProxyService/Generate"
-	ModelProxyService_RenewLeases_FullMethodName = "/curfew.modelproxy.v1.ModelProxyService/RenewLeases"
-	ModelProxyService_ListModels_FullMethodName  = "/curfew.modelproxy.v1.ModelProxyService/ListModels"
+	ModelProxyService_Generate_FullMethodName       = "/curfew.modelproxy.v1.ModelProxyService/Generate"
+	ModelProxyService_RenewLeases_FullMethodName    = "/curfew.modelproxy.v1.ModelProxyService/RenewLeases"
+	ModelProxyService_ListModels_FullMethodName     = "/curfew.modelproxy.v1.ModelProxyService/ListModels"
+	ModelProxyService_ListDecoders_FullMethodName   = "/curfew.modelproxy.v1.ModelProxyService/ListDecoders"
+	ModelProxyService_CancelDecoders_FullMethodName = "/curfew.modelproxy.v1.ModelProxyService/CancelDecoders"
 )
 
 // ModelProxyServiceClient is the client API for ModelProxyService service.
@@ -37,6 +39,12 @@ type ModelProxyServiceClient interface {
 	RenewLeases(ctx context.Context, in *RenewLeasesRequest, opts ...grpc.CallOption) (*RenewLeasesResponse, error)
 	// ListModels lists the model names served (the OpenAI front door's GET /v1/models).
 	ListModels(ctx context.Context, in *ListModelsRequest, opts ...grpc.CallOption) (*ListModelsResponse, error)
+	// ListDecoders lists this replica's decoders and breakers (the operators' API fans it
+	// out to every replica; only the orchestrator may call it).
+	ListDecoders(ctx context.Context, in *ListDecodersRequest, opts ...grpc.CallOption) (*ListDecodersResponse, error)
+	// CancelDecoders ends this replica's decoders older than a bound, with cause operator
+	// (`curfew leases cancel`; only the orchestrator may call it).
+	CancelDecoders(ctx context.Context, in *CancelDecodersRequest, opts ...grpc.CallOption) (*CancelDecodersResponse, error)
 }
 
 type modelProxyServiceClient struct {
@@ -86,6 +94,26 @@ func (c *modelProxyServiceClient) ListModels(ctx context.Context, in *ListModels
 	return out, nil
 }
 
+func (c *modelProxyServiceClient) ListDecoders(ctx context.Context, in *ListDecodersRequest, opts ...grpc.CallOption) (*ListDecodersResponse, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(ListDecodersResponse)
+	err := c.cc.Invoke(ctx, ModelProxyService_ListDecoders_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
+func (c *modelProxyServiceClient) CancelDecoders(ctx context.Context, in *CancelDecodersRequest, opts ...grpc.CallOption) (*CancelDecodersResponse, error) {
+	cOpts := append([]grpc.CallOption{grpc.StaticMethod()}, opts...)
+	out := new(CancelDecodersResponse)
+	err := c.cc.Invoke(ctx, ModelProxyService_CancelDecoders_FullMethodName, in, out, cOpts...)
+	if err != nil {
+		return nil, err
+	}
+	return out, nil
+}
+
 // ModelProxyServiceServer is the server API for ModelProxyService service.
 // All implementations must embed UnimplementedModelProxyServiceServer
 // for forward compatibility.
@@ -99,6 +127,12 @@ type ModelProxyServiceServer interface {
 	RenewLeases(context.Context, *RenewLeasesRequest) (*RenewLeasesResponse, error)
 	// ListModels lists the model names served (the OpenAI front door's GET /v1/models).
 	ListModels(context.Context, *ListModelsRequest) (*ListModelsResponse, error)
+	// ListDecoders lists this replica's decoders and breakers (the operators' API fans it
+	// out to every replica; only the orchestrator may call it).
+	ListDecoders(context.Context, *ListDecodersRequest) (*ListDecodersResponse, error)
+	// CancelDecoders ends this replica's decoders older than a bound, with cause operator
+	// (`curfew leases cancel`; only the orchestrator may call it).
+	CancelDecoders(context.Context, *CancelDecodersRequest) (*CancelDecodersResponse, error)
 	mustEmbedUnimplementedModelProxyServiceServer()
 }
 
@@ -117,6 +151,12 @@ func (UnimplementedModelProxyServiceServer) RenewLeases(context.Context, *RenewL
 }
 func (UnimplementedModelProxyServiceServer) ListModels(context.Context, *ListModelsRequest) (*ListModelsResponse, error) {
 	return nil, status.Error(codes.Unimplemented, "method ListModels not implemented")
+}
+func (UnimplementedModelProxyServiceServer) ListDecoders(context.Context, *ListDecodersRequest) (*ListDecodersResponse, error) {
+	return nil, status.Error(codes.Unimplemented, "method ListDecoders not implemented")
+}
+func (UnimplementedModelProxyServiceServer) CancelDecoders(context.Context, *CancelDecodersRequest) (*CancelDecodersResponse, error) {
+	return nil, status.Error(codes.Unimplemented, "method CancelDecoders not implemented")
 }
 func (UnimplementedModelProxyServiceServer) mustEmbedUnimplementedModelProxyServiceServer() {}
 func (UnimplementedModelProxyServiceServer) testEmbeddedByValue()                           {}
@@ -186,6 +226,42 @@ func _ModelProxyService_ListModels_Handler(srv interface{}, ctx context.Context,
 	return interceptor(ctx, in, info, handler)
 }
 
+func _ModelProxyService_ListDecoders_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(ListDecodersRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(ModelProxyServiceServer).ListDecoders(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: ModelProxyService_ListDecoders_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(ModelProxyServiceServer).ListDecoders(ctx, req.(*ListDecodersRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
+func _ModelProxyService_CancelDecoders_Handler(srv interface{}, ctx context.Context, dec func(interface{}) error, interceptor grpc.UnaryServerInterceptor) (interface{}, error) {
+	in := new(CancelDecodersRequest)
+	if err := dec(in); err != nil {
+		return nil, err
+	}
+	if interceptor == nil {
+		return srv.(ModelProxyServiceServer).CancelDecoders(ctx, in)
+	}
+	info := &grpc.UnaryServerInfo{
+		Server:     srv,
+		FullMethod: ModelProxyService_CancelDecoders_FullMethodName,
+	}
+	handler := func(ctx context.Context, req interface{}) (interface{}, error) {
+		return srv.(ModelProxyServiceServer).CancelDecoders(ctx, req.(*CancelDecodersRequest))
+	}
+	return interceptor(ctx, in, info, handler)
+}
+
 // ModelProxyService_ServiceDesc is the grpc.ServiceDesc for ModelProxyService service.
 // It's only intended for direct use with grpc.RegisterService,
 // and not to be introspected or modified (even as a copy)
@@ -200,6 +276,14 @@ var ModelProxyService_ServiceDesc = grpc.ServiceDesc{
 		{
 			MethodName: "ListModels",
 			Handler:    _ModelProxyService_ListModels_Handler,
+		},
+		{
+			MethodName: "ListDecoders",
+			Handler:    _ModelProxyService_ListDecoders_Handler,
+		},
+		{
+			MethodName: "CancelDecoders",
+			Handler:    _ModelProxyService_CancelDecoders_Handler,
 		},
 	},
 	Streams: []grpc.StreamDesc{

@@ -28,9 +28,12 @@ type ExecuteRequest struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	Name  string                 `protobuf:"bytes,1,opt,name=name,proto3" json:"name,omitempty"`
 	// Arguments as a JSON object.
-	ArgsJson      string `protobuf:"bytes,2,opt,name=args_json,json=argsJson,proto3" json:"args_json,omitempty"`
-	unknownFields protoimpl.UnknownFields
-	sizeCache     protoimpl.SizeCache
+	ArgsJson string `protobuf:"bytes,2,opt,name=args_json,json=argsJson,proto3" json:"args_json,omitempty"`
+	// This call waits for a human's approval before its effect, whatever the registry
+	// says (a plan's step with "approval": true).
+	RequireApproval bool `protobuf:"varint,3,opt,name=require_approval,json=requireApproval,proto3" json:"require_approval,omitempty"`
+	unknownFields   protoimpl.UnknownFields
+	sizeCache       protoimpl.SizeCache
 }
 
 func (x *ExecuteRequest) Reset() {
@@ -75,6 +78,13 @@ func (x *ExecuteRequest) GetArgsJson() string {
 		return x.ArgsJson
 	}
 	return ""
+}
+
+func (x *ExecuteRequest) GetRequireApproval() bool {
+	if x != nil {
+		return x.RequireApproval
+	}
+	return false
 }
 
 // ExecuteResult is the tool's output.
@@ -387,10 +397,11 @@ var File_curfew_toolrunner_v1_toolrunner_proto protoreflect.FileDescriptor
 
 const file_curfew_toolrunner_v1_toolrunner_proto_rawDesc = "" +
 	"\n" +
-	"%curfew/toolrunner/v1/toolrunner.proto\x12\x14curfew.toolrunner.v1\x1a\x19curfew/mesh/v1/mesh.proto\x1a\x19curfew/tool/v1/tool.proto\"A\n" +
+	"%curfew/toolrunner/v1/toolrunner.proto\x12\x14curfew.toolrunner.v1\x1a\x19curfew/mesh/v1/mesh.proto\x1a\x19curfew/tool/v1/tool.proto\"l\n" +
 	"\x0eExecuteRequest\x12\x12\n" +
 	"\x04name\x18\x01 \x01(\tR\x04name\x12\x1b\n" +
-	"\targs_json\x18\x02 \x01(\tR\bargsJson\"0\n" +
+	"\targs_json\x18\x02 \x01(\tR\bargsJson\x12)\n" +
+	"\x10require_approval\x18\x03 \x01(\bR\x0frequireApproval\"0\n" +
 	"\rExecuteResult\x12\x1f\n" +
 	"\voutput_json\x18\x01 \x01(\tR\n" +
 	"outputJson\"\xc1\x01\n" +

@@ -12,7 +12,7 @@ import type { Message } from "@bufbuild/protobuf";
  * Describes the file curfew/mesh/v1/mesh.proto.
  */
 export const file_curfew_mesh_v1_mesh: GenFile = /*@__PURE__*/
-  fileDesc("ChljdXJmZXcvbWVzaC92MS9tZXNoLnByb3RvEg5jdXJmZXcubWVzaC52MSLEAQoHQ2xlYW51cBIOCgZhY3Rpb24YASABKAkSEQoJY29tcGxldGVkGAIgASgIEg0KBWVycm9yGAMgASgJEi4KCnN0YXJ0ZWRfYXQYBCABKAsyGi5nb29nbGUucHJvdG9idWYuVGltZXN0YW1wEiwKCGVuZGVkX2F0GAUgASgLMhouZ29vZ2xlLnByb3RvYnVmLlRpbWVzdGFtcBIpCgZidWRnZXQYBiABKAsyGS5nb29nbGUucHJvdG9idWYuRHVyYXRpb24i4wUKBE5vZGUSCgoCaWQYASABKAkSJgoEa2luZBgCIAEoDjIYLmN1cmZldy5tZXNoLnYxLk5vZGVLaW5kEgwKBG5hbWUYAyABKAkSKgoGc3RhdHVzGAQgASgOMhouY3VyZmV3Lm1lc2gudjEuTm9kZVN0YXR1cxIqCgVjYXVzZRgFIAEoDjIbLmN1cmZldy5tZXNoLnYxLkNhbmNlbENhdXNlEg4KBnRva2VucxgGIAEoAxIYChB0b2tlbnNfYXRfY2FuY2VsGAcgASgDEhsKE3Rva2Vuc19hZnRlcl9jYW5jZWwYCCABKAMSLgoKc3RhcnRlZF9hdBgJIAEoCzIaLmdvb2dsZS5wcm90b2J1Zi5UaW1lc3RhbXASLAoIZW5kZWRfYXQYCiABKAsyGi5nb29nbGUucHJvdG9idWYuVGltZXN0YW1wEhIKCmVycm9yX2NvZGUYCyABKAkSFQoNZXJyb3JfbWVzc2FnZRgMIAEoCRIsCghkZWFkbGluZRgNIAEoCzIaLmdvb2dsZS5wcm90b2J1Zi5UaW1lc3RhbXASMAoMY2FuY2VsbGVkX2F0GA4gASgLMhouZ29vZ2xlLnByb3RvYnVmLlRpbWVzdGFtcBIoCgdjbGVhbnVwGA8gASgLMhcuY3VyZmV3Lm1lc2gudjEuQ2xlYW51cBIQCghyZXRyeV9pZBgQIAEoCRIPCgdhdHRlbXB0GBEgASgFEjcKEGVhcmxpZXJfYXR0ZW1wdHMYEiADKAsyHS5jdXJmZXcubWVzaC52MS5BdHRlbXB0UmVjb3JkEhAKCHByb3ZpZGVyGBMgASgJEhQKDHNlcnZlZF9tb2RlbBgUIAEoCRIOCgZjYWNoZWQYFSABKAgSKwoJZmFsbGJhY2tzGBYgAygLMhguY3VyZmV3Lm1lc2gudjEuRmFsbGJhY2sSFQoNcHJvbXB0X3Rva2VucxgXIAEoAxIPCgdwYXJ0aWFsGBggASgIIqUBCglOb2RlRXZlbnQSDwoHbm9kZV9pZBgBIAEoCRImCgJhdBgCIAEoCzIaLmdvb2dsZS5wcm90b2J1Zi5UaW1lc3RhbXASLAoIcHJvZ3Jlc3MYCiABKAsyGC5jdXJmZXcubWVzaC52MS5Qcm9ncmVzc0gAEikKBHRleHQYCyABKAsyGS5jdXJmZXcubWVzaC52MS5UZXh0RGVsdGFIAEIGCgRraW5kIjwKCFByb2dyZXNzEhAKCHByb2dyZXNzGAEgASgBEg0KBXRvdGFsGAIgASgBEg8KB21lc3NhZ2UYAyABKAkiKQoJVGV4dERlbHRhEgwKBHRleHQYASABKAkSDgoGb2Zmc2V0GAIgASgDImYKCEZhbGxiYWNrEhAKCHByb3ZpZGVyGAEgASgJEg0KBW1vZGVsGAIgASgJEg4KBnJlYXNvbhgDIAEoCRISCgplcnJvcl9jb2RlGAQgASgJEhUKDWVycm9yX21lc3NhZ2UYBSABKAki/AEKDUF0dGVtcHRSZWNvcmQSDwoHYXR0ZW1wdBgBIAEoBRIQCghyZXRyeV9pZBgCIAEoCRIqCgZzdGF0dXMYAyABKA4yGi5jdXJmZXcubWVzaC52MS5Ob2RlU3RhdHVzEioKBWNhdXNlGAQgASgOMhsuY3VyZmV3Lm1lc2gudjEuQ2FuY2VsQ2F1c2USEgoKZXJyb3JfY29kZRgFIAEoCRIuCgpzdGFydGVkX2F0GAYgASgLMhouZ29vZ2xlLnByb3RvYnVmLlRpbWVzdGFtcBIsCghlbmRlZF9hdBgHIAEoCzIaLmdvb2dsZS5wcm90b2J1Zi5UaW1lc3RhbXAimwEKEExpc3ROb2Rlc1JlcXVlc3QSDgoGcnVuX2lkGAEgASgJEjEKDnNldHRsZV90aW1lb3V0GAIgASgLMhkuZ29vZ2xlLnByb3RvYnVmLkR1cmF0aW9uEi0KCWNhbmNlbF9hdBgDIAEoCzIaLmdvb2dsZS5wcm90b2J1Zi5UaW1lc3RhbXASFQoNbm9kZV9wcmVmaXhlcxgEIAMoCSJJChFMaXN0Tm9kZXNSZXNwb25zZRIjCgVub2RlcxgBIAMoCzIULmN1cmZldy5tZXNoLnYxLk5vZGUSDwoHc2V0dGxlZBgCIAEoCCKaAQoSQ2FuY2VsTm9kZXNSZXF1ZXN0Eg4KBnJ1bl9pZBgBIAEoCRIVCg1ub2RlX3ByZWZpeGVzGAIgAygJEioKBWNhdXNlGAMgASgOMhsuY3VyZmV3Lm1lc2gudjEuQ2FuY2VsQ2F1c2USMQoOc2V0dGxlX3RpbWVvdXQYBCABKAsyGS5nb29nbGUucHJvdG9idWYuRHVyYXRpb24iOQoTQ2FuY2VsTm9kZXNSZXNwb25zZRIRCgljYW5jZWxsZWQYASABKAUSDwoHc2V0dGxlZBgCIAEoCCr8AQoLQ2FuY2VsQ2F1c2USHAoYQ0FOQ0VMX0NBVVNFX1VOU1BFQ0lGSUVEEAASIgoeQ0FOQ0VMX0NBVVNFX0NMSUVOVF9ESVNDT05ORUNUEAESGQoVQ0FOQ0VMX0NBVVNFX0RFQURMSU5FEAISGQoVQ0FOQ0VMX0NBVVNFX09QRVJBVE9SEAMSHwobQ0FOQ0VMX0NBVVNFX1NJQkxJTkdfRkFJTEVEEAQSGwoXQ0FOQ0VMX0NBVVNFX1NVUEVSU0VERUQQBRIXChNDQU5DRUxfQ0FVU0VfQlVER0VUEAYSHgoaQ0FOQ0VMX0NBVVNFX0xFQVNFX0VYUElSRUQQByp5CghOb2RlS2luZBIZChVOT0RFX0tJTkRfVU5TUEVDSUZJRUQQABIRCg1OT0RFX0tJTkRfUlVOEAESEwoPTk9ERV9LSU5EX01PREVMEAISEgoOTk9ERV9LSU5EX1RPT0wQAxIWChJOT0RFX0tJTkRfU1VCQUdFTlQQBCqzAQoKTm9kZVN0YXR1cxIbChdOT0RFX1NUQVRVU19VTlNQRUNJRklFRBAAEhcKE05PREVfU1RBVFVTX1JVTk5JTkcQARIZChVOT0RFX1NUQVRVU19TVUNDRUVERUQQAhIWChJOT0RFX1NUQVRVU19GQUlMRUQQAxIZChVOT0RFX1NUQVRVU19DQU5DRUxMRUQQBBIhCh1OT0RFX1NUQVRVU19ERUFETElORV9FWENFRURFRBAFMr0BChFOb2RlUmVwb3J0U2VydmljZRJQCglMaXN0Tm9kZXMSIC5jdXJmZXcubWVzaC52MS5MaXN0Tm9kZXNSZXF1ZXN0GiEuY3VyZmV3Lm1lc2gudjEuTGlzdE5vZGVzUmVzcG9uc2USVgoLQ2FuY2VsTm9kZXMSIi5jdXJmZXcubWVzaC52MS5DYW5jZWxOb2Rlc1JlcXVlc3QaIy5jdXJmZXcubWVzaC52MS5DYW5jZWxOb2Rlc1Jlc3BvbnNlQrIBChJjb20uY3VyZmV3Lm1lc2gudjFCCU1lc2hQcm90b1ABWjdnaXRodWIuY29tL2N1cmZldy1tZXNoL2N1cmZldy9nZW4vY3VyZmV3L21lc2gvdjE7bWVzaHYxogIDQ01YqgIOQ3VyZmV3Lk1lc2guVjHKAg5DdXJmZXdcTWVzaFxWMeICGkN1cmZld1xNZXNoXFYxXEdQQk1ldGFkYXRh6gIQQ3VyZmV3OjpNZXNoOjpWMWIGcHJvdG8z", [file_google_protobuf_duration, file_google_protobuf_timestamp]);
+  fileDesc("ChljdXJmZXcvbWVzaC92MS9tZXNoLnByb3RvEg5jdXJmZXcubWVzaC52MSLEAQoHQ2xlYW51cBIOCgZhY3Rpb24YASABKAkSEQoJY29tcGxldGVkGAIgASgIEg0KBWVycm9yGAMgASgJEi4KCnN0YXJ0ZWRfYXQYBCABKAsyGi5nb29nbGUucHJvdG9idWYuVGltZXN0YW1wEiwKCGVuZGVkX2F0GAUgASgLMhouZ29vZ2xlLnByb3RvYnVmLlRpbWVzdGFtcBIpCgZidWRnZXQYBiABKAsyGS5nb29nbGUucHJvdG9idWYuRHVyYXRpb24i4wUKBE5vZGUSCgoCaWQYASABKAkSJgoEa2luZBgCIAEoDjIYLmN1cmZldy5tZXNoLnYxLk5vZGVLaW5kEgwKBG5hbWUYAyABKAkSKgoGc3RhdHVzGAQgASgOMhouY3VyZmV3Lm1lc2gudjEuTm9kZVN0YXR1cxIqCgVjYXVzZRgFIAEoDjIbLmN1cmZldy5tZXNoLnYxLkNhbmNlbENhdXNlEg4KBnRva2VucxgGIAEoAxIYChB0b2tlbnNfYXRfY2FuY2VsGAcgASgDEhsKE3Rva2Vuc19hZnRlcl9jYW5jZWwYCCABKAMSLgoKc3RhcnRlZF9hdBgJIAEoCzIaLmdvb2dsZS5wcm90b2J1Zi5UaW1lc3RhbXASLAoIZW5kZWRfYXQYCiABKAsyGi5nb29nbGUucHJvdG9idWYuVGltZXN0YW1wEhIKCmVycm9yX2NvZGUYCyABKAkSFQoNZXJyb3JfbWVzc2FnZRgMIAEoCRIsCghkZWFkbGluZRgNIAEoCzIaLmdvb2dsZS5wcm90b2J1Zi5UaW1lc3RhbXASMAoMY2FuY2VsbGVkX2F0GA4gASgLMhouZ29vZ2xlLnByb3RvYnVmLlRpbWVzdGFtcBIoCgdjbGVhbnVwGA8gASgLMhcuY3VyZmV3Lm1lc2gudjEuQ2xlYW51cBIQCghyZXRyeV9pZBgQIAEoCRIPCgdhdHRlbXB0GBEgASgFEjcKEGVhcmxpZXJfYXR0ZW1wdHMYEiADKAsyHS5jdXJmZXcubWVzaC52MS5BdHRlbXB0UmVjb3JkEhAKCHByb3ZpZGVyGBMgASgJEhQKDHNlcnZlZF9tb2RlbBgUIAEoCRIOCgZjYWNoZWQYFSABKAgSKwoJZmFsbGJhY2tzGBYgAygLMhguY3VyZmV3Lm1lc2gudjEuRmFsbGJhY2sSFQoNcHJvbXB0X3Rva2VucxgXIAEoAxIPCgdwYXJ0aWFsGBggASgIItcBCglOb2RlRXZlbnQSDwoHbm9kZV9pZBgBIAEoCRImCgJhdBgCIAEoCzIaLmdvb2dsZS5wcm90b2J1Zi5UaW1lc3RhbXASLAoIcHJvZ3Jlc3MYCiABKAsyGC5jdXJmZXcubWVzaC52MS5Qcm9ncmVzc0gAEikKBHRleHQYCyABKAsyGS5jdXJmZXcubWVzaC52MS5UZXh0RGVsdGFIABIwCghhcHByb3ZhbBgMIAEoCzIcLmN1cmZldy5tZXNoLnYxLkFwcHJvdmFsR2F0ZUgAQgYKBGtpbmQijAEKDEFwcHJvdmFsR2F0ZRINCgVzdGF0ZRgBIAEoCRIMCgR0b29sGAIgASgJEgsKA3doeRgDIAEoCRIuCgpleHBpcmVzX2F0GAQgASgLMhouZ29vZ2xlLnByb3RvYnVmLlRpbWVzdGFtcBISCgpkZWNpZGVkX2J5GAUgASgJEg4KBnJlYXNvbhgGIAEoCSI8CghQcm9ncmVzcxIQCghwcm9ncmVzcxgBIAEoARINCgV0b3RhbBgCIAEoARIPCgdtZXNzYWdlGAMgASgJIikKCVRleHREZWx0YRIMCgR0ZXh0GAEgASgJEg4KBm9mZnNldBgCIAEoAyJmCghGYWxsYmFjaxIQCghwcm92aWRlchgBIAEoCRINCgVtb2RlbBgCIAEoCRIOCgZyZWFzb24YAyABKAkSEgoKZXJyb3JfY29kZRgEIAEoCRIVCg1lcnJvcl9tZXNzYWdlGAUgASgJIvwBCg1BdHRlbXB0UmVjb3JkEg8KB2F0dGVtcHQYASABKAUSEAoIcmV0cnlfaWQYAiABKAkSKgoGc3RhdHVzGAMgASgOMhouY3VyZmV3Lm1lc2gudjEuTm9kZVN0YXR1cxIqCgVjYXVzZRgEIAEoDjIbLmN1cmZldy5tZXNoLnYxLkNhbmNlbENhdXNlEhIKCmVycm9yX2NvZGUYBSABKAkSLgoKc3RhcnRlZF9hdBgGIAEoCzIaLmdvb2dsZS5wcm90b2J1Zi5UaW1lc3RhbXASLAoIZW5kZWRfYXQYByABKAsyGi5nb29nbGUucHJvdG9idWYuVGltZXN0YW1wIpsBChBMaXN0Tm9kZXNSZXF1ZXN0Eg4KBnJ1bl9pZBgBIAEoCRIxCg5zZXR0bGVfdGltZW91dBgCIAEoCzIZLmdvb2dsZS5wcm90b2J1Zi5EdXJhdGlvbhItCgljYW5jZWxfYXQYAyABKAsyGi5nb29nbGUucHJvdG9idWYuVGltZXN0YW1wEhUKDW5vZGVfcHJlZml4ZXMYBCADKAkiSQoRTGlzdE5vZGVzUmVzcG9uc2USIwoFbm9kZXMYASADKAsyFC5jdXJmZXcubWVzaC52MS5Ob2RlEg8KB3NldHRsZWQYAiABKAgimgEKEkNhbmNlbE5vZGVzUmVxdWVzdBIOCgZydW5faWQYASABKAkSFQoNbm9kZV9wcmVmaXhlcxgCIAMoCRIqCgVjYXVzZRgDIAEoDjIbLmN1cmZldy5tZXNoLnYxLkNhbmNlbENhdXNlEjEKDnNldHRsZV90aW1lb3V0GAQgASgLMhkuZ29vZ2xlLnByb3RvYnVmLkR1cmF0aW9uIjkKE0NhbmNlbE5vZGVzUmVzcG9uc2USEQoJY2FuY2VsbGVkGAEgASgFEg8KB3NldHRsZWQYAiABKAgqnwIKC0NhbmNlbENhdXNlEhwKGENBTkNFTF9DQVVTRV9VTlNQRUNJRklFRBAAEiIKHkNBTkNFTF9DQVVTRV9DTElFTlRfRElTQ09OTkVDVBABEhkKFUNBTkNFTF9DQVVTRV9ERUFETElORRACEhkKFUNBTkNFTF9DQVVTRV9PUEVSQVRPUhADEh8KG0NBTkNFTF9DQVVTRV9TSUJMSU5HX0ZBSUxFRBAEEhsKF0NBTkNFTF9DQVVTRV9TVVBFUlNFREVEEAUSFwoTQ0FOQ0VMX0NBVVNFX0JVREdFVBAGEh4KGkNBTkNFTF9DQVVTRV9MRUFTRV9FWFBJUkVEEAcSIQodQ0FOQ0VMX0NBVVNFX0FQUFJPVkFMX1RJTUVPVVQQCCp5CghOb2RlS2luZBIZChVOT0RFX0tJTkRfVU5TUEVDSUZJRUQQABIRCg1OT0RFX0tJTkRfUlVOEAESEwoPTk9ERV9LSU5EX01PREVMEAISEgoOTk9ERV9LSU5EX1RPT0wQAxIWChJOT0RFX0tJTkRfU1VCQUdFTlQQBCqzAQoKTm9kZVN0YXR1cxIbChdOT0RFX1NUQVRVU19VTlNQRUNJRklFRBAAEhcKE05PREVfU1RBVFVTX1JVTk5JTkcQARIZChVOT0RFX1NUQVRVU19TVUNDRUVERUQQAhIWChJOT0RFX1NUQVRVU19GQUlMRUQQAxIZChVOT0RFX1NUQVRVU19DQU5DRUxMRUQQBBIhCh1OT0RFX1NUQVRVU19ERUFETElORV9FWENFRURFRBAFMr0BChFOb2RlUmVwb3J0U2VydmljZRJQCglMaXN0Tm9kZXMSIC5jdXJmZXcubWVzaC52MS5MaXN0Tm9kZXNSZXF1ZXN0GiEuY3VyZmV3Lm1lc2gudjEuTGlzdE5vZGVzUmVzcG9uc2USVgoLQ2FuY2VsTm9kZXMSIi5jdXJmZXcubWVzaC52MS5DYW5jZWxOb2Rlc1JlcXVlc3QaIy5jdXJmZXcubWVzaC52MS5DYW5jZWxOb2Rlc1Jlc3BvbnNlQrIBChJjb20uY3VyZmV3Lm1lc2gudjFCCU1lc2hQcm90b1ABWjdnaXRodWIuY29tL2N1cmZldy1tZXNoL2N1cmZldy9nZW4vY3VyZmV3L21lc2gvdjE7bWVzaHYxogIDQ01YqgIOQ3VyZmV3Lk1lc2guVjHKAg5DdXJmZXdcTWVzaFxWMeICGkN1cmZld1xNZXNoXFYxXEdQQk1ldGFkYXRh6gIQQ3VyZmV3OjpNZXNoOjpWMWIGcHJvdG8z", [file_google_protobuf_duration, file_google_protobuf_timestamp]);
 
 /**
  * Cleanup records the teardown a node ran on its own budget after it was cancelled.
@@ -276,6 +276,14 @@ export type NodeEvent = Message<"curfew.mesh.v1.NodeEvent"> & {
      */
     value: TextDelta;
     case: "text";
+  } | {
+    /**
+     * A tool node waits for a human's approval, or its wait ended.
+     *
+     * @generated from field: curfew.mesh.v1.ApprovalGate approval = 12;
+     */
+    value: ApprovalGate;
+    case: "approval";
   } | { case: undefined; value?: undefined };
 };
 
@@ -285,6 +293,61 @@ export type NodeEvent = Message<"curfew.mesh.v1.NodeEvent"> & {
  */
 export const NodeEventSchema: GenMessage<NodeEvent> = /*@__PURE__*/
   messageDesc(file_curfew_mesh_v1_mesh, 2);
+
+/**
+ * ApprovalGate is a tool call that needs a human's approval before its effect: sent once
+ * when the node starts waiting (state waiting_approval) and once when the wait ends.
+ *
+ * @generated from message curfew.mesh.v1.ApprovalGate
+ */
+export type ApprovalGate = Message<"curfew.mesh.v1.ApprovalGate"> & {
+  /**
+   * waiting_approval, approved, denied, approval_timeout or cancelled.
+   *
+   * @generated from field: string state = 1;
+   */
+  state: string;
+
+  /**
+   * The tool's name as the model calls it.
+   *
+   * @generated from field: string tool = 2;
+   */
+  tool: string;
+
+  /**
+   * Why it needs approval: registry, destructive_hint or plan.
+   *
+   * @generated from field: string why = 3;
+   */
+  why: string;
+
+  /**
+   * The wait's cap: the run's deadline less the tool's minimum time.
+   *
+   * @generated from field: google.protobuf.Timestamp expires_at = 4;
+   */
+  expiresAt?: Timestamp | undefined;
+
+  /**
+   * Who decided, and why, once decided.
+   *
+   * @generated from field: string decided_by = 5;
+   */
+  decidedBy: string;
+
+  /**
+   * @generated from field: string reason = 6;
+   */
+  reason: string;
+};
+
+/**
+ * Describes the message curfew.mesh.v1.ApprovalGate.
+ * Use `create(ApprovalGateSchema)` to create a new message.
+ */
+export const ApprovalGateSchema: GenMessage<ApprovalGate> = /*@__PURE__*/
+  messageDesc(file_curfew_mesh_v1_mesh, 3);
 
 /**
  * Progress is a tool's report of how far it has come, as MCP's notifications/progress
@@ -320,7 +383,7 @@ export type Progress = Message<"curfew.mesh.v1.Progress"> & {
  * Use `create(ProgressSchema)` to create a new message.
  */
 export const ProgressSchema: GenMessage<Progress> = /*@__PURE__*/
-  messageDesc(file_curfew_mesh_v1_mesh, 3);
+  messageDesc(file_curfew_mesh_v1_mesh, 4);
 
 /**
  * TextDelta is the next piece of a model node's output text, sent as the model streams
@@ -355,7 +418,7 @@ export type TextDelta = Message<"curfew.mesh.v1.TextDelta"> & {
  * Use `create(TextDeltaSchema)` to create a new message.
  */
 export const TextDeltaSchema: GenMessage<TextDelta> = /*@__PURE__*/
-  messageDesc(file_curfew_mesh_v1_mesh, 4);
+  messageDesc(file_curfew_mesh_v1_mesh, 5);
 
 /**
  * Fallback is one provider of a model alias's chain that did not answer a call.
@@ -400,7 +463,7 @@ export type Fallback = Message<"curfew.mesh.v1.Fallback"> & {
  * Use `create(FallbackSchema)` to create a new message.
  */
 export const FallbackSchema: GenMessage<Fallback> = /*@__PURE__*/
-  messageDesc(file_curfew_mesh_v1_mesh, 5);
+  messageDesc(file_curfew_mesh_v1_mesh, 6);
 
 /**
  * AttemptRecord is an earlier attempt of a node that was retried.
@@ -449,7 +512,7 @@ export type AttemptRecord = Message<"curfew.mesh.v1.AttemptRecord"> & {
  * Use `create(AttemptRecordSchema)` to create a new message.
  */
 export const AttemptRecordSchema: GenMessage<AttemptRecord> = /*@__PURE__*/
-  messageDesc(file_curfew_mesh_v1_mesh, 6);
+  messageDesc(file_curfew_mesh_v1_mesh, 7);
 
 /**
  * ListNodesRequest asks a service for the nodes of one run it ran or is running.
@@ -489,7 +552,7 @@ export type ListNodesRequest = Message<"curfew.mesh.v1.ListNodesRequest"> & {
  * Use `create(ListNodesRequestSchema)` to create a new message.
  */
 export const ListNodesRequestSchema: GenMessage<ListNodesRequest> = /*@__PURE__*/
-  messageDesc(file_curfew_mesh_v1_mesh, 7);
+  messageDesc(file_curfew_mesh_v1_mesh, 8);
 
 /**
  * ListNodesResponse holds the nodes this service knows for the run.
@@ -515,7 +578,7 @@ export type ListNodesResponse = Message<"curfew.mesh.v1.ListNodesResponse"> & {
  * Use `create(ListNodesResponseSchema)` to create a new message.
  */
 export const ListNodesResponseSchema: GenMessage<ListNodesResponse> = /*@__PURE__*/
-  messageDesc(file_curfew_mesh_v1_mesh, 8);
+  messageDesc(file_curfew_mesh_v1_mesh, 9);
 
 /**
  * CancelNodesRequest stops running nodes of a run on this process.
@@ -558,7 +621,7 @@ export type CancelNodesRequest = Message<"curfew.mesh.v1.CancelNodesRequest"> & 
  * Use `create(CancelNodesRequestSchema)` to create a new message.
  */
 export const CancelNodesRequestSchema: GenMessage<CancelNodesRequest> = /*@__PURE__*/
-  messageDesc(file_curfew_mesh_v1_mesh, 9);
+  messageDesc(file_curfew_mesh_v1_mesh, 10);
 
 /**
  * CancelNodesResponse says how many running nodes were told to stop.
@@ -584,7 +647,7 @@ export type CancelNodesResponse = Message<"curfew.mesh.v1.CancelNodesResponse"> 
  * Use `create(CancelNodesResponseSchema)` to create a new message.
  */
 export const CancelNodesResponseSchema: GenMessage<CancelNodesResponse> = /*@__PURE__*/
-  messageDesc(file_curfew_mesh_v1_mesh, 10);
+  messageDesc(file_curfew_mesh_v1_mesh, 11);
 
 /**
  * CancelCause says why a node stopped before it finished on its own.
@@ -649,6 +712,15 @@ export enum CancelCause {
    * @generated from enum value: CANCEL_CAUSE_LEASE_EXPIRED = 7;
    */
   LEASE_EXPIRED = 7,
+
+  /**
+   * A tool call that needed a human's approval got no decision before its wait's cap
+   * (the run's deadline less the tool's minimum time), so it was denied without its
+   * effect (docs/operations.md, "Approval gates").
+   *
+   * @generated from enum value: CANCEL_CAUSE_APPROVAL_TIMEOUT = 8;
+   */
+  APPROVAL_TIMEOUT = 8,
 }
 
 /**

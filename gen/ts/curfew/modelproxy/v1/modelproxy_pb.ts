@@ -4,15 +4,15 @@
 
 import type { GenEnum, GenFile, GenMessage, GenService } from "@bufbuild/protobuf/codegenv2";
 import { enumDesc, fileDesc, messageDesc, serviceDesc } from "@bufbuild/protobuf/codegenv2";
-import type { Duration } from "@bufbuild/protobuf/wkt";
-import { file_google_protobuf_duration } from "@bufbuild/protobuf/wkt";
+import type { Duration, Timestamp } from "@bufbuild/protobuf/wkt";
+import { file_google_protobuf_duration, file_google_protobuf_timestamp } from "@bufbuild/protobuf/wkt";
 import type { Message as Message$1 } from "@bufbuild/protobuf";
 
 /**
  * Describes the file curfew/modelproxy/v1/modelproxy.proto.
  */
 export const file_curfew_modelproxy_v1_modelproxy: GenFile = /*@__PURE__*/
-  fileDesc("CiVjdXJmZXcvbW9kZWxwcm94eS92MS9tb2RlbHByb3h5LnByb3RvEhRjdXJmZXcubW9kZWxwcm94eS52MSJQCghUb29sQ2FsbBIKCgJpZBgBIAEoCRIMCgRuYW1lGAIgASgJEhEKCWFyZ3NfanNvbhgDIAEoCRIXCg9pZGVtcG90ZW5jeV9rZXkYBCABKAkijgEKB01lc3NhZ2USKAoEcm9sZRgBIAEoDjIaLmN1cmZldy5tb2RlbHByb3h5LnYxLlJvbGUSDwoHY29udGVudBgCIAEoCRIyCgp0b29sX2NhbGxzGAMgAygLMh4uY3VyZmV3Lm1vZGVscHJveHkudjEuVG9vbENhbGwSFAoMdG9vbF9jYWxsX2lkGAQgASgJIogDCg9HZW5lcmF0ZVJlcXVlc3QSDQoFbW9kZWwYASABKAkSLwoIbWVzc2FnZXMYAiADKAsyHS5jdXJmZXcubW9kZWxwcm94eS52MS5NZXNzYWdlEhIKCm1heF90b2tlbnMYAyABKAUSLQoFdG9vbHMYBCADKAsyHi5jdXJmZXcubW9kZWxwcm94eS52MS5Ub29sU3BlYxI9Cg9yZXNwb25zZV9zY2hlbWEYBSABKAsyJC5jdXJmZXcubW9kZWxwcm94eS52MS5SZXNwb25zZVNjaGVtYRIYCgt0ZW1wZXJhdHVyZRgGIAEoAUgAiAEBEhEKBHNlZWQYByABKANIAYgBARIRCgljYWNoZWFibGUYCCABKAgSLAoJbGVhc2VfdHRsGAkgASgLMhkuZ29vZ2xlLnByb3RvYnVmLkR1cmF0aW9uEiwKBW5vdGVzGAogAygLMh0uY3VyZmV3Lm1vZGVscHJveHkudjEuTWVzc2FnZUIOCgxfdGVtcGVyYXR1cmVCBwoFX3NlZWQiRgoIVG9vbFNwZWMSDAoEbmFtZRgBIAEoCRITCgtkZXNjcmlwdGlvbhgCIAEoCRIXCg9wYXJhbWV0ZXJzX2pzb24YAyABKAkiMwoOUmVzcG9uc2VTY2hlbWESDAoEbmFtZRgBIAEoCRITCgtzY2hlbWFfanNvbhgCIAEoCSI5CgVVc2FnZRIVCg1wcm9tcHRfdG9rZW5zGAEgASgDEhkKEWNvbXBsZXRpb25fdG9rZW5zGAIgASgDIuABChBHZW5lcmF0ZVJlc3BvbnNlEg0KBWRlbHRhGAEgASgJEg4KBnRva2VucxgCIAEoBRIyCgp0b29sX2NhbGxzGAMgAygLMh4uY3VyZmV3Lm1vZGVscHJveHkudjEuVG9vbENhbGwSFQoNZmluaXNoX3JlYXNvbhgEIAEoCRIqCgV1c2FnZRgFIAEoCzIbLmN1cmZldy5tb2RlbHByb3h5LnYxLlVzYWdlEhAKCHByb3ZpZGVyGAYgASgJEhQKDHNlcnZlZF9tb2RlbBgHIAEoCRIOCgZjYWNoZWQYCCABKAgiPQoITGVhc2VLZXkSDgoGcnVuX2lkGAEgASgJEg8KB25vZGVfaWQYAiABKAkSEAoIcmV0cnlfaWQYAyABKAkiagoSUmVuZXdMZWFzZXNSZXF1ZXN0EiwKBGtleXMYASADKAsyHi5jdXJmZXcubW9kZWxwcm94eS52MS5MZWFzZUtleRImCgN0dGwYAiABKAsyGS5nb29nbGUucHJvdG9idWYuRHVyYXRpb24iRgoTUmVuZXdMZWFzZXNSZXNwb25zZRIvCgd1bmtub3duGAEgAygLMh4uY3VyZmV3Lm1vZGVscHJveHkudjEuTGVhc2VLZXkiEwoRTGlzdE1vZGVsc1JlcXVlc3QiQwoJTW9kZWxJbmZvEgwKBG5hbWUYASABKAkSEAoIcHJvdmlkZXIYAiABKAkSFgoOcHJvdmlkZXJfbW9kZWwYAyABKAkiRQoSTGlzdE1vZGVsc1Jlc3BvbnNlEi8KBm1vZGVscxgBIAMoCzIfLmN1cmZldy5tb2RlbHByb3h5LnYxLk1vZGVsSW5mbypfCgRSb2xlEhQKEFJPTEVfVU5TUEVDSUZJRUQQABIPCgtST0xFX1NZU1RFTRABEg0KCVJPTEVfVVNFUhACEhIKDlJPTEVfQVNTSVNUQU5UEAMSDQoJUk9MRV9UT09MEAQytQIKEU1vZGVsUHJveHlTZXJ2aWNlElsKCEdlbmVyYXRlEiUuY3VyZmV3Lm1vZGVscHJveHkudjEuR2VuZXJhdGVSZXF1ZXN0GiYuY3VyZmV3Lm1vZGVscHJveHkudjEuR2VuZXJhdGVSZXNwb25zZTABEmIKC1JlbmV3TGVhc2VzEiguY3VyZmV3Lm1vZGVscHJveHkudjEuUmVuZXdMZWFzZXNSZXF1ZXN0GikuY3VyZmV3Lm1vZGVscHJveHkudjEuUmVuZXdMZWFzZXNSZXNwb25zZRJfCgpMaXN0TW9kZWxzEicuY3VyZmV3Lm1vZGVscHJveHkudjEuTGlzdE1vZGVsc1JlcXVlc3QaKC5jdXJmZXcubW9kZWxwcm94eS52MS5MaXN0TW9kZWxzUmVzcG9uc2VC4gEKGGNvbS5jdXJmZXcubW9kZWxwcm94eS52MUIPTW9kZWxwcm94eVByb3RvUAFaQ2dpdGh1Yi5jb20vY3VyZmV3LW1lc2gvY3VyZmV3L2dlbi9jdXJmZXcvbW9kZWxwcm94eS92MTttb2RlbHByb3h5djGiAgNDTViqAhRDdXJmZXcuTW9kZWxwcm94eS5WMcoCFEN1cmZld1xNb2RlbHByb3h5XFYx4gIgQ3VyZmV3XE1vZGVscHJveHlcVjFcR1BCTWV0YWRhdGHqAhZDdXJmZXc6Ok1vZGVscHJveHk6OlYxYgZwcm90bzM", [file_google_protobuf_duration]);
+  fileDesc("CiVjdXJmZXcvbW9kZWxwcm94eS92MS9tb2RlbHByb3h5LnByb3RvEhRjdXJmZXcubW9kZWxwcm94eS52MSJQCghUb29sQ2FsbBIKCgJpZBgBIAEoCRIMCgRuYW1lGAIgASgJEhEKCWFyZ3NfanNvbhgDIAEoCRIXCg9pZGVtcG90ZW5jeV9rZXkYBCABKAkijgEKB01lc3NhZ2USKAoEcm9sZRgBIAEoDjIaLmN1cmZldy5tb2RlbHByb3h5LnYxLlJvbGUSDwoHY29udGVudBgCIAEoCRIyCgp0b29sX2NhbGxzGAMgAygLMh4uY3VyZmV3Lm1vZGVscHJveHkudjEuVG9vbENhbGwSFAoMdG9vbF9jYWxsX2lkGAQgASgJIogDCg9HZW5lcmF0ZVJlcXVlc3QSDQoFbW9kZWwYASABKAkSLwoIbWVzc2FnZXMYAiADKAsyHS5jdXJmZXcubW9kZWxwcm94eS52MS5NZXNzYWdlEhIKCm1heF90b2tlbnMYAyABKAUSLQoFdG9vbHMYBCADKAsyHi5jdXJmZXcubW9kZWxwcm94eS52MS5Ub29sU3BlYxI9Cg9yZXNwb25zZV9zY2hlbWEYBSABKAsyJC5jdXJmZXcubW9kZWxwcm94eS52MS5SZXNwb25zZVNjaGVtYRIYCgt0ZW1wZXJhdHVyZRgGIAEoAUgAiAEBEhEKBHNlZWQYByABKANIAYgBARIRCgljYWNoZWFibGUYCCABKAgSLAoJbGVhc2VfdHRsGAkgASgLMhkuZ29vZ2xlLnByb3RvYnVmLkR1cmF0aW9uEiwKBW5vdGVzGAogAygLMh0uY3VyZmV3Lm1vZGVscHJveHkudjEuTWVzc2FnZUIOCgxfdGVtcGVyYXR1cmVCBwoFX3NlZWQiRgoIVG9vbFNwZWMSDAoEbmFtZRgBIAEoCRITCgtkZXNjcmlwdGlvbhgCIAEoCRIXCg9wYXJhbWV0ZXJzX2pzb24YAyABKAkiMwoOUmVzcG9uc2VTY2hlbWESDAoEbmFtZRgBIAEoCRITCgtzY2hlbWFfanNvbhgCIAEoCSI5CgVVc2FnZRIVCg1wcm9tcHRfdG9rZW5zGAEgASgDEhkKEWNvbXBsZXRpb25fdG9rZW5zGAIgASgDIuABChBHZW5lcmF0ZVJlc3BvbnNlEg0KBWRlbHRhGAEgASgJEg4KBnRva2VucxgCIAEoBRIyCgp0b29sX2NhbGxzGAMgAygLMh4uY3VyZmV3Lm1vZGVscHJveHkudjEuVG9vbENhbGwSFQoNZmluaXNoX3JlYXNvbhgEIAEoCRIqCgV1c2FnZRgFIAEoCzIbLmN1cmZldy5tb2RlbHByb3h5LnYxLlVzYWdlEhAKCHByb3ZpZGVyGAYgASgJEhQKDHNlcnZlZF9tb2RlbBgHIAEoCRIOCgZjYWNoZWQYCCABKAgiPQoITGVhc2VLZXkSDgoGcnVuX2lkGAEgASgJEg8KB25vZGVfaWQYAiABKAkSEAoIcmV0cnlfaWQYAyABKAkiagoSUmVuZXdMZWFzZXNSZXF1ZXN0EiwKBGtleXMYASADKAsyHi5jdXJmZXcubW9kZWxwcm94eS52MS5MZWFzZUtleRImCgN0dGwYAiABKAsyGS5nb29nbGUucHJvdG9idWYuRHVyYXRpb24iRgoTUmVuZXdMZWFzZXNSZXNwb25zZRIvCgd1bmtub3duGAEgAygLMh4uY3VyZmV3Lm1vZGVscHJveHkudjEuTGVhc2VLZXkiEwoRTGlzdE1vZGVsc1JlcXVlc3QiQwoJTW9kZWxJbmZvEgwKBG5hbWUYASABKAkSEAoIcHJvdmlkZXIYAiABKAkSFgoOcHJvdmlkZXJfbW9kZWwYAyABKAkiRQoSTGlzdE1vZGVsc1Jlc3BvbnNlEi8KBm1vZGVscxgBIAMoCzIfLmN1cmZldy5tb2RlbHByb3h5LnYxLk1vZGVsSW5mbyLuAQoHRGVjb2RlchIPCgdyZXBsaWNhGAEgASgJEg4KBnRlbmFudBgCIAEoCRIOCgZydW5faWQYAyABKAkSDwoHbm9kZV9pZBgEIAEoCRINCgVtb2RlbBgFIAEoCRIQCghwcm92aWRlchgGIAEoCRIuCgpzdGFydGVkX2F0GAcgASgLMhouZ29vZ2xlLnByb3RvYnVmLlRpbWVzdGFtcBIyCg5sYXN0X2hlYXJ0YmVhdBgIIAEoCzIaLmdvb2dsZS5wcm90b2J1Zi5UaW1lc3RhbXASDgoGdG9rZW5zGAkgASgDEgwKBHBvb2wYCiABKAkiMgoPUHJvdmlkZXJCcmVha2VyEhAKCHByb3ZpZGVyGAEgASgJEg0KBXN0YXRlGAIgASgJIkQKE0xpc3REZWNvZGVyc1JlcXVlc3QSLQoKb2xkZXJfdGhhbhgBIAEoCzIZLmdvb2dsZS5wcm90b2J1Zi5EdXJhdGlvbiKRAQoUTGlzdERlY29kZXJzUmVzcG9uc2USDwoHcmVwbGljYRgBIAEoCRIvCghkZWNvZGVycxgCIAMoCzIdLmN1cmZldy5tb2RlbHByb3h5LnYxLkRlY29kZXISNwoIYnJlYWtlcnMYAyADKAsyJS5jdXJmZXcubW9kZWxwcm94eS52MS5Qcm92aWRlckJyZWFrZXIiVgoVQ2FuY2VsRGVjb2RlcnNSZXF1ZXN0Ei0KCm9sZGVyX3RoYW4YASABKAsyGS5nb29nbGUucHJvdG9idWYuRHVyYXRpb24SDgoGcmVhc29uGAIgASgJIlsKFkNhbmNlbERlY29kZXJzUmVzcG9uc2USDwoHcmVwbGljYRgBIAEoCRIwCgljYW5jZWxsZWQYAiADKAsyHS5jdXJmZXcubW9kZWxwcm94eS52MS5EZWNvZGVyKl8KBFJvbGUSFAoQUk9MRV9VTlNQRUNJRklFRBAAEg8KC1JPTEVfU1lTVEVNEAESDQoJUk9MRV9VU0VSEAISEgoOUk9MRV9BU1NJU1RBTlQQAxINCglST0xFX1RPT0wQBDKTBAoRTW9kZWxQcm94eVNlcnZpY2USWwoIR2VuZXJhdGUSJS5jdXJmZXcubW9kZWxwcm94eS52MS5HZW5lcmF0ZVJlcXVlc3QaJi5jdXJmZXcubW9kZWxwcm94eS52MS5HZW5lcmF0ZVJlc3BvbnNlMAESYgoLUmVuZXdMZWFzZXMSKC5jdXJmZXcubW9kZWxwcm94eS52MS5SZW5ld0xlYXNlc1JlcXVlc3QaKS5jdXJmZXcubW9kZWxwcm94eS52MS5SZW5ld0xlYXNlc1Jlc3BvbnNlEl8KCkxpc3RNb2RlbHMSJy5jdXJmZXcubW9kZWxwcm94eS52MS5MaXN0TW9kZWxzUmVxdWVzdBooLmN1cmZldy5tb2RlbHByb3h5LnYxLkxpc3RNb2RlbHNSZXNwb25zZRJqCgxMaXN0RGVjb2RlcnMSKS5jdXJmZXcubW9kZWxwcm94eS52MS5MaXN0RGVjb2RlcnNSZXF1ZXN0GiouY3VyZmV3Lm1vZGVscHJveHkudjEuTGlzdERlY29kZXJzUmVzcG9uc2UiA5ACARJwCg5DYW5jZWxEZWNvZGVycxIrLmN1cmZldy5tb2RlbHByb3h5LnYxLkNhbmNlbERlY29kZXJzUmVxdWVzdBosLmN1cmZldy5tb2RlbHByb3h5LnYxLkNhbmNlbERlY29kZXJzUmVzcG9uc2UiA5ACAkLiAQoYY29tLmN1cmZldy5tb2RlbHByb3h5LnYxQg9Nb2RlbHByb3h5UHJvdG9QAVpDZ2l0aHViLmNvbS9jdXJmZXctbWVzaC9jdXJmZXcvZ2VuL2N1cmZldy9tb2RlbHByb3h5L3YxO21vZGVscHJveHl2MaICA0NNWKoCFEN1cmZldy5Nb2RlbHByb3h5LlYxygIUQ3VyZmV3XE1vZGVscHJveHlcVjHiAiBDdXJmZXdcTW9kZWxwcm94eVxWMVxHUEJNZXRhZGF0YeoCFkN1cmZldzo6TW9kZWxwcm94eTo6VjFiBnByb3RvMw", [file_google_protobuf_duration, file_google_protobuf_timestamp]);
 
 /**
  * ToolCall is a model's request to run a tool.
@@ -488,6 +488,205 @@ export const ListModelsResponseSchema: GenMessage<ListModelsResponse> = /*@__PUR
   messageDesc(file_curfew_modelproxy_v1_modelproxy, 12);
 
 /**
+ * Decoder is one decoder this replica runs for a Generate call, and its lease.
+ *
+ * @generated from message curfew.modelproxy.v1.Decoder
+ */
+export type Decoder = Message$1<"curfew.modelproxy.v1.Decoder"> & {
+  /**
+   * The replica (modelproxy instance) that runs it.
+   *
+   * @generated from field: string replica = 1;
+   */
+  replica: string;
+
+  /**
+   * @generated from field: string tenant = 2;
+   */
+  tenant: string;
+
+  /**
+   * @generated from field: string run_id = 3;
+   */
+  runId: string;
+
+  /**
+   * @generated from field: string node_id = 4;
+   */
+  nodeId: string;
+
+  /**
+   * The model asked for, and the provider serving it.
+   *
+   * @generated from field: string model = 5;
+   */
+  model: string;
+
+  /**
+   * @generated from field: string provider = 6;
+   */
+  provider: string;
+
+  /**
+   * @generated from field: google.protobuf.Timestamp started_at = 7;
+   */
+  startedAt?: Timestamp | undefined;
+
+  /**
+   * The last renewal of its lease (RenewLeases), or its start.
+   *
+   * @generated from field: google.protobuf.Timestamp last_heartbeat = 8;
+   */
+  lastHeartbeat?: Timestamp | undefined;
+
+  /**
+   * Output tokens emitted so far.
+   *
+   * @generated from field: int64 tokens = 9;
+   */
+  tokens: bigint;
+
+  /**
+   * The run's admission pool (curfew-pool), when the caller said it.
+   *
+   * @generated from field: string pool = 10;
+   */
+  pool: string;
+};
+
+/**
+ * Describes the message curfew.modelproxy.v1.Decoder.
+ * Use `create(DecoderSchema)` to create a new message.
+ */
+export const DecoderSchema: GenMessage<Decoder> = /*@__PURE__*/
+  messageDesc(file_curfew_modelproxy_v1_modelproxy, 13);
+
+/**
+ * ProviderBreaker is the breaker of one provider on this replica.
+ *
+ * @generated from message curfew.modelproxy.v1.ProviderBreaker
+ */
+export type ProviderBreaker = Message$1<"curfew.modelproxy.v1.ProviderBreaker"> & {
+  /**
+   * @generated from field: string provider = 1;
+   */
+  provider: string;
+
+  /**
+   * closed, open or half_open.
+   *
+   * @generated from field: string state = 2;
+   */
+  state: string;
+};
+
+/**
+ * Describes the message curfew.modelproxy.v1.ProviderBreaker.
+ * Use `create(ProviderBreakerSchema)` to create a new message.
+ */
+export const ProviderBreakerSchema: GenMessage<ProviderBreaker> = /*@__PURE__*/
+  messageDesc(file_curfew_modelproxy_v1_modelproxy, 14);
+
+/**
+ * ListDecodersRequest lists the decoders this replica runs.
+ *
+ * @generated from message curfew.modelproxy.v1.ListDecodersRequest
+ */
+export type ListDecodersRequest = Message$1<"curfew.modelproxy.v1.ListDecodersRequest"> & {
+  /**
+   * Only those started longer ago than this; every one when unset.
+   *
+   * @generated from field: google.protobuf.Duration older_than = 1;
+   */
+  olderThan?: Duration | undefined;
+};
+
+/**
+ * Describes the message curfew.modelproxy.v1.ListDecodersRequest.
+ * Use `create(ListDecodersRequestSchema)` to create a new message.
+ */
+export const ListDecodersRequestSchema: GenMessage<ListDecodersRequest> = /*@__PURE__*/
+  messageDesc(file_curfew_modelproxy_v1_modelproxy, 15);
+
+/**
+ * ListDecodersResponse holds them, oldest first, and the replica's breakers.
+ *
+ * @generated from message curfew.modelproxy.v1.ListDecodersResponse
+ */
+export type ListDecodersResponse = Message$1<"curfew.modelproxy.v1.ListDecodersResponse"> & {
+  /**
+   * @generated from field: string replica = 1;
+   */
+  replica: string;
+
+  /**
+   * @generated from field: repeated curfew.modelproxy.v1.Decoder decoders = 2;
+   */
+  decoders: Decoder[];
+
+  /**
+   * @generated from field: repeated curfew.modelproxy.v1.ProviderBreaker breakers = 3;
+   */
+  breakers: ProviderBreaker[];
+};
+
+/**
+ * Describes the message curfew.modelproxy.v1.ListDecodersResponse.
+ * Use `create(ListDecodersResponseSchema)` to create a new message.
+ */
+export const ListDecodersResponseSchema: GenMessage<ListDecodersResponse> = /*@__PURE__*/
+  messageDesc(file_curfew_modelproxy_v1_modelproxy, 16);
+
+/**
+ * CancelDecodersRequest cancels the decoders this replica runs that started longer ago
+ * than older_than, with cause operator.
+ *
+ * @generated from message curfew.modelproxy.v1.CancelDecodersRequest
+ */
+export type CancelDecodersRequest = Message$1<"curfew.modelproxy.v1.CancelDecodersRequest"> & {
+  /**
+   * @generated from field: google.protobuf.Duration older_than = 1;
+   */
+  olderThan?: Duration | undefined;
+
+  /**
+   * @generated from field: string reason = 2;
+   */
+  reason: string;
+};
+
+/**
+ * Describes the message curfew.modelproxy.v1.CancelDecodersRequest.
+ * Use `create(CancelDecodersRequestSchema)` to create a new message.
+ */
+export const CancelDecodersRequestSchema: GenMessage<CancelDecodersRequest> = /*@__PURE__*/
+  messageDesc(file_curfew_modelproxy_v1_modelproxy, 17);
+
+/**
+ * CancelDecodersResponse names the decoders cancelled.
+ *
+ * @generated from message curfew.modelproxy.v1.CancelDecodersResponse
+ */
+export type CancelDecodersResponse = Message$1<"curfew.modelproxy.v1.CancelDecodersResponse"> & {
+  /**
+   * @generated from field: string replica = 1;
+   */
+  replica: string;
+
+  /**
+   * @generated from field: repeated curfew.modelproxy.v1.Decoder cancelled = 2;
+   */
+  cancelled: Decoder[];
+};
+
+/**
+ * Describes the message curfew.modelproxy.v1.CancelDecodersResponse.
+ * Use `create(CancelDecodersResponseSchema)` to create a new message.
+ */
+export const CancelDecodersResponseSchema: GenMessage<CancelDecodersResponse> = /*@__PURE__*/
+  messageDesc(file_curfew_modelproxy_v1_modelproxy, 18);
+
+/**
  * Role is who said a message.
  *
  * @generated from enum curfew.modelproxy.v1.Role
@@ -561,6 +760,28 @@ export const ModelProxyService: GenService<{
     methodKind: "unary";
     input: typeof ListModelsRequestSchema;
     output: typeof ListModelsResponseSchema;
+  },
+  /**
+   * ListDecoders lists this replica's decoders and breakers (the operators' API fans it
+   * out to every replica; only the orchestrator may call it).
+   *
+   * @generated from rpc curfew.modelproxy.v1.ModelProxyService.ListDecoders
+   */
+  listDecoders: {
+    methodKind: "unary";
+    input: typeof ListDecodersRequestSchema;
+    output: typeof ListDecodersResponseSchema;
+  },
+  /**
+   * CancelDecoders ends this replica's decoders older than a bound, with cause operator
+   * (`curfew leases cancel`; only the orchestrator may call it).
+   *
+   * @generated from rpc curfew.modelproxy.v1.ModelProxyService.CancelDecoders
+   */
+  cancelDecoders: {
+    methodKind: "unary";
+    input: typeof CancelDecodersRequestSchema;
+    output: typeof CancelDecodersResponseSchema;
   },
 }> = /*@__PURE__*/
   serviceDesc(file_curfew_modelproxy_v1_modelproxy, 0);
