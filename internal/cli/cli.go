@@ -48,6 +48,8 @@ Usage:
   curfew drill   [--mode shed|orphan] [--fault N] [--tasks N] [--deadline D] [--cancel-at D]
                  [--tps N] [--heartbeat D] [--lease-ttl D] [--slow-heartbeat D] [--bin-dir DIR] [--json]
   curfew tenant  (create TENANT | rotate-key TENANT | revoke KEY_ID | ls [TENANT]) [--scope S] [--reason R] [--json]
+  curfew status  [--json]
+  curfew pool    (close POOL | open POOL [--force] | reopen POOL --when-orphan-delta-zero FOR [--wait D]) [--reason R] [--json]
   curfew audit   ls [--since D|TIME] [--limit N] [--json]
   curfew usage   [--tenant T] [--since D|TIME] [--json]
   curfew outbox  ls [TENANT] [--channel C] [--pending] [--after ID] [--limit N] [--store DSN] [--json]
@@ -73,6 +75,7 @@ func Main(ctx context.Context, args []string, stdin io.Reader, stdout, stderr io
 	cmds := map[string]func(context.Context, []string, io.Writer, io.Writer) int{
 		"up": cmdUp, "run": cmdRun, "get": cmdGet, "ls": cmdLs, "cancel": cmdCancel, "trace": cmdTrace,
 		"dlq": cmdDlq, "drill": cmdDrill, "tenant": cmdTenant, "tls": cmdTLS, "audit": cmdAudit, "usage": cmdUsage, "outbox": cmdOutbox,
+		"pool": cmdPool, "status": cmdStatus,
 	}
 	switch args[0] {
 	case "help", "-h", "--help":

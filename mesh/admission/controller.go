@@ -112,6 +112,8 @@ type Controller struct {
 	classes   map[string]*samples
 	// lastFailure is the last occurrence of each fail-closed condition (zero: never).
 	lastFailure [len(conditions)]time.Time
+	// operator holds the operators' decisions (SetOperatorControls).
+	operator OperatorControls
 }
 
 // pool is one pool's state.
@@ -292,6 +294,9 @@ func (c *Controller) arrive(req Request, deadline time.Time) (*Ticket, *waiter, 
 	if c.closed {
 		return nil, nil, c.refuse(&ShedError{Reason: ReasonShutdown, RetryAfter: c.cfg.RetryAfter, Pool: p.cfg.Name,
 			Tenant: req.Tenant, Detail: "admission is shut down"})
+	}
+	if e := c.operatorShed(p, req.Tenant, now); e != nil {
+		return nil, nil, c.refuse(e)
 	}
 	if e := c.closedShed(p, req.Tenant, now); e != nil {
 		return nil, nil, c.refuse(e)

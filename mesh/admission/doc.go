@@ -31,7 +31,8 @@
 //
 // In the order they are checked at arrival:
 //
-//   - pool_closed: the overflow pool has failed closed (below).
+//   - pool_closed: an operator closed the pool (condition operator,
+//     [Controller.SetOperatorControls]), or the overflow pool has failed closed (below).
 //   - deadline_slack: seed 003's rule "shed if lease_age + cancel_grace > deadline_slack":
 //     expected service time + Config.CancelGrace > time left before ctx's deadline. The
 //     expected service time is Request.Expected when declared, else the median of the

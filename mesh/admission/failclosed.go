@@ -82,7 +82,7 @@ func (c *Controller) fail(i int) {
 	if now.After(c.lastFailure[i]) {
 		c.lastFailure[i] = now
 	}
-	if c.overflow == nil || c.closed {
+	if c.overflow == nil || c.closed || c.forcedOpen(c.overflow, now) {
 		return
 	}
 	e := c.closedShed(c.overflow, "", now)
@@ -118,9 +118,10 @@ func (c *Controller) failedClosed(now time.Time) (conds string, until time.Time)
 	return conds, until
 }
 
-// closedShed refuses a run for p while p is the overflow pool and has failed closed.
+// closedShed refuses a run for p while p is the overflow pool and has failed closed,
+// unless an operator has forced it open.
 func (c *Controller) closedShed(p *pool, tenantName string, now time.Time) *ShedError {
-	if p != c.overflow {
+	if p != c.overflow || c.forcedOpen(p, now) {
 		return nil
 	}
 	conds, until := c.failedClosed(now)
@@ -131,9 +132,10 @@ func (c *Controller) closedShed(p *pool, tenantName string, now time.Time) *Shed
 		Condition: conds, Detail: "the overflow pool has failed closed, the cancel path is not proven: " + conds}
 }
 
-// Closed reports whether the named pool refuses every run, and why: the overflow pool
-// while a fail-closed condition is within its window (reason: the conditions,
-// comma-separated), any pool after Close (reason "shutdown"). An unknown pool is open.
+// Closed reports whether the named pool refuses every run, and why: any pool after
+// Close (reason "shutdown"), a pool an operator closed (reason "operator"), the
+// overflow pool while a fail-closed condition is within its window and no operator
+// forced it open (reason: the conditions, comma-separated). An unknown pool is open.
 func (c *Controller) Closed(pool string) (closed bool, reason string) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
@@ -143,7 +145,11 @@ func (c *Controller) Closed(pool string) (closed bool, reason string) {
 		return false, ""
 	case c.closed:
 		return true, string(ReasonShutdown)
-	case p != c.overflow:
+	}
+	if _, ok := c.operator.Closed[pool]; ok {
+		return true, string(ConditionOperator)
+	}
+	if p != c.overflow || c.forcedOpen(p, c.now()) {
 		return false, ""
 	}
 	conds, _ := c.failedClosed(c.now())

@@ -51,7 +51,7 @@ type closedCollector struct {
 
 func newClosedCollector(c *Controller) *closedCollector {
 	return &closedCollector{c: c, desc: prometheus.NewDesc("curfew_admission_pool_closed",
-		"1 while the pool has failed closed (the overflow pool, while the cancel path is not proven, or any pool after shutdown), else 0.",
+		"1 while the pool refuses every run (an operator closed it; the overflow pool, while the cancel path is not proven; any pool after shutdown), else 0.",
 		[]string{"pool"}, nil)}
 }
 

@@ -5,6 +5,8 @@ import (
 	"errors"
 	"fmt"
 	"math/rand/v2" //nolint:gosec // jitter, not secrets
+	"slices"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -150,6 +152,18 @@ func (s *Set) Get(target string) *Breaker {
 		s.breakers[target] = b
 	}
 	return b
+}
+
+// All returns the set's breakers, by target.
+func (s *Set) All() []*Breaker {
+	s.mu.RLock()
+	out := make([]*Breaker, 0, len(s.breakers))
+	for _, b := range s.breakers {
+		out = append(out, b)
+	}
+	s.mu.RUnlock()
+	slices.SortFunc(out, func(a, b *Breaker) int { return strings.Compare(a.target, b.target) })
+	return out
 }
 
 // now is the set's monotonic clock in nanoseconds since its epoch (always > 0 after it).

@@ -70,6 +70,7 @@ func run(args []string) int {
 	openaiAddr := fs.String("openai-addr", "", "address of the OpenAI-compatible HTTP API (docs/openai.md): POST /v1/chat/completions and GET /v1/models, each completion a run; off unless set")
 	openaiGrace := fs.Duration("openai-disconnect-grace", openaiapi.DefaultDisconnectGrace, "with --openai-addr: how long a run started with an Idempotency-Key waits, once its last client left, for a retry with the key to attach before it is cancelled (cause client_disconnect)")
 	admissionOff := fs.Bool("admission-off", false, "admit every run at once: no pools, queue, budgets or shedding")
+	operatorPoll := fs.Duration("operator-poll", admin.DefaultControlsPoll, "how often the operators' pool controls (curfew pool close|open) are read from the store: a control set through any replica holds on this one within it")
 	if err := service.Parse(fs, args, os.Getenv); err != nil {
 		fmt.Fprintln(os.Stderr, "orchestrator:", err)
 		return 2
@@ -102,6 +103,10 @@ func run(args []string) int {
 			return 2
 		}
 		admCfg = c
+	}
+	if *operatorPoll <= 0 {
+		fmt.Fprintln(os.Stderr, "orchestrator: --operator-poll must be positive, not", *operatorPoll)
+		return 2
 	}
 	if *outboxBatch < 1 || *outboxInterval <= 0 || *outboxRate < 0 {
 		fmt.Fprintln(os.Stderr, "orchestrator: --outbox-batch must be at least 1, --outbox-interval positive and --outbox-rate not negative")
@@ -288,7 +293,13 @@ func run(args []string) int {
 	})
 	orchestratorv1.RegisterOrchestratorServiceServer(rt.Server, srv)
 	rt.RecordConfigs(ctx, st)
-	admin.New(admin.Config{Store: st, Replica: self, Log: rt.Log}).Register(rt.Server)
+	acfg := admin.Config{Store: st, Replica: self, Breakers: rt.Breakers, Log: rt.Log}
+	if adm != nil {
+		pools := admin.NewPoolControls(st, adm, self, rt.Log)
+		go pools.Run(ctx, *operatorPoll)
+		acfg.Pools = pools
+	}
+	admin.New(acfg).Register(rt.Server)
 	if shared {
 		orchestratorv1.RegisterDeadLetterServiceServer(rt.Server, orchestrator.NewDeadLetterServer(st, srv.Replay))
 	}

@@ -1,11 +1,14 @@
 package admin
 
 import (
+	"context"
 	"log/slog"
+	"time"
 
 	"google.golang.org/grpc"
 
 	adminv1 "github.com/curfew-mesh/curfew/gen/curfew/admin/v1"
+	"github.com/curfew-mesh/curfew/mesh/breaker"
 	"github.com/curfew-mesh/curfew/mesh/store"
 )
 
@@ -16,8 +19,16 @@ type Config struct {
 	Store store.Store
 	// Replica names this orchestrator (its owner name) in answers.
 	Replica string
-	// Pools is this replica's admission controller, seen by operators.
+	// Pools is this replica's admission controller, seen by operators (PoolControls);
+	// nil when admission is off, and then the pool methods answer FAILED_PRECONDITION.
 	Pools Pools
+	// Breakers are this orchestrator's breakers, shown by Status; nil: none shown.
+	Breakers *breaker.Set
+	// OrphanWindow is the window of Status's orphan delta (0: DefaultOrphanWindow).
+	OrphanWindow time.Duration
+	// ReopenPoll is how often ReopenPool reads the orphan delta and reports (0: 1 s,
+	// or a quarter of the window when that is shorter).
+	ReopenPoll time.Duration
 	// Log receives what the server does beyond its answers; nil: slog.Default().
 	Log *slog.Logger
 }
@@ -30,6 +41,12 @@ type Pools interface {
 	PoolStates() []*adminv1.PoolState
 	// Pool reports whether pool is configured.
 	Pool(name string) bool
+	// Refresh reads the operators' controls from the store and applies them on this
+	// replica now, rather than at the next poll.
+	Refresh(ctx context.Context) error
+	// FailClosedWindow is the automatic fail-closed window: how long an open with
+	// force admits despite it.
+	FailClosedWindow() time.Duration
 }
 
 // Server implements adminv1.AdminServiceServer. Methods whose feature has not been

@@ -1,0 +1,97 @@
+package admin
+
+import (
+	"context"
+	"strings"
+	"time"
+
+	"google.golang.org/protobuf/types/known/durationpb"
+	"google.golang.org/protobuf/types/known/timestamppb"
+
+	adminv1 "github.com/curfew-mesh/curfew/gen/curfew/admin/v1"
+	"github.com/curfew-mesh/curfew/mesh/breaker"
+	"github.com/curfew-mesh/curfew/mesh/store"
+)
+
+// DefaultOrphanWindow is the window of StatusResponse.orphan_delta: the orphan tokens
+// recorded in the ledger in the last minute, the automatic fail-closed window's length.
+const DefaultOrphanWindow = time.Minute
+
+// Status implements adminv1.AdminServiceServer: the pools and breakers as this replica
+// sees them, the decoders of every modelproxy replica, and from the store the orphan
+// delta, the dead-letter depth, the controls in force and every replica's
+// configuration versions. A part whose source fails is left out and named in
+// unreachable, so that status answers while the mesh is in trouble, which is when it
+// is read.
+func (s *Server) Status(ctx context.Context, _ *adminv1.StatusRequest) (*adminv1.StatusResponse, error) {
+	out := &adminv1.StatusResponse{Replica: s.cfg.Replica, OrphanWindow: durationpb.New(s.orphanWindow())}
+	if s.cfg.Pools != nil {
+		out.Pools = s.cfg.Pools.PoolStates()
+	}
+	if s.cfg.Breakers != nil {
+		for _, b := range s.cfg.Breakers.All() {
+			out.Breakers = append(out.Breakers, &adminv1.BreakerState{Service: "orchestrator", Replica: s.cfg.Replica,
+				Target: b.Target(), State: breakerState(b.State())})
+		}
+	}
+	s.fleetStatus(ctx, out)
+	unreachable := func(what string, err error) {
+		s.cfg.Log.WarnContext(ctx, "status: part not read", "part", what, "error", err.Error())
+		out.Unreachable = append(out.Unreachable, "store ("+what+")")
+	}
+	if n, err := s.cfg.Store.SumTokens(ctx, store.TokenQuery{Kind: store.KindOrphan, Since: time.Now().Add(-s.orphanWindow())}); err != nil {
+		unreachable("orphan delta", err)
+	} else {
+		out.OrphanDelta = n
+	}
+	if n, err := s.cfg.Store.DeadLetterDepth(ctx, ""); err != nil {
+		unreachable("dead letters", err)
+	} else {
+		out.DeadLetterDepth = n
+	}
+	if cs, err := s.cfg.Store.ListReplicaConfigs(ctx, ""); err != nil {
+		unreachable("replica configs", err)
+	} else {
+		for _, c := range cs {
+			rc := &adminv1.ReplicaConfig{Service: c.Service, Replica: c.Replica, Config: c.Config, Version: c.Version,
+				LastError: c.LastError, LoadedAt: timestamppb.New(c.LoadedAt), SeenAt: timestamppb.New(c.SeenAt)}
+			out.Configs = append(out.Configs, rc)
+		}
+	}
+	if cs, err := s.cfg.Store.ListControls(ctx); err != nil {
+		unreachable("controls", err)
+	} else {
+		for _, c := range cs {
+			switch c.Kind {
+			case store.ControlFreezeRun, store.ControlFreezeTenant:
+				f := &adminv1.Freeze{Reason: c.Reason, Actor: c.Actor, FrozenAt: timestamppb.New(c.CreatedAt)}
+				if c.Kind == store.ControlFreezeRun {
+					f.RunId, f.Tenant = c.Target, c.Tenant
+				} else {
+					f.Tenant = c.Target
+				}
+				out.Freezes = append(out.Freezes, f)
+			case store.ControlDrain:
+				d := &adminv1.Drain{Reason: c.Reason, Actor: c.Actor, StartedAt: timestamppb.New(c.CreatedAt)}
+				if c.Target != store.DrainAll {
+					d.Pool = c.Target
+				}
+				if !c.Until.IsZero() {
+					d.CancelAt = timestamppb.New(c.Until)
+				}
+				out.Drains = append(out.Drains, d)
+			}
+		}
+	}
+	return out, nil
+}
+
+func (s *Server) orphanWindow() time.Duration {
+	if s.cfg.OrphanWindow > 0 {
+		return s.cfg.OrphanWindow
+	}
+	return DefaultOrphanWindow
+}
+
+// breakerState names a breaker's state as StatusResponse does: closed, open, half_open.
+func breakerState(st breaker.State) string { return strings.ReplaceAll(st.String(), "-", "_") }
