@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"strings"
 	"testing"
@@ -11,10 +12,13 @@ import (
 
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/encoding/protojson"
 	"google.golang.org/protobuf/types/known/durationpb"
 
+	adminv1 "github.com/curfew-mesh/curfew/gen/curfew/admin/v1"
 	orchestratorv1 "github.com/curfew-mesh/curfew/gen/curfew/orchestrator/v1"
 	"github.com/curfew-mesh/curfew/internal/meshproc"
+	"github.com/curfew-mesh/curfew/mesh/apikey"
 	"github.com/curfew-mesh/curfew/mesh/store"
 	"github.com/curfew-mesh/curfew/mesh/store/storetest"
 )
@@ -147,6 +151,50 @@ func TestAdmissionReloadOnTwoReplicas(t *testing.T) {
 		waitMetrics(ctx, t, p, `curfew_config_reloads_total{config="admission",service="orchestrator"} 1`)
 		if !p.Running() {
 			t.Fatalf("%s is not running: the reload restarted it", p.Name)
+		}
+	}
+	// curfew status on each replica shows its new limit and both replicas' new version.
+	k, err := apikey.New("ops")
+	if err != nil {
+		t.Fatal(err)
+	}
+	k.Record.Scopes = []string{store.ScopeReadOnly}
+	if _, _, err := st.CreateAPIKey(ctx, k.Record, false); err != nil {
+		t.Fatal(err)
+	}
+	for _, p := range orchs {
+		cmd := exec.CommandContext(ctx, c.Bin("curfew"), "status", "--json", "--addr", p.Addr, "--insecure")
+		cmd.Env = append(os.Environ(), "CURFEW_API_KEY="+k.Secret)
+		out, err := cmd.Output()
+		if err != nil {
+			t.Fatalf("curfew status on %s: %v", p.Name, err)
+		}
+		var resp adminv1.StatusResponse
+		if err := protojson.Unmarshal(out, &resp); err != nil {
+			t.Fatalf("curfew status --json: %v: %s", err, out)
+		}
+		var paid *adminv1.PoolState
+		for _, ps := range resp.GetPools() {
+			if ps.GetPool() == "paid" {
+				paid = ps
+			}
+		}
+		if paid.GetMaxInFlight() != 2 || paid.GetInFlight() != 2 {
+			t.Errorf("%s: status of the paid pool %v, want 2 of 2 in flight", p.Name, paid)
+		}
+		versions := map[string]string{}
+		for _, rc := range resp.GetConfigs() {
+			if rc.GetService() == "orchestrator" && rc.GetConfig() == "admission" {
+				versions[rc.GetReplica()] = rc.GetVersion()
+			}
+		}
+		if len(versions) != 2 {
+			t.Errorf("%s: status lists the admission version of %v, want both replicas", p.Name, versions)
+		}
+		for r, v := range versions {
+			if v == v1 {
+				t.Errorf("%s: status shows %s still on the first version", p.Name, r)
+			}
 		}
 	}
 }

@@ -1,0 +1,151 @@
+package admin_test
+
+import (
+	"context"
+	"testing"
+	"time"
+
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/types/known/durationpb"
+
+	adminv1 "github.com/curfew-mesh/curfew/gen/curfew/admin/v1"
+	"github.com/curfew-mesh/curfew/mesh/admission"
+	"github.com/curfew-mesh/curfew/mesh/store"
+	"github.com/curfew-mesh/curfew/mesh/store/memory"
+	"github.com/curfew-mesh/curfew/services/orchestrator/internal/admin"
+)
+
+// rig is an admin server over a private store and one replica's admission controller.
+func rig(t *testing.T) (*admin.Server, *admission.Controller, store.Store) {
+	t.Helper()
+	st, err := memory.Open(t.Context(), "memory://"+t.Name())
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = st.Close() })
+	ctrl, err := admission.New(admission.DefaultConfig(), nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(ctrl.Close)
+	s := admin.New(admin.Config{Store: st, Replica: "orch-1", Pools: admin.NewPoolControls(st, ctrl, "orch-1", nil)})
+	return s, ctrl, st
+}
+
+func code(err error) codes.Code { return status.Code(err) }
+
+func TestPoolMethodsRefuseBadInput(t *testing.T) {
+	s, _, _ := rig(t)
+	ctx := t.Context()
+	if _, err := s.ClosePool(ctx, &adminv1.ClosePoolRequest{}); code(err) != codes.InvalidArgument {
+		t.Errorf("ClosePool without pool: %v, want INVALID_ARGUMENT", err)
+	}
+	if _, err := s.OpenPool(ctx, &adminv1.OpenPoolRequest{Pool: "nope"}); code(err) != codes.NotFound {
+		t.Errorf("OpenPool of an unknown pool: %v, want NOT_FOUND", err)
+	}
+	off := admin.New(admin.Config{Store: nil})
+	if _, err := off.ClosePool(ctx, &adminv1.ClosePoolRequest{Pool: "paid"}); code(err) != codes.FailedPrecondition {
+		t.Errorf("ClosePool with admission off: %v, want FAILED_PRECONDITION", err)
+	}
+}
+
+// A close is applied on the replica that took it at once, stored, and audited; the
+// open lifts it; a forced open lifts the automatic window for one window.
+func TestCloseOpenPool(t *testing.T) {
+	s, ctrl, st := rig(t)
+	ctx := t.Context()
+	resp, err := s.ClosePool(ctx, &adminv1.ClosePoolRequest{Pool: "paid", Reason: "drill"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if p := resp.GetPool(); !p.GetOperatorClosed() || p.GetOperatorReason() != "drill" || p.GetOperatorActor() != "unknown" || p.GetReplica() != "orch-1" {
+		t.Errorf("ClosePool's state %v", p)
+	}
+	if closed, why := ctrl.Closed("paid"); !closed || why != "operator" {
+		t.Errorf("Closed(paid) = %v %q right after ClosePool", closed, why)
+	}
+	cs, err := st.ListControls(ctx)
+	if err != nil || len(cs) != 1 || cs[0].Kind != store.ControlPoolClosed || cs[0].Target != "paid" {
+		t.Errorf("controls %+v (%v)", cs, err)
+	}
+
+	ctrl.ObserveOrphanTokens(3) // the overflow pool fails closed by itself
+	r2, err := s.OpenPool(ctx, &adminv1.OpenPoolRequest{Pool: "overflow", Reason: "not forced"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if p := r2.GetPool(); !p.GetAutoClosed() || len(p.GetAutoConditions()) != 1 {
+		t.Errorf("an open without force lifted the automatic window: %v", p)
+	}
+	r3, err := s.OpenPool(ctx, &adminv1.OpenPoolRequest{Pool: "overflow", Force: true, Reason: "forced"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	p := r3.GetPool()
+	if p.GetAutoClosed() || p.GetForcedOpenUntil() == nil || time.Until(p.GetForcedOpenUntil().AsTime()) > time.Minute {
+		t.Errorf("a forced open: %v, want admitting until at most one window from now", p)
+	}
+	if closed, _ := ctrl.Closed("overflow"); closed {
+		t.Error("overflow still closed after a forced open")
+	}
+	if _, err := s.OpenPool(ctx, &adminv1.OpenPoolRequest{Pool: "paid"}); err != nil {
+		t.Fatal(err)
+	}
+	if closed, _ := ctrl.Closed("paid"); closed {
+		t.Error("paid still closed after OpenPool")
+	}
+	audit, err := s.ListAudit(ctx, &adminv1.ListAuditRequest{})
+	if err != nil || len(audit.GetEntries()) != 4 {
+		t.Fatalf("audit %v (%v), want 4 entries", audit, err)
+	}
+	if e := audit.GetEntries()[3]; e.GetAction() != "ClosePool" || e.GetTarget() != "pool paid" || e.GetReason() != "drill" {
+		t.Errorf("first audit entry %v", e)
+	}
+}
+
+// reopenStream collects ReopenPool's reports.
+type reopenStream struct {
+	adminv1.AdminService_ReopenPoolServer
+	ctx  context.Context
+	reps []*adminv1.ReopenPoolResponse
+}
+
+func (r *reopenStream) Context() context.Context { return r.ctx }
+func (r *reopenStream) Send(m *adminv1.ReopenPoolResponse) error {
+	r.reps = append(r.reps, m)
+	return nil
+}
+
+// Reopen opens once the orphan total has not grown for the window, and not at the
+// caller's deadline.
+func TestReopenPool(t *testing.T) {
+	s, ctrl, _ := rig(t)
+	ctx := t.Context()
+	if err := s.ReopenPool(&adminv1.ReopenPoolRequest{Pool: "paid"}, &reopenStream{ctx: ctx}); code(err) != codes.InvalidArgument {
+		t.Errorf("ReopenPool without a window: %v, want INVALID_ARGUMENT", err)
+	}
+	if _, err := s.ClosePool(ctx, &adminv1.ClosePoolRequest{Pool: "paid"}); err != nil {
+		t.Fatal(err)
+	}
+	short, cancel := context.WithTimeout(ctx, 100*time.Millisecond)
+	defer cancel()
+	err := s.ReopenPool(&adminv1.ReopenPoolRequest{Pool: "paid", Window: durationpb.New(time.Hour)}, &reopenStream{ctx: short})
+	if code(err) != codes.DeadlineExceeded {
+		t.Errorf("ReopenPool past its deadline: %v, want DEADLINE_EXCEEDED", err)
+	}
+	if closed, _ := ctrl.Closed("paid"); !closed {
+		t.Fatal("a reopen that gave up opened the pool")
+	}
+	rs := &reopenStream{ctx: ctx}
+	if err := s.ReopenPool(&adminv1.ReopenPoolRequest{Pool: "paid", Window: durationpb.New(200 * time.Millisecond)}, rs); err != nil {
+		t.Fatal(err)
+	}
+	last := rs.reps[len(rs.reps)-1]
+	if !last.GetOpened() || last.GetQuietFor().AsDuration() < 200*time.Millisecond || last.GetPool().GetOperatorClosed() {
+		t.Errorf("last report %v, want opened after the 200 ms window", last)
+	}
+	if closed, _ := ctrl.Closed("paid"); closed {
+		t.Error("paid still closed after the reopen")
+	}
+}
