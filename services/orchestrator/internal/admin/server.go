@@ -24,8 +24,6 @@ type Config struct {
 	Pools Pools
 	// Breakers are this orchestrator's breakers, shown by Status; nil: none shown.
 	Breakers *breaker.Set
-	// OrphanWindow is the window of Status's orphan delta (0: DefaultOrphanWindow).
-	OrphanWindow time.Duration
 	// ReopenPoll is how often ReopenPool reads the orphan delta and reports (0: 1 s,
 	// or a quarter of the window when that is shorter).
 	ReopenPoll time.Duration

@@ -13,8 +13,10 @@ import (
 	"github.com/curfew-mesh/curfew/mesh/store"
 )
 
-// DefaultOrphanWindow is the window of StatusResponse.orphan_delta: the orphan tokens
-// recorded in the ledger in the last minute, the automatic fail-closed window's length.
+// DefaultOrphanWindow is the window of StatusResponse.orphan_delta when admission is
+// off; otherwise it is the automatic fail-closed window (fail_closed_window, 1 min by
+// default), so that status's orphan delta and the overflow pool's automatic close
+// judge the same stretch of time.
 const DefaultOrphanWindow = time.Minute
 
 // Status implements adminv1.AdminServiceServer: the pools and breakers as this replica
@@ -87,8 +89,10 @@ func (s *Server) Status(ctx context.Context, _ *adminv1.StatusRequest) (*adminv1
 }
 
 func (s *Server) orphanWindow() time.Duration {
-	if s.cfg.OrphanWindow > 0 {
-		return s.cfg.OrphanWindow
+	if s.cfg.Pools != nil {
+		if w := s.cfg.Pools.FailClosedWindow(); w > 0 {
+			return w
+		}
 	}
 	return DefaultOrphanWindow
 }
