@@ -3,6 +3,7 @@ package e2e
 import (
 	"bytes"
 	"context"
+	"errors"
 	"os"
 	"os/exec"
 	"strings"
@@ -111,7 +112,8 @@ func (oc *opsCluster) cli(ctx context.Context, t *testing.T, i int, args ...stri
 	var out bytes.Buffer
 	cmd.Stdout, cmd.Stderr = &out, &out
 	err := cmd.Run()
-	if ee, ok := err.(*exec.ExitError); ok {
+	var ee *exec.ExitError
+	if errors.As(err, &ee) {
 		return out.String(), ee.ExitCode()
 	} else if err != nil {
 		t.Fatal(err)
