@@ -63,9 +63,9 @@ type spend struct {
 	cancelled atomic.Int64
 	// output counts the output tokens recorded so far, for readers on other goroutines
 	// (ListDecoders).
-	output    atomic.Int64
-	done      chan struct{} // closed once the cancel instant is stored
-	stop      func() bool
+	output atomic.Int64
+	done   chan struct{} // closed once the cancel instant is stored
+	stop   func() bool
 }
 
 // newSpend starts the tally of a decoder whose node context is ctx.

@@ -18,6 +18,9 @@ type Config struct {
 	Replica string
 	// Pools is this replica's admission controller, seen by operators.
 	Pools Pools
+	// Decoders reaches every modelproxy replica, for the decoder leases (leases.go);
+	// nil: no replica is known, and the lease methods find no lease.
+	Decoders Decoders
 	// Log receives what the server does beyond its answers; nil: slog.Default().
 	Log *slog.Logger
 }
