@@ -50,6 +50,12 @@ Usage:
   curfew tenant  (create TENANT | rotate-key TENANT | revoke KEY_ID | ls [TENANT]) [--scope S] [--reason R] [--json]
   curfew audit   ls [--since D|TIME] [--limit N] [--json]
   curfew usage   [--tenant T] [--since D|TIME] [--json]
+  curfew leases  ls [--older-than D] [--json]
+  curfew leases  cancel --older-than D [--reason R] [--json]
+  curfew ledger  (freeze | thaw) (--run ID [--tenant T] | --tenant T) [--reason R] [--json]
+  curfew ledger  ls [--json]
+  curfew decoders drain [--pool P] [--cancel-after D] [--reason R] [--json]
+  curfew decoders undrain [--pool P] [--reason R] [--json]
   curfew outbox  ls [TENANT] [--channel C] [--pending] [--after ID] [--limit N] [--store DSN] [--json]
   curfew tls     (init DIR [--host NAME]... | k8s-secrets DIR [--namespace NS])
   curfew version
@@ -73,6 +79,7 @@ func Main(ctx context.Context, args []string, stdin io.Reader, stdout, stderr io
 	cmds := map[string]func(context.Context, []string, io.Writer, io.Writer) int{
 		"up": cmdUp, "run": cmdRun, "get": cmdGet, "ls": cmdLs, "cancel": cmdCancel, "trace": cmdTrace,
 		"dlq": cmdDlq, "drill": cmdDrill, "tenant": cmdTenant, "tls": cmdTLS, "audit": cmdAudit, "usage": cmdUsage, "outbox": cmdOutbox,
+		"leases": cmdLeases, "ledger": cmdLedger, "decoders": cmdDecoders,
 	}
 	switch args[0] {
 	case "help", "-h", "--help":
