@@ -64,9 +64,14 @@ func validRunID(s string) bool {
 	return true
 }
 
-// scope validates a freeze or thaw request's run_id and tenant and resolves a run named
-// without its tenant: the run's tenant when the id is unique across tenants.
-func (s *Server) scope(ctx context.Context, runID, tenant string) (freezeScope, error) {
+// scope validates a freeze or thaw request's run_id and tenant, checks that a run named
+// with its tenant exists, and resolves a run named without its tenant: the tenant that
+// has it (run ids are minted unique, so more than one is a store imported from
+// elsewhere, and the operator must name one).
+//
+// A thaw (exists false) does not check that a run named with its tenant exists: a freeze
+// may outlive its run's record.
+func (s *Server) scope(ctx context.Context, runID, tenant string, exists bool) (freezeScope, error) {
 	if runID == "" && tenant == "" {
 		return freezeScope{}, invalid("run_id or tenant is required: a run (with its tenant, or alone when its id is unique) or a whole tenant")
 	}
@@ -79,7 +84,17 @@ func (s *Server) scope(ctx context.Context, runID, tenant string) (freezeScope, 
 	if !validRunID(runID) {
 		return freezeScope{}, invalid("run_id %q must be 1 to %d characters of A-Z a-z 0-9 . _ : -", runID, md.MaxIDLen)
 	}
+	if tenant != "" && !exists {
+		return freezeScope{tenant: tenant, run: runID}, nil
+	}
 	if tenant != "" {
+		// A run named with the wrong tenant would freeze nothing: say so instead.
+		if _, err := s.cfg.Store.GetRun(ctx, tenant, runID); err != nil {
+			if errors.Is(err, store.ErrNotFound) {
+				return freezeScope{}, status.Errorf(codes.NotFound, "run_id: no run %s of tenant %s", runID, tenant)
+			}
+			return freezeScope{}, storeErr(err)
+		}
 		return freezeScope{tenant: tenant, run: runID}, nil
 	}
 	tenants, err := s.runTenants(ctx, runID)
@@ -141,7 +156,7 @@ func (s *Server) freezeOf(ctx context.Context, c store.Control) (*adminv1.Freeze
 // FreezeLedger implements adminv1.AdminServiceServer. Repeating it keeps the first
 // freeze (its instant and actor) and takes the new reason; each call is audited.
 func (s *Server) FreezeLedger(ctx context.Context, req *adminv1.FreezeLedgerRequest) (*adminv1.FreezeLedgerResponse, error) {
-	sc, err := s.scope(ctx, req.GetRunId(), req.GetTenant())
+	sc, err := s.scope(ctx, req.GetRunId(), req.GetTenant(), true)
 	if err != nil {
 		return nil, err
 	}
@@ -166,7 +181,7 @@ func (s *Server) FreezeLedger(ctx context.Context, req *adminv1.FreezeLedgerRequ
 // ThawLedger implements adminv1.AdminServiceServer: thawed says whether a freeze was in
 // force. Thawing what is not frozen is not an error (and is audited too).
 func (s *Server) ThawLedger(ctx context.Context, req *adminv1.ThawLedgerRequest) (*adminv1.ThawLedgerResponse, error) {
-	sc, err := s.scope(ctx, req.GetRunId(), req.GetTenant())
+	sc, err := s.scope(ctx, req.GetRunId(), req.GetTenant(), false)
 	if err != nil {
 		return nil, err
 	}
