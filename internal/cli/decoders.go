@@ -37,8 +37,9 @@ const ledgerUsage = `Usage:
 freeze stops the decoders of a run (or of every run of a tenant) on every modelproxy
 replica within a second, with cause operator, and starts no new one for it: its model
 calls fail FAILED_PRECONDITION (LEDGER_FROZEN). A run named without --tenant is found
-in whichever tenant has it. Tokens the ledger records for it after the freeze are
-orphans: ls shows them, and they should stay 0. thaw lifts the freeze.
+in whichever tenant has it. ls shows, per freeze, the tokens the ledger recorded for
+it after the freeze (a decoder's tokens are recorded when it ends, so those running at
+the freeze count): once they have stopped, the figure must stop growing. thaw lifts it.
 `
 
 const decodersUsage = `Usage:
