@@ -52,6 +52,12 @@ Usage:
   curfew pool    (close POOL | open POOL [--force] | reopen POOL --when-orphan-delta-zero FOR [--wait D]) [--reason R] [--json]
   curfew audit   ls [--since D|TIME] [--limit N] [--json]
   curfew usage   [--tenant T] [--since D|TIME] [--json]
+  curfew leases  ls [--older-than D] [--json]
+  curfew leases  cancel --older-than D [--reason R] [--json]
+  curfew ledger  (freeze | thaw) (--run ID [--tenant T] | --tenant T) [--reason R] [--json]
+  curfew ledger  ls [--json]
+  curfew decoders drain [--pool P] [--cancel-after D] [--reason R] [--json]
+  curfew decoders undrain [--pool P] [--reason R] [--json]
   curfew outbox  ls [TENANT] [--channel C] [--pending] [--after ID] [--limit N] [--store DSN] [--json]
   curfew tls     (init DIR [--host NAME]... | k8s-secrets DIR [--namespace NS])
   curfew version
@@ -76,6 +82,7 @@ func Main(ctx context.Context, args []string, stdin io.Reader, stdout, stderr io
 		"up": cmdUp, "run": cmdRun, "get": cmdGet, "ls": cmdLs, "cancel": cmdCancel, "trace": cmdTrace,
 		"dlq": cmdDlq, "drill": cmdDrill, "tenant": cmdTenant, "tls": cmdTLS, "audit": cmdAudit, "usage": cmdUsage, "outbox": cmdOutbox,
 		"pool": cmdPool, "status": cmdStatus,
+		"leases": cmdLeases, "ledger": cmdLedger, "decoders": cmdDecoders,
 	}
 	switch args[0] {
 	case "help", "-h", "--help":

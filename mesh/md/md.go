@@ -29,6 +29,12 @@ const (
 	IdempotencyKey = "curfew-idempotency-key"
 	// Criticality is the caller's criticality class (for example "critical", "sheddable").
 	Criticality = "curfew-criticality"
+	// Pool names the admission pool the run was admitted to ("paid", "overflow"). The
+	// orchestrator sets it on the run's identity from its admission ticket, and it travels
+	// to every child call like the tenant, so that modelproxy knows the pool of each
+	// decoder's run (`curfew decoders drain --pool P`). Absent for a run admitted without
+	// admission, or taken over from another orchestrator.
+	Pool = "curfew-pool"
 	// Chaos names the drill's fault switches for this request (package mesh/chaos),
 	// comma-separated. A service honours it only when started with --chaos; it travels to
 	// child calls like the identity headers.
@@ -80,6 +86,8 @@ type Identity struct {
 	// Chaos is the curfew-chaos header (mesh/chaos): the drill's fault switches. The
 	// server chain clears it on a service started without --chaos.
 	Chaos string
+	// Pool is the curfew-pool header: the run's admission pool, "" when not known.
+	Pool string
 }
 
 type identityKey struct{}
@@ -113,6 +121,7 @@ func FromIncoming(ctx context.Context) Identity {
 		NodeID:  incoming(ctx, NodeID),
 		RetryID: incoming(ctx, RetryID),
 		Chaos:   incoming(ctx, Chaos),
+		Pool:    incoming(ctx, Pool),
 	}
 	if id.Tenant == "" {
 		id.Tenant = DefaultTenant
@@ -144,7 +153,7 @@ func IncomingDeadline(ctx context.Context) (time.Time, bool) {
 // AppendOutgoing writes the context's identity and deadline into the outgoing metadata.
 // Values already set explicitly on the outgoing context win.
 func AppendOutgoing(ctx context.Context) context.Context {
-	var buf [10]string
+	var buf [12]string
 	kv := AppendPairs(buf[:0], ctx)
 	if len(kv) == 0 {
 		return ctx
@@ -165,6 +174,7 @@ func AppendPairs(kv []string, ctx context.Context) []string { //nolint:revive //
 	add(RunID, id.RunID)
 	add(NodeID, id.NodeID)
 	add(Chaos, id.Chaos)
+	add(Pool, id.Pool)
 	if dl, ok := ctx.Deadline(); ok {
 		add(Deadline, strconv.FormatInt(dl.UnixMilli(), 10))
 	}

@@ -71,7 +71,7 @@ func roundTrip(ctx context.Context, t *testing.T) seen {
 }
 
 func TestRoundTripIdentityAndDeadline(t *testing.T) {
-	want := md.Identity{Tenant: "acme", RunID: "run-1", NodeID: "root/s0.t1"}
+	want := md.Identity{Tenant: "acme", RunID: "run-1", NodeID: "root/s0.t1", Pool: "overflow"}
 	ctx, cancel := context.WithTimeout(md.WithIdentity(context.Background(), want), 3*time.Second)
 	defer cancel()
 	dl, _ := ctx.Deadline()
@@ -86,7 +86,7 @@ func TestRoundTripIdentityAndDeadline(t *testing.T) {
 	if !s.hasDL || s.deadline.UnixMilli() != dl.UnixMilli() {
 		t.Errorf("IncomingDeadline = %v, %v; want %v", s.deadline, s.hasDL, dl.Truncate(time.Millisecond))
 	}
-	for _, k := range []string{md.Tenant, md.RunID, md.NodeID} {
+	for _, k := range []string{md.Tenant, md.RunID, md.NodeID, md.Pool} {
 		if n := len(s.raw.Get(k)); n != 1 {
 			t.Errorf("header %s sent %d times, want once", k, n)
 		}

@@ -20,6 +20,8 @@ const (
 	MaxNodeIDLen = 512
 	// MaxTenantLen bounds curfew-tenant.
 	MaxTenantLen = 64
+	// MaxPoolLen bounds curfew-pool (admission's pool names are shorter still).
+	MaxPoolLen = 64
 	// MaxIdempotencyKeyLen bounds curfew-idempotency-key.
 	MaxIdempotencyKeyLen = 256
 	// MaxAttempt is the largest curfew-attempt: far above any retry policy (curfew's own
@@ -43,6 +45,7 @@ type rule struct {
 var rules = []rule{
 	{Deadline, checkDeadline},
 	{Tenant, checkTenant},
+	{Pool, checkPool},
 	{RunID, checkID},
 	{NodeID, checkNodeID},
 	{RetryID, checkID},
@@ -150,9 +153,24 @@ func checkTenant(v string) error {
 	return nil
 }
 
+// checkPool is the rule of curfew-pool: 1 to MaxPoolLen characters of the tenant's
+// charset (A-Z a-z 0-9 . _ -); admission's pool names are a subset.
+func checkPool(v string) error {
+	if !ValidPool(v) {
+		return fmt.Errorf("must be 1 to %d characters of A-Z a-z 0-9 . _ -, got %q", MaxPoolLen, clip(v))
+	}
+	return nil
+}
+
+// ValidPool reports whether s is a well-formed curfew-pool value.
+func ValidPool(s string) bool { return len(s) <= MaxPoolLen && nameChars(s) }
+
 // ValidTenant reports whether s is a well-formed tenant name.
-func ValidTenant(s string) bool {
-	if s == "" || len(s) > MaxTenantLen {
+func ValidTenant(s string) bool { return len(s) <= MaxTenantLen && nameChars(s) }
+
+// nameChars reports whether s is non-empty and made of A-Z a-z 0-9 . _ - only.
+func nameChars(s string) bool {
+	if s == "" {
 		return false
 	}
 	for i := 0; i < len(s); i++ {

@@ -81,7 +81,10 @@
 //	subagent      curfew.subagent.v1.SubagentService/*          toolrunner (spawn_subagent)
 //	              curfew.mesh.v1.NodeReportService/*            orchestrator, toolrunner
 //	              curfew.mesh.v1.NodeReportService/ListNodes    curfew-cli
-//	modelproxy    curfew.modelproxy.v1.ModelProxyService/*      orchestrator, subagent
+//	modelproxy    curfew.modelproxy.v1.ModelProxyService/       orchestrator, subagent
+//	                Generate, RenewLeases, ListModels
+//	              curfew.modelproxy.v1.ModelProxyService/       orchestrator (the admin API's
+//	                ListDecoders, CancelDecoders                 fan-out to every replica)
 //	              curfew.mesh.v1.NodeReportService/*            orchestrator, subagent
 //	              curfew.mesh.v1.NodeReportService/ListNodes    curfew-cli
 //	every server  grpc.health.v1.Health/*, grpc.reflection.*    any mesh identity

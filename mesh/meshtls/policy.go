@@ -121,7 +121,6 @@ var (
 	adminAPI        = "/" + adminv1.AdminService_ServiceDesc.ServiceName + "/"
 	toolRunnerAPI   = "/" + toolrunnerv1.ToolRunnerService_ServiceDesc.ServiceName + "/"
 	subagentAPI     = "/" + subagentv1.SubagentService_ServiceDesc.ServiceName + "/"
-	modelProxyAPI   = "/" + modelproxyv1.ModelProxyService_ServiceDesc.ServiceName + "/"
 	nodeReportAPI   = "/" + meshv1.NodeReportService_ServiceDesc.ServiceName + "/"
 	listNodes       = meshv1.NodeReportService_ListNodes_FullMethodName
 	healthAPI       = "/" + healthpb.Health_ServiceDesc.ServiceName + "/"
@@ -155,7 +154,14 @@ var callGraph = map[string][]Rule{
 		{Method: listNodes, Callers: []string{CLI}},
 	},
 	ModelProxy: {
-		{Method: modelProxyAPI, Callers: []string{Orchestrator, Subagent}},
+		// The model calls, by method rather than the whole service: the operators'
+		// methods (ListDecoders, CancelDecoders) are the orchestrator's alone, which
+		// fans them out for the admin API.
+		{Method: modelproxyv1.ModelProxyService_Generate_FullMethodName, Callers: []string{Orchestrator, Subagent}},
+		{Method: modelproxyv1.ModelProxyService_RenewLeases_FullMethodName, Callers: []string{Orchestrator, Subagent}},
+		{Method: modelproxyv1.ModelProxyService_ListModels_FullMethodName, Callers: []string{Orchestrator, Subagent}},
+		{Method: modelproxyv1.ModelProxyService_ListDecoders_FullMethodName, Callers: []string{Orchestrator}},
+		{Method: modelproxyv1.ModelProxyService_CancelDecoders_FullMethodName, Callers: []string{Orchestrator}},
 		{Method: nodeReportAPI, Callers: []string{Orchestrator, Subagent}},
 		{Method: listNodes, Callers: []string{CLI}},
 	},

@@ -87,6 +87,8 @@ func allowed(caller, server, service, method string) bool {
 		return true
 	case caller == meshtls.CLI:
 		return server != meshtls.Orchestrator && service == "curfew.mesh.v1.NodeReportService" && method == "ListNodes"
+	case service == "curfew.modelproxy.v1.ModelProxyService" && (method == "ListDecoders" || method == "CancelDecoders"):
+		return caller == meshtls.Orchestrator // the admin API's fan-out, nobody else
 	}
 	return slices.Contains(edges[caller][server], service)
 }

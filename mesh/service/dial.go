@@ -61,19 +61,30 @@ func (rt *Runtime) ClientOptions(rc retry.Config) []grpc.DialOption {
 // not name's breaker: one replica's failures must not open the breaker of the calls that
 // any replica can serve. Close the returned closer when done.
 func (rt *Runtime) NodeReports(name, target string) (meshv1.NodeReportServiceClient, io.Closer, error) {
+	set, err := rt.Replicas(name, target, meshv1.NodeReportService_ServiceDesc)
+	if err != nil {
+		return nil, nil, err
+	}
+	return replicas.NodeReports(set), set, nil
+}
+
+// Replicas returns the Set of every replica of the service name at target (package
+// replicas), with connections as NodeReports makes them; the methods of services are
+// known to the retry metrics from the start. A caller that fans out more than node
+// reports (the orchestrator's decoder leases, to every modelproxy) makes its node
+// reports with replicas.NodeReports on the same Set. Close the Set when done.
+func (rt *Runtime) Replicas(name, target string, services ...grpc.ServiceDesc) (*replicas.Set, error) {
 	rc := rt.retries.For(name)
 	rc.Metrics, rc.Logger = rt.retryMetrics, rt.Log
-	rt.retryMetrics.Known(name, descMethods(meshv1.NodeReportService_ServiceDesc)...)
+	for _, d := range services {
+		rt.retryMetrics.Known(name, descMethods(d)...)
+	}
 	dial := func(addr string) (*grpc.ClientConn, error) {
 		opts := append(mesh.DialOptions(mesh.ClientConfig{Retry: rc, Metrics: rt.metrics.client}), grpc.WithTransportCredentials(rt.Credentials(name)),
 			rt.clientTracing())
 		return grpc.NewClient(addr, opts...)
 	}
-	set, err := replicas.New(target, dial, replicas.WithLogger(rt.Log))
-	if err != nil {
-		return nil, nil, err
-	}
-	return replicas.NodeReports(set), set, nil
+	return replicas.New(target, dial, replicas.WithLogger(rt.Log))
 }
 
 // packageMethods are the full method names of the services of proto package pkg linked

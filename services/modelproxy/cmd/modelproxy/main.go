@@ -39,6 +39,7 @@ func run(args []string) int {
 	leaseTTL := fs.Duration("decoder-lease-ttl", modelproxy.DefaultLeaseTTL, "TTL of a decoder's lease when its caller names none (GenerateRequest.lease_ttl): a decoder whose caller has not renewed its lease (RenewLeases) for this long stops by itself, cause lease_expired (see docs/leases.md); 0 gives such decoders no lease")
 	admissionFile := fs.String("admission-config", "", "the orchestrator's admission file (docs/admission.md), read for its tenants' token budgets: each model call reserves its prompt and max_tokens against its tenant's budget before it starts and is refused RESOURCE_EXHAUSTED when the budget cannot cover it; counted per modelproxy replica; no reservations when empty or no tenant has a budget")
 	storeDSN := fs.String("store", "", "durable store of the token ledger: a SQLite path (sqlite:///path/curfew.db) or a postgres:// DSN; `curfew up` passes one under its data directory; without one the ledger is kept in memory only and a run's spend does not survive a restart")
+	controlsPoll := fs.Duration("controls-poll", modelproxy.DefaultControlsPoll, "how often the operators' controls are read from the store (ledger freezes, decoder drains: see docs/operations.md); at most 1s, so that a freeze or drain holds on every replica within a second")
 	if err := service.Parse(fs, args, os.Getenv); err != nil {
 		fmt.Fprintln(os.Stderr, "modelproxy:", err)
 		return 2
@@ -49,6 +50,10 @@ func run(args []string) int {
 	}
 	if *minDecode < 0 {
 		fmt.Fprintln(os.Stderr, "modelproxy: --min-decode-time must not be negative")
+		return 2
+	}
+	if err := modelproxy.ValidateControlsPoll(*controlsPoll); err != nil {
+		fmt.Fprintln(os.Stderr, "modelproxy: --controls-poll:", err)
 		return 2
 	}
 	if err := modelproxy.ValidateLeaseTTL(*leaseTTL); err != nil {
@@ -96,6 +101,7 @@ func run(args []string) int {
 	srv.Metrics = modelproxy.NewMetrics(rt.Registry)
 	srv.Log = rt.Log
 	srv.Leases.TTL = *leaseTTL
+	srv.Replica = rt.Replica()
 	// The metrics exist at 0 with or without budgets; reservations only with one at start
 	// (a reservation also bounds a call's max_tokens, which a file without budgets must
 	// not do), so a reload changes budgets but does not add the first one.
@@ -131,6 +137,9 @@ func run(args []string) int {
 	report.Metrics = nodes.NewMetrics(rt.Registry, meshv1.NodeKind_NODE_KIND_MODEL)
 	meshv1.RegisterNodeReportServiceServer(rt.Server, report)
 	go service.Every(ctx, time.Minute, srv.Sweep)
+	// The operators' freezes and drains, from the store: the shared one every replica
+	// reads, or this replica's own.
+	go srv.WatchControls(ctx, st, *controlsPoll)
 	if err := rt.Serve(ctx); err != nil {
 		rt.Log.Error("serve", "error", err.Error())
 		return 1

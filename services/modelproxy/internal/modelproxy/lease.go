@@ -211,6 +211,16 @@ func (t *Leases) oldest(now time.Time) time.Duration {
 	return age
 }
 
+// lastRenewal returns when l was last renewed (its start when never), zero for no lease.
+func (t *Leases) lastRenewal(l *lease) time.Time {
+	if t == nil || l == nil {
+		return time.Time{}
+	}
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	return l.last
+}
+
 // Len returns the number of live leases.
 func (t *Leases) Len() int {
 	t.mu.Lock()

@@ -61,8 +61,11 @@ type spend struct {
 	prompted  int64   // prompt tokens charged
 	spent     int64   // output and prompt tokens recorded, persisted or not (the budget's settle)
 	cancelled atomic.Int64
-	done      chan struct{} // closed once the cancel instant is stored
-	stop      func() bool
+	// output counts the output tokens recorded so far, for readers on other goroutines
+	// (ListDecoders).
+	output atomic.Int64
+	done   chan struct{} // closed once the cancel instant is stored
+	stop   func() bool
 }
 
 // newSpend starts the tally of a decoder whose node context is ctx.
@@ -84,6 +87,7 @@ func (d *spend) record(at time.Time, n int) {
 		return
 	}
 	d.spent += int64(n)
+	d.output.Add(int64(n))
 	d.ledger.RecordN(d.run, d.node, at, n)
 	if d.keep {
 		ns := at.UnixNano()

@@ -109,7 +109,7 @@ type decoder struct {
 	mu       sync.Mutex
 	st       provider.Stream
 	detached provider.Detached
-	lapse    bool // the lease lapsed
+	stopped  error // why it was told to stop (its lease lapsed, an operator), or nil
 }
 
 // open records the stream the decoder reads and reports whether it is detached.
@@ -120,22 +120,28 @@ func (d *decoder) open(st provider.Stream) bool {
 	if ok {
 		d.detached = det
 	}
-	lapsed := d.lapse
+	stopped := d.stopped
 	d.mu.Unlock()
-	if ok && lapsed {
-		det.Stop(cancel.ErrLeaseExpired)
+	if ok && stopped != nil {
+		det.Stop(stopped)
 	}
 	return ok
 }
 
 // lapsed is the lease's lapse hook.
-func (d *decoder) lapsed() {
+func (d *decoder) lapsed() { d.stop(cancel.ErrLeaseExpired) }
+
+// stop passes a stop with cause (besides the node's cancel, which the caller does) to a
+// detached stream, now or when it opens: the first cause stands.
+func (d *decoder) stop(cause error) {
 	d.mu.Lock()
-	d.lapse = true
+	if d.stopped == nil {
+		d.stopped = cause
+	}
 	det := d.detached
 	d.mu.Unlock()
 	if det != nil {
-		det.Stop(cancel.ErrLeaseExpired)
+		det.Stop(cause)
 	}
 }
 

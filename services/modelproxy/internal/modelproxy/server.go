@@ -6,6 +6,7 @@ import (
 	"maps"
 	"slices"
 	"strings"
+	"sync/atomic"
 	"time"
 
 	"google.golang.org/grpc/codes"
@@ -56,8 +57,15 @@ type Server struct {
 	// Leases is the decoder lease table (lease.go); its TTL is the default of decoders
 	// whose caller names none (DefaultLeaseTTL from New; 0 gives those no lease).
 	Leases *Leases
+	// Replica names this replica in ListDecoders and CancelDecoders answers.
+	Replica string
 	// persister keys and tracks the appends in flight.
 	persister persister
+	// decoders are the decoders running (decoders.go).
+	decoders decoderTable
+	// controls are the operators' controls last read by WatchControls (controls.go); nil
+	// before the first read: nothing is frozen or drained.
+	controls atomic.Pointer[controlSet]
 	// now is the clock; tests may replace it.
 	now func() time.Time
 }
@@ -122,6 +130,14 @@ func (s *Server) Generate(req *modelproxyv1.GenerateRequest, stream modelproxyv1
 	if err := ctx.Err(); err != nil {
 		return err // never start a decoder for a call already cancelled
 	}
+	tenant := id.Tenant
+	if tenant == "" {
+		tenant = md.DefaultTenant
+	}
+	// Nor for a frozen run or tenant, or a drained pool (controls.go).
+	if err := s.refuse(tenant, run, id.Pool); err != nil {
+		return err
+	}
 	n := &meshv1.Node{Id: node, Kind: meshv1.NodeKind_NODE_KIND_MODEL, Name: model}
 	if dl, ok := ctx.Deadline(); ok {
 		n.Deadline = timestamppb.New(dl)
@@ -132,10 +148,6 @@ func (s *Server) Generate(req *modelproxyv1.GenerateRequest, stream modelproxyv1
 		return cancelledRun(err)
 	}
 	ctx = bctx
-	tenant := id.Tenant
-	if tenant == "" {
-		tenant = md.DefaultTenant
-	}
 	// The tenant's budget covers the call's prompt and max_tokens, or it does not start:
 	// its node ends at once, failed with the refusal, and no provider is asked.
 	hold, bound, err := s.reserve(ctx, tenant, rt, req)
@@ -149,9 +161,15 @@ func (s *Server) Generate(req *modelproxyv1.GenerateRequest, stream modelproxyv1
 	tokens := s.traceTokens(ctx, run, node)
 	lrun, lnode := s.ledgerKey(ctx, model, run, node)
 	sp := s.newSpend(ctx, lrun, lnode)
+	// In the operators' view from here to its end; a control read between the check
+	// above and now stops it at the next read (applyControls).
+	live := &liveDecoder{tenant: tenant, run: run, node: node, retry: id.RetryID, pool: id.Pool, model: model, rt: rt,
+		started: s.now(), spend: sp, lease: lease, dec: dec, node0: ctx}
+	s.decoders.add(live)
 	err = rt.serve(ctx, &call{model: model, req: req, stream: stream, run: run, node: node, spend: sp,
 		nodes: s.Nodes, metrics: s.Metrics, decoder: dec, now: s.now, maxTokens: bound})
 	s.Leases.end(lease)
+	s.decoders.remove(live)
 	dctx := dec.context()
 	err = leaseErr(dctx, err)
 	hold.Settle(sp.spent) // to what the ledger recorded, however the call ended

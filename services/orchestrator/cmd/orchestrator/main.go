@@ -27,6 +27,7 @@ import (
 	"github.com/curfew-mesh/curfew/mesh/dlq"
 	"github.com/curfew-mesh/curfew/mesh/meshtls"
 	"github.com/curfew-mesh/curfew/mesh/outbox"
+	"github.com/curfew-mesh/curfew/mesh/replicas"
 	"github.com/curfew-mesh/curfew/mesh/service"
 	"github.com/curfew-mesh/curfew/mesh/store/memory"
 	_ "github.com/curfew-mesh/curfew/mesh/store/postgres" // postgres:// DSNs
@@ -244,15 +245,23 @@ func run(args []string) int {
 	// Node reports ask every replica of a service (a headless Service resolves to each
 	// ready pod): a run's nodes are in the tables of the replicas that ran them.
 	reports := map[string]meshv1.NodeReportServiceClient{}
+	var decoders *replicas.Set // every modelproxy replica, for the admin API's decoder leases
 	for flagName, addr := range conns {
 		name := strings.TrimPrefix(flagName, "--")
-		r, closer, err := rt.NodeReports(name, addr)
+		descs := []grpc.ServiceDesc{meshv1.NodeReportService_ServiceDesc}
+		if name == "modelproxy" {
+			descs = append(descs, modelproxyv1.ModelProxyService_ServiceDesc)
+		}
+		set, err := rt.Replicas(name, addr, descs...)
 		if err != nil {
 			fmt.Fprintf(os.Stderr, "orchestrator: %s: %v\n", flagName, err)
 			return 2
 		}
-		defer closer.Close()
-		reports[name] = r
+		defer set.Close()
+		reports[name] = replicas.NodeReports(set)
+		if name == "modelproxy" {
+			decoders = set
+		}
 	}
 	// One toolrunner client for the loop and the front door, so that both ask the same
 	// toollist.Lister (one cached list per tenant).
@@ -293,7 +302,7 @@ func run(args []string) int {
 	})
 	orchestratorv1.RegisterOrchestratorServiceServer(rt.Server, srv)
 	rt.RecordConfigs(ctx, st)
-	acfg := admin.Config{Store: st, Replica: self, Breakers: rt.Breakers, Log: rt.Log}
+	acfg := admin.Config{Store: st, Replica: self, Breakers: rt.Breakers, Decoders: decoders, Log: rt.Log}
 	if adm != nil {
 		pools := admin.NewPoolControls(st, adm, self, rt.Log)
 		go pools.Run(ctx, *operatorPoll)

@@ -9,7 +9,6 @@ import (
 	"google.golang.org/protobuf/types/known/durationpb"
 
 	adminv1 "github.com/curfew-mesh/curfew/gen/curfew/admin/v1"
-	"github.com/curfew-mesh/curfew/mesh/apikey"
 	"github.com/curfew-mesh/curfew/mesh/store"
 )
 
@@ -39,13 +38,6 @@ func (s *Server) stateOf(ctx context.Context, pools Pools, name string) *adminv1
 		}
 	}
 	return &adminv1.PoolState{Pool: name, Replica: s.cfg.Replica}
-}
-
-func actor(ctx context.Context) string {
-	if a := apikey.Caller(ctx); a != "" {
-		return a
-	}
-	return "unknown"
 }
 
 // ClosePool implements adminv1.AdminServiceServer.

@@ -27,6 +27,9 @@ type Config struct {
 	// ReopenPoll is how often ReopenPool reads the orphan delta and reports (0: 1 s,
 	// or a quarter of the window when that is shorter).
 	ReopenPoll time.Duration
+	// Decoders reaches every modelproxy replica, for the decoder leases (leases.go);
+	// nil: no replica is known, and the lease methods find no lease.
+	Decoders Decoders
 	// Log receives what the server does beyond its answers; nil: slog.Default().
 	Log *slog.Logger
 }

@@ -36,23 +36,24 @@ func (s *Server) Status(ctx context.Context, _ *adminv1.StatusRequest) (*adminv1
 				Target: b.Target(), State: breakerState(b.State())})
 		}
 	}
-	s.fleetStatus(ctx, out)
-	unreachable := func(what string, err error) {
+	leases, breakers, unreachable := s.fleet(ctx, 0)
+	out.Leases, out.Breakers, out.Unreachable = leases, append(out.Breakers, breakers...), unreachable
+	storeFailed := func(what string, err error) {
 		s.cfg.Log.WarnContext(ctx, "status: part not read", "part", what, "error", err.Error())
 		out.Unreachable = append(out.Unreachable, "store ("+what+")")
 	}
 	if n, err := s.cfg.Store.SumTokens(ctx, store.TokenQuery{Kind: store.KindOrphan, Since: time.Now().Add(-s.orphanWindow())}); err != nil {
-		unreachable("orphan delta", err)
+		storeFailed("orphan delta", err)
 	} else {
 		out.OrphanDelta = n
 	}
 	if n, err := s.cfg.Store.DeadLetterDepth(ctx, ""); err != nil {
-		unreachable("dead letters", err)
+		storeFailed("dead letters", err)
 	} else {
 		out.DeadLetterDepth = n
 	}
 	if cs, err := s.cfg.Store.ListReplicaConfigs(ctx, ""); err != nil {
-		unreachable("replica configs", err)
+		storeFailed("replica configs", err)
 	} else {
 		for _, c := range cs {
 			rc := &adminv1.ReplicaConfig{Service: c.Service, Replica: c.Replica, Config: c.Config, Version: c.Version,
@@ -60,30 +61,10 @@ func (s *Server) Status(ctx context.Context, _ *adminv1.StatusRequest) (*adminv1
 			out.Configs = append(out.Configs, rc)
 		}
 	}
-	if cs, err := s.cfg.Store.ListControls(ctx); err != nil {
-		unreachable("controls", err)
+	if freezes, drains, err := s.controlsView(ctx); err != nil {
+		storeFailed("controls", err)
 	} else {
-		for _, c := range cs {
-			switch c.Kind {
-			case store.ControlFreezeRun, store.ControlFreezeTenant:
-				f := &adminv1.Freeze{Reason: c.Reason, Actor: c.Actor, FrozenAt: timestamppb.New(c.CreatedAt)}
-				if c.Kind == store.ControlFreezeRun {
-					f.RunId, f.Tenant = c.Target, c.Tenant
-				} else {
-					f.Tenant = c.Target
-				}
-				out.Freezes = append(out.Freezes, f)
-			case store.ControlDrain:
-				d := &adminv1.Drain{Reason: c.Reason, Actor: c.Actor, StartedAt: timestamppb.New(c.CreatedAt)}
-				if c.Target != store.DrainAll {
-					d.Pool = c.Target
-				}
-				if !c.Until.IsZero() {
-					d.CancelAt = timestamppb.New(c.Until)
-				}
-				out.Drains = append(out.Drains, d)
-			}
-		}
+		out.Freezes, out.Drains = freezes, drains
 	}
 	return out, nil
 }

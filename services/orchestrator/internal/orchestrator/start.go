@@ -167,6 +167,12 @@ func (s *Server) create(ctx context.Context, tenant, key, model, task string, in
 func (s *Server) launch(ctx context.Context, rn *run, prior []agent.Entry, subscribe bool) (*meshv1.Node, chan *orchestratorv1.RunResponse) {
 	ident := md.IdentityFrom(ctx)
 	ident.Tenant, ident.RunID, ident.NodeID = rn.rec.GetTenant(), rn.id, RootNode
+	// The run's admission pool travels on every child call (curfew-pool), so that
+	// modelproxy can drain one pool's decoders; never the caller's own claim of one.
+	ident.Pool = ""
+	if rn.ticket != nil {
+		ident.Pool = rn.ticket.Pool()
+	}
 	rn.orphan = chaos.From(ctx).Orphan
 	// The run lives on its own context: detached from the call (so that
 	// continue_on_disconnect works and the disconnect is seen as a cause, not an error),
