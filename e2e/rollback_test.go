@@ -7,6 +7,7 @@ import (
 	"path/filepath"
 	"strconv"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -27,7 +28,7 @@ import (
 // Issue 22's acceptance: seed 003's drill with fault 1 (the cancel dropped on overflow
 // decoders) on two orchestrators and two modelproxy replicas sharing PostgreSQL. The
 // overflow runs are cancelled; their decoders decode on (orphan tokens), since their
-// leases are long (60 s). An operator runs the rollback order with the curfew commands,
+// leases are long (3 min). An operator runs the rollback order with the curfew commands,
 // each step issued to one orchestrator and taking effect on both and on both modelproxy
 // replicas: close the overflow pool, cancel the leases older than the grace, freeze the
 // tenant's ledger, drain the pool's decoders, reopen once the orphan delta has stayed
@@ -108,7 +109,7 @@ func TestRollbackOrderOnTwoReplicas(t *testing.T) {
 	  "fail_closed_window": "4s"}`)
 	for _, n := range []string{"orchestrator-a", "orchestrator-b"} {
 		p, err := c.Add(ctx, "orchestrator", n, "--store", c.Store, "--modelproxy", target, "--toolrunner", tools.Addr, "--subagent", sub.Addr,
-			"--chaos", "--admission-config", adm, "--operator-poll", "200ms", "--decoder-heartbeat", "20s")
+			"--chaos", "--admission-config", adm, "--operator-poll", "200ms", "--decoder-heartbeat", "20s", "--decoder-lease-ttl", "3m")
 		if err != nil {
 			t.Fatal(err)
 		}
@@ -135,7 +136,7 @@ func TestRollbackOrderOnTwoReplicas(t *testing.T) {
 	var runIDs []string
 	for i := range 6 {
 		resp, err := oc.runs[i%2].StartRun(overflowCtx, &orchestratorv1.StartRunRequest{
-			Task: `{"tokens_per_second": 20, "steps": [{"answer_tokens": 5000}]}`, Timeout: durationpb.New(2 * time.Minute)})
+			Task: `{"tokens_per_second": 20, "steps": [{"answer_tokens": 5000}]}`, Timeout: durationpb.New(3 * time.Minute)})
 		if err != nil {
 			t.Fatalf("overflow run %d: %v", i, err)
 		}
@@ -159,11 +160,19 @@ func TestRollbackOrderOnTwoReplicas(t *testing.T) {
 		}
 		return len(ls) == 6 && len(replicas) == 2
 	})
+	// The cancels in parallel: each waits for its decoders, which the fault keeps going,
+	// for the cancel's bound (about 12 s).
+	var wg sync.WaitGroup
 	for _, id := range runIDs {
-		if _, err := oc.runs[0].CancelRun(ctx, &orchestratorv1.CancelRunRequest{RunId: id, Reason: "the user left"}); err != nil {
-			t.Fatalf("CancelRun %s: %v", id, err)
-		}
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			if _, err := oc.runs[0].CancelRun(ctx, &orchestratorv1.CancelRunRequest{RunId: id, Reason: "the user left"}); err != nil {
+				t.Errorf("CancelRun %s: %v", id, err)
+			}
+		}()
 	}
+	wg.Wait()
 	orphans := func() int64 {
 		n, err := st.SumTokens(ctx, store.TokenQuery{Kind: store.KindOrphan})
 		if err != nil {
@@ -171,7 +180,6 @@ func TestRollbackOrderOnTwoReplicas(t *testing.T) {
 		}
 		return n
 	}
-	waitFor(t, "orphan tokens in the ledger: the fault is live", 30*time.Second, func() bool { return orphans() > 0 })
 	if n := len(leases(1)); n != 6 {
 		t.Fatalf("after the cancels %d decoders run, want the six the fault keeps decoding", n)
 	}
@@ -198,8 +206,13 @@ func TestRollbackOrderOnTwoReplicas(t *testing.T) {
 			t.Errorf("curfew leases ls does not list the decoder of run %s on %s", l.GetRunId(), l.GetReplica())
 		}
 	}
-	step(1, "leases", "cancel", "--older-than", "1s", "--reason", "2: past the cancel grace")
+	if out := step(1, "leases", "cancel", "--older-than", "1s", "--reason", "2: past the cancel grace"); !strings.Contains(out, "cancelled 6 decoders") {
+		t.Errorf("curfew leases cancel: %s, want the six decoders the fault kept going named", out)
+	}
 	waitFor(t, "no decoder left on either replica", 10*time.Second, func() bool { return len(leases(0)) == 0 })
+	// The fault's cost lands in the ledger as each decoder ends: tokens after the cancel.
+	waitFor(t, "the orphan tokens of the cancelled decoders in the ledger", 10*time.Second, func() bool { return orphans() > 0 })
+	t.Logf("the fault cost %d orphan tokens", orphans())
 
 	// 3. Freeze the tenant's ledger (orchestrator-a), 4. drain the overflow decoders
 	// (orchestrator-b).
@@ -230,6 +243,10 @@ func TestRollbackOrderOnTwoReplicas(t *testing.T) {
 				t.Errorf("%s: overflow still closed by the operator after the reopen", oc.orchs[i].Name)
 			}
 		}
+	}
+	// Once the automatic window (4 s here) has passed too, overflow admits on both.
+	for i := range oc.orchs {
+		waitFor(t, oc.orchs[i].Name+" admits overflow runs again", 20*time.Second, func() bool { return oc.sheddable(ctx, i) == nil })
 	}
 	waitFor(t, "status's orphan delta zero once the window has passed", 20*time.Second, func() bool {
 		st, err := oc.admins[1].Status(ctx, &adminv1.StatusRequest{})

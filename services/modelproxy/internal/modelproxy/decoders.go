@@ -164,11 +164,13 @@ func (s *Server) CancelDecoders(ctx context.Context, req *modelproxyv1.CancelDec
 		return nil, status.Error(codes.InvalidArgument, "older_than is required and must be positive: give 1ms to cancel every decoder")
 	}
 	out := &modelproxyv1.CancelDecodersResponse{Replica: s.Replica}
+	// Every decoder listed is still decoding, including one whose node was cancelled
+	// before but which went on (a lost cancel, the drill's fault 1): stopping those is
+	// what this call is for, so each is named.
 	for _, d := range s.decoders.list(startedBefore(s.now().Add(-age))) {
 		p := s.decoderProto(d)
-		if s.stopDecoder(d, cancel.ErrOperator) {
-			out.Cancelled = append(out.Cancelled, p)
-		}
+		s.stopDecoder(d, cancel.ErrOperator)
+		out.Cancelled = append(out.Cancelled, p)
 	}
 	if len(out.Cancelled) > 0 {
 		s.log().InfoContext(ctx, "decoders cancelled by an operator", "older_than", age.String(), "cancelled", len(out.Cancelled), "reason", req.GetReason())
