@@ -12,7 +12,9 @@ import (
 	"time"
 
 	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/credentials/insecure"
+	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/encoding/protojson"
 	"google.golang.org/protobuf/types/known/durationpb"
 	"google.golang.org/protobuf/types/known/timestamppb"
@@ -325,5 +327,38 @@ func TestDecoderControlsAcrossReplicas(t *testing.T) {
 	}
 	if len(want) > 0 {
 		t.Errorf("the audit log lacks %v:\n%v", want, audit.GetEntries())
+	}
+}
+
+// Over the shared mesh's mTLS: the orchestrator's fan-out reaches modelproxy as the
+// orchestrator identity (the call graph allows ListDecoders to it alone), and a mesh
+// peer that is not the orchestrator is refused ListDecoders and CancelDecoders.
+func TestDecoderRPCsOverMTLS(t *testing.T) {
+	t.Parallel()
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+	requireTLS(t)
+	oc, err := mesh.Conn("orchestrator")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = oc.Close() }()
+	ls, err := adminv1.NewAdminServiceClient(oc).ListLeases(ctx, &adminv1.ListLeasesRequest{})
+	if err != nil || len(ls.GetUnreachable()) != 0 {
+		t.Fatalf("ListLeases as curfew-cli = %v, %v; want every modelproxy replica answering", ls, err)
+	}
+	for _, who := range []string{"curfew-cli", "subagent"} {
+		mc, err := mesh.ConnAs(who, "modelproxy")
+		if err != nil {
+			t.Fatal(err)
+		}
+		c := modelproxyv1.NewModelProxyServiceClient(mc)
+		if _, err := c.ListDecoders(ctx, &modelproxyv1.ListDecodersRequest{}); status.Code(err) != codes.PermissionDenied {
+			t.Errorf("ListDecoders as %s: %v, want PERMISSION_DENIED", who, err)
+		}
+		if _, err := c.CancelDecoders(ctx, &modelproxyv1.CancelDecodersRequest{OlderThan: durationpb.New(time.Millisecond)}); status.Code(err) != codes.PermissionDenied {
+			t.Errorf("CancelDecoders as %s: %v, want PERMISSION_DENIED", who, err)
+		}
+		_ = mc.Close()
 	}
 }

@@ -101,7 +101,7 @@ func waitControls(t *testing.T, s *Server, ok func(*controlSet) bool) {
 }
 
 // started runs a long decoder in the background and returns what its stream ends with.
-func started(t *testing.T, e *env, ctx context.Context) <-chan error {
+func started(ctx context.Context, t *testing.T, e *env) <-chan error {
 	t.Helper()
 	st, err := e.model.Generate(ctx, &modelproxyv1.GenerateRequest{Messages: conversation(longPlan, 0)})
 	if err != nil {
@@ -143,8 +143,8 @@ func wantOperatorCancel(t *testing.T, e *env, run, node string, ended <-chan err
 
 func TestFreezeRunStopsItsDecodersAndThawLetsThemStart(t *testing.T) {
 	e, fc := controlEnv(t)
-	frozen := started(t, e, poolCtx("acme", "r-frozen", "root/m0", "paid"))
-	other := started(t, e, poolCtx("acme", "r-other", "root/m0", "paid"))
+	frozen := started(poolCtx("acme", "r-frozen", "root/m0", "paid"), t, e)
+	other := started(poolCtx("acme", "r-other", "root/m0", "paid"), t, e)
 	waitDecoders(t, e.srv, 2)
 
 	fc.set(store.Control{Kind: store.ControlFreezeRun, Target: "r-frozen", Tenant: "acme", Reason: "leak", CreatedAt: time.Now()})
@@ -182,7 +182,7 @@ func TestFreezeRunStopsItsDecodersAndThawLetsThemStart(t *testing.T) {
 
 func TestFreezeTenantAndStoreErrorsKeepIt(t *testing.T) {
 	e, fc := controlEnv(t)
-	run := started(t, e, poolCtx("acme", "r-t", "root/m0", ""))
+	run := started(poolCtx("acme", "r-t", "root/m0", ""), t, e)
 	waitDecoders(t, e.srv, 1)
 	fc.set(store.Control{Kind: store.ControlFreezeTenant, Target: "acme", CreatedAt: time.Now()})
 	wantOperatorCancel(t, e, "r-t", "root/m0", run)
@@ -199,7 +199,7 @@ func TestFreezeTenantAndStoreErrorsKeepIt(t *testing.T) {
 
 func TestDrainByPoolRefusesOnlyThatPool(t *testing.T) {
 	e, fc := controlEnv(t)
-	running := started(t, e, poolCtx("acme", "r-run", "root/m0", "overflow"))
+	running := started(poolCtx("acme", "r-run", "root/m0", "overflow"), t, e)
 	waitDecoders(t, e.srv, 1)
 	fc.set(store.Control{Kind: store.ControlDrain, Target: "overflow", Reason: "rollback", CreatedAt: time.Now()})
 	waitControls(t, e.srv, func(c *controlSet) bool { _, ok := c.drain("overflow"); return ok })
@@ -232,8 +232,8 @@ func TestDrainByPoolRefusesOnlyThatPool(t *testing.T) {
 
 func TestDrainCancelsAtItsBound(t *testing.T) {
 	e, fc := controlEnv(t)
-	covered := started(t, e, poolCtx("acme", "r-c", "root/m0", "overflow"))
-	spared := started(t, e, poolCtx("acme", "r-s", "root/m0", "paid"))
+	covered := started(poolCtx("acme", "r-c", "root/m0", "overflow"), t, e)
+	spared := started(poolCtx("acme", "r-s", "root/m0", "paid"), t, e)
 	waitDecoders(t, e.srv, 2)
 	const after = 400 * time.Millisecond
 	set := time.Now()
@@ -255,10 +255,10 @@ func TestDrainCancelsAtItsBound(t *testing.T) {
 
 func TestListAndCancelDecodersOlderThan(t *testing.T) {
 	e, _ := controlEnv(t)
-	old := started(t, e, poolCtx("acme", "r-old", "root/m0", "overflow"))
+	old := started(poolCtx("acme", "r-old", "root/m0", "overflow"), t, e)
 	waitDecoders(t, e.srv, 1)
-	time.Sleep(500 * time.Millisecond)
-	young := started(t, e, poolCtx("acme", "r-young", "root/m0", "paid"))
+	time.Sleep(1500 * time.Millisecond)
+	young := started(poolCtx("acme", "r-young", "root/m0", "paid"), t, e)
 	waitDecoders(t, e.srv, 2)
 
 	ctx := context.Background()
@@ -277,19 +277,19 @@ func TestListAndCancelDecodersOlderThan(t *testing.T) {
 	if d0.GetTokens() <= 0 {
 		t.Errorf("the old decoder reports %d tokens, want its tokens so far", d0.GetTokens())
 	}
-	ls, err = e.model.ListDecoders(ctx, &modelproxyv1.ListDecodersRequest{OlderThan: durationpb.New(250 * time.Millisecond)})
+	ls, err = e.model.ListDecoders(ctx, &modelproxyv1.ListDecodersRequest{OlderThan: durationpb.New(750 * time.Millisecond)})
 	if err != nil {
 		t.Fatal(err)
 	}
 	if len(ls.GetDecoders()) != 1 || ls.GetDecoders()[0].GetRunId() != "r-old" {
-		t.Fatalf("ListDecoders older than 250ms = %v, want the old one", ls.GetDecoders())
+		t.Fatalf("ListDecoders older than 750ms = %v, want the old one", ls.GetDecoders())
 	}
 
 	for _, bad := range []*durationpb.Duration{nil, durationpb.New(0), durationpb.New(-time.Second)} {
 		_, err := e.model.CancelDecoders(ctx, &modelproxyv1.CancelDecodersRequest{OlderThan: bad})
 		meshtest.WantCode(t, err, codes.InvalidArgument, "older_than")
 	}
-	cr, err := e.model.CancelDecoders(ctx, &modelproxyv1.CancelDecodersRequest{OlderThan: durationpb.New(250 * time.Millisecond), Reason: "grace"})
+	cr, err := e.model.CancelDecoders(ctx, &modelproxyv1.CancelDecodersRequest{OlderThan: durationpb.New(750 * time.Millisecond), Reason: "grace"})
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -257,7 +257,7 @@ func run(args []string) int {
 			fmt.Fprintf(os.Stderr, "orchestrator: %s: %v\n", flagName, err)
 			return 2
 		}
-		defer set.Close()
+		defer func() { _ = set.Close() }()
 		reports[name] = replicas.NodeReports(set)
 		if name == "modelproxy" {
 			decoders = set
