@@ -159,8 +159,10 @@ func TestFreezesAndDrains(t *testing.T) {
 	if _, err := s.FreezeLedger(ctx, &adminv1.FreezeLedgerRequest{Tenant: "globex"}); err != nil {
 		t.Fatal(err)
 	}
-	// Tokens recorded after the freeze are counted.
-	if _, err := st.AddTokens(ctx, store.LedgerEntry{Tenant: "acme", RunID: "run-unique", NodeID: "root/m0", Tokens: 4, Kind: "orphan", Key: "k1"}); err != nil {
+	// The orphan tokens recorded after the freeze are counted; the output a decoder
+	// made before it, written when it ended, is not.
+	if _, err := st.AddTokens(ctx, store.LedgerEntry{Tenant: "acme", RunID: "run-unique", NodeID: "root/m0", Tokens: 4, Kind: "orphan", Key: "k1"},
+		store.LedgerEntry{Tenant: "acme", RunID: "run-unique", NodeID: "root/m0", Tokens: 9, Kind: "output", Key: "k2"}); err != nil {
 		t.Fatal(err)
 	}
 	lf, err := s.ListFreezes(ctx, &adminv1.ListFreezesRequest{})

@@ -137,7 +137,10 @@ func (s *Server) runTenants(ctx context.Context, runID string) ([]string, error)
 // scope since it was set.
 func (s *Server) freezeOf(ctx context.Context, c store.Control) (*adminv1.Freeze, error) {
 	f := &adminv1.Freeze{Reason: c.Reason, Actor: c.Actor, FrozenAt: timestamppb.New(c.CreatedAt)}
-	q := store.TokenQuery{Since: c.CreatedAt}
+	// The orphan entries recorded since the freeze: the freeze cancels the scope's
+	// decoders, and what each decoded after its cancel is written as orphan when it
+	// ends. Its output before the freeze is not counted, though it is written then too.
+	q := store.TokenQuery{Kind: store.KindOrphan, Since: c.CreatedAt}
 	if c.Kind == store.ControlFreezeRun {
 		f.Tenant, f.RunId = c.Tenant, c.Target
 		q.Tenant, q.RunID = c.Tenant, c.Target
