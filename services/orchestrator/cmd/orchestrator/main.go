@@ -288,7 +288,11 @@ func run(args []string) int {
 	})
 	orchestratorv1.RegisterOrchestratorServiceServer(rt.Server, srv)
 	rt.RecordConfigs(ctx, st)
-	admin.New(admin.Config{Store: st, Replica: self, Log: rt.Log}).Register(rt.Server)
+	acfg := admin.Config{Store: st, Replica: self, Log: rt.Log}
+	if adm != nil {
+		acfg.Tenants = adm // the tenants' settings (approver_not_starter) follow the admission file
+	}
+	admin.New(acfg).Register(rt.Server)
 	if shared {
 		orchestratorv1.RegisterDeadLetterServiceServer(rt.Server, orchestrator.NewDeadLetterServer(st, srv.Replay))
 	}
