@@ -51,6 +51,8 @@ Usage:
   curfew audit   ls [--since D|TIME] [--limit N] [--json]
   curfew usage   [--tenant T] [--since D|TIME] [--json]
   curfew outbox  ls [TENANT] [--channel C] [--pending] [--after ID] [--limit N] [--store DSN] [--json]
+  curfew approve|deny RUN NODE [--tenant T] [--reason R] [--json]
+  curfew approvals ls [--all] [--tenant T] [--run ID] [--json]
   curfew tls     (init DIR [--host NAME]... | k8s-secrets DIR [--namespace NS])
   curfew version
 
@@ -73,6 +75,7 @@ func Main(ctx context.Context, args []string, stdin io.Reader, stdout, stderr io
 	cmds := map[string]func(context.Context, []string, io.Writer, io.Writer) int{
 		"up": cmdUp, "run": cmdRun, "get": cmdGet, "ls": cmdLs, "cancel": cmdCancel, "trace": cmdTrace,
 		"dlq": cmdDlq, "drill": cmdDrill, "tenant": cmdTenant, "tls": cmdTLS, "audit": cmdAudit, "usage": cmdUsage, "outbox": cmdOutbox,
+		"approve": cmdApprove(true), "deny": cmdApprove(false), "approvals": cmdApprovals,
 	}
 	switch args[0] {
 	case "help", "-h", "--help":
