@@ -88,7 +88,7 @@ func newApprovalsMetric() *prometheus.CounterVec {
 // timed out and the call denied likewise, its node's cause approval_timeout. Cancelled,
 // the request is marked cancelled when the run's cancel names a cause; a call whose
 // caller merely went away (an orchestrator that died: its run will be taken over and the
-// call sent again) leaves it pending.
+// call sent again), or that a takeover superseded, leaves it pending.
 func (s *Server) gated(exec execFunc, g gate, name string, raw []byte, event func(*meshv1.NodeEvent)) execFunc {
 	return func(ctx context.Context) (string, *meshv1.Cleanup, error) {
 		if !s.cfg.Store.Shared() {
@@ -195,8 +195,11 @@ func (s *Server) awaitDecision(ctx context.Context, a store.Approval, capAt time
 		t.Reset(wait)
 		select {
 		case <-ctx.Done():
-			if cancel.CauseOf(ctx) == meshv1.CancelCause_CANCEL_CAUSE_UNSPECIFIED {
-				return a, status.FromContextError(ctx.Err()).Err() // the caller went away: left pending
+			switch cancel.CauseOf(ctx) {
+			case meshv1.CancelCause_CANCEL_CAUSE_UNSPECIFIED, meshv1.CancelCause_CANCEL_CAUSE_SUPERSEDED:
+				// The caller went away, or a newer attempt of the run replaced this one
+				// (a takeover): left pending, for the call sent again to find.
+				return a, status.FromContextError(ctx.Err()).Err()
 			}
 			ended, _, err := s.cfg.Store.EndApproval(context.WithoutCancel(ctx), a.Tenant, a.RunID, a.NodeID, a.IdempotencyKey, store.ApprovalCancelled)
 			if err != nil || ended.State == store.ApprovalCancelled {
