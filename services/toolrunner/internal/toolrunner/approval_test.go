@@ -103,7 +103,7 @@ func outbox(t *testing.T, s store.Store) int {
 	return len(rows)
 }
 
-func withDeadline(t *testing.T, ctx context.Context, d time.Duration) context.Context {
+func withDeadline(ctx context.Context, t *testing.T, d time.Duration) context.Context {
 	ctx, stop := context.WithTimeout(ctx, d)
 	t.Cleanup(stop)
 	return ctx
@@ -112,7 +112,7 @@ func withDeadline(t *testing.T, ctx context.Context, d time.Duration) context.Co
 // Approved: the effect happens once, and a repeat of the call replays it.
 func TestApprovalApprovedRunsOnce(t *testing.T) {
 	e, s := approvalEnv(t)
-	ctx := withDeadline(t, ident("r-a", "root/s0.t0"), 30*time.Second)
+	ctx := withDeadline(ident("r-a", "root/s0.t0"), t, 30*time.Second)
 	done := goCall(ctx, e)
 	a := pending(t, s, "r-a", "root/s0.t0")
 	if a.Why != "plan" || a.Tool != "notify" || a.ArgumentsJSON != notifyArgs || a.ExpiresAt.IsZero() {
@@ -144,7 +144,7 @@ func TestApprovalApprovedRunsOnce(t *testing.T) {
 // Denied: never the effect, and the call's error is the denial with its reason.
 func TestApprovalDenied(t *testing.T) {
 	e, s := approvalEnv(t)
-	ctx := withDeadline(t, ident("r-d", "root/s0.t0"), 30*time.Second)
+	ctx := withDeadline(ident("r-d", "root/s0.t0"), t, 30*time.Second)
 	done := goCall(ctx, e)
 	pending(t, s, "r-d", "root/s0.t0")
 	decide(t, s, "r-d", "root/s0.t0", false, "not on a friday")
@@ -211,7 +211,7 @@ func pending0(t *testing.T, s store.Store, run string) store.Approval {
 // approval is refused.
 func TestApprovalCancelledWhileWaiting(t *testing.T) {
 	e, s := approvalEnv(t)
-	ctx := withDeadline(t, ident("r-c", "root/s0.t0"), 30*time.Second)
+	ctx := withDeadline(ident("r-c", "root/s0.t0"), t, 30*time.Second)
 	done := goCall(ctx, e)
 	pending(t, s, "r-c", "root/s0.t0")
 	waitRunning(t, e.srv.Nodes, "r-c", "root/s0.t0")
@@ -235,7 +235,7 @@ func TestApprovalCancelledWhileWaiting(t *testing.T) {
 // waiting, and an approval then takes effect once.
 func TestApprovalResentAfterTakeover(t *testing.T) {
 	e, s := approvalEnv(t)
-	first, stop := context.WithCancel(withDeadline(t, ident("r-k", "root/s0.t0"), 30*time.Second))
+	first, stop := context.WithCancel(withDeadline(ident("r-k", "root/s0.t0"), t, 30*time.Second))
 	done := goCall(first, e)
 	a := pending(t, s, "r-k", "root/s0.t0")
 	stop()
@@ -243,7 +243,7 @@ func TestApprovalResentAfterTakeover(t *testing.T) {
 	if cur := pending0(t, s, "r-k"); cur.State != store.ApprovalPending {
 		t.Fatalf("the request after its caller went away: %+v", cur)
 	}
-	again := goCall(withDeadline(t, ident("r-k", "root/s0.t0"), 30*time.Second), e)
+	again := goCall(withDeadline(ident("r-k", "root/s0.t0"), t, 30*time.Second), e)
 	time.Sleep(50 * time.Millisecond) // it waits on the same request
 	if as, _ := s.ListApprovals(context.Background(), store.ApprovalQuery{RunID: "r-k"}); len(as) != 1 || !as[0].RequestedAt.Equal(a.RequestedAt) {
 		t.Fatalf("requests after the re-send: %+v", as)
@@ -260,6 +260,6 @@ func TestApprovalResentAfterTakeover(t *testing.T) {
 // A gate needs a store other processes share: the decision comes from another one.
 func TestApprovalNeedsSharedStore(t *testing.T) {
 	e := newEnv(t, mesh.ServerConfig{}, Config{})
-	c := callGated(withDeadline(t, ident("r-m", "root/s0.t0"), 30*time.Second), e)
+	c := callGated(withDeadline(ident("r-m", "root/s0.t0"), t, 30*time.Second), e)
 	meshtest.WantCode(t, c.err, codes.FailedPrecondition, "--store")
 }
