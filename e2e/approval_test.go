@@ -101,7 +101,32 @@ func TestApprovalGates(t *testing.T) {
 
 	t.Run("approve", func(t *testing.T) {
 		ch := "appr-ok-" + tag
-		id := startDetached(ctx, t, oc, approvalPlan(ch), time.Minute)
+		// A streamed run, so that its events are seen from the start.
+		rctx, stop := context.WithTimeout(ctx, time.Minute)
+		defer stop()
+		rs, err := oc.Run(rctx, &orchestratorv1.RunRequest{Task: approvalPlan(ch)})
+		if err != nil {
+			t.Fatal(err)
+		}
+		first, err := rs.Recv()
+		if err != nil || first.GetStarted() == nil {
+			t.Fatalf("first event %v, %v", first, err)
+		}
+		id := first.GetStarted().GetRunId()
+		gates := make(chan []string, 1)
+		go func() {
+			var states []string
+			for {
+				ev, err := rs.Recv()
+				if err != nil {
+					gates <- states
+					return
+				}
+				if g := ev.GetNodeEvent().GetApproval(); g != nil && ev.GetNodeEvent().GetNodeId() == approvalNode {
+					states = append(states, g.GetState()+" "+g.GetWhy()+" "+g.GetDecidedBy())
+				}
+			}
+		}()
 		a := waitPendingCLI(ctx, t, id)
 		if a.GetNodeId() != approvalNode || a.GetTool() != "notify" || a.GetWhy() != "plan" || a.GetExpiresAt() == nil {
 			t.Fatalf("request %v", a)
@@ -118,6 +143,10 @@ func TestApprovalGates(t *testing.T) {
 		}
 		if n := len(outboxFor(t, st, ch)); n != 1 {
 			t.Fatalf("%d notifications, want exactly 1", n)
+		}
+		// The run's stream carried the gate's events: waiting, then approved by curfew-cli.
+		if got := <-gates; strings.Join(got, "|") != "waiting_approval plan |approved plan mesh:curfew-cli" {
+			t.Errorf("approval events %q", got)
 		}
 		// Approving again changes nothing; denying now is refused: the first decision stands.
 		if _, err := curfewCLI(ctx, t, "approve", id, approvalNode); err != nil {
