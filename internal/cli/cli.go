@@ -59,6 +59,8 @@ Usage:
   curfew decoders drain [--pool P] [--cancel-after D] [--reason R] [--json]
   curfew decoders undrain [--pool P] [--reason R] [--json]
   curfew outbox  ls [TENANT] [--channel C] [--pending] [--after ID] [--limit N] [--store DSN] [--json]
+  curfew approve|deny RUN NODE [--tenant T] [--reason R] [--json]
+  curfew approvals ls [--all] [--tenant T] [--run ID] [--json]
   curfew tls     (init DIR [--host NAME]... | k8s-secrets DIR [--namespace NS])
   curfew version
 
@@ -83,6 +85,7 @@ func Main(ctx context.Context, args []string, stdin io.Reader, stdout, stderr io
 		"dlq": cmdDlq, "drill": cmdDrill, "tenant": cmdTenant, "tls": cmdTLS, "audit": cmdAudit, "usage": cmdUsage, "outbox": cmdOutbox,
 		"pool": cmdPool, "status": cmdStatus,
 		"leases": cmdLeases, "ledger": cmdLedger, "decoders": cmdDecoders,
+		"approve": cmdApprove(true), "deny": cmdApprove(false), "approvals": cmdApprovals,
 	}
 	switch args[0] {
 	case "help", "-h", "--help":

@@ -108,9 +108,14 @@ func ReadRecords(path string) ([]Record, error) {
 func NewServer(rec *Recorder) *mcp.Server {
 	s := mcp.NewServer(&mcp.Implementation{Name: "curfew-mcptest", Version: "1"}, nil)
 	t := &tools{rec: rec, effects: map[string]int{}}
+	// Annotations: effect says destructiveHint true explicitly; echo has annotations
+	// that leave destructiveHint out (the protocol's default, true, must not count as
+	// said); the others have none.
+	destructive := true
+	annotations := map[string]*mcp.ToolAnnotations{"effect": {DestructiveHint: &destructive}, "echo": {Title: "Echo"}}
 	add := func(name, desc string, props map[string]any, h func(context.Context, *call) (*mcp.CallToolResult, error)) {
 		schema := map[string]any{"type": "object", "properties": props}
-		s.AddTool(&mcp.Tool{Name: name, Description: desc, InputSchema: schema}, t.handler(name, h))
+		s.AddTool(&mcp.Tool{Name: name, Description: desc, InputSchema: schema, Annotations: annotations[name]}, t.handler(name, h))
 	}
 	num := map[string]any{"type": "integer", "minimum": 0}
 	add("echo", "Returns its text.", map[string]any{"text": map[string]any{"type": "string"}}, t.echo)

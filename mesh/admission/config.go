@@ -123,6 +123,10 @@ type TenantLimits struct {
 	// (OUT_OF_RANGE) before anything starts: the caller asked for more time than its
 	// tenant is granted, which a silent cap would hide.
 	MaxDeadline time.Duration
+	// ApproverNotStarter makes an approval gate of the tenant's runs (docs/operations.md,
+	// "Approval gates") refuse a decision by whoever started the run (PERMISSION_DENIED):
+	// four eyes on an irreversible effect. false: anyone with the admin scope decides.
+	ApproverNotStarter bool
 }
 
 // burst is the bucket size of l's rate.
@@ -332,11 +336,14 @@ type fileTenant struct {
 	RequestRate  float64  `json:"request_rate"`
 	RequestBurst int      `json:"request_burst"`
 	MaxDeadline  duration `json:"max_deadline"`
+	// ApproverNotStarter: see TenantLimits.
+	ApproverNotStarter bool `json:"approver_not_starter"`
 }
 
 func (t fileTenant) limits() TenantLimits {
 	return TenantLimits{MaxInFlight: t.MaxInFlight, TokenBudget: t.TokenBudget, Window: time.Duration(t.Window),
-		Rate: t.Rate, Burst: t.Burst, RequestRate: t.RequestRate, RequestBurst: t.RequestBurst, MaxDeadline: time.Duration(t.MaxDeadline)}
+		Rate: t.Rate, Burst: t.Burst, RequestRate: t.RequestRate, RequestBurst: t.RequestBurst, MaxDeadline: time.Duration(t.MaxDeadline),
+		ApproverNotStarter: t.ApproverNotStarter}
 }
 
 // duration is a time.Duration written as a string ("12s").

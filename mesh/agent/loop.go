@@ -276,6 +276,10 @@ func (l *Loop) RunResult(ctx context.Context, base string, in Input, j Journal) 
 	}
 	// Tool errors go back to a real model; the sim model's plan has no use for them.
 	pol := toolPolicy{toModel: !in.FailOnToolError && model != DefaultModel, allowed: in.Tools, failRun: in.FailOnToolError}
+	if model == DefaultModel {
+		// A sim plan's step may ask for a human's approval of a call ("approval": true).
+		pol.approval = plan.Approvals(in.Task)
+	}
 	final := false          // the model is asked for its final answer, without tools
 	var round time.Duration // how long the last round (model step and tools) took
 	minRound := l.cfg.MinModelTime + l.cfg.MinToolTime
@@ -474,6 +478,9 @@ type toolPolicy struct {
 	toModel bool     // a tool's failure is its result (see toolError)
 	allowed []string // the tools it may call; any when empty
 	failRun bool     // the run's own policy (Input.FailOnToolError), told to its tools
+	// approval holds the ids of the calls that wait for a human's approval whatever the
+	// registry says (a sim plan's "approval": true); toolrunner gates them.
+	approval map[string]bool
 }
 
 // toolStep runs the calls in parallel under ctx, which ends at the loop's reserve (see
@@ -646,7 +653,8 @@ func (l *Loop) callTool(ctx context.Context, id string, c *modelproxyv1.ToolCall
 		node.Status, node.ErrorCode, node.ErrorMessage = o.Status, o.Code, o.Message
 		l.cfg.Emit(node)
 	}
-	st, err := l.cfg.Tools.Execute(cctx, &toolrunnerv1.ExecuteRequest{Name: c.GetName(), ArgsJson: c.GetArgsJson()}, opts...)
+	st, err := l.cfg.Tools.Execute(cctx, &toolrunnerv1.ExecuteRequest{Name: c.GetName(), ArgsJson: c.GetArgsJson(),
+		RequireApproval: p.approval[c.GetId()]}, opts...)
 	if err != nil {
 		l.toolGone(ctx, c.GetName(), err)
 		err = l.failed(ctx, l.cfg.ToolNodes, id, err)

@@ -18,6 +18,9 @@ var (
 	ErrSuperseded       = errors.New("superseded by a newer attempt")
 	ErrBudget           = errors.New("budget exhausted")
 	ErrLeaseExpired     = errors.New("decoder lease expired")
+	// ErrApprovalTimeout: a tool call that waited for a human's approval got no
+	// decision before its wait's cap, and was denied without its effect.
+	ErrApprovalTimeout = errors.New("no approval before the wait's cap")
 )
 
 // DefaultCleanupBudget is the time cleanup gets after a cancel when the caller names none.
@@ -52,6 +55,8 @@ func FromError(err error) meshv1.CancelCause {
 		return meshv1.CancelCause_CANCEL_CAUSE_BUDGET
 	case errors.Is(err, ErrLeaseExpired):
 		return meshv1.CancelCause_CANCEL_CAUSE_LEASE_EXPIRED
+	case errors.Is(err, ErrApprovalTimeout):
+		return meshv1.CancelCause_CANCEL_CAUSE_APPROVAL_TIMEOUT
 	}
 	return meshv1.CancelCause_CANCEL_CAUSE_UNSPECIFIED
 }
@@ -73,6 +78,8 @@ func ErrorOf(c meshv1.CancelCause) error {
 		return ErrBudget
 	case meshv1.CancelCause_CANCEL_CAUSE_LEASE_EXPIRED:
 		return ErrLeaseExpired
+	case meshv1.CancelCause_CANCEL_CAUSE_APPROVAL_TIMEOUT:
+		return ErrApprovalTimeout
 	}
 	return nil
 }

@@ -28,6 +28,7 @@ var causes = []struct {
 	{cancel.ErrSuperseded, meshv1.CancelCause_CANCEL_CAUSE_SUPERSEDED, "superseded"},
 	{cancel.ErrBudget, meshv1.CancelCause_CANCEL_CAUSE_BUDGET, "budget"},
 	{cancel.ErrLeaseExpired, meshv1.CancelCause_CANCEL_CAUSE_LEASE_EXPIRED, "lease_expired"},
+	{cancel.ErrApprovalTimeout, meshv1.CancelCause_CANCEL_CAUSE_APPROVAL_TIMEOUT, "approval_timeout"},
 }
 
 func TestCauseOf(t *testing.T) {

@@ -103,6 +103,37 @@ type Tool struct {
 	// IdempotencyKey, for a tool with side effects, lets the call be retried with its
 	// effect still happening once. Without it such a call is never retried.
 	IdempotencyKey string `json:"idempotency_key,omitempty"`
+	// Approval makes this call wait for a human's approval before its effect, whatever
+	// the tool registry says (docs/operations.md, "Approval gates").
+	Approval bool `json:"approval,omitempty"`
+}
+
+// CallID is the id the sim model gives the j-th tool call of the plan's step i.
+func CallID(step, j int) string { return fmt.Sprintf("call_%d_%d", step, j) }
+
+// Approvals returns the ids (CallID) of the tool calls the plan marks "approval": true,
+// nil for none or for a task that is not a valid plan. Only the plan's own steps count: a
+// nested plan (spawn_subagent's) is the subagent's loop's to read.
+func Approvals(task string) map[string]bool {
+	if !LooksLikePlan(task) {
+		return nil
+	}
+	p, err := Parse([]byte(task))
+	if err != nil {
+		return nil
+	}
+	var out map[string]bool
+	for i, st := range p.Steps {
+		for j, t := range st.Tools {
+			if t.Approval {
+				if out == nil {
+					out = map[string]bool{}
+				}
+				out[CallID(i, j)] = true
+			}
+		}
+	}
+	return out
 }
 
 // MaxKeyLen bounds an idempotency key.

@@ -296,3 +296,18 @@ func TestParseSourceTools(t *testing.T) {
 		}
 	}
 }
+
+func TestApprovals(t *testing.T) {
+	task := `{"steps":[{"tools":[{"name":"sleep","args":{"ms":1}},{"name":"notify","args":{"channel":"c","message":"m"},"approval":true}]},` +
+		`{"tools":[{"name":"notify","args":{"channel":"c","message":"m"},"approval":true}]},{"answer_tokens":1}]}`
+	got := plan.Approvals(task)
+	if len(got) != 2 || !got[plan.CallID(0, 1)] || !got[plan.CallID(1, 0)] || got[plan.CallID(0, 0)] {
+		t.Fatalf("Approvals = %v", got)
+	}
+	if got := plan.Approvals("deploy it"); got != nil {
+		t.Fatalf("not a plan: %v", got)
+	}
+	if got := plan.Approvals(`{"steps":[{"answer_tokens":1}]}`); got != nil {
+		t.Fatalf("no approvals: %v", got)
+	}
+}

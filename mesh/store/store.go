@@ -19,6 +19,7 @@ type Store interface {
 	Ledger
 	APIKeys
 	Operators
+	Approvals
 	Replicas
 	Sharing
 	// Close releases the connections. Calls after Close fail.

@@ -89,6 +89,7 @@ func Run(t *testing.T, fresh func(t *testing.T) string) {
 		{"Ledger", ledgerTests},
 		{"APIKeys", apiKeyTests},
 		{"Operators", operatorTests},
+		{"Approvals", approvalTests},
 		{"Replicas", replicaTests},
 		{"Migrations", migrationTests},
 	}

@@ -307,6 +307,7 @@ func run(args []string) int {
 		pools := admin.NewPoolControls(st, adm, self, rt.Log)
 		go pools.Run(ctx, *operatorPoll)
 		acfg.Pools = pools
+		acfg.Tenants = adm // the tenants' settings (approver_not_starter) follow the admission file
 	}
 	admin.New(acfg).Register(rt.Server)
 	if shared {

@@ -9,6 +9,7 @@ import (
 
 	adminv1 "github.com/curfew-mesh/curfew/gen/curfew/admin/v1"
 	"github.com/curfew-mesh/curfew/mesh/breaker"
+	"github.com/curfew-mesh/curfew/mesh/admission"
 	"github.com/curfew-mesh/curfew/mesh/store"
 )
 
@@ -32,6 +33,14 @@ type Config struct {
 	Decoders Decoders
 	// Log receives what the server does beyond its answers; nil: slog.Default().
 	Log *slog.Logger
+	// Tenants says a tenant's settings (the admission configuration's, which reloads):
+	// DecideApproval reads TenantLimits.ApproverNotStarter. nil: no tenant requires it.
+	Tenants Tenants
+}
+
+// Tenants is where a tenant's settings are read.
+type Tenants interface {
+	TenantLimits(tenant string) admission.TenantLimits
 }
 
 // Pools is the admission side the rollback order acts on, as this replica sees it.

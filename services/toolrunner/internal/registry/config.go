@@ -94,6 +94,10 @@ type Policy struct {
 	MaxOutputBytes *int
 	// Tenants, when set, are the only tenants that may see and call the tool.
 	Tenants []string
+	// Approval, when set, says whether a call waits for a human's approval before its
+	// effect (docs/operations.md, "Approval gates"), whatever the source's hints say.
+	// Unset: only when the source says destructiveHint true explicitly.
+	Approval *bool
 }
 
 // Environ returns an mcp_stdio server's environment: PATH and HOME from toolrunner's,
@@ -160,6 +164,7 @@ type policyJSON struct {
 	Retry          json.RawMessage `json:"retry"`
 	MaxOutputBytes *int            `json:"max_output_bytes"`
 	Tenants        []string        `json:"tenants"`
+	Approval       *bool           `json:"approval"`
 }
 
 type secretJSON struct {
@@ -355,7 +360,7 @@ func secrets(m map[string]json.RawMessage, path string, lookupEnv func(string) (
 }
 
 func parsePolicy(j policyJSON, path string) (Policy, error) {
-	p := Policy{Concurrency: j.Concurrency, MaxOutputBytes: j.MaxOutputBytes, Tenants: j.Tenants}
+	p := Policy{Concurrency: j.Concurrency, MaxOutputBytes: j.MaxOutputBytes, Tenants: j.Tenants, Approval: j.Approval}
 	if j.SideEffects != "" {
 		e, ok := map[string]catalog.SideEffects{"none": catalog.None, "idempotent": catalog.Idempotent, "irreversible": catalog.Irreversible}[j.SideEffects]
 		if !ok {

@@ -24,3 +24,28 @@ func Effects(configured *catalog.SideEffects, trusted bool, h source.Hints) cata
 	}
 	return catalog.Irreversible
 }
+
+// Why a tool's calls wait for a human's approval (Tool.Approval, Prepared.Approval; the
+// approval request's and the ApprovalGate event's "why").
+const (
+	ApprovalRegistry        = "registry"         // the tools file says approval: true
+	ApprovalDestructiveHint = "destructive_hint" // the source says destructiveHint: true
+	ApprovalPlan            = "plan"             // the call asks for it (a plan's "approval": true)
+)
+
+// Approval resolves whether a tool's calls wait for a human's approval, and why. The
+// configuration, when it says, wins. Else only a source's explicit destructiveHint true
+// does: MCP's default for an absent destructiveHint is true, so an absent hint would gate
+// every tool of every server that says nothing; an explicit claim is believed whether or
+// not the source is trusted, since it can only make handling stricter.
+func Approval(configured *bool, h source.Hints) string {
+	switch {
+	case configured != nil && *configured:
+		return ApprovalRegistry
+	case configured != nil:
+		return ""
+	case h.Destructive != nil && *h.Destructive:
+		return ApprovalDestructiveHint
+	}
+	return ""
+}

@@ -137,6 +137,7 @@ type resolved struct {
 	retry          retry.Policy
 	maxOutputBytes int
 	tenants        map[string]bool // nil: every tenant
+	approval       string          // why a call waits for a human's approval ("": it does not)
 }
 
 // New returns a registry of cfg's sources and starts opening and listing them in the
@@ -578,6 +579,7 @@ func resolve(sc SourceConfig, t source.Tool) (resolved, catalog.SideEffects) {
 	if tp.Retry != nil {
 		rp = tp.Retry.Apply(rp)
 	}
+	out.approval = Approval(first(tp.Approval, sp.Approval), t.Hints)
 	effects := Effects(first(tp.SideEffects, sp.SideEffects), sc.Trusted, t.Hints)
 	rp.NonIdempotent = effects == catalog.Irreversible
 	out.retry = rp.WithDefaults()
@@ -605,6 +607,9 @@ type Tool struct {
 	// InputSchema is the JSON Schema of the arguments; nil means any object.
 	InputSchema json.RawMessage
 	SideEffects catalog.SideEffects
+	// Approval says why a call of the tool waits for a human's approval before its
+	// effect (ApprovalRegistry, ApprovalDestructiveHint); "" when it does not.
+	Approval string
 }
 
 // Tools returns the tools tenant may call: the built-ins models are told of, then the
@@ -621,7 +626,8 @@ func (r *Registry) Tools(tenant string) []Tool {
 	names := sortedKeys(r.tools)
 	for _, n := range names {
 		if e := r.tools[n]; e.allows(tenant) {
-			out = append(out, Tool{Name: n, Source: e.src.cfg.Name, Description: e.tool.Description, InputSchema: e.tool.InputSchema, SideEffects: e.effects})
+			out = append(out, Tool{Name: n, Source: e.src.cfg.Name, Description: e.tool.Description, InputSchema: e.tool.InputSchema, SideEffects: e.effects,
+				Approval: e.policy.approval})
 		}
 	}
 	r.mu.RUnlock()
@@ -697,6 +703,14 @@ func contains(list []string, s string) bool {
 
 // SideEffects returns the tool's resolved side effects.
 func (p *Prepared) SideEffects() catalog.SideEffects { return p.e.effects }
+
+// Approval says why a call of the tool waits for a human's approval before its effect
+// (ApprovalRegistry, ApprovalDestructiveHint); "" when it does not.
+func (p *Prepared) Approval() string { return p.e.policy.approval }
+
+// MinTime is the least time the tool needs left before the deadline to start: a wait
+// for approval ends that long before the deadline.
+func (p *Prepared) MinTime() time.Duration { return p.e.policy.minTime }
 
 // Run runs the call under the tool's policy: DEADLINE_EXCEEDED "no time left to start
 // tool X" with less than its min_time left; RESOURCE_EXHAUSTED at once when its source or

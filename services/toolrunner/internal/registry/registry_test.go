@@ -194,6 +194,49 @@ func TestEffects(t *testing.T) {
 	}
 }
 
+// Only an explicit destructiveHint true gates a tool; the configuration wins.
+func TestApproval(t *testing.T) {
+	yes, no := true, false
+	for _, tc := range []struct {
+		name       string
+		configured *bool
+		hints      source.Hints
+		want       string
+	}{
+		{"no hints", nil, source.Hints{}, ""},
+		{"destructive absent, other hints", nil, source.Hints{ReadOnly: &no, Idempotent: &no}, ""},
+		{"destructive false", nil, source.Hints{Destructive: &no}, ""},
+		{"destructive true", nil, source.Hints{Destructive: &yes}, ApprovalDestructiveHint},
+		{"config true", &yes, source.Hints{}, ApprovalRegistry},
+		{"config false beats destructive", &no, source.Hints{Destructive: &yes}, ""},
+	} {
+		if got := Approval(tc.configured, tc.hints); got != tc.want {
+			t.Errorf("%s: %q, want %q", tc.name, got, tc.want)
+		}
+	}
+}
+
+// The tools file's approval, per source and per tool, and the hints reach the catalog
+// entry and the prepared call.
+func TestApprovalFromConfig(t *testing.T) {
+	yes := true
+	f := &fake{tools: []source.Tool{{Name: "drop", Hints: source.Hints{Destructive: &yes}}, {Name: "write"}, {Name: "read"}}}
+	r := open(t, `{"sources": [`+grpcSource("s", `, "tools": {"write": {"approval": true}}`)+`,`+
+		grpcSource("u", `, "approval": true, "tools": {"read": {"approval": false}}`)+`]}`, map[string]*fake{"s": f, "u": f}, nil, nil)
+	eventually(t, "lists", func() bool { return len(names(r, "")) == 6 })
+	want := map[string]string{"s__drop": ApprovalDestructiveHint, "s__write": ApprovalRegistry, "s__read": "",
+		"u__drop": ApprovalRegistry, "u__write": ApprovalRegistry, "u__read": ""}
+	for _, tl := range r.Tools("") {
+		if w, ok := want[tl.Name]; ok && tl.Approval != w {
+			t.Errorf("%s: approval %q, want %q", tl.Name, tl.Approval, w)
+		}
+	}
+	p, err := r.Prepare("", "s__drop", nil)
+	if err != nil || p.Approval() != ApprovalDestructiveHint || p.MinTime() != DefaultMinTime {
+		t.Fatalf("prepared s__drop: %v, approval %q", err, p.Approval())
+	}
+}
+
 // A tool's override beats its source's policy, which beats the hints.
 func TestEffectsFromConfig(t *testing.T) {
 	yes := true

@@ -18,4 +18,9 @@
 // only after its teardown (a deploy's abort, a subagent's settle) has finished. A tool
 // streams node events (mesh.v1.NodeEvent) while its node runs, never after it ended (see
 // events.go); its first one makes the call no longer retryable.
+//
+// A call that needs a human's approval (the registry says so, or the call asks:
+// ExecuteRequest.require_approval) waits for it in its node before its effect, on a
+// request in the store, capped by the run's deadline less the tool's minimum time (see
+// approval.go).
 package toolrunner

@@ -21,11 +21,12 @@ import (
 // isError, ToolService is_error) fails the node FAILED_PRECONDITION with the tool's
 // text: the tool ran and refused, so no layer retries it and no breaker counts it, as
 // with a built-in's refusal.
-func (s *Server) prepareRegistry(ctx context.Context, name string, raw []byte, event func(*meshv1.NodeEvent)) (execFunc, error) {
+func (s *Server) prepareRegistry(ctx context.Context, name string, raw []byte, event func(*meshv1.NodeEvent)) (execFunc, gate, error) {
 	p, err := s.cfg.Tools.Prepare(md.IdentityFrom(ctx).Tenant, name, raw)
 	if err != nil {
-		return nil, err
+		return nil, gate{}, err
 	}
+	g := gate{why: p.Approval(), minTime: p.MinTime()}
 	return func(ctx context.Context) (string, *meshv1.Cleanup, error) {
 		id := md.IdentityFrom(ctx)
 		meta := source.Meta{RunID: id.RunID, NodeID: id.NodeID, RetryID: id.RetryID, Attempt: max(id.Attempt, 1),
@@ -47,7 +48,7 @@ func (s *Server) prepareRegistry(ctx context.Context, name string, raw []byte, e
 			return "null", nil, nil
 		}
 		return string(res.Output), nil, nil
-	}, nil
+	}, g, nil
 }
 
 // ListTools implements ToolRunnerService: the tools the calling tenant may call, the

@@ -69,12 +69,16 @@ type Config struct {
 	// Tools, if set, runs the tools of the registry's sources: any name not a built-in's
 	// goes to it (see registry.go). Without it such a name is NOT_FOUND.
 	Tools *registry.Registry
+	// ApprovalPoll is how often a call waiting for a human's approval reads its request
+	// (approval.go); DefaultApprovalPoll when 0.
+	ApprovalPoll time.Duration
 }
 
-// Store is what the server needs of a store: the tool records, and whether other
-// processes share them.
+// Store is what the server needs of a store: the tool records, the approval requests,
+// and whether other processes share them.
 type Store interface {
 	store.Tools
+	store.Approvals
 	store.Sharing
 }
 
@@ -88,6 +92,8 @@ type Server struct {
 	idem  *idempotency.Executor
 	// effects counts side effects actually performed, by tool.
 	effects *prometheus.CounterVec
+	// approvals counts the ends of approval waits, by outcome.
+	approvals *prometheus.CounterVec
 
 	mu     sync.Mutex
 	fanout map[string]int // run → subagents in flight
@@ -110,8 +116,9 @@ func New(cfg Config) *Server {
 			Help: "Side effects tools actually performed (a deploy job started), by tool; a retry with an idempotency key adds none.",
 		}, []string{"tool"})}
 	s.effects.WithLabelValues("deploy") // the one built-in with side effects: exported at 0
+	s.approvals = newApprovalsMetric()
 	if cfg.Registerer != nil {
-		cfg.Registerer.MustRegister(s.effects)
+		cfg.Registerer.MustRegister(s.effects, s.approvals)
 	}
 	idem, err := idempotency.New(idempotency.Config{Store: cfg.Store, Owner: cfg.Owner, LeaseTTL: cfg.LeaseTTL})
 	if err != nil {
@@ -142,9 +149,16 @@ func (s *Server) Execute(req *toolrunnerv1.ExecuteRequest, stream toolrunnerv1.T
 		_ = stream.Send(&toolrunnerv1.ExecuteResponse{Event: &toolrunnerv1.ExecuteResponse_Node{Node: n}})
 	}
 	evs := &events{mu: &send, stream: stream, node: id.NodeID}
-	exec, err := s.prepare(ctx, req, emit, evs.send)
+	exec, g, err := s.prepare(ctx, req, emit, evs.send)
 	if err != nil {
 		return err
+	}
+	if req.GetRequireApproval() && g.why == "" {
+		g.why = registry.ApprovalPlan
+	}
+	if g.why != "" {
+		// The wait runs as the tool's node, before the effect (approval.go).
+		exec = s.gated(exec, g, req.GetName(), []byte(req.GetArgsJson()), evs.send)
 	}
 	if err := ctx.Err(); err != nil {
 		return err // never start a tool for a call already cancelled
@@ -214,6 +228,9 @@ func (s *Server) execute(ctx context.Context, req *toolrunnerv1.ExecuteRequest, 
 			n.CancelledAt = timestamppb.Now()
 		}
 		n.Cleanup = cleanup
+		if errors.Is(err, errApprovalTimeout) {
+			n.Cause = meshv1.CancelCause_CANCEL_CAUSE_APPROVAL_TIMEOUT
+		}
 	})
 	if err != nil {
 		return "", err, err
@@ -239,16 +256,23 @@ type execFunc func(ctx context.Context) (out string, cleanup *meshv1.Cleanup, er
 //
 // emit streams the nodes beneath the tool; event streams node events (see events) until
 // the tool's node ends.
-func (s *Server) prepare(ctx context.Context, req *toolrunnerv1.ExecuteRequest, emit func(*meshv1.Node), event func(*meshv1.NodeEvent)) (execFunc, error) {
+func (s *Server) prepare(ctx context.Context, req *toolrunnerv1.ExecuteRequest, emit func(*meshv1.Node), event func(*meshv1.NodeEvent)) (execFunc, gate, error) {
 	name, raw := req.GetName(), []byte(req.GetArgsJson())
 	switch {
 	case name == "":
-		return nil, status.Error(codes.InvalidArgument, "tool name is required")
+		return nil, gate{}, status.Error(codes.InvalidArgument, "tool name is required")
 	case !catalog.IsBuiltin(name) && s.cfg.Tools != nil:
 		return s.prepareRegistry(ctx, name, raw, event)
 	case !catalog.IsBuiltin(name):
-		return nil, status.Errorf(codes.NotFound, "unknown tool %q (built-ins: deploy, fail, kv_put, notify, sleep, spawn_subagent)", name)
+		return nil, gate{}, status.Errorf(codes.NotFound, "unknown tool %q (built-ins: deploy, fail, kv_put, notify, sleep, spawn_subagent)", name)
 	}
+	exec, err := s.prepareBuiltin(ctx, name, raw, emit, event)
+	// A built-in waits for approval only when its call asks (a plan's "approval": true).
+	return exec, gate{minTime: builtinMinTime(name, raw)}, err
+}
+
+// prepareBuiltin is prepare for a built-in.
+func (s *Server) prepareBuiltin(ctx context.Context, name string, raw []byte, emit func(*meshv1.Node), event func(*meshv1.NodeEvent)) (execFunc, error) {
 	if err := plan.ValidateTool(name, raw); err != nil {
 		var pe *plan.Error
 		if errors.As(err, &pe) {

@@ -2,7 +2,6 @@ package sim
 
 import (
 	"context"
-	"fmt"
 	"io"
 	"math/rand/v2"
 	"strings"
@@ -228,7 +227,7 @@ func (s *stream) final() *provider.Chunk {
 		if args == "" {
 			args = "{}"
 		}
-		c.ToolCalls = append(c.ToolCalls, &modelproxyv1.ToolCall{Id: fmt.Sprintf("call_%d_%d", st.index, j), Name: t.Name, ArgsJson: args,
+		c.ToolCalls = append(c.ToolCalls, &modelproxyv1.ToolCall{Id: plan.CallID(st.index, j), Name: t.Name, ArgsJson: args,
 			IdempotencyKey: t.IdempotencyKey})
 	}
 	return c

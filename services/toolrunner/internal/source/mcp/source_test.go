@@ -55,6 +55,11 @@ func TestListAndEcho(t *testing.T) {
 				t.Fatalf("tools %v, want %v", names, want)
 			}
 			echo := tools[slices.IndexFunc(tools, func(t source.Tool) bool { return t.Name == "echo" })]
+			effect := tools[slices.IndexFunc(tools, func(t source.Tool) bool { return t.Name == "effect" })]
+			// destructiveHint: absent is not said (nil), explicit true is.
+			if echo.Hints.Destructive != nil || effect.Hints.Destructive == nil || !*effect.Hints.Destructive {
+				t.Fatalf("destructive hints: echo %v, effect %v; want nil and true", echo.Hints.Destructive, effect.Hints.Destructive)
+			}
 			var schema struct {
 				Type       string                     `json:"type"`
 				Properties map[string]json.RawMessage `json:"properties"`
