@@ -126,7 +126,9 @@ func NewServer(rec *Recorder) *mcp.Server {
 	add("effect", "Does its effect once per idempotency key; returns the key's counts.", map[string]any{}, t.effect)
 	add("big", "Returns bytes bytes of text.", map[string]any{"bytes": num}, t.big)
 	add("drop", "Says it dropped its text; annotated destructiveHint true.", map[string]any{"text": map[string]any{"type": "string"}},
-		func(_ context.Context, c *call) (*mcp.CallToolResult, error) { return textResult("dropped " + c.args.Text), nil })
+		func(_ context.Context, c *call) (*mcp.CallToolResult, error) {
+			return textResult("dropped " + c.args.Text), nil
+		})
 	add("add_tool", "Adds a tool named name that echoes like echo; the server then says its list changed.",
 		map[string]any{"name": map[string]any{"type": "string"}}, func(_ context.Context, c *call) (*mcp.CallToolResult, error) {
 			if c.args.Name == "" {
