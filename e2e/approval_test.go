@@ -279,3 +279,54 @@ func TestApprovalSurvivesTakeover(t *testing.T) {
 		t.Fatalf("%d notifications, want exactly 1", n)
 	}
 }
+
+// The registry gates a tool its MCP server annotates destructiveHint: true explicitly
+// (mcptest's drop), and one the tools file marks "approval": true (wait), but not one
+// whose annotations leave destructiveHint out (echo): MCP's default of true is not a claim.
+func TestApprovalFromRegistry(t *testing.T) {
+	recFile := filepath.Join(t.TempDir(), "record.jsonl")
+	cfg := fmt.Sprintf(`[{"name": "mcptest", "kind": "mcp_stdio", "command": %q, "args": ["--record", %q],
+	  "tools": {"wait": {"approval": true}}}]`, mcptestBin(t), recFile)
+	r := newToolsRig(t, cfg)
+	r.waitSource("mcptest")
+	ctx, cancel := context.WithTimeout(context.Background(), time.Minute)
+	defer cancel()
+
+	res, _ := runPlan(ctx, r.orch, toolPlan(`{"name": "mcptest__echo", "args": {"text": "hi"}}`), 20*time.Second, 0, false)
+	if res.err != nil || res.finished.GetStatus() != orchestratorv1.RunStatus_RUN_STATUS_SUCCEEDED {
+		t.Fatalf("echo: %v\n%s", res.err, dump(res.finished))
+	}
+	if as, err := r.st.ListApprovals(ctx, store.ApprovalQuery{RunID: res.finished.GetRunId()}); err != nil || len(as) != 0 {
+		t.Fatalf("echo asked for approval: %+v, %v", as, err)
+	}
+
+	for _, c := range []struct{ tool, args, why string }{
+		{"mcptest__drop", `{"text": "the table"}`, "destructive_hint"},
+		{"mcptest__wait", `{"ms": 1}`, "registry"},
+	} {
+		id := startDetached(ctx, t, r.orch, toolPlan(fmt.Sprintf(`{"name": %q, "args": %s}`, c.tool, c.args)), 40*time.Second)
+		var a store.Approval
+		deadline := time.Now().Add(30 * time.Second)
+		for {
+			as, err := r.st.ListApprovals(ctx, store.ApprovalQuery{RunID: id, PendingOnly: true})
+			if err == nil && len(as) == 1 {
+				a = as[0]
+				break
+			}
+			if time.Now().After(deadline) {
+				t.Fatalf("%s: no pending approval within 30s (%+v, %v)", c.tool, as, err)
+			}
+			time.Sleep(50 * time.Millisecond)
+		}
+		if a.Why != c.why || a.Tool != c.tool {
+			t.Errorf("%s: request %+v, want why %s", c.tool, a, c.why)
+		}
+		if _, err := r.st.DecideApproval(ctx, store.ApprovalDecision{Tenant: a.Tenant, RunID: id, NodeID: firstTool, Approve: true, Actor: "key:e2e"}); err != nil {
+			t.Fatal(err)
+		}
+		run := summary(ctx, t, r.orch, id)
+		if run.GetStatus() != orchestratorv1.RunStatus_RUN_STATUS_SUCCEEDED {
+			t.Fatalf("%s: run ended %v: %s", c.tool, run.GetStatus(), run.GetErrorMessage())
+		}
+	}
+}

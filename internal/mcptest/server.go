@@ -108,11 +108,11 @@ func ReadRecords(path string) ([]Record, error) {
 func NewServer(rec *Recorder) *mcp.Server {
 	s := mcp.NewServer(&mcp.Implementation{Name: "curfew-mcptest", Version: "1"}, nil)
 	t := &tools{rec: rec, effects: map[string]int{}}
-	// Annotations: effect says destructiveHint true explicitly; echo has annotations
-	// that leave destructiveHint out (the protocol's default, true, must not count as
-	// said); the others have none.
+	// Annotations: drop says destructiveHint true explicitly (toolrunner gates it behind
+	// a human's approval); echo has annotations that leave destructiveHint out (the
+	// protocol's default, true, must not count as said); the others have none.
 	destructive := true
-	annotations := map[string]*mcp.ToolAnnotations{"effect": {DestructiveHint: &destructive}, "echo": {Title: "Echo"}}
+	annotations := map[string]*mcp.ToolAnnotations{"drop": {DestructiveHint: &destructive}, "echo": {Title: "Echo"}}
 	add := func(name, desc string, props map[string]any, h func(context.Context, *call) (*mcp.CallToolResult, error)) {
 		schema := map[string]any{"type": "object", "properties": props}
 		s.AddTool(&mcp.Tool{Name: name, Description: desc, InputSchema: schema, Annotations: annotations[name]}, t.handler(name, h))
@@ -125,6 +125,10 @@ func NewServer(rec *Recorder) *mcp.Server {
 		map[string]any{"ms": num, "progress_ms": num}, t.stubborn)
 	add("effect", "Does its effect once per idempotency key; returns the key's counts.", map[string]any{}, t.effect)
 	add("big", "Returns bytes bytes of text.", map[string]any{"bytes": num}, t.big)
+	add("drop", "Says it dropped its text; annotated destructiveHint true.", map[string]any{"text": map[string]any{"type": "string"}},
+		func(_ context.Context, c *call) (*mcp.CallToolResult, error) {
+			return textResult("dropped " + c.args.Text), nil
+		})
 	add("add_tool", "Adds a tool named name that echoes like echo; the server then says its list changed.",
 		map[string]any{"name": map[string]any{"type": "string"}}, func(_ context.Context, c *call) (*mcp.CallToolResult, error) {
 			if c.args.Name == "" {

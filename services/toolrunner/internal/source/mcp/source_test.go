@@ -51,14 +51,14 @@ func TestListAndEcho(t *testing.T) {
 				names = append(names, tool.Name)
 			}
 			slices.Sort(names)
-			if want := []string{"add_tool", "big", "echo", "effect", "stubborn", "wait"}; !slices.Equal(names, want) {
+			if want := []string{"add_tool", "big", "drop", "echo", "effect", "stubborn", "wait"}; !slices.Equal(names, want) {
 				t.Fatalf("tools %v, want %v", names, want)
 			}
 			echo := tools[slices.IndexFunc(tools, func(t source.Tool) bool { return t.Name == "echo" })]
-			effect := tools[slices.IndexFunc(tools, func(t source.Tool) bool { return t.Name == "effect" })]
+			drop := tools[slices.IndexFunc(tools, func(t source.Tool) bool { return t.Name == "drop" })]
 			// destructiveHint: absent is not said (nil), explicit true is.
-			if echo.Hints.Destructive != nil || effect.Hints.Destructive == nil || !*effect.Hints.Destructive {
-				t.Fatalf("destructive hints: echo %v, effect %v; want nil and true", echo.Hints.Destructive, effect.Hints.Destructive)
+			if echo.Hints.Destructive != nil || drop.Hints.Destructive == nil || !*drop.Hints.Destructive {
+				t.Fatalf("destructive hints: echo %v, drop %v; want nil and true", echo.Hints.Destructive, drop.Hints.Destructive)
 			}
 			var schema struct {
 				Type       string                     `json:"type"`
