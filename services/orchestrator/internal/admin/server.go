@@ -8,8 +8,8 @@ import (
 	"google.golang.org/grpc"
 
 	adminv1 "github.com/curfew-mesh/curfew/gen/curfew/admin/v1"
-	"github.com/curfew-mesh/curfew/mesh/breaker"
 	"github.com/curfew-mesh/curfew/mesh/admission"
+	"github.com/curfew-mesh/curfew/mesh/breaker"
 	"github.com/curfew-mesh/curfew/mesh/store"
 )
 
