@@ -3,6 +3,7 @@ package admin
 import (
 	"context"
 	"log/slog"
+	"math"
 	"sync"
 	"time"
 
@@ -115,7 +116,7 @@ func (p *PoolControls) PoolStates() []*adminv1.PoolState {
 	var out []*adminv1.PoolState
 	for _, s := range p.ctrl.PoolStates() {
 		ps := &adminv1.PoolState{Pool: s.Name, Overflow: s.Overflow, Replica: p.replica,
-			InFlight: int32(s.InFlight), Queued: int32(s.Queued), MaxInFlight: int32(s.MaxInFlight), MaxQueue: int32(s.MaxQueue),
+			InFlight: count32(s.InFlight), Queued: count32(s.Queued), MaxInFlight: count32(s.MaxInFlight), MaxQueue: count32(s.MaxQueue),
 			OperatorClosed: s.OperatorClosed, OperatorReason: s.OperatorReason,
 			AutoClosed: len(s.AutoConditions) > 0 && s.ForcedOpenUntil.IsZero(), AutoConditions: s.AutoConditions}
 		if s.OldestQueued > 0 {
@@ -133,6 +134,11 @@ func (p *PoolControls) PoolStates() []*adminv1.PoolState {
 		out = append(out, ps)
 	}
 	return out
+}
+
+// count32 is a count for an int32 field, clamped: a pool's limits are configured ints.
+func count32(n int) int32 {
+	return int32(min(max(n, 0), math.MaxInt32)) //nolint:gosec // clamped to int32's range on the line itself
 }
 
 var _ Pools = (*PoolControls)(nil)
