@@ -38,9 +38,9 @@ type opsCluster struct {
 	model    *meshproc.Proc
 }
 
-// newOpsCluster starts the mesh with extra flags per service (as Cluster.Mesh takes
-// them, plus "orchestrator") and two orchestrators.
-func newOpsCluster(ctx context.Context, t *testing.T, name string, extra map[string][]string) *opsCluster {
+// newOpsBase returns an empty cluster on a PostgreSQL store of its own, with an
+// operator's key (admin scope) in it: the rollback order's tests add the processes.
+func newOpsBase(ctx context.Context, t *testing.T, name string) *opsCluster {
 	t.Helper()
 	dsn := storetest.PostgresDSN(t)
 	dir, err := os.MkdirTemp("", "curfew-"+name+"-") // kept when the test fails, for the logs
@@ -74,34 +74,47 @@ func newOpsCluster(ctx context.Context, t *testing.T, name string, extra map[str
 	if _, _, err := st.CreateAPIKey(ctx, k.Record, false); err != nil {
 		t.Fatal(err)
 	}
-	oc := &opsCluster{Cluster: c, st: st, adminKey: k.Secret}
-	model, sub, tools, err := c.Mesh(ctx, extra)
+	return &opsCluster{Cluster: c, st: st, adminKey: k.Secret}
+}
+
+// newOpsCluster starts the mesh with extra flags per service (as Cluster.Mesh takes
+// them, plus "orchestrator") and two orchestrators.
+func newOpsCluster(ctx context.Context, t *testing.T, name string, extra map[string][]string) *opsCluster {
+	t.Helper()
+	oc := newOpsBase(ctx, t, name)
+	model, sub, tools, err := oc.Mesh(ctx, extra)
 	if err != nil {
 		t.Fatal(err)
 	}
 	oc.model = model
 	for _, n := range []string{"orchestrator-a", "orchestrator-b"} {
-		p, err := c.Add(ctx, "orchestrator", n, c.OrchestratorArgs(model, sub, tools, extra["orchestrator"]...)...)
-		if err != nil {
-			t.Fatal(err)
-		}
-		if err := p.Start(ctx); err != nil {
-			t.Fatal(err)
-		}
-		conn, err := c.Conn(p)
-		if err != nil {
-			t.Fatal(err)
-		}
-		adm, err := grpc.NewClient(p.Addr, grpc.WithTransportCredentials(insecure.NewCredentials()), grpc.WithPerRPCCredentials(apikey.Bearer(k.Secret)))
-		if err != nil {
-			t.Fatal(err)
-		}
-		t.Cleanup(func() { _ = adm.Close() })
-		oc.orchs = append(oc.orchs, p)
-		oc.runs = append(oc.runs, orchestratorv1.NewOrchestratorServiceClient(conn))
-		oc.admins = append(oc.admins, adminv1.NewAdminServiceClient(adm))
+		oc.addOrchestrator(ctx, t, n, oc.OrchestratorArgs(model, sub, tools, extra["orchestrator"]...)...)
 	}
 	return oc
+}
+
+// addOrchestrator starts an orchestrator with args and dials its run and admin APIs.
+func (oc *opsCluster) addOrchestrator(ctx context.Context, t *testing.T, name string, args ...string) {
+	t.Helper()
+	p, err := oc.Add(ctx, "orchestrator", name, args...)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := p.Start(ctx); err != nil {
+		t.Fatal(err)
+	}
+	conn, err := oc.Conn(p)
+	if err != nil {
+		t.Fatal(err)
+	}
+	adm, err := grpc.NewClient(p.Addr, grpc.WithTransportCredentials(insecure.NewCredentials()), grpc.WithPerRPCCredentials(apikey.Bearer(oc.adminKey)))
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = adm.Close() })
+	oc.orchs = append(oc.orchs, p)
+	oc.runs = append(oc.runs, orchestratorv1.NewOrchestratorServiceClient(conn))
+	oc.admins = append(oc.admins, adminv1.NewAdminServiceClient(adm))
 }
 
 // cli runs the curfew command against orchestrator i with the operator's key.

@@ -3,7 +3,6 @@ package e2e
 import (
 	"context"
 	"net"
-	"os"
 	"path/filepath"
 	"strconv"
 	"strings"
@@ -11,18 +10,14 @@ import (
 	"testing"
 	"time"
 
-	"google.golang.org/grpc"
-	"google.golang.org/grpc/credentials/insecure"
 	"google.golang.org/grpc/metadata"
 	"google.golang.org/protobuf/types/known/durationpb"
 
 	adminv1 "github.com/curfew-mesh/curfew/gen/curfew/admin/v1"
 	orchestratorv1 "github.com/curfew-mesh/curfew/gen/curfew/orchestrator/v1"
 	"github.com/curfew-mesh/curfew/internal/meshproc"
-	"github.com/curfew-mesh/curfew/mesh/apikey"
 	"github.com/curfew-mesh/curfew/mesh/md"
 	"github.com/curfew-mesh/curfew/mesh/store"
-	"github.com/curfew-mesh/curfew/mesh/store/storetest"
 )
 
 // Issue 22's acceptance: seed 003's drill with fault 1 (the cancel dropped on overflow
@@ -38,39 +33,8 @@ func TestRollbackOrderOnTwoReplicas(t *testing.T) {
 	t.Parallel()
 	ctx, cancel := context.WithTimeout(context.Background(), 4*time.Minute)
 	defer cancel()
-	dsn := storetest.PostgresDSN(t)
-	dir, err := os.MkdirTemp("", "curfew-rollback-") // kept when the test fails, for the logs
-	if err != nil {
-		t.Fatal(err)
-	}
-	c, err := meshproc.NewCluster(ctx, dir, dsn)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() {
-		if err := c.Close(); err != nil {
-			t.Errorf("cluster: %v", err)
-		}
-		if t.Failed() {
-			t.Logf("process logs are in %s", dir)
-		} else {
-			_ = os.RemoveAll(dir)
-		}
-	})
-	st, err := store.Open(ctx, dsn)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { _ = st.Close() })
-	k, err := apikey.New("ops")
-	if err != nil {
-		t.Fatal(err)
-	}
-	k.Record.Scopes = []string{store.ScopeAdmin}
-	if _, _, err := st.CreateAPIKey(ctx, k.Record, false); err != nil {
-		t.Fatal(err)
-	}
-	oc := &opsCluster{Cluster: c, st: st, adminKey: k.Secret}
+	oc := newOpsBase(ctx, t, "rollback")
+	c, st := oc.Cluster, oc.st
 
 	// Two modelproxy replicas behind one DNS name, as two pods of a headless Service.
 	var lc net.ListenConfig
@@ -104,30 +68,12 @@ func TestRollbackOrderOnTwoReplicas(t *testing.T) {
 			t.Fatalf("%s: %v", p.Name, err)
 		}
 	}
-	adm := filepath.Join(dir, "admission.json")
+	adm := filepath.Join(c.Dir, "admission.json")
 	writeFile(t, adm, `{"pools": [{"name": "paid", "max_in_flight": 16}, {"name": "overflow", "max_in_flight": 16, "overflow": true}],
 	  "fail_closed_window": "4s"}`)
 	for _, n := range []string{"orchestrator-a", "orchestrator-b"} {
-		p, err := c.Add(ctx, "orchestrator", n, "--store", c.Store, "--modelproxy", target, "--toolrunner", tools.Addr, "--subagent", sub.Addr,
+		oc.addOrchestrator(ctx, t, n, "--store", c.Store, "--modelproxy", target, "--toolrunner", tools.Addr, "--subagent", sub.Addr,
 			"--chaos", "--admission-config", adm, "--operator-poll", "200ms", "--decoder-heartbeat", "20s", "--decoder-lease-ttl", "3m")
-		if err != nil {
-			t.Fatal(err)
-		}
-		if err := p.Start(ctx); err != nil {
-			t.Fatal(err)
-		}
-		conn, err := c.Conn(p)
-		if err != nil {
-			t.Fatal(err)
-		}
-		admConn, err := grpc.NewClient(p.Addr, grpc.WithTransportCredentials(insecure.NewCredentials()), grpc.WithPerRPCCredentials(apikey.Bearer(k.Secret)))
-		if err != nil {
-			t.Fatal(err)
-		}
-		t.Cleanup(func() { _ = admConn.Close() })
-		oc.orchs = append(oc.orchs, p)
-		oc.runs = append(oc.runs, orchestratorv1.NewOrchestratorServiceClient(conn))
-		oc.admins = append(oc.admins, adminv1.NewAdminServiceClient(admConn))
 	}
 
 	// Fault 1: six overflow runs whose decoders ignore their cancel, three on each
