@@ -6,7 +6,8 @@ import (
 )
 
 // Store is curfew's durable state: runs and their leases, checkpoints, tool idempotency
-// records with their side effects, dead letters, the token ledger and tenants' API keys. It is the union of
+// records with their side effects, dead letters, the token ledger, tenants' API keys and
+// cluster-wide admission slots. It is the union of
 // the narrower interfaces below; a component should depend on the narrowest one it uses.
 // Implementations are safe for concurrent use by many goroutines and by many processes
 // sharing one database.
@@ -21,6 +22,7 @@ type Store interface {
 	Operators
 	Approvals
 	Replicas
+	Slots
 	Sharing
 	// Close releases the connections. Calls after Close fail.
 	Close() error

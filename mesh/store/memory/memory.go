@@ -157,6 +157,13 @@ func (c *conn) Exec(ctx context.Context, s string, args ...any) (int64, error) {
 	return c.db.sql.Exec(ctx, s, args...)
 }
 
+func (c *conn) Write(ctx context.Context, s string, args ...any) (sqlcore.Rows, error) {
+	if c.closed.Load() {
+		return nil, errClosed
+	}
+	return c.db.sql.Write(ctx, s, args...)
+}
+
 func (c *conn) Tx(ctx context.Context, fn func(sqlcore.Querier) error) error {
 	if c.closed.Load() {
 		return errClosed

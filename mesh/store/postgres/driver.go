@@ -22,6 +22,11 @@ func (d driver) Exec(ctx context.Context, s string, args ...any) (int64, error) 
 	return pgxQuerier{d.pool}.Exec(ctx, s, args...)
 }
 
+// Write implements Driver.
+func (d driver) Write(ctx context.Context, s string, args ...any) (sqlcore.Rows, error) {
+	return pgxQuerier{d.pool}.Query(ctx, s, args...)
+}
+
 // Tx implements Driver: READ COMMITTED; the statements lock what they need (ON CONFLICT,
 // UPDATE ... WHERE re-checked after a concurrent commit, SELECT ... FOR UPDATE).
 func (d driver) Tx(ctx context.Context, fn func(sqlcore.Querier) error) error {

@@ -15,8 +15,9 @@ import (
 func init() { store.Register("postgres", Open) }
 
 var dialect = sqlcore.Dialect{
-	Name:      "postgres",
-	ForUpdate: " FOR UPDATE",
+	Name:       "postgres",
+	ForUpdate:  " FOR UPDATE",
+	SkipLocked: " FOR UPDATE SKIP LOCKED",
 	// Replicas starting together migrate one at a time; the key is arbitrary but fixed.
 	MigrationLock: "SELECT pg_advisory_xact_lock(7306254372)",
 	Blob:          "BYTEA",
@@ -47,5 +48,5 @@ func Open(ctx context.Context, dsn string, opts ...store.Option) (store.Store, e
 	if _, err := sqlcore.Migrate(ctx, d, dialect, max(o.Clock().UnixMilli(), 1)); err != nil {
 		return nil, errors.Join(fmt.Errorf("postgres: %w", err), d.Close())
 	}
-	return sqlcore.New(d, dialect, o), nil
+	return pgStore{Store: sqlcore.New(d, dialect, o), pool: pool}, nil
 }

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"testing"
+	"time"
 
 	"github.com/jackc/pgx/v5"
 	"go.uber.org/goleak"
@@ -72,4 +73,60 @@ func BenchmarkCheckpoint(b *testing.B) {
 // from the disk's. Not a recommended setting (a crash may lose the last commits).
 func BenchmarkCheckpointNoSyncCommit(b *testing.B) {
 	storetest.BenchmarkCheckpoint(b, storetest.PostgresDSN(b)+"&synchronous_commit=off")
+}
+
+// TestSlotReleasesNotify: a release on one store wakes a watcher on another, through
+// the trigger of migration 0010 and LISTEN.
+func TestSlotReleasesNotify(t *testing.T) {
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	dsn := fresh(t)
+	a, err := postgres.Open(ctx, dsn)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = a.Close() }()
+	b, err := postgres.Open(ctx, dsn)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = b.Close() }()
+	scope := "pool/notify-" + t.Name() // channels are per database: other tests may notify too
+	got := make(chan string, 16)
+	wctx, stop := context.WithCancel(ctx)
+	done, err := b.(store.SlotReleases).WatchSlotReleases(wctx, func(s string) {
+		if s == scope {
+			got <- s
+		}
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := a.SizeSlots(ctx, scope, 1); err != nil {
+		t.Fatal(err)
+	}
+	sl, ok, err := a.ClaimSlot(ctx, scope, "a", time.Minute)
+	if err != nil || !ok {
+		t.Fatalf("claim: %v %v", ok, err)
+	}
+	if _, err := a.RenewSlots(ctx, "a", time.Minute); err != nil {
+		t.Fatal(err)
+	}
+	if err := a.ReleaseSlot(ctx, sl); err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case <-got:
+	case <-ctx.Done():
+		t.Fatal("no notification of the release")
+	}
+	select {
+	case s := <-got:
+		t.Fatalf("a second notification %q: claims and renewals must not notify", s)
+	case <-time.After(200 * time.Millisecond):
+	}
+	stop()
+	if err := <-done; err != nil {
+		t.Fatalf("watch ended with %v", err)
+	}
 }

@@ -91,6 +91,7 @@ func Run(t *testing.T, fresh func(t *testing.T) string) {
 		{"Operators", operatorTests},
 		{"Approvals", approvalTests},
 		{"Replicas", replicaTests},
+		{"Slots", slotTests},
 		{"Migrations", migrationTests},
 	}
 	for _, g := range groups {

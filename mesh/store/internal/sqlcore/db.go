@@ -38,6 +38,9 @@ type Driver interface {
 	Read() Querier
 	// Exec runs one write statement in its own (implicit) transaction: one round trip.
 	Exec(ctx context.Context, sql string, args ...any) (rowsAffected int64, err error)
+	// Write runs one write statement that returns rows (UPDATE ... RETURNING) in its
+	// own implicit transaction: one round trip, where Tx costs three on PostgreSQL.
+	Write(ctx context.Context, sql string, args ...any) (Rows, error)
 	// Tx runs fn in one write transaction (READ COMMITTED on PostgreSQL, BEGIN
 	// IMMEDIATE on SQLite), committing if fn returns nil.
 	Tx(ctx context.Context, fn func(q Querier) error) error
@@ -50,6 +53,9 @@ type Dialect struct {
 	// ForUpdate is appended to a SELECT that locks the row for the rest of the
 	// transaction.
 	ForUpdate string
+	// SkipLocked is appended to a SELECT that locks the first rows no other
+	// transaction has locked, skipping the others (claiming one of many slots).
+	SkipLocked string
 	// MigrationLock is run first in the migration transaction, to serialize replicas
 	// migrating at once ("" for none).
 	MigrationLock string

@@ -21,6 +21,11 @@ func (d SQLDB) Exec(ctx context.Context, s string, args ...any) (int64, error) {
 	return sqlQuerier{d.W}.Exec(ctx, s, args...)
 }
 
+// Write implements Driver, on the writer connection.
+func (d SQLDB) Write(ctx context.Context, s string, args ...any) (Rows, error) {
+	return sqlQuerier{d.W}.Query(ctx, s, args...)
+}
+
 // Tx implements Driver.
 func (d SQLDB) Tx(ctx context.Context, fn func(Querier) error) (err error) {
 	tx, err := d.W.BeginTx(ctx, nil)
