@@ -236,15 +236,19 @@ func (h *Holder) claim(ctx context.Context, scope string) (*Slot, bool, error) {
 	}
 	s := &Slot{h: h, info: sl, lost: make(chan struct{}), deadline: start.Add(h.cfg.TTL)}
 	h.mu.Lock()
-	defer h.mu.Unlock()
 	if h.closed {
-		// Closed while claiming: Close no longer sees it, so release it here.
-		go func() { _ = h.st.ReleaseSlot(context.Background(), sl) }()
+		h.mu.Unlock()
+		// Closed while claiming: Close no longer sees it, so release it here (after the
+		// TTL it would free itself anyway).
+		rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), h.cfg.TTL/3)
+		_ = h.st.ReleaseSlot(rctx, sl)
+		cancel()
 		return nil, false, ErrClosed
 	}
 	h.gen++
 	s.gen = h.gen
 	h.held[s] = struct{}{}
+	h.mu.Unlock()
 	return s, true, nil
 }
 

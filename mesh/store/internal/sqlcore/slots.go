@@ -101,7 +101,7 @@ func (s *Store) RenewSlots(ctx context.Context, holder string, ttl time.Duration
 	if holder == "" {
 		return nil, invalid("renew slots needs a holder")
 	}
-	return scanSlots(s.d.Write(ctx, `UPDATE slots SET expires_ms = $2 WHERE holder = $1 RETURNING `+slotCols("slots"),
+	return scanSlots(s.d.Write(ctx, `UPDATE slots SET expires_ms = $2 WHERE holder = $1 AND holder <> '' RETURNING `+slotCols("slots"),
 		holder, s.nowMs()+ttlMs(ttl)))
 }
 
