@@ -262,6 +262,9 @@ func (h *Holder) claimLoop(scope string, q *queue) {
 		h.mu.Lock()
 		if len(q.waiters) == 0 || h.closed {
 			q.running = false
+			if h.queues[scope] == q {
+				delete(h.queues, scope) // scopes come and go (tenants): keep the map bounded
+			}
 			h.mu.Unlock()
 			return
 		}
