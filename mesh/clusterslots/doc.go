@@ -19,6 +19,10 @@
 // on the poll. Notifications are hints: lost or spurious ones cost a poll period or a
 // wasted claim, never correctness, which rests on the store's conditional claim alone.
 //
+// A caller with a queue of its own (admission orders its waiters by criticality, not by
+// arrival) uses [Holder.TryAcquire] from its own dispatch instead of Acquire, and
+// Config.OnRelease as its wake-up: it is called on the same releases.
+//
 // Fairness: queues are local. Within one process a scope's waiters are served in
 // arrival order; across replicas a freed slot goes to whichever replica's claim reaches
 // the store first (after a release every replica with waiters is woken and races), so

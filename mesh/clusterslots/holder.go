@@ -49,6 +49,11 @@ type Config struct {
 	// Poll is the backstop period of a scope's claim loop while it has waiters
 	// (default DefaultPoll).
 	Poll time.Duration
+	// OnRelease, if set, is called with the scope of every slot released here or, with
+	// notifications, on another replica: a hint that TryAcquire may now succeed, for a
+	// caller that keeps its own queue (admission's priority order) instead of Acquire's
+	// FIFO. Called from the Holder's goroutines; it must not block.
+	OnRelease func(scope string)
 	// OnRenewError, if set, is called after every failed renewal (for metrics and
 	// status), from the renewal goroutine.
 	OnRenewError func(err error)
@@ -303,15 +308,18 @@ func (h *Holder) claimLoop(scope string, q *queue) {
 	}
 }
 
-// wake makes scope's claim loop try now, if it runs.
+// wake makes scope's claim loop try now, if it runs, and tells Config.OnRelease.
 func (h *Holder) wake(scope string) {
 	h.mu.Lock()
-	defer h.mu.Unlock()
 	if q := h.queues[scope]; q != nil && q.running {
 		select {
 		case q.poke <- struct{}{}:
 		default:
 		}
+	}
+	h.mu.Unlock()
+	if h.cfg.OnRelease != nil {
+		h.cfg.OnRelease(scope)
 	}
 }
 

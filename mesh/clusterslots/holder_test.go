@@ -381,7 +381,16 @@ func TestPostgresReleaseWakesOtherReplica(t *testing.T) {
 	}
 	sa, sb := open(), open()
 	a := newHolder(t, sa, "a", 10*time.Second, time.Hour)
-	b := newHolder(t, sb, "b", 10*time.Second, time.Hour)
+	released := make(chan string, 16)
+	b, err := New(Config{Store: sb, Name: "b", TTL: 10 * time.Second, Poll: time.Hour, OnRelease: func(scope string) {
+		if scope == "pool/wake" {
+			released <- scope
+		}
+	}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = b.Close(context.Background()) })
 	waitFor(t, 10*time.Second, "b listening", func() bool { return b.Status().Notified })
 	size(t, a, "pool/wake", 1)
 	s := acquire(t, a, "pool/wake")
@@ -405,6 +414,11 @@ func TestPostgresReleaseWakesOtherReplica(t *testing.T) {
 		_ = s.Release(ctx)
 	case <-time.After(10 * time.Second):
 		t.Fatal("b was not woken by a's release")
+	}
+	select {
+	case <-released: // OnRelease heard of a's release too
+	case <-time.After(10 * time.Second):
+		t.Fatal("b's OnRelease was not called")
 	}
 	// The holders' cleanups run before the stores' (last in, first out): their Close
 	// still has a store to release into.
