@@ -39,7 +39,9 @@
 // re-admit it). A renewal failure before that is reported by [Holder.Status] and the
 // Config.OnRenewError hook, and the Holder keeps trying every tick.
 //
-// Costs in store round trips: a claim that succeeds at once 1; a release 1; renewals 1
+// Costs in store round trips: a claim that succeeds at once 1 (also for several scopes
+// at once, all or none: [Holder.TryAcquireAll]); a release 1 ([Holder.ReleaseAll] for
+// several); renewals 1
 // per TTL/3 per process (not per slot); a waiting queue 1 per poll period per scope and
 // 1 per wake-up; sizing a scope 1 transaction.
 package clusterslots

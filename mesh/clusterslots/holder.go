@@ -239,22 +239,91 @@ func (h *Holder) claim(ctx context.Context, scope string) (*Slot, bool, error) {
 	if !ok {
 		return nil, false, nil
 	}
-	s := &Slot{h: h, info: sl, lost: make(chan struct{}), deadline: start.Add(h.cfg.TTL)}
+	ss, err := h.register(ctx, start, sl)
+	if err != nil {
+		return nil, false, err
+	}
+	return ss[0], true, nil
+}
+
+// register records claimed slots as held, renewed from now on.
+func (h *Holder) register(ctx context.Context, start time.Time, sls ...store.Slot) ([]*Slot, error) {
 	h.mu.Lock()
 	if h.closed {
 		h.mu.Unlock()
-		// Closed while claiming: Close no longer sees it, so release it here (after the
-		// TTL it would free itself anyway).
+		// Closed while claiming: Close no longer sees them, so release them here (after
+		// the TTL they would free themselves anyway).
 		rctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), h.cfg.TTL/3)
-		_ = h.st.ReleaseSlot(rctx, sl)
+		_, _ = h.st.ReleaseSlots(rctx, sls)
 		cancel()
-		return nil, false, ErrClosed
+		return nil, ErrClosed
 	}
 	h.gen++
-	s.gen = h.gen
-	h.held[s] = struct{}{}
+	out := make([]*Slot, len(sls))
+	for i, sl := range sls {
+		s := &Slot{h: h, info: sl, lost: make(chan struct{}), deadline: start.Add(h.cfg.TTL), gen: h.gen}
+		h.held[s] = struct{}{}
+		out[i] = s
+	}
 	h.mu.Unlock()
-	return s, true, nil
+	return out, nil
+}
+
+// TryAcquireAll claims one slot of each of the distinct scopes (a run's pool and its
+// tenant), all or none, in one store round trip: ok is false, and nothing is held,
+// while any of them is full. It ignores Acquire's local queues: it is for a caller with
+// a queue of its own (see Config.OnRelease). Release the slots with ReleaseAll (one
+// round trip) or one by one.
+func (h *Holder) TryAcquireAll(ctx context.Context, scopes ...string) ([]*Slot, bool, error) {
+	h.mu.Lock()
+	closed := h.closed
+	h.mu.Unlock()
+	if closed {
+		return nil, false, ErrClosed
+	}
+	start := time.Now()
+	sls, ok, err := h.st.ClaimSlots(ctx, scopes, h.cfg.Name, h.cfg.TTL)
+	if err != nil {
+		return nil, false, fmt.Errorf("clusterslots: claim slots of %v: %w", scopes, err)
+	}
+	if !ok {
+		return nil, false, nil
+	}
+	ss, err := h.register(ctx, start, sls...)
+	if err != nil {
+		return nil, false, err
+	}
+	return ss, true, nil
+}
+
+// ReleaseAll releases the slots in one store round trip (Release's rules for each),
+// and wakes their scopes' waiters.
+func (h *Holder) ReleaseAll(ctx context.Context, slots ...*Slot) error {
+	var infos []store.Slot
+	for _, s := range slots {
+		s.mu.Lock()
+		released := s.released
+		s.released = true
+		s.mu.Unlock()
+		if released {
+			continue
+		}
+		h.mu.Lock()
+		delete(h.held, s)
+		infos = append(infos, s.info)
+		h.mu.Unlock()
+	}
+	if len(infos) == 0 {
+		return nil
+	}
+	_, err := h.st.ReleaseSlots(ctx, infos)
+	for _, in := range infos {
+		h.wake(in.Scope)
+	}
+	if err != nil {
+		return fmt.Errorf("clusterslots: release %d slots: %w", len(infos), err)
+	}
+	return nil
 }
 
 // claimLoop serves scope's waiters in order: one claim whenever poked (a release) or

@@ -423,3 +423,52 @@ func TestPostgresReleaseWakesOtherReplica(t *testing.T) {
 	// The holders' cleanups run before the stores' (last in, first out): their Close
 	// still has a store to release into.
 }
+
+// TestTryAcquireAll: a run's pool and tenant slots in one round trip each way, all or
+// none, renewed like any other.
+func TestTryAcquireAll(t *testing.T) {
+	st := storetest.OpenMemory(t)
+	var woken sync.Map
+	h, err := New(Config{Store: st, Name: "a", TTL: 300 * time.Millisecond, Poll: time.Hour,
+		OnRelease: func(scope string) { woken.Store(scope, true) }})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = h.Close(context.Background()) }()
+	size(t, h, "pool/paid", 2)
+	size(t, h, "tenant/acme", 1)
+	ctx := context.Background()
+	ss, ok, err := h.TryAcquireAll(ctx, "pool/paid", "tenant/acme")
+	if err != nil || !ok || len(ss) != 2 || ss[0].Info().Scope != "pool/paid" || ss[1].Info().Scope != "tenant/acme" {
+		t.Fatalf("acquire both: %v %v %v", ss, ok, err)
+	}
+	if _, ok, err := h.TryAcquireAll(ctx, "pool/paid", "tenant/acme"); ok || err != nil {
+		t.Fatalf("with the tenant full: %v %v", ok, err)
+	}
+	time.Sleep(time.Second) // past three TTLs: renewals keep both
+	if st := h.Status(); st.Held["pool/paid"] != 1 || st.Held["tenant/acme"] != 1 || st.RenewError != nil {
+		t.Fatalf("status %+v", st)
+	}
+	for _, s := range ss {
+		if s.Err() != nil {
+			t.Fatalf("lost: %v", s.Err())
+		}
+	}
+	if err := h.ReleaseAll(ctx, ss...); err != nil {
+		t.Fatal(err)
+	}
+	if err := h.ReleaseAll(ctx, ss...); err != nil {
+		t.Fatalf("again: %v", err)
+	}
+	for _, scope := range []string{"pool/paid", "tenant/acme"} {
+		if _, ok := woken.Load(scope); !ok {
+			t.Errorf("OnRelease not called for %s", scope)
+		}
+		got, _ := st.ListSlots(ctx, scope)
+		for _, sl := range got {
+			if sl.Holder != "" {
+				t.Fatalf("still held: %+v", sl)
+			}
+		}
+	}
+}

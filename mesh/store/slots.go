@@ -43,6 +43,7 @@ type Slots interface {
 	// ListSlots returns the scope's slots by number, for status: the active ones
 	// (below its size) and the held ones above it.
 	ListSlots(ctx context.Context, scope string) ([]Slot, error)
+	SlotsMulti
 }
 
 // Slot is one numbered slot of a scope and who holds it.
@@ -71,4 +72,17 @@ type SlotReleases interface {
 	// until ctx ends or the watch fails; it returns once it listens, and reports a
 	// failure of the watch afterwards through done, which is then closed.
 	WatchSlotReleases(ctx context.Context, fn func(scope string)) (done <-chan error, err error)
+}
+
+// SlotsMulti claims and releases the slots of several scopes at once (a run needs a slot
+// of its pool and one of its tenant): one statement each way, so coordination costs a
+// run two round trips instead of four.
+type SlotsMulti interface {
+	// ClaimSlots takes one slot of each of the distinct scopes for holder, all or none,
+	// in one statement: ok is false, and nothing is claimed, while any of them has no
+	// slot free. The slots are returned in the order of scopes.
+	ClaimSlots(ctx context.Context, scopes []string, holder string, ttl time.Duration) (slots []Slot, ok bool, err error)
+	// ReleaseSlots frees, in one statement, each of the slots whose holder and epoch
+	// still match, and returns how many it freed (the others had been lost).
+	ReleaseSlots(ctx context.Context, slots []Slot) (freed int, err error)
 }

@@ -231,4 +231,82 @@ var slotTests = map[string]func(*env){
 		}
 		e.noSlot("pool/paid", "e")
 	},
+	// A run's pool and tenant slots in one statement each way, all or none.
+	"ClaimSlotsAllOrNone": func(e *env) {
+		e.sizeSlots("pool/paid", 1)
+		e.sizeSlots("tenant/acme", 2)
+		scopes := []string{"tenant/acme", "pool/paid"}
+		a, ok, err := e.s.ClaimSlots(e.ctx, scopes, "a", slotTTL)
+		if err != nil || !ok || len(a) != 2 || a[0].Scope != "tenant/acme" || a[1].Scope != "pool/paid" ||
+			a[0].Holder != "a" || a[0].Epoch != 1 || !a[1].Active {
+			e.t.Fatalf("claim both: %+v %v %v", a, ok, err)
+		}
+		if got, ok, err := e.open().ClaimSlots(e.ctx, scopes, "b", slotTTL); err != nil || ok || got != nil {
+			e.t.Fatalf("claim with the pool full: %+v %v %v", got, ok, err)
+		}
+		// Nothing of the failed claim was kept: the tenant's second slot is free.
+		if sl := e.claimSlot(e.s, "tenant/acme", "b"); sl.N != 1 {
+			e.t.Fatalf("tenant slot %+v", sl)
+		}
+		if n, err := e.s.ReleaseSlots(e.ctx, a); err != nil || n != 2 {
+			e.t.Fatalf("release both: %d, %v", n, err)
+		}
+		if n, err := e.s.ReleaseSlots(e.ctx, a); err != nil || n != 0 {
+			e.t.Fatalf("release again: %d, %v", n, err)
+		}
+		if _, _, err := e.s.ClaimSlots(e.ctx, []string{"pool/paid", "pool/paid"}, "a", slotTTL); !errors.Is(err, store.ErrInvalidArgument) {
+			e.t.Fatalf("repeated scope: %v", err)
+		}
+		// Expired slots are claimed as in ClaimSlot, with a higher epoch.
+		if _, ok, err := e.s.ClaimSlots(e.ctx, []string{"pool/paid"}, "c", slotTTL); !ok || err != nil {
+			e.t.Fatalf("claim the pool: %v %v", ok, err)
+		}
+		e.clock.Advance(slotTTL)
+		d, ok, err := e.s.ClaimSlots(e.ctx, scopes, "d", slotTTL)
+		if err != nil || !ok || d[1].Epoch != 3 {
+			e.t.Fatalf("claim after expiry: %+v %v %v", d, ok, err)
+		}
+	},
+	// Concurrent multi-scope claims hold both caps: a tenant of 1 inside a pool of 2.
+	"ConcurrentClaimSlotsNeverExceed": func(e *env) {
+		e.sizeSlots("pool/paid", 2)
+		e.sizeSlots("tenant/acme", 1)
+		stores := []store.Store{e.s, e.open(), e.open(), e.open()}
+		var held, peak, claims atomic.Int64
+		var failures atomic.Int64
+		parallel(32, func(i int) {
+			s := stores[i%len(stores)]
+			holder := "m" + string(rune('a'+i%26)) + string(rune('a'+i/26))
+			for deadline := time.Now().Add(time.Minute); time.Now().Before(deadline); {
+				got, ok, err := s.ClaimSlots(e.ctx, []string{"pool/paid", "tenant/acme"}, holder, slotTTL)
+				if err != nil {
+					failures.Add(1)
+					return
+				}
+				if !ok {
+					time.Sleep(time.Millisecond)
+					continue
+				}
+				n := held.Add(1)
+				for p := peak.Load(); n > p && !peak.CompareAndSwap(p, n); p = peak.Load() {
+				}
+				claims.Add(1)
+				time.Sleep(time.Millisecond)
+				held.Add(-1)
+				if n, err := s.ReleaseSlots(e.ctx, got); err != nil || n != 2 {
+					failures.Add(1)
+				}
+				return
+			}
+		})
+		if f := failures.Load(); f > 0 {
+			e.t.Fatalf("%d claimers failed", f)
+		}
+		if p := peak.Load(); p != 1 {
+			e.t.Fatalf("peak held %d, want 1 (the tenant's cap)", p)
+		}
+		if c := claims.Load(); c != 32 {
+			e.t.Fatalf("%d of 32 claimers got their slots within a minute", c)
+		}
+	},
 }

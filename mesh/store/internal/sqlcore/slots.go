@@ -3,6 +3,7 @@ package sqlcore
 import (
 	"context"
 	"fmt"
+	"strings"
 	"time"
 
 	"github.com/curfew-mesh/curfew/mesh/store"
@@ -127,4 +128,90 @@ func (s *Store) ListSlots(ctx context.Context, scope string) ([]store.Slot, erro
 	return scanSlots(s.d.Read().Query(ctx, `SELECT `+slotCols("s")+` FROM slots s
 		WHERE s.scope = $1 AND (s.holder <> '' OR s.n < COALESCE((SELECT z.size FROM slot_scopes z WHERE z.scope = $1), 0))
 		ORDER BY s.n`, scope))
+}
+
+// maxClaimScopes bounds ClaimSlots: a run needs a pool's slot and a tenant's.
+const maxClaimScopes = 8
+
+// pickSlot is the sub-select of ClaimSlot for the scope in parameter p: the lowest
+// claimable slot, locked (PostgreSQL: skipping the rows others lock).
+func (s *Store) pickSlot(p string) string {
+	size := `(SELECT z.size FROM slot_scopes z WHERE z.scope = ` + p + `)`
+	return `SELECT s.scope, s.n FROM slots s
+		WHERE s.scope = ` + p + ` AND s.n < ` + size + `
+		AND (s.holder = '' OR s.expires_ms <= $3)
+		AND NOT EXISTS (SELECT 1 FROM slots o WHERE o.scope = ` + p + `
+			AND o.n >= ` + size + ` AND o.n % NULLIF(` + size + `, 0) = s.n
+			AND o.holder <> '' AND o.expires_ms > $3)
+		ORDER BY s.n LIMIT 1` + s.dl.SkipLocked
+}
+
+// ClaimSlots implements store.SlotsMulti in one statement: one locked pick per scope
+// (materialized CTEs), and the UPDATE only if every pick found a slot.
+func (s *Store) ClaimSlots(ctx context.Context, scopes []string, holder string, ttl time.Duration) ([]store.Slot, bool, error) {
+	if holder == "" || len(scopes) == 0 || len(scopes) > maxClaimScopes {
+		return nil, false, invalid("claim slots needs a holder and 1 to %d scopes", maxClaimScopes)
+	}
+	seen := map[string]bool{}
+	for _, sc := range scopes {
+		if sc == "" || seen[sc] {
+			return nil, false, invalid("claim slots: scope %q empty or repeated", sc)
+		}
+		seen[sc] = true
+	}
+	now := s.nowMs()
+	args := []any{holder, now + ttlMs(ttl), now}
+	var ctes, union []string
+	for i, sc := range scopes {
+		args = append(args, sc)
+		p := fmt.Sprintf("p%d", i)
+		ctes = append(ctes, p+` AS MATERIALIZED (`+s.pickSlot(fmt.Sprintf("$%d", len(args)))+`)`)
+		union = append(union, `SELECT scope, n FROM `+p)
+	}
+	got, err := scanSlots(s.d.Write(ctx, `WITH `+strings.Join(ctes, ", ")+`,
+		pick AS MATERIALIZED (`+strings.Join(union, " UNION ALL ")+`)
+		UPDATE slots SET holder = $1, epoch = epoch + 1, expires_ms = $2
+		WHERE (scope, n) IN (SELECT scope, n FROM pick)
+		AND (SELECT COUNT(*) FROM pick) = `+fmt.Sprint(len(scopes))+`
+		AND (holder = '' OR expires_ms <= $3)
+		RETURNING `+slotCols("slots"), args...))
+	if err != nil {
+		return nil, false, err
+	}
+	if len(got) != len(scopes) {
+		if len(got) > 0 { // cannot happen (the picks are locked); never keep a part
+			_, _ = s.ReleaseSlots(ctx, got)
+		}
+		return nil, false, nil
+	}
+	byScope := make(map[string]store.Slot, len(got))
+	for _, sl := range got {
+		byScope[sl.Scope] = sl
+	}
+	out := make([]store.Slot, len(scopes))
+	for i, sc := range scopes {
+		out[i] = byScope[sc]
+	}
+	return out, true, nil
+}
+
+// ReleaseSlots implements store.SlotsMulti in one statement.
+func (s *Store) ReleaseSlots(ctx context.Context, slots []store.Slot) (int, error) {
+	if len(slots) == 0 {
+		return 0, nil
+	}
+	var (
+		conds []string
+		args  []any
+	)
+	for _, sl := range slots {
+		if sl.Scope == "" || sl.Holder == "" {
+			return 0, invalid("release slots needs a scope and a holder for each")
+		}
+		i := len(args)
+		conds = append(conds, fmt.Sprintf("(scope = $%d AND n = $%d AND holder = $%d AND epoch = $%d)", i+1, i+2, i+3, i+4))
+		args = append(args, sl.Scope, sl.N, sl.Holder, sl.Epoch)
+	}
+	n, err := s.d.Exec(ctx, `UPDATE slots SET holder = '', expires_ms = 0 WHERE `+strings.Join(conds, " OR "), args...)
+	return int(n), err
 }
