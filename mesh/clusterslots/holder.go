@@ -25,12 +25,12 @@ const (
 )
 
 var (
-	// ErrClosed: the Holder was closed.
+	// ErrClosed is returned once the Holder was closed.
 	ErrClosed = errors.New("clusterslots: holder closed")
-	// ErrLost: a renewal came back without the slot: it had expired and another holder
+	// ErrLost means a renewal came back without the slot: it had expired and another holder
 	// claimed it. The cap no longer counts this caller.
 	ErrLost = errors.New("clusterslots: slot lost to another holder")
-	// ErrRenewFailed: renewals failed until the slot's TTL passed; it may have been
+	// ErrRenewFailed means renewals failed until the slot's TTL passed; it may have been
 	// claimed by another holder since.
 	ErrRenewFailed = errors.New("clusterslots: slot renewals failed past its TTL")
 )
@@ -205,7 +205,7 @@ func (h *Holder) Acquire(ctx context.Context, scope string) (*Slot, error) {
 	if !q.running {
 		q.running = true
 		h.wg.Add(1)
-		go h.claimLoop(scope, q)
+		go h.claimLoop(scope, q) //nolint:contextcheck // the scope's claim loop serves every waiter of the scope, not this call: it outlives ctx by design
 	}
 	h.mu.Unlock()
 	select {
