@@ -9,6 +9,7 @@ import (
 	"text/tabwriter"
 	"time"
 
+	"google.golang.org/protobuf/types/known/durationpb"
 	"google.golang.org/protobuf/types/known/timestamppb"
 
 	adminv1 "github.com/curfew-mesh/curfew/gen/curfew/admin/v1"
@@ -53,6 +54,52 @@ func keyOf(k *adminv1.APIKey) store.APIKey {
 		}
 	}
 	return out
+}
+
+// subcommand splits args into a subcommand of subs and its arguments, printing usage
+// for help. ok is false when the command is done (exit code given).
+func subcommand(cmd, text string, subs []string, args []string, stdout, stderr io.Writer) (sub string, rest []string, code int, ok bool) {
+	if len(args) == 0 {
+		return "", nil, usageErr(stderr, cmd, fmt.Errorf("give a subcommand: %s\n\n%s", strings.Join(subs, " or "), strings.TrimSuffix(text, "\n"))), false
+	}
+	switch args[0] {
+	case "help", "-h", "--help":
+		fmt.Fprint(stdout, text)
+		return "", nil, ExitOK, false
+	}
+	for _, s := range subs {
+		if args[0] == s {
+			return s, args[1:], 0, true
+		}
+	}
+	return "", nil, usageErr(stderr, cmd, fmt.Errorf("unknown subcommand %q\n\n%s", args[0], strings.TrimSuffix(text, "\n"))), false
+}
+
+// durationFlag reads a duration flag's value: "" is unset (nil).
+func durationFlag(name, v string) (*durationpb.Duration, error) {
+	if v == "" {
+		return nil, nil
+	}
+	d, err := time.ParseDuration(v)
+	if err != nil || d <= 0 {
+		return nil, fmt.Errorf("--%s %q: give a positive duration (90s, 5m)", name, v)
+	}
+	return durationpb.New(d), nil
+}
+
+// adminCall dials the admin API and runs call with a bounded context.
+func adminCall(ctx context.Context, c *common, stderr io.Writer, what string, call func(context.Context, adminv1.AdminServiceClient) error) int {
+	client, closeConn, err := c.adminClient()
+	if err != nil {
+		return callErr(stderr, "dial", err)
+	}
+	defer closeConn()
+	ctx, cancel := context.WithTimeout(ctx, callTimeout)
+	defer cancel()
+	if err := call(ctx, client); err != nil {
+		return callErr(stderr, what, err)
+	}
+	return ExitOK
 }
 
 // tenantViaAPI runs a tenant subcommand through the admin API.

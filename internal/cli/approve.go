@@ -54,17 +54,13 @@ func cmdApprove(approve bool) func(context.Context, []string, io.Writer, io.Writ
 		if len(pos) != 2 {
 			return usageErr(stderr, name, errors.New("give RUN and NODE\n\n"+strings.TrimSuffix(approveUsage, "\n")))
 		}
-		client, closeConn, err := c.adminClient()
-		if err != nil {
-			return callErr(stderr, "dial", err)
-		}
-		defer closeConn()
-		ctx, cancel := context.WithTimeout(ctx, callTimeout)
-		defer cancel()
-		resp, err := client.DecideApproval(ctx, &adminv1.DecideApprovalRequest{RunId: pos[0], NodeId: pos[1], Approve: approve,
-			Reason: *reason, Tenant: *tenant})
-		if err != nil {
-			return callErr(stderr, name, err)
+		var resp *adminv1.DecideApprovalResponse
+		if code := adminCall(ctx, &c, stderr, name, func(ctx context.Context, client adminv1.AdminServiceClient) (err error) {
+			resp, err = client.DecideApproval(ctx, &adminv1.DecideApprovalRequest{RunId: pos[0], NodeId: pos[1], Approve: approve,
+				Reason: *reason, Tenant: *tenant})
+			return err
+		}); code != ExitOK {
+			return code
 		}
 		if c.json {
 			printJSON(stdout, resp)
@@ -78,12 +74,9 @@ func cmdApprove(approve bool) func(context.Context, []string, io.Writer, io.Writ
 
 // cmdApprovals is curfew approvals ls.
 func cmdApprovals(ctx context.Context, args []string, stdout, stderr io.Writer) int {
-	if len(args) == 0 || args[0] != "ls" {
-		if len(args) > 0 && (args[0] == "help" || args[0] == "-h" || args[0] == "--help") {
-			fmt.Fprint(stdout, approvalsUsage)
-			return ExitOK
-		}
-		return usageErr(stderr, "approvals", errors.New("give the subcommand ls\n\n"+strings.TrimSuffix(approvalsUsage, "\n")))
+	_, args, code, ok := subcommand("approvals", approvalsUsage, []string{"ls"}, args, stdout, stderr)
+	if !ok {
+		return code
 	}
 	fs := newFlags("approvals ls", stderr)
 	var c common
@@ -91,23 +84,19 @@ func cmdApprovals(ctx context.Context, args []string, stdout, stderr io.Writer) 
 	all := fs.Bool("all", false, "list decided, timed-out and cancelled requests too")
 	tenant := fs.String("tenant", "", "one tenant (default: every tenant)")
 	run := fs.String("run", "", "one run")
-	pos, err := parse(fs, args[1:])
+	pos, err := parse(fs, args)
 	if err != nil {
 		return usageErr(stderr, "approvals ls", err)
 	}
 	if len(pos) != 0 {
 		return usageErr(stderr, "approvals ls", errors.New("takes no arguments"))
 	}
-	client, closeConn, err := c.adminClient()
-	if err != nil {
-		return callErr(stderr, "dial", err)
-	}
-	defer closeConn()
-	ctx, cancel := context.WithTimeout(ctx, callTimeout)
-	defer cancel()
-	resp, err := client.ListApprovals(ctx, &adminv1.ListApprovalsRequest{PendingOnly: !*all, Tenant: *tenant, RunId: *run})
-	if err != nil {
-		return callErr(stderr, "approvals ls", err)
+	var resp *adminv1.ListApprovalsResponse
+	if code := adminCall(ctx, &c, stderr, "approvals ls", func(ctx context.Context, client adminv1.AdminServiceClient) (err error) {
+		resp, err = client.ListApprovals(ctx, &adminv1.ListApprovalsRequest{PendingOnly: !*all, Tenant: *tenant, RunId: *run})
+		return err
+	}); code != ExitOK {
+		return code
 	}
 	if c.json {
 		printJSON(stdout, resp)

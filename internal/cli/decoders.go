@@ -5,7 +5,6 @@ import (
 	"errors"
 	"fmt"
 	"io"
-	"strings"
 	"text/tabwriter"
 	"time"
 
@@ -52,52 +51,6 @@ every modelproxy replica within a second: their model calls fail FAILED_PRECONDI
 after it are cancelled with cause operator. undrain admits them again (a drain of every
 run and a pool's drain are lifted separately).
 `
-
-// subcommand splits args into a subcommand of subs and its arguments, printing usage
-// for help. ok is false when the command is done (exit code given).
-func subcommand(cmd, text string, subs []string, args []string, stdout, stderr io.Writer) (sub string, rest []string, code int, ok bool) {
-	if len(args) == 0 {
-		return "", nil, usageErr(stderr, cmd, fmt.Errorf("give a subcommand: %s\n\n%s", strings.Join(subs, " or "), strings.TrimSuffix(text, "\n"))), false
-	}
-	switch args[0] {
-	case "help", "-h", "--help":
-		fmt.Fprint(stdout, text)
-		return "", nil, ExitOK, false
-	}
-	for _, s := range subs {
-		if args[0] == s {
-			return s, args[1:], 0, true
-		}
-	}
-	return "", nil, usageErr(stderr, cmd, fmt.Errorf("unknown subcommand %q\n\n%s", args[0], strings.TrimSuffix(text, "\n"))), false
-}
-
-// durationFlag reads a duration flag's value: "" is unset (nil).
-func durationFlag(name, v string) (*durationpb.Duration, error) {
-	if v == "" {
-		return nil, nil
-	}
-	d, err := time.ParseDuration(v)
-	if err != nil || d <= 0 {
-		return nil, fmt.Errorf("--%s %q: give a positive duration (90s, 5m)", name, v)
-	}
-	return durationpb.New(d), nil
-}
-
-// adminCall dials the admin API and runs call with a bounded context.
-func adminCall(ctx context.Context, c *common, stderr io.Writer, what string, call func(context.Context, adminv1.AdminServiceClient) error) int {
-	client, closeConn, err := c.adminClient()
-	if err != nil {
-		return callErr(stderr, "dial", err)
-	}
-	defer closeConn()
-	ctx, cancel := context.WithTimeout(ctx, callTimeout)
-	defer cancel()
-	if err := call(ctx, client); err != nil {
-		return callErr(stderr, what, err)
-	}
-	return ExitOK
-}
 
 func cmdLeases(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	sub, args, code, ok := subcommand("leases", leasesUsage, []string{"ls", "cancel"}, args, stdout, stderr)

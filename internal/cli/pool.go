@@ -26,17 +26,9 @@ orphan tokens in the ledger have not grown for FOR, reporting as it waits, then 
 `
 
 func cmdPool(ctx context.Context, args []string, stdout, stderr io.Writer) int {
-	if len(args) == 0 {
-		return usageErr(stderr, "pool", errors.New("give a subcommand: close, open or reopen\n\n"+strings.TrimSuffix(poolUsage, "\n")))
-	}
-	sub := args[0]
-	switch sub {
-	case "help", "-h", "--help":
-		fmt.Fprint(stdout, poolUsage)
-		return ExitOK
-	case "close", "open", "reopen":
-	default:
-		return usageErr(stderr, "pool", fmt.Errorf("unknown subcommand %q: close, open or reopen\n\n%s", sub, strings.TrimSuffix(poolUsage, "\n")))
+	sub, args, code, ok := subcommand("pool", poolUsage, []string{"close", "open", "reopen"}, args, stdout, stderr)
+	if !ok {
+		return code
 	}
 	fs := newFlags("pool "+sub, stderr)
 	var c common
@@ -51,7 +43,7 @@ func cmdPool(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		window = fs.Duration("when-orphan-delta-zero", 0, "open once the orphan tokens have not grown for this long (required)")
 		wait = fs.Duration("wait", 10*time.Minute, "give up (exit 1, pool still closed) after this long")
 	}
-	pos, err := parse(fs, args[1:])
+	pos, err := parse(fs, args)
 	if err != nil {
 		return usageErr(stderr, "pool "+sub, err)
 	}
@@ -61,33 +53,28 @@ func cmdPool(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	if sub == "reopen" && (*window <= 0 || *wait <= 0) {
 		return usageErr(stderr, "pool reopen", errors.New("--when-orphan-delta-zero is required and must be positive, and --wait positive"))
 	}
-	client, closeConn, err := c.adminClient()
-	if err != nil {
-		return callErr(stderr, "dial", err)
-	}
-	defer closeConn()
-	timeout := callTimeout
 	if sub == "reopen" {
-		timeout = *wait
-	}
-	ctx, cancel := context.WithTimeout(ctx, timeout)
-	defer cancel()
-	var state *adminv1.PoolState
-	switch sub {
-	case "close":
-		resp, err := client.ClosePool(ctx, &adminv1.ClosePoolRequest{Pool: pos[0], Reason: *reason})
+		client, closeConn, err := c.adminClient()
 		if err != nil {
-			return callErr(stderr, "pool close", err)
+			return callErr(stderr, "dial", err)
 		}
-		state = resp.GetPool()
-	case "open":
-		resp, err := client.OpenPool(ctx, &adminv1.OpenPoolRequest{Pool: pos[0], Reason: *reason, Force: *force})
-		if err != nil {
-			return callErr(stderr, "pool open", err)
-		}
-		state = resp.GetPool()
-	default:
+		defer closeConn()
+		ctx, cancel := context.WithTimeout(ctx, *wait)
+		defer cancel()
 		return reopen(ctx, client, &adminv1.ReopenPoolRequest{Pool: pos[0], Reason: *reason, Window: durationpb.New(*window)}, c.json, stdout, stderr)
+	}
+	var state *adminv1.PoolState
+	if code := adminCall(ctx, &c, stderr, "pool "+sub, func(ctx context.Context, client adminv1.AdminServiceClient) error {
+		if sub == "close" {
+			resp, err := client.ClosePool(ctx, &adminv1.ClosePoolRequest{Pool: pos[0], Reason: *reason})
+			state = resp.GetPool()
+			return err
+		}
+		resp, err := client.OpenPool(ctx, &adminv1.OpenPoolRequest{Pool: pos[0], Reason: *reason, Force: *force})
+		state = resp.GetPool()
+		return err
+	}); code != ExitOK {
+		return code
 	}
 	if c.json {
 		printJSON(stdout, state)

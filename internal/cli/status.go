@@ -25,16 +25,12 @@ func cmdStatus(ctx context.Context, args []string, stdout, stderr io.Writer) int
 	if len(pos) != 0 {
 		return usageErr(stderr, "status", errors.New("takes no arguments"))
 	}
-	client, closeConn, err := c.adminClient()
-	if err != nil {
-		return callErr(stderr, "dial", err)
-	}
-	defer closeConn()
-	ctx, cancel := context.WithTimeout(ctx, callTimeout)
-	defer cancel()
-	st, err := client.Status(ctx, &adminv1.StatusRequest{})
-	if err != nil {
-		return callErr(stderr, "status", err)
+	var st *adminv1.StatusResponse
+	if code := adminCall(ctx, &c, stderr, "status", func(ctx context.Context, client adminv1.AdminServiceClient) (err error) {
+		st, err = client.Status(ctx, &adminv1.StatusRequest{})
+		return err
+	}); code != ExitOK {
+		return code
 	}
 	if c.json {
 		printJSON(stdout, st)
