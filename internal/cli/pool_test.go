@@ -43,9 +43,9 @@ func (f *fakeAdmin) Status(_ context.Context, req *adminv1.StatusRequest) (*admi
 	return &adminv1.StatusResponse{Replica: "orch-a", OrphanDelta: 7, OrphanWindow: durationpb.New(time.Minute), DeadLetterDepth: 2,
 		Pools: []*adminv1.PoolState{{Pool: "overflow", OperatorClosed: true, OperatorActor: "key:k1", OperatorReason: "drill",
 			AutoConditions: []string{"orphan_tokens"}, AutoClosedUntil: timestamppb.Now(), InFlight: 1, MaxInFlight: 4}},
-		Breakers: []*adminv1.BreakerState{{Service: "modelproxy", Replica: "mp-a", Target: "openai", State: "open"}},
-		Leases:   []*adminv1.Lease{testLease()},
-		Configs:  []*adminv1.ReplicaConfig{{Service: "orchestrator", Replica: "orch-b", Config: "admission", Version: "v2", SeenAt: timestamppb.Now(), LoadedAt: timestamppb.Now()}},
+		Breakers:    []*adminv1.BreakerState{{Service: "modelproxy", Replica: "mp-a", Target: "openai", State: "open"}},
+		Leases:      []*adminv1.Lease{testLease()},
+		Configs:     []*adminv1.ReplicaConfig{{Service: "orchestrator", Replica: "orch-b", Config: "admission", Version: "v2", SeenAt: timestamppb.Now(), LoadedAt: timestamppb.Now()}},
 		Unreachable: []string{"modelproxy mp-b: timeout"},
 	}, nil
 }
