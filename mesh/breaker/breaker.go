@@ -52,6 +52,10 @@ func (s State) String() string {
 	return "unknown"
 }
 
+// Name is the state as operators' APIs spell it (AdminService.Status, ListDecoders):
+// closed, half_open or open.
+func (s State) Name() string { return strings.ReplaceAll(s.String(), "-", "_") }
+
 // The refusal's ErrorInfo.
 const (
 	// Reason is the ErrorInfo reason of a call refused by an open breaker.

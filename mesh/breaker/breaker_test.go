@@ -405,3 +405,11 @@ func TestHalfOpensWithoutTraffic(t *testing.T) {
 		time.Sleep(5 * time.Millisecond)
 	}
 }
+
+func TestStateName(t *testing.T) {
+	for st, want := range map[breaker.State]string{breaker.StateClosed: "closed", breaker.StateHalfOpen: "half_open", breaker.StateOpen: "open"} {
+		if got := st.Name(); got != want {
+			t.Errorf("%v.Name() = %q, want %q", st, got, want)
+		}
+	}
+}

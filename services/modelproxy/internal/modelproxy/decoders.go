@@ -191,7 +191,7 @@ func (s *Server) breakerStates() []*modelproxyv1.ProviderBreaker {
 	slices.Sort(names)
 	out := make([]*modelproxyv1.ProviderBreaker, 0, len(names))
 	for _, name := range names {
-		st := strings.ReplaceAll(s.Router.Breaker(name).State().String(), "-", "_")
+		st := s.Router.Breaker(name).State().Name()
 		out = append(out, &modelproxyv1.ProviderBreaker{Provider: name, State: st})
 	}
 	return out

@@ -2,14 +2,12 @@ package admin
 
 import (
 	"context"
-	"strings"
 	"time"
 
 	"google.golang.org/protobuf/types/known/durationpb"
 	"google.golang.org/protobuf/types/known/timestamppb"
 
 	adminv1 "github.com/curfew-mesh/curfew/gen/curfew/admin/v1"
-	"github.com/curfew-mesh/curfew/mesh/breaker"
 	"github.com/curfew-mesh/curfew/mesh/store"
 )
 
@@ -33,7 +31,7 @@ func (s *Server) Status(ctx context.Context, _ *adminv1.StatusRequest) (*adminv1
 	if s.cfg.Breakers != nil {
 		for _, b := range s.cfg.Breakers.All() {
 			out.Breakers = append(out.Breakers, &adminv1.BreakerState{Service: "orchestrator", Replica: s.cfg.Replica,
-				Target: b.Target(), State: breakerState(b.State())})
+				Target: b.Target(), State: b.State().Name()})
 		}
 	}
 	leases, breakers, unreachable := s.fleet(ctx, 0)
@@ -77,6 +75,3 @@ func (s *Server) orphanWindow() time.Duration {
 	}
 	return DefaultOrphanWindow
 }
-
-// breakerState names a breaker's state as StatusResponse does: closed, open, half_open.
-func breakerState(st breaker.State) string { return strings.ReplaceAll(st.String(), "-", "_") }
