@@ -14,6 +14,7 @@ import (
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/credentials/insecure"
+	"google.golang.org/grpc/metadata"
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/encoding/protojson"
 	"google.golang.org/protobuf/types/known/durationpb"
@@ -313,13 +314,50 @@ func TestDecoderControlsAcrossReplicas(t *testing.T) {
 		t.Errorf("%d model nodes of the second run cancelled by the operator, want its 2 decoders'", cancelledOld)
 	}
 
+	// A drain of the paid pool, on real processes: modelproxy knows each call's pool only
+	// from curfew-pool, which the orchestrator stamps from the run's admission ticket. A
+	// new paid run is refused its model call on either replica; an overflow run still
+	// decodes; after the undrain paid runs decode again.
+	cli("decoders", "drain", "--pool", "paid", "--reason", "e2e: drain paid")
+	sheddable := metadata.AppendToOutgoingContext(ctx, md.Criticality, "sheddable")
+	for deadline := time.Now().Add(controlBound); ; time.Sleep(50 * time.Millisecond) {
+		res, _ := runPlan(ctx, oc, spawns(2, 2), 30*time.Second, 0, false)
+		if res.err != nil && strings.Contains(res.err.Error(), "decoders drained") {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("a paid run within %v of the drain: %v, want its model call refused (decoders drained)", controlBound, res.err)
+		}
+	}
+	for range 4 { // both replicas serve the overflow runs' calls
+		if res, _ := runPlan(sheddable, oc, spawns(2, 2), 30*time.Second, 0, false); res.err != nil {
+			t.Fatalf("an overflow run while only paid is drained: %v", res.err)
+		}
+	}
+	for range 4 {
+		if res, _ := runPlan(ctx, oc, spawns(2, 2), 30*time.Second, 0, false); res.err == nil || !strings.Contains(res.err.Error(), "decoders drained") {
+			t.Fatalf("a paid run while drained: %v, want decoders drained", res.err)
+		}
+	}
+	cli("decoders", "undrain", "--pool", "paid", "--reason", "e2e: undrain paid")
+	for deadline := time.Now().Add(controlBound); ; time.Sleep(50 * time.Millisecond) {
+		res, _ := runPlan(ctx, oc, spawns(2, 2), 30*time.Second, 0, false)
+		if res.err == nil {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("a paid run after the undrain: %v", res.err)
+		}
+	}
+
 	// Thaw, and the audit log lists each step with its reason.
 	cli("ledger", "thaw", "--run", frozen, "--reason", "e2e: leak fixed")
 	audit, err := adm.ListAudit(ctx, &adminv1.ListAuditRequest{Since: timestamppb.New(began), PageSize: 1000})
 	if err != nil {
 		t.Fatal(err)
 	}
-	want := map[string]string{"FreezeLedger": "e2e: orphan leak", "CancelLeases": "e2e: older than the grace", "ThawLedger": "e2e: leak fixed"}
+	want := map[string]string{"FreezeLedger": "e2e: orphan leak", "CancelLeases": "e2e: older than the grace", "ThawLedger": "e2e: leak fixed",
+		"DrainDecoders": "e2e: drain paid", "UndrainDecoders": "e2e: undrain paid"}
 	for _, e := range audit.GetEntries() {
 		if r, ok := want[e.GetAction()]; ok && e.GetReason() == r && strings.HasPrefix(e.GetActor(), "key:") {
 			delete(want, e.GetAction())
