@@ -11,6 +11,7 @@ import (
 
 	adminv1 "github.com/curfew-mesh/curfew/gen/curfew/admin/v1"
 	"github.com/curfew-mesh/curfew/mesh/admission"
+	"github.com/curfew-mesh/curfew/mesh/breaker"
 	"github.com/curfew-mesh/curfew/mesh/store"
 	"github.com/curfew-mesh/curfew/mesh/store/memory"
 	"github.com/curfew-mesh/curfew/services/orchestrator/internal/admin"
@@ -147,5 +148,71 @@ func TestReopenPool(t *testing.T) {
 	}
 	if closed, _ := ctrl.Closed("paid"); closed {
 		t.Error("paid still closed after the reopen")
+	}
+}
+
+// Status gathers each of its parts from its source: this replica's pools and breakers,
+// the dead letters, the replicas' configuration versions and the controls from the
+// store; with no modelproxy replica known, no decoder.
+func TestStatusGathersEveryPart(t *testing.T) {
+	st, err := memory.Open(t.Context(), "memory://"+t.Name())
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = st.Close() })
+	ctrl, err := admission.New(admission.DefaultConfig(), nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(ctrl.Close)
+	breakers := breaker.NewSet(breaker.Config{}, nil)
+	breakers.Get("toolrunner")
+	s := admin.New(admin.Config{Store: st, Replica: "orch-1", Breakers: breakers, Pools: admin.NewPoolControls(st, ctrl, "orch-1", nil)})
+	ctx := t.Context()
+	if _, _, err := st.AddDeadLetter(ctx, store.DeadLetter{Tenant: "acme", RunID: "r1", Step: "0", LastError: "boom"}); err != nil {
+		t.Fatal(err)
+	}
+	if err := st.PutReplicaConfig(ctx, store.ReplicaConfig{Service: "orchestrator", Replica: "orch-2", Config: "admission", Version: "abc123",
+		LoadedAt: time.Now()}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := s.FreezeLedger(ctx, &adminv1.FreezeLedgerRequest{Tenant: "acme", Reason: "leak"}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := s.DrainDecoders(ctx, &adminv1.DrainDecodersRequest{Pool: "overflow", Reason: "drill"}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := st.AddTokens(ctx, store.LedgerEntry{Tenant: "acme", RunID: "r1", NodeID: "root/m0", Tokens: 5, Kind: store.KindOrphan, Key: "o1"}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := s.ClosePool(ctx, &adminv1.ClosePoolRequest{Pool: "overflow", Reason: "drill"}); err != nil {
+		t.Fatal(err)
+	}
+
+	out, err := s.Status(ctx, &adminv1.StatusRequest{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if out.GetReplica() != "orch-1" || out.GetDeadLetterDepth() != 1 || out.GetOrphanDelta() != 5 || out.GetOrphanWindow().AsDuration() != time.Minute {
+		t.Errorf("status header: replica %q, dead letters %d, orphan delta %d over %v", out.GetReplica(), out.GetDeadLetterDepth(),
+			out.GetOrphanDelta(), out.GetOrphanWindow().AsDuration())
+	}
+	if len(out.GetPools()) != 2 || out.GetPools()[1].GetPool() != "overflow" || !out.GetPools()[1].GetOperatorClosed() {
+		t.Errorf("pools %v", out.GetPools())
+	}
+	if b := out.GetBreakers(); len(b) != 1 || b[0].GetService() != "orchestrator" || b[0].GetTarget() != "toolrunner" || b[0].GetState() != "closed" {
+		t.Errorf("breakers %v", b)
+	}
+	if c := out.GetConfigs(); len(c) != 1 || c[0].GetReplica() != "orch-2" || c[0].GetVersion() != "abc123" {
+		t.Errorf("configs %v", c)
+	}
+	if f := out.GetFreezes(); len(f) != 1 || f[0].GetTenant() != "acme" || f[0].GetReason() != "leak" || f[0].GetTokensAfterFreeze() != 5 {
+		t.Errorf("freezes %v", f)
+	}
+	if d := out.GetDrains(); len(d) != 1 || d[0].GetPool() != "overflow" {
+		t.Errorf("drains %v", d)
+	}
+	if len(out.GetLeases()) != 0 || len(out.GetUnreachable()) != 0 {
+		t.Errorf("leases %v, unreachable %v; want none without modelproxy replicas", out.GetLeases(), out.GetUnreachable())
 	}
 }
