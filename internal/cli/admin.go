@@ -87,14 +87,19 @@ func durationFlag(name, v string) (*durationpb.Duration, error) {
 	return durationpb.New(d), nil
 }
 
-// adminCall dials the admin API and runs call with a bounded context.
+// adminCall dials the admin API and runs call with a bounded context (callTimeout).
 func adminCall(ctx context.Context, c *common, stderr io.Writer, what string, call func(context.Context, adminv1.AdminServiceClient) error) int {
+	return adminCallFor(ctx, c, stderr, what, callTimeout, call)
+}
+
+// adminCallFor is adminCall bounded by timeout, for a call that waits (pool reopen).
+func adminCallFor(ctx context.Context, c *common, stderr io.Writer, what string, timeout time.Duration, call func(context.Context, adminv1.AdminServiceClient) error) int {
 	client, closeConn, err := c.adminClient()
 	if err != nil {
 		return callErr(stderr, "dial", err)
 	}
 	defer closeConn()
-	ctx, cancel := context.WithTimeout(ctx, callTimeout)
+	ctx, cancel := context.WithTimeout(ctx, timeout)
 	defer cancel()
 	if err := call(ctx, client); err != nil {
 		return callErr(stderr, what, err)

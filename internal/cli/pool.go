@@ -54,14 +54,10 @@ func cmdPool(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		return usageErr(stderr, "pool reopen", errors.New("--when-orphan-delta-zero is required and must be positive, and --wait positive"))
 	}
 	if sub == "reopen" {
-		client, closeConn, err := c.adminClient()
-		if err != nil {
-			return callErr(stderr, "dial", err)
-		}
-		defer closeConn()
-		ctx, cancel := context.WithTimeout(ctx, *wait)
-		defer cancel()
-		return reopen(ctx, client, &adminv1.ReopenPoolRequest{Pool: pos[0], Reason: *reason, Window: durationpb.New(*window)}, c.json, stdout, stderr)
+		req := &adminv1.ReopenPoolRequest{Pool: pos[0], Reason: *reason, Window: durationpb.New(*window)}
+		return adminCallFor(ctx, &c, stderr, "pool reopen (the pool stays closed)", *wait, func(ctx context.Context, client adminv1.AdminServiceClient) error {
+			return reopen(ctx, client, req, c.json, stdout)
+		})
 	}
 	var state *adminv1.PoolState
 	if code := adminCall(ctx, &c, stderr, "pool "+sub, func(ctx context.Context, client adminv1.AdminServiceClient) error {
@@ -84,16 +80,16 @@ func cmdPool(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	return ExitOK
 }
 
-// reopen streams ReopenPool's reports, one line each.
-func reopen(ctx context.Context, client adminv1.AdminServiceClient, req *adminv1.ReopenPoolRequest, asJSON bool, stdout, stderr io.Writer) int {
+// reopen streams ReopenPool's reports, one line each, until the one that opened.
+func reopen(ctx context.Context, client adminv1.AdminServiceClient, req *adminv1.ReopenPoolRequest, asJSON bool, stdout io.Writer) error {
 	stream, err := client.ReopenPool(ctx, req)
 	if err != nil {
-		return callErr(stderr, "pool reopen", err)
+		return err
 	}
 	for {
 		rep, err := stream.Recv()
 		if err != nil {
-			return callErr(stderr, "pool reopen (the pool stays closed)", err)
+			return err
 		}
 		switch {
 		case asJSON:
@@ -105,7 +101,7 @@ func reopen(ctx context.Context, client adminv1.AdminServiceClient, req *adminv1
 				rep.GetQuietFor().AsDuration().Round(time.Millisecond), req.GetWindow().AsDuration())
 		}
 		if rep.GetOpened() {
-			return ExitOK
+			return nil
 		}
 	}
 }

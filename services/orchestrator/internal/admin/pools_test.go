@@ -17,8 +17,9 @@ import (
 	"github.com/curfew-mesh/curfew/services/orchestrator/internal/admin"
 )
 
-// rig is an admin server over a private store and one replica's admission controller.
-func rig(t *testing.T) (*admin.Server, *admission.Controller, store.Store) {
+// rig is an admin server over a private store and one replica's admission controller,
+// with breakers when given.
+func rig(t *testing.T, breakers ...*breaker.Set) (*admin.Server, *admission.Controller, store.Store) {
 	t.Helper()
 	st, err := memory.Open(t.Context(), "memory://"+t.Name())
 	if err != nil {
@@ -30,8 +31,11 @@ func rig(t *testing.T) (*admin.Server, *admission.Controller, store.Store) {
 		t.Fatal(err)
 	}
 	t.Cleanup(ctrl.Close)
-	s := admin.New(admin.Config{Store: st, Replica: "orch-1", Pools: admin.NewPoolControls(st, ctrl, "orch-1", nil)})
-	return s, ctrl, st
+	cfg := admin.Config{Store: st, Replica: "orch-1", Pools: admin.NewPoolControls(st, ctrl, "orch-1", nil)}
+	if len(breakers) > 0 {
+		cfg.Breakers = breakers[0]
+	}
+	return admin.New(cfg), ctrl, st
 }
 
 func code(err error) codes.Code { return status.Code(err) }
@@ -155,19 +159,9 @@ func TestReopenPool(t *testing.T) {
 // the dead letters, the replicas' configuration versions and the controls from the
 // store; with no modelproxy replica known, no decoder.
 func TestStatusGathersEveryPart(t *testing.T) {
-	st, err := memory.Open(t.Context(), "memory://"+t.Name())
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { _ = st.Close() })
-	ctrl, err := admission.New(admission.DefaultConfig(), nil)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(ctrl.Close)
 	breakers := breaker.NewSet(breaker.Config{}, nil)
 	breakers.Get("toolrunner")
-	s := admin.New(admin.Config{Store: st, Replica: "orch-1", Breakers: breakers, Pools: admin.NewPoolControls(st, ctrl, "orch-1", nil)})
+	s, _, st := rig(t, breakers)
 	ctx := t.Context()
 	if _, _, err := st.AddDeadLetter(ctx, store.DeadLetter{Tenant: "acme", RunID: "r1", Step: "0", LastError: "boom"}); err != nil {
 		t.Fatal(err)
