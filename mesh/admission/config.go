@@ -69,6 +69,9 @@ type Config struct {
 	// Tenants: the seam for budgets kept in the store. It is called with the controller's
 	// lock held and must not block (a store-backed source answers from a cache).
 	Limits LimitSource
+	// Cluster, when its Slots is set, claims every admission in the store so that pool
+	// caps and tenant concurrency hold across replicas (docs/cluster.md).
+	Cluster ClusterConfig
 }
 
 // PoolConfig configures one pool.
@@ -196,6 +199,7 @@ func (c Config) WithDefaults() Config {
 	if c.RetryAfter == 0 {
 		c.RetryAfter = DefaultRetryAfter
 	}
+	c.Cluster = c.Cluster.withDefaults()
 	pools := make([]PoolConfig, len(c.Pools))
 	for i, p := range c.Pools {
 		if p.MaxQueue == 0 {
@@ -241,6 +245,9 @@ func (c Config) Validate() error {
 		return &ConfigError{"fail_closed_window", d.FailClosedWindow, "must not be negative"}
 	case d.RetryAfter < 0:
 		return &ConfigError{"retry_after", d.RetryAfter, "must not be negative"}
+	}
+	if err := d.Cluster.validate(); err != nil {
+		return err
 	}
 	seen := map[string]int{}
 	overflow := -1

@@ -5,7 +5,10 @@ import (
 	"fmt"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"time"
+
+	"github.com/curfew-mesh/curfew/mesh/clusterslots"
 
 	"github.com/prometheus/client_golang/prometheus"
 	"google.golang.org/grpc/codes"
@@ -114,6 +117,11 @@ type Controller struct {
 	lastFailure [len(conditions)]time.Time
 	// operator holds the operators' decisions (SetOperatorControls).
 	operator OperatorControls
+	// cl is the cluster-wide coordination state (cluster.go); claims counts the claims
+	// in flight to the store, sizeMu guards cl.sized.
+	cl     clusterState
+	claims sync.WaitGroup
+	sizeMu sync.Mutex
 }
 
 // pool is one pool's state.
@@ -125,6 +133,12 @@ type pool struct {
 	depth     prometheus.Gauge
 	inFlightG prometheus.Gauge
 	age       prometheus.Observer
+	// With cluster-wide slots (cluster.go): the waiter whose claim is at the store (one
+	// at a time, so the queue's order holds), and whether dispatch waits for a slot to
+	// be released somewhere (Kick) or for the poll timer.
+	claiming    *waiter
+	clusterWait bool
+	poll        *time.Timer
 }
 
 func (p *pool) queued() int { return p.queues[critQ].n + p.queues[shedQ].n }
@@ -140,6 +154,8 @@ type waiter struct {
 	deadline   time.Time // zero: none
 	giveUp     time.Time // when to check age and slack again; owned by the waiting caller
 	ch         chan result
+	// cancelErr is set when the caller left while the waiter's claim was at the store.
+	cancelErr error
 }
 
 type result struct {
@@ -162,6 +178,26 @@ func (l *waitList) pushBack(w *waiter) {
 	}
 	l.tail = w
 	l.n++
+}
+
+// pushFront puts w back at the head (its claim found no slot: it keeps its turn).
+func (l *waitList) pushFront(w *waiter) {
+	w.list, w.prev, w.next = l, nil, l.head
+	if l.head != nil {
+		l.head.prev = w
+	} else {
+		l.tail = w
+	}
+	l.head = w
+	l.n++
+}
+
+// queueOf is the queue of a request's criticality.
+func queueOf(req Request) int {
+	if req.Criticality == Critical {
+		return critQ
+	}
+	return shedQ
 }
 
 func (l *waitList) remove(w *waiter) {
@@ -193,6 +229,7 @@ func New(cfg Config, reg prometheus.Registerer) (*Controller, error) {
 		byName:  map[string]*pool{},
 		tenants: map[string]*tenant{},
 		classes: map[string]*samples{},
+		cl:      clusterState{sized: map[string]int{}},
 	}
 	if c.now == nil {
 		c.now = time.Now
@@ -201,6 +238,7 @@ func New(cfg Config, reg prometheus.Registerer) (*Controller, error) {
 		c.limits = cfg
 	}
 	c.m.closed = newClosedCollector(c)
+	c.m.degraded = newDegradedGauge(c)
 	for _, pc := range cfg.Pools {
 		p := c.newPool(pc)
 		c.pools = append(c.pools, p)
@@ -330,8 +368,8 @@ func (c *Controller) arrive(req Request, deadline time.Time) (*Ticket, *waiter, 
 	ten.outstanding++
 	ten.reserved += req.ExpectedTokens
 	c.expireHeads(p, now)
-	if p.inFlight < p.cfg.MaxInFlight && p.queued() == 0 {
-		return c.grant(p, ten, req, 0), nil, nil
+	if p.inFlight < p.cfg.MaxInFlight && p.queued() == 0 && !c.clustered() {
+		return c.grant(p, ten, req, 0, nil), nil, nil
 	}
 	if p.queued() >= p.cfg.MaxQueue {
 		victim := p.queues[shedQ].tail
@@ -347,13 +385,9 @@ func (c *Controller) arrive(req Request, deadline time.Time) (*Ticket, *waiter, 
 	}
 	w := &waiter{pool: p, req: req, tenant: ten, enqueued: now, deadline: deadline, ch: make(chan result, 1)}
 	w.giveUp = c.giveUp(w)
-	q := shedQ
-	if crit == Critical {
-		q = critQ
-	}
-	p.queues[q].pushBack(w)
+	p.queues[queueOf(req)].pushBack(w)
 	p.depth.Set(float64(p.queued()))
-	c.dispatch(p, now) // a no-op unless a slot is free, which the fast path above rules out
+	c.dispatch(p, now) // locally, a no-op unless a slot is free, which the fast path above rules out
 	return nil, w, nil
 }
 
@@ -371,6 +405,8 @@ func (c *Controller) wait(ctx context.Context, w *waiter) (*Ticket, error) {
 			c.mu.Lock()
 			if w.list != nil {
 				c.dropWith(w, ReasonCancelled, ctxStatus(ctx), c.now())
+			} else if w.pool.claiming == w {
+				w.cancelErr = ctxStatus(ctx) // the claim's return ends it
 			}
 			c.mu.Unlock()
 			r := <-w.ch
@@ -474,8 +510,13 @@ func (c *Controller) expireHeads(p *pool, now time.Time) {
 
 // dispatch admits waiters of p while it has free slots: critical first, FIFO within a
 // criticality. A waiter whose age or slack ran out is shed instead, before any work.
+// With cluster-wide slots, the head waiter goes to the store for its slots instead
+// (startClaim), one at a time, unless the pool waits for a slot to be released.
 func (c *Controller) dispatch(p *pool, now time.Time) {
 	for p.inFlight < p.cfg.MaxInFlight {
+		if c.clustered() && (p.claiming != nil || p.clusterWait) {
+			return
+		}
 		w := p.queues[critQ].head
 		if w == nil {
 			w = p.queues[shedQ].head
@@ -489,16 +530,23 @@ func (c *Controller) dispatch(p *pool, now time.Time) {
 		}
 		w.list.remove(w)
 		p.depth.Set(float64(p.queued()))
-		w.ch <- result{t: c.grant(p, w.tenant, w.req, now.Sub(w.enqueued))}
+		if c.clustered() {
+			c.startClaim(p, w, now)
+			continue // startClaim decided at once (degraded) or set p.claiming
+		}
+		w.ch <- result{t: c.grant(p, w.tenant, w.req, now.Sub(w.enqueued), nil)}
 	}
 }
 
-// grant takes a slot of p for a run whose tenant counts and reservation are already made.
-func (c *Controller) grant(p *pool, ten *tenant, req Request, waited time.Duration) *Ticket {
+// grant takes a slot of p for a run whose tenant counts and reservation are already
+// made; slots are its cluster-wide slots (none without coordination, or when admitted
+// on the local share).
+func (c *Controller) grant(p *pool, ten *tenant, req Request, waited time.Duration, slots []*clusterslots.Slot) *Ticket {
 	p.inFlight++
 	p.inFlightG.Set(float64(p.inFlight))
 	p.age.Observe(waited.Seconds())
-	return &Ticket{c: c, pool: p, tenant: ten, class: req.Class, reserved: req.ExpectedTokens, waited: waited}
+	ten.running++
+	return &Ticket{c: c, pool: p, tenant: ten, class: req.Class, reserved: req.ExpectedTokens, waited: waited, slots: slots}
 }
 
 // drop sheds a queued waiter with e.
@@ -563,21 +611,28 @@ func (c *Controller) refuse(e *ShedError) error {
 
 // Close sheds every queued run with ReasonShutdown and refuses every later Admit the
 // same way. Admitted runs keep their tickets; Release still works. Close is idempotent.
-// The controller has no goroutines or timers of its own to stop.
+// Without cluster-wide slots the controller has no goroutines or timers of its own;
+// with them, Close stops the pools' poll timers and returns once the claims at the store
+// have come back (their waiters are shed too).
 func (c *Controller) Close() {
 	c.mu.Lock()
-	defer c.mu.Unlock()
 	if c.closed {
+		c.mu.Unlock()
 		return
 	}
 	c.closed = true
 	now := c.now()
 	for _, p := range c.pools {
+		if p.poll != nil {
+			p.poll.Stop()
+		}
 		c.dropAll(p, func(w *waiter) *ShedError {
 			return &ShedError{Reason: ReasonShutdown, RetryAfter: c.cfg.RetryAfter, Pool: p.cfg.Name, Tenant: w.req.Tenant,
 				Detail: "admission is shut down"}
 		}, now)
 	}
+	c.mu.Unlock()
+	c.claims.Wait()
 }
 
 // Ticket is an admitted run's lease on a pool slot.
@@ -588,7 +643,8 @@ type Ticket struct {
 	class    string
 	reserved int64
 	waited   time.Duration
-	released bool // guarded by c.mu
+	slots    []*clusterslots.Slot // cluster-wide slots, given back first on Release
+	released atomic.Bool
 }
 
 // Pool is the name of the pool the run was admitted to.
@@ -604,24 +660,23 @@ func (t *Ticket) Reserved() int64 { return t.reserved }
 // the run's count against its tenant, settles its token reservation with o.Tokens (the
 // unused part of the reservation returns to the budget; a spend beyond it is charged),
 // and, for a completed run, records o.Service for its class's expected service time.
-// Only the first call counts; Release on a nil Ticket is a no-op.
+// Only the first call counts; Release on a nil Ticket is a no-op. Cluster-wide slots go
+// back to the store first (one round trip), so that the next claim finds them.
 func (t *Ticket) Release(o Outcome) {
-	if t == nil {
+	if t == nil || !t.released.CompareAndSwap(false, true) {
 		return
 	}
 	c := t.c
+	c.releaseSlots(t.slots)
 	c.mu.Lock()
 	defer c.mu.Unlock()
-	if t.released {
-		return
-	}
-	t.released = true
 	now := c.now()
 	p := t.pool
 	p.inFlight--
 	p.inFlightG.Set(float64(p.inFlight))
 	ten := t.tenant
 	ten.outstanding--
+	ten.running--
 	c.settle(ten, t.reserved, o.Tokens, now)
 	if o.Ended == EndCompleted && o.Service > 0 {
 		c.observeService(t.class, o.Service)

@@ -17,6 +17,7 @@ type metrics struct {
 	inFlight *prometheus.GaugeVec
 	shed     *prometheus.CounterVec
 	closed   *closedCollector
+	clusterMetrics
 }
 
 func newMetrics(service string) *metrics {
@@ -38,6 +39,7 @@ func newMetrics(service string) *metrics {
 			Name: "curfew_shed_total",
 			Help: "Runs refused by admission control, by reason: deadline_slack, queue_age, queue_full, pool_closed, tenant_concurrency, budget, shutdown; cancelled counts runs whose caller left while queued (not a refusal).",
 		}, []string{"service", "reason"}),
+		clusterMetrics: newClusterMetrics(),
 	}
 }
 
@@ -70,7 +72,8 @@ func (cc *closedCollector) Collect(ch chan<- prometheus.Metric) {
 // register registers every collector with reg, undoing the registrations made so far
 // when one fails.
 func (m *metrics) register(reg prometheus.Registerer) error {
-	cs := []prometheus.Collector{m.depth, m.age, m.inFlight, m.shed, m.closed}
+	cs := []prometheus.Collector{m.depth, m.age, m.inFlight, m.shed, m.closed,
+		m.claims, m.claimSeconds, m.localAdmits, m.slotsLost, m.degraded}
 	for i, c := range cs {
 		if err := reg.Register(c); err != nil {
 			for _, done := range cs[:i] {
@@ -80,4 +83,49 @@ func (m *metrics) register(reg prometheus.Registerer) error {
 		}
 	}
 	return nil
+}
+
+// clusterMetrics are the collectors of cluster-wide coordination (cluster.go); they
+// stay at 0 without it.
+type clusterMetrics struct {
+	claims       *prometheus.CounterVec
+	claimSeconds prometheus.Histogram
+	localAdmits  prometheus.Counter
+	slotsLost    prometheus.Counter
+	degraded     prometheus.GaugeFunc
+}
+
+func newClusterMetrics() clusterMetrics {
+	return clusterMetrics{
+		claims: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "curfew_admission_cluster_claims_total",
+			Help: "Claims of cluster-wide slots per pool, by result: granted, pool_full (every slot held across the cluster), tenant_full (the tenant's concurrency across the cluster), error (the store failed: decided on this replica's share).",
+		}, []string{"pool", "result"}),
+		claimSeconds: prometheus.NewHistogram(prometheus.HistogramOpts{
+			Name:    "curfew_admission_cluster_claim_seconds",
+			Help:    "Time of one claim of cluster-wide slots at the store, its round trips included.",
+			Buckets: []float64{0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1},
+		}),
+		localAdmits: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "curfew_admission_cluster_local_admits_total",
+			Help: "Runs admitted on this replica's share of a cap while the store was down; they hold no cluster-wide slot.",
+		}),
+		slotsLost: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "curfew_admission_cluster_slots_lost_total",
+			Help: "Cluster-wide slots another holder claimed while their run went on (renewals failed past the TTL).",
+		}),
+	}
+}
+
+// newDegradedGauge is curfew_admission_cluster_degraded, read at scrape time.
+func newDegradedGauge(c *Controller) prometheus.GaugeFunc {
+	return prometheus.NewGaugeFunc(prometheus.GaugeOpts{
+		Name: "curfew_admission_cluster_degraded",
+		Help: "1 while cluster-wide admission is degraded (the store failed: each replica admits up to its share of every cap), else 0.",
+	}, func() float64 {
+		if c.ClusterStatus().Degraded {
+			return 1
+		}
+		return 0
+	})
 }

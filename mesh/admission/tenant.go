@@ -15,6 +15,9 @@ type tenant struct {
 	name string
 	// outstanding counts the tenant's runs admitted or queued, for MaxInFlight.
 	outstanding int
+	// running counts the tenant's runs admitted here, for its share of MaxInFlight while
+	// the cluster's store is down.
+	running int
 	// used is the tokens settled in the current window; reserved the expected tokens of
 	// the outstanding runs.
 	used, reserved int64

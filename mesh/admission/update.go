@@ -27,8 +27,8 @@ import (
 //   - CancelGrace, FailClosedWindow and RetryAfter apply to the next decision; the
 //     overflow pool's fail-closed conditions are kept (with the new window).
 //
-// The service label (Config.Service), the clock (Config.Now) and a LimitSource given to
-// New are kept: they are wiring, not configuration. A cfg whose Service differs is an
+// The service label (Config.Service), the clock (Config.Now), a LimitSource and the
+// cluster wiring (Config.Cluster) given to New are kept: they are wiring, not configuration. A cfg whose Service differs is an
 // error. On any error nothing changes.
 func (c *Controller) Update(cfg Config) error {
 	if err := cfg.Validate(); err != nil {
@@ -43,7 +43,7 @@ func (c *Controller) Update(cfg Config) error {
 	if c.closed {
 		return errors.New("admission: the controller is shut down")
 	}
-	cfg.Now, cfg.Limits = c.cfg.Now, c.cfg.Limits
+	cfg.Now, cfg.Limits, cfg.Cluster = c.cfg.Now, c.cfg.Limits, c.cfg.Cluster
 	now := c.now()
 	pools := make([]*pool, 0, len(cfg.Pools))
 	byName := make(map[string]*pool, len(cfg.Pools))
