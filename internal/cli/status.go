@@ -47,13 +47,28 @@ func printStatus(w io.Writer, st *adminv1.StatusResponse, now time.Time) {
 	if len(st.GetUnreachable()) > 0 {
 		fmt.Fprintf(w, "not reached: %s\n", strings.Join(st.GetUnreachable(), ", "))
 	}
+	cl := st.GetCluster()
+	switch {
+	case cl.GetDegraded():
+		fmt.Fprintf(w, "cluster admission DEGRADED since %s: admitting up to this replica's share of each cap (%d replicas); last error: %s\n",
+			cl.GetDegradedSince().AsTime().UTC().Format(time.RFC3339), cl.GetReplicas(), dash(cl.GetLastError()))
+	case cl.GetEnabled():
+		fmt.Fprintf(w, "cluster admission coordinated in the store (holder %s, %d replicas)\n", cl.GetHolder(), cl.GetReplicas())
+	}
+	if cl.GetLocalAdmits() > 0 || cl.GetSlotsLost() > 0 {
+		fmt.Fprintf(w, "cluster admission: %d runs admitted on the local share, %d slots lost\n", cl.GetLocalAdmits(), cl.GetSlotsLost())
+	}
 	tw := tabwriter.NewWriter(w, 0, 4, 2, ' ', 0)
 	section := func(title, header string) {
 		_ = tw.Flush()
 		fmt.Fprintf(w, "\n%s\n", title)
 		fmt.Fprintln(tw, header)
 	}
-	section("POOLS", "POOL\tSTATE\tIN FLIGHT\tQUEUED\tOLDEST QUEUED\tWHY")
+	header := "POOL\tSTATE\tIN FLIGHT\tQUEUED\tOLDEST QUEUED\tWHY"
+	if cl.GetEnabled() {
+		header = "POOL\tSTATE\tIN FLIGHT\tCLUSTER\tQUEUED\tOLDEST QUEUED\tWHY"
+	}
+	section("POOLS", header)
 	for _, p := range st.GetPools() {
 		state := "open"
 		if p.GetOperatorClosed() || p.GetAutoClosed() {
@@ -70,7 +85,15 @@ func printStatus(w io.Writer, st *adminv1.StatusResponse, now time.Time) {
 			}
 			why = append(why, a)
 		}
-		fmt.Fprintf(tw, "%s\t%s\t%d/%d\t%d/%d\t%s\t%s\n", p.GetPool(), state, p.GetInFlight(), p.GetMaxInFlight(), p.GetQueued(),
+		inFlight := fmt.Sprintf("%d/%d", p.GetInFlight(), p.GetMaxInFlight())
+		if cl.GetEnabled() {
+			held := "?" // the store did not answer
+			if p.GetClusterInFlight() >= 0 {
+				held = fmt.Sprint(p.GetClusterInFlight())
+			}
+			inFlight += "\t" + held + "/" + fmt.Sprint(p.GetMaxInFlight())
+		}
+		fmt.Fprintf(tw, "%s\t%s\t%s\t%d/%d\t%s\t%s\n", p.GetPool(), state, inFlight, p.GetQueued(),
 			p.GetMaxQueue(), p.GetOldestQueued().AsDuration().Round(time.Millisecond), dash(strings.Join(why, "; ")))
 	}
 	section("BREAKERS", "SERVICE\tREPLICA\tTARGET\tSTATE")

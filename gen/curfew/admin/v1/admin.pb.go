@@ -163,9 +163,12 @@ type PoolState struct {
 	// instant even while the window holds.
 	ForcedOpenUntil *timestamppb.Timestamp `protobuf:"bytes,15,opt,name=forced_open_until,json=forcedOpenUntil,proto3" json:"forced_open_until,omitempty"`
 	// The replica (orchestrator instance) this pool's live figures come from.
-	Replica       string `protobuf:"bytes,16,opt,name=replica,proto3" json:"replica,omitempty"`
-	unknownFields protoimpl.UnknownFields
-	sizeCache     protoimpl.SizeCache
+	Replica string `protobuf:"bytes,16,opt,name=replica,proto3" json:"replica,omitempty"`
+	// With cluster-wide admission (docs/cluster.md): the pool's slots held across every
+	// replica, read from the store; -1 when it could not be read, 0 without coordination.
+	ClusterInFlight int32 `protobuf:"varint,17,opt,name=cluster_in_flight,json=clusterInFlight,proto3" json:"cluster_in_flight,omitempty"`
+	unknownFields   protoimpl.UnknownFields
+	sizeCache       protoimpl.SizeCache
 }
 
 func (x *PoolState) Reset() {
@@ -308,6 +311,13 @@ func (x *PoolState) GetReplica() string {
 		return x.Replica
 	}
 	return ""
+}
+
+func (x *PoolState) GetClusterInFlight() int32 {
+	if x != nil {
+		return x.ClusterInFlight
+	}
+	return 0
 }
 
 // BreakerState is one breaker of one service.
@@ -819,7 +829,9 @@ type StatusResponse struct {
 	// Replicas that did not answer the fan-out in time, by service.
 	Unreachable []string `protobuf:"bytes,10,rep,name=unreachable,proto3" json:"unreachable,omitempty"`
 	// The replica that answered.
-	Replica       string `protobuf:"bytes,11,opt,name=replica,proto3" json:"replica,omitempty"`
+	Replica string `protobuf:"bytes,11,opt,name=replica,proto3" json:"replica,omitempty"`
+	// Cluster-wide admission as the replica answering sees it.
+	Cluster       *ClusterAdmission `protobuf:"bytes,12,opt,name=cluster,proto3" json:"cluster,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -931,6 +943,130 @@ func (x *StatusResponse) GetReplica() string {
 	return ""
 }
 
+func (x *StatusResponse) GetCluster() *ClusterAdmission {
+	if x != nil {
+		return x.Cluster
+	}
+	return nil
+}
+
+// ClusterAdmission is the state of one orchestrator's cluster-wide admission
+// (docs/cluster.md): pool caps and tenant concurrency claimed as slots in the store.
+type ClusterAdmission struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// Caps are claimed in the store (a shared --store and --cluster-admission).
+	Enabled bool `protobuf:"varint,1,opt,name=enabled,proto3" json:"enabled,omitempty"`
+	// The store failed: this replica admits up to its share of each cap, holding no slot.
+	Degraded      bool                   `protobuf:"varint,2,opt,name=degraded,proto3" json:"degraded,omitempty"`
+	DegradedSince *timestamppb.Timestamp `protobuf:"bytes,3,opt,name=degraded_since,json=degradedSince,proto3" json:"degraded_since,omitempty"`
+	// The last store error of a claim, release or renewal.
+	LastError string `protobuf:"bytes,4,opt,name=last_error,json=lastError,proto3" json:"last_error,omitempty"`
+	// The replica count the share is computed from.
+	Replicas int32 `protobuf:"varint,5,opt,name=replicas,proto3" json:"replicas,omitempty"`
+	// Runs admitted on the local share (not counted cluster-wide), and slots lost to
+	// another holder while their run went on, since the process started.
+	LocalAdmits int64 `protobuf:"varint,6,opt,name=local_admits,json=localAdmits,proto3" json:"local_admits,omitempty"`
+	SlotsLost   int64 `protobuf:"varint,7,opt,name=slots_lost,json=slotsLost,proto3" json:"slots_lost,omitempty"`
+	// The slot holder's name and its last successful renewal.
+	Holder        string                 `protobuf:"bytes,8,opt,name=holder,proto3" json:"holder,omitempty"`
+	LastRenew     *timestamppb.Timestamp `protobuf:"bytes,9,opt,name=last_renew,json=lastRenew,proto3" json:"last_renew,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *ClusterAdmission) Reset() {
+	*x = ClusterAdmission{}
+	mi := &file_curfew_admin_v1_admin_proto_msgTypes[8]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *ClusterAdmission) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*ClusterAdmission) ProtoMessage() {}
+
+func (x *ClusterAdmission) ProtoReflect() protoreflect.Message {
+	mi := &file_curfew_admin_v1_admin_proto_msgTypes[8]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use ClusterAdmission.ProtoReflect.Descriptor instead.
+func (*ClusterAdmission) Descriptor() ([]byte, []int) {
+	return file_curfew_admin_v1_admin_proto_rawDescGZIP(), []int{8}
+}
+
+func (x *ClusterAdmission) GetEnabled() bool {
+	if x != nil {
+		return x.Enabled
+	}
+	return false
+}
+
+func (x *ClusterAdmission) GetDegraded() bool {
+	if x != nil {
+		return x.Degraded
+	}
+	return false
+}
+
+func (x *ClusterAdmission) GetDegradedSince() *timestamppb.Timestamp {
+	if x != nil {
+		return x.DegradedSince
+	}
+	return nil
+}
+
+func (x *ClusterAdmission) GetLastError() string {
+	if x != nil {
+		return x.LastError
+	}
+	return ""
+}
+
+func (x *ClusterAdmission) GetReplicas() int32 {
+	if x != nil {
+		return x.Replicas
+	}
+	return 0
+}
+
+func (x *ClusterAdmission) GetLocalAdmits() int64 {
+	if x != nil {
+		return x.LocalAdmits
+	}
+	return 0
+}
+
+func (x *ClusterAdmission) GetSlotsLost() int64 {
+	if x != nil {
+		return x.SlotsLost
+	}
+	return 0
+}
+
+func (x *ClusterAdmission) GetHolder() string {
+	if x != nil {
+		return x.Holder
+	}
+	return ""
+}
+
+func (x *ClusterAdmission) GetLastRenew() *timestamppb.Timestamp {
+	if x != nil {
+		return x.LastRenew
+	}
+	return nil
+}
+
 // ClosePoolRequest closes a pool on every replica: new runs are shed with pool_closed,
 // condition operator; runs admitted keep running.
 type ClosePoolRequest struct {
@@ -943,7 +1079,7 @@ type ClosePoolRequest struct {
 
 func (x *ClosePoolRequest) Reset() {
 	*x = ClosePoolRequest{}
-	mi := &file_curfew_admin_v1_admin_proto_msgTypes[8]
+	mi := &file_curfew_admin_v1_admin_proto_msgTypes[9]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -955,7 +1091,7 @@ func (x *ClosePoolRequest) String() string {
 func (*ClosePoolRequest) ProtoMessage() {}
 
 func (x *ClosePoolRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_curfew_admin_v1_admin_proto_msgTypes[8]
+	mi := &file_curfew_admin_v1_admin_proto_msgTypes[9]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -968,7 +1104,7 @@ func (x *ClosePoolRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ClosePoolRequest.ProtoReflect.Descriptor instead.
 func (*ClosePoolRequest) Descriptor() ([]byte, []int) {
-	return file_curfew_admin_v1_admin_proto_rawDescGZIP(), []int{8}
+	return file_curfew_admin_v1_admin_proto_rawDescGZIP(), []int{9}
 }
 
 func (x *ClosePoolRequest) GetPool() string {
@@ -995,7 +1131,7 @@ type ClosePoolResponse struct {
 
 func (x *ClosePoolResponse) Reset() {
 	*x = ClosePoolResponse{}
-	mi := &file_curfew_admin_v1_admin_proto_msgTypes[9]
+	mi := &file_curfew_admin_v1_admin_proto_msgTypes[10]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1007,7 +1143,7 @@ func (x *ClosePoolResponse) String() string {
 func (*ClosePoolResponse) ProtoMessage() {}
 
 func (x *ClosePoolResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_curfew_admin_v1_admin_proto_msgTypes[9]
+	mi := &file_curfew_admin_v1_admin_proto_msgTypes[10]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1020,7 +1156,7 @@ func (x *ClosePoolResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ClosePoolResponse.ProtoReflect.Descriptor instead.
 func (*ClosePoolResponse) Descriptor() ([]byte, []int) {
-	return file_curfew_admin_v1_admin_proto_rawDescGZIP(), []int{9}
+	return file_curfew_admin_v1_admin_proto_rawDescGZIP(), []int{10}
 }
 
 func (x *ClosePoolResponse) GetPool() *PoolState {
@@ -1044,7 +1180,7 @@ type OpenPoolRequest struct {
 
 func (x *OpenPoolRequest) Reset() {
 	*x = OpenPoolRequest{}
-	mi := &file_curfew_admin_v1_admin_proto_msgTypes[10]
+	mi := &file_curfew_admin_v1_admin_proto_msgTypes[11]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1056,7 +1192,7 @@ func (x *OpenPoolRequest) String() string {
 func (*OpenPoolRequest) ProtoMessage() {}
 
 func (x *OpenPoolRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_curfew_admin_v1_admin_proto_msgTypes[10]
+	mi := &file_curfew_admin_v1_admin_proto_msgTypes[11]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1069,7 +1205,7 @@ func (x *OpenPoolRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use OpenPoolRequest.ProtoReflect.Descriptor instead.
 func (*OpenPoolRequest) Descriptor() ([]byte, []int) {
-	return file_curfew_admin_v1_admin_proto_rawDescGZIP(), []int{10}
+	return file_curfew_admin_v1_admin_proto_rawDescGZIP(), []int{11}
 }
 
 func (x *OpenPoolRequest) GetPool() string {
@@ -1103,7 +1239,7 @@ type OpenPoolResponse struct {
 
 func (x *OpenPoolResponse) Reset() {
 	*x = OpenPoolResponse{}
-	mi := &file_curfew_admin_v1_admin_proto_msgTypes[11]
+	mi := &file_curfew_admin_v1_admin_proto_msgTypes[12]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1115,7 +1251,7 @@ func (x *OpenPoolResponse) String() string {
 func (*OpenPoolResponse) ProtoMessage() {}
 
 func (x *OpenPoolResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_curfew_admin_v1_admin_proto_msgTypes[11]
+	mi := &file_curfew_admin_v1_admin_proto_msgTypes[12]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1128,7 +1264,7 @@ func (x *OpenPoolResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use OpenPoolResponse.ProtoReflect.Descriptor instead.
 func (*OpenPoolResponse) Descriptor() ([]byte, []int) {
-	return file_curfew_admin_v1_admin_proto_rawDescGZIP(), []int{11}
+	return file_curfew_admin_v1_admin_proto_rawDescGZIP(), []int{12}
 }
 
 func (x *OpenPoolResponse) GetPool() *PoolState {
@@ -1151,7 +1287,7 @@ type ReopenPoolRequest struct {
 
 func (x *ReopenPoolRequest) Reset() {
 	*x = ReopenPoolRequest{}
-	mi := &file_curfew_admin_v1_admin_proto_msgTypes[12]
+	mi := &file_curfew_admin_v1_admin_proto_msgTypes[13]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1163,7 +1299,7 @@ func (x *ReopenPoolRequest) String() string {
 func (*ReopenPoolRequest) ProtoMessage() {}
 
 func (x *ReopenPoolRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_curfew_admin_v1_admin_proto_msgTypes[12]
+	mi := &file_curfew_admin_v1_admin_proto_msgTypes[13]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1176,7 +1312,7 @@ func (x *ReopenPoolRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ReopenPoolRequest.ProtoReflect.Descriptor instead.
 func (*ReopenPoolRequest) Descriptor() ([]byte, []int) {
-	return file_curfew_admin_v1_admin_proto_rawDescGZIP(), []int{12}
+	return file_curfew_admin_v1_admin_proto_rawDescGZIP(), []int{13}
 }
 
 func (x *ReopenPoolRequest) GetPool() string {
@@ -1215,7 +1351,7 @@ type ReopenPoolResponse struct {
 
 func (x *ReopenPoolResponse) Reset() {
 	*x = ReopenPoolResponse{}
-	mi := &file_curfew_admin_v1_admin_proto_msgTypes[13]
+	mi := &file_curfew_admin_v1_admin_proto_msgTypes[14]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1227,7 +1363,7 @@ func (x *ReopenPoolResponse) String() string {
 func (*ReopenPoolResponse) ProtoMessage() {}
 
 func (x *ReopenPoolResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_curfew_admin_v1_admin_proto_msgTypes[13]
+	mi := &file_curfew_admin_v1_admin_proto_msgTypes[14]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1240,7 +1376,7 @@ func (x *ReopenPoolResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ReopenPoolResponse.ProtoReflect.Descriptor instead.
 func (*ReopenPoolResponse) Descriptor() ([]byte, []int) {
-	return file_curfew_admin_v1_admin_proto_rawDescGZIP(), []int{13}
+	return file_curfew_admin_v1_admin_proto_rawDescGZIP(), []int{14}
 }
 
 func (x *ReopenPoolResponse) GetOrphanDelta() int64 {
@@ -1282,7 +1418,7 @@ type ListLeasesRequest struct {
 
 func (x *ListLeasesRequest) Reset() {
 	*x = ListLeasesRequest{}
-	mi := &file_curfew_admin_v1_admin_proto_msgTypes[14]
+	mi := &file_curfew_admin_v1_admin_proto_msgTypes[15]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1294,7 +1430,7 @@ func (x *ListLeasesRequest) String() string {
 func (*ListLeasesRequest) ProtoMessage() {}
 
 func (x *ListLeasesRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_curfew_admin_v1_admin_proto_msgTypes[14]
+	mi := &file_curfew_admin_v1_admin_proto_msgTypes[15]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1307,7 +1443,7 @@ func (x *ListLeasesRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListLeasesRequest.ProtoReflect.Descriptor instead.
 func (*ListLeasesRequest) Descriptor() ([]byte, []int) {
-	return file_curfew_admin_v1_admin_proto_rawDescGZIP(), []int{14}
+	return file_curfew_admin_v1_admin_proto_rawDescGZIP(), []int{15}
 }
 
 func (x *ListLeasesRequest) GetOlderThan() *durationpb.Duration {
@@ -1328,7 +1464,7 @@ type ListLeasesResponse struct {
 
 func (x *ListLeasesResponse) Reset() {
 	*x = ListLeasesResponse{}
-	mi := &file_curfew_admin_v1_admin_proto_msgTypes[15]
+	mi := &file_curfew_admin_v1_admin_proto_msgTypes[16]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1340,7 +1476,7 @@ func (x *ListLeasesResponse) String() string {
 func (*ListLeasesResponse) ProtoMessage() {}
 
 func (x *ListLeasesResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_curfew_admin_v1_admin_proto_msgTypes[15]
+	mi := &file_curfew_admin_v1_admin_proto_msgTypes[16]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1353,7 +1489,7 @@ func (x *ListLeasesResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListLeasesResponse.ProtoReflect.Descriptor instead.
 func (*ListLeasesResponse) Descriptor() ([]byte, []int) {
-	return file_curfew_admin_v1_admin_proto_rawDescGZIP(), []int{15}
+	return file_curfew_admin_v1_admin_proto_rawDescGZIP(), []int{16}
 }
 
 func (x *ListLeasesResponse) GetLeases() []*Lease {
@@ -1382,7 +1518,7 @@ type CancelLeasesRequest struct {
 
 func (x *CancelLeasesRequest) Reset() {
 	*x = CancelLeasesRequest{}
-	mi := &file_curfew_admin_v1_admin_proto_msgTypes[16]
+	mi := &file_curfew_admin_v1_admin_proto_msgTypes[17]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1394,7 +1530,7 @@ func (x *CancelLeasesRequest) String() string {
 func (*CancelLeasesRequest) ProtoMessage() {}
 
 func (x *CancelLeasesRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_curfew_admin_v1_admin_proto_msgTypes[16]
+	mi := &file_curfew_admin_v1_admin_proto_msgTypes[17]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1407,7 +1543,7 @@ func (x *CancelLeasesRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CancelLeasesRequest.ProtoReflect.Descriptor instead.
 func (*CancelLeasesRequest) Descriptor() ([]byte, []int) {
-	return file_curfew_admin_v1_admin_proto_rawDescGZIP(), []int{16}
+	return file_curfew_admin_v1_admin_proto_rawDescGZIP(), []int{17}
 }
 
 func (x *CancelLeasesRequest) GetOlderThan() *durationpb.Duration {
@@ -1435,7 +1571,7 @@ type CancelLeasesResponse struct {
 
 func (x *CancelLeasesResponse) Reset() {
 	*x = CancelLeasesResponse{}
-	mi := &file_curfew_admin_v1_admin_proto_msgTypes[17]
+	mi := &file_curfew_admin_v1_admin_proto_msgTypes[18]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1447,7 +1583,7 @@ func (x *CancelLeasesResponse) String() string {
 func (*CancelLeasesResponse) ProtoMessage() {}
 
 func (x *CancelLeasesResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_curfew_admin_v1_admin_proto_msgTypes[17]
+	mi := &file_curfew_admin_v1_admin_proto_msgTypes[18]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1460,7 +1596,7 @@ func (x *CancelLeasesResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CancelLeasesResponse.ProtoReflect.Descriptor instead.
 func (*CancelLeasesResponse) Descriptor() ([]byte, []int) {
-	return file_curfew_admin_v1_admin_proto_rawDescGZIP(), []int{17}
+	return file_curfew_admin_v1_admin_proto_rawDescGZIP(), []int{18}
 }
 
 func (x *CancelLeasesResponse) GetCancelled() []*Lease {
@@ -1491,7 +1627,7 @@ type FreezeLedgerRequest struct {
 
 func (x *FreezeLedgerRequest) Reset() {
 	*x = FreezeLedgerRequest{}
-	mi := &file_curfew_admin_v1_admin_proto_msgTypes[18]
+	mi := &file_curfew_admin_v1_admin_proto_msgTypes[19]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1503,7 +1639,7 @@ func (x *FreezeLedgerRequest) String() string {
 func (*FreezeLedgerRequest) ProtoMessage() {}
 
 func (x *FreezeLedgerRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_curfew_admin_v1_admin_proto_msgTypes[18]
+	mi := &file_curfew_admin_v1_admin_proto_msgTypes[19]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1516,7 +1652,7 @@ func (x *FreezeLedgerRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use FreezeLedgerRequest.ProtoReflect.Descriptor instead.
 func (*FreezeLedgerRequest) Descriptor() ([]byte, []int) {
-	return file_curfew_admin_v1_admin_proto_rawDescGZIP(), []int{18}
+	return file_curfew_admin_v1_admin_proto_rawDescGZIP(), []int{19}
 }
 
 func (x *FreezeLedgerRequest) GetRunId() string {
@@ -1550,7 +1686,7 @@ type FreezeLedgerResponse struct {
 
 func (x *FreezeLedgerResponse) Reset() {
 	*x = FreezeLedgerResponse{}
-	mi := &file_curfew_admin_v1_admin_proto_msgTypes[19]
+	mi := &file_curfew_admin_v1_admin_proto_msgTypes[20]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1562,7 +1698,7 @@ func (x *FreezeLedgerResponse) String() string {
 func (*FreezeLedgerResponse) ProtoMessage() {}
 
 func (x *FreezeLedgerResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_curfew_admin_v1_admin_proto_msgTypes[19]
+	mi := &file_curfew_admin_v1_admin_proto_msgTypes[20]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1575,7 +1711,7 @@ func (x *FreezeLedgerResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use FreezeLedgerResponse.ProtoReflect.Descriptor instead.
 func (*FreezeLedgerResponse) Descriptor() ([]byte, []int) {
-	return file_curfew_admin_v1_admin_proto_rawDescGZIP(), []int{19}
+	return file_curfew_admin_v1_admin_proto_rawDescGZIP(), []int{20}
 }
 
 func (x *FreezeLedgerResponse) GetFreeze() *Freeze {
@@ -1597,7 +1733,7 @@ type ThawLedgerRequest struct {
 
 func (x *ThawLedgerRequest) Reset() {
 	*x = ThawLedgerRequest{}
-	mi := &file_curfew_admin_v1_admin_proto_msgTypes[20]
+	mi := &file_curfew_admin_v1_admin_proto_msgTypes[21]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1609,7 +1745,7 @@ func (x *ThawLedgerRequest) String() string {
 func (*ThawLedgerRequest) ProtoMessage() {}
 
 func (x *ThawLedgerRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_curfew_admin_v1_admin_proto_msgTypes[20]
+	mi := &file_curfew_admin_v1_admin_proto_msgTypes[21]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1622,7 +1758,7 @@ func (x *ThawLedgerRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ThawLedgerRequest.ProtoReflect.Descriptor instead.
 func (*ThawLedgerRequest) Descriptor() ([]byte, []int) {
-	return file_curfew_admin_v1_admin_proto_rawDescGZIP(), []int{20}
+	return file_curfew_admin_v1_admin_proto_rawDescGZIP(), []int{21}
 }
 
 func (x *ThawLedgerRequest) GetRunId() string {
@@ -1656,7 +1792,7 @@ type ThawLedgerResponse struct {
 
 func (x *ThawLedgerResponse) Reset() {
 	*x = ThawLedgerResponse{}
-	mi := &file_curfew_admin_v1_admin_proto_msgTypes[21]
+	mi := &file_curfew_admin_v1_admin_proto_msgTypes[22]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1668,7 +1804,7 @@ func (x *ThawLedgerResponse) String() string {
 func (*ThawLedgerResponse) ProtoMessage() {}
 
 func (x *ThawLedgerResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_curfew_admin_v1_admin_proto_msgTypes[21]
+	mi := &file_curfew_admin_v1_admin_proto_msgTypes[22]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1681,7 +1817,7 @@ func (x *ThawLedgerResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ThawLedgerResponse.ProtoReflect.Descriptor instead.
 func (*ThawLedgerResponse) Descriptor() ([]byte, []int) {
-	return file_curfew_admin_v1_admin_proto_rawDescGZIP(), []int{21}
+	return file_curfew_admin_v1_admin_proto_rawDescGZIP(), []int{22}
 }
 
 func (x *ThawLedgerResponse) GetThawed() bool {
@@ -1700,7 +1836,7 @@ type ListFreezesRequest struct {
 
 func (x *ListFreezesRequest) Reset() {
 	*x = ListFreezesRequest{}
-	mi := &file_curfew_admin_v1_admin_proto_msgTypes[22]
+	mi := &file_curfew_admin_v1_admin_proto_msgTypes[23]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1712,7 +1848,7 @@ func (x *ListFreezesRequest) String() string {
 func (*ListFreezesRequest) ProtoMessage() {}
 
 func (x *ListFreezesRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_curfew_admin_v1_admin_proto_msgTypes[22]
+	mi := &file_curfew_admin_v1_admin_proto_msgTypes[23]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1725,7 +1861,7 @@ func (x *ListFreezesRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListFreezesRequest.ProtoReflect.Descriptor instead.
 func (*ListFreezesRequest) Descriptor() ([]byte, []int) {
-	return file_curfew_admin_v1_admin_proto_rawDescGZIP(), []int{22}
+	return file_curfew_admin_v1_admin_proto_rawDescGZIP(), []int{23}
 }
 
 // ListFreezesResponse holds them.
@@ -1738,7 +1874,7 @@ type ListFreezesResponse struct {
 
 func (x *ListFreezesResponse) Reset() {
 	*x = ListFreezesResponse{}
-	mi := &file_curfew_admin_v1_admin_proto_msgTypes[23]
+	mi := &file_curfew_admin_v1_admin_proto_msgTypes[24]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1750,7 +1886,7 @@ func (x *ListFreezesResponse) String() string {
 func (*ListFreezesResponse) ProtoMessage() {}
 
 func (x *ListFreezesResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_curfew_admin_v1_admin_proto_msgTypes[23]
+	mi := &file_curfew_admin_v1_admin_proto_msgTypes[24]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1763,7 +1899,7 @@ func (x *ListFreezesResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListFreezesResponse.ProtoReflect.Descriptor instead.
 func (*ListFreezesResponse) Descriptor() ([]byte, []int) {
-	return file_curfew_admin_v1_admin_proto_rawDescGZIP(), []int{23}
+	return file_curfew_admin_v1_admin_proto_rawDescGZIP(), []int{24}
 }
 
 func (x *ListFreezesResponse) GetFreezes() []*Freeze {
@@ -1787,7 +1923,7 @@ type DrainDecodersRequest struct {
 
 func (x *DrainDecodersRequest) Reset() {
 	*x = DrainDecodersRequest{}
-	mi := &file_curfew_admin_v1_admin_proto_msgTypes[24]
+	mi := &file_curfew_admin_v1_admin_proto_msgTypes[25]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1799,7 +1935,7 @@ func (x *DrainDecodersRequest) String() string {
 func (*DrainDecodersRequest) ProtoMessage() {}
 
 func (x *DrainDecodersRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_curfew_admin_v1_admin_proto_msgTypes[24]
+	mi := &file_curfew_admin_v1_admin_proto_msgTypes[25]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1812,7 +1948,7 @@ func (x *DrainDecodersRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DrainDecodersRequest.ProtoReflect.Descriptor instead.
 func (*DrainDecodersRequest) Descriptor() ([]byte, []int) {
-	return file_curfew_admin_v1_admin_proto_rawDescGZIP(), []int{24}
+	return file_curfew_admin_v1_admin_proto_rawDescGZIP(), []int{25}
 }
 
 func (x *DrainDecodersRequest) GetPool() string {
@@ -1846,7 +1982,7 @@ type DrainDecodersResponse struct {
 
 func (x *DrainDecodersResponse) Reset() {
 	*x = DrainDecodersResponse{}
-	mi := &file_curfew_admin_v1_admin_proto_msgTypes[25]
+	mi := &file_curfew_admin_v1_admin_proto_msgTypes[26]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1858,7 +1994,7 @@ func (x *DrainDecodersResponse) String() string {
 func (*DrainDecodersResponse) ProtoMessage() {}
 
 func (x *DrainDecodersResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_curfew_admin_v1_admin_proto_msgTypes[25]
+	mi := &file_curfew_admin_v1_admin_proto_msgTypes[26]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1871,7 +2007,7 @@ func (x *DrainDecodersResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DrainDecodersResponse.ProtoReflect.Descriptor instead.
 func (*DrainDecodersResponse) Descriptor() ([]byte, []int) {
-	return file_curfew_admin_v1_admin_proto_rawDescGZIP(), []int{25}
+	return file_curfew_admin_v1_admin_proto_rawDescGZIP(), []int{26}
 }
 
 func (x *DrainDecodersResponse) GetDrain() *Drain {
@@ -1892,7 +2028,7 @@ type UndrainDecodersRequest struct {
 
 func (x *UndrainDecodersRequest) Reset() {
 	*x = UndrainDecodersRequest{}
-	mi := &file_curfew_admin_v1_admin_proto_msgTypes[26]
+	mi := &file_curfew_admin_v1_admin_proto_msgTypes[27]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1904,7 +2040,7 @@ func (x *UndrainDecodersRequest) String() string {
 func (*UndrainDecodersRequest) ProtoMessage() {}
 
 func (x *UndrainDecodersRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_curfew_admin_v1_admin_proto_msgTypes[26]
+	mi := &file_curfew_admin_v1_admin_proto_msgTypes[27]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1917,7 +2053,7 @@ func (x *UndrainDecodersRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use UndrainDecodersRequest.ProtoReflect.Descriptor instead.
 func (*UndrainDecodersRequest) Descriptor() ([]byte, []int) {
-	return file_curfew_admin_v1_admin_proto_rawDescGZIP(), []int{26}
+	return file_curfew_admin_v1_admin_proto_rawDescGZIP(), []int{27}
 }
 
 func (x *UndrainDecodersRequest) GetPool() string {
@@ -1944,7 +2080,7 @@ type UndrainDecodersResponse struct {
 
 func (x *UndrainDecodersResponse) Reset() {
 	*x = UndrainDecodersResponse{}
-	mi := &file_curfew_admin_v1_admin_proto_msgTypes[27]
+	mi := &file_curfew_admin_v1_admin_proto_msgTypes[28]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1956,7 +2092,7 @@ func (x *UndrainDecodersResponse) String() string {
 func (*UndrainDecodersResponse) ProtoMessage() {}
 
 func (x *UndrainDecodersResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_curfew_admin_v1_admin_proto_msgTypes[27]
+	mi := &file_curfew_admin_v1_admin_proto_msgTypes[28]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1969,7 +2105,7 @@ func (x *UndrainDecodersResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use UndrainDecodersResponse.ProtoReflect.Descriptor instead.
 func (*UndrainDecodersResponse) Descriptor() ([]byte, []int) {
-	return file_curfew_admin_v1_admin_proto_rawDescGZIP(), []int{27}
+	return file_curfew_admin_v1_admin_proto_rawDescGZIP(), []int{28}
 }
 
 func (x *UndrainDecodersResponse) GetUndrained() bool {
@@ -1999,7 +2135,7 @@ type AuditEntry struct {
 
 func (x *AuditEntry) Reset() {
 	*x = AuditEntry{}
-	mi := &file_curfew_admin_v1_admin_proto_msgTypes[28]
+	mi := &file_curfew_admin_v1_admin_proto_msgTypes[29]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2011,7 +2147,7 @@ func (x *AuditEntry) String() string {
 func (*AuditEntry) ProtoMessage() {}
 
 func (x *AuditEntry) ProtoReflect() protoreflect.Message {
-	mi := &file_curfew_admin_v1_admin_proto_msgTypes[28]
+	mi := &file_curfew_admin_v1_admin_proto_msgTypes[29]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2024,7 +2160,7 @@ func (x *AuditEntry) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use AuditEntry.ProtoReflect.Descriptor instead.
 func (*AuditEntry) Descriptor() ([]byte, []int) {
-	return file_curfew_admin_v1_admin_proto_rawDescGZIP(), []int{28}
+	return file_curfew_admin_v1_admin_proto_rawDescGZIP(), []int{29}
 }
 
 func (x *AuditEntry) GetId() int64 {
@@ -2090,7 +2226,7 @@ type ListAuditRequest struct {
 
 func (x *ListAuditRequest) Reset() {
 	*x = ListAuditRequest{}
-	mi := &file_curfew_admin_v1_admin_proto_msgTypes[29]
+	mi := &file_curfew_admin_v1_admin_proto_msgTypes[30]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2102,7 +2238,7 @@ func (x *ListAuditRequest) String() string {
 func (*ListAuditRequest) ProtoMessage() {}
 
 func (x *ListAuditRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_curfew_admin_v1_admin_proto_msgTypes[29]
+	mi := &file_curfew_admin_v1_admin_proto_msgTypes[30]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2115,7 +2251,7 @@ func (x *ListAuditRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListAuditRequest.ProtoReflect.Descriptor instead.
 func (*ListAuditRequest) Descriptor() ([]byte, []int) {
-	return file_curfew_admin_v1_admin_proto_rawDescGZIP(), []int{29}
+	return file_curfew_admin_v1_admin_proto_rawDescGZIP(), []int{30}
 }
 
 func (x *ListAuditRequest) GetSince() *timestamppb.Timestamp {
@@ -2150,7 +2286,7 @@ type ListAuditResponse struct {
 
 func (x *ListAuditResponse) Reset() {
 	*x = ListAuditResponse{}
-	mi := &file_curfew_admin_v1_admin_proto_msgTypes[30]
+	mi := &file_curfew_admin_v1_admin_proto_msgTypes[31]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2162,7 +2298,7 @@ func (x *ListAuditResponse) String() string {
 func (*ListAuditResponse) ProtoMessage() {}
 
 func (x *ListAuditResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_curfew_admin_v1_admin_proto_msgTypes[30]
+	mi := &file_curfew_admin_v1_admin_proto_msgTypes[31]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2175,7 +2311,7 @@ func (x *ListAuditResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListAuditResponse.ProtoReflect.Descriptor instead.
 func (*ListAuditResponse) Descriptor() ([]byte, []int) {
-	return file_curfew_admin_v1_admin_proto_rawDescGZIP(), []int{30}
+	return file_curfew_admin_v1_admin_proto_rawDescGZIP(), []int{31}
 }
 
 func (x *ListAuditResponse) GetEntries() []*AuditEntry {
@@ -2206,7 +2342,7 @@ type APIKey struct {
 
 func (x *APIKey) Reset() {
 	*x = APIKey{}
-	mi := &file_curfew_admin_v1_admin_proto_msgTypes[31]
+	mi := &file_curfew_admin_v1_admin_proto_msgTypes[32]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2218,7 +2354,7 @@ func (x *APIKey) String() string {
 func (*APIKey) ProtoMessage() {}
 
 func (x *APIKey) ProtoReflect() protoreflect.Message {
-	mi := &file_curfew_admin_v1_admin_proto_msgTypes[31]
+	mi := &file_curfew_admin_v1_admin_proto_msgTypes[32]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2231,7 +2367,7 @@ func (x *APIKey) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use APIKey.ProtoReflect.Descriptor instead.
 func (*APIKey) Descriptor() ([]byte, []int) {
-	return file_curfew_admin_v1_admin_proto_rawDescGZIP(), []int{31}
+	return file_curfew_admin_v1_admin_proto_rawDescGZIP(), []int{32}
 }
 
 func (x *APIKey) GetId() string {
@@ -2284,7 +2420,7 @@ type CreateKeyRequest struct {
 
 func (x *CreateKeyRequest) Reset() {
 	*x = CreateKeyRequest{}
-	mi := &file_curfew_admin_v1_admin_proto_msgTypes[32]
+	mi := &file_curfew_admin_v1_admin_proto_msgTypes[33]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2296,7 +2432,7 @@ func (x *CreateKeyRequest) String() string {
 func (*CreateKeyRequest) ProtoMessage() {}
 
 func (x *CreateKeyRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_curfew_admin_v1_admin_proto_msgTypes[32]
+	mi := &file_curfew_admin_v1_admin_proto_msgTypes[33]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2309,7 +2445,7 @@ func (x *CreateKeyRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CreateKeyRequest.ProtoReflect.Descriptor instead.
 func (*CreateKeyRequest) Descriptor() ([]byte, []int) {
-	return file_curfew_admin_v1_admin_proto_rawDescGZIP(), []int{32}
+	return file_curfew_admin_v1_admin_proto_rawDescGZIP(), []int{33}
 }
 
 func (x *CreateKeyRequest) GetTenant() string {
@@ -2352,7 +2488,7 @@ type CreateKeyResponse struct {
 
 func (x *CreateKeyResponse) Reset() {
 	*x = CreateKeyResponse{}
-	mi := &file_curfew_admin_v1_admin_proto_msgTypes[33]
+	mi := &file_curfew_admin_v1_admin_proto_msgTypes[34]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2364,7 +2500,7 @@ func (x *CreateKeyResponse) String() string {
 func (*CreateKeyResponse) ProtoMessage() {}
 
 func (x *CreateKeyResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_curfew_admin_v1_admin_proto_msgTypes[33]
+	mi := &file_curfew_admin_v1_admin_proto_msgTypes[34]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2377,7 +2513,7 @@ func (x *CreateKeyResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CreateKeyResponse.ProtoReflect.Descriptor instead.
 func (*CreateKeyResponse) Descriptor() ([]byte, []int) {
-	return file_curfew_admin_v1_admin_proto_rawDescGZIP(), []int{33}
+	return file_curfew_admin_v1_admin_proto_rawDescGZIP(), []int{34}
 }
 
 func (x *CreateKeyResponse) GetKey() *APIKey {
@@ -2412,7 +2548,7 @@ type RevokeKeyRequest struct {
 
 func (x *RevokeKeyRequest) Reset() {
 	*x = RevokeKeyRequest{}
-	mi := &file_curfew_admin_v1_admin_proto_msgTypes[34]
+	mi := &file_curfew_admin_v1_admin_proto_msgTypes[35]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2424,7 +2560,7 @@ func (x *RevokeKeyRequest) String() string {
 func (*RevokeKeyRequest) ProtoMessage() {}
 
 func (x *RevokeKeyRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_curfew_admin_v1_admin_proto_msgTypes[34]
+	mi := &file_curfew_admin_v1_admin_proto_msgTypes[35]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2437,7 +2573,7 @@ func (x *RevokeKeyRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RevokeKeyRequest.ProtoReflect.Descriptor instead.
 func (*RevokeKeyRequest) Descriptor() ([]byte, []int) {
-	return file_curfew_admin_v1_admin_proto_rawDescGZIP(), []int{34}
+	return file_curfew_admin_v1_admin_proto_rawDescGZIP(), []int{35}
 }
 
 func (x *RevokeKeyRequest) GetId() string {
@@ -2464,7 +2600,7 @@ type RevokeKeyResponse struct {
 
 func (x *RevokeKeyResponse) Reset() {
 	*x = RevokeKeyResponse{}
-	mi := &file_curfew_admin_v1_admin_proto_msgTypes[35]
+	mi := &file_curfew_admin_v1_admin_proto_msgTypes[36]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2476,7 +2612,7 @@ func (x *RevokeKeyResponse) String() string {
 func (*RevokeKeyResponse) ProtoMessage() {}
 
 func (x *RevokeKeyResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_curfew_admin_v1_admin_proto_msgTypes[35]
+	mi := &file_curfew_admin_v1_admin_proto_msgTypes[36]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2489,7 +2625,7 @@ func (x *RevokeKeyResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RevokeKeyResponse.ProtoReflect.Descriptor instead.
 func (*RevokeKeyResponse) Descriptor() ([]byte, []int) {
-	return file_curfew_admin_v1_admin_proto_rawDescGZIP(), []int{35}
+	return file_curfew_admin_v1_admin_proto_rawDescGZIP(), []int{36}
 }
 
 func (x *RevokeKeyResponse) GetKey() *APIKey {
@@ -2509,7 +2645,7 @@ type ListKeysRequest struct {
 
 func (x *ListKeysRequest) Reset() {
 	*x = ListKeysRequest{}
-	mi := &file_curfew_admin_v1_admin_proto_msgTypes[36]
+	mi := &file_curfew_admin_v1_admin_proto_msgTypes[37]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2521,7 +2657,7 @@ func (x *ListKeysRequest) String() string {
 func (*ListKeysRequest) ProtoMessage() {}
 
 func (x *ListKeysRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_curfew_admin_v1_admin_proto_msgTypes[36]
+	mi := &file_curfew_admin_v1_admin_proto_msgTypes[37]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2534,7 +2670,7 @@ func (x *ListKeysRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListKeysRequest.ProtoReflect.Descriptor instead.
 func (*ListKeysRequest) Descriptor() ([]byte, []int) {
-	return file_curfew_admin_v1_admin_proto_rawDescGZIP(), []int{36}
+	return file_curfew_admin_v1_admin_proto_rawDescGZIP(), []int{37}
 }
 
 func (x *ListKeysRequest) GetTenant() string {
@@ -2554,7 +2690,7 @@ type ListKeysResponse struct {
 
 func (x *ListKeysResponse) Reset() {
 	*x = ListKeysResponse{}
-	mi := &file_curfew_admin_v1_admin_proto_msgTypes[37]
+	mi := &file_curfew_admin_v1_admin_proto_msgTypes[38]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2566,7 +2702,7 @@ func (x *ListKeysResponse) String() string {
 func (*ListKeysResponse) ProtoMessage() {}
 
 func (x *ListKeysResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_curfew_admin_v1_admin_proto_msgTypes[37]
+	mi := &file_curfew_admin_v1_admin_proto_msgTypes[38]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2579,7 +2715,7 @@ func (x *ListKeysResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListKeysResponse.ProtoReflect.Descriptor instead.
 func (*ListKeysResponse) Descriptor() ([]byte, []int) {
-	return file_curfew_admin_v1_admin_proto_rawDescGZIP(), []int{37}
+	return file_curfew_admin_v1_admin_proto_rawDescGZIP(), []int{38}
 }
 
 func (x *ListKeysResponse) GetKeys() []*APIKey {
@@ -2605,7 +2741,7 @@ type TenantUsage struct {
 
 func (x *TenantUsage) Reset() {
 	*x = TenantUsage{}
-	mi := &file_curfew_admin_v1_admin_proto_msgTypes[38]
+	mi := &file_curfew_admin_v1_admin_proto_msgTypes[39]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2617,7 +2753,7 @@ func (x *TenantUsage) String() string {
 func (*TenantUsage) ProtoMessage() {}
 
 func (x *TenantUsage) ProtoReflect() protoreflect.Message {
-	mi := &file_curfew_admin_v1_admin_proto_msgTypes[38]
+	mi := &file_curfew_admin_v1_admin_proto_msgTypes[39]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2630,7 +2766,7 @@ func (x *TenantUsage) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use TenantUsage.ProtoReflect.Descriptor instead.
 func (*TenantUsage) Descriptor() ([]byte, []int) {
-	return file_curfew_admin_v1_admin_proto_rawDescGZIP(), []int{38}
+	return file_curfew_admin_v1_admin_proto_rawDescGZIP(), []int{39}
 }
 
 func (x *TenantUsage) GetTenant() string {
@@ -2688,7 +2824,7 @@ type UsageRequest struct {
 
 func (x *UsageRequest) Reset() {
 	*x = UsageRequest{}
-	mi := &file_curfew_admin_v1_admin_proto_msgTypes[39]
+	mi := &file_curfew_admin_v1_admin_proto_msgTypes[40]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2700,7 +2836,7 @@ func (x *UsageRequest) String() string {
 func (*UsageRequest) ProtoMessage() {}
 
 func (x *UsageRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_curfew_admin_v1_admin_proto_msgTypes[39]
+	mi := &file_curfew_admin_v1_admin_proto_msgTypes[40]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2713,7 +2849,7 @@ func (x *UsageRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use UsageRequest.ProtoReflect.Descriptor instead.
 func (*UsageRequest) Descriptor() ([]byte, []int) {
-	return file_curfew_admin_v1_admin_proto_rawDescGZIP(), []int{39}
+	return file_curfew_admin_v1_admin_proto_rawDescGZIP(), []int{40}
 }
 
 func (x *UsageRequest) GetTenant() string {
@@ -2740,7 +2876,7 @@ type UsageResponse struct {
 
 func (x *UsageResponse) Reset() {
 	*x = UsageResponse{}
-	mi := &file_curfew_admin_v1_admin_proto_msgTypes[40]
+	mi := &file_curfew_admin_v1_admin_proto_msgTypes[41]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2752,7 +2888,7 @@ func (x *UsageResponse) String() string {
 func (*UsageResponse) ProtoMessage() {}
 
 func (x *UsageResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_curfew_admin_v1_admin_proto_msgTypes[40]
+	mi := &file_curfew_admin_v1_admin_proto_msgTypes[41]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2765,7 +2901,7 @@ func (x *UsageResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use UsageResponse.ProtoReflect.Descriptor instead.
 func (*UsageResponse) Descriptor() ([]byte, []int) {
-	return file_curfew_admin_v1_admin_proto_rawDescGZIP(), []int{40}
+	return file_curfew_admin_v1_admin_proto_rawDescGZIP(), []int{41}
 }
 
 func (x *UsageResponse) GetTenants() []*TenantUsage {
@@ -2802,7 +2938,7 @@ type Approval struct {
 
 func (x *Approval) Reset() {
 	*x = Approval{}
-	mi := &file_curfew_admin_v1_admin_proto_msgTypes[41]
+	mi := &file_curfew_admin_v1_admin_proto_msgTypes[42]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2814,7 +2950,7 @@ func (x *Approval) String() string {
 func (*Approval) ProtoMessage() {}
 
 func (x *Approval) ProtoReflect() protoreflect.Message {
-	mi := &file_curfew_admin_v1_admin_proto_msgTypes[41]
+	mi := &file_curfew_admin_v1_admin_proto_msgTypes[42]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2827,7 +2963,7 @@ func (x *Approval) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Approval.ProtoReflect.Descriptor instead.
 func (*Approval) Descriptor() ([]byte, []int) {
-	return file_curfew_admin_v1_admin_proto_rawDescGZIP(), []int{41}
+	return file_curfew_admin_v1_admin_proto_rawDescGZIP(), []int{42}
 }
 
 func (x *Approval) GetTenant() string {
@@ -2941,7 +3077,7 @@ type ListApprovalsRequest struct {
 
 func (x *ListApprovalsRequest) Reset() {
 	*x = ListApprovalsRequest{}
-	mi := &file_curfew_admin_v1_admin_proto_msgTypes[42]
+	mi := &file_curfew_admin_v1_admin_proto_msgTypes[43]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2953,7 +3089,7 @@ func (x *ListApprovalsRequest) String() string {
 func (*ListApprovalsRequest) ProtoMessage() {}
 
 func (x *ListApprovalsRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_curfew_admin_v1_admin_proto_msgTypes[42]
+	mi := &file_curfew_admin_v1_admin_proto_msgTypes[43]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2966,7 +3102,7 @@ func (x *ListApprovalsRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListApprovalsRequest.ProtoReflect.Descriptor instead.
 func (*ListApprovalsRequest) Descriptor() ([]byte, []int) {
-	return file_curfew_admin_v1_admin_proto_rawDescGZIP(), []int{42}
+	return file_curfew_admin_v1_admin_proto_rawDescGZIP(), []int{43}
 }
 
 func (x *ListApprovalsRequest) GetPendingOnly() bool {
@@ -3000,7 +3136,7 @@ type ListApprovalsResponse struct {
 
 func (x *ListApprovalsResponse) Reset() {
 	*x = ListApprovalsResponse{}
-	mi := &file_curfew_admin_v1_admin_proto_msgTypes[43]
+	mi := &file_curfew_admin_v1_admin_proto_msgTypes[44]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3012,7 +3148,7 @@ func (x *ListApprovalsResponse) String() string {
 func (*ListApprovalsResponse) ProtoMessage() {}
 
 func (x *ListApprovalsResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_curfew_admin_v1_admin_proto_msgTypes[43]
+	mi := &file_curfew_admin_v1_admin_proto_msgTypes[44]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3025,7 +3161,7 @@ func (x *ListApprovalsResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListApprovalsResponse.ProtoReflect.Descriptor instead.
 func (*ListApprovalsResponse) Descriptor() ([]byte, []int) {
-	return file_curfew_admin_v1_admin_proto_rawDescGZIP(), []int{43}
+	return file_curfew_admin_v1_admin_proto_rawDescGZIP(), []int{44}
 }
 
 func (x *ListApprovalsResponse) GetApprovals() []*Approval {
@@ -3050,7 +3186,7 @@ type DecideApprovalRequest struct {
 
 func (x *DecideApprovalRequest) Reset() {
 	*x = DecideApprovalRequest{}
-	mi := &file_curfew_admin_v1_admin_proto_msgTypes[44]
+	mi := &file_curfew_admin_v1_admin_proto_msgTypes[45]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3062,7 +3198,7 @@ func (x *DecideApprovalRequest) String() string {
 func (*DecideApprovalRequest) ProtoMessage() {}
 
 func (x *DecideApprovalRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_curfew_admin_v1_admin_proto_msgTypes[44]
+	mi := &file_curfew_admin_v1_admin_proto_msgTypes[45]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3075,7 +3211,7 @@ func (x *DecideApprovalRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DecideApprovalRequest.ProtoReflect.Descriptor instead.
 func (*DecideApprovalRequest) Descriptor() ([]byte, []int) {
-	return file_curfew_admin_v1_admin_proto_rawDescGZIP(), []int{44}
+	return file_curfew_admin_v1_admin_proto_rawDescGZIP(), []int{45}
 }
 
 func (x *DecideApprovalRequest) GetRunId() string {
@@ -3124,7 +3260,7 @@ type DecideApprovalResponse struct {
 
 func (x *DecideApprovalResponse) Reset() {
 	*x = DecideApprovalResponse{}
-	mi := &file_curfew_admin_v1_admin_proto_msgTypes[45]
+	mi := &file_curfew_admin_v1_admin_proto_msgTypes[46]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3136,7 +3272,7 @@ func (x *DecideApprovalResponse) String() string {
 func (*DecideApprovalResponse) ProtoMessage() {}
 
 func (x *DecideApprovalResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_curfew_admin_v1_admin_proto_msgTypes[45]
+	mi := &file_curfew_admin_v1_admin_proto_msgTypes[46]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3149,7 +3285,7 @@ func (x *DecideApprovalResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DecideApprovalResponse.ProtoReflect.Descriptor instead.
 func (*DecideApprovalResponse) Descriptor() ([]byte, []int) {
-	return file_curfew_admin_v1_admin_proto_rawDescGZIP(), []int{45}
+	return file_curfew_admin_v1_admin_proto_rawDescGZIP(), []int{46}
 }
 
 func (x *DecideApprovalResponse) GetApproval() *Approval {
@@ -3178,7 +3314,7 @@ type OutboxRow struct {
 
 func (x *OutboxRow) Reset() {
 	*x = OutboxRow{}
-	mi := &file_curfew_admin_v1_admin_proto_msgTypes[46]
+	mi := &file_curfew_admin_v1_admin_proto_msgTypes[47]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3190,7 +3326,7 @@ func (x *OutboxRow) String() string {
 func (*OutboxRow) ProtoMessage() {}
 
 func (x *OutboxRow) ProtoReflect() protoreflect.Message {
-	mi := &file_curfew_admin_v1_admin_proto_msgTypes[46]
+	mi := &file_curfew_admin_v1_admin_proto_msgTypes[47]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3203,7 +3339,7 @@ func (x *OutboxRow) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use OutboxRow.ProtoReflect.Descriptor instead.
 func (*OutboxRow) Descriptor() ([]byte, []int) {
-	return file_curfew_admin_v1_admin_proto_rawDescGZIP(), []int{46}
+	return file_curfew_admin_v1_admin_proto_rawDescGZIP(), []int{47}
 }
 
 func (x *OutboxRow) GetTenant() string {
@@ -3278,7 +3414,7 @@ type ListOutboxRequest struct {
 
 func (x *ListOutboxRequest) Reset() {
 	*x = ListOutboxRequest{}
-	mi := &file_curfew_admin_v1_admin_proto_msgTypes[47]
+	mi := &file_curfew_admin_v1_admin_proto_msgTypes[48]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3290,7 +3426,7 @@ func (x *ListOutboxRequest) String() string {
 func (*ListOutboxRequest) ProtoMessage() {}
 
 func (x *ListOutboxRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_curfew_admin_v1_admin_proto_msgTypes[47]
+	mi := &file_curfew_admin_v1_admin_proto_msgTypes[48]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3303,7 +3439,7 @@ func (x *ListOutboxRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListOutboxRequest.ProtoReflect.Descriptor instead.
 func (*ListOutboxRequest) Descriptor() ([]byte, []int) {
-	return file_curfew_admin_v1_admin_proto_rawDescGZIP(), []int{47}
+	return file_curfew_admin_v1_admin_proto_rawDescGZIP(), []int{48}
 }
 
 func (x *ListOutboxRequest) GetTenant() string {
@@ -3355,7 +3491,7 @@ type ListOutboxResponse struct {
 
 func (x *ListOutboxResponse) Reset() {
 	*x = ListOutboxResponse{}
-	mi := &file_curfew_admin_v1_admin_proto_msgTypes[48]
+	mi := &file_curfew_admin_v1_admin_proto_msgTypes[49]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3367,7 +3503,7 @@ func (x *ListOutboxResponse) String() string {
 func (*ListOutboxResponse) ProtoMessage() {}
 
 func (x *ListOutboxResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_curfew_admin_v1_admin_proto_msgTypes[48]
+	mi := &file_curfew_admin_v1_admin_proto_msgTypes[49]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3380,7 +3516,7 @@ func (x *ListOutboxResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListOutboxResponse.ProtoReflect.Descriptor instead.
 func (*ListOutboxResponse) Descriptor() ([]byte, []int) {
-	return file_curfew_admin_v1_admin_proto_rawDescGZIP(), []int{48}
+	return file_curfew_admin_v1_admin_proto_rawDescGZIP(), []int{49}
 }
 
 func (x *ListOutboxResponse) GetRows() []*OutboxRow {
@@ -3415,7 +3551,7 @@ var File_curfew_admin_v1_admin_proto protoreflect.FileDescriptor
 
 const file_curfew_admin_v1_admin_proto_rawDesc = "" +
 	"\n" +
-	"\x1bcurfew/admin/v1/admin.proto\x12\x0fcurfew.admin.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"\xa8\x05\n" +
+	"\x1bcurfew/admin/v1/admin.proto\x12\x0fcurfew.admin.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"\xd4\x05\n" +
 	"\tPoolState\x12\x12\n" +
 	"\x04pool\x18\x01 \x01(\tR\x04pool\x12'\n" +
 	"\x0foperator_closed\x18\x02 \x01(\bR\x0eoperatorClosed\x12'\n" +
@@ -3434,7 +3570,8 @@ const file_curfew_admin_v1_admin_proto_rawDesc = "" +
 	"\tmax_queue\x18\r \x01(\x05R\bmaxQueue\x12\x1a\n" +
 	"\boverflow\x18\x0e \x01(\bR\boverflow\x12F\n" +
 	"\x11forced_open_until\x18\x0f \x01(\v2\x1a.google.protobuf.TimestampR\x0fforcedOpenUntil\x12\x18\n" +
-	"\areplica\x18\x10 \x01(\tR\areplica\"p\n" +
+	"\areplica\x18\x10 \x01(\tR\areplica\x12*\n" +
+	"\x11cluster_in_flight\x18\x11 \x01(\x05R\x0fclusterInFlight\"p\n" +
 	"\fBreakerState\x12\x18\n" +
 	"\aservice\x18\x01 \x01(\tR\aservice\x12\x18\n" +
 	"\areplica\x18\x02 \x01(\tR\areplica\x12\x16\n" +
@@ -3476,7 +3613,7 @@ const file_curfew_admin_v1_admin_proto_rawDesc = "" +
 	"\n" +
 	"last_error\x18\x06 \x01(\tR\tlastError\x123\n" +
 	"\aseen_at\x18\a \x01(\v2\x1a.google.protobuf.TimestampR\x06seenAt\"\x0f\n" +
-	"\rStatusRequest\"\x95\x04\n" +
+	"\rStatusRequest\"\xd2\x04\n" +
 	"\x0eStatusResponse\x120\n" +
 	"\x05pools\x18\x01 \x03(\v2\x1a.curfew.admin.v1.PoolStateR\x05pools\x129\n" +
 	"\bbreakers\x18\x02 \x03(\v2\x1d.curfew.admin.v1.BreakerStateR\bbreakers\x12.\n" +
@@ -3489,7 +3626,21 @@ const file_curfew_admin_v1_admin_proto_rawDesc = "" +
 	"\x06drains\x18\t \x03(\v2\x16.curfew.admin.v1.DrainR\x06drains\x12 \n" +
 	"\vunreachable\x18\n" +
 	" \x03(\tR\vunreachable\x12\x18\n" +
-	"\areplica\x18\v \x01(\tR\areplica\">\n" +
+	"\areplica\x18\v \x01(\tR\areplica\x12;\n" +
+	"\acluster\x18\f \x01(\v2!.curfew.admin.v1.ClusterAdmissionR\acluster\"\xdb\x02\n" +
+	"\x10ClusterAdmission\x12\x18\n" +
+	"\aenabled\x18\x01 \x01(\bR\aenabled\x12\x1a\n" +
+	"\bdegraded\x18\x02 \x01(\bR\bdegraded\x12A\n" +
+	"\x0edegraded_since\x18\x03 \x01(\v2\x1a.google.protobuf.TimestampR\rdegradedSince\x12\x1d\n" +
+	"\n" +
+	"last_error\x18\x04 \x01(\tR\tlastError\x12\x1a\n" +
+	"\breplicas\x18\x05 \x01(\x05R\breplicas\x12!\n" +
+	"\flocal_admits\x18\x06 \x01(\x03R\vlocalAdmits\x12\x1d\n" +
+	"\n" +
+	"slots_lost\x18\a \x01(\x03R\tslotsLost\x12\x16\n" +
+	"\x06holder\x18\b \x01(\tR\x06holder\x129\n" +
+	"\n" +
+	"last_renew\x18\t \x01(\v2\x1a.google.protobuf.TimestampR\tlastRenew\">\n" +
 	"\x10ClosePoolRequest\x12\x12\n" +
 	"\x04pool\x18\x01 \x01(\tR\x04pool\x12\x16\n" +
 	"\x06reason\x18\x02 \x01(\tR\x06reason\"C\n" +
@@ -3711,7 +3862,7 @@ func file_curfew_admin_v1_admin_proto_rawDescGZIP() []byte {
 }
 
 var file_curfew_admin_v1_admin_proto_enumTypes = make([]protoimpl.EnumInfo, 2)
-var file_curfew_admin_v1_admin_proto_msgTypes = make([]protoimpl.MessageInfo, 49)
+var file_curfew_admin_v1_admin_proto_msgTypes = make([]protoimpl.MessageInfo, 50)
 var file_curfew_admin_v1_admin_proto_goTypes = []any{
 	(Scope)(0),                      // 0: curfew.admin.v1.Scope
 	(ApprovalState)(0),              // 1: curfew.admin.v1.ApprovalState
@@ -3723,146 +3874,150 @@ var file_curfew_admin_v1_admin_proto_goTypes = []any{
 	(*ReplicaConfig)(nil),           // 7: curfew.admin.v1.ReplicaConfig
 	(*StatusRequest)(nil),           // 8: curfew.admin.v1.StatusRequest
 	(*StatusResponse)(nil),          // 9: curfew.admin.v1.StatusResponse
-	(*ClosePoolRequest)(nil),        // 10: curfew.admin.v1.ClosePoolRequest
-	(*ClosePoolResponse)(nil),       // 11: curfew.admin.v1.ClosePoolResponse
-	(*OpenPoolRequest)(nil),         // 12: curfew.admin.v1.OpenPoolRequest
-	(*OpenPoolResponse)(nil),        // 13: curfew.admin.v1.OpenPoolResponse
-	(*ReopenPoolRequest)(nil),       // 14: curfew.admin.v1.ReopenPoolRequest
-	(*ReopenPoolResponse)(nil),      // 15: curfew.admin.v1.ReopenPoolResponse
-	(*ListLeasesRequest)(nil),       // 16: curfew.admin.v1.ListLeasesRequest
-	(*ListLeasesResponse)(nil),      // 17: curfew.admin.v1.ListLeasesResponse
-	(*CancelLeasesRequest)(nil),     // 18: curfew.admin.v1.CancelLeasesRequest
-	(*CancelLeasesResponse)(nil),    // 19: curfew.admin.v1.CancelLeasesResponse
-	(*FreezeLedgerRequest)(nil),     // 20: curfew.admin.v1.FreezeLedgerRequest
-	(*FreezeLedgerResponse)(nil),    // 21: curfew.admin.v1.FreezeLedgerResponse
-	(*ThawLedgerRequest)(nil),       // 22: curfew.admin.v1.ThawLedgerRequest
-	(*ThawLedgerResponse)(nil),      // 23: curfew.admin.v1.ThawLedgerResponse
-	(*ListFreezesRequest)(nil),      // 24: curfew.admin.v1.ListFreezesRequest
-	(*ListFreezesResponse)(nil),     // 25: curfew.admin.v1.ListFreezesResponse
-	(*DrainDecodersRequest)(nil),    // 26: curfew.admin.v1.DrainDecodersRequest
-	(*DrainDecodersResponse)(nil),   // 27: curfew.admin.v1.DrainDecodersResponse
-	(*UndrainDecodersRequest)(nil),  // 28: curfew.admin.v1.UndrainDecodersRequest
-	(*UndrainDecodersResponse)(nil), // 29: curfew.admin.v1.UndrainDecodersResponse
-	(*AuditEntry)(nil),              // 30: curfew.admin.v1.AuditEntry
-	(*ListAuditRequest)(nil),        // 31: curfew.admin.v1.ListAuditRequest
-	(*ListAuditResponse)(nil),       // 32: curfew.admin.v1.ListAuditResponse
-	(*APIKey)(nil),                  // 33: curfew.admin.v1.APIKey
-	(*CreateKeyRequest)(nil),        // 34: curfew.admin.v1.CreateKeyRequest
-	(*CreateKeyResponse)(nil),       // 35: curfew.admin.v1.CreateKeyResponse
-	(*RevokeKeyRequest)(nil),        // 36: curfew.admin.v1.RevokeKeyRequest
-	(*RevokeKeyResponse)(nil),       // 37: curfew.admin.v1.RevokeKeyResponse
-	(*ListKeysRequest)(nil),         // 38: curfew.admin.v1.ListKeysRequest
-	(*ListKeysResponse)(nil),        // 39: curfew.admin.v1.ListKeysResponse
-	(*TenantUsage)(nil),             // 40: curfew.admin.v1.TenantUsage
-	(*UsageRequest)(nil),            // 41: curfew.admin.v1.UsageRequest
-	(*UsageResponse)(nil),           // 42: curfew.admin.v1.UsageResponse
-	(*Approval)(nil),                // 43: curfew.admin.v1.Approval
-	(*ListApprovalsRequest)(nil),    // 44: curfew.admin.v1.ListApprovalsRequest
-	(*ListApprovalsResponse)(nil),   // 45: curfew.admin.v1.ListApprovalsResponse
-	(*DecideApprovalRequest)(nil),   // 46: curfew.admin.v1.DecideApprovalRequest
-	(*DecideApprovalResponse)(nil),  // 47: curfew.admin.v1.DecideApprovalResponse
-	(*OutboxRow)(nil),               // 48: curfew.admin.v1.OutboxRow
-	(*ListOutboxRequest)(nil),       // 49: curfew.admin.v1.ListOutboxRequest
-	(*ListOutboxResponse)(nil),      // 50: curfew.admin.v1.ListOutboxResponse
-	(*timestamppb.Timestamp)(nil),   // 51: google.protobuf.Timestamp
-	(*durationpb.Duration)(nil),     // 52: google.protobuf.Duration
+	(*ClusterAdmission)(nil),        // 10: curfew.admin.v1.ClusterAdmission
+	(*ClosePoolRequest)(nil),        // 11: curfew.admin.v1.ClosePoolRequest
+	(*ClosePoolResponse)(nil),       // 12: curfew.admin.v1.ClosePoolResponse
+	(*OpenPoolRequest)(nil),         // 13: curfew.admin.v1.OpenPoolRequest
+	(*OpenPoolResponse)(nil),        // 14: curfew.admin.v1.OpenPoolResponse
+	(*ReopenPoolRequest)(nil),       // 15: curfew.admin.v1.ReopenPoolRequest
+	(*ReopenPoolResponse)(nil),      // 16: curfew.admin.v1.ReopenPoolResponse
+	(*ListLeasesRequest)(nil),       // 17: curfew.admin.v1.ListLeasesRequest
+	(*ListLeasesResponse)(nil),      // 18: curfew.admin.v1.ListLeasesResponse
+	(*CancelLeasesRequest)(nil),     // 19: curfew.admin.v1.CancelLeasesRequest
+	(*CancelLeasesResponse)(nil),    // 20: curfew.admin.v1.CancelLeasesResponse
+	(*FreezeLedgerRequest)(nil),     // 21: curfew.admin.v1.FreezeLedgerRequest
+	(*FreezeLedgerResponse)(nil),    // 22: curfew.admin.v1.FreezeLedgerResponse
+	(*ThawLedgerRequest)(nil),       // 23: curfew.admin.v1.ThawLedgerRequest
+	(*ThawLedgerResponse)(nil),      // 24: curfew.admin.v1.ThawLedgerResponse
+	(*ListFreezesRequest)(nil),      // 25: curfew.admin.v1.ListFreezesRequest
+	(*ListFreezesResponse)(nil),     // 26: curfew.admin.v1.ListFreezesResponse
+	(*DrainDecodersRequest)(nil),    // 27: curfew.admin.v1.DrainDecodersRequest
+	(*DrainDecodersResponse)(nil),   // 28: curfew.admin.v1.DrainDecodersResponse
+	(*UndrainDecodersRequest)(nil),  // 29: curfew.admin.v1.UndrainDecodersRequest
+	(*UndrainDecodersResponse)(nil), // 30: curfew.admin.v1.UndrainDecodersResponse
+	(*AuditEntry)(nil),              // 31: curfew.admin.v1.AuditEntry
+	(*ListAuditRequest)(nil),        // 32: curfew.admin.v1.ListAuditRequest
+	(*ListAuditResponse)(nil),       // 33: curfew.admin.v1.ListAuditResponse
+	(*APIKey)(nil),                  // 34: curfew.admin.v1.APIKey
+	(*CreateKeyRequest)(nil),        // 35: curfew.admin.v1.CreateKeyRequest
+	(*CreateKeyResponse)(nil),       // 36: curfew.admin.v1.CreateKeyResponse
+	(*RevokeKeyRequest)(nil),        // 37: curfew.admin.v1.RevokeKeyRequest
+	(*RevokeKeyResponse)(nil),       // 38: curfew.admin.v1.RevokeKeyResponse
+	(*ListKeysRequest)(nil),         // 39: curfew.admin.v1.ListKeysRequest
+	(*ListKeysResponse)(nil),        // 40: curfew.admin.v1.ListKeysResponse
+	(*TenantUsage)(nil),             // 41: curfew.admin.v1.TenantUsage
+	(*UsageRequest)(nil),            // 42: curfew.admin.v1.UsageRequest
+	(*UsageResponse)(nil),           // 43: curfew.admin.v1.UsageResponse
+	(*Approval)(nil),                // 44: curfew.admin.v1.Approval
+	(*ListApprovalsRequest)(nil),    // 45: curfew.admin.v1.ListApprovalsRequest
+	(*ListApprovalsResponse)(nil),   // 46: curfew.admin.v1.ListApprovalsResponse
+	(*DecideApprovalRequest)(nil),   // 47: curfew.admin.v1.DecideApprovalRequest
+	(*DecideApprovalResponse)(nil),  // 48: curfew.admin.v1.DecideApprovalResponse
+	(*OutboxRow)(nil),               // 49: curfew.admin.v1.OutboxRow
+	(*ListOutboxRequest)(nil),       // 50: curfew.admin.v1.ListOutboxRequest
+	(*ListOutboxResponse)(nil),      // 51: curfew.admin.v1.ListOutboxResponse
+	(*timestamppb.Timestamp)(nil),   // 52: google.protobuf.Timestamp
+	(*durationpb.Duration)(nil),     // 53: google.protobuf.Duration
 }
 var file_curfew_admin_v1_admin_proto_depIdxs = []int32{
-	51, // 0: curfew.admin.v1.PoolState.operator_closed_at:type_name -> google.protobuf.Timestamp
-	51, // 1: curfew.admin.v1.PoolState.auto_closed_until:type_name -> google.protobuf.Timestamp
-	52, // 2: curfew.admin.v1.PoolState.oldest_queued:type_name -> google.protobuf.Duration
-	51, // 3: curfew.admin.v1.PoolState.forced_open_until:type_name -> google.protobuf.Timestamp
-	51, // 4: curfew.admin.v1.Lease.started_at:type_name -> google.protobuf.Timestamp
-	52, // 5: curfew.admin.v1.Lease.age:type_name -> google.protobuf.Duration
-	51, // 6: curfew.admin.v1.Lease.last_heartbeat:type_name -> google.protobuf.Timestamp
-	51, // 7: curfew.admin.v1.Freeze.frozen_at:type_name -> google.protobuf.Timestamp
-	51, // 8: curfew.admin.v1.Drain.started_at:type_name -> google.protobuf.Timestamp
-	51, // 9: curfew.admin.v1.Drain.cancel_at:type_name -> google.protobuf.Timestamp
-	51, // 10: curfew.admin.v1.ReplicaConfig.loaded_at:type_name -> google.protobuf.Timestamp
-	51, // 11: curfew.admin.v1.ReplicaConfig.seen_at:type_name -> google.protobuf.Timestamp
+	52, // 0: curfew.admin.v1.PoolState.operator_closed_at:type_name -> google.protobuf.Timestamp
+	52, // 1: curfew.admin.v1.PoolState.auto_closed_until:type_name -> google.protobuf.Timestamp
+	53, // 2: curfew.admin.v1.PoolState.oldest_queued:type_name -> google.protobuf.Duration
+	52, // 3: curfew.admin.v1.PoolState.forced_open_until:type_name -> google.protobuf.Timestamp
+	52, // 4: curfew.admin.v1.Lease.started_at:type_name -> google.protobuf.Timestamp
+	53, // 5: curfew.admin.v1.Lease.age:type_name -> google.protobuf.Duration
+	52, // 6: curfew.admin.v1.Lease.last_heartbeat:type_name -> google.protobuf.Timestamp
+	52, // 7: curfew.admin.v1.Freeze.frozen_at:type_name -> google.protobuf.Timestamp
+	52, // 8: curfew.admin.v1.Drain.started_at:type_name -> google.protobuf.Timestamp
+	52, // 9: curfew.admin.v1.Drain.cancel_at:type_name -> google.protobuf.Timestamp
+	52, // 10: curfew.admin.v1.ReplicaConfig.loaded_at:type_name -> google.protobuf.Timestamp
+	52, // 11: curfew.admin.v1.ReplicaConfig.seen_at:type_name -> google.protobuf.Timestamp
 	2,  // 12: curfew.admin.v1.StatusResponse.pools:type_name -> curfew.admin.v1.PoolState
 	3,  // 13: curfew.admin.v1.StatusResponse.breakers:type_name -> curfew.admin.v1.BreakerState
 	4,  // 14: curfew.admin.v1.StatusResponse.leases:type_name -> curfew.admin.v1.Lease
-	52, // 15: curfew.admin.v1.StatusResponse.orphan_window:type_name -> google.protobuf.Duration
+	53, // 15: curfew.admin.v1.StatusResponse.orphan_window:type_name -> google.protobuf.Duration
 	7,  // 16: curfew.admin.v1.StatusResponse.configs:type_name -> curfew.admin.v1.ReplicaConfig
 	5,  // 17: curfew.admin.v1.StatusResponse.freezes:type_name -> curfew.admin.v1.Freeze
 	6,  // 18: curfew.admin.v1.StatusResponse.drains:type_name -> curfew.admin.v1.Drain
-	2,  // 19: curfew.admin.v1.ClosePoolResponse.pool:type_name -> curfew.admin.v1.PoolState
-	2,  // 20: curfew.admin.v1.OpenPoolResponse.pool:type_name -> curfew.admin.v1.PoolState
-	52, // 21: curfew.admin.v1.ReopenPoolRequest.window:type_name -> google.protobuf.Duration
-	52, // 22: curfew.admin.v1.ReopenPoolResponse.quiet_for:type_name -> google.protobuf.Duration
-	2,  // 23: curfew.admin.v1.ReopenPoolResponse.pool:type_name -> curfew.admin.v1.PoolState
-	52, // 24: curfew.admin.v1.ListLeasesRequest.older_than:type_name -> google.protobuf.Duration
-	4,  // 25: curfew.admin.v1.ListLeasesResponse.leases:type_name -> curfew.admin.v1.Lease
-	52, // 26: curfew.admin.v1.CancelLeasesRequest.older_than:type_name -> google.protobuf.Duration
-	4,  // 27: curfew.admin.v1.CancelLeasesResponse.cancelled:type_name -> curfew.admin.v1.Lease
-	5,  // 28: curfew.admin.v1.FreezeLedgerResponse.freeze:type_name -> curfew.admin.v1.Freeze
-	5,  // 29: curfew.admin.v1.ListFreezesResponse.freezes:type_name -> curfew.admin.v1.Freeze
-	52, // 30: curfew.admin.v1.DrainDecodersRequest.cancel_after:type_name -> google.protobuf.Duration
-	6,  // 31: curfew.admin.v1.DrainDecodersResponse.drain:type_name -> curfew.admin.v1.Drain
-	51, // 32: curfew.admin.v1.AuditEntry.at:type_name -> google.protobuf.Timestamp
-	51, // 33: curfew.admin.v1.ListAuditRequest.since:type_name -> google.protobuf.Timestamp
-	30, // 34: curfew.admin.v1.ListAuditResponse.entries:type_name -> curfew.admin.v1.AuditEntry
-	0,  // 35: curfew.admin.v1.APIKey.scopes:type_name -> curfew.admin.v1.Scope
-	51, // 36: curfew.admin.v1.APIKey.created_at:type_name -> google.protobuf.Timestamp
-	51, // 37: curfew.admin.v1.APIKey.revoked_at:type_name -> google.protobuf.Timestamp
-	0,  // 38: curfew.admin.v1.CreateKeyRequest.scopes:type_name -> curfew.admin.v1.Scope
-	33, // 39: curfew.admin.v1.CreateKeyResponse.key:type_name -> curfew.admin.v1.APIKey
-	33, // 40: curfew.admin.v1.RevokeKeyResponse.key:type_name -> curfew.admin.v1.APIKey
-	33, // 41: curfew.admin.v1.ListKeysResponse.keys:type_name -> curfew.admin.v1.APIKey
-	51, // 42: curfew.admin.v1.UsageRequest.since:type_name -> google.protobuf.Timestamp
-	40, // 43: curfew.admin.v1.UsageResponse.tenants:type_name -> curfew.admin.v1.TenantUsage
-	1,  // 44: curfew.admin.v1.Approval.state:type_name -> curfew.admin.v1.ApprovalState
-	51, // 45: curfew.admin.v1.Approval.requested_at:type_name -> google.protobuf.Timestamp
-	51, // 46: curfew.admin.v1.Approval.expires_at:type_name -> google.protobuf.Timestamp
-	51, // 47: curfew.admin.v1.Approval.decided_at:type_name -> google.protobuf.Timestamp
-	43, // 48: curfew.admin.v1.ListApprovalsResponse.approvals:type_name -> curfew.admin.v1.Approval
-	43, // 49: curfew.admin.v1.DecideApprovalResponse.approval:type_name -> curfew.admin.v1.Approval
-	51, // 50: curfew.admin.v1.OutboxRow.created_at:type_name -> google.protobuf.Timestamp
-	48, // 51: curfew.admin.v1.ListOutboxResponse.rows:type_name -> curfew.admin.v1.OutboxRow
-	8,  // 52: curfew.admin.v1.AdminService.Status:input_type -> curfew.admin.v1.StatusRequest
-	10, // 53: curfew.admin.v1.AdminService.ClosePool:input_type -> curfew.admin.v1.ClosePoolRequest
-	12, // 54: curfew.admin.v1.AdminService.OpenPool:input_type -> curfew.admin.v1.OpenPoolRequest
-	14, // 55: curfew.admin.v1.AdminService.ReopenPool:input_type -> curfew.admin.v1.ReopenPoolRequest
-	16, // 56: curfew.admin.v1.AdminService.ListLeases:input_type -> curfew.admin.v1.ListLeasesRequest
-	18, // 57: curfew.admin.v1.AdminService.CancelLeases:input_type -> curfew.admin.v1.CancelLeasesRequest
-	20, // 58: curfew.admin.v1.AdminService.FreezeLedger:input_type -> curfew.admin.v1.FreezeLedgerRequest
-	22, // 59: curfew.admin.v1.AdminService.ThawLedger:input_type -> curfew.admin.v1.ThawLedgerRequest
-	24, // 60: curfew.admin.v1.AdminService.ListFreezes:input_type -> curfew.admin.v1.ListFreezesRequest
-	26, // 61: curfew.admin.v1.AdminService.DrainDecoders:input_type -> curfew.admin.v1.DrainDecodersRequest
-	28, // 62: curfew.admin.v1.AdminService.UndrainDecoders:input_type -> curfew.admin.v1.UndrainDecodersRequest
-	31, // 63: curfew.admin.v1.AdminService.ListAudit:input_type -> curfew.admin.v1.ListAuditRequest
-	34, // 64: curfew.admin.v1.AdminService.CreateKey:input_type -> curfew.admin.v1.CreateKeyRequest
-	36, // 65: curfew.admin.v1.AdminService.RevokeKey:input_type -> curfew.admin.v1.RevokeKeyRequest
-	38, // 66: curfew.admin.v1.AdminService.ListKeys:input_type -> curfew.admin.v1.ListKeysRequest
-	41, // 67: curfew.admin.v1.AdminService.Usage:input_type -> curfew.admin.v1.UsageRequest
-	44, // 68: curfew.admin.v1.AdminService.ListApprovals:input_type -> curfew.admin.v1.ListApprovalsRequest
-	46, // 69: curfew.admin.v1.AdminService.DecideApproval:input_type -> curfew.admin.v1.DecideApprovalRequest
-	49, // 70: curfew.admin.v1.AdminService.ListOutbox:input_type -> curfew.admin.v1.ListOutboxRequest
-	9,  // 71: curfew.admin.v1.AdminService.Status:output_type -> curfew.admin.v1.StatusResponse
-	11, // 72: curfew.admin.v1.AdminService.ClosePool:output_type -> curfew.admin.v1.ClosePoolResponse
-	13, // 73: curfew.admin.v1.AdminService.OpenPool:output_type -> curfew.admin.v1.OpenPoolResponse
-	15, // 74: curfew.admin.v1.AdminService.ReopenPool:output_type -> curfew.admin.v1.ReopenPoolResponse
-	17, // 75: curfew.admin.v1.AdminService.ListLeases:output_type -> curfew.admin.v1.ListLeasesResponse
-	19, // 76: curfew.admin.v1.AdminService.CancelLeases:output_type -> curfew.admin.v1.CancelLeasesResponse
-	21, // 77: curfew.admin.v1.AdminService.FreezeLedger:output_type -> curfew.admin.v1.FreezeLedgerResponse
-	23, // 78: curfew.admin.v1.AdminService.ThawLedger:output_type -> curfew.admin.v1.ThawLedgerResponse
-	25, // 79: curfew.admin.v1.AdminService.ListFreezes:output_type -> curfew.admin.v1.ListFreezesResponse
-	27, // 80: curfew.admin.v1.AdminService.DrainDecoders:output_type -> curfew.admin.v1.DrainDecodersResponse
-	29, // 81: curfew.admin.v1.AdminService.UndrainDecoders:output_type -> curfew.admin.v1.UndrainDecodersResponse
-	32, // 82: curfew.admin.v1.AdminService.ListAudit:output_type -> curfew.admin.v1.ListAuditResponse
-	35, // 83: curfew.admin.v1.AdminService.CreateKey:output_type -> curfew.admin.v1.CreateKeyResponse
-	37, // 84: curfew.admin.v1.AdminService.RevokeKey:output_type -> curfew.admin.v1.RevokeKeyResponse
-	39, // 85: curfew.admin.v1.AdminService.ListKeys:output_type -> curfew.admin.v1.ListKeysResponse
-	42, // 86: curfew.admin.v1.AdminService.Usage:output_type -> curfew.admin.v1.UsageResponse
-	45, // 87: curfew.admin.v1.AdminService.ListApprovals:output_type -> curfew.admin.v1.ListApprovalsResponse
-	47, // 88: curfew.admin.v1.AdminService.DecideApproval:output_type -> curfew.admin.v1.DecideApprovalResponse
-	50, // 89: curfew.admin.v1.AdminService.ListOutbox:output_type -> curfew.admin.v1.ListOutboxResponse
-	71, // [71:90] is the sub-list for method output_type
-	52, // [52:71] is the sub-list for method input_type
-	52, // [52:52] is the sub-list for extension type_name
-	52, // [52:52] is the sub-list for extension extendee
-	0,  // [0:52] is the sub-list for field type_name
+	10, // 19: curfew.admin.v1.StatusResponse.cluster:type_name -> curfew.admin.v1.ClusterAdmission
+	52, // 20: curfew.admin.v1.ClusterAdmission.degraded_since:type_name -> google.protobuf.Timestamp
+	52, // 21: curfew.admin.v1.ClusterAdmission.last_renew:type_name -> google.protobuf.Timestamp
+	2,  // 22: curfew.admin.v1.ClosePoolResponse.pool:type_name -> curfew.admin.v1.PoolState
+	2,  // 23: curfew.admin.v1.OpenPoolResponse.pool:type_name -> curfew.admin.v1.PoolState
+	53, // 24: curfew.admin.v1.ReopenPoolRequest.window:type_name -> google.protobuf.Duration
+	53, // 25: curfew.admin.v1.ReopenPoolResponse.quiet_for:type_name -> google.protobuf.Duration
+	2,  // 26: curfew.admin.v1.ReopenPoolResponse.pool:type_name -> curfew.admin.v1.PoolState
+	53, // 27: curfew.admin.v1.ListLeasesRequest.older_than:type_name -> google.protobuf.Duration
+	4,  // 28: curfew.admin.v1.ListLeasesResponse.leases:type_name -> curfew.admin.v1.Lease
+	53, // 29: curfew.admin.v1.CancelLeasesRequest.older_than:type_name -> google.protobuf.Duration
+	4,  // 30: curfew.admin.v1.CancelLeasesResponse.cancelled:type_name -> curfew.admin.v1.Lease
+	5,  // 31: curfew.admin.v1.FreezeLedgerResponse.freeze:type_name -> curfew.admin.v1.Freeze
+	5,  // 32: curfew.admin.v1.ListFreezesResponse.freezes:type_name -> curfew.admin.v1.Freeze
+	53, // 33: curfew.admin.v1.DrainDecodersRequest.cancel_after:type_name -> google.protobuf.Duration
+	6,  // 34: curfew.admin.v1.DrainDecodersResponse.drain:type_name -> curfew.admin.v1.Drain
+	52, // 35: curfew.admin.v1.AuditEntry.at:type_name -> google.protobuf.Timestamp
+	52, // 36: curfew.admin.v1.ListAuditRequest.since:type_name -> google.protobuf.Timestamp
+	31, // 37: curfew.admin.v1.ListAuditResponse.entries:type_name -> curfew.admin.v1.AuditEntry
+	0,  // 38: curfew.admin.v1.APIKey.scopes:type_name -> curfew.admin.v1.Scope
+	52, // 39: curfew.admin.v1.APIKey.created_at:type_name -> google.protobuf.Timestamp
+	52, // 40: curfew.admin.v1.APIKey.revoked_at:type_name -> google.protobuf.Timestamp
+	0,  // 41: curfew.admin.v1.CreateKeyRequest.scopes:type_name -> curfew.admin.v1.Scope
+	34, // 42: curfew.admin.v1.CreateKeyResponse.key:type_name -> curfew.admin.v1.APIKey
+	34, // 43: curfew.admin.v1.RevokeKeyResponse.key:type_name -> curfew.admin.v1.APIKey
+	34, // 44: curfew.admin.v1.ListKeysResponse.keys:type_name -> curfew.admin.v1.APIKey
+	52, // 45: curfew.admin.v1.UsageRequest.since:type_name -> google.protobuf.Timestamp
+	41, // 46: curfew.admin.v1.UsageResponse.tenants:type_name -> curfew.admin.v1.TenantUsage
+	1,  // 47: curfew.admin.v1.Approval.state:type_name -> curfew.admin.v1.ApprovalState
+	52, // 48: curfew.admin.v1.Approval.requested_at:type_name -> google.protobuf.Timestamp
+	52, // 49: curfew.admin.v1.Approval.expires_at:type_name -> google.protobuf.Timestamp
+	52, // 50: curfew.admin.v1.Approval.decided_at:type_name -> google.protobuf.Timestamp
+	44, // 51: curfew.admin.v1.ListApprovalsResponse.approvals:type_name -> curfew.admin.v1.Approval
+	44, // 52: curfew.admin.v1.DecideApprovalResponse.approval:type_name -> curfew.admin.v1.Approval
+	52, // 53: curfew.admin.v1.OutboxRow.created_at:type_name -> google.protobuf.Timestamp
+	49, // 54: curfew.admin.v1.ListOutboxResponse.rows:type_name -> curfew.admin.v1.OutboxRow
+	8,  // 55: curfew.admin.v1.AdminService.Status:input_type -> curfew.admin.v1.StatusRequest
+	11, // 56: curfew.admin.v1.AdminService.ClosePool:input_type -> curfew.admin.v1.ClosePoolRequest
+	13, // 57: curfew.admin.v1.AdminService.OpenPool:input_type -> curfew.admin.v1.OpenPoolRequest
+	15, // 58: curfew.admin.v1.AdminService.ReopenPool:input_type -> curfew.admin.v1.ReopenPoolRequest
+	17, // 59: curfew.admin.v1.AdminService.ListLeases:input_type -> curfew.admin.v1.ListLeasesRequest
+	19, // 60: curfew.admin.v1.AdminService.CancelLeases:input_type -> curfew.admin.v1.CancelLeasesRequest
+	21, // 61: curfew.admin.v1.AdminService.FreezeLedger:input_type -> curfew.admin.v1.FreezeLedgerRequest
+	23, // 62: curfew.admin.v1.AdminService.ThawLedger:input_type -> curfew.admin.v1.ThawLedgerRequest
+	25, // 63: curfew.admin.v1.AdminService.ListFreezes:input_type -> curfew.admin.v1.ListFreezesRequest
+	27, // 64: curfew.admin.v1.AdminService.DrainDecoders:input_type -> curfew.admin.v1.DrainDecodersRequest
+	29, // 65: curfew.admin.v1.AdminService.UndrainDecoders:input_type -> curfew.admin.v1.UndrainDecodersRequest
+	32, // 66: curfew.admin.v1.AdminService.ListAudit:input_type -> curfew.admin.v1.ListAuditRequest
+	35, // 67: curfew.admin.v1.AdminService.CreateKey:input_type -> curfew.admin.v1.CreateKeyRequest
+	37, // 68: curfew.admin.v1.AdminService.RevokeKey:input_type -> curfew.admin.v1.RevokeKeyRequest
+	39, // 69: curfew.admin.v1.AdminService.ListKeys:input_type -> curfew.admin.v1.ListKeysRequest
+	42, // 70: curfew.admin.v1.AdminService.Usage:input_type -> curfew.admin.v1.UsageRequest
+	45, // 71: curfew.admin.v1.AdminService.ListApprovals:input_type -> curfew.admin.v1.ListApprovalsRequest
+	47, // 72: curfew.admin.v1.AdminService.DecideApproval:input_type -> curfew.admin.v1.DecideApprovalRequest
+	50, // 73: curfew.admin.v1.AdminService.ListOutbox:input_type -> curfew.admin.v1.ListOutboxRequest
+	9,  // 74: curfew.admin.v1.AdminService.Status:output_type -> curfew.admin.v1.StatusResponse
+	12, // 75: curfew.admin.v1.AdminService.ClosePool:output_type -> curfew.admin.v1.ClosePoolResponse
+	14, // 76: curfew.admin.v1.AdminService.OpenPool:output_type -> curfew.admin.v1.OpenPoolResponse
+	16, // 77: curfew.admin.v1.AdminService.ReopenPool:output_type -> curfew.admin.v1.ReopenPoolResponse
+	18, // 78: curfew.admin.v1.AdminService.ListLeases:output_type -> curfew.admin.v1.ListLeasesResponse
+	20, // 79: curfew.admin.v1.AdminService.CancelLeases:output_type -> curfew.admin.v1.CancelLeasesResponse
+	22, // 80: curfew.admin.v1.AdminService.FreezeLedger:output_type -> curfew.admin.v1.FreezeLedgerResponse
+	24, // 81: curfew.admin.v1.AdminService.ThawLedger:output_type -> curfew.admin.v1.ThawLedgerResponse
+	26, // 82: curfew.admin.v1.AdminService.ListFreezes:output_type -> curfew.admin.v1.ListFreezesResponse
+	28, // 83: curfew.admin.v1.AdminService.DrainDecoders:output_type -> curfew.admin.v1.DrainDecodersResponse
+	30, // 84: curfew.admin.v1.AdminService.UndrainDecoders:output_type -> curfew.admin.v1.UndrainDecodersResponse
+	33, // 85: curfew.admin.v1.AdminService.ListAudit:output_type -> curfew.admin.v1.ListAuditResponse
+	36, // 86: curfew.admin.v1.AdminService.CreateKey:output_type -> curfew.admin.v1.CreateKeyResponse
+	38, // 87: curfew.admin.v1.AdminService.RevokeKey:output_type -> curfew.admin.v1.RevokeKeyResponse
+	40, // 88: curfew.admin.v1.AdminService.ListKeys:output_type -> curfew.admin.v1.ListKeysResponse
+	43, // 89: curfew.admin.v1.AdminService.Usage:output_type -> curfew.admin.v1.UsageResponse
+	46, // 90: curfew.admin.v1.AdminService.ListApprovals:output_type -> curfew.admin.v1.ListApprovalsResponse
+	48, // 91: curfew.admin.v1.AdminService.DecideApproval:output_type -> curfew.admin.v1.DecideApprovalResponse
+	51, // 92: curfew.admin.v1.AdminService.ListOutbox:output_type -> curfew.admin.v1.ListOutboxResponse
+	74, // [74:93] is the sub-list for method output_type
+	55, // [55:74] is the sub-list for method input_type
+	55, // [55:55] is the sub-list for extension type_name
+	55, // [55:55] is the sub-list for extension extendee
+	0,  // [0:55] is the sub-list for field type_name
 }
 
 func init() { file_curfew_admin_v1_admin_proto_init() }
@@ -3876,7 +4031,7 @@ func file_curfew_admin_v1_admin_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_curfew_admin_v1_admin_proto_rawDesc), len(file_curfew_admin_v1_admin_proto_rawDesc)),
 			NumEnums:      2,
-			NumMessages:   49,
+			NumMessages:   50,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

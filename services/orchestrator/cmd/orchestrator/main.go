@@ -22,6 +22,7 @@ import (
 	"github.com/curfew-mesh/curfew/mesh/admission"
 	"github.com/curfew-mesh/curfew/mesh/agent"
 	"github.com/curfew-mesh/curfew/mesh/apikey"
+	"github.com/curfew-mesh/curfew/mesh/clusterslots"
 	"github.com/curfew-mesh/curfew/mesh/configwatch"
 	"github.com/curfew-mesh/curfew/mesh/decoderlease"
 	"github.com/curfew-mesh/curfew/mesh/dlq"
@@ -71,6 +72,9 @@ func run(args []string) int {
 	openaiAddr := fs.String("openai-addr", "", "address of the OpenAI-compatible HTTP API (docs/openai.md): POST /v1/chat/completions and GET /v1/models, each completion a run; off unless set")
 	openaiGrace := fs.Duration("openai-disconnect-grace", openaiapi.DefaultDisconnectGrace, "with --openai-addr: how long a run started with an Idempotency-Key waits, once its last client left, for a retry with the key to attach before it is cancelled (cause client_disconnect)")
 	admissionOff := fs.Bool("admission-off", false, "admit every run at once: no pools, queue, budgets or shedding")
+	clusterSlots := fs.Bool("cluster-admission", true, "with a shared --store, claim each admitted run's pool slot and tenant slot in the store, so that pool caps and tenant concurrency hold across every orchestrator replica (docs/cluster.md); false: each replica enforces them alone")
+	clusterTTL := fs.Duration("cluster-slot-ttl", clusterslots.DefaultTTL, "TTL of a cluster-wide admission slot, renewed every third of it: a dead replica's slots return this long after its last renewal")
+	clusterReplicas := fs.Int("cluster-replicas", 0, "orchestrator replicas sharing the caps, for each replica's share of a cap while the store is down (docs/cluster.md); 0: counted from the replicas' configuration rows in the store")
 	operatorPoll := fs.Duration("operator-poll", admin.DefaultControlsPoll, "how often the operators' pool controls (curfew pool close|open) are read from the store: a control set through any replica holds on this one within it")
 	if err := service.Parse(fs, args, os.Getenv); err != nil {
 		fmt.Fprintln(os.Stderr, "orchestrator:", err)
@@ -111,6 +115,10 @@ func run(args []string) int {
 	}
 	if *outboxBatch < 1 || *outboxInterval <= 0 || *outboxRate < 0 {
 		fmt.Fprintln(os.Stderr, "orchestrator: --outbox-batch must be at least 1, --outbox-interval positive and --outbox-rate not negative")
+		return 2
+	}
+	if *clusterTTL < 30*time.Millisecond || *clusterReplicas < 0 {
+		fmt.Fprintln(os.Stderr, "orchestrator: --cluster-slot-ttl must be at least 30ms and --cluster-replicas not negative")
 		return 2
 	}
 	if *natsURL != "" && *storeDSN == "" {
@@ -174,10 +182,24 @@ func run(args []string) int {
 	peers := &peerConns{creds: rt.Credentials(meshtls.Orchestrator)}
 	var adm *admission.Controller
 	if !*admissionOff {
+		var cluster *clusterAdmission
+		if shared && *clusterSlots {
+			if cluster, err = newClusterAdmission(ctx, st, *clusterTTL, *clusterReplicas, rt.Log); err != nil {
+				fmt.Fprintln(os.Stderr, "orchestrator: --cluster-admission:", err)
+				return 2
+			}
+			admCfg.Cluster = cluster.config()
+		}
 		adm, err = admission.New(admCfg, rt.Registry)
 		if err != nil {
 			fmt.Fprintln(os.Stderr, "orchestrator: admission:", err)
 			return 2
+		}
+		if cluster != nil {
+			cluster.attach(adm)
+			// Once Serve has returned (the runs torn down or handed over) and before the
+			// store closes: the slots still held go back.
+			defer cluster.close()
 		}
 		// Each authenticated call spends a token of its tenant's request rate. The
 		// server does not serve before rt.Serve, below, so no call sees Limit unset.

@@ -136,6 +136,9 @@ func (p *PoolControls) PoolStates() []*adminv1.PoolState {
 	return out
 }
 
+// ClusterStatus is the state of this replica's cluster-wide admission.
+func (p *PoolControls) ClusterStatus() admission.ClusterStatus { return p.ctrl.ClusterStatus() }
+
 // count32 is a count for an int32 field, clamped: a pool's limits are configured ints.
 func count32(n int) int32 {
 	return int32(min(max(n, 0), math.MaxInt32)) //nolint:gosec // clamped to int32's range on the line itself

@@ -8,6 +8,7 @@ import (
 	"google.golang.org/protobuf/types/known/timestamppb"
 
 	adminv1 "github.com/curfew-mesh/curfew/gen/curfew/admin/v1"
+	"github.com/curfew-mesh/curfew/mesh/admission"
 	"github.com/curfew-mesh/curfew/mesh/store"
 )
 
@@ -27,6 +28,7 @@ func (s *Server) Status(ctx context.Context, _ *adminv1.StatusRequest) (*adminv1
 	out := &adminv1.StatusResponse{Replica: s.cfg.Replica, OrphanWindow: durationpb.New(s.orphanWindow())}
 	if s.cfg.Pools != nil {
 		out.Pools = s.cfg.Pools.PoolStates()
+		s.clusterView(ctx, out)
 	}
 	if s.cfg.Breakers != nil {
 		for _, b := range s.cfg.Breakers.All() {
@@ -65,6 +67,43 @@ func (s *Server) Status(ctx context.Context, _ *adminv1.StatusRequest) (*adminv1
 		out.Freezes, out.Drains = freezes, drains
 	}
 	return out, nil
+}
+
+// clusterView adds cluster-wide admission to out: this replica's coordination state,
+// and each pool's slots held across the cluster, read from the store.
+func (s *Server) clusterView(ctx context.Context, out *adminv1.StatusResponse) {
+	cv, ok := s.cfg.Pools.(interface{ ClusterStatus() admission.ClusterStatus })
+	if !ok {
+		return
+	}
+	cs := cv.ClusterStatus()
+	out.Cluster = &adminv1.ClusterAdmission{Enabled: cs.Enabled, Degraded: cs.Degraded, LastError: cs.LastError,
+		Replicas: count32(cs.Replicas), LocalAdmits: cs.LocalAdmits, SlotsLost: cs.SlotsLost, Holder: cs.Holder.Name}
+	if cs.Degraded {
+		out.Cluster.DegradedSince = timestamppb.New(cs.DegradedSince)
+	}
+	if cs.LastError == "" && cs.Holder.RenewError != nil {
+		out.Cluster.LastError = cs.Holder.RenewError.Error()
+	}
+	if !cs.Holder.LastRenew.IsZero() {
+		out.Cluster.LastRenew = timestamppb.New(cs.Holder.LastRenew)
+	}
+	if !cs.Enabled {
+		return
+	}
+	now := time.Now()
+	for _, p := range out.Pools {
+		slots, err := s.cfg.Store.ListSlots(ctx, admission.PoolScope(p.GetPool()))
+		if err != nil {
+			p.ClusterInFlight = -1
+			continue
+		}
+		for _, sl := range slots {
+			if sl.Held(now) {
+				p.ClusterInFlight++
+			}
+		}
+	}
 }
 
 func (s *Server) orphanWindow() time.Duration {

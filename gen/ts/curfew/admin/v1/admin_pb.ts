@@ -12,7 +12,7 @@ import type { Message } from "@bufbuild/protobuf";
  * Describes the file curfew/admin/v1/admin.proto.
  */
 export const file_curfew_admin_v1_admin: GenFile = /*@__PURE__*/
-  fileDesc("ChtjdXJmZXcvYWRtaW4vdjEvYWRtaW4ucHJvdG8SD2N1cmZldy5hZG1pbi52MSLZAwoJUG9vbFN0YXRlEgwKBHBvb2wYASABKAkSFwoPb3BlcmF0b3JfY2xvc2VkGAIgASgIEhcKD29wZXJhdG9yX3JlYXNvbhgDIAEoCRIWCg5vcGVyYXRvcl9hY3RvchgEIAEoCRI2ChJvcGVyYXRvcl9jbG9zZWRfYXQYBSABKAsyGi5nb29nbGUucHJvdG9idWYuVGltZXN0YW1wEhMKC2F1dG9fY2xvc2VkGAYgASgIEhcKD2F1dG9fY29uZGl0aW9ucxgHIAMoCRI1ChFhdXRvX2Nsb3NlZF91bnRpbBgIIAEoCzIaLmdvb2dsZS5wcm90b2J1Zi5UaW1lc3RhbXASEQoJaW5fZmxpZ2h0GAkgASgFEg4KBnF1ZXVlZBgKIAEoBRIwCg1vbGRlc3RfcXVldWVkGAsgASgLMhkuZ29vZ2xlLnByb3RvYnVmLkR1cmF0aW9uEhUKDW1heF9pbl9mbGlnaHQYDCABKAUSEQoJbWF4X3F1ZXVlGA0gASgFEhAKCG92ZXJmbG93GA4gASgIEjUKEWZvcmNlZF9vcGVuX3VudGlsGA8gASgLMhouZ29vZ2xlLnByb3RvYnVmLlRpbWVzdGFtcBIPCgdyZXBsaWNhGBAgASgJIk8KDEJyZWFrZXJTdGF0ZRIPCgdzZXJ2aWNlGAEgASgJEg8KB3JlcGxpY2EYAiABKAkSDgoGdGFyZ2V0GAMgASgJEg0KBXN0YXRlGAQgASgJIoYCCgVMZWFzZRIPCgdyZXBsaWNhGAEgASgJEg4KBnRlbmFudBgCIAEoCRIOCgZydW5faWQYAyABKAkSDwoHbm9kZV9pZBgEIAEoCRINCgVtb2RlbBgFIAEoCRIQCghwcm92aWRlchgGIAEoCRIuCgpzdGFydGVkX2F0GAcgASgLMhouZ29vZ2xlLnByb3RvYnVmLlRpbWVzdGFtcBImCgNhZ2UYCCABKAsyGS5nb29nbGUucHJvdG9idWYuRHVyYXRpb24SMgoObGFzdF9oZWFydGJlYXQYCSABKAsyGi5nb29nbGUucHJvdG9idWYuVGltZXN0YW1wEg4KBnRva2VucxgKIAEoAyKTAQoGRnJlZXplEg4KBnRlbmFudBgBIAEoCRIOCgZydW5faWQYAiABKAkSDgoGcmVhc29uGAMgASgJEg0KBWFjdG9yGAQgASgJEi0KCWZyb3plbl9hdBgFIAEoCzIaLmdvb2dsZS5wcm90b2J1Zi5UaW1lc3RhbXASGwoTdG9rZW5zX2FmdGVyX2ZyZWV6ZRgGIAEoAyKTAQoFRHJhaW4SDAoEcG9vbBgBIAEoCRIOCgZyZWFzb24YAiABKAkSDQoFYWN0b3IYAyABKAkSLgoKc3RhcnRlZF9hdBgEIAEoCzIaLmdvb2dsZS5wcm90b2J1Zi5UaW1lc3RhbXASLQoJY2FuY2VsX2F0GAUgASgLMhouZ29vZ2xlLnByb3RvYnVmLlRpbWVzdGFtcCLCAQoNUmVwbGljYUNvbmZpZxIPCgdzZXJ2aWNlGAEgASgJEg8KB3JlcGxpY2EYAiABKAkSDgoGY29uZmlnGAMgASgJEg8KB3ZlcnNpb24YBCABKAkSLQoJbG9hZGVkX2F0GAUgASgLMhouZ29vZ2xlLnByb3RvYnVmLlRpbWVzdGFtcBISCgpsYXN0X2Vycm9yGAYgASgJEisKB3NlZW5fYXQYByABKAsyGi5nb29nbGUucHJvdG9idWYuVGltZXN0YW1wIg8KDVN0YXR1c1JlcXVlc3QioAMKDlN0YXR1c1Jlc3BvbnNlEikKBXBvb2xzGAEgAygLMhouY3VyZmV3LmFkbWluLnYxLlBvb2xTdGF0ZRIvCghicmVha2VycxgCIAMoCzIdLmN1cmZldy5hZG1pbi52MS5CcmVha2VyU3RhdGUSJgoGbGVhc2VzGAMgAygLMhYuY3VyZmV3LmFkbWluLnYxLkxlYXNlEhQKDG9ycGhhbl9kZWx0YRgEIAEoAxIwCg1vcnBoYW5fd2luZG93GAUgASgLMhkuZ29vZ2xlLnByb3RvYnVmLkR1cmF0aW9uEhkKEWRlYWRfbGV0dGVyX2RlcHRoGAYgASgDEi8KB2NvbmZpZ3MYByADKAsyHi5jdXJmZXcuYWRtaW4udjEuUmVwbGljYUNvbmZpZxIoCgdmcmVlemVzGAggAygLMhcuY3VyZmV3LmFkbWluLnYxLkZyZWV6ZRImCgZkcmFpbnMYCSADKAsyFi5jdXJmZXcuYWRtaW4udjEuRHJhaW4SEwoLdW5yZWFjaGFibGUYCiADKAkSDwoHcmVwbGljYRgLIAEoCSIwChBDbG9zZVBvb2xSZXF1ZXN0EgwKBHBvb2wYASABKAkSDgoGcmVhc29uGAIgASgJIj0KEUNsb3NlUG9vbFJlc3BvbnNlEigKBHBvb2wYASABKAsyGi5jdXJmZXcuYWRtaW4udjEuUG9vbFN0YXRlIj4KD09wZW5Qb29sUmVxdWVzdBIMCgRwb29sGAEgASgJEg4KBnJlYXNvbhgCIAEoCRINCgVmb3JjZRgDIAEoCCI8ChBPcGVuUG9vbFJlc3BvbnNlEigKBHBvb2wYASABKAsyGi5jdXJmZXcuYWRtaW4udjEuUG9vbFN0YXRlIlwKEVJlb3BlblBvb2xSZXF1ZXN0EgwKBHBvb2wYASABKAkSDgoGcmVhc29uGAIgASgJEikKBndpbmRvdxgDIAEoCzIZLmdvb2dsZS5wcm90b2J1Zi5EdXJhdGlvbiKSAQoSUmVvcGVuUG9vbFJlc3BvbnNlEhQKDG9ycGhhbl9kZWx0YRgBIAEoAxIsCglxdWlldF9mb3IYAiABKAsyGS5nb29nbGUucHJvdG9idWYuRHVyYXRpb24SDgoGb3BlbmVkGAMgASgIEigKBHBvb2wYBCABKAsyGi5jdXJmZXcuYWRtaW4udjEuUG9vbFN0YXRlIkIKEUxpc3RMZWFzZXNSZXF1ZXN0Ei0KCm9sZGVyX3RoYW4YASABKAsyGS5nb29nbGUucHJvdG9idWYuRHVyYXRpb24iUQoSTGlzdExlYXNlc1Jlc3BvbnNlEiYKBmxlYXNlcxgBIAMoCzIWLmN1cmZldy5hZG1pbi52MS5MZWFzZRITCgt1bnJlYWNoYWJsZRgCIAMoCSJUChNDYW5jZWxMZWFzZXNSZXF1ZXN0Ei0KCm9sZGVyX3RoYW4YASABKAsyGS5nb29nbGUucHJvdG9idWYuRHVyYXRpb24SDgoGcmVhc29uGAIgASgJIlYKFENhbmNlbExlYXNlc1Jlc3BvbnNlEikKCWNhbmNlbGxlZBgBIAMoCzIWLmN1cmZldy5hZG1pbi52MS5MZWFzZRITCgt1bnJlYWNoYWJsZRgCIAMoCSJFChNGcmVlemVMZWRnZXJSZXF1ZXN0Eg4KBnJ1bl9pZBgBIAEoCRIOCgZ0ZW5hbnQYAiABKAkSDgoGcmVhc29uGAMgASgJIj8KFEZyZWV6ZUxlZGdlclJlc3BvbnNlEicKBmZyZWV6ZRgBIAEoCzIXLmN1cmZldy5hZG1pbi52MS5GcmVlemUiQwoRVGhhd0xlZGdlclJlcXVlc3QSDgoGcnVuX2lkGAEgASgJEg4KBnRlbmFudBgCIAEoCRIOCgZyZWFzb24YAyABKAkiJAoSVGhhd0xlZGdlclJlc3BvbnNlEg4KBnRoYXdlZBgBIAEoCCIUChJMaXN0RnJlZXplc1JlcXVlc3QiPwoTTGlzdEZyZWV6ZXNSZXNwb25zZRIoCgdmcmVlemVzGAEgAygLMhcuY3VyZmV3LmFkbWluLnYxLkZyZWV6ZSJlChREcmFpbkRlY29kZXJzUmVxdWVzdBIMCgRwb29sGAEgASgJEi8KDGNhbmNlbF9hZnRlchgCIAEoCzIZLmdvb2dsZS5wcm90b2J1Zi5EdXJhdGlvbhIOCgZyZWFzb24YAyABKAkiPgoVRHJhaW5EZWNvZGVyc1Jlc3BvbnNlEiUKBWRyYWluGAEgASgLMhYuY3VyZmV3LmFkbWluLnYxLkRyYWluIjYKFlVuZHJhaW5EZWNvZGVyc1JlcXVlc3QSDAoEcG9vbBgBIAEoCRIOCgZyZWFzb24YAiABKAkiLAoXVW5kcmFpbkRlY29kZXJzUmVzcG9uc2USEQoJdW5kcmFpbmVkGAEgASgIIpUBCgpBdWRpdEVudHJ5EgoKAmlkGAEgASgDEiYKAmF0GAIgASgLMhouZ29vZ2xlLnByb3RvYnVmLlRpbWVzdGFtcBINCgVhY3RvchgDIAEoCRIOCgZhY3Rpb24YBCABKAkSDgoGdGFyZ2V0GAUgASgJEg4KBnJlYXNvbhgGIAEoCRIUCgxyZXF1ZXN0X2pzb24YByABKAkiZAoQTGlzdEF1ZGl0UmVxdWVzdBIpCgVzaW5jZRgBIAEoCzIaLmdvb2dsZS5wcm90b2J1Zi5UaW1lc3RhbXASEQoJcGFnZV9zaXplGAIgASgFEhIKCnBhZ2VfdG9rZW4YAyABKAkiWgoRTGlzdEF1ZGl0UmVzcG9uc2USLAoHZW50cmllcxgBIAMoCzIbLmN1cmZldy5hZG1pbi52MS5BdWRpdEVudHJ5EhcKD25leHRfcGFnZV90b2tlbhgCIAEoCSKsAQoGQVBJS2V5EgoKAmlkGAEgASgJEg4KBnRlbmFudBgCIAEoCRImCgZzY29wZXMYAyADKA4yFi5jdXJmZXcuYWRtaW4udjEuU2NvcGUSLgoKY3JlYXRlZF9hdBgEIAEoCzIaLmdvb2dsZS5wcm90b2J1Zi5UaW1lc3RhbXASLgoKcmV2b2tlZF9hdBgFIAEoCzIaLmdvb2dsZS5wcm90b2J1Zi5UaW1lc3RhbXAicQoQQ3JlYXRlS2V5UmVxdWVzdBIOCgZ0ZW5hbnQYASABKAkSJgoGc2NvcGVzGAIgAygOMhYuY3VyZmV3LmFkbWluLnYxLlNjb3BlEhUKDXJldm9rZV9vdGhlcnMYAyABKAgSDgoGcmVhc29uGAQgASgJIloKEUNyZWF0ZUtleVJlc3BvbnNlEiQKA2tleRgBIAEoCzIXLmN1cmZldy5hZG1pbi52MS5BUElLZXkSDgoGc2VjcmV0GAIgASgJEg8KB3Jldm9rZWQYAyABKAMiLgoQUmV2b2tlS2V5UmVxdWVzdBIKCgJpZBgBIAEoCRIOCgZyZWFzb24YAiABKAkiOQoRUmV2b2tlS2V5UmVzcG9uc2USJAoDa2V5GAEgASgLMhcuY3VyZmV3LmFkbWluLnYxLkFQSUtleSIhCg9MaXN0S2V5c1JlcXVlc3QSDgoGdGVuYW50GAEgASgJIjkKEExpc3RLZXlzUmVzcG9uc2USJQoEa2V5cxgBIAMoCzIXLmN1cmZldy5hZG1pbi52MS5BUElLZXkifwoLVGVuYW50VXNhZ2USDgoGdGVuYW50GAEgASgJEhUKDXByb21wdF90b2tlbnMYAiABKAMSFQoNb3V0cHV0X3Rva2VucxgDIAEoAxIVCg1vcnBoYW5fdG9rZW5zGAQgASgDEgwKBHJ1bnMYBSABKAMSDQoFc2hlZHMYBiABKAMiSQoMVXNhZ2VSZXF1ZXN0Eg4KBnRlbmFudBgBIAEoCRIpCgVzaW5jZRgCIAEoCzIaLmdvb2dsZS5wcm90b2J1Zi5UaW1lc3RhbXAiPgoNVXNhZ2VSZXNwb25zZRItCgd0ZW5hbnRzGAEgAygLMhwuY3VyZmV3LmFkbWluLnYxLlRlbmFudFVzYWdlIoQDCghBcHByb3ZhbBIOCgZ0ZW5hbnQYASABKAkSDgoGcnVuX2lkGAIgASgJEg8KB25vZGVfaWQYAyABKAkSFwoPaWRlbXBvdGVuY3lfa2V5GAQgASgJEgwKBHRvb2wYBSABKAkSFgoOYXJndW1lbnRzX2pzb24YBiABKAkSCwoDd2h5GAcgASgJEi0KBXN0YXRlGAggASgOMh4uY3VyZmV3LmFkbWluLnYxLkFwcHJvdmFsU3RhdGUSMAoMcmVxdWVzdGVkX2F0GAkgASgLMhouZ29vZ2xlLnByb3RvYnVmLlRpbWVzdGFtcBIuCgpleHBpcmVzX2F0GAogASgLMhouZ29vZ2xlLnByb3RvYnVmLlRpbWVzdGFtcBISCgpkZWNpZGVkX2J5GAsgASgJEi4KCmRlY2lkZWRfYXQYDCABKAsyGi5nb29nbGUucHJvdG9idWYuVGltZXN0YW1wEg4KBnJlYXNvbhgNIAEoCRIWCg5ydW5fc3RhcnRlZF9ieRgOIAEoCSJMChRMaXN0QXBwcm92YWxzUmVxdWVzdBIUCgxwZW5kaW5nX29ubHkYASABKAgSDgoGdGVuYW50GAIgASgJEg4KBnJ1bl9pZBgDIAEoCSJFChVMaXN0QXBwcm92YWxzUmVzcG9uc2USLAoJYXBwcm92YWxzGAEgAygLMhkuY3VyZmV3LmFkbWluLnYxLkFwcHJvdmFsImkKFURlY2lkZUFwcHJvdmFsUmVxdWVzdBIOCgZydW5faWQYASABKAkSDwoHbm9kZV9pZBgCIAEoCRIPCgdhcHByb3ZlGAMgASgIEg4KBnJlYXNvbhgEIAEoCRIOCgZ0ZW5hbnQYBSABKAkiRQoWRGVjaWRlQXBwcm92YWxSZXNwb25zZRIrCghhcHByb3ZhbBgBIAEoCzIZLmN1cmZldy5hZG1pbi52MS5BcHByb3ZhbCKoAQoJT3V0Ym94Um93Eg4KBnRlbmFudBgBIAEoCRIPCgdjaGFubmVsGAIgASgJEgsKA2tleRgDIAEoCRIKCgJpZBgEIAEoAxIPCgdtZXNzYWdlGAUgASgJEi4KCmNyZWF0ZWRfYXQYBiABKAsyGi5nb29nbGUucHJvdG9idWYuVGltZXN0YW1wEg8KB3JlbGF5ZWQYByABKAgSDwoHc3ViamVjdBgIIAEoCSJxChFMaXN0T3V0Ym94UmVxdWVzdBIOCgZ0ZW5hbnQYASABKAkSDwoHY2hhbm5lbBgCIAEoCRIUCgxwZW5kaW5nX29ubHkYAyABKAgSEQoJcGFnZV9zaXplGAQgASgFEhIKCnBhZ2VfdG9rZW4YBSABKAkifQoSTGlzdE91dGJveFJlc3BvbnNlEigKBHJvd3MYASADKAsyGi5jdXJmZXcuYWRtaW4udjEuT3V0Ym94Um93EhcKD25leHRfcGFnZV90b2tlbhgCIAEoCRITCgtyZWxheV9vd25lchgDIAEoCRIPCgdwZW5kaW5nGAQgASgDKkQKBVNjb3BlEhUKEVNDT1BFX1VOU1BFQ0lGSUVEEAASDwoLU0NPUEVfQURNSU4QARITCg9TQ09QRV9SRUFEX09OTFkQAiq/AQoNQXBwcm92YWxTdGF0ZRIeChpBUFBST1ZBTF9TVEFURV9VTlNQRUNJRklFRBAAEhoKFkFQUFJPVkFMX1NUQVRFX1BFTkRJTkcQARIbChdBUFBST1ZBTF9TVEFURV9BUFBST1ZFRBACEhkKFUFQUFJPVkFMX1NUQVRFX0RFTklFRBADEhwKGEFQUFJPVkFMX1NUQVRFX1RJTUVEX09VVBAEEhwKGEFQUFJPVkFMX1NUQVRFX0NBTkNFTExFRBAFMugNCgxBZG1pblNlcnZpY2USTgoGU3RhdHVzEh4uY3VyZmV3LmFkbWluLnYxLlN0YXR1c1JlcXVlc3QaHy5jdXJmZXcuYWRtaW4udjEuU3RhdHVzUmVzcG9uc2UiA5ACARJXCglDbG9zZVBvb2wSIS5jdXJmZXcuYWRtaW4udjEuQ2xvc2VQb29sUmVxdWVzdBoiLmN1cmZldy5hZG1pbi52MS5DbG9zZVBvb2xSZXNwb25zZSIDkAICElQKCE9wZW5Qb29sEiAuY3VyZmV3LmFkbWluLnYxLk9wZW5Qb29sUmVxdWVzdBohLmN1cmZldy5hZG1pbi52MS5PcGVuUG9vbFJlc3BvbnNlIgOQAgISXAoKUmVvcGVuUG9vbBIiLmN1cmZldy5hZG1pbi52MS5SZW9wZW5Qb29sUmVxdWVzdBojLmN1cmZldy5hZG1pbi52MS5SZW9wZW5Qb29sUmVzcG9uc2UiA5ACAjABEloKCkxpc3RMZWFzZXMSIi5jdXJmZXcuYWRtaW4udjEuTGlzdExlYXNlc1JlcXVlc3QaIy5jdXJmZXcuYWRtaW4udjEuTGlzdExlYXNlc1Jlc3BvbnNlIgOQAgESYAoMQ2FuY2VsTGVhc2VzEiQuY3VyZmV3LmFkbWluLnYxLkNhbmNlbExlYXNlc1JlcXVlc3QaJS5jdXJmZXcuYWRtaW4udjEuQ2FuY2VsTGVhc2VzUmVzcG9uc2UiA5ACAhJgCgxGcmVlemVMZWRnZXISJC5jdXJmZXcuYWRtaW4udjEuRnJlZXplTGVkZ2VyUmVxdWVzdBolLmN1cmZldy5hZG1pbi52MS5GcmVlemVMZWRnZXJSZXNwb25zZSIDkAICEloKClRoYXdMZWRnZXISIi5jdXJmZXcuYWRtaW4udjEuVGhhd0xlZGdlclJlcXVlc3QaIy5jdXJmZXcuYWRtaW4udjEuVGhhd0xlZGdlclJlc3BvbnNlIgOQAgISXQoLTGlzdEZyZWV6ZXMSIy5jdXJmZXcuYWRtaW4udjEuTGlzdEZyZWV6ZXNSZXF1ZXN0GiQuY3VyZmV3LmFkbWluLnYxLkxpc3RGcmVlemVzUmVzcG9uc2UiA5ACARJjCg1EcmFpbkRlY29kZXJzEiUuY3VyZmV3LmFkbWluLnYxLkRyYWluRGVjb2RlcnNSZXF1ZXN0GiYuY3VyZmV3LmFkbWluLnYxLkRyYWluRGVjb2RlcnNSZXNwb25zZSIDkAICEmkKD1VuZHJhaW5EZWNvZGVycxInLmN1cmZldy5hZG1pbi52MS5VbmRyYWluRGVjb2RlcnNSZXF1ZXN0GiguY3VyZmV3LmFkbWluLnYxLlVuZHJhaW5EZWNvZGVyc1Jlc3BvbnNlIgOQAgISVwoJTGlzdEF1ZGl0EiEuY3VyZmV3LmFkbWluLnYxLkxpc3RBdWRpdFJlcXVlc3QaIi5jdXJmZXcuYWRtaW4udjEuTGlzdEF1ZGl0UmVzcG9uc2UiA5ACARJSCglDcmVhdGVLZXkSIS5jdXJmZXcuYWRtaW4udjEuQ3JlYXRlS2V5UmVxdWVzdBoiLmN1cmZldy5hZG1pbi52MS5DcmVhdGVLZXlSZXNwb25zZRJXCglSZXZva2VLZXkSIS5jdXJmZXcuYWRtaW4udjEuUmV2b2tlS2V5UmVxdWVzdBoiLmN1cmZldy5hZG1pbi52MS5SZXZva2VLZXlSZXNwb25zZSIDkAICElQKCExpc3RLZXlzEiAuY3VyZmV3LmFkbWluLnYxLkxpc3RLZXlzUmVxdWVzdBohLmN1cmZldy5hZG1pbi52MS5MaXN0S2V5c1Jlc3BvbnNlIgOQAgESSwoFVXNhZ2USHS5jdXJmZXcuYWRtaW4udjEuVXNhZ2VSZXF1ZXN0Gh4uY3VyZmV3LmFkbWluLnYxLlVzYWdlUmVzcG9uc2UiA5ACARJjCg1MaXN0QXBwcm92YWxzEiUuY3VyZmV3LmFkbWluLnYxLkxpc3RBcHByb3ZhbHNSZXF1ZXN0GiYuY3VyZmV3LmFkbWluLnYxLkxpc3RBcHByb3ZhbHNSZXNwb25zZSIDkAIBEmYKDkRlY2lkZUFwcHJvdmFsEiYuY3VyZmV3LmFkbWluLnYxLkRlY2lkZUFwcHJvdmFsUmVxdWVzdBonLmN1cmZldy5hZG1pbi52MS5EZWNpZGVBcHByb3ZhbFJlc3BvbnNlIgOQAgISWgoKTGlzdE91dGJveBIiLmN1cmZldy5hZG1pbi52MS5MaXN0T3V0Ym94UmVxdWVzdBojLmN1cmZldy5hZG1pbi52MS5MaXN0T3V0Ym94UmVzcG9uc2UiA5ACAUK6AQoTY29tLmN1cmZldy5hZG1pbi52MUIKQWRtaW5Qcm90b1ABWjlnaXRodWIuY29tL2N1cmZldy1tZXNoL2N1cmZldy9nZW4vY3VyZmV3L2FkbWluL3YxO2FkbWludjGiAgNDQViqAg9DdXJmZXcuQWRtaW4uVjHKAg9DdXJmZXdcQWRtaW5cVjHiAhtDdXJmZXdcQWRtaW5cVjFcR1BCTWV0YWRhdGHqAhFDdXJmZXc6OkFkbWluOjpWMWIGcHJvdG8z", [file_google_protobuf_duration, file_google_protobuf_timestamp]);
+  fileDesc("ChtjdXJmZXcvYWRtaW4vdjEvYWRtaW4ucHJvdG8SD2N1cmZldy5hZG1pbi52MSL0AwoJUG9vbFN0YXRlEgwKBHBvb2wYASABKAkSFwoPb3BlcmF0b3JfY2xvc2VkGAIgASgIEhcKD29wZXJhdG9yX3JlYXNvbhgDIAEoCRIWCg5vcGVyYXRvcl9hY3RvchgEIAEoCRI2ChJvcGVyYXRvcl9jbG9zZWRfYXQYBSABKAsyGi5nb29nbGUucHJvdG9idWYuVGltZXN0YW1wEhMKC2F1dG9fY2xvc2VkGAYgASgIEhcKD2F1dG9fY29uZGl0aW9ucxgHIAMoCRI1ChFhdXRvX2Nsb3NlZF91bnRpbBgIIAEoCzIaLmdvb2dsZS5wcm90b2J1Zi5UaW1lc3RhbXASEQoJaW5fZmxpZ2h0GAkgASgFEg4KBnF1ZXVlZBgKIAEoBRIwCg1vbGRlc3RfcXVldWVkGAsgASgLMhkuZ29vZ2xlLnByb3RvYnVmLkR1cmF0aW9uEhUKDW1heF9pbl9mbGlnaHQYDCABKAUSEQoJbWF4X3F1ZXVlGA0gASgFEhAKCG92ZXJmbG93GA4gASgIEjUKEWZvcmNlZF9vcGVuX3VudGlsGA8gASgLMhouZ29vZ2xlLnByb3RvYnVmLlRpbWVzdGFtcBIPCgdyZXBsaWNhGBAgASgJEhkKEWNsdXN0ZXJfaW5fZmxpZ2h0GBEgASgFIk8KDEJyZWFrZXJTdGF0ZRIPCgdzZXJ2aWNlGAEgASgJEg8KB3JlcGxpY2EYAiABKAkSDgoGdGFyZ2V0GAMgASgJEg0KBXN0YXRlGAQgASgJIoYCCgVMZWFzZRIPCgdyZXBsaWNhGAEgASgJEg4KBnRlbmFudBgCIAEoCRIOCgZydW5faWQYAyABKAkSDwoHbm9kZV9pZBgEIAEoCRINCgVtb2RlbBgFIAEoCRIQCghwcm92aWRlchgGIAEoCRIuCgpzdGFydGVkX2F0GAcgASgLMhouZ29vZ2xlLnByb3RvYnVmLlRpbWVzdGFtcBImCgNhZ2UYCCABKAsyGS5nb29nbGUucHJvdG9idWYuRHVyYXRpb24SMgoObGFzdF9oZWFydGJlYXQYCSABKAsyGi5nb29nbGUucHJvdG9idWYuVGltZXN0YW1wEg4KBnRva2VucxgKIAEoAyKTAQoGRnJlZXplEg4KBnRlbmFudBgBIAEoCRIOCgZydW5faWQYAiABKAkSDgoGcmVhc29uGAMgASgJEg0KBWFjdG9yGAQgASgJEi0KCWZyb3plbl9hdBgFIAEoCzIaLmdvb2dsZS5wcm90b2J1Zi5UaW1lc3RhbXASGwoTdG9rZW5zX2FmdGVyX2ZyZWV6ZRgGIAEoAyKTAQoFRHJhaW4SDAoEcG9vbBgBIAEoCRIOCgZyZWFzb24YAiABKAkSDQoFYWN0b3IYAyABKAkSLgoKc3RhcnRlZF9hdBgEIAEoCzIaLmdvb2dsZS5wcm90b2J1Zi5UaW1lc3RhbXASLQoJY2FuY2VsX2F0GAUgASgLMhouZ29vZ2xlLnByb3RvYnVmLlRpbWVzdGFtcCLCAQoNUmVwbGljYUNvbmZpZxIPCgdzZXJ2aWNlGAEgASgJEg8KB3JlcGxpY2EYAiABKAkSDgoGY29uZmlnGAMgASgJEg8KB3ZlcnNpb24YBCABKAkSLQoJbG9hZGVkX2F0GAUgASgLMhouZ29vZ2xlLnByb3RvYnVmLlRpbWVzdGFtcBISCgpsYXN0X2Vycm9yGAYgASgJEisKB3NlZW5fYXQYByABKAsyGi5nb29nbGUucHJvdG9idWYuVGltZXN0YW1wIg8KDVN0YXR1c1JlcXVlc3Qi1AMKDlN0YXR1c1Jlc3BvbnNlEikKBXBvb2xzGAEgAygLMhouY3VyZmV3LmFkbWluLnYxLlBvb2xTdGF0ZRIvCghicmVha2VycxgCIAMoCzIdLmN1cmZldy5hZG1pbi52MS5CcmVha2VyU3RhdGUSJgoGbGVhc2VzGAMgAygLMhYuY3VyZmV3LmFkbWluLnYxLkxlYXNlEhQKDG9ycGhhbl9kZWx0YRgEIAEoAxIwCg1vcnBoYW5fd2luZG93GAUgASgLMhkuZ29vZ2xlLnByb3RvYnVmLkR1cmF0aW9uEhkKEWRlYWRfbGV0dGVyX2RlcHRoGAYgASgDEi8KB2NvbmZpZ3MYByADKAsyHi5jdXJmZXcuYWRtaW4udjEuUmVwbGljYUNvbmZpZxIoCgdmcmVlemVzGAggAygLMhcuY3VyZmV3LmFkbWluLnYxLkZyZWV6ZRImCgZkcmFpbnMYCSADKAsyFi5jdXJmZXcuYWRtaW4udjEuRHJhaW4SEwoLdW5yZWFjaGFibGUYCiADKAkSDwoHcmVwbGljYRgLIAEoCRIyCgdjbHVzdGVyGAwgASgLMiEuY3VyZmV3LmFkbWluLnYxLkNsdXN0ZXJBZG1pc3Npb24i+QEKEENsdXN0ZXJBZG1pc3Npb24SDwoHZW5hYmxlZBgBIAEoCBIQCghkZWdyYWRlZBgCIAEoCBIyCg5kZWdyYWRlZF9zaW5jZRgDIAEoCzIaLmdvb2dsZS5wcm90b2J1Zi5UaW1lc3RhbXASEgoKbGFzdF9lcnJvchgEIAEoCRIQCghyZXBsaWNhcxgFIAEoBRIUCgxsb2NhbF9hZG1pdHMYBiABKAMSEgoKc2xvdHNfbG9zdBgHIAEoAxIOCgZob2xkZXIYCCABKAkSLgoKbGFzdF9yZW5ldxgJIAEoCzIaLmdvb2dsZS5wcm90b2J1Zi5UaW1lc3RhbXAiMAoQQ2xvc2VQb29sUmVxdWVzdBIMCgRwb29sGAEgASgJEg4KBnJlYXNvbhgCIAEoCSI9ChFDbG9zZVBvb2xSZXNwb25zZRIoCgRwb29sGAEgASgLMhouY3VyZmV3LmFkbWluLnYxLlBvb2xTdGF0ZSI+Cg9PcGVuUG9vbFJlcXVlc3QSDAoEcG9vbBgBIAEoCRIOCgZyZWFzb24YAiABKAkSDQoFZm9yY2UYAyABKAgiPAoQT3BlblBvb2xSZXNwb25zZRIoCgRwb29sGAEgASgLMhouY3VyZmV3LmFkbWluLnYxLlBvb2xTdGF0ZSJcChFSZW9wZW5Qb29sUmVxdWVzdBIMCgRwb29sGAEgASgJEg4KBnJlYXNvbhgCIAEoCRIpCgZ3aW5kb3cYAyABKAsyGS5nb29nbGUucHJvdG9idWYuRHVyYXRpb24ikgEKElJlb3BlblBvb2xSZXNwb25zZRIUCgxvcnBoYW5fZGVsdGEYASABKAMSLAoJcXVpZXRfZm9yGAIgASgLMhkuZ29vZ2xlLnByb3RvYnVmLkR1cmF0aW9uEg4KBm9wZW5lZBgDIAEoCBIoCgRwb29sGAQgASgLMhouY3VyZmV3LmFkbWluLnYxLlBvb2xTdGF0ZSJCChFMaXN0TGVhc2VzUmVxdWVzdBItCgpvbGRlcl90aGFuGAEgASgLMhkuZ29vZ2xlLnByb3RvYnVmLkR1cmF0aW9uIlEKEkxpc3RMZWFzZXNSZXNwb25zZRImCgZsZWFzZXMYASADKAsyFi5jdXJmZXcuYWRtaW4udjEuTGVhc2USEwoLdW5yZWFjaGFibGUYAiADKAkiVAoTQ2FuY2VsTGVhc2VzUmVxdWVzdBItCgpvbGRlcl90aGFuGAEgASgLMhkuZ29vZ2xlLnByb3RvYnVmLkR1cmF0aW9uEg4KBnJlYXNvbhgCIAEoCSJWChRDYW5jZWxMZWFzZXNSZXNwb25zZRIpCgljYW5jZWxsZWQYASADKAsyFi5jdXJmZXcuYWRtaW4udjEuTGVhc2USEwoLdW5yZWFjaGFibGUYAiADKAkiRQoTRnJlZXplTGVkZ2VyUmVxdWVzdBIOCgZydW5faWQYASABKAkSDgoGdGVuYW50GAIgASgJEg4KBnJlYXNvbhgDIAEoCSI/ChRGcmVlemVMZWRnZXJSZXNwb25zZRInCgZmcmVlemUYASABKAsyFy5jdXJmZXcuYWRtaW4udjEuRnJlZXplIkMKEVRoYXdMZWRnZXJSZXF1ZXN0Eg4KBnJ1bl9pZBgBIAEoCRIOCgZ0ZW5hbnQYAiABKAkSDgoGcmVhc29uGAMgASgJIiQKElRoYXdMZWRnZXJSZXNwb25zZRIOCgZ0aGF3ZWQYASABKAgiFAoSTGlzdEZyZWV6ZXNSZXF1ZXN0Ij8KE0xpc3RGcmVlemVzUmVzcG9uc2USKAoHZnJlZXplcxgBIAMoCzIXLmN1cmZldy5hZG1pbi52MS5GcmVlemUiZQoURHJhaW5EZWNvZGVyc1JlcXVlc3QSDAoEcG9vbBgBIAEoCRIvCgxjYW5jZWxfYWZ0ZXIYAiABKAsyGS5nb29nbGUucHJvdG9idWYuRHVyYXRpb24SDgoGcmVhc29uGAMgASgJIj4KFURyYWluRGVjb2RlcnNSZXNwb25zZRIlCgVkcmFpbhgBIAEoCzIWLmN1cmZldy5hZG1pbi52MS5EcmFpbiI2ChZVbmRyYWluRGVjb2RlcnNSZXF1ZXN0EgwKBHBvb2wYASABKAkSDgoGcmVhc29uGAIgASgJIiwKF1VuZHJhaW5EZWNvZGVyc1Jlc3BvbnNlEhEKCXVuZHJhaW5lZBgBIAEoCCKVAQoKQXVkaXRFbnRyeRIKCgJpZBgBIAEoAxImCgJhdBgCIAEoCzIaLmdvb2dsZS5wcm90b2J1Zi5UaW1lc3RhbXASDQoFYWN0b3IYAyABKAkSDgoGYWN0aW9uGAQgASgJEg4KBnRhcmdldBgFIAEoCRIOCgZyZWFzb24YBiABKAkSFAoMcmVxdWVzdF9qc29uGAcgASgJImQKEExpc3RBdWRpdFJlcXVlc3QSKQoFc2luY2UYASABKAsyGi5nb29nbGUucHJvdG9idWYuVGltZXN0YW1wEhEKCXBhZ2Vfc2l6ZRgCIAEoBRISCgpwYWdlX3Rva2VuGAMgASgJIloKEUxpc3RBdWRpdFJlc3BvbnNlEiwKB2VudHJpZXMYASADKAsyGy5jdXJmZXcuYWRtaW4udjEuQXVkaXRFbnRyeRIXCg9uZXh0X3BhZ2VfdG9rZW4YAiABKAkirAEKBkFQSUtleRIKCgJpZBgBIAEoCRIOCgZ0ZW5hbnQYAiABKAkSJgoGc2NvcGVzGAMgAygOMhYuY3VyZmV3LmFkbWluLnYxLlNjb3BlEi4KCmNyZWF0ZWRfYXQYBCABKAsyGi5nb29nbGUucHJvdG9idWYuVGltZXN0YW1wEi4KCnJldm9rZWRfYXQYBSABKAsyGi5nb29nbGUucHJvdG9idWYuVGltZXN0YW1wInEKEENyZWF0ZUtleVJlcXVlc3QSDgoGdGVuYW50GAEgASgJEiYKBnNjb3BlcxgCIAMoDjIWLmN1cmZldy5hZG1pbi52MS5TY29wZRIVCg1yZXZva2Vfb3RoZXJzGAMgASgIEg4KBnJlYXNvbhgEIAEoCSJaChFDcmVhdGVLZXlSZXNwb25zZRIkCgNrZXkYASABKAsyFy5jdXJmZXcuYWRtaW4udjEuQVBJS2V5Eg4KBnNlY3JldBgCIAEoCRIPCgdyZXZva2VkGAMgASgDIi4KEFJldm9rZUtleVJlcXVlc3QSCgoCaWQYASABKAkSDgoGcmVhc29uGAIgASgJIjkKEVJldm9rZUtleVJlc3BvbnNlEiQKA2tleRgBIAEoCzIXLmN1cmZldy5hZG1pbi52MS5BUElLZXkiIQoPTGlzdEtleXNSZXF1ZXN0Eg4KBnRlbmFudBgBIAEoCSI5ChBMaXN0S2V5c1Jlc3BvbnNlEiUKBGtleXMYASADKAsyFy5jdXJmZXcuYWRtaW4udjEuQVBJS2V5In8KC1RlbmFudFVzYWdlEg4KBnRlbmFudBgBIAEoCRIVCg1wcm9tcHRfdG9rZW5zGAIgASgDEhUKDW91dHB1dF90b2tlbnMYAyABKAMSFQoNb3JwaGFuX3Rva2VucxgEIAEoAxIMCgRydW5zGAUgASgDEg0KBXNoZWRzGAYgASgDIkkKDFVzYWdlUmVxdWVzdBIOCgZ0ZW5hbnQYASABKAkSKQoFc2luY2UYAiABKAsyGi5nb29nbGUucHJvdG9idWYuVGltZXN0YW1wIj4KDVVzYWdlUmVzcG9uc2USLQoHdGVuYW50cxgBIAMoCzIcLmN1cmZldy5hZG1pbi52MS5UZW5hbnRVc2FnZSKEAwoIQXBwcm92YWwSDgoGdGVuYW50GAEgASgJEg4KBnJ1bl9pZBgCIAEoCRIPCgdub2RlX2lkGAMgASgJEhcKD2lkZW1wb3RlbmN5X2tleRgEIAEoCRIMCgR0b29sGAUgASgJEhYKDmFyZ3VtZW50c19qc29uGAYgASgJEgsKA3doeRgHIAEoCRItCgVzdGF0ZRgIIAEoDjIeLmN1cmZldy5hZG1pbi52MS5BcHByb3ZhbFN0YXRlEjAKDHJlcXVlc3RlZF9hdBgJIAEoCzIaLmdvb2dsZS5wcm90b2J1Zi5UaW1lc3RhbXASLgoKZXhwaXJlc19hdBgKIAEoCzIaLmdvb2dsZS5wcm90b2J1Zi5UaW1lc3RhbXASEgoKZGVjaWRlZF9ieRgLIAEoCRIuCgpkZWNpZGVkX2F0GAwgASgLMhouZ29vZ2xlLnByb3RvYnVmLlRpbWVzdGFtcBIOCgZyZWFzb24YDSABKAkSFgoOcnVuX3N0YXJ0ZWRfYnkYDiABKAkiTAoUTGlzdEFwcHJvdmFsc1JlcXVlc3QSFAoMcGVuZGluZ19vbmx5GAEgASgIEg4KBnRlbmFudBgCIAEoCRIOCgZydW5faWQYAyABKAkiRQoVTGlzdEFwcHJvdmFsc1Jlc3BvbnNlEiwKCWFwcHJvdmFscxgBIAMoCzIZLmN1cmZldy5hZG1pbi52MS5BcHByb3ZhbCJpChVEZWNpZGVBcHByb3ZhbFJlcXVlc3QSDgoGcnVuX2lkGAEgASgJEg8KB25vZGVfaWQYAiABKAkSDwoHYXBwcm92ZRgDIAEoCBIOCgZyZWFzb24YBCABKAkSDgoGdGVuYW50GAUgASgJIkUKFkRlY2lkZUFwcHJvdmFsUmVzcG9uc2USKwoIYXBwcm92YWwYASABKAsyGS5jdXJmZXcuYWRtaW4udjEuQXBwcm92YWwiqAEKCU91dGJveFJvdxIOCgZ0ZW5hbnQYASABKAkSDwoHY2hhbm5lbBgCIAEoCRILCgNrZXkYAyABKAkSCgoCaWQYBCABKAMSDwoHbWVzc2FnZRgFIAEoCRIuCgpjcmVhdGVkX2F0GAYgASgLMhouZ29vZ2xlLnByb3RvYnVmLlRpbWVzdGFtcBIPCgdyZWxheWVkGAcgASgIEg8KB3N1YmplY3QYCCABKAkicQoRTGlzdE91dGJveFJlcXVlc3QSDgoGdGVuYW50GAEgASgJEg8KB2NoYW5uZWwYAiABKAkSFAoMcGVuZGluZ19vbmx5GAMgASgIEhEKCXBhZ2Vfc2l6ZRgEIAEoBRISCgpwYWdlX3Rva2VuGAUgASgJIn0KEkxpc3RPdXRib3hSZXNwb25zZRIoCgRyb3dzGAEgAygLMhouY3VyZmV3LmFkbWluLnYxLk91dGJveFJvdxIXCg9uZXh0X3BhZ2VfdG9rZW4YAiABKAkSEwoLcmVsYXlfb3duZXIYAyABKAkSDwoHcGVuZGluZxgEIAEoAypECgVTY29wZRIVChFTQ09QRV9VTlNQRUNJRklFRBAAEg8KC1NDT1BFX0FETUlOEAESEwoPU0NPUEVfUkVBRF9PTkxZEAIqvwEKDUFwcHJvdmFsU3RhdGUSHgoaQVBQUk9WQUxfU1RBVEVfVU5TUEVDSUZJRUQQABIaChZBUFBST1ZBTF9TVEFURV9QRU5ESU5HEAESGwoXQVBQUk9WQUxfU1RBVEVfQVBQUk9WRUQQAhIZChVBUFBST1ZBTF9TVEFURV9ERU5JRUQQAxIcChhBUFBST1ZBTF9TVEFURV9USU1FRF9PVVQQBBIcChhBUFBST1ZBTF9TVEFURV9DQU5DRUxMRUQQBTLoDQoMQWRtaW5TZXJ2aWNlEk4KBlN0YXR1cxIeLmN1cmZldy5hZG1pbi52MS5TdGF0dXNSZXF1ZXN0Gh8uY3VyZmV3LmFkbWluLnYxLlN0YXR1c1Jlc3BvbnNlIgOQAgESVwoJQ2xvc2VQb29sEiEuY3VyZmV3LmFkbWluLnYxLkNsb3NlUG9vbFJlcXVlc3QaIi5jdXJmZXcuYWRtaW4udjEuQ2xvc2VQb29sUmVzcG9uc2UiA5ACAhJUCghPcGVuUG9vbBIgLmN1cmZldy5hZG1pbi52MS5PcGVuUG9vbFJlcXVlc3QaIS5jdXJmZXcuYWRtaW4udjEuT3BlblBvb2xSZXNwb25zZSIDkAICElwKClJlb3BlblBvb2wSIi5jdXJmZXcuYWRtaW4udjEuUmVvcGVuUG9vbFJlcXVlc3QaIy5jdXJmZXcuYWRtaW4udjEuUmVvcGVuUG9vbFJlc3BvbnNlIgOQAgIwARJaCgpMaXN0TGVhc2VzEiIuY3VyZmV3LmFkbWluLnYxLkxpc3RMZWFzZXNSZXF1ZXN0GiMuY3VyZmV3LmFkbWluLnYxLkxpc3RMZWFzZXNSZXNwb25zZSIDkAIBEmAKDENhbmNlbExlYXNlcxIkLmN1cmZldy5hZG1pbi52MS5DYW5jZWxMZWFzZXNSZXF1ZXN0GiUuY3VyZmV3LmFkbWluLnYxLkNhbmNlbExlYXNlc1Jlc3BvbnNlIgOQAgISYAoMRnJlZXplTGVkZ2VyEiQuY3VyZmV3LmFkbWluLnYxLkZyZWV6ZUxlZGdlclJlcXVlc3QaJS5jdXJmZXcuYWRtaW4udjEuRnJlZXplTGVkZ2VyUmVzcG9uc2UiA5ACAhJaCgpUaGF3TGVkZ2VyEiIuY3VyZmV3LmFkbWluLnYxLlRoYXdMZWRnZXJSZXF1ZXN0GiMuY3VyZmV3LmFkbWluLnYxLlRoYXdMZWRnZXJSZXNwb25zZSIDkAICEl0KC0xpc3RGcmVlemVzEiMuY3VyZmV3LmFkbWluLnYxLkxpc3RGcmVlemVzUmVxdWVzdBokLmN1cmZldy5hZG1pbi52MS5MaXN0RnJlZXplc1Jlc3BvbnNlIgOQAgESYwoNRHJhaW5EZWNvZGVycxIlLmN1cmZldy5hZG1pbi52MS5EcmFpbkRlY29kZXJzUmVxdWVzdBomLmN1cmZldy5hZG1pbi52MS5EcmFpbkRlY29kZXJzUmVzcG9uc2UiA5ACAhJpCg9VbmRyYWluRGVjb2RlcnMSJy5jdXJmZXcuYWRtaW4udjEuVW5kcmFpbkRlY29kZXJzUmVxdWVzdBooLmN1cmZldy5hZG1pbi52MS5VbmRyYWluRGVjb2RlcnNSZXNwb25zZSIDkAICElcKCUxpc3RBdWRpdBIhLmN1cmZldy5hZG1pbi52MS5MaXN0QXVkaXRSZXF1ZXN0GiIuY3VyZmV3LmFkbWluLnYxLkxpc3RBdWRpdFJlc3BvbnNlIgOQAgESUgoJQ3JlYXRlS2V5EiEuY3VyZmV3LmFkbWluLnYxLkNyZWF0ZUtleVJlcXVlc3QaIi5jdXJmZXcuYWRtaW4udjEuQ3JlYXRlS2V5UmVzcG9uc2USVwoJUmV2b2tlS2V5EiEuY3VyZmV3LmFkbWluLnYxLlJldm9rZUtleVJlcXVlc3QaIi5jdXJmZXcuYWRtaW4udjEuUmV2b2tlS2V5UmVzcG9uc2UiA5ACAhJUCghMaXN0S2V5cxIgLmN1cmZldy5hZG1pbi52MS5MaXN0S2V5c1JlcXVlc3QaIS5jdXJmZXcuYWRtaW4udjEuTGlzdEtleXNSZXNwb25zZSIDkAIBEksKBVVzYWdlEh0uY3VyZmV3LmFkbWluLnYxLlVzYWdlUmVxdWVzdBoeLmN1cmZldy5hZG1pbi52MS5Vc2FnZVJlc3BvbnNlIgOQAgESYwoNTGlzdEFwcHJvdmFscxIlLmN1cmZldy5hZG1pbi52MS5MaXN0QXBwcm92YWxzUmVxdWVzdBomLmN1cmZldy5hZG1pbi52MS5MaXN0QXBwcm92YWxzUmVzcG9uc2UiA5ACARJmCg5EZWNpZGVBcHByb3ZhbBImLmN1cmZldy5hZG1pbi52MS5EZWNpZGVBcHByb3ZhbFJlcXVlc3QaJy5jdXJmZXcuYWRtaW4udjEuRGVjaWRlQXBwcm92YWxSZXNwb25zZSIDkAICEloKCkxpc3RPdXRib3gSIi5jdXJmZXcuYWRtaW4udjEuTGlzdE91dGJveFJlcXVlc3QaIy5jdXJmZXcuYWRtaW4udjEuTGlzdE91dGJveFJlc3BvbnNlIgOQAgFCugEKE2NvbS5jdXJmZXcuYWRtaW4udjFCCkFkbWluUHJvdG9QAVo5Z2l0aHViLmNvbS9jdXJmZXctbWVzaC9jdXJmZXcvZ2VuL2N1cmZldy9hZG1pbi92MTthZG1pbnYxogIDQ0FYqgIPQ3VyZmV3LkFkbWluLlYxygIPQ3VyZmV3XEFkbWluXFYx4gIbQ3VyZmV3XEFkbWluXFYxXEdQQk1ldGFkYXRh6gIRQ3VyZmV3OjpBZG1pbjo6VjFiBnByb3RvMw", [file_google_protobuf_duration, file_google_protobuf_timestamp]);
 
 /**
  * PoolState is a pool's admission state as every replica sees it.
@@ -115,6 +115,14 @@ export type PoolState = Message<"curfew.admin.v1.PoolState"> & {
    * @generated from field: string replica = 16;
    */
   replica: string;
+
+  /**
+   * With cluster-wide admission (docs/cluster.md): the pool's slots held across every
+   * replica, read from the store; -1 when it could not be read, 0 without coordination.
+   *
+   * @generated from field: int32 cluster_in_flight = 17;
+   */
+  clusterInFlight: number;
 };
 
 /**
@@ -463,6 +471,13 @@ export type StatusResponse = Message<"curfew.admin.v1.StatusResponse"> & {
    * @generated from field: string replica = 11;
    */
   replica: string;
+
+  /**
+   * Cluster-wide admission as the replica answering sees it.
+   *
+   * @generated from field: curfew.admin.v1.ClusterAdmission cluster = 12;
+   */
+  cluster?: ClusterAdmission | undefined;
 };
 
 /**
@@ -471,6 +486,79 @@ export type StatusResponse = Message<"curfew.admin.v1.StatusResponse"> & {
  */
 export const StatusResponseSchema: GenMessage<StatusResponse> = /*@__PURE__*/
   messageDesc(file_curfew_admin_v1_admin, 7);
+
+/**
+ * ClusterAdmission is the state of one orchestrator's cluster-wide admission
+ * (docs/cluster.md): pool caps and tenant concurrency claimed as slots in the store.
+ *
+ * @generated from message curfew.admin.v1.ClusterAdmission
+ */
+export type ClusterAdmission = Message<"curfew.admin.v1.ClusterAdmission"> & {
+  /**
+   * Caps are claimed in the store (a shared --store and --cluster-admission).
+   *
+   * @generated from field: bool enabled = 1;
+   */
+  enabled: boolean;
+
+  /**
+   * The store failed: this replica admits up to its share of each cap, holding no slot.
+   *
+   * @generated from field: bool degraded = 2;
+   */
+  degraded: boolean;
+
+  /**
+   * @generated from field: google.protobuf.Timestamp degraded_since = 3;
+   */
+  degradedSince?: Timestamp | undefined;
+
+  /**
+   * The last store error of a claim, release or renewal.
+   *
+   * @generated from field: string last_error = 4;
+   */
+  lastError: string;
+
+  /**
+   * The replica count the share is computed from.
+   *
+   * @generated from field: int32 replicas = 5;
+   */
+  replicas: number;
+
+  /**
+   * Runs admitted on the local share (not counted cluster-wide), and slots lost to
+   * another holder while their run went on, since the process started.
+   *
+   * @generated from field: int64 local_admits = 6;
+   */
+  localAdmits: bigint;
+
+  /**
+   * @generated from field: int64 slots_lost = 7;
+   */
+  slotsLost: bigint;
+
+  /**
+   * The slot holder's name and its last successful renewal.
+   *
+   * @generated from field: string holder = 8;
+   */
+  holder: string;
+
+  /**
+   * @generated from field: google.protobuf.Timestamp last_renew = 9;
+   */
+  lastRenew?: Timestamp | undefined;
+};
+
+/**
+ * Describes the message curfew.admin.v1.ClusterAdmission.
+ * Use `create(ClusterAdmissionSchema)` to create a new message.
+ */
+export const ClusterAdmissionSchema: GenMessage<ClusterAdmission> = /*@__PURE__*/
+  messageDesc(file_curfew_admin_v1_admin, 8);
 
 /**
  * ClosePoolRequest closes a pool on every replica: new runs are shed with pool_closed,
@@ -495,7 +583,7 @@ export type ClosePoolRequest = Message<"curfew.admin.v1.ClosePoolRequest"> & {
  * Use `create(ClosePoolRequestSchema)` to create a new message.
  */
 export const ClosePoolRequestSchema: GenMessage<ClosePoolRequest> = /*@__PURE__*/
-  messageDesc(file_curfew_admin_v1_admin, 8);
+  messageDesc(file_curfew_admin_v1_admin, 9);
 
 /**
  * ClosePoolResponse is the pool's state afterwards.
@@ -514,7 +602,7 @@ export type ClosePoolResponse = Message<"curfew.admin.v1.ClosePoolResponse"> & {
  * Use `create(ClosePoolResponseSchema)` to create a new message.
  */
 export const ClosePoolResponseSchema: GenMessage<ClosePoolResponse> = /*@__PURE__*/
-  messageDesc(file_curfew_admin_v1_admin, 9);
+  messageDesc(file_curfew_admin_v1_admin, 10);
 
 /**
  * OpenPoolRequest lifts an operator's close.
@@ -546,7 +634,7 @@ export type OpenPoolRequest = Message<"curfew.admin.v1.OpenPoolRequest"> & {
  * Use `create(OpenPoolRequestSchema)` to create a new message.
  */
 export const OpenPoolRequestSchema: GenMessage<OpenPoolRequest> = /*@__PURE__*/
-  messageDesc(file_curfew_admin_v1_admin, 10);
+  messageDesc(file_curfew_admin_v1_admin, 11);
 
 /**
  * OpenPoolResponse is the pool's state afterwards.
@@ -565,7 +653,7 @@ export type OpenPoolResponse = Message<"curfew.admin.v1.OpenPoolResponse"> & {
  * Use `create(OpenPoolResponseSchema)` to create a new message.
  */
 export const OpenPoolResponseSchema: GenMessage<OpenPoolResponse> = /*@__PURE__*/
-  messageDesc(file_curfew_admin_v1_admin, 11);
+  messageDesc(file_curfew_admin_v1_admin, 12);
 
 /**
  * ReopenPoolRequest opens the pool once the orphan token delta has stayed zero for
@@ -595,7 +683,7 @@ export type ReopenPoolRequest = Message<"curfew.admin.v1.ReopenPoolRequest"> & {
  * Use `create(ReopenPoolRequestSchema)` to create a new message.
  */
 export const ReopenPoolRequestSchema: GenMessage<ReopenPoolRequest> = /*@__PURE__*/
-  messageDesc(file_curfew_admin_v1_admin, 12);
+  messageDesc(file_curfew_admin_v1_admin, 13);
 
 /**
  * ReopenPoolResponse is one report of the wait; the last has opened set.
@@ -633,7 +721,7 @@ export type ReopenPoolResponse = Message<"curfew.admin.v1.ReopenPoolResponse"> &
  * Use `create(ReopenPoolResponseSchema)` to create a new message.
  */
 export const ReopenPoolResponseSchema: GenMessage<ReopenPoolResponse> = /*@__PURE__*/
-  messageDesc(file_curfew_admin_v1_admin, 13);
+  messageDesc(file_curfew_admin_v1_admin, 14);
 
 /**
  * ListLeasesRequest lists decoder leases on every modelproxy replica.
@@ -654,7 +742,7 @@ export type ListLeasesRequest = Message<"curfew.admin.v1.ListLeasesRequest"> & {
  * Use `create(ListLeasesRequestSchema)` to create a new message.
  */
 export const ListLeasesRequestSchema: GenMessage<ListLeasesRequest> = /*@__PURE__*/
-  messageDesc(file_curfew_admin_v1_admin, 14);
+  messageDesc(file_curfew_admin_v1_admin, 15);
 
 /**
  * ListLeasesResponse holds them, oldest first.
@@ -678,7 +766,7 @@ export type ListLeasesResponse = Message<"curfew.admin.v1.ListLeasesResponse"> &
  * Use `create(ListLeasesResponseSchema)` to create a new message.
  */
 export const ListLeasesResponseSchema: GenMessage<ListLeasesResponse> = /*@__PURE__*/
-  messageDesc(file_curfew_admin_v1_admin, 15);
+  messageDesc(file_curfew_admin_v1_admin, 16);
 
 /**
  * CancelLeasesRequest cancels the decoders whose leases are older than older_than, on
@@ -703,7 +791,7 @@ export type CancelLeasesRequest = Message<"curfew.admin.v1.CancelLeasesRequest">
  * Use `create(CancelLeasesRequestSchema)` to create a new message.
  */
 export const CancelLeasesRequestSchema: GenMessage<CancelLeasesRequest> = /*@__PURE__*/
-  messageDesc(file_curfew_admin_v1_admin, 16);
+  messageDesc(file_curfew_admin_v1_admin, 17);
 
 /**
  * CancelLeasesResponse names the decoders cancelled.
@@ -727,7 +815,7 @@ export type CancelLeasesResponse = Message<"curfew.admin.v1.CancelLeasesResponse
  * Use `create(CancelLeasesResponseSchema)` to create a new message.
  */
 export const CancelLeasesResponseSchema: GenMessage<CancelLeasesResponse> = /*@__PURE__*/
-  messageDesc(file_curfew_admin_v1_admin, 17);
+  messageDesc(file_curfew_admin_v1_admin, 18);
 
 /**
  * FreezeLedgerRequest freezes a run's or a tenant's ledger: exactly one of run_id and
@@ -758,7 +846,7 @@ export type FreezeLedgerRequest = Message<"curfew.admin.v1.FreezeLedgerRequest">
  * Use `create(FreezeLedgerRequestSchema)` to create a new message.
  */
 export const FreezeLedgerRequestSchema: GenMessage<FreezeLedgerRequest> = /*@__PURE__*/
-  messageDesc(file_curfew_admin_v1_admin, 18);
+  messageDesc(file_curfew_admin_v1_admin, 19);
 
 /**
  * FreezeLedgerResponse is the freeze in force.
@@ -777,7 +865,7 @@ export type FreezeLedgerResponse = Message<"curfew.admin.v1.FreezeLedgerResponse
  * Use `create(FreezeLedgerResponseSchema)` to create a new message.
  */
 export const FreezeLedgerResponseSchema: GenMessage<FreezeLedgerResponse> = /*@__PURE__*/
-  messageDesc(file_curfew_admin_v1_admin, 19);
+  messageDesc(file_curfew_admin_v1_admin, 20);
 
 /**
  * ThawLedgerRequest lifts a freeze, named like FreezeLedgerRequest.
@@ -806,7 +894,7 @@ export type ThawLedgerRequest = Message<"curfew.admin.v1.ThawLedgerRequest"> & {
  * Use `create(ThawLedgerRequestSchema)` to create a new message.
  */
 export const ThawLedgerRequestSchema: GenMessage<ThawLedgerRequest> = /*@__PURE__*/
-  messageDesc(file_curfew_admin_v1_admin, 20);
+  messageDesc(file_curfew_admin_v1_admin, 21);
 
 /**
  * ThawLedgerResponse says whether a freeze was in force.
@@ -825,7 +913,7 @@ export type ThawLedgerResponse = Message<"curfew.admin.v1.ThawLedgerResponse"> &
  * Use `create(ThawLedgerResponseSchema)` to create a new message.
  */
 export const ThawLedgerResponseSchema: GenMessage<ThawLedgerResponse> = /*@__PURE__*/
-  messageDesc(file_curfew_admin_v1_admin, 21);
+  messageDesc(file_curfew_admin_v1_admin, 22);
 
 /**
  * ListFreezesRequest lists the freezes in force.
@@ -840,7 +928,7 @@ export type ListFreezesRequest = Message<"curfew.admin.v1.ListFreezesRequest"> &
  * Use `create(ListFreezesRequestSchema)` to create a new message.
  */
 export const ListFreezesRequestSchema: GenMessage<ListFreezesRequest> = /*@__PURE__*/
-  messageDesc(file_curfew_admin_v1_admin, 22);
+  messageDesc(file_curfew_admin_v1_admin, 23);
 
 /**
  * ListFreezesResponse holds them.
@@ -859,7 +947,7 @@ export type ListFreezesResponse = Message<"curfew.admin.v1.ListFreezesResponse">
  * Use `create(ListFreezesResponseSchema)` to create a new message.
  */
 export const ListFreezesResponseSchema: GenMessage<ListFreezesResponse> = /*@__PURE__*/
-  messageDesc(file_curfew_admin_v1_admin, 23);
+  messageDesc(file_curfew_admin_v1_admin, 24);
 
 /**
  * DrainDecodersRequest stops admitting new decoders, for every run or for those of
@@ -891,7 +979,7 @@ export type DrainDecodersRequest = Message<"curfew.admin.v1.DrainDecodersRequest
  * Use `create(DrainDecodersRequestSchema)` to create a new message.
  */
 export const DrainDecodersRequestSchema: GenMessage<DrainDecodersRequest> = /*@__PURE__*/
-  messageDesc(file_curfew_admin_v1_admin, 24);
+  messageDesc(file_curfew_admin_v1_admin, 25);
 
 /**
  * DrainDecodersResponse is the drain in force.
@@ -910,7 +998,7 @@ export type DrainDecodersResponse = Message<"curfew.admin.v1.DrainDecodersRespon
  * Use `create(DrainDecodersResponseSchema)` to create a new message.
  */
 export const DrainDecodersResponseSchema: GenMessage<DrainDecodersResponse> = /*@__PURE__*/
-  messageDesc(file_curfew_admin_v1_admin, 25);
+  messageDesc(file_curfew_admin_v1_admin, 26);
 
 /**
  * UndrainDecodersRequest admits decoders again (for every run, or pool's).
@@ -934,7 +1022,7 @@ export type UndrainDecodersRequest = Message<"curfew.admin.v1.UndrainDecodersReq
  * Use `create(UndrainDecodersRequestSchema)` to create a new message.
  */
 export const UndrainDecodersRequestSchema: GenMessage<UndrainDecodersRequest> = /*@__PURE__*/
-  messageDesc(file_curfew_admin_v1_admin, 26);
+  messageDesc(file_curfew_admin_v1_admin, 27);
 
 /**
  * UndrainDecodersResponse says whether a drain was in force.
@@ -953,7 +1041,7 @@ export type UndrainDecodersResponse = Message<"curfew.admin.v1.UndrainDecodersRe
  * Use `create(UndrainDecodersResponseSchema)` to create a new message.
  */
 export const UndrainDecodersResponseSchema: GenMessage<UndrainDecodersResponse> = /*@__PURE__*/
-  messageDesc(file_curfew_admin_v1_admin, 27);
+  messageDesc(file_curfew_admin_v1_admin, 28);
 
 /**
  * AuditEntry is one call that changed something.
@@ -1010,7 +1098,7 @@ export type AuditEntry = Message<"curfew.admin.v1.AuditEntry"> & {
  * Use `create(AuditEntrySchema)` to create a new message.
  */
 export const AuditEntrySchema: GenMessage<AuditEntry> = /*@__PURE__*/
-  messageDesc(file_curfew_admin_v1_admin, 28);
+  messageDesc(file_curfew_admin_v1_admin, 29);
 
 /**
  * ListAuditRequest pages the audit log, newest first.
@@ -1043,7 +1131,7 @@ export type ListAuditRequest = Message<"curfew.admin.v1.ListAuditRequest"> & {
  * Use `create(ListAuditRequestSchema)` to create a new message.
  */
 export const ListAuditRequestSchema: GenMessage<ListAuditRequest> = /*@__PURE__*/
-  messageDesc(file_curfew_admin_v1_admin, 29);
+  messageDesc(file_curfew_admin_v1_admin, 30);
 
 /**
  * ListAuditResponse is one page.
@@ -1067,7 +1155,7 @@ export type ListAuditResponse = Message<"curfew.admin.v1.ListAuditResponse"> & {
  * Use `create(ListAuditResponseSchema)` to create a new message.
  */
 export const ListAuditResponseSchema: GenMessage<ListAuditResponse> = /*@__PURE__*/
-  messageDesc(file_curfew_admin_v1_admin, 30);
+  messageDesc(file_curfew_admin_v1_admin, 31);
 
 /**
  * APIKey is a key's public record: never its secret.
@@ -1106,7 +1194,7 @@ export type APIKey = Message<"curfew.admin.v1.APIKey"> & {
  * Use `create(APIKeySchema)` to create a new message.
  */
 export const APIKeySchema: GenMessage<APIKey> = /*@__PURE__*/
-  messageDesc(file_curfew_admin_v1_admin, 31);
+  messageDesc(file_curfew_admin_v1_admin, 32);
 
 /**
  * CreateKeyRequest makes an API key for tenant.
@@ -1144,7 +1232,7 @@ export type CreateKeyRequest = Message<"curfew.admin.v1.CreateKeyRequest"> & {
  * Use `create(CreateKeyRequestSchema)` to create a new message.
  */
 export const CreateKeyRequestSchema: GenMessage<CreateKeyRequest> = /*@__PURE__*/
-  messageDesc(file_curfew_admin_v1_admin, 32);
+  messageDesc(file_curfew_admin_v1_admin, 33);
 
 /**
  * CreateKeyResponse holds the key's secret, shown this once.
@@ -1173,7 +1261,7 @@ export type CreateKeyResponse = Message<"curfew.admin.v1.CreateKeyResponse"> & {
  * Use `create(CreateKeyResponseSchema)` to create a new message.
  */
 export const CreateKeyResponseSchema: GenMessage<CreateKeyResponse> = /*@__PURE__*/
-  messageDesc(file_curfew_admin_v1_admin, 33);
+  messageDesc(file_curfew_admin_v1_admin, 34);
 
 /**
  * RevokeKeyRequest revokes one key.
@@ -1197,7 +1285,7 @@ export type RevokeKeyRequest = Message<"curfew.admin.v1.RevokeKeyRequest"> & {
  * Use `create(RevokeKeyRequestSchema)` to create a new message.
  */
 export const RevokeKeyRequestSchema: GenMessage<RevokeKeyRequest> = /*@__PURE__*/
-  messageDesc(file_curfew_admin_v1_admin, 34);
+  messageDesc(file_curfew_admin_v1_admin, 35);
 
 /**
  * RevokeKeyResponse is the revoked key.
@@ -1216,7 +1304,7 @@ export type RevokeKeyResponse = Message<"curfew.admin.v1.RevokeKeyResponse"> & {
  * Use `create(RevokeKeyResponseSchema)` to create a new message.
  */
 export const RevokeKeyResponseSchema: GenMessage<RevokeKeyResponse> = /*@__PURE__*/
-  messageDesc(file_curfew_admin_v1_admin, 35);
+  messageDesc(file_curfew_admin_v1_admin, 36);
 
 /**
  * ListKeysRequest lists keys, of one tenant or all.
@@ -1235,7 +1323,7 @@ export type ListKeysRequest = Message<"curfew.admin.v1.ListKeysRequest"> & {
  * Use `create(ListKeysRequestSchema)` to create a new message.
  */
 export const ListKeysRequestSchema: GenMessage<ListKeysRequest> = /*@__PURE__*/
-  messageDesc(file_curfew_admin_v1_admin, 36);
+  messageDesc(file_curfew_admin_v1_admin, 37);
 
 /**
  * ListKeysResponse holds them.
@@ -1254,7 +1342,7 @@ export type ListKeysResponse = Message<"curfew.admin.v1.ListKeysResponse"> & {
  * Use `create(ListKeysResponseSchema)` to create a new message.
  */
 export const ListKeysResponseSchema: GenMessage<ListKeysResponse> = /*@__PURE__*/
-  messageDesc(file_curfew_admin_v1_admin, 37);
+  messageDesc(file_curfew_admin_v1_admin, 38);
 
 /**
  * TenantUsage is what one tenant spent.
@@ -1300,7 +1388,7 @@ export type TenantUsage = Message<"curfew.admin.v1.TenantUsage"> & {
  * Use `create(TenantUsageSchema)` to create a new message.
  */
 export const TenantUsageSchema: GenMessage<TenantUsage> = /*@__PURE__*/
-  messageDesc(file_curfew_admin_v1_admin, 38);
+  messageDesc(file_curfew_admin_v1_admin, 39);
 
 /**
  * UsageRequest sums usage per tenant.
@@ -1328,7 +1416,7 @@ export type UsageRequest = Message<"curfew.admin.v1.UsageRequest"> & {
  * Use `create(UsageRequestSchema)` to create a new message.
  */
 export const UsageRequestSchema: GenMessage<UsageRequest> = /*@__PURE__*/
-  messageDesc(file_curfew_admin_v1_admin, 39);
+  messageDesc(file_curfew_admin_v1_admin, 40);
 
 /**
  * UsageResponse holds one row per tenant.
@@ -1347,7 +1435,7 @@ export type UsageResponse = Message<"curfew.admin.v1.UsageResponse"> & {
  * Use `create(UsageResponseSchema)` to create a new message.
  */
 export const UsageResponseSchema: GenMessage<UsageResponse> = /*@__PURE__*/
-  messageDesc(file_curfew_admin_v1_admin, 40);
+  messageDesc(file_curfew_admin_v1_admin, 41);
 
 /**
  * Approval is one tool call waiting for, or decided by, a human.
@@ -1439,7 +1527,7 @@ export type Approval = Message<"curfew.admin.v1.Approval"> & {
  * Use `create(ApprovalSchema)` to create a new message.
  */
 export const ApprovalSchema: GenMessage<Approval> = /*@__PURE__*/
-  messageDesc(file_curfew_admin_v1_admin, 41);
+  messageDesc(file_curfew_admin_v1_admin, 42);
 
 /**
  * ListApprovalsRequest lists approvals.
@@ -1470,7 +1558,7 @@ export type ListApprovalsRequest = Message<"curfew.admin.v1.ListApprovalsRequest
  * Use `create(ListApprovalsRequestSchema)` to create a new message.
  */
 export const ListApprovalsRequestSchema: GenMessage<ListApprovalsRequest> = /*@__PURE__*/
-  messageDesc(file_curfew_admin_v1_admin, 42);
+  messageDesc(file_curfew_admin_v1_admin, 43);
 
 /**
  * ListApprovalsResponse holds them, oldest first.
@@ -1489,7 +1577,7 @@ export type ListApprovalsResponse = Message<"curfew.admin.v1.ListApprovalsRespon
  * Use `create(ListApprovalsResponseSchema)` to create a new message.
  */
 export const ListApprovalsResponseSchema: GenMessage<ListApprovalsResponse> = /*@__PURE__*/
-  messageDesc(file_curfew_admin_v1_admin, 43);
+  messageDesc(file_curfew_admin_v1_admin, 44);
 
 /**
  * DecideApprovalRequest approves or denies one waiting call.
@@ -1530,7 +1618,7 @@ export type DecideApprovalRequest = Message<"curfew.admin.v1.DecideApprovalReque
  * Use `create(DecideApprovalRequestSchema)` to create a new message.
  */
 export const DecideApprovalRequestSchema: GenMessage<DecideApprovalRequest> = /*@__PURE__*/
-  messageDesc(file_curfew_admin_v1_admin, 44);
+  messageDesc(file_curfew_admin_v1_admin, 45);
 
 /**
  * DecideApprovalResponse is the approval afterwards. Deciding again the same way
@@ -1550,7 +1638,7 @@ export type DecideApprovalResponse = Message<"curfew.admin.v1.DecideApprovalResp
  * Use `create(DecideApprovalResponseSchema)` to create a new message.
  */
 export const DecideApprovalResponseSchema: GenMessage<DecideApprovalResponse> = /*@__PURE__*/
-  messageDesc(file_curfew_admin_v1_admin, 45);
+  messageDesc(file_curfew_admin_v1_admin, 46);
 
 /**
  * OutboxRow is one notify row and its relay state.
@@ -1608,7 +1696,7 @@ export type OutboxRow = Message<"curfew.admin.v1.OutboxRow"> & {
  * Use `create(OutboxRowSchema)` to create a new message.
  */
 export const OutboxRowSchema: GenMessage<OutboxRow> = /*@__PURE__*/
-  messageDesc(file_curfew_admin_v1_admin, 46);
+  messageDesc(file_curfew_admin_v1_admin, 47);
 
 /**
  * ListOutboxRequest lists outbox rows.
@@ -1651,7 +1739,7 @@ export type ListOutboxRequest = Message<"curfew.admin.v1.ListOutboxRequest"> & {
  * Use `create(ListOutboxRequestSchema)` to create a new message.
  */
 export const ListOutboxRequestSchema: GenMessage<ListOutboxRequest> = /*@__PURE__*/
-  messageDesc(file_curfew_admin_v1_admin, 47);
+  messageDesc(file_curfew_admin_v1_admin, 48);
 
 /**
  * ListOutboxResponse is one page, by ascending id.
@@ -1687,7 +1775,7 @@ export type ListOutboxResponse = Message<"curfew.admin.v1.ListOutboxResponse"> &
  * Use `create(ListOutboxResponseSchema)` to create a new message.
  */
 export const ListOutboxResponseSchema: GenMessage<ListOutboxResponse> = /*@__PURE__*/
-  messageDesc(file_curfew_admin_v1_admin, 48);
+  messageDesc(file_curfew_admin_v1_admin, 49);
 
 /**
  * Scope is what an API key may do beyond running its tenant's work.
