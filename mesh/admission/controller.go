@@ -260,6 +260,11 @@ func New(cfg Config, reg prometheus.Registerer) (*Controller, error) {
 
 // newPool makes the state of a pool configured by pc, with its metrics' series.
 func (c *Controller) newPool(pc PoolConfig) *pool {
+	if c.clustered() {
+		for _, r := range claimResultNames {
+			c.m.claims.WithLabelValues(pc.Name, r)
+		}
+	}
 	return &pool{name: pc.Name, cfg: pc, depth: c.m.depth.WithLabelValues(pc.Name),
 		inFlightG: c.m.inFlight.WithLabelValues(pc.Name), age: c.m.age.WithLabelValues(pc.Name)}
 }

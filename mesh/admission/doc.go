@@ -69,17 +69,32 @@
 // returns the difference. Limits come from the config ([Config.TenantLimits]) or a
 // [LimitSource].
 //
+// # Across replicas
+//
+// With [Config.Cluster] (a [clusterslots.Holder] on a shared store), pool caps and
+// tenant concurrency hold across every replica: the head of a pool's queue claims a slot
+// of the pool's scope ([PoolScope]) and of its tenant's ([TenantScope]) in one store
+// statement, outside the lock, one claim per pool at a time; a full pool waits for a
+// release ([Controller.Kick]) or the poll, a tenant at its cluster-wide limit is shed
+// tenant_concurrency. When the store fails, each replica admits up to its share of each
+// cap for DegradedFor ([Controller.ClusterStatus]). docs/cluster.md is the operator's
+// view.
+//
 // # Cost
 //
 // One mutex guards the controller; every decision is O(1) in the queue length
-// (intrusive lists, map lookups). The controller starts no goroutines: a queued caller
-// waits in its own goroutine, on its result, its ctx and one timer for its queue age and
-// slack.
+// (intrusive lists, map lookups). Without Config.Cluster the controller starts no
+// goroutines: a queued caller waits in its own goroutine, on its result, its ctx and one
+// timer for its queue age and slack. With it, each claim runs in a goroutine of its own
+// (at most one per pool), and a waiting pool has one poll timer; Close waits for them.
 //
 // # Metrics
 //
 // curfew_admission_queue_depth{pool}, curfew_admission_queue_age_seconds{pool},
-// curfew_admission_in_flight{pool}, curfew_admission_pool_closed{pool} and
-// curfew_shed_total{service,reason}, every series present from New. docs/admission.md is
+// curfew_admission_in_flight{pool}, curfew_admission_pool_closed{pool},
+// curfew_shed_total{service,reason}, and the cluster-wide ones
+// (curfew_admission_cluster_claims_total{pool,result} with Config.Cluster,
+// curfew_admission_cluster_claim_seconds, _degraded, _local_admits_total,
+// _slots_lost_total), every series present from New. docs/admission.md is
 // the operator's view.
 package admission

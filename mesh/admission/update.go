@@ -4,6 +4,8 @@ import (
 	"errors"
 	"fmt"
 	"sync/atomic"
+
+	"github.com/prometheus/client_golang/prometheus"
 )
 
 // Update swaps cfg (validated first, defaults applied) into the running controller,
@@ -72,6 +74,7 @@ func (c *Controller) Update(cfg Config) error {
 		c.m.depth.DeleteLabelValues(p.name)
 		c.m.inFlight.DeleteLabelValues(p.name)
 		c.m.age.DeleteLabelValues(p.name)
+		c.m.claims.DeletePartialMatch(prometheus.Labels{"pool": p.name})
 	}
 	c.cfg, c.pools, c.byName, c.overflow = cfg, pools, byName, overflow
 	if c.cfg.Limits == nil {
