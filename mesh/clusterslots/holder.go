@@ -73,7 +73,11 @@ type Holder struct {
 	closed   bool
 	gen      uint64 // incremented on every claim, see renewOnce
 	held     map[*Slot]struct{}
-	queues   map[string]*queue
+	// unreleased are slots whose release failed (the store down): renewals renew every
+	// slot of the holder's name in the store, so they are released again before each
+	// renewal, or they would stay held for as long as the process lives.
+	unreleased []store.Slot
+	queues     map[string]*queue
 	renewErr error
 	renewAt  time.Time // the start of the last successful renewal
 	watching bool
@@ -321,9 +325,36 @@ func (h *Holder) ReleaseAll(ctx context.Context, slots ...*Slot) error {
 		h.wake(in.Scope)
 	}
 	if err != nil {
+		h.keepUnreleased(infos...)
 		return fmt.Errorf("clusterslots: release %d slots: %w", len(infos), err)
 	}
 	return nil
+}
+
+// keepUnreleased remembers slots whose release failed, for the renew loop to release.
+func (h *Holder) keepUnreleased(sls ...store.Slot) {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	h.unreleased = append(h.unreleased, sls...)
+}
+
+// releaseUnreleased tries the failed releases again; it reports whether none is left.
+func (h *Holder) releaseUnreleased(ctx context.Context) bool {
+	h.mu.Lock()
+	pending := h.unreleased
+	h.unreleased = nil
+	h.mu.Unlock()
+	if len(pending) == 0 {
+		return true
+	}
+	if _, err := h.st.ReleaseSlots(ctx, pending); err != nil {
+		h.keepUnreleased(pending...)
+		return false
+	}
+	for _, in := range pending {
+		h.wake(in.Scope)
+	}
+	return true
 }
 
 // claimLoop serves scope's waiters in order: one claim whenever poked (a release) or
@@ -412,16 +443,29 @@ func (h *Holder) renewLoop() {
 // generation up to the one seen at the start are judged.
 func (h *Holder) renewOnce() {
 	h.mu.Lock()
-	n, gen := len(h.held), h.gen
+	n, gen, pending := len(h.held), h.gen, len(h.unreleased)
 	h.mu.Unlock()
-	if n == 0 {
+	if n == 0 && pending == 0 {
 		return // nothing held: no round trip
 	}
 	start := time.Now()
 	// A renewal that hangs (the store unreachable) must not hold up the next tick's
 	// judgement of which slots are lost.
 	ctx, cancel := context.WithTimeout(h.ctx, h.cfg.TTL/3)
-	got, err := h.st.RenewSlots(ctx, h.cfg.Name, h.cfg.TTL)
+	defer cancel()
+	// Release first what could not be released: the renewal below would keep it held.
+	// While that fails the renewal is skipped too; the slots held expire at worst, which
+	// the loss rules below report.
+	var got []store.Slot
+	var err error
+	if h.releaseUnreleased(ctx) {
+		if n == 0 {
+			return
+		}
+		got, err = h.st.RenewSlots(ctx, h.cfg.Name, h.cfg.TTL)
+	} else {
+		err = errors.New("releasing the slots whose release failed")
+	}
 	cancel()
 	if h.ctx.Err() != nil {
 		return
@@ -551,6 +595,9 @@ func (h *Holder) Close(ctx context.Context) error {
 			errs = append(errs, err)
 		}
 	}
+	if !h.releaseUnreleased(ctx) {
+		errs = append(errs, errors.New("the slots whose release had failed are still held"))
+	}
 	if len(errs) > 0 {
 		return fmt.Errorf("clusterslots: release %d of %d slots at close: %w", len(errs), len(held), errors.Join(errs...))
 	}
@@ -614,6 +661,7 @@ func (s *Slot) Release(ctx context.Context) error {
 		return nil // it had expired and been claimed: nothing of ours to free
 	}
 	if err != nil {
+		h.keepUnreleased(info)
 		return fmt.Errorf("clusterslots: release slot %s/%d: %w", info.Scope, info.N, err)
 	}
 	return nil

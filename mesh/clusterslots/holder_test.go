@@ -251,7 +251,21 @@ func TestLostToAnotherHolder(t *testing.T) {
 // failing wraps a store and fails the operations switched on.
 type failing struct {
 	store.Slots
-	renew, claim atomic.Bool
+	renew, claim, release atomic.Bool
+}
+
+func (f *failing) ReleaseSlot(ctx context.Context, s store.Slot) error {
+	if f.release.Load() {
+		return errDown
+	}
+	return f.Slots.ReleaseSlot(ctx, s)
+}
+
+func (f *failing) ReleaseSlots(ctx context.Context, ss []store.Slot) (int, error) {
+	if f.release.Load() {
+		return 0, errDown
+	}
+	return f.Slots.ReleaseSlots(ctx, ss)
 }
 
 var errDown = errors.New("store down")
@@ -305,6 +319,40 @@ func TestRenewFailures(t *testing.T) {
 	}
 	if _, ok, err := h.TryAcquire(context.Background(), "pool/paid"); !ok || err != nil {
 		t.Fatalf("after the release of the lost slot: %v %v", ok, err)
+	}
+}
+
+// TestFailedReleaseRetried: a slot whose release failed (the store down) is released
+// again before the next renewal, which would otherwise keep it held with the holder's
+// other slots for as long as the process lives.
+func TestFailedReleaseRetried(t *testing.T) {
+	st := &failing{Slots: storetest.OpenMemory(t)}
+	h := newHolder(t, st, "a", 300*time.Millisecond, time.Hour)
+	size(t, h, "pool/paid", 2)
+	kept := acquire(t, h, "pool/paid")
+	gone := acquire(t, h, "pool/paid")
+	st.release.Store(true)
+	if err := gone.Release(context.Background()); !errors.Is(err, errDown) {
+		t.Fatalf("release while the store is down: %v", err)
+	}
+	st.release.Store(false)
+	n := gone.Info().N
+	waitFor(t, 5*time.Second, "the failed release retried", func() bool {
+		slots, err := st.ListSlots(context.Background(), "pool/paid")
+		return err == nil && slots[n].Holder == ""
+	})
+	time.Sleep(400 * time.Millisecond) // more than a TTL of renewals
+	slots, err := st.ListSlots(context.Background(), "pool/paid")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if slots[n].Holder != "" || !slots[kept.Info().N].Held(time.Now()) {
+		t.Fatalf("after the retry: %+v, want slot %d free and slot %d still held", slots, n, kept.Info().N)
+	}
+	select {
+	case <-kept.Lost():
+		t.Fatalf("the kept slot was lost: %v", kept.Err())
+	default:
 	}
 }
 
