@@ -42,7 +42,12 @@ type opsCluster struct {
 // operator's key (admin scope) in it: the rollback order's tests add the processes.
 func newOpsBase(ctx context.Context, t *testing.T, name string) *opsCluster {
 	t.Helper()
-	dsn := storetest.PostgresDSN(t)
+	return newOpsBaseOn(ctx, t, name, storetest.PostgresDSN(t))
+}
+
+// newOpsBaseOn is newOpsBase on the PostgreSQL store dsn names.
+func newOpsBaseOn(ctx context.Context, t *testing.T, name, dsn string) *opsCluster {
+	t.Helper()
 	dir, err := os.MkdirTemp("", "curfew-"+name+"-") // kept when the test fails, for the logs
 	if err != nil {
 		t.Fatal(err)

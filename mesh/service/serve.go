@@ -3,6 +3,7 @@ package service
 import (
 	"context"
 	"errors"
+	"fmt"
 	"net/http"
 	"time"
 
@@ -151,7 +152,11 @@ func (rt *Runtime) adminMux() *http.ServeMux {
 		}
 		_, _ = w.Write([]byte("ok\n"))
 	})
-	mux.Handle("/metrics", promhttp.HandlerFor(rt.Registry, promhttp.HandlerOpts{}))
+	// A collector that reads the store (dead-letter depth, outbox lag) fails while the
+	// store is down, which is when the other series matter most: serve them anyway, and
+	// log the failure, rather than answer 500 for the whole page.
+	mux.Handle("/metrics", promhttp.HandlerFor(rt.Registry, promhttp.HandlerOpts{
+		ErrorHandling: promhttp.ContinueOnError, ErrorLog: slogPrinter{rt.Log}}))
 	return mux
 }
 
@@ -168,3 +173,9 @@ func Every(ctx context.Context, period time.Duration, fn func(time.Time)) {
 		}
 	}
 }
+
+// slogPrinter is promhttp's error log on the service's logger.
+type slogPrinter struct{ log interface{ Warn(string, ...any) } }
+
+// Println logs a collection error of /metrics.
+func (p slogPrinter) Println(v ...any) { p.log.Warn("metrics: a collector failed", "error", fmt.Sprint(v...)) }

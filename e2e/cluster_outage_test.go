@@ -1,0 +1,170 @@
+package e2e
+
+import (
+	"context"
+	"path/filepath"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"testing"
+	"time"
+
+	adminv1 "github.com/curfew-mesh/curfew/gen/curfew/admin/v1"
+	orchestratorv1 "github.com/curfew-mesh/curfew/gen/curfew/orchestrator/v1"
+	"github.com/curfew-mesh/curfew/mesh/admission"
+)
+
+// loadResult is one run of a load loop.
+type loadResult struct {
+	start, end time.Time
+	ok         bool
+}
+
+// Issue 24's store outage: a private PostgreSQL under two orchestrators (and one of
+// every other service) is stopped for 10 s mid-load. While it is down, runs are refused
+// fast (their record cannot be written) instead of hanging, the orchestrators say
+// cluster-wide admission is degraded and still answer status; once it is back,
+// coordination resumes: runs succeed again, the paid cap of 2 holds across both
+// replicas, status is coordinated again, and no slot stays held once the load ends.
+func TestClusterCoordinationSurvivesStoreOutage(t *testing.T) {
+	t.Parallel()
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
+	defer cancel()
+	pg := startPrivatePG(t)
+	oc := newOpsBaseOn(ctx, t, "cluster-outage", pg.dsn())
+	c := oc.Cluster
+	dep, depAddr := startCapDependency(t)
+	toolsFile := filepath.Join(c.Dir, "tools.json")
+	writeFile(t, toolsFile, `{"sources": [{"name": "dep", "kind": "grpc", "address": "`+depAddr+`", "trusted": true}]}`)
+	model, sub, tools, err := c.Mesh(ctx, map[string][]string{"toolrunner": {"--tools-config", toolsFile}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	adm := filepath.Join(c.Dir, "admission.json")
+	writeFile(t, adm, `{"pools": [{"name": "paid", "max_in_flight": 2, "max_queue": 512, "max_queue_age": "1m"},
+	  {"name": "overflow", "max_in_flight": 8, "overflow": true}]}`)
+	for _, n := range []string{"orchestrator-a", "orchestrator-b"} {
+		oc.addOrchestrator(ctx, t, n, c.OrchestratorArgs(model, sub, tools, "--admission-config", adm,
+			"--cluster-slot-ttl", "2s", "--cluster-replicas", "2")...)
+	}
+	const work = `{"tokens_per_second": 1000, "steps": [{"tools": [{"name": "dep__work", "args": {}}]}, {"answer_tokens": 1}]}`
+	waitFor(t, "toolrunner lists dep__work", time.Minute, func() bool {
+		fin, err := runOnce(ctx, oc.runs[0], &orchestratorv1.RunRequest{Task: work}, 30*time.Second)
+		return err == nil && fin.GetStatus() == orchestratorv1.RunStatus_RUN_STATUS_SUCCEEDED
+	})
+
+	// Six clients start runs in a loop, three on each orchestrator.
+	var (
+		mu      sync.Mutex
+		results []loadResult
+		stop    atomic.Bool
+		wg      sync.WaitGroup
+	)
+	for i := range 6 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			for !stop.Load() && ctx.Err() == nil {
+				r := loadResult{start: time.Now()}
+				fin, err := runOnce(ctx, oc.runs[i%2], &orchestratorv1.RunRequest{Task: work}, 20*time.Second)
+				r.end, r.ok = time.Now(), err == nil && fin.GetStatus() == orchestratorv1.RunStatus_RUN_STATUS_SUCCEEDED
+				mu.Lock()
+				results = append(results, r)
+				mu.Unlock()
+				if !r.ok {
+					time.Sleep(50 * time.Millisecond) // a refused client backs off a little
+				}
+			}
+		}()
+	}
+	since := func(t0 time.Time) (ok, failed int, longest time.Duration) {
+		mu.Lock()
+		defer mu.Unlock()
+		for _, r := range results {
+			if r.start.Before(t0) {
+				continue
+			}
+			if r.ok {
+				ok++
+			} else {
+				failed++
+				longest = max(longest, r.end.Sub(r.start))
+			}
+		}
+		return ok, failed, longest
+	}
+	dep.high.Store(0)
+	before := time.Now()
+	time.Sleep(3 * time.Second)
+	if ok, _, _ := since(before); ok == 0 {
+		t.Fatal("no run succeeded before the outage")
+	}
+	if h := dep.high.Load(); h > 2 {
+		t.Fatalf("before the outage: %d paid runs in flight across two orchestrators, cap 2", h)
+	}
+
+	// An operator's API key cannot be checked while the store is down (over mTLS,
+	// curfew-cli's certificate still reads status): the orchestrators' metrics say it.
+	pg.stop(t)
+	down := time.Now()
+	degraded := false
+	for time.Since(down) < 10*time.Second {
+		for _, o := range oc.orchs {
+			body, err := httpGet("http://" + o.AdminAddr + "/metrics")
+			if err != nil {
+				t.Fatalf("%s /metrics while the store is down: %v", o.Name, err)
+			}
+			degraded = degraded || strings.Contains(body, "\ncurfew_admission_cluster_degraded 1\n")
+		}
+		time.Sleep(200 * time.Millisecond)
+	}
+	pg.start(t)
+	up := time.Now()
+	okDown, failedDown, longest := since(down.Add(time.Second))
+	t.Logf("store down for %v: %d runs succeeded, %d refused, the longest refusal took %v",
+		up.Sub(down).Round(time.Millisecond), okDown, failedDown, longest.Round(time.Millisecond))
+	if !degraded {
+		t.Error("status never said cluster admission was degraded while the store was down")
+	}
+	if failedDown == 0 {
+		t.Error("no run was refused while the store was down")
+	}
+	if longest > 5*time.Second {
+		t.Errorf("a run refused while the store was down took %v, want a fast refusal (≤ 5 s)", longest)
+	}
+
+	// Coordination resumes.
+	took := waitFor(t, "a run succeeds after the store is back", time.Minute, func() bool {
+		ok, _, _ := since(time.Now().Add(-500 * time.Millisecond))
+		return ok > 0
+	})
+	t.Logf("runs succeed again %v after the store is back", took.Round(time.Millisecond))
+	time.Sleep(3 * time.Second) // slots of the outage's runs: released, or expired (TTL 2 s)
+	dep.high.Store(0)
+	after := time.Now()
+	time.Sleep(5 * time.Second)
+	okAfter, _, _ := since(after)
+	if h := dep.high.Load(); h > 2 || okAfter == 0 {
+		t.Errorf("after the outage: high-water mark %d (cap 2), %d runs succeeded", h, okAfter)
+	}
+	for i := range oc.admins {
+		st, err := oc.admins[i].Status(ctx, &adminv1.StatusRequest{})
+		if err != nil || st.GetCluster().GetDegraded() || !st.GetCluster().GetEnabled() {
+			t.Errorf("orchestrator %d after the outage: %v %v, want coordinated", i, st.GetCluster(), err)
+		}
+	}
+	stop.Store(true)
+	wg.Wait()
+	waitFor(t, "no paid slot held once the load ended", 10*time.Second, func() bool {
+		slots, err := oc.st.ListSlots(ctx, admission.PoolScope("paid"))
+		if err != nil {
+			return false
+		}
+		for _, s := range slots {
+			if s.Held(time.Now()) {
+				return false
+			}
+		}
+		return true
+	})
+}
