@@ -69,18 +69,18 @@ type Holder struct {
 	stop context.CancelFunc
 	wg   sync.WaitGroup
 
-	mu       sync.Mutex
-	closed   bool
-	gen      uint64 // incremented on every claim, see renewOnce
-	held     map[*Slot]struct{}
+	mu     sync.Mutex
+	closed bool
+	gen    uint64 // incremented on every claim, see renewOnce
+	held   map[*Slot]struct{}
 	// unreleased are slots whose release failed (the store down): renewals renew every
 	// slot of the holder's name in the store, so they are released again before each
 	// renewal, or they would stay held for as long as the process lives.
 	unreleased []store.Slot
 	queues     map[string]*queue
-	renewErr error
-	renewAt  time.Time // the start of the last successful renewal
-	watching bool
+	renewErr   error
+	renewAt    time.Time // the start of the last successful renewal
+	watching   bool
 }
 
 // queue is one scope's local waiters, served first come first served by one claim loop

@@ -175,7 +175,11 @@ func Every(ctx context.Context, period time.Duration, fn func(time.Time)) {
 }
 
 // slogPrinter is promhttp's error log on the service's logger.
-type slogPrinter struct{ log interface{ Warn(string, ...any) } }
+type slogPrinter struct {
+	log interface{ Warn(string, ...any) }
+}
 
 // Println logs a collection error of /metrics.
-func (p slogPrinter) Println(v ...any) { p.log.Warn("metrics: a collector failed", "error", fmt.Sprint(v...)) }
+func (p slogPrinter) Println(v ...any) {
+	p.log.Warn("metrics: a collector failed", "error", fmt.Sprint(v...))
+}
