@@ -41,8 +41,8 @@ type Runtime struct {
 	retries      *retry.Live
 	retryMetrics *retry.Metrics
 	windows      *retrywindow.Holder // CoordinateRetries; nil: retries are per replica
-	configs      configs        // see config.go
-	retryIDs     *retryid.Table // the server's, whose methods Serve exports at 0
+	configs      configs             // see config.go
+	retryIDs     *retryid.Table      // the server's, whose methods Serve exports at 0
 	metrics      *metrics
 
 	// Breakers are the circuit breakers of this service's outgoing calls, one per service
