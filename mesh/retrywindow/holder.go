@@ -249,7 +249,7 @@ func (h *Holder) claim(ctx context.Context, t *target) error {
 		t.refuse, t.refuseTil = nil, time.Time{}
 		h.metrics.claimed(t.name)
 		h.cfg.Logger.Info("retry window claimed", "target", t.name, "slot", sl.N, "epoch", sl.Epoch,
-			"length", h.cfg.Window.Length)
+			"length", h.cfg.Window.Length.String())
 		return nil
 	}
 	// Every window is held: learn when the earliest one moves, and refuse until then.
