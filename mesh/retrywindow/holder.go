@@ -149,7 +149,7 @@ func (h *Holder) AllowRetry(ctx context.Context, target string) error {
 		h.metrics.refused(target, "closed")
 		return err
 	}
-	if err, done := h.quick(t); done {
+	if done, err := h.quick(t); done {
 		return err
 	}
 	select {
@@ -159,7 +159,7 @@ func (h *Holder) AllowRetry(ctx context.Context, target string) error {
 	}
 	defer func() { <-t.sem }()
 	// Another call may have settled it while this one waited.
-	if err, done := h.quick(t); done {
+	if done, err := h.quick(t); done {
 		return err
 	}
 	h.mu.Lock()
@@ -187,16 +187,16 @@ func (h *Holder) target(name string) (*target, error) {
 
 // quick decides without the store when it can: done is false when a claim or a
 // verification is needed.
-func (h *Holder) quick(t *target) (err error, done bool) {
+func (h *Holder) quick(t *target) (done bool, err error) {
 	h.mu.Lock()
 	defer h.mu.Unlock()
 	now := time.Now()
 	if t.lease != nil {
 		if now.Before(t.until) {
 			if now.Sub(t.verifiedAt) < h.verify {
-				return nil, true
+				return true, nil
 			}
-			return nil, false
+			return false, nil
 		}
 		// The window ended: it moves. Claim again only after its expiry plus the guard,
 		// so that the replicas refused meanwhile, who ask at its expiry, come first.
@@ -205,9 +205,9 @@ func (h *Holder) quick(t *target) (err error, done bool) {
 	}
 	if now.Before(t.refuseTil) {
 		h.refusedLocked(t)
-		return fmt.Errorf("%w: %s", t.refuse, t.name), true
+		return true, fmt.Errorf("%w: %s", t.refuse, t.name)
 	}
-	return nil, false
+	return false, nil
 }
 
 // claim asks the store for a window of t (one round trip; two the first time, which
