@@ -212,8 +212,8 @@ func (h *Holder) quick(t *target) (done bool, err error) {
 
 // claim asks the store for a window of t (one round trip; two the first time, which
 // sizes the scope; two when refused, to learn when the window moves).
-func (h *Holder) claim(ctx context.Context, t *target) error {
-	ctx, cancel := context.WithTimeout(ctx, StoreTimeout)
+func (h *Holder) claim(call context.Context, t *target) error {
+	ctx, cancel := context.WithTimeout(call, StoreTimeout)
 	defer cancel()
 	st := h.cfg.Store
 	h.mu.Lock()
@@ -221,6 +221,9 @@ func (h *Holder) claim(ctx context.Context, t *target) error {
 	h.mu.Unlock()
 	if !sized {
 		if err := st.SizeSlots(ctx, t.scope, h.cfg.Window.Replicas); err != nil {
+			if call.Err() != nil {
+				return call.Err() // the call ended, not the store
+			}
 			return h.storeFailed(t, "size", err)
 		}
 		h.mu.Lock()
@@ -230,6 +233,9 @@ func (h *Holder) claim(ctx context.Context, t *target) error {
 	start := time.Now()
 	sl, ok, err := st.ClaimSlot(ctx, t.scope, h.cfg.Name, h.cfg.Window.Length)
 	if err != nil {
+		if call.Err() != nil {
+			return call.Err()
+		}
 		return h.storeFailed(t, "claim", err)
 	}
 	if ok {
@@ -277,13 +283,16 @@ func (h *Holder) claim(ctx context.Context, t *target) error {
 
 // verifyWindow checks in the store (one round trip) that t's window is still this
 // process's, with its epoch; a window found lost, or that cannot be verified, ends now.
-func (h *Holder) verifyWindow(ctx context.Context, t *target) error {
-	ctx, cancel := context.WithTimeout(ctx, StoreTimeout)
+func (h *Holder) verifyWindow(call context.Context, t *target) error {
+	ctx, cancel := context.WithTimeout(call, StoreTimeout)
 	defer cancel()
 	h.mu.Lock()
 	lease := *t.lease
 	h.mu.Unlock()
 	slots, err := h.cfg.Store.ListSlots(ctx, t.scope)
+	if err != nil && call.Err() != nil {
+		return call.Err() // the call ended, not the store: the next retry verifies
+	}
 	now := time.Now()
 	h.mu.Lock()
 	defer h.mu.Unlock()

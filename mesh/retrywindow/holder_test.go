@@ -370,3 +370,18 @@ func (f *failing) ListSlots(ctx context.Context, scope string) ([]store.Slot, er
 	}
 	return f.Slots.ListSlots(ctx, scope)
 }
+
+// TestCancelledCallIsNotAnOutage: a call whose context ends while it claims is refused
+// with its own error, and the store is not taken for down.
+func TestCancelledCallIsNotAnOutage(t *testing.T) {
+	st := storetest.OpenMemory(t)
+	a := newHolder(t, st, "a", 1, 10*time.Second, nil)
+	ctx, cancel := context.WithCancel(context.Background())
+	cancel()
+	if err := a.AllowRetry(ctx, "toolrunner"); !errors.Is(err, context.Canceled) {
+		t.Fatalf("cancelled call: %v", err)
+	}
+	if err := a.AllowRetry(context.Background(), "toolrunner"); err != nil {
+		t.Fatalf("the next call: %v, want the window", err)
+	}
+}
