@@ -14,11 +14,13 @@ import (
 //	 "default": {"max_attempts": 3, "base": "25ms", "cap": "250ms", "min_attempt_time": "10ms"},
 //	 "budget": {"ratio": 0.2, "per_second": 10, "window": "10s"},
 //	 "throttle": false,
+//	 "window": {"replicas": 1, "length": "10s"},
 //	 "targets": {"toolrunner": {"default": {...},
 //	                            "methods": {"/curfew.toolrunner.v1.ToolRunnerService/Execute": {"max_attempts": 2}}}}}
 //
 // A target's default and method policies start from the file's default; fields they set
-// override it. {"disabled": true} turns retries off.
+// override it. {"disabled": true} turns retries off. "window" sets the cluster-wide
+// retry windows (WindowConfig), used only by a service whose store is shared.
 type File struct {
 	// Naive turns every policy naive (see Policy.Naive) and the budget off: the retry storm
 	// curfew prevents, for comparison benchmarks only.
@@ -26,7 +28,62 @@ type File struct {
 	Default  PolicyJSON            `json:"default"`
 	Budget   BudgetJSON            `json:"budget"`
 	Throttle bool                  `json:"throttle"`
+	Window   WindowJSON            `json:"window"`
 	Targets  map[string]TargetJSON `json:"targets"`
+}
+
+// WindowJSON is a WindowConfig in the file; unset fields take the defaults.
+type WindowJSON struct {
+	Disabled bool      `json:"disabled"`
+	Replicas *int      `json:"replicas"`
+	Length   *Duration `json:"length"`
+}
+
+// Defaults of the cluster-wide retry windows (issue 24, seed 001).
+const (
+	// DefaultWindowReplicas is how many replicas may retry calls to one target at a time.
+	DefaultWindowReplicas = 1
+	// DefaultWindowLength is how long a replica's retry window lasts once claimed.
+	DefaultWindowLength = 10 * time.Second
+)
+
+// WindowConfig says how retries are coordinated across the replicas that share a store
+// (mesh/retrywindow): per target, at most Replicas replicas may retry during a window of
+// Length; the others fail their calls at the first error, as if their retries were spent.
+type WindowConfig struct {
+	// Off: every replica retries on its own (a private store always means Off).
+	Off bool
+	// Replicas is the number of windows per target (default DefaultWindowReplicas).
+	Replicas int
+	// Length is how long a window lasts from its claim (default DefaultWindowLength).
+	Length time.Duration
+}
+
+// Validate checks the window's bounds.
+func (w WindowConfig) Validate() error {
+	if w.Off {
+		return nil
+	}
+	if w.Replicas < 1 || w.Replicas > 1000 {
+		return errorf("window.replicas %d: want 1 to 1000", w.Replicas)
+	}
+	if w.Length < 100*time.Millisecond || w.Length > time.Hour {
+		return errorf("window.length %v: want 100ms to 1h", w.Length)
+	}
+	return nil
+}
+
+// RetryWindow returns the file's window configuration, defaults applied. The naive baseline
+// has none.
+func (f *File) RetryWindow() WindowConfig {
+	w := WindowConfig{Off: f.Window.Disabled || f.Naive, Replicas: DefaultWindowReplicas, Length: DefaultWindowLength}
+	if f.Window.Replicas != nil {
+		w.Replicas = *f.Window.Replicas
+	}
+	if f.Window.Length != nil {
+		w.Length = time.Duration(*f.Window.Length)
+	}
+	return w
 }
 
 // TargetJSON is one target's policies.
@@ -107,6 +164,9 @@ func (f *File) Validate() error {
 		if err := f.For(name).Validate(); err != nil {
 			return fmt.Errorf("targets.%s: %w", name, err)
 		}
+	}
+	if err := f.RetryWindow().Validate(); err != nil {
+		return err
 	}
 	return f.budget().Validate()
 }

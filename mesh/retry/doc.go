@@ -19,6 +19,13 @@
 // google.rpc.ErrorInfo detail with reason RETRIES_EXHAUSTED), and no layer above retries
 // a marked error, so failures at orchestrator → subagent → modelproxy do not multiply.
 //
+// Coordinated retries (issue 24): Config.Window, when set, is asked before every retry
+// (never before a first attempt) whether this replica holds the target's cluster-wide
+// retry window; a refusal ends the call with its error marked RETRIES_EXHAUSTED, as if
+// its retries were spent. mesh/retrywindow implements it on the store's slots; the
+// retry file's "window" section (WindowConfig, default 1 replica per 10 s window) sets
+// it. A nil Window leaves every replica retrying on its own.
+//
 // Policy logic takes an injected clock and random source and imports no transport code;
 // the interceptors in interceptor.go apply it to gRPC calls.
 package retry

@@ -38,6 +38,12 @@ type Config struct {
 	// changes the policies of connections already made. Budget and Throttle stay as
 	// given: a budget's counts cannot be carried into a new one honestly.
 	Live *Live
+	// Window, when set, coordinates retries across replicas (issue 24, mesh/retrywindow):
+	// before every retry (attempt 2 and later, never the first attempt) the call asks
+	// Window for Target's retry window, and a refusal ends the call with the last
+	// attempt's error marked RETRIES_EXHAUSTED, as if its retries were spent. nil: every
+	// replica retries on its own, as before.
+	Window Window
 	// Metrics, if set, receives the retry metrics.
 	Metrics *Metrics
 	// Logger receives a record per retried attempt; slog.Default when nil.
@@ -63,6 +69,17 @@ func (c Config) Validate() error {
 		}
 	}
 	return c.Budget.Validate()
+}
+
+// Window is a cluster-wide retry window (Config.Window): at most N replicas may retry
+// calls to a target at a time. mesh/retrywindow implements it on the store's slots.
+type Window interface {
+	// AllowRetry returns nil when this process may retry a call to target now (it holds
+	// the target's window, or has just claimed it), or an error saying why not (another
+	// replica holds it; the store cannot be asked). It is called on the retry path only,
+	// after the retry budget allowed the retry, and must return quickly when the
+	// window is held.
+	AllowRetry(ctx context.Context, target string) error
 }
 
 // Metrics are the client-side retry metrics.
@@ -366,6 +383,9 @@ func (cl *call) after(ctx context.Context, n int, err error, trailer metadata.MD
 		log("retry budget exhausted")
 		return false, MarkExhausted(err, n)
 	}
+	if out := cl.window(ctx, n, err, log); out != nil {
+		return false, out
+	}
 	if m := c.cfg.Metrics; m != nil {
 		m.backoff.WithLabelValues(c.cfg.Target, cl.method).Observe(d.Delay.Seconds())
 	}
@@ -373,7 +393,27 @@ func (cl *call) after(ctx context.Context, n int, err error, trailer metadata.MD
 	if serr := c.cfg.Sleep(ctx, d.Delay); serr != nil {
 		return false, err // cancelled while backing off: the last attempt's error stands
 	}
+	// The window may have ended during the backoff: ask again (no store round trip
+	// while it is still held).
+	if out := cl.window(ctx, n, err, log); out != nil {
+		return false, out
+	}
 	return true, nil
+}
+
+// window asks Config.Window, if any, whether this replica may retry now; a refusal
+// returns attempt n's error marked exhausted, so that no layer above retries it either.
+func (cl *call) window(ctx context.Context, n int, err error, log func(string, ...any)) error {
+	w := cl.c.cfg.Window
+	if w == nil || cl.p.Naive {
+		return nil // the naive baseline coordinates nothing, as it has no budget
+	}
+	werr := w.AllowRetry(ctx, cl.c.cfg.Target)
+	if werr == nil {
+		return nil
+	}
+	log("retry refused: no retry window", "window", werr.Error())
+	return MarkExhausted(err, n)
 }
 
 // UnaryClientInterceptor retries unary calls by cfg, with a budget of its own; use

@@ -28,14 +28,18 @@ func Dial(target string, creds credentials.TransportCredentials) (*grpc.ClientCo
 }
 
 // Dial returns a client connection to the service name at target with the mesh client
-// chain, this service's retry policy for that target, and the breaker of name from
-// rt.Breakers (metrics on the admin port). Connections dialled with one name share its
-// breaker. With --tls-dir the connection is mTLS (Credentials(name)): name must then be
-// the server's mesh identity.
+// chain, this service's retry policy for that target, its retry windows when
+// CoordinateRetries made them, and the breaker of name from rt.Breakers (metrics on the
+// admin port). Connections dialled with one name share its breaker. With --tls-dir the
+// connection is mTLS (Credentials(name)): name must then be the server's mesh identity.
 func (rt *Runtime) Dial(name, target string) (*grpc.ClientConn, error) {
 	rc := rt.retries.For(name)
 	rc.Metrics, rc.Logger = rt.retryMetrics, rt.Log
 	rt.retryMetrics.Known(name, packageMethods("curfew."+name+".v1")...)
+	if rt.windows != nil {
+		rc.Window = rt.windows
+		rt.windows.Known(name)
+	}
 	opts := append(mesh.DialOptions(mesh.ClientConfig{Retry: rc, Breakers: rt.Breakers, Metrics: rt.metrics.client}), grpc.WithTransportCredentials(rt.Credentials(name)),
 		rt.clientTracing())
 	return grpc.NewClient(target, opts...)

@@ -24,6 +24,7 @@ import (
 	"github.com/curfew-mesh/curfew/mesh/deadline"
 	"github.com/curfew-mesh/curfew/mesh/retry"
 	"github.com/curfew-mesh/curfew/mesh/retryid"
+	"github.com/curfew-mesh/curfew/mesh/retrywindow"
 	"github.com/curfew-mesh/curfew/mesh/tracing"
 )
 
@@ -39,8 +40,9 @@ type Runtime struct {
 
 	retries      *retry.Live
 	retryMetrics *retry.Metrics
-	configs      configs        // see config.go
-	retryIDs     *retryid.Table // the server's, whose methods Serve exports at 0
+	windows      *retrywindow.Holder // CoordinateRetries; nil: retries are per replica
+	configs      configs             // see config.go
+	retryIDs     *retryid.Table      // the server's, whose methods Serve exports at 0
 	metrics      *metrics
 
 	// Breakers are the circuit breakers of this service's outgoing calls, one per service

@@ -163,6 +163,12 @@ func run(args []string) int {
 		fmt.Fprintln(os.Stderr, "orchestrator:", err)
 		return 1
 	}
+	// On a shared store, at most the retry file's window.replicas orchestrators retry
+	// calls to each of modelproxy and toolrunner at a time (docs/cluster.md).
+	if err := rt.CoordinateRetries(st); err != nil {
+		fmt.Fprintln(os.Stderr, "orchestrator:", err)
+		return 2
+	}
 	guard.Log = rt.Log
 	if guard.Keys != nil {
 		guard.Keys.Log = rt.Log

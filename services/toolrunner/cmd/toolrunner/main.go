@@ -85,6 +85,12 @@ func run(args []string) int {
 		fmt.Fprintln(os.Stderr, "toolrunner:", err)
 		return 1
 	}
+	// On a shared store, at most the retry file's window.replicas toolrunners retry
+	// calls to subagent at a time (docs/cluster.md).
+	if err := rt.CoordinateRetries(st); err != nil {
+		fmt.Fprintln(os.Stderr, "toolrunner:", err)
+		return 2
+	}
 	sc, err := rt.Dial("subagent", *subagentAddr)
 	if err != nil {
 		fmt.Fprintln(os.Stderr, "toolrunner: --subagent:", err)

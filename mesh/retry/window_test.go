@@ -1,0 +1,142 @@
+package retry_test
+
+import (
+	"context"
+	"errors"
+	"sync"
+	"testing"
+
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+
+	"github.com/curfew-mesh/curfew/mesh/retry"
+)
+
+// window is a retry.Window that allows the first allow calls and refuses the others,
+// recording the targets asked for.
+type window struct {
+	mu      sync.Mutex
+	allow   int
+	targets []string
+}
+
+var errNoWindow = errors.New("no window")
+
+func (w *window) AllowRetry(_ context.Context, target string) error {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	w.targets = append(w.targets, target)
+	if len(w.targets) > w.allow {
+		return errNoWindow
+	}
+	return nil
+}
+
+func (w *window) asked() []string {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	return append([]string(nil), w.targets...)
+}
+
+// TestWindowNotAskedOnSuccess: a call that succeeds at once never asks the window
+// (coordination costs nothing while nothing fails).
+func TestWindowNotAskedOnSuccess(t *testing.T) {
+	svc := &nodes{}
+	w := &window{}
+	cc := dial(t, serve(t, svc, nil), retry.Config{Target: "nodes", Window: w, Sleep: (&sleeper{}).Sleep})
+	for range 5 {
+		if err := listNodesCall(callCtx(t), cc); err != nil {
+			t.Fatal(err)
+		}
+	}
+	if got := w.asked(); len(got) != 0 {
+		t.Fatalf("window asked %v on the success path", got)
+	}
+}
+
+// TestWindowRefusalEndsCall: without a window, the first retryable error ends the call,
+// marked exhausted (no layer above retries it), after one attempt.
+func TestWindowRefusalEndsCall(t *testing.T) {
+	svc := &nodes{fail: failFirst(5, status.Error(codes.Unavailable, "down"))}
+	w := &window{}
+	cc := dial(t, serve(t, svc, nil), retry.Config{Target: "nodes", Window: w, Sleep: (&sleeper{}).Sleep})
+	err := listNodesCall(callCtx(t), cc)
+	checkAttempts(t, svc.all(), "1")
+	if status.Code(err) != codes.Unavailable || !retry.IsExhausted(err) {
+		t.Fatalf("error %v: want UNAVAILABLE marked exhausted", err)
+	}
+	if got := w.asked(); len(got) != 1 || got[0] != "nodes" {
+		t.Fatalf("window asked %v, want once for nodes", got)
+	}
+}
+
+// TestWindowHeldRetries: with the window, retries go on as without one; it is asked
+// before the backoff and again after it, for each retry.
+func TestWindowHeldRetries(t *testing.T) {
+	svc := &nodes{fail: failFirst(2, status.Error(codes.Unavailable, "warming up"))}
+	w := &window{allow: 100}
+	cc := dial(t, serve(t, svc, nil), retry.Config{Target: "nodes", Window: w, Sleep: (&sleeper{}).Sleep})
+	if err := listNodesCall(callCtx(t), cc); err != nil {
+		t.Fatal(err)
+	}
+	checkAttempts(t, svc.all(), "1", "2", "3")
+	if got := len(w.asked()); got != 4 {
+		t.Fatalf("window asked %d times for 2 retries, want 4", got)
+	}
+}
+
+// TestWindowEndsDuringBackoff: a window that ends during the backoff stops the retry
+// before it is sent.
+func TestWindowEndsDuringBackoff(t *testing.T) {
+	svc := &nodes{fail: failFirst(5, status.Error(codes.Unavailable, "down"))}
+	w := &window{allow: 1}
+	cc := dial(t, serve(t, svc, nil), retry.Config{Target: "nodes", Window: w, Sleep: (&sleeper{}).Sleep})
+	if err := listNodesCall(callCtx(t), cc); !retry.IsExhausted(err) {
+		t.Fatalf("error %v not marked exhausted", err)
+	}
+	checkAttempts(t, svc.all(), "1")
+}
+
+// TestWindowNotForNaive: the naive baseline coordinates nothing.
+func TestWindowNotForNaive(t *testing.T) {
+	svc := &nodes{fail: failFirst(2, status.Error(codes.Unavailable, "down"))}
+	w := &window{}
+	cc := dial(t, serve(t, svc, nil), retry.Config{Target: "nodes", Window: w, Default: retry.Policy{Naive: true},
+		Sleep: (&sleeper{}).Sleep})
+	if err := listNodesCall(callCtx(t), cc); err != nil {
+		t.Fatal(err)
+	}
+	if got := w.asked(); len(got) != 0 {
+		t.Fatalf("window asked %v by the naive policy", got)
+	}
+}
+
+// TestFileWindow: the file's window section, its defaults and its bounds.
+func TestFileWindow(t *testing.T) {
+	f, err := retry.DecodeFile([]byte(`{}`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if w := f.RetryWindow(); w.Off || w.Replicas != retry.DefaultWindowReplicas || w.Length != retry.DefaultWindowLength {
+		t.Fatalf("defaults %+v", w)
+	}
+	f, err = retry.DecodeFile([]byte(`{"window": {"replicas": 2, "length": "3s"}}`))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if w := f.RetryWindow(); w.Off || w.Replicas != 2 || w.Length.String() != "3s" {
+		t.Fatalf("set %+v", w)
+	}
+	f, err = retry.DecodeFile([]byte(`{"window": {"disabled": true, "replicas": 0}}`))
+	if err != nil || !f.RetryWindow().Off {
+		t.Fatalf("disabled: %v %+v", err, f)
+	}
+	if f, err = retry.DecodeFile([]byte(`{"naive": true}`)); err != nil || !f.RetryWindow().Off {
+		t.Fatalf("naive: %v", err)
+	}
+	for _, bad := range []string{`{"window": {"replicas": 0}}`, `{"window": {"length": "10ms"}}`, `{"window": {"every": "1s"}}`} {
+		if _, err := retry.DecodeFile([]byte(bad)); err == nil {
+			t.Errorf("%s accepted", bad)
+		}
+	}
+}
