@@ -4,6 +4,7 @@ import (
 	"context"
 	"crypto/rand"
 	"encoding/hex"
+	"flag"
 	"fmt"
 	"slices"
 	"sync"
@@ -309,5 +310,32 @@ func TestCoordinatedStoreDown(t *testing.T) {
 	}
 	if got := rs[0].sum("curfew_circuit_breaker_probes_total", "outcome", "success"); got != 1 {
 		t.Errorf("probes_total{success} %v, want 1", got)
+	}
+}
+
+// TestCoordinationFlag: --breaker-coordination is store by default, takes off, and
+// refuses anything else naming the flag.
+func TestCoordinationFlag(t *testing.T) {
+	var f breaker.Flags
+	fs := flag.NewFlagSet("x", flag.ContinueOnError)
+	f.Register(fs)
+	if !f.Coordinated() || f.Coordination != breaker.DefaultCoordination {
+		t.Errorf("default coordination %q (Coordinated %v), want store", f.Coordination, f.Coordinated())
+	}
+	for _, c := range []struct {
+		v       string
+		coord   bool
+		problem string
+	}{{"store", true, ""}, {"off", false, ""}, {"nats", false, `--breaker-coordination must be store or off, got "nats"`}} {
+		if err := fs.Set("breaker-coordination", c.v); err != nil {
+			t.Fatal(err)
+		}
+		_, err := f.Config(true)
+		if c.problem == "" && (err != nil || f.Coordinated() != c.coord) {
+			t.Errorf("%s: err %v, Coordinated %v; want nil, %v", c.v, err, f.Coordinated(), c.coord)
+		}
+		if c.problem != "" && (err == nil || err.Error() != c.problem) {
+			t.Errorf("%s: err %v, want %q", c.v, err, c.problem)
+		}
 	}
 }
