@@ -282,7 +282,8 @@ func (b *Breaker) changed(_ string, from, to gobreaker.State) {
 	}
 	if co := b.co.Load(); co != nil {
 		if to == gobreaker.StateClosed {
-			co.base.Store(-1) // the next open period reads its own
+			co.base.Store(-1)     // the next open period reads its own
+			co.setDegraded(false) // a closed breaker does not use the store
 		} else {
 			co.watch()
 		}

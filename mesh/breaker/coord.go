@@ -117,7 +117,7 @@ func (s *Set) Coordinate(ctx context.Context, c Coordination) error {
 		}, []string{"target", "outcome"}),
 		degraded: prometheus.NewGaugeVec(prometheus.GaugeOpts{
 			Name: "curfew_circuit_breaker_coordination_degraded",
-			Help: "1 while a downstream target's breaker cannot reach the store of the cluster-wide probe lease and probes on its own.",
+			Help: "1 while a downstream target's breaker is not closed and cannot reach the store of the cluster-wide probe lease, so it probes on its own.",
 		}, []string{"target"}),
 	}
 	if s.reg != nil {
@@ -184,8 +184,8 @@ func (co *coordination) attach(b *Breaker) *coord {
 	return c
 }
 
-// CoordinationDegraded reports whether the breaker is coordinated but could not reach
-// the store at its last attempt, and so probes on its own.
+// CoordinationDegraded reports whether the breaker is coordinated, not closed, and could
+// not reach the store at its last attempt, and so probes on its own.
 func (b *Breaker) CoordinationDegraded() bool {
 	co := b.co.Load()
 	return co != nil && co.degraded.Load()

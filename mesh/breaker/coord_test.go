@@ -301,12 +301,15 @@ func TestCoordinatedStoreDown(t *testing.T) {
 	if err != nil {
 		t.Fatalf("half-open breaker with its store down refused its probe: %v", err)
 	}
+	if !b.CoordinationDegraded() || rs[0].sum("curfew_circuit_breaker_coordination_degraded") != 1 {
+		t.Errorf("probe out: CoordinationDegraded %v, gauge %v; want true and 1", b.CoordinationDegraded(), rs[0].sum("curfew_circuit_breaker_coordination_degraded"))
+	}
 	done(nil)
 	if b.State() != breaker.StateClosed {
 		t.Errorf("state %s after the local probe succeeded, want closed", b.State())
 	}
-	if !b.CoordinationDegraded() || rs[0].sum("curfew_circuit_breaker_coordination_degraded") != 1 {
-		t.Errorf("CoordinationDegraded %v, gauge %v; want true and 1", b.CoordinationDegraded(), rs[0].sum("curfew_circuit_breaker_coordination_degraded"))
+	if b.CoordinationDegraded() || rs[0].sum("curfew_circuit_breaker_coordination_degraded") != 0 {
+		t.Errorf("closed: CoordinationDegraded %v, gauge %v; want false and 0 (a closed breaker does not use the store)", b.CoordinationDegraded(), rs[0].sum("curfew_circuit_breaker_coordination_degraded"))
 	}
 	if got := rs[0].sum("curfew_circuit_breaker_probes_total", "outcome", "success"); got != 1 {
 		t.Errorf("probes_total{success} %v, want 1", got)

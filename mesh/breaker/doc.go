@@ -89,8 +89,8 @@
 //     lease lost to another replica.
 //   - curfew_circuit_breaker_shared_outcomes_total{target,outcome}: another replica's
 //     probe applied here: closed, reopened.
-//   - curfew_circuit_breaker_coordination_degraded{target}: 1 while the store cannot be
-//     reached and the breaker probes on its own.
+//   - curfew_circuit_breaker_coordination_degraded{target}: 1 while the breaker is not
+//     closed and cannot reach the store, so it probes on its own.
 //   - curfew_circuit_breaker_transitions_total{from="open",to="closed"}: closed by
 //     another replica's probe while still open.
 //
