@@ -163,15 +163,15 @@ func TestBreakerOneProbeAcrossReplicas(t *testing.T) {
 	const watch = 5 * time.Second
 	time.Sleep(watch)
 	got := since(from)
-	const openMin = 800 * time.Millisecond
+	const shortestOpen = 800 * time.Millisecond
 	// With --breaker-coordination=off the same run sees about n per period (14 in 5 s).
 	t.Logf("%d replicas, breakers open: the provider received %d requests in %v", n, len(got), watch)
-	if max := int(watch/openMin) + 1; len(got) < 2 || len(got) > max {
+	if max := int(watch/shortestOpen) + 1; len(got) < 2 || len(got) > max {
 		t.Errorf("%d probes in %v, want 2 to %d: one per open period", len(got), watch, max)
 	}
 	for i := 1; i < len(got); i++ {
-		if gap := got[i].Sub(got[i-1]); gap < openMin-50*time.Millisecond {
-			t.Errorf("probes %d and %d %v apart, want at least the shortest open period %v", i-1, i, gap.Round(time.Millisecond), openMin)
+		if gap := got[i].Sub(got[i-1]); gap < shortestOpen-50*time.Millisecond {
+			t.Errorf("probes %d and %d %v apart, want at least the shortest open period %v", i-1, i, gap.Round(time.Millisecond), shortestOpen)
 		}
 	}
 

@@ -133,7 +133,7 @@ func (s *Set) Coordinate(ctx context.Context, c Coordination) error {
 	}
 	s.coord = co
 	for _, b := range s.breakers {
-		b.co.Store(co.attach(b))
+		b.co.Store(co.attach(b)) //nolint:contextcheck // its read loop runs under ctx, kept in co.ctx
 	}
 	return nil
 }
@@ -192,8 +192,13 @@ func (b *Breaker) CoordinationDegraded() bool {
 }
 
 func (co *coord) setDegraded(d bool) {
-	if co.degraded.Swap(d) != d {
-		co.degradedG.Set(map[bool]float64{false: 0, true: 1}[d])
+	if co.degraded.Swap(d) == d {
+		return
+	}
+	if d {
+		co.degradedG.Set(1)
+	} else {
+		co.degradedG.Set(0)
 	}
 }
 
@@ -230,8 +235,12 @@ func (co *coord) allowProbe(ctx context.Context, cb *gobreaker.TwoStepCircuitBre
 	if co.apply(sl) {
 		return b.allowLocal(ctx, b.cb.Load(), noRetry)
 	}
-	if r := co.remote.Load(); r > b.set.now() {
-		return nil, b.refuse(StateHalfOpen, time.Duration(r-b.set.now()), noRetry)
+	if r := co.remote.Load(); r > b.set.now() { // held elsewhere: apply opened the breaker
+		st := StateHalfOpen
+		if b.State() == StateOpen {
+			st = StateOpen
+		}
+		return nil, b.refuse(st, time.Duration(r-b.set.now()), noRetry)
 	}
 	got, ok, err := co.c.cfg.Store.ClaimSlot(sctx, co.scope, co.holder, co.leaseTTL(ctx))
 	if err != nil {
@@ -247,7 +256,7 @@ func (co *coord) allowProbe(ctx context.Context, cb *gobreaker.TwoStepCircuitBre
 	}
 	gdone, err := cb.Allow()
 	if err != nil { // gobreaker moved on meanwhile: give the lease back unused
-		co.expire(ctx)
+		_ = co.expire(ctx) // if this fails, the lease lapses by its TTL
 		return nil, b.refuse(StateHalfOpen, 0, noRetry)
 	}
 	co.mu.Lock()
@@ -418,17 +427,18 @@ func (co *coord) reopenShared(until int64) {
 // closed, from gobreaker's callback (so it takes no lock).
 func (co *coord) watch() {
 	if co.watching.CompareAndSwap(false, true) {
-		go co.loop()
+		go co.loop(co.c.ctx)
 	}
 }
 
-// loop reads the lease every Poll while the breaker is not closed, and applies it.
-func (co *coord) loop() {
+// loop reads the lease every Poll while the breaker is not closed, and applies it,
+// until ctx (Coordinate's) ends.
+func (co *coord) loop(ctx context.Context) {
 	t := time.NewTimer(0)
 	defer t.Stop()
 	for {
 		select {
-		case <-co.c.ctx.Done():
+		case <-ctx.Done():
 			co.watching.Store(false)
 			return
 		case <-t.C:
@@ -440,11 +450,11 @@ func (co *coord) loop() {
 				return
 			}
 		}
-		ctx, cancel := context.WithTimeout(co.c.ctx, co.c.cfg.StoreTimeout)
-		sl, err := co.read(ctx)
+		rctx, cancel := context.WithTimeout(ctx, co.c.cfg.StoreTimeout)
+		sl, err := co.read(rctx)
 		cancel()
 		if err != nil {
-			if co.c.ctx.Err() == nil {
+			if ctx.Err() == nil {
 				co.setDegraded(true)
 			}
 		} else {
