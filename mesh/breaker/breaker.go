@@ -126,6 +126,8 @@ type Set struct {
 
 	mu       sync.RWMutex
 	breakers map[string]*Breaker
+	reg      prometheus.Registerer
+	coord    *coordination // nil: each breaker probes on its own (see Coordinate)
 }
 
 // NewSet returns a set of breakers configured by cfg (defaults applied), registering the
@@ -135,7 +137,7 @@ func NewSet(cfg Config, reg prometheus.Registerer) *Set {
 	if err := cfg.Validate(); err != nil {
 		panic(err.Error())
 	}
-	return &Set{cfg: cfg.WithDefaults(), m: newMetrics(reg), epoch: time.Now(), rand: rand.Float64, breakers: map[string]*Breaker{}}
+	return &Set{cfg: cfg.WithDefaults(), m: newMetrics(reg), epoch: time.Now(), rand: rand.Float64, breakers: map[string]*Breaker{}, reg: reg}
 }
 
 // Config returns the set's configuration, defaults applied.
@@ -153,6 +155,9 @@ func (s *Set) Get(target string) *Breaker {
 	defer s.mu.Unlock()
 	if b = s.breakers[target]; b == nil {
 		b = s.newBreaker(target)
+		if s.coord != nil {
+			b.co.Store(s.coord.attach(b))
+		}
 		s.breakers[target] = b
 	}
 	return b
@@ -178,7 +183,16 @@ func (s *Set) now() int64 { return int64(time.Since(s.epoch)) + 1 }
 type Breaker struct {
 	set    *Set
 	target string
-	cb     *gobreaker.TwoStepCircuitBreaker[struct{}]
+	// cb is gobreaker's breaker. A coordinated breaker replaces it with a new, closed
+	// one when another replica's probe succeeded while this one was still open, since
+	// gobreaker has no way to close an open breaker early.
+	cb atomic.Pointer[gobreaker.TwoStepCircuitBreaker[struct{}]]
+	// co is the breaker's share of the Set's coordination, nil without it.
+	co atomic.Pointer[coord]
+	// sharedUntil, when not 0, is the end (Set.now's scale) of the next open period,
+	// set just before a coordinated breaker is opened by another replica's failed probe:
+	// the period is then the prober's, not one drawn here.
+	sharedUntil atomic.Int64
 
 	// openUntil is when the current open period ends (Set.now's scale), 0 when not
 	// open. gobreaker's own Timeout is the shortest open period (see Config.openMin); the
@@ -217,8 +231,15 @@ func (s *Set) newBreaker(target string) *Breaker {
 	for _, st := range []State{StateOpen, StateHalfOpen} {
 		b.info[st] = mustAny(&errdetails.ErrorInfo{Reason: Reason, Domain: Domain, Metadata: map[string]string{"target": target, "state": st.String()}})
 	}
-	cfg := s.cfg
-	b.cb = gobreaker.NewTwoStepCircuitBreaker[struct{}](gobreaker.Settings{
+	b.cb.Store(b.newCB())
+	return b
+}
+
+// newCB returns a new, closed gobreaker breaker for b.
+func (b *Breaker) newCB() *gobreaker.TwoStepCircuitBreaker[struct{}] {
+	cfg, target := b.set.cfg, b.target
+	var cb *gobreaker.TwoStepCircuitBreaker[struct{}]
+	cb = gobreaker.NewTwoStepCircuitBreaker[struct{}](gobreaker.Settings{
 		Name:         target,
 		MaxRequests:  1, // exactly one half-open probe
 		Interval:     cfg.Window,
@@ -231,11 +252,15 @@ func (s *Set) newBreaker(target string) *Breaker {
 			judged := uint64(c.TotalSuccesses) + uint64(c.TotalFailures)
 			return judged >= uint64(cfg.MinRequests) && float64(c.TotalFailures) >= cfg.FailureRatio*float64(judged)
 		},
-		OnStateChange: b.changed,
-		IsSuccessful:  func(err error) bool { return err == nil },
-		IsExcluded:    func(err error) bool { return err == errIgnored }, //nolint:errorlint // our own sentinel, never wrapped
+		OnStateChange: func(name string, from, to gobreaker.State) {
+			if b.cb.Load() == cb { // a replaced breaker's late outcomes change nothing
+				b.changed(name, from, to)
+			}
+		},
+		IsSuccessful: func(err error) bool { return err == nil },
+		IsExcluded:   func(err error) bool { return err == errIgnored }, //nolint:errorlint // our own sentinel, never wrapped
 	})
-	return b
+	return cb
 }
 
 // changed is gobreaker's OnStateChange. gobreaker calls it with its lock held, so it must
@@ -244,6 +269,9 @@ func (b *Breaker) changed(_ string, from, to gobreaker.State) {
 	if to == gobreaker.StateOpen {
 		now := b.set.now()
 		period := b.set.cfg.openPeriod(b.set.rand())
+		if shared := b.sharedUntil.Swap(0); shared > now {
+			period = time.Duration(shared - now)
+		}
 		until := now + int64(period)
 		b.openUntil.Store(until)
 		// Half-open on time even with no call to notice it, so that the state gauge and
@@ -251,6 +279,14 @@ func (b *Breaker) changed(_ string, from, to gobreaker.State) {
 		time.AfterFunc(period, func() { b.wake(until) })
 	} else {
 		b.openUntil.Store(0)
+	}
+	if co := b.co.Load(); co != nil {
+		if to == gobreaker.StateClosed {
+			co.base.Store(-1)     // the next open period reads its own
+			co.setDegraded(false) // a closed breaker does not use the store
+		} else {
+			co.watch()
+		}
 	}
 	f, t := State(from), State(to)
 	b.gauges[f].Set(0)
@@ -285,7 +321,7 @@ func (b *Breaker) State() State {
 	if until := b.openUntil.Load(); until != 0 && b.set.now() < until {
 		return StateOpen
 	}
-	return State(b.cb.State())
+	return State(b.cb.Load().State())
 }
 
 // Allow asks to make one call. When the breaker is open, or half-open with its single
@@ -310,7 +346,17 @@ func (b *Breaker) allow(ctx context.Context, noRetry bool) (done func(err error)
 			return nil, b.refuse(StateOpen, time.Duration(until-now), noRetry)
 		}
 	}
-	gdone, err := b.cb.Allow()
+	cb := b.cb.Load()
+	if co := b.co.Load(); co != nil && cb.State() == gobreaker.StateHalfOpen {
+		return co.allowProbe(ctx, cb, noRetry)
+	}
+	return b.allowLocal(ctx, cb, noRetry)
+}
+
+// allowLocal asks gobreaker alone: today's behaviour, and a coordinated breaker's
+// when it is closed or its store cannot be reached.
+func (b *Breaker) allowLocal(ctx context.Context, cb *gobreaker.TwoStepCircuitBreaker[struct{}], noRetry bool) (done func(err error), err error) {
+	gdone, err := cb.Allow()
 	if err != nil {
 		if errors.Is(err, gobreaker.ErrOpenState) {
 			wait := time.Duration(0)
@@ -333,6 +379,9 @@ type call struct {
 	ctx      context.Context
 	gdone    func(error)
 	reported atomic.Bool
+	// after, if set, is told the outcome once gobreaker has been (a coordinated
+	// breaker's probe: it shares the outcome).
+	after func(Outcome)
 }
 
 func (c *call) done(err error) {
@@ -341,6 +390,9 @@ func (c *call) done(err error) {
 	}
 	o := Classify(c.ctx, err)
 	c.b.outcomes[o].Inc()
+	if c.after != nil {
+		defer c.after(o)
+	}
 	switch o {
 	case OutcomeSuccess:
 		c.gdone(nil)

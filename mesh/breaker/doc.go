@@ -27,6 +27,21 @@
 // success closes the breaker, its failure opens it again for a new period; a probe whose
 // outcome is ignored (the caller cancelled it) frees the slot for the next call.
 //
+// # One probe per target across replicas
+//
+// [Set.Coordinate] makes the half-open probe cluster-wide: a breaker that half-opens
+// claims its target's lease in a shared store (store.Slots, scope "probe/<target>" of
+// size 1) before its probe goes out, and a replica that finds it held sends nothing and
+// stays open until the lease ends. The prober writes the outcome into the lease: a
+// success releases it, and every replica's breaker for the target closes when it next
+// reads it (every Coordination.Poll while not closed); a failure keeps it for the
+// prober's new open period, which every replica waits out, so the next probe is again
+// one cluster-wide. gobreaker cannot close an open breaker early, so a breaker still open
+// when another replica's probe succeeds is replaced by a new, closed one. A closed
+// breaker never asks the store. While the store cannot be reached a breaker probes on
+// its own, as without coordination ([Breaker.CoordinationDegraded]). Without
+// Coordinate (the default) nothing changes. docs/cluster.md has the details and costs.
+//
 // # What counts
 //
 // [Classify] decides, per gRPC code and the caller's context, whether an outcome is a
@@ -66,8 +81,21 @@
 //   - curfew_circuit_breaker_calls_total{target,outcome}: success, failure, ignored,
 //     rejected (refused while open or half-open).
 //
-// Every series of a target exists from its breaker's creation, at 0 where nothing
-// happened yet.
+// A coordinated Set adds:
+//
+//   - curfew_circuit_breaker_probes_total{target,outcome}: half-open probes sent
+//     (success, failure, ignored).
+//   - curfew_circuit_breaker_probe_leases_refused_total{target}: claims of the probe
+//     lease lost to another replica.
+//   - curfew_circuit_breaker_shared_outcomes_total{target,outcome}: another replica's
+//     probe applied here: closed, reopened.
+//   - curfew_circuit_breaker_coordination_degraded{target}: 1 while the breaker is not
+//     closed and cannot reach the store, so it probes on its own.
+//   - curfew_circuit_breaker_transitions_total{from="open",to="closed"}: closed by
+//     another replica's probe while still open.
+//
+// Every series of a target exists from its breaker's creation (or its Set's
+// coordination), at 0 where nothing happened yet.
 //
 // docs/breakers.md is the operator's view: states, what counts, the chain order, flags.
 package breaker

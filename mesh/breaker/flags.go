@@ -11,6 +11,17 @@ import (
 // DefaultOff is --breaker-off's default: the breakers are on.
 const DefaultOff = false
 
+// The values of --breaker-coordination.
+const (
+	// CoordinationStore: with a store other processes share, one half-open probe per
+	// target across every replica (Set.Coordinate, docs/cluster.md).
+	CoordinationStore = "store"
+	// CoordinationOff: each replica's breakers probe on their own.
+	CoordinationOff = "off"
+	// DefaultCoordination is --breaker-coordination's default.
+	DefaultCoordination = CoordinationStore
+)
+
 // Flags are the circuit breaker flags every service has (--breaker-*): one breaker per
 // downstream service name. Set without flags (Register not called), a zero field means
 // Config's default for it, and Off is false. Set by flags, whose defaults are this
@@ -23,7 +34,14 @@ type Flags struct {
 	Window      time.Duration
 	OpenTimeout time.Duration
 	Jitter      float64
+	// Coordination is CoordinationStore or CoordinationOff; "" means
+	// DefaultCoordination. It takes effect where the service calls Set.Coordinate.
+	Coordination string
 }
+
+// Coordinated reports whether the flags ask for cluster-wide probes
+// (--breaker-coordination=store, the default).
+func (b Flags) Coordinated() bool { return b.Coordination == "" || b.Coordination == CoordinationStore }
 
 // Register adds the breaker flags to fs, with this package's defaults.
 func (b *Flags) Register(fs *flag.FlagSet) {
@@ -34,6 +52,7 @@ func (b *Flags) Register(fs *flag.FlagSet) {
 	fs.DurationVar(&b.Window, "breaker-window", DefaultWindow, "rolling window over which a breaker counts outcomes")
 	fs.DurationVar(&b.OpenTimeout, "breaker-open-timeout", DefaultOpenTimeout, "how long an open breaker refuses calls before one probe goes through")
 	fs.Float64Var(&b.Jitter, "breaker-jitter", DefaultJitter, "each open period is --breaker-open-timeout ± this fraction, in [0, 1); 0 for none")
+	fs.StringVar(&b.Coordination, "breaker-coordination", DefaultCoordination, "with a --store other replicas share: store sends one half-open probe per target across all replicas and shares its outcome; off lets each replica probe on its own (see docs/cluster.md)")
 }
 
 // flagNames names the flag of each Config field.
@@ -60,6 +79,9 @@ func (b Flags) Config(fromFlags bool) (Config, error) {
 		case b.Jitter < 0:
 			return Config{}, fmt.Errorf("--breaker-jitter must be in [0, 1), got %v", b.Jitter)
 		}
+	}
+	if b.Coordination != "" && b.Coordination != CoordinationStore && b.Coordination != CoordinationOff {
+		return Config{}, fmt.Errorf("--breaker-coordination must be %s or %s, got %q", CoordinationStore, CoordinationOff, b.Coordination)
 	}
 	if b.Failures > math.MaxUint32 || b.MinRequests > math.MaxUint32 {
 		return Config{}, fmt.Errorf("--breaker-failures and --breaker-min-requests must be at most %d", uint32(math.MaxUint32))

@@ -17,6 +17,7 @@ import (
 	meshv1 "github.com/curfew-mesh/curfew/gen/curfew/mesh/v1"
 	modelproxyv1 "github.com/curfew-mesh/curfew/gen/curfew/modelproxy/v1"
 	"github.com/curfew-mesh/curfew/mesh/admission"
+	"github.com/curfew-mesh/curfew/mesh/breaker"
 	"github.com/curfew-mesh/curfew/mesh/budget"
 	"github.com/curfew-mesh/curfew/mesh/configwatch"
 	"github.com/curfew-mesh/curfew/mesh/nodes"
@@ -127,6 +128,16 @@ func run(args []string) int {
 		}
 		rt.Log.Info("providers configured", "models", srv.Router.Models())
 		defer srv.Router.Close()
+	}
+	// With a shared store, one half-open probe per service and per provider across the
+	// replicas.
+	var providerBreakers *breaker.Set
+	if srv.Router != nil {
+		providerBreakers = srv.Router.Breakers()
+	}
+	if _, err := rt.CoordinateBreakers(ctx, st, providerBreakers); err != nil {
+		fmt.Fprintln(os.Stderr, "modelproxy:", err)
+		return 1
 	}
 	var svc modelproxyv1.ModelProxyServiceServer = srv
 	if o.Chaos {

@@ -186,6 +186,10 @@ func (r *Router) Close() {
 // Breaker returns the breaker of a provider (for tests and the admin view).
 func (r *Router) Breaker(providerName string) *breaker.Breaker { return r.breakers.Get(providerName) }
 
+// Breakers returns the set of the provider breakers (to coordinate them across
+// replicas, breaker.Set.Coordinate).
+func (r *Router) Breakers() *breaker.Set { return r.breakers }
+
 // Models returns the aliases and the provider/model names the router serves.
 func (r *Router) Models() []string {
 	var out []string

@@ -169,6 +169,11 @@ func run(args []string) int {
 		fmt.Fprintln(os.Stderr, "orchestrator:", err)
 		return 2
 	}
+	// With a shared store, one half-open probe per service across the replicas.
+	if _, err := rt.CoordinateBreakers(ctx, st); err != nil {
+		fmt.Fprintln(os.Stderr, "orchestrator:", err)
+		return 1
+	}
 	guard.Log = rt.Log
 	if guard.Keys != nil {
 		guard.Keys.Log = rt.Log

@@ -91,6 +91,11 @@ func run(args []string) int {
 		fmt.Fprintln(os.Stderr, "toolrunner:", err)
 		return 2
 	}
+	// With a shared store, one half-open probe per service across the replicas.
+	if _, err := rt.CoordinateBreakers(ctx, st); err != nil {
+		fmt.Fprintln(os.Stderr, "toolrunner:", err)
+		return 1
+	}
 	sc, err := rt.Dial("subagent", *subagentAddr)
 	if err != nil {
 		fmt.Fprintln(os.Stderr, "toolrunner: --subagent:", err)
