@@ -2,6 +2,7 @@ package retry_test
 
 import (
 	"context"
+	"errors"
 	"testing"
 
 	"google.golang.org/grpc/codes"
@@ -23,7 +24,7 @@ func TestHedgeMarkedOnceAndBudgeted(t *testing.T) {
 	cc := dial(t, serve(t, svc, nil), cfg)
 
 	ctx := metadata.AppendToOutgoingContext(callCtx(t), md.RetryID, "twin-1")
-	if err := listNodesCall(ctx, cc, retry.Hedge()); status.Code(err) != codes.ResourceExhausted || !retry.HedgeRefused(err) {
+	if err := listNodesCall(ctx, cc, retry.Hedge()); status.Code(err) != codes.ResourceExhausted || !errors.Is(err, retry.ErrHedgeRefused) {
 		t.Fatalf("backup with no request in the window: %v, want refused by the budget", err)
 	}
 	if n := len(svc.all()); n != 0 {
@@ -54,7 +55,7 @@ func TestHedgeMarkedOnceAndBudgeted(t *testing.T) {
 		t.Errorf("the twin carries curfew-hedge %q", got[0].hedges)
 	}
 	// The one backup spent the one allowance: a second is refused.
-	if err := listNodesCall(ctx, cc, retry.Hedge()); !retry.HedgeRefused(err) {
+	if err := listNodesCall(ctx, cc, retry.Hedge()); !errors.Is(err, retry.ErrHedgeRefused) {
 		t.Fatalf("second backup: %v, want refused", err)
 	}
 }

@@ -266,18 +266,16 @@ type sideEffect struct{ grpc.EmptyCallOption }
 // a logical call whose first attempt is still running, sent with its twin's retry-id
 // (which the caller puts in curfew-retry-id). It draws on the connection's retry budget
 // like a retry: when the budget would refuse a retry, the call fails at once, before
-// anything is sent, with an error HedgeRefused reports. Otherwise it is sent marked
+// anything is sent, with ErrHedgeRefused. Otherwise it is sent marked
 // curfew-hedge: 1, does not count as a request of the budget (it is not a new logical
 // call), and makes one attempt only: its twin is the call's other chance.
 func Hedge() grpc.CallOption { return hedgeOpt{} }
 
 type hedgeOpt struct{ grpc.EmptyCallOption }
 
-// errHedgeRefused is the refusal of a backup that the retry budget would not allow.
-var errHedgeRefused = status.Error(codes.ResourceExhausted, "hedge refused: the retry budget would refuse a retry")
-
-// HedgeRefused reports whether err is the refusal of a Hedge call by the retry budget.
-func HedgeRefused(err error) bool { return errors.Is(err, errHedgeRefused) }
+// ErrHedgeRefused (RESOURCE_EXHAUSTED) is the refusal of a Hedge call that the retry
+// budget would not allow: nothing was sent. Test for it with errors.Is.
+var ErrHedgeRefused = status.Error(codes.ResourceExhausted, "hedge refused: the retry budget would refuse a retry")
 
 func (c *client) begin(ctx context.Context, method string, opts []grpc.CallOption) (context.Context, *call, error) {
 	// Single values are read, not a copy of the outgoing metadata.
@@ -312,7 +310,7 @@ func (c *client) begin(ctx context.Context, method string, opts []grpc.CallOptio
 		// allowance, not a request, and not the throttle's (its twin was). Its refusals
 		// are counted by the hedging caller (curfew_hedges_refused_total), not as retries.
 		if !c.budget.AllowRetry() {
-			return nil, nil, errHedgeRefused
+			return nil, nil, ErrHedgeRefused
 		}
 		return ctx, cl, nil
 	}
