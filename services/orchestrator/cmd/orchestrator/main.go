@@ -25,6 +25,7 @@ import (
 	"github.com/curfew-mesh/curfew/mesh/configwatch"
 	"github.com/curfew-mesh/curfew/mesh/decoderlease"
 	"github.com/curfew-mesh/curfew/mesh/dlq"
+	"github.com/curfew-mesh/curfew/mesh/hedge"
 	"github.com/curfew-mesh/curfew/mesh/meshtls"
 	"github.com/curfew-mesh/curfew/mesh/outbox"
 	"github.com/curfew-mesh/curfew/mesh/replicas"
@@ -71,6 +72,8 @@ func run(args []string) int {
 	openaiAddr := fs.String("openai-addr", "", "address of the OpenAI-compatible HTTP API (docs/openai.md): POST /v1/chat/completions and GET /v1/models, each completion a run; off unless set")
 	openaiGrace := fs.Duration("openai-disconnect-grace", openaiapi.DefaultDisconnectGrace, "with --openai-addr: how long a run started with an Idempotency-Key waits, once its last client left, for a retry with the key to attach before it is cancelled (cause client_disconnect)")
 	admissionOff := fs.Bool("admission-off", false, "admit every run at once: no pools, queue, budgets or shedding")
+	var hedging hedge.Flags
+	hedging.Register(fs)
 	operatorPoll := fs.Duration("operator-poll", admin.DefaultControlsPoll, "how often the operators' pool controls (curfew pool close|open) are read from the store: a control set through any replica holds on this one within it")
 	if err := service.Parse(fs, args, os.Getenv); err != nil {
 		fmt.Fprintln(os.Stderr, "orchestrator:", err)
@@ -78,6 +81,10 @@ func run(args []string) int {
 	}
 	if err := o.Validate(); err != nil { // a bad common flag is a usage error too
 		fmt.Fprintln(os.Stderr, "orchestrator:", err)
+		return 2
+	}
+	if err := hedging.Validate(); err != nil {
+		fmt.Fprintln(os.Stderr, "orchestrator: --hedge-max-extra-load:", err)
 		return 2
 	}
 	if *maxRuns < 1 || *minRun < 0 {
@@ -276,6 +283,11 @@ func run(args []string) int {
 			return 2
 		}
 	}
+	hedges, err := hedging.Policy(rt.Registry)
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "orchestrator: --hedge-max-extra-load:", err)
+		return 2
+	}
 	srv := orchestrator.New(orchestrator.Config{
 		Loop: agent.Config{
 			Model:      models,
@@ -284,6 +296,7 @@ func run(args []string) int {
 			ToolNodes:  reports["toolrunner"],
 			ModelName:  *model,
 			Leases:     leases,
+			Hedge:      hedges,
 		},
 		Reports:     []meshv1.NodeReportServiceClient{reports["modelproxy"], reports["toolrunner"], reports["subagent"]},
 		MaxRuns:     *maxRuns,
