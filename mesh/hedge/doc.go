@@ -13,9 +13,10 @@
 //   - the latencies of the last Window (DefaultWindow, 200) successful calls are kept in
 //     a ring; a backup is considered only once MinSamples (DefaultMinSamples, 50) have
 //     been seen, and then after the (1 − MaxExtraLoad) quantile of the ring;
-//   - a call whose backup won is recorded at the instant it was superseded (a lower
-//     bound of its latency, above the hedging delay), so that winning backups do not
-//     drag the quantile down;
+//   - a call whose backup won is recorded at the delay (it is known only to be slower
+//     than that): winning backups neither drag the quantile down (more backups than
+//     MaxExtraLoad) nor, as its elapsed time would, push it up call after call until
+//     hedging stops;
 //   - no backup is sent with less time left than the caller's minimum for the call;
 //   - the backup draws on the target's retry budget: the caller sends it with
 //     retry.Hedge, and a refusal (retry.ErrHedgeRefused) leaves the first call alone;

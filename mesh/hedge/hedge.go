@@ -227,14 +227,21 @@ func (p *Policy) Do(ctx context.Context, tool string, minTime time.Duration, cal
 			running--
 			settled(o)
 			if o.err == nil {
+				took := time.Since(start)
 				if o.backup {
 					p.m.won.WithLabelValues(tool).Inc()
 					stopPrimary(cancel.ErrSuperseded)
+					// The primary is only known to be slower than the delay: recorded at
+					// the delay, it keeps the quantile where it is. (Its elapsed time,
+					// the delay plus the backup's latency, would raise the next delay
+					// whenever the quantile falls among such calls, until hedging
+					// stopped; leaving it out would lower the quantile, and hedge more
+					// than max_extra_load.)
+					took = delay
 				} else {
 					stopBackup(cancel.ErrSuperseded)
 				}
-				// The primary's latency, or (its backup won) a lower bound of it.
-				p.Observe(tool, time.Since(start))
+				p.Observe(tool, took)
 				for ; running > 0; running-- {
 					settled(<-results)
 				}

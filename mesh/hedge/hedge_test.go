@@ -137,6 +137,11 @@ func TestBackupWinsAndSupersedesThePrimary(t *testing.T) {
 	if s, w := count(t, reg, "curfew_hedges_sent_total", "read"), count(t, reg, "curfew_hedges_won_total", "read"); s != 1 || w != 1 {
 		t.Fatalf("sent %v won %v, want 1 and 1", s, w)
 	}
+	// The superseded primary was recorded at the delay, not at its elapsed time (which
+	// would raise the next delay) nor left out.
+	if d, _ := p.Delay("read"); d != 19*time.Millisecond {
+		t.Fatalf("delay %v after a backup won, want it kept at 19ms", d)
+	}
 }
 
 // A primary that answers first cancels its backup with cause superseded.
