@@ -111,6 +111,7 @@ func TestHedgedToolCallsCutTheTail(t *testing.T) {
 	waitForTool(ctx, t, plain, "team__read")
 
 	genBefore := generates(t, model.AdminAddr)
+	var shown [2]sync.Once // one hedged run's summary logged for each winner
 	// phase runs the runs through o and returns the tool node's latencies of the measured
 	// ones, sorted, and the tool server's calls and backups meanwhile.
 	phase := func(o orchestratorv1.OrchestratorServiceClient) (lat []time.Duration, n, b int64) {
@@ -123,11 +124,22 @@ func TestHedgedToolCallsCutTheTail(t *testing.T) {
 			wg.Go(func() {
 				for i := int(next.Add(1)) - 1; i < runs; i = int(next.Add(1)) - 1 {
 					res, _ := runPlan(ctx, o, oneToolPlan("team__read", `{}`, ""), 20*time.Second, 0, false)
-					if res.err != nil {
-						t.Errorf("run %d: %v", i, res.err)
+					if res.err != nil || res.finished.GetStatus() != orchestratorv1.RunStatus_RUN_STATUS_SUCCEEDED {
+						t.Errorf("run %d: %v %s", i, res.err, dump(res.finished))
 						return
 					}
 					out[i] = toolLatency(t, res.nodes)
+					if b, ok := nodeMap(res.finished)["root/s0.t0/hedge"]; ok {
+						once := &shown[0] // the primary won
+						if b.GetStatus() == meshv1.NodeStatus_NODE_STATUS_SUCCEEDED {
+							once = &shown[1] // the backup won
+						}
+						once.Do(func() {
+							tn := nodeMap(res.finished)["root/s0.t0"]
+							t.Logf("a hedged run's summary: root/s0.t0 %v (cause %v), root/s0.t0/hedge %v (cause %v)",
+								tn.GetStatus(), tn.GetCause(), b.GetStatus(), b.GetCause())
+						})
+					}
 				}
 			})
 		}
