@@ -44,6 +44,7 @@ func headerCases() []headerCase {
 		{"attempt negative", []string{md.RetryID, rid(), md.Attempt, "-1"}, md.Attempt},
 		{"attempt huge", []string{md.RetryID, rid(), md.Attempt, "99999999999999999999"}, md.Attempt},
 		{"attempt zero", []string{md.RetryID, rid(), md.Attempt, "0"}, md.Attempt},
+		{"hedge true", []string{md.RetryID, rid(), md.Hedge, "true"}, md.Hedge},
 		{"run-id path", []string{md.RunID, "a/b"}, md.RunID},
 		{"node-id dotdot", []string{md.NodeID, "root/../.."}, md.NodeID},
 		{"tenant spaces", []string{md.Tenant, "tenant with spaces"}, md.Tenant},

@@ -33,6 +33,7 @@ type docRow struct {
 	tools     bool     // served only with --tools-config (checked by the registry's tests)
 	reload    bool     // served only with a reloadable file (checked by reload_test.go)
 	nats      bool     // served only with --nats (checked by e2e/outbox_test.go)
+	hedge     bool     // served only with --hedge-max-extra-load, once a tool call was hedged (mesh/hedge's and mesh/agent's tests)
 	planned   bool     // in the "Planned" table: not served yet
 }
 
@@ -89,6 +90,7 @@ func docMetrics(t *testing.T) []docRow {
 		r.tools = strings.Contains(where, "--tools-config")
 		r.reload = strings.Contains(where, "a reloadable file")
 		r.nats = strings.Contains(where, "--nats")
+		r.hedge = strings.Contains(where, "--hedge-max-extra-load")
 		if len(r.names) == 0 || (!planned && len(r.where) == 0) {
 			t.Fatalf("docs/metrics.md: cannot read the row %q", line)
 		}
@@ -270,7 +272,7 @@ func TestMetricsAfterRuns(t *testing.T) {
 			withProviders = append(withProviders, r)
 			continue
 		}
-		if r.tls && !mesh.TLS() || r.tools || r.reload || r.nats {
+		if r.tls && !mesh.TLS() || r.tools || r.reload || r.nats || r.hedge {
 			continue
 		}
 		for _, n := range r.names {

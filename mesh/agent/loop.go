@@ -27,6 +27,7 @@ import (
 	"github.com/curfew-mesh/curfew/mesh/chaos"
 	"github.com/curfew-mesh/curfew/mesh/deadline"
 	"github.com/curfew-mesh/curfew/mesh/decoderlease"
+	"github.com/curfew-mesh/curfew/mesh/hedge"
 	"github.com/curfew-mesh/curfew/mesh/md"
 	"github.com/curfew-mesh/curfew/mesh/nodes"
 	"github.com/curfew-mesh/curfew/mesh/plan"
@@ -95,7 +96,16 @@ type Config struct {
 	// built-ins, and the run goes on. When nil, New takes the process-wide lister of
 	// Tools (toollist.Shared).
 	ToolList *toollist.Lister
+	// Hedge, when set, sends a hedged backup of a slow tool call (package mesh/hedge): only
+	// for tools whose side effects are none or idempotent and which run no model calls
+	// (toollist.Tools.Hedgeable). Model calls are never hedged: this is the only path
+	// that uses it. Nil: no hedging.
+	Hedge *hedge.Policy
 }
+
+// HedgeNode is the node a hedged tool call's backup runs as, beneath the tool's node:
+// run cancels of the tool's node reach it, and its record never replaces its twin's.
+const HedgeNode = "hedge"
 
 // Loop runs agent loops. It is safe for concurrent use.
 type Loop struct{ cfg Config }
@@ -653,12 +663,32 @@ func (l *Loop) callTool(ctx context.Context, id string, c *modelproxyv1.ToolCall
 		node.Status, node.ErrorCode, node.ErrorMessage = o.Status, o.Code, o.Message
 		l.cfg.Emit(node)
 	}
-	st, err := l.cfg.Tools.Execute(cctx, &toolrunnerv1.ExecuteRequest{Name: c.GetName(), ArgsJson: c.GetArgsJson(),
-		RequireApproval: p.approval[c.GetId()]}, opts...)
+	req := &toolrunnerv1.ExecuteRequest{Name: c.GetName(), ArgsJson: c.GetArgsJson(), RequireApproval: p.approval[c.GetId()]}
+	var (
+		out string
+		err error
+	)
+	if l.cfg.Hedge != nil && !p.approval[c.GetId()] && tools.Hedgeable(c.GetName()) {
+		out, err = l.hedgedTool(cctx, id, req, opts)
+	} else {
+		out, err = l.execute(cctx, id, req, opts, true)
+	}
 	if err != nil {
 		l.toolGone(ctx, c.GetName(), err)
 		err = l.failed(ctx, l.cfg.ToolNodes, id, err)
 		end(err)
+		return "", err
+	}
+	end(nil)
+	return out, nil
+}
+
+// execute runs one Execute call of tool node id and returns its result. With emit, the
+// nodes and node events it streams are passed on; a hedged call's backup passes none
+// (its twin's are the node's).
+func (l *Loop) execute(ctx context.Context, id string, req *toolrunnerv1.ExecuteRequest, opts []grpc.CallOption, emit bool) (string, error) {
+	st, err := l.cfg.Tools.Execute(ctx, req, opts...)
+	if err != nil {
 		return "", err
 	}
 	var out *toolrunnerv1.ExecuteResult
@@ -668,16 +698,15 @@ func (l *Loop) callTool(ctx context.Context, id string, c *modelproxyv1.ToolCall
 			break
 		}
 		if err != nil {
-			l.toolGone(ctx, c.GetName(), err)
-			err = l.failed(ctx, l.cfg.ToolNodes, id, err)
-			end(err)
 			return "", err
 		}
 		switch e := ev.GetEvent().(type) {
 		case *toolrunnerv1.ExecuteResponse_Node:
-			l.cfg.Emit(e.Node)
+			if emit {
+				l.cfg.Emit(e.Node)
+			}
 		case *toolrunnerv1.ExecuteResponse_NodeEvent:
-			if within(e.NodeEvent.GetNodeId(), id) {
+			if emit && within(e.NodeEvent.GetNodeId(), id) {
 				l.cfg.EmitEvent(e.NodeEvent)
 			}
 		case *toolrunnerv1.ExecuteResponse_Result:
@@ -685,12 +714,35 @@ func (l *Loop) callTool(ctx context.Context, id string, c *modelproxyv1.ToolCall
 		}
 	}
 	if out == nil {
-		err := status.Errorf(codes.Internal, "tool %s ended without a result", c.GetName())
-		end(err)
-		return "", err
+		return "", status.Errorf(codes.Internal, "tool %s ended without a result", req.GetName())
 	}
-	end(nil)
 	return out.GetOutputJson(), nil
+}
+
+// hedgedTool runs tool node id's call under the hedging policy: both runs share one
+// retry-id (the same logical call), and the backup runs as node id/HedgeNode, marked
+// curfew-hedge by retry.Hedge, which also draws it from toolrunner's retry budget. The
+// run that loses is cancelled with cause superseded, and noted so (Notes) for the
+// run's summary.
+func (l *Loop) hedgedTool(ctx context.Context, id string, req *toolrunnerv1.ExecuteRequest, opts []grpc.CallOption) (string, error) {
+	rid, err := retry.NewID()
+	if err != nil {
+		return "", status.Errorf(codes.Internal, "tool %s: %v", req.GetName(), err)
+	}
+	ctx = metadata.AppendToOutgoingContext(ctx, md.RetryID, rid)
+	backupNode := id + "/" + HedgeNode
+	return l.cfg.Hedge.Do(ctx, req.GetName(), l.cfg.MinToolTime, func(cctx context.Context, backup bool) (string, error) {
+		node, o := id, opts
+		if backup {
+			node, o = backupNode, append(slices.Clip(opts), retry.Hedge())
+			cctx = md.WithNode(cctx, node)
+		}
+		out, err := l.execute(cctx, node, req, o, !backup)
+		if err != nil && errors.Is(context.Cause(cctx), cancel.ErrSuperseded) && l.cfg.Notes != nil {
+			l.cfg.Notes.Note(md.IdentityFrom(ctx).RunID, node, meshv1.CancelCause_CANCEL_CAUSE_SUPERSEDED, time.Now())
+		}
+		return out, err
+	})
 }
 
 // toolGone drops the tenant's list when toolrunner did not know a tool that is not a

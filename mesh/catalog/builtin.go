@@ -72,6 +72,7 @@ func Builtins() []Tool {
 			// The subagent's own tool calls declare their own effects.
 			Name:        plan.ToolSpawnSubagent,
 			SideEffects: None,
+			RunsModels:  true, // never hedged: a backup would run a second subagent's decoders
 			Spec: &modelproxyv1.ToolSpec{
 				Name: plan.ToolSpawnSubagent,
 				Description: "Run a nested agent loop on a task under the run's deadline and return its answer as {\"answer\": ...}. " +
@@ -129,6 +130,14 @@ func IsBuiltin(name string) bool {
 func NeedsKey(name string) bool {
 	t, ok := builtins[name]
 	return !ok || t.NeedsKey()
+}
+
+// Hedgeable reports whether a call of the tool name may get a hedged backup: for a
+// built-in, Tool.Hedgeable; false for any other name (a tool source's, whose effects
+// the caller learns from toolrunner's list: toollist.Tools.Hedgeable).
+func Hedgeable(name string) bool {
+	t, ok := builtins[name]
+	return ok && t.Hedgeable()
 }
 
 // Durable reports whether name is a built-in whose effect toolrunner keeps in its store

@@ -46,9 +46,20 @@ type Tool struct {
 	// key: the caller's, or one toolrunner derives from run, node, tool and the canonical
 	// arguments, which every attempt of a call shares.
 	Durable bool
+	// RunsModels says a run of the tool makes model calls of its own (spawn_subagent's
+	// nested loop): a second run of it runs a second decoder, so it is never hedged.
+	RunsModels bool
 }
 
 // NeedsKey reports whether a call of t may run a second time only when it carries the
 // caller's idempotency key: its effect would repeat, and nothing below the caller keys it.
 // Such a call is retried, and resumed after a takeover, only with a key.
 func (t Tool) NeedsKey() bool { return t.SideEffects == Irreversible && !t.Durable }
+
+// Hedgeable reports whether a call of t may get a hedged backup (package mesh/hedge): a
+// second run beside the first, whose loser is cancelled. Only a tool that reads or is
+// idempotent, keeps no record under a key (a durable tool's backup would only join its
+// twin's), and runs no model calls (a backup must never run a second decoder).
+func (t Tool) Hedgeable() bool {
+	return t.SideEffects != Irreversible && !t.Durable && !t.RunsModels
+}

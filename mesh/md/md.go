@@ -25,6 +25,12 @@ const (
 	RetryID = "curfew-retry-id"
 	// Attempt is the 1-based attempt number of a retried call.
 	Attempt = "curfew-attempt"
+	// Hedge marks a hedged call's backup (package mesh/hedge): a second, concurrent
+	// attempt of the same logical call (the same curfew-retry-id) that runs beside its
+	// twin. The only value is HedgeBackup. The retry-id table keys a backup apart from its
+	// twin, so that neither supersedes the other, and toolrunner runs it instead of joining
+	// the twin's idempotency record. It is per hop: it never travels to child calls.
+	Hedge = "curfew-hedge"
 	// IdempotencyKey names a tool side effect so that it happens at most once.
 	IdempotencyKey = "curfew-idempotency-key"
 	// Criticality is the caller's criticality class (for example "critical", "sheddable").
@@ -63,6 +69,15 @@ const (
 	// ToolErrorsFailRun: a failed tool call fails the run.
 	ToolErrorsFailRun = "fail_run"
 )
+
+// HedgeBackup is the one value of the Hedge header.
+const HedgeBackup = "1"
+
+// HedgeFrom reports whether the incoming call is a hedged call's backup (its Hedge header
+// says HedgeBackup; Check refuses other values).
+func HedgeFrom(ctx context.Context) bool {
+	return incoming(ctx, Hedge) == HedgeBackup
+}
 
 // CancelCauseClientDisconnect is the one value of the CancelCause header.
 const CancelCauseClientDisconnect = "client_disconnect"

@@ -50,6 +50,7 @@ var rules = []rule{
 	{NodeID, checkNodeID},
 	{RetryID, checkID},
 	{Attempt, checkAttempt},
+	{Hedge, checkHedge},
 	{IdempotencyKey, checkIdempotencyKey},
 	{ToolErrors, checkToolErrors},
 	{CancelCause, checkCancelCause},
@@ -118,6 +119,13 @@ func checkAttempt(v string) error {
 	n, err := strconv.Atoi(v)
 	if err != nil || !allDigits(v) || n < 1 || n > MaxAttempt {
 		return fmt.Errorf("must be an integer from 1 to %d, got %q", MaxAttempt, clip(v))
+	}
+	return nil
+}
+
+func checkHedge(v string) error {
+	if v != HedgeBackup {
+		return fmt.Errorf("must be %q, got %q", HedgeBackup, clip(v))
 	}
 	return nil
 }

@@ -269,6 +269,8 @@ type call struct {
 	// callerAttempt: the caller set curfew-attempt, so each attempt replaces it. minted:
 	// this layer minted the retry-id, so each attempt adds it.
 	callerAttempt, minted bool
+	// hedge: the call is a hedged call's backup (Hedge): one attempt, marked curfew-hedge.
+	hedge bool
 }
 
 // SideEffect marks one call as having side effects: it is retried only when it carries an
@@ -277,13 +279,31 @@ func SideEffect() grpc.CallOption { return sideEffect{} }
 
 type sideEffect struct{ grpc.EmptyCallOption }
 
+// Hedge marks one call as a hedged call's backup (package mesh/hedge): a second attempt of
+// a logical call whose first attempt is still running, sent with its twin's retry-id
+// (which the caller puts in curfew-retry-id). It draws on the connection's retry budget
+// like a retry: when the budget would refuse a retry, the call fails at once, before
+// anything is sent, with ErrHedgeRefused. Otherwise it is sent marked
+// curfew-hedge: 1, does not count as a request of the budget (it is not a new logical
+// call), and makes one attempt only: its twin is the call's other chance.
+func Hedge() grpc.CallOption { return hedgeOpt{} }
+
+type hedgeOpt struct{ grpc.EmptyCallOption }
+
+// ErrHedgeRefused (RESOURCE_EXHAUSTED) is the refusal of a Hedge call that the retry
+// budget would not allow: nothing was sent. Test for it with errors.Is.
+var ErrHedgeRefused = status.Error(codes.ResourceExhausted, "hedge refused: the retry budget would refuse a retry")
+
 func (c *client) begin(ctx context.Context, method string, opts []grpc.CallOption) (context.Context, *call, error) {
 	// Single values are read, not a copy of the outgoing metadata.
 	cl := &call{c: c, method: method, p: c.policy(method), start: c.cfg.Now(),
 		hasKey: len(metadata.ValueFromOutgoingContext(ctx, md.IdempotencyKey)) > 0}
 	for _, o := range opts {
-		if _, ok := o.(sideEffect); ok {
+		switch o.(type) {
+		case sideEffect:
 			cl.p.NonIdempotent = true
+		case hedgeOpt:
+			cl.hedge = true
 		}
 	}
 	cl.first = 1
@@ -301,6 +321,15 @@ func (c *client) begin(ctx context.Context, method string, opts []grpc.CallOptio
 			return nil, nil, err
 		}
 		cl.retryID, cl.minted = id, true // sent by attemptCtx
+	}
+	if cl.hedge {
+		// A backup is an extra attempt of a call already counted: the budget's retry
+		// allowance, not a request, and not the throttle's (its twin was). Its refusals
+		// are counted by the hedging caller (curfew_hedges_refused_total), not as retries.
+		if !c.budget.AllowRetry() {
+			return nil, nil, ErrHedgeRefused
+		}
+		return ctx, cl, nil
 	}
 	if c.throttle != nil && !c.throttle.Allow(c.cfg.Rand()) {
 		return nil, nil, status.Errorf(codes.Unavailable, "%s: throttled on the client: the target has been rejecting requests", method)
@@ -324,6 +353,9 @@ func (cl *call) attemptCtx(ctx context.Context, n int) context.Context {
 		if cl.minted {
 			kv = append(kv, md.RetryID, cl.retryID)
 		}
+		if cl.hedge {
+			kv = append(kv, md.Hedge, md.HedgeBackup)
+		}
 		return metadata.AppendToOutgoingContext(ctx, append(kv, md.Attempt, a)...)
 	}
 	if cl.c.cfg.StampIdentity {
@@ -333,6 +365,9 @@ func (cl *call) attemptCtx(ctx context.Context, n int) context.Context {
 	out.Set(md.Attempt, a)
 	if cl.minted {
 		out.Append(md.RetryID, cl.retryID)
+	}
+	if cl.hedge {
+		out.Set(md.Hedge, md.HedgeBackup)
 	}
 	return metadata.NewOutgoingContext(ctx, out)
 }
@@ -348,8 +383,8 @@ func (cl *call) after(ctx context.Context, n int, err error, trailer metadata.MD
 	if c.throttle != nil && code != codes.Unavailable && code != codes.ResourceExhausted {
 		c.throttle.Accepted()
 	}
-	if err == nil || ctx.Err() != nil {
-		return false, err
+	if err == nil || ctx.Err() != nil || cl.hedge {
+		return false, err // (a backup makes one attempt: its twin is the other)
 	}
 	left := time.Duration(1<<63 - 1)
 	if dl, ok := ctx.Deadline(); ok {

@@ -37,6 +37,7 @@ type seen struct {
 	retryIDs []string // every curfew-retry-id value (one expected)
 	attempts []string // every curfew-attempt value (one expected)
 	key      string
+	hedges   []string                     // every curfew-hedge value
 	req      *toolrunnerv1.ExecuteRequest // Execute only
 }
 
@@ -62,7 +63,7 @@ type recorder struct {
 
 func (r *recorder) record(ctx context.Context, method string, req *toolrunnerv1.ExecuteRequest) int {
 	in, _ := metadata.FromIncomingContext(ctx)
-	s := seen{method: method, retryIDs: in.Get(md.RetryID), attempts: in.Get(md.Attempt), req: req}
+	s := seen{method: method, retryIDs: in.Get(md.RetryID), attempts: in.Get(md.Attempt), hedges: in.Get(md.Hedge), req: req}
 	if k := in.Get(md.IdempotencyKey); len(k) > 0 {
 		s.key = k[0]
 	}

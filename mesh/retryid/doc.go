@@ -8,4 +8,8 @@
 // earlier one's handler has returned (its teardown done). If that takes longer than the
 // grace (DefaultGrace), the new attempt is rejected with ABORTED. An attempt older than the
 // one running (a late duplicate) is rejected with ABORTED too.
+//
+// A hedged call's backup (curfew-hedge: 1, package mesh/hedge) is the one exception to
+// "one attempt per retry-id": it is keyed apart from its twin, so the two run side by
+// side (the caller cancels the loser), and each is still at most one attempt at a time.
 package retryid

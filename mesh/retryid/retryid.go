@@ -39,7 +39,13 @@ type methodStats struct {
 	max        int
 }
 
-type key struct{ tenant, method, id string }
+// key is one logical call's twin: a hedged call's backup (curfew-hedge) is keyed apart
+// from the attempt it runs beside, so that neither supersedes the other, while a retry of
+// either still supersedes its own earlier attempt.
+type key struct {
+	tenant, method, id string
+	hedge              bool
+}
 
 type entry struct {
 	attempt int
@@ -104,7 +110,7 @@ func (t *Table) Admit(ctx context.Context, method string) (context.Context, func
 	if id.RetryID == "" {
 		return ctx, func() {}, nil
 	}
-	k := key{id.Tenant, method, id.RetryID}
+	k := key{id.Tenant, method, id.RetryID, md.HedgeFrom(ctx)}
 	attempt := max(id.Attempt, 1)
 	for {
 		t.mu.Lock()

@@ -12,6 +12,7 @@ import (
 	dto "github.com/prometheus/client_model/go"
 	"go.uber.org/goleak"
 	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/metadata"
 	"google.golang.org/grpc/status"
 
 	"github.com/curfew-mesh/curfew/mesh/cancel"
@@ -384,5 +385,41 @@ func TestManyConcurrentAttemptsNeverOverlap(t *testing.T) {
 	}
 	if v := value(t, reg, "curfew_inflight_by_retry_id_max", method); v != 1 {
 		t.Fatalf("inflight max %v, want 1", v)
+	}
+}
+
+// hedgeCtx is attemptCtx of a hedged call's backup: curfew-hedge: 1 on the incoming call.
+func hedgeCtx(tenant, retryID string, attempt int) context.Context {
+	return metadata.NewIncomingContext(attemptCtx(tenant, retryID, attempt), metadata.Pairs(md.Hedge, md.HedgeBackup))
+}
+
+// A hedged call's backup shares its twin's retry-id and attempt, yet runs beside it: it
+// neither supersedes the twin nor is refused as a late duplicate, and a retry of the
+// backup still supersedes the backup only.
+func TestHedgeRunsBesideItsTwin(t *testing.T) {
+	reg := prometheus.NewRegistry()
+	tb := retryid.New(long, reg)
+	primary, rP := mustAdmit(attemptCtx("acme", "twin", 1), t, tb, method)
+	defer rP()
+	backup, rB := mustAdmit(hedgeCtx("acme", "twin", 1), t, tb, method)
+	if primary.Err() != nil || backup.Err() != nil {
+		t.Fatalf("twins cancelled: primary %v, backup %v", context.Cause(primary), context.Cause(backup))
+	}
+	if v := value(t, reg, "curfew_inflight_by_retry_id", method); v != 2 {
+		t.Fatalf("inflight %v, want the two twins", v)
+	}
+	ch := admitAsync(hedgeCtx("acme", "twin", 2), tb, method, nil)
+	waitDone(backup, t, "the backup's retry")
+	if !errors.Is(context.Cause(backup), cancel.ErrSuperseded) {
+		t.Fatalf("backup's cause %v, want superseded", context.Cause(backup))
+	}
+	rB()
+	a := recvAdmitted(t, ch, "the backup's retry")
+	if a.err != nil {
+		t.Fatalf("the backup's retry: %v", a.err)
+	}
+	a.release()
+	if primary.Err() != nil {
+		t.Fatalf("a retry of the backup cancelled the primary: %v", context.Cause(primary))
 	}
 }

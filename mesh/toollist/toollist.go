@@ -99,6 +99,18 @@ func (t *Tools) NeedsKey(name string) bool {
 	return !ok || e == catalog.Irreversible
 }
 
+// Hedgeable reports whether a call of the tool name may get a hedged backup (package
+// mesh/hedge): for a built-in, catalog.Hedgeable (never spawn_subagent, which runs model
+// calls); for a listed tool, whether its side effects are none or idempotent; for any
+// other name, or a listed tool of unspecified effects, false.
+func (t *Tools) Hedgeable(name string) bool {
+	if catalog.IsBuiltin(name) {
+		return catalog.Hedgeable(name)
+	}
+	e, ok := t.effects[name]
+	return ok && e != catalog.Irreversible
+}
+
 // FromResponse makes Tools of a ListTools answer. A tool with an empty schema is told
 // to the model as taking any object.
 func FromResponse(resp *toolrunnerv1.ListToolsResponse) *Tools {

@@ -135,3 +135,33 @@ func TestNeedsKey(t *testing.T) {
 		t.Errorf("a tool without a schema has parameters %s", p)
 	}
 }
+
+// Hedgeable: listed tools that read or are idempotent; of the built-ins, those the
+// catalogue allows, never spawn_subagent (it runs model calls) nor a durable tool.
+func TestHedgeable(t *testing.T) {
+	ts := toollist.FromResponse(&toolrunnerv1.ListToolsResponse{Tools: []*toolrunnerv1.ToolInfo{
+		{Name: "a__none", SideEffects: toolv1.SideEffects_SIDE_EFFECTS_NONE},
+		{Name: "a__idem", SideEffects: toolv1.SideEffects_SIDE_EFFECTS_IDEMPOTENT},
+		{Name: "a__irr", SideEffects: toolv1.SideEffects_SIDE_EFFECTS_IRREVERSIBLE},
+		{Name: "a__unspecified"},
+		// A listing cannot make a built-in hedgeable: the catalogue decides.
+		{Name: plan.ToolSpawnSubagent, SideEffects: toolv1.SideEffects_SIDE_EFFECTS_NONE},
+	}})
+	for name, want := range map[string]bool{
+		"a__none": true, "a__idem": true, "a__irr": false, "a__unspecified": false, "a__unlisted": false,
+		plan.ToolSleep: true, plan.ToolFail: true, plan.ToolSpawnSubagent: false, plan.ToolKVPut: false,
+		plan.ToolNotify: false, plan.ToolDeploy: false,
+	} {
+		if got := ts.Hedgeable(name); got != want {
+			t.Errorf("Hedgeable(%s) = %v, want %v", name, got, want)
+		}
+		if got := toollist.Builtins().Hedgeable(name); got != (catalog.IsBuiltin(name) && want) {
+			t.Errorf("Builtins().Hedgeable(%s) = %v", name, got)
+		}
+	}
+	for _, b := range catalog.Builtins() {
+		if b.RunsModels && b.Hedgeable() {
+			t.Errorf("built-in %s runs model calls yet is hedgeable", b.Name)
+		}
+	}
+}

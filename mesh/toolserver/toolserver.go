@@ -61,6 +61,10 @@ type Call struct {
 	// IdempotencyKey, when set, names the call's effect: do it at most once per key
 	// (curfew-idempotency-key).
 	IdempotencyKey string
+	// Hedge says the call is a hedged call's backup (curfew-hedge): a second call with
+	// the same RetryID, running beside the first; the caller keeps the first answer and
+	// cancels the other.
+	Hedge bool
 	// Deadline is the run's absolute deadline (curfew-deadline); zero when not sent.
 	// ctx's deadline, from grpc-timeout, is the one that ends the call; this one is the
 	// same instant on the caller's clock, for logs and records.
@@ -214,7 +218,7 @@ func handlerContext(sctx context.Context) (context.Context, func()) {
 func callOf(ctx context.Context, tool string, args json.RawMessage) Call {
 	id := md.FromIncoming(ctx)
 	c := Call{Tool: tool, Args: args, RunID: id.RunID, NodeID: id.NodeID, RetryID: id.RetryID,
-		Attempt: id.Attempt, IdempotencyKey: md.IdempotencyKeyFrom(ctx)}
+		Attempt: id.Attempt, IdempotencyKey: md.IdempotencyKeyFrom(ctx), Hedge: md.HedgeFrom(ctx)}
 	if dl, ok := md.IncomingDeadline(ctx); ok {
 		c.Deadline = dl
 	}

@@ -103,7 +103,7 @@ func TestCallCarriesCurfewMetadata(t *testing.T) {
 	ctx, cancel := context.WithDeadline(context.Background(), deadline)
 	defer cancel()
 	ctx = metadata.AppendToOutgoingContext(ctx, md.RunID, "run-1", md.NodeID, "root/s0.t1", md.RetryID, "r-9",
-		md.Attempt, "2", md.IdempotencyKey, "k-1", md.Deadline, strconv.FormatInt(deadline.UnixMilli(), 10))
+		md.Attempt, "2", md.IdempotencyKey, "k-1", md.Hedge, md.HedgeBackup, md.Deadline, strconv.FormatInt(deadline.UnixMilli(), 10))
 	_, res, err := call(ctx, c, "echo", `{"x":1}`)
 	if err != nil {
 		t.Fatal(err)
@@ -113,10 +113,10 @@ func TestCallCarriesCurfewMetadata(t *testing.T) {
 		t.Fatal(err)
 	}
 	want := toolserver.Call{Tool: "echo", Args: json.RawMessage(`{"x":1}`), RunID: "run-1", NodeID: "root/s0.t1",
-		RetryID: "r-9", Attempt: 2, IdempotencyKey: "k-1", Deadline: deadline}
+		RetryID: "r-9", Attempt: 2, IdempotencyKey: "k-1", Hedge: true, Deadline: deadline}
 	if got.Tool != want.Tool || string(got.Args) != string(want.Args) || got.RunID != want.RunID || got.NodeID != want.NodeID ||
 		got.RetryID != want.RetryID || got.Attempt != want.Attempt || got.IdempotencyKey != want.IdempotencyKey ||
-		!got.Deadline.Equal(want.Deadline) {
+		got.Hedge != want.Hedge || !got.Deadline.Equal(want.Deadline) {
 		t.Fatalf("call = %+v, want %+v", got, want)
 	}
 }

@@ -26,6 +26,7 @@ import (
 	"github.com/curfew-mesh/curfew/mesh/configwatch"
 	"github.com/curfew-mesh/curfew/mesh/decoderlease"
 	"github.com/curfew-mesh/curfew/mesh/dlq"
+	"github.com/curfew-mesh/curfew/mesh/hedge"
 	"github.com/curfew-mesh/curfew/mesh/meshtls"
 	"github.com/curfew-mesh/curfew/mesh/outbox"
 	"github.com/curfew-mesh/curfew/mesh/replicas"
@@ -75,6 +76,8 @@ func run(args []string) int {
 	clusterSlots := fs.Bool("cluster-admission", true, "with a shared --store, claim each admitted run's pool slot and tenant slot in the store, so that pool caps and tenant concurrency hold across every orchestrator replica (docs/cluster.md); false: each replica enforces them alone")
 	clusterTTL := fs.Duration("cluster-slot-ttl", clusterslots.DefaultTTL, "TTL of a cluster-wide admission slot, renewed every third of it: a dead replica's slots return this long after its last renewal")
 	clusterReplicas := fs.Int("cluster-replicas", 0, "orchestrator replicas sharing the caps, for each replica's share of a cap while the store is down (docs/cluster.md); 0: counted from the replicas' configuration rows in the store")
+	var hedging hedge.Flags
+	hedging.Register(fs)
 	operatorPoll := fs.Duration("operator-poll", admin.DefaultControlsPoll, "how often the operators' pool controls (curfew pool close|open) are read from the store: a control set through any replica holds on this one within it")
 	if err := service.Parse(fs, args, os.Getenv); err != nil {
 		fmt.Fprintln(os.Stderr, "orchestrator:", err)
@@ -82,6 +85,10 @@ func run(args []string) int {
 	}
 	if err := o.Validate(); err != nil { // a bad common flag is a usage error too
 		fmt.Fprintln(os.Stderr, "orchestrator:", err)
+		return 2
+	}
+	if err := hedging.Validate(); err != nil {
+		fmt.Fprintln(os.Stderr, "orchestrator: --hedge-max-extra-load:", err)
 		return 2
 	}
 	if *maxRuns < 1 || *minRun < 0 {
@@ -309,6 +316,11 @@ func run(args []string) int {
 			return 2
 		}
 	}
+	hedges, err := hedging.Policy(rt.Registry)
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "orchestrator: --hedge-max-extra-load:", err)
+		return 2
+	}
 	srv := orchestrator.New(orchestrator.Config{
 		Loop: agent.Config{
 			Model:      models,
@@ -317,6 +329,7 @@ func run(args []string) int {
 			ToolNodes:  reports["toolrunner"],
 			ModelName:  *model,
 			Leases:     leases,
+			Hedge:      hedges,
 		},
 		Reports:     []meshv1.NodeReportServiceClient{reports["modelproxy"], reports["toolrunner"], reports["subagent"]},
 		MaxRuns:     *maxRuns,

@@ -17,6 +17,7 @@ import (
 	toolrunnerv1 "github.com/curfew-mesh/curfew/gen/curfew/toolrunner/v1"
 	"github.com/curfew-mesh/curfew/mesh/agent"
 	"github.com/curfew-mesh/curfew/mesh/decoderlease"
+	"github.com/curfew-mesh/curfew/mesh/hedge"
 	"github.com/curfew-mesh/curfew/mesh/nodes"
 	"github.com/curfew-mesh/curfew/mesh/service"
 	"github.com/curfew-mesh/curfew/services/subagent/internal/subagent"
@@ -33,6 +34,8 @@ func run(args []string) int {
 	model := fs.String("model", agent.DefaultModel, "model of nested loops when the caller names none")
 	minSpawn := fs.Duration("min-spawn-time", 100*time.Millisecond, "least time left to start a subagent; less fails fast with DEADLINE_EXCEEDED")
 	maxDepth := fs.Int("max-depth", subagent.DefaultMaxDepth, "deepest subagent nesting served")
+	var hedging hedge.Flags
+	hedging.Register(fs)
 	decoderFile := fs.String("decoder-config", "", `JSON file of the decoder-lease heartbeat and TTL, {"heartbeat": "4s", "lease_ttl": "12s"} (docs/leases.md), reloaded when it changes and on SIGHUP; default: a 4s heartbeat and a 12s TTL`)
 	if err := service.Parse(fs, args, os.Getenv); err != nil {
 		fmt.Fprintln(os.Stderr, "subagent:", err)
@@ -40,6 +43,10 @@ func run(args []string) int {
 	}
 	if err := o.Validate(); err != nil { // a bad common flag is a usage error too
 		fmt.Fprintln(os.Stderr, "subagent:", err)
+		return 2
+	}
+	if err := hedging.Validate(); err != nil {
+		fmt.Fprintln(os.Stderr, "subagent: --hedge-max-extra-load:", err)
 		return 2
 	}
 	if *minSpawn < 0 || *maxDepth < 1 {
@@ -90,6 +97,11 @@ func run(args []string) int {
 			return 2
 		}
 	}
+	hedges, err := hedging.Policy(rt.Registry)
+	if err != nil {
+		fmt.Fprintln(os.Stderr, "subagent: --hedge-max-extra-load:", err)
+		return 2
+	}
 	srv := subagent.New(subagent.Config{MaxDepth: *maxDepth, Loop: agent.Config{
 		Model:      models,
 		ModelNodes: modelNodes,
@@ -97,6 +109,7 @@ func run(args []string) int {
 		ToolNodes:  toolNodes,
 		ModelName:  *model,
 		Leases:     leases,
+		Hedge:      hedges,
 	}})
 	subagentv1.RegisterSubagentServiceServer(rt.Server, srv)
 	report := srv.Report()

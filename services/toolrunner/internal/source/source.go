@@ -74,6 +74,9 @@ type Meta struct {
 	// IdempotencyKey is set when the call carries one: a tool with irreversible effects
 	// must do its effect at most once per key.
 	IdempotencyKey string
+	// Hedge says the call is a hedged call's backup (curfew-hedge): it runs beside a
+	// twin with the same RetryID, and the caller keeps the first answer.
+	Hedge bool
 }
 
 // MetaPrefix prefixes the keys of curfew's facts in an MCP request's _meta.
@@ -87,6 +90,7 @@ const (
 	MetaNodeID         = MetaPrefix + "node_id"         // the tool's node, its path in the tree
 	MetaRetryID        = MetaPrefix + "retry_id"        // the logical call, the same on every attempt
 	MetaIdempotencyKey = MetaPrefix + "idempotency_key" // only when the call carries one
+	MetaHedge          = MetaPrefix + "hedge"           // true on a hedged call's backup only
 )
 
 // MCPMeta returns m as the _meta of an MCP request sent at now.
@@ -98,6 +102,9 @@ func (m Meta) MCPMeta(now time.Time) map[string]any {
 	}
 	if m.IdempotencyKey != "" {
 		out[MetaIdempotencyKey] = m.IdempotencyKey
+	}
+	if m.Hedge {
+		out[MetaHedge] = true
 	}
 	return out
 }

@@ -30,7 +30,7 @@ func (s *Server) prepareRegistry(ctx context.Context, name string, raw []byte, e
 	return func(ctx context.Context) (string, *meshv1.Cleanup, error) {
 		id := md.IdentityFrom(ctx)
 		meta := source.Meta{RunID: id.RunID, NodeID: id.NodeID, RetryID: id.RetryID, Attempt: max(id.Attempt, 1),
-			IdempotencyKey: md.IdempotencyKeyFrom(ctx)}
+			IdempotencyKey: md.IdempotencyKeyFrom(ctx), Hedge: md.HedgeFrom(ctx)}
 		if dl, ok := ctx.Deadline(); ok {
 			meta.Deadline = dl
 		}

@@ -163,8 +163,10 @@ func (s *Server) Execute(req *toolrunnerv1.ExecuteRequest, stream toolrunnerv1.T
 	if err := ctx.Err(); err != nil {
 		return err // never start a tool for a call already cancelled
 	}
-	if k := md.IdempotencyKeyFrom(ctx); k != "" && !catalog.Durable(req.GetName()) {
-		// (kv_put and notify keep their keys in the store, see durable.go.)
+	if k := md.IdempotencyKeyFrom(ctx); k != "" && !catalog.Durable(req.GetName()) && !md.HedgeFrom(ctx) {
+		// (kv_put and notify keep their keys in the store, see durable.go.) A hedged
+		// call's backup (curfew-hedge, only ever sent for tools without irreversible
+		// effects) runs beside its twin instead of joining the twin's record.
 		finish, rec := s.keys.claim(keyOf(ctx, k))
 		if rec != nil {
 			// Done: replay the stored result. In progress: join it. Either way, no second run.

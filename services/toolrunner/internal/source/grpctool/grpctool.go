@@ -290,6 +290,11 @@ func outgoing(ctx context.Context, m source.Meta) context.Context {
 		set(md.Attempt, strconv.Itoa(m.Attempt))
 	}
 	set(md.IdempotencyKey, m.IdempotencyKey)
+	if m.Hedge {
+		set(md.Hedge, md.HedgeBackup)
+	} else {
+		out.Delete(md.Hedge)
+	}
 	if dl, ok := ctx.Deadline(); ok {
 		set(md.Deadline, strconv.FormatInt(dl.UnixMilli(), 10))
 	}
