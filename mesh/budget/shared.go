@@ -424,8 +424,11 @@ func (s *Shared) tick(ctx context.Context) {
 			return
 		}
 		s.judge(gen, ids)
+		// The kept settlements first: coordination resumes on figures that include them.
+		if !s.flush(ctx) {
+			return
+		}
 		s.resume()
-		s.flush(ctx)
 	}
 	s.refreshReplicasEvery(ctx)
 }
@@ -448,13 +451,14 @@ func (s *Shared) judge(gen uint64, ids []string) {
 	}
 }
 
-// flush charges the kept settlements, in order, until one fails.
-func (s *Shared) flush(ctx context.Context) {
+// flush charges the kept settlements, in order, until one fails; it reports whether
+// none is left.
+func (s *Shared) flush(ctx context.Context) bool {
 	for {
 		s.mu.Lock()
 		if len(s.pending) == 0 {
 			s.mu.Unlock()
-			return
+			return true
 		}
 		c := s.pending[0]
 		s.mu.Unlock()
@@ -465,7 +469,7 @@ func (s *Shared) flush(ctx context.Context) {
 			if ctx.Err() == nil {
 				s.degrade(err)
 			}
-			return
+			return false
 		}
 		s.mu.Lock()
 		s.pending = s.pending[1:]
