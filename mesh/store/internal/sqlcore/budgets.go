@@ -93,7 +93,10 @@ func (s *Store) ReserveTokens(ctx context.Context, r store.TokenReservation) (st
 		return nil
 	}
 	if s.dl.WritableCTEs {
-		rows, err := s.d.Write(ctx, `WITH gone AS (DELETE FROM budget_holds WHERE tenant = $1 AND expires_ms <= $8 RETURNING tokens),
+		// The expired holds are locked in id order before they are deleted, so that two
+		// reservations sweeping the same holds queue instead of deadlocking.
+		rows, err := s.d.Write(ctx, `WITH gone AS (DELETE FROM budget_holds WHERE id IN (SELECT x.id FROM budget_holds x
+				WHERE x.tenant = $1 AND x.expires_ms <= $8 ORDER BY x.id FOR UPDATE) RETURNING tokens),
 			up AS (`+upsert+`),
 			h AS (`+insertHold+` FROM up WHERE up.granted = 1)
 			SELECT granted, spent, reserved, start_ms FROM up`, args...)
