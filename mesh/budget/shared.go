@@ -159,6 +159,9 @@ func NewShared(cfg SharedConfig) (*Shared, error) {
 	}
 	s.ctx, s.stop = context.WithCancel(context.Background())
 	s.refreshReplicas(s.ctx)
+	// Asked again at the first tick: replicas starting together have written their rows
+	// of store.Replicas by then.
+	s.replicasAt = time.Time{}
 	s.wg.Add(1)
 	go s.loop()
 	return s, nil
