@@ -14,6 +14,7 @@ import (
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus"
+	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 
 	"github.com/curfew-mesh/curfew/mesh/admission"
@@ -222,6 +223,9 @@ func (s *Shared) Reserve(ctx context.Context, name string, n int64) (Hold, error
 		}
 		if ctx.Err() != nil { // the caller's end, not the store's
 			return nil, status.FromContextError(ctx.Err()).Err()
+		}
+		if errors.Is(err, store.ErrInvalidArgument) { // the request's fault, not the store's
+			return nil, status.Error(codes.InvalidArgument, err.Error())
 		}
 		local = s.degrade(err)
 	}

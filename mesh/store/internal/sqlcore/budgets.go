@@ -13,10 +13,11 @@ import (
 // tokens its DELETE … RETURNING returned (a row deleted concurrently by another
 // statement is returned to one of them only), and a grant adds n and inserts its hold
 // in the same statement or transaction. On PostgreSQL each operation is one statement
-// (writable CTEs); the DELETE runs first and the upsert of the tenant's row, locked by
-// ON CONFLICT DO UPDATE, judges the grant on that row's latest committed version, so
-// concurrent reservations queue on the row and each sees the others' grants. On SQLite
-// the same statements run in one write transaction.
+// (writable CTEs): the upsert of the tenant's row reads the DELETE's RETURNING, and, the
+// row locked by ON CONFLICT DO UPDATE, judges the grant on its latest committed version
+// (not on the statement's snapshot), so concurrent reservations queue on the row and
+// each sees the others' grants. On SQLite the same statements run in one write
+// transaction.
 
 // windowStartMs is the start of the epoch-aligned window of length w containing t.
 func windowStartMs(t, w int64) int64 { return t - t%w }
