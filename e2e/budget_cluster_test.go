@@ -36,7 +36,7 @@ const clusterBudget = 600
 // replicas. Each replica alone would grant the whole budget; reserved in the store they
 // grant it once: the ledger's total for the tenant (prompt + output, as `curfew usage`
 // sums it) never passes the budget, and calls on both replicas were refused
-// BUDGET_EXHAUSTED.
+// BUDGET_EXHAUSTED. (With each replica counting alone, the total reaches 1190.)
 func TestBudgetAcrossReplicas(t *testing.T) {
 	t.Parallel()
 	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
@@ -127,10 +127,15 @@ func TestBudgetAcrossReplicas(t *testing.T) {
 	if total < clusterBudget/2 || prompt == 0 {
 		t.Errorf("the ledger's total is %d (%d prompt): the calls did not spend the budget, the test proves nothing", total, prompt)
 	}
+	// Which replica wins each race is up to the store (one may win most); both must have
+	// refused, having seen the budget the other spent.
 	for r := range 2 {
-		if granted[r].Load() == 0 || refused[r].Load() == 0 {
-			t.Errorf("replica %d granted %d and refused %d: want both on each replica", r, granted[r].Load(), refused[r].Load())
+		if refused[r].Load() == 0 {
+			t.Errorf("replica %d granted %d and refused none: want refusals on each replica", r, granted[r].Load())
 		}
+	}
+	if granted[0].Load()+granted[1].Load() == 0 {
+		t.Error("no call was granted")
 	}
 }
 
