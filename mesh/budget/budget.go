@@ -11,8 +11,8 @@ import (
 )
 
 // Budgets reserves tokens against tenants' budgets. [Memory] is the in-process
-// implementation; the cluster work backs it with the store. Implementations are safe
-// for concurrent use.
+// implementation, [Shared] the one every replica sharing a store enforces together.
+// Implementations are safe for concurrent use.
 type Budgets interface {
 	// Reserve reserves n tokens of tenant's budget for one call, or refuses with a
 	// *Refusal when the budget cannot cover them. The Hold must be settled exactly once,

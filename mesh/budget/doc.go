@@ -7,6 +7,7 @@
 // # Use
 //
 //	b := budget.NewMemory(cfg, budget.Options{Registry: reg}) // cfg: an admission.Config
+//	// or, across replicas: budget.NewShared(budget.SharedConfig{Store: st, Limits: cfg})
 //	h, err := b.Reserve(ctx, tenant, prompt+maxTokens)
 //	if err != nil {
 //		return err // a *Refusal: RESOURCE_EXHAUSTED with ErrorInfo BUDGET_EXHAUSTED
@@ -31,11 +32,18 @@
 //
 // # Where it holds
 //
-// [Memory] counts in the memory of one process: modelproxy keeps one per replica, so
-// until the cluster work (issue 24) backs [Budgets] with the store, each modelproxy
-// replica enforces the whole budget on the calls it serves. The reservations of a
-// process that crashes go with its memory; the spend its ledger persisted stays in the
-// store.
+// [Memory] counts in the memory of one process: with several modelproxy replicas each
+// enforces the whole budget on the calls it serves. The reservations of a process that
+// crashes go with its memory; the spend its ledger persisted stays in the store.
+//
+// [Shared] reserves in the store (store.Budgets) that every replica shares, so they
+// enforce a tenant's budget together (docs/cluster.md, "Budgets across replicas"): one
+// round trip to reserve, one to settle, and one renewal statement per TTL/3 for all of
+// a process's holds; a crashed replica's reservations stop counting TTL after its last
+// renewal. While the store is unreachable a Shared reserves against this replica's
+// share of what the tenant had left (the remaining budget / live replicas), keeps its
+// settlements for the store, and coordinates again once the store answers.
+// modelproxy uses Shared when its store is shared, Memory otherwise.
 //
 // [Refused] recognises a refusal, here or after it crossed the wire, so that an agent
 // loop does not hand it to the model as a tool's error and cancels the run's tree with

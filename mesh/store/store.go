@@ -6,8 +6,8 @@ import (
 )
 
 // Store is curfew's durable state: runs and their leases, checkpoints, tool idempotency
-// records with their side effects, dead letters, the token ledger, tenants' API keys and
-// cluster-wide admission slots. It is the union of
+// records with their side effects, dead letters, the token ledger, tenants' API keys,
+// cluster-wide admission slots and token budget reservations. It is the union of
 // the narrower interfaces below; a component should depend on the narrowest one it uses.
 // Implementations are safe for concurrent use by many goroutines and by many processes
 // sharing one database.
@@ -23,6 +23,7 @@ type Store interface {
 	Approvals
 	Replicas
 	Slots
+	Budgets
 	Sharing
 	// Close releases the connections. Calls after Close fail.
 	Close() error

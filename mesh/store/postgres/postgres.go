@@ -21,6 +21,7 @@ var dialect = sqlcore.Dialect{
 	// Replicas starting together migrate one at a time; the key is arbitrary but fixed.
 	MigrationLock: "SELECT pg_advisory_xact_lock(7306254372)",
 	Blob:          "BYTEA",
+	WritableCTEs:  true,
 }
 
 // Open connects a pgxpool to dsn (postgres://user@host:port/db?sslmode=disable, or

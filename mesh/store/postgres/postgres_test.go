@@ -68,6 +68,11 @@ func BenchmarkCheckpoint(b *testing.B) {
 	storetest.BenchmarkCheckpoint(b, storetest.PostgresDSN(b))
 }
 
+// BenchmarkTokenBudget is one model call's reservation and settlement.
+func BenchmarkTokenBudget(b *testing.B) {
+	storetest.BenchmarkTokenBudget(b, storetest.PostgresDSN(b))
+}
+
 // BenchmarkCheckpointNoSyncCommit is the same with synchronous_commit=off for the
 // session: the cost without waiting for the WAL flush, to tell the statement's cost
 // from the disk's. Not a recommended setting (a crash may lose the last commits).

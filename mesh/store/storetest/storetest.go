@@ -92,6 +92,7 @@ func Run(t *testing.T, fresh func(t *testing.T) string) {
 		{"Approvals", approvalTests},
 		{"Replicas", replicaTests},
 		{"Slots", slotTests},
+		{"Budgets", budgetTests},
 		{"Migrations", migrationTests},
 	}
 	for _, g := range groups {

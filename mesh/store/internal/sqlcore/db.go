@@ -62,6 +62,11 @@ type Dialect struct {
 	// Blob is the binary column type, for CASTs of parameters whose type the
 	// statement does not otherwise fix.
 	Blob string
+	// WritableCTEs says that a WITH clause may hold DELETE … RETURNING (PostgreSQL):
+	// several writes then go in one statement, one round trip, where SQLite runs them
+	// as statements of one transaction (local calls, and its single writer serializes
+	// them anyway).
+	WritableCTEs bool
 }
 
 // SQLite is the dialect of the SQLite backends. BEGIN IMMEDIATE already locks the

@@ -22,6 +22,7 @@ import (
 	"github.com/curfew-mesh/curfew/mesh/configwatch"
 	"github.com/curfew-mesh/curfew/mesh/nodes"
 	"github.com/curfew-mesh/curfew/mesh/service"
+	"github.com/curfew-mesh/curfew/mesh/store"
 	"github.com/curfew-mesh/curfew/mesh/store/memory"
 	_ "github.com/curfew-mesh/curfew/mesh/store/postgres" // postgres:// DSNs
 	_ "github.com/curfew-mesh/curfew/mesh/store/sqlite"   // SQLite paths
@@ -38,7 +39,7 @@ func run(args []string) int {
 	minDecode := fs.Duration("min-decode-time", 50*time.Millisecond, "least time left to start a decoder; less fails fast with DEADLINE_EXCEEDED")
 	providers := fs.String("providers-config", "", "JSON file of OpenAI-compatible providers and model aliases (see docs/providers.md); only the built-in sim model when empty")
 	leaseTTL := fs.Duration("decoder-lease-ttl", modelproxy.DefaultLeaseTTL, "TTL of a decoder's lease when its caller names none (GenerateRequest.lease_ttl): a decoder whose caller has not renewed its lease (RenewLeases) for this long stops by itself, cause lease_expired (see docs/leases.md); 0 gives such decoders no lease")
-	admissionFile := fs.String("admission-config", "", "the orchestrator's admission file (docs/admission.md), read for its tenants' token budgets: each model call reserves its prompt and max_tokens against its tenant's budget before it starts and is refused RESOURCE_EXHAUSTED when the budget cannot cover it; counted per modelproxy replica; no reservations when empty or no tenant has a budget")
+	admissionFile := fs.String("admission-config", "", "the orchestrator's admission file (docs/admission.md), read for its tenants' token budgets: each model call reserves its prompt and max_tokens against its tenant's budget before it starts and is refused RESOURCE_EXHAUSTED when the budget cannot cover it; counted across every modelproxy replica sharing a --store (SQLite file or PostgreSQL; docs/cluster.md), in this replica alone without one; no reservations when empty or no tenant has a budget")
 	storeDSN := fs.String("store", "", "durable store of the token ledger: a SQLite path (sqlite:///path/curfew.db) or a postgres:// DSN; `curfew up` passes one under its data directory; without one the ledger is kept in memory only and a run's spend does not survive a restart")
 	controlsPoll := fs.Duration("controls-poll", modelproxy.DefaultControlsPoll, "how often the operators' controls are read from the store (ledger freezes, decoder drains: see docs/operations.md); at most 1s, so that a freeze or drain holds on every replica within a second")
 	if err := service.Parse(fs, args, os.Getenv); err != nil {
@@ -106,9 +107,25 @@ func run(args []string) int {
 	// The metrics exist at 0 with or without budgets; reservations only with one at start
 	// (a reservation also bounds a call's max_tokens, which a file without budgets must
 	// not do), so a reload changes budgets but does not add the first one.
+	// A shared store shares the budgets: every replica reserves against it
+	// (docs/cluster.md, "Budgets across replicas"); a private one counts in memory.
 	live := admission.NewLiveLimits(limits)
-	if b := budget.NewMemory(live, budget.Options{Registry: rt.Registry}); hasBudget(limits) {
+	switch {
+	case st.Shared() && hasBudget(limits):
+		b, err := budget.NewShared(budget.SharedConfig{Store: st, Limits: live, Registry: rt.Registry, Logger: rt.Log,
+			Replicas: liveReplicas(st, rt.Opts.Name, srv.Replica)})
+		if err != nil {
+			rt.Log.Error("token budgets", "error", err.Error())
+			return 1
+		}
+		defer func() { _ = b.Close() }() // before the store closes
 		srv.Budgets = b
+	case st.Shared():
+		budget.NewMemory(live, budget.Options{Registry: rt.Registry}) // the metrics, at 0
+	default:
+		if b := budget.NewMemory(live, budget.Options{Registry: rt.Registry}); hasBudget(limits) {
+			srv.Budgets = b
+		}
 	}
 	if *admissionFile != "" {
 		// The tenants' budgets follow the file; reservations in flight settle as made.
@@ -156,6 +173,25 @@ func run(args []string) int {
 		return 1
 	}
 	return 0
+}
+
+// liveReplicas counts the replicas of service name that wrote their rows of store.Replicas
+// within the last three refresh periods (this one included): the share of a tenant's
+// budget each may spend alone while the store is unreachable (budget.SharedConfig).
+func liveReplicas(st store.Replicas, name, self string) func(context.Context) (int, error) {
+	return func(ctx context.Context) (int, error) {
+		cs, err := st.ListReplicaConfigs(ctx, name)
+		if err != nil {
+			return 0, err
+		}
+		seen := map[string]bool{self: true}
+		for _, c := range cs {
+			if time.Since(c.SeenAt) < 3*service.ReplicaRefresh {
+				seen[c.Replica] = true
+			}
+		}
+		return len(seen), nil
+	}
 }
 
 // hasBudget reports whether any tenant of c, or its default, has a token budget.
