@@ -72,7 +72,9 @@ func (s *Server) Status(ctx context.Context, _ *adminv1.StatusRequest) (*adminv1
 // clusterView adds cluster-wide admission to out: this replica's coordination state,
 // and each pool's slots held across the cluster, read from the store.
 func (s *Server) clusterView(ctx context.Context, out *adminv1.StatusResponse) {
-	cv, ok := s.cfg.Pools.(interface{ ClusterStatus() admission.ClusterStatus })
+	cv, ok := s.cfg.Pools.(interface {
+		ClusterStatus() admission.ClusterStatus
+	})
 	if !ok {
 		return
 	}
