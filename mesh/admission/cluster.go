@@ -63,9 +63,10 @@ func (cc ClusterConfig) validate() error {
 	return nil
 }
 
-// PoolScope and TenantScope name the cluster-wide slot scopes of a pool's cap and of a
-// tenant's concurrency.
-func PoolScope(pool string) string     { return "pool/" + pool }
+// PoolScope names the cluster-wide slot scope of a pool's cap.
+func PoolScope(pool string) string { return "pool/" + pool }
+
+// TenantScope names the cluster-wide slot scope of a tenant's concurrency.
 func TenantScope(tenant string) string { return "tenant/" + tenant }
 
 // claimResult is what a cluster claim found.
@@ -160,7 +161,7 @@ func (c *Controller) startClaim(p *pool, w *waiter, now time.Time) {
 		giveBack := c.finishClaim(p, w, slots, res, err, now)
 		c.dispatch(p, now)
 		c.mu.Unlock()
-		c.releaseSlots(giveBack)
+		c.releaseSlots(ctx, giveBack)
 	}()
 }
 
@@ -190,7 +191,7 @@ func (c *Controller) claim(ctx context.Context, scopes []string, sizes []int) ([
 	}
 	ts, ok, err := h.TryAcquire(ctx, scopes[1])
 	if err != nil || !ok {
-		c.releaseSlots([]*clusterslots.Slot{ps})
+		c.releaseSlots(ctx, []*clusterslots.Slot{ps})
 	}
 	switch {
 	case err != nil:
@@ -330,8 +331,9 @@ func (c *Controller) Kick(scope string) {
 }
 
 // releaseSlots gives slots back to the store, counting those that were lost meanwhile.
-// It is called without the lock.
-func (c *Controller) releaseSlots(slots []*clusterslots.Slot) {
+// It is called without the lock. The release is bounded by ClaimTimeout and outlives
+// ctx's cancellation: a slot must go back whoever stopped waiting.
+func (c *Controller) releaseSlots(ctx context.Context, slots []*clusterslots.Slot) {
 	if len(slots) == 0 {
 		return
 	}
@@ -341,7 +343,7 @@ func (c *Controller) releaseSlots(slots []*clusterslots.Slot) {
 			lost++
 		}
 	}
-	ctx, cancel := context.WithTimeout(context.Background(), c.cfg.Cluster.ClaimTimeout)
+	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), c.cfg.Cluster.ClaimTimeout)
 	defer cancel()
 	err := c.cfg.Cluster.Slots.ReleaseAll(ctx, slots...)
 	if err != nil && errors.Is(err, clusterslots.ErrClosed) {

@@ -416,7 +416,7 @@ func (c *Controller) wait(ctx context.Context, w *waiter) (*Ticket, error) {
 			c.mu.Unlock()
 			r := <-w.ch
 			if r.t != nil { // admitted in the same instant: give the slot back
-				r.t.Release(Outcome{Ended: EndCancelled})
+				r.t.Release(Outcome{Ended: EndCancelled}) //nolint:contextcheck // Release gives the slots back whether or not ctx ended
 				return nil, ctxStatus(ctx)
 			}
 			return nil, r.err
@@ -640,6 +640,10 @@ func (c *Controller) Close() {
 	c.claims.Wait()
 }
 
+// afterRun is the context of a Release's store round trip (bounded by ClaimTimeout):
+// the run it ends has no context left to give.
+var afterRun = context.Background()
+
 // Ticket is an admitted run's lease on a pool slot.
 type Ticket struct {
 	c        *Controller
@@ -672,7 +676,7 @@ func (t *Ticket) Release(o Outcome) {
 		return
 	}
 	c := t.c
-	c.releaseSlots(t.slots)
+	c.releaseSlots(afterRun, t.slots)
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	now := c.now()

@@ -28,7 +28,8 @@ type clusterAdmission struct {
 func newClusterAdmission(ctx context.Context, st store.Store, ttl time.Duration, fixed int, log *slog.Logger) (*clusterAdmission, error) {
 	ca := &clusterAdmission{}
 	ca.replicas.Store(1)
-	h, err := clusterslots.New(clusterslots.Config{Store: st, TTL: ttl, Logger: log,
+	h, err := clusterslots.New(clusterslots.Config{Store: st, TTL: ttl, Logger: log, //nolint:contextcheck // its loops serve the process until close, not this call
+
 		OnRelease: func(scope string) {
 			if c := ca.ctl.Load(); c != nil {
 				c.Kick(scope)

@@ -88,7 +88,7 @@ func (s *Server) execute(rctx context.Context, rn *run, in agent.Input, j agent.
 	rn.finishing = true
 	rn.mu.Unlock()
 	tracing.EndRun(rn.span, o.Status, o.Cause, o.Code, o.Message, tokens, after)
-	s.endAdmission(rn, rn.snapshot(s.shared))
+	s.endAdmission(rn, rn.snapshot(s.shared)) //nolint:contextcheck // a ticket's release has no caller context
 	if !s.commit(rctx, rn) {
 		s.abandon(rctx, rn)
 		return

@@ -375,7 +375,7 @@ func (s *Server) abandon(ctx context.Context, rn *run) {
 		}
 	}
 	rn.span.End()
-	rn.ticket.Release(admission.Outcome{Ended: admission.EndUnknown})
+	rn.ticket.Release(admission.Outcome{Ended: admission.EndUnknown}) //nolint:contextcheck // a ticket's release has no caller context
 	s.forget(rn)
 	close(rn.done)
 	if !handover {

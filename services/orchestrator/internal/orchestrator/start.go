@@ -76,7 +76,7 @@ func (s *Server) start(ctx context.Context, req startRequest) (started, error) {
 	}
 	rn, existing, err := s.create(ctx, req.tenant, req.key, model, req.task, req.input, dl)
 	if err != nil || rn == nil {
-		tk.Release(admission.Outcome{Ended: admission.EndFailed})
+		tk.Release(admission.Outcome{Ended: admission.EndFailed}) //nolint:contextcheck // a ticket's release (its cluster slots back to the store) has no caller context
 		return started{existing: existing}, err
 	}
 	rn.ticket = tk
