@@ -136,15 +136,18 @@ func (c *Controller) scopesFor(p *pool, w *waiter) ([]string, []int) {
 }
 
 // startClaim takes w (out of its queue) to the store, in a goroutine of its own, since
-// the store is never called with the lock held. One claim per pool runs at a time, so
-// the queue's order holds. While the store is known to be down (degraded), the decision
-// is made at once on the local share instead.
+// the store is never called with the lock held. Claims start in queue order, as many at
+// once as the pool has room for locally (a slow round trip does not hold up the next
+// waiter); a claim that finds the pool full puts its waiter back at the head. While the
+// store is known to be down (degraded), the decision is made at once on the local share
+// instead.
 func (c *Controller) startClaim(p *pool, w *waiter, now time.Time) {
 	if now.Before(c.cl.degradedUntil) {
 		c.finishClaim(p, w, nil, claimFailed, nil, now)
 		return
 	}
-	p.claiming = w
+	p.claims++
+	w.claiming = true
 	scopes, sizes := c.scopesFor(p, w)
 	c.claims.Add(1)
 	go func() {
@@ -156,7 +159,8 @@ func (c *Controller) startClaim(p *pool, w *waiter, now time.Time) {
 		c.m.claimSeconds.Observe(time.Since(start).Seconds())
 		c.m.claims.WithLabelValues(p.name, claimResultNames[res]).Inc()
 		c.mu.Lock()
-		p.claiming = nil
+		p.claims--
+		w.claiming = false
 		now := c.now()
 		giveBack := c.finishClaim(p, w, slots, res, err, now)
 		c.dispatch(p, now)

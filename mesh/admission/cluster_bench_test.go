@@ -2,6 +2,7 @@ package admission_test
 
 import (
 	"context"
+	"fmt"
 	"slices"
 	"sync"
 	"sync/atomic"
@@ -58,14 +59,17 @@ func (c *countingSlots) ReleaseSlots(ctx context.Context, ss []store.Slot) (int,
 // and a tenant limit of 16, so slots are free and the figure is the decision's own
 // cost). Each iteration is one arrival; its Admit is timed from the call to the ticket.
 // "local" is the controller alone, "postgres" claims the pool's and the tenant's slots
-// in PostgreSQL (one store handle per replica), in the same run. Reported: the p50 and
-// p99 decision times, and store round trips per run (claims, releases, renewals and
-// sizing, all replicas). Run it with a fixed count, since iterations are paced:
+// in PostgreSQL (one store handle per replica), and "store-floor" is the honest floor:
+// the same claim statement (store.ClaimSlots of both scopes) timed alone at the same
+// pace, with no controller. Reported: the p50 and p99 decision (or statement) times, and
+// store round trips per run (claims, releases, renewals and sizing, all replicas). Run it
+// with a fixed count, since iterations are paced:
 //
 //	go test -run '^$' -bench ClusterAdmission -benchtime 2000x ./admission/
 func BenchmarkClusterAdmission(b *testing.B) {
 	cfg := admission.Config{Pools: []admission.PoolConfig{{Name: "paid", MaxInFlight: 16, MaxQueue: 1024}},
 		DefaultTenant: admission.TenantLimits{MaxInFlight: 16}}
+	b.Run("store-floor", benchClaimFloor)
 	for _, mode := range []string{"local", "postgres"} {
 		b.Run(mode, func(b *testing.B) {
 			var ctls []*admission.Controller
@@ -144,4 +148,59 @@ func BenchmarkClusterAdmission(b *testing.B) {
 			}
 		})
 	}
+}
+
+// benchClaimFloor times store.ClaimSlots of a pool and a tenant scope alone, at 200
+// claims per second, each released 20 ms later: what a cluster-wide decision cannot go
+// below on this store.
+func benchClaimFloor(b *testing.B) {
+	st, err := store.Open(b.Context(), storetest.PostgresDSN(b))
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer func() { _ = st.Close() }()
+	ctx := context.Background()
+	scopes := []string{"pool/floor", "tenant/floor"}
+	for _, s := range scopes {
+		if err := st.SizeSlots(ctx, s, 16); err != nil {
+			b.Fatal(err)
+		}
+	}
+	var (
+		mu   sync.Mutex
+		ds   []time.Duration
+		wg   sync.WaitGroup
+		fail atomic.Value
+	)
+	next := time.Now()
+	for b.Loop() {
+		time.Sleep(time.Until(next))
+		next = next.Add(5 * time.Millisecond)
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			t0 := time.Now()
+			ss, ok, err := st.ClaimSlots(ctx, scopes, "floor", 10*time.Second)
+			d := time.Since(t0)
+			if err != nil || !ok {
+				fail.Store(fmt.Errorf("claim: ok %v, %v", ok, err))
+				return
+			}
+			mu.Lock()
+			ds = append(ds, d)
+			mu.Unlock()
+			time.Sleep(20 * time.Millisecond)
+			_, _ = st.ReleaseSlots(ctx, ss)
+		}()
+	}
+	wg.Wait()
+	b.StopTimer()
+	if e := fail.Load(); e != nil {
+		b.Fatal(e)
+	}
+	slices.Sort(ds)
+	q := func(p float64) float64 { return float64(ds[int(p*float64(len(ds)-1))].Microseconds()) / 1000 }
+	b.ReportMetric(q(0.50), "p50-ms")
+	b.ReportMetric(q(0.99), "p99-ms")
+	b.ReportMetric(0, "ns/op")
 }

@@ -133,10 +133,10 @@ type pool struct {
 	depth     prometheus.Gauge
 	inFlightG prometheus.Gauge
 	age       prometheus.Observer
-	// With cluster-wide slots (cluster.go): the waiter whose claim is at the store (one
-	// at a time, so the queue's order holds), and whether dispatch waits for a slot to
-	// be released somewhere (Kick) or for the poll timer.
-	claiming    *waiter
+	// With cluster-wide slots (cluster.go): the waiters whose claims are at the store
+	// (they count against MaxInFlight meanwhile), and whether dispatch waits for a slot
+	// to be released somewhere (Kick) or for the poll timer.
+	claims      int
 	clusterWait bool
 	poll        *time.Timer
 }
@@ -154,7 +154,9 @@ type waiter struct {
 	deadline   time.Time // zero: none
 	giveUp     time.Time // when to check age and slack again; owned by the waiting caller
 	ch         chan result
-	// cancelErr is set when the caller left while the waiter's claim was at the store.
+	// claiming is set while the waiter's claim is at the store; cancelErr when its
+	// caller left meanwhile.
+	claiming  bool
 	cancelErr error
 }
 
@@ -410,7 +412,7 @@ func (c *Controller) wait(ctx context.Context, w *waiter) (*Ticket, error) {
 			c.mu.Lock()
 			if w.list != nil {
 				c.dropWith(w, ReasonCancelled, ctxStatus(ctx), c.now())
-			} else if w.pool.claiming == w {
+			} else if w.claiming {
 				w.cancelErr = ctxStatus(ctx) // the claim's return ends it
 			}
 			c.mu.Unlock()
@@ -515,11 +517,11 @@ func (c *Controller) expireHeads(p *pool, now time.Time) {
 
 // dispatch admits waiters of p while it has free slots: critical first, FIFO within a
 // criticality. A waiter whose age or slack ran out is shed instead, before any work.
-// With cluster-wide slots, the head waiter goes to the store for its slots instead
-// (startClaim), one at a time, unless the pool waits for a slot to be released.
+// With cluster-wide slots, each waiter taken goes to the store for its slots instead
+// (startClaim), in queue order, unless the pool waits for a slot to be released.
 func (c *Controller) dispatch(p *pool, now time.Time) {
-	for p.inFlight < p.cfg.MaxInFlight {
-		if c.clustered() && (p.claiming != nil || p.clusterWait) {
+	for p.inFlight+p.claims < p.cfg.MaxInFlight {
+		if c.clustered() && p.clusterWait {
 			return
 		}
 		w := p.queues[critQ].head
@@ -537,7 +539,7 @@ func (c *Controller) dispatch(p *pool, now time.Time) {
 		p.depth.Set(float64(p.queued()))
 		if c.clustered() {
 			c.startClaim(p, w, now)
-			continue // startClaim decided at once (degraded) or set p.claiming
+			continue // startClaim decided at once (degraded) or counted the claim in p.claims
 		}
 		w.ch <- result{t: c.grant(p, w.tenant, w.req, now.Sub(w.enqueued), nil)}
 	}

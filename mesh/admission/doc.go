@@ -74,7 +74,7 @@
 // With [Config.Cluster] (a [clusterslots.Holder] on a shared store), pool caps and
 // tenant concurrency hold across every replica: the head of a pool's queue claims a slot
 // of the pool's scope ([PoolScope]) and of its tenant's ([TenantScope]) in one store
-// statement, outside the lock, one claim per pool at a time; a full pool waits for a
+// statement, outside the lock, in queue order; a full pool waits for a
 // release ([Controller.Kick]) or the poll, a tenant at its cluster-wide limit is shed
 // tenant_concurrency. When the store fails, each replica admits up to its share of each
 // cap for DegradedFor ([Controller.ClusterStatus]). docs/cluster.md is the operator's
@@ -86,7 +86,8 @@
 // (intrusive lists, map lookups). Without Config.Cluster the controller starts no
 // goroutines: a queued caller waits in its own goroutine, on its result, its ctx and one
 // timer for its queue age and slack. With it, each claim runs in a goroutine of its own
-// (at most one per pool), and a waiting pool has one poll timer; Close waits for them.
+// (at most as many per pool as it has room for), and a waiting pool has one poll timer;
+// Close waits for them.
 //
 // # Metrics
 //
