@@ -235,6 +235,21 @@ func (p *tcpProxy) cut() {
 	clear(p.conns)
 }
 
+// budgetCoordination is the budget part of mp's ListDecoders coordination (nil if none).
+func budgetCoordination(ctx context.Context, t *testing.T, mp modelproxyv1.ModelProxyServiceClient) *modelproxyv1.Coordination {
+	t.Helper()
+	resp, err := mp.ListDecoders(ctx, &modelproxyv1.ListDecodersRequest{})
+	if err != nil {
+		t.Fatalf("ListDecoders: %v", err)
+	}
+	for _, c := range resp.GetCoordination() {
+		if c.GetPart() == "budget" {
+			return c
+		}
+	}
+	return nil
+}
+
 // degradedGauge reads curfew_budget_coordination_degraded from p's /metrics (-1 when
 // absent).
 func degradedGauge(t *testing.T, p *meshproc.Proc) float64 {
@@ -381,6 +396,9 @@ func TestBudgetStoreOutage(t *testing.T) {
 		if g := degradedGauge(t, p); g != 1 {
 			t.Errorf("%s: curfew_budget_coordination_degraded = %v during the outage, want 1", p.Name, g)
 		}
+		if c := budgetCoordination(ctx, t, mps[r]); !c.GetDegraded() || c.GetSince() == nil || !strings.Contains(c.GetDetail(), "this replica's share") {
+			t.Errorf("%s: ListDecoders's budget coordination %v during the outage, want degraded, since when, on its share", p.Name, c)
+		}
 		if granted[r].Load() == 0 || refused[r].Load() == 0 {
 			t.Errorf("%s granted %d and refused %d during the outage: want both (served, then its share used up)",
 				p.Name, granted[r].Load(), refused[r].Load())
@@ -404,6 +422,11 @@ func TestBudgetStoreOutage(t *testing.T) {
 		return degradedGauge(t, models[0]) == 0 && degradedGauge(t, models[1]) == 0
 	})
 	resumed := time.Since(restored)
+	for r, p := range models {
+		if c := budgetCoordination(ctx, t, mps[r]); c.GetDegraded() || !strings.Contains(c.GetDetail(), "reservations in the store") {
+			t.Errorf("%s: ListDecoders's budget coordination %v after the store came back, want coordinated", p.Name, c)
+		}
+	}
 	after, err := st.TokenBudgetUsage(ctx, "acme", time.Hour)
 	if err != nil {
 		t.Fatal(err)

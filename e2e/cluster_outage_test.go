@@ -152,6 +152,19 @@ func TestClusterCoordinationSurvivesStoreOutage(t *testing.T) {
 		if err != nil || st.GetCluster().GetDegraded() || !st.GetCluster().GetEnabled() {
 			t.Errorf("orchestrator %d after the outage: %v %v, want coordinated", i, st.GetCluster(), err)
 		}
+		// The other coordinated limits are in status too: this orchestrator's retry
+		// windows and breakers' probe leases, by target.
+		rows := map[string]bool{}
+		for _, c := range st.GetCoordination() {
+			if c.GetService() == "orchestrator" && c.GetReplica() == st.GetReplica() {
+				rows[c.GetPart()+" "+c.GetTarget()] = true
+			}
+		}
+		for _, want := range []string{"retry_window modelproxy", "retry_window toolrunner", "breaker_probe toolrunner"} {
+			if !rows[want] {
+				t.Errorf("orchestrator %d's status lacks its coordination %q: %v", i, want, st.GetCoordination())
+			}
+		}
 	}
 	stop.Store(true)
 	wg.Wait()

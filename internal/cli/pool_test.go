@@ -2,6 +2,7 @@ package cli
 
 import (
 	"context"
+	"encoding/json"
 	"strings"
 	"testing"
 	"time"
@@ -47,8 +48,22 @@ func (f *fakeAdmin) Status(_ context.Context, req *adminv1.StatusRequest) (*admi
 		Leases:      []*adminv1.Lease{testLease()},
 		Configs:     []*adminv1.ReplicaConfig{{Service: "orchestrator", Replica: "orch-b", Config: "admission", Version: "v2", SeenAt: timestamppb.Now(), LoadedAt: timestamppb.Now()}},
 		Unreachable: []string{"modelproxy mp-b: timeout"},
+		Coordination: []*adminv1.Coordination{
+			{Service: "orchestrator", Replica: "orch-a", Part: "retry_window", Target: "modelproxy", Held: true,
+				Until: timestamppb.New(time.Now().Add(5 * time.Second)), Detail: "window 0 (epoch 4) held for 5s of 1 window(s) of 10s across replicas"},
+			{Service: "orchestrator", Replica: "orch-a", Part: "retry_window", Target: "toolrunner", Degraded: true, Refused: 3,
+				Since: timestamppb.New(statusSince), Detail: "store unreachable: retries that need a window are refused; 3 retries refused"},
+			{Service: "modelproxy", Replica: "mp-a", Part: "budget", Degraded: true, Since: timestamppb.New(statusSince),
+				Detail: "store unreachable: reserving against this replica's share, (budget - used) / 2 replicas"},
+			{Service: "modelproxy", Replica: "mp-a", Part: "breaker_probe", Target: "openai", Until: timestamppb.New(time.Now().Add(time.Minute)),
+				Detail: "another replica holds the probe lease for 1m0s"},
+			{Service: "modelproxy", Replica: "mp-a", Part: "breaker_probe", Target: "anthropic", Detail: "one probe per open period across replicas"},
+		},
 	}, nil
 }
+
+// statusSince is when the fake's degraded coordination began.
+var statusSince = time.Date(2026, 12, 4, 19, 0, 0, 0, time.UTC)
 
 func TestPoolCommandsUsage(t *testing.T) {
 	for _, tc := range []struct {
@@ -116,5 +131,42 @@ func TestStatusCommand(t *testing.T) {
 		if !strings.Contains(out, want) {
 			t.Errorf("status lacks %q:\n%s", want, out)
 		}
+	}
+	// COORDINATION: one line per limit and replica; a degraded one reads DEGRADED with
+	// its detail and since when.
+	var lines []string
+	for _, l := range strings.Split(out, "\n") {
+		lines = append(lines, strings.Join(strings.Fields(l), " "))
+	}
+	joined := strings.Join(lines, "\n")
+	for _, want := range []string{
+		"COORDINATION\nSERVICE REPLICA PART TARGET STATE DETAIL\n" +
+			"orchestrator orch-a retry_window modelproxy held window 0 (epoch 4) held for 5s of 1 window(s) of 10s across replicas\n" +
+			"orchestrator orch-a retry_window toolrunner DEGRADED store unreachable: retries that need a window are refused; 3 retries refused (since 2026-12-04T19:00:00Z)\n" +
+			"modelproxy mp-a budget - DEGRADED store unreachable: reserving against this replica's share, (budget - used) / 2 replicas (since 2026-12-04T19:00:00Z)\n" +
+			"modelproxy mp-a breaker_probe openai elsewhere another replica holds the probe lease for 1m0s\n" +
+			"modelproxy mp-a breaker_probe anthropic coordinated one probe per open period across replicas\n\nDECODERS",
+	} {
+		if !strings.Contains(joined, want) {
+			t.Errorf("status lacks\n%s\nin\n%s", want, out)
+		}
+	}
+	code, out, errs = curfew(append([]string{"status", "--json"}, addr...)...)
+	if code != ExitOK {
+		t.Fatalf("status --json: exit %d: %s", code, errs)
+	}
+	var js struct {
+		Coordination []struct {
+			Service, Replica, Part, Target, Detail string
+			Degraded                               bool
+			Since                                  string
+		}
+	}
+	if err := json.Unmarshal([]byte(out), &js); err != nil {
+		t.Fatalf("status --json: %v\n%s", err, out)
+	}
+	if c := js.Coordination; len(c) != 5 || c[2].Part != "budget" || !c[2].Degraded || c[2].Since != "2026-12-04T19:00:00Z" ||
+		!strings.Contains(c[2].Detail, "this replica's share") || c[1].Target != "toolrunner" || !c[1].Degraded {
+		t.Errorf("status --json coordination %+v, want the five, the budget degraded since 19:00", c)
 	}
 }

@@ -100,6 +100,15 @@ func printStatus(w io.Writer, st *adminv1.StatusResponse, now time.Time) {
 	for _, b := range st.GetBreakers() {
 		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\n", b.GetService(), b.GetReplica(), b.GetTarget(), b.GetState())
 	}
+	section("COORDINATION", "SERVICE\tREPLICA\tPART\tTARGET\tSTATE\tDETAIL")
+	for _, c := range st.GetCoordination() {
+		detail := c.GetDetail()
+		if c.GetDegraded() && c.Since != nil {
+			detail += " (since " + c.GetSince().AsTime().UTC().Format(time.RFC3339) + ")"
+		}
+		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%s\n", c.GetService(), c.GetReplica(), c.GetPart(), dash(c.GetTarget()),
+			coordinationState(c, now), dash(detail))
+	}
 	section("DECODERS", "REPLICA\tTENANT\tRUN\tNODE\tMODEL\tAGE\tTOKENS")
 	for _, l := range st.GetLeases() {
 		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%s\t%d\n", l.GetReplica(), l.GetTenant(), l.GetRunId(), l.GetNodeId(), l.GetModel(),
@@ -129,4 +138,19 @@ func printStatus(w io.Writer, st *adminv1.StatusResponse, now time.Time) {
 			c.GetLoadedAt().AsTime().UTC().Format(time.RFC3339), now.Sub(c.GetSeenAt().AsTime()).Round(time.Second), dash(c.GetLastError()))
 	}
 	_ = tw.Flush()
+}
+
+// coordinationState is a coordinated limit's STATE in status: DEGRADED (the store cannot
+// be asked), held (this replica holds the window or probe lease), elsewhere (another
+// replica holds the probe lease), or coordinated.
+func coordinationState(c *adminv1.Coordination, now time.Time) string {
+	switch {
+	case c.GetDegraded():
+		return "DEGRADED"
+	case c.GetHeld():
+		return "held"
+	case c.GetPart() == "breaker_probe" && c.Until != nil && c.GetUntil().AsTime().After(now):
+		return "elsewhere"
+	}
+	return "coordinated"
 }

@@ -160,6 +160,8 @@ type coord struct {
 	sized    atomic.Bool
 	watching atomic.Bool
 	degraded atomic.Bool
+	// degradedSince is when degraded became true (Unix nanoseconds).
+	degradedSince atomic.Int64
 
 	mu       sync.Mutex
 	lease    *store.Slot // ours, while our probe is out
@@ -184,6 +186,54 @@ func (co *coordination) attach(b *Breaker) *coord {
 	return c
 }
 
+// ProbeCoordination is a coordinated breaker's probe lease as this replica sees it.
+type ProbeCoordination struct {
+	// Degraded: the breaker is not closed and could not reach the store at its last
+	// attempt, so it probes on its own; since DegradedSince.
+	Degraded      bool
+	DegradedSince time.Time
+	// Held: this replica's probe is out under the target's lease.
+	Held bool
+	// ElsewhereUntil, when not zero, is until when another replica holds the lease (its
+	// probe, or its failed probe's open period): this breaker sends nothing before then.
+	ElsewhereUntil time.Time
+}
+
+// ProbeCoordination reports the breaker's probe lease; ok is false when the breaker's
+// probes are not coordinated (Set.Coordinate was not called, or its breakers are off).
+func (b *Breaker) ProbeCoordination() (pc ProbeCoordination, ok bool) {
+	co := b.co.Load()
+	if co == nil {
+		return ProbeCoordination{}, false
+	}
+	if co.degraded.Load() {
+		pc.Degraded = true
+		if ns := co.degradedSince.Load(); ns != 0 {
+			pc.DegradedSince = time.Unix(0, ns)
+		}
+	}
+	co.mu.Lock()
+	pc.Held = co.lease != nil
+	co.mu.Unlock()
+	if r, now := co.remote.Load(), b.set.now(); r > now {
+		pc.ElsewhereUntil = time.Now().Add(time.Duration(r - now))
+	}
+	return pc, true
+}
+
+// Detail says pc in a line, at now (for status).
+func (pc ProbeCoordination) Detail(now time.Time) string {
+	switch {
+	case pc.Degraded:
+		return "store unreachable: probes on its own until a read of the lease succeeds"
+	case pc.Held:
+		return "this replica's probe is out under the lease"
+	case pc.ElsewhereUntil.After(now):
+		return "another replica holds the probe lease for " + pc.ElsewhereUntil.Sub(now).Round(time.Millisecond).String()
+	}
+	return "one probe per open period across replicas"
+}
+
 // CoordinationDegraded reports whether the breaker is coordinated, not closed, and could
 // not reach the store at its last attempt, and so probes on its own.
 func (b *Breaker) CoordinationDegraded() bool {
@@ -196,6 +246,7 @@ func (co *coord) setDegraded(d bool) {
 		return
 	}
 	if d {
+		co.degradedSince.Store(time.Now().UnixNano())
 		co.degradedG.Set(1)
 	} else {
 		co.degradedG.Set(0)

@@ -7,6 +7,7 @@ import (
 	"flag"
 	"fmt"
 	"slices"
+	"strings"
 	"sync"
 	"sync/atomic"
 	"testing"
@@ -259,6 +260,22 @@ func TestCoordinatedFailureReopensAll(t *testing.T) {
 		time.Sleep(time.Millisecond)
 	}
 	waitAll(t, rs, "open", 5*coordPoll+100*time.Millisecond, func(s breaker.State) bool { return s == breaker.StateOpen })
+	// The replicas that did not probe say until when the prober holds the lease.
+	for deadline := time.Now().Add(2 * time.Second); ; time.Sleep(5 * time.Millisecond) {
+		elsewhere := 0
+		for _, r := range rs {
+			pc, ok := r.set.Get("dep").ProbeCoordination()
+			if ok && pc.ElsewhereUntil.After(time.Now()) && strings.Contains(pc.Detail(time.Now()), "another replica holds") {
+				elsewhere++
+			}
+		}
+		if elsewhere > 0 {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("no replica reports the probe lease held elsewhere within 2 s")
+		}
+	}
 }
 
 // TestUncoordinatedProbesPerReplica is the control: without Coordinate each replica
@@ -300,6 +317,10 @@ func TestCoordinatedStoreDown(t *testing.T) {
 	done, err := b.Allow(t.Context())
 	if err != nil {
 		t.Fatalf("half-open breaker with its store down refused its probe: %v", err)
+	}
+	if pc, ok := b.ProbeCoordination(); !ok || !pc.Degraded || pc.DegradedSince.IsZero() || pc.Held ||
+		!strings.Contains(pc.Detail(time.Now()), "store unreachable") {
+		t.Errorf("probe out: ProbeCoordination %+v, %v; want degraded since its first failed read, no lease held", pc, ok)
 	}
 	if !b.CoordinationDegraded() || rs[0].sum("curfew_circuit_breaker_coordination_degraded") != 1 {
 		t.Errorf("probe out: CoordinationDegraded %v, gauge %v; want true and 1", b.CoordinationDegraded(), rs[0].sum("curfew_circuit_breaker_coordination_degraded"))

@@ -109,6 +109,7 @@ type Shared struct {
 	// replicasAt is when replicas was last asked for (the loop's).
 	replicasAt time.Time
 	degraded   *Memory // the local accounting while the store is unreachable; nil otherwise
+	degradedAt time.Time
 
 	refusals prometheus.Counter
 	reserved prometheus.Gauge
@@ -186,6 +187,29 @@ func (s *Shared) Degraded() bool {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	return s.degraded != nil
+}
+
+// SharedStatus is a Shared's coordination as Status reports it.
+type SharedStatus struct {
+	// Degraded: the store is unreachable and reservations are judged against this
+	// replica's share, since DegradedSince.
+	Degraded      bool
+	DegradedSince time.Time
+	// Replicas is the replica count the share is computed from (the last count).
+	Replicas int
+	// Pending is the settlements kept in memory to be charged to the store.
+	Pending int
+}
+
+// Status reports the coordination's state.
+func (s *Shared) Status() SharedStatus {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	st := SharedStatus{Degraded: s.degraded != nil, Replicas: s.replicas, Pending: len(s.pending)}
+	if st.Degraded {
+		st.DegradedSince = s.degradedAt
+	}
+	return st
 }
 
 func (s *Shared) limitsOf(name string) (int64, time.Duration) {
@@ -279,6 +303,7 @@ func (s *Shared) degrade(err error) *Memory {
 			snap[k] = v
 		}
 		s.degraded = NewMemory(shareSource{s: s, known: snap, replicas: s.replicas}, Options{Now: s.now})
+		s.degradedAt = time.Now()
 		s.degGauge.Set(1)
 		s.log.Warn("token budgets: the store is unreachable; reserving against this replica's share until it is back",
 			"replicas", s.replicas, "error", err.Error())

@@ -227,6 +227,9 @@ func TestSharedDegradedShareAndResume(t *testing.T) {
 	if !b.Degraded() || gauge(t, reg, "curfew_budget_coordination_degraded") != 1 {
 		t.Fatal("not degraded with the store down")
 	}
+	if s := b.Status(); !s.Degraded || s.Replicas != 2 || s.DegradedSince.IsZero() || time.Since(s.DegradedSince) > time.Minute {
+		t.Fatalf("status %+v, want degraded since just now, on a share of 2 replicas", s)
+	}
 	if _, err := b.Reserve(ctx, "acme", 1); !budget.Refused(err) {
 		t.Fatalf("reserve past the share of 30: %v, want a refusal", err)
 	}
@@ -240,6 +243,9 @@ func TestSharedDegradedShareAndResume(t *testing.T) {
 	}
 	st.down.Store(false)
 	waitUntil(t, "coordination resumed", 5*time.Second, func() bool { return !b.Degraded() })
+	if s := b.Status(); s.Degraded || !s.DegradedSince.IsZero() {
+		t.Fatalf("status %+v after the store came back, want coordinated", s)
+	}
 	if got := gauge(t, reg, "curfew_budget_coordination_degraded"); got != 0 {
 		t.Fatalf("degraded gauge %v after the store came back", got)
 	}

@@ -81,6 +81,8 @@ type target struct {
 	refuse     error     // ErrBusy or ErrStoreDown, while refuseTil has not passed
 	refuseTil  time.Time // no store round trip before then
 	down       bool      // the last store round trip failed (logged once per outage)
+	downSince  time.Time // when down became true
+	refused    int64     // retries refused, since the process started
 }
 
 // TargetStatus is one target's window as this process sees it.
@@ -91,8 +93,12 @@ type TargetStatus struct {
 	Slot  int
 	Epoch int64
 	Until time.Time
-	// StoreDown: the last store round trip for this target failed.
+	// StoreDown: the last store round trip for this target failed, since DownSince.
 	StoreDown bool
+	DownSince time.Time
+	// Refused counts the retries refused for want of a window (any reason) since the
+	// process started.
+	Refused int64
 }
 
 // New returns a Holder. It starts nothing: windows are claimed by the retries that need
@@ -136,8 +142,14 @@ func (h *Holder) Name() string { return h.cfg.Name }
 // Scope is the store scope of target's windows.
 func Scope(target string) string { return "retry/" + target }
 
-// Known exports target's metrics at 0 from the start.
-func (h *Holder) Known(target string) { h.metrics.known(target) }
+// Window is the number of windows per target and their length, defaults applied.
+func (h *Holder) Window() retry.WindowConfig { return h.cfg.Window }
+
+// Known exports target's metrics at 0 from the start, and lists it in Status.
+func (h *Holder) Known(target string) {
+	h.metrics.known(target)
+	_, _ = h.target(target) // ErrClosed: a closed holder lists nothing new
+}
 
 // AllowRetry implements retry.Window: nil while this process holds one of target's
 // windows or has just claimed one; ErrBusy, ErrStoreDown or ErrClosed (wrapped) when the
@@ -327,6 +339,7 @@ func (h *Holder) storeFailed(t *target, op string, err error) error {
 
 func (h *Holder) downLocked(t *target, op string, err error) {
 	if !t.down {
+		t.downSince = time.Now()
 		h.cfg.Logger.Warn("retry windows: the store cannot be asked; retries that need a window are refused until it answers",
 			"target", t.name, "op", op, "err", err)
 	}
@@ -357,6 +370,7 @@ func (h *Holder) endLocked(t *target, reason string) {
 }
 
 func (h *Holder) refusedLocked(t *target) {
+	t.refused++
 	reason := "busy"
 	if errors.Is(t.refuse, ErrStoreDown) {
 		reason = "store_down"
@@ -364,14 +378,18 @@ func (h *Holder) refusedLocked(t *target) {
 	h.metrics.refused(t.name, reason)
 }
 
-// Status reports the window of every target this process has asked for.
+// Status reports the window of every target this process has asked for or was told of
+// (Known).
 func (h *Holder) Status() map[string]TargetStatus {
 	h.mu.Lock()
 	defer h.mu.Unlock()
 	now := time.Now()
 	out := make(map[string]TargetStatus, len(h.targets))
 	for name, t := range h.targets {
-		s := TargetStatus{StoreDown: t.down}
+		s := TargetStatus{StoreDown: t.down, Refused: t.refused}
+		if t.down {
+			s.DownSince = t.downSince
+		}
 		if t.lease != nil && now.Before(t.until) {
 			s.Held, s.Slot, s.Epoch, s.Until = true, t.lease.N, t.lease.Epoch, t.until
 		}

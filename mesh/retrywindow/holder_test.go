@@ -287,6 +287,9 @@ func TestStoreDownRefusesThenResumes(t *testing.T) {
 	if v := testutil.ToFloat64(b.metrics.refusedC.WithLabelValues("toolrunner", "store_down")); v != 20 {
 		t.Fatalf("store_down refusals %v, want 20", v)
 	}
+	if s := b.Status()["toolrunner"]; !s.StoreDown || s.Refused != 20 || s.DownSince.Before(start) || s.DownSince.After(time.Now()) {
+		t.Fatalf("b's status %+v, want the store down since the first refusal and 20 refused", s)
+	}
 	// a's window: its next verification fails and ends it.
 	time.Sleep(a.verify + 10*time.Millisecond)
 	if err := a.AllowRetry(context.Background(), "toolrunner"); !errors.Is(err, ErrStoreDown) {
@@ -313,6 +316,9 @@ func TestStoreDownRefusesThenResumes(t *testing.T) {
 			t.Fatalf("coordination did not resume: %v, %v", ea, eb)
 		}
 		time.Sleep(20 * time.Millisecond)
+	}
+	if s := other.Status()["toolrunner"]; s.Held || (other == b && s.Refused < 20) {
+		t.Fatalf("%s's status %+v, want no window held and its refusals counted", other.Name(), s)
 	}
 	// The other one's refusal turns from store_down to busy once it asks the store.
 	for {

@@ -48,3 +48,7 @@ func (rt *Runtime) CoordinateRetries(st SharedSlots) error {
 		"holder", h.Name())
 	return nil
 }
+
+// RetryWindows returns the holder of the coordinated retry windows, or nil when
+// CoordinateRetries did not coordinate them (every replica retries on its own).
+func (rt *Runtime) RetryWindows() *retrywindow.Holder { return rt.windows }

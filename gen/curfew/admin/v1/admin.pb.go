@@ -831,7 +831,10 @@ type StatusResponse struct {
 	// The replica that answered.
 	Replica string `protobuf:"bytes,11,opt,name=replica,proto3" json:"replica,omitempty"`
 	// Cluster-wide admission as the replica answering sees it.
-	Cluster       *ClusterAdmission `protobuf:"bytes,12,opt,name=cluster,proto3" json:"cluster,omitempty"`
+	Cluster *ClusterAdmission `protobuf:"bytes,12,opt,name=cluster,proto3" json:"cluster,omitempty"`
+	// Every other coordinated limit of every replica: the answering orchestrator's retry
+	// windows and probe leases, and each modelproxy replica's budgets and probe leases.
+	Coordination  []*Coordination `protobuf:"bytes,13,rep,name=coordination,proto3" json:"coordination,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -950,6 +953,143 @@ func (x *StatusResponse) GetCluster() *ClusterAdmission {
 	return nil
 }
 
+func (x *StatusResponse) GetCoordination() []*Coordination {
+	if x != nil {
+		return x.Coordination
+	}
+	return nil
+}
+
+// Coordination is one coordinated limit's state on one replica (docs/cluster.md, "In
+// status"): a target's retry windows, a breaker's half-open probe lease, or the token
+// budgets held in the store.
+type Coordination struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// The service and replica reporting it.
+	Service string `protobuf:"bytes,1,opt,name=service,proto3" json:"service,omitempty"`
+	Replica string `protobuf:"bytes,2,opt,name=replica,proto3" json:"replica,omitempty"`
+	// What is coordinated: "retry_window", "breaker_probe" or "budget".
+	Part string `protobuf:"bytes,3,opt,name=part,proto3" json:"part,omitempty"`
+	// The dependency (retry_window, breaker_probe); empty for budget.
+	Target string `protobuf:"bytes,4,opt,name=target,proto3" json:"target,omitempty"`
+	// The store cannot be asked: the part runs its degraded mode (docs/cluster.md).
+	Degraded bool `protobuf:"varint,5,opt,name=degraded,proto3" json:"degraded,omitempty"`
+	// A human-readable account of the state: the degraded mode, the lease held, refusals.
+	Detail string `protobuf:"bytes,6,opt,name=detail,proto3" json:"detail,omitempty"`
+	// Since when it is degraded; unset when not degraded or not known.
+	Since *timestamppb.Timestamp `protobuf:"bytes,7,opt,name=since,proto3" json:"since,omitempty"`
+	// This replica holds the lease now: a retry window, or the probe lease while its
+	// probe is out.
+	Held bool `protobuf:"varint,8,opt,name=held,proto3" json:"held,omitempty"`
+	// retry_window: the end of the window held. breaker_probe: until when another
+	// replica holds the probe lease (its probe, or its failed probe's open period).
+	Until *timestamppb.Timestamp `protobuf:"bytes,9,opt,name=until,proto3" json:"until,omitempty"`
+	// retry_window: retries refused for want of a window since the process started.
+	Refused       int64 `protobuf:"varint,10,opt,name=refused,proto3" json:"refused,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *Coordination) Reset() {
+	*x = Coordination{}
+	mi := &file_curfew_admin_v1_admin_proto_msgTypes[8]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *Coordination) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*Coordination) ProtoMessage() {}
+
+func (x *Coordination) ProtoReflect() protoreflect.Message {
+	mi := &file_curfew_admin_v1_admin_proto_msgTypes[8]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use Coordination.ProtoReflect.Descriptor instead.
+func (*Coordination) Descriptor() ([]byte, []int) {
+	return file_curfew_admin_v1_admin_proto_rawDescGZIP(), []int{8}
+}
+
+func (x *Coordination) GetService() string {
+	if x != nil {
+		return x.Service
+	}
+	return ""
+}
+
+func (x *Coordination) GetReplica() string {
+	if x != nil {
+		return x.Replica
+	}
+	return ""
+}
+
+func (x *Coordination) GetPart() string {
+	if x != nil {
+		return x.Part
+	}
+	return ""
+}
+
+func (x *Coordination) GetTarget() string {
+	if x != nil {
+		return x.Target
+	}
+	return ""
+}
+
+func (x *Coordination) GetDegraded() bool {
+	if x != nil {
+		return x.Degraded
+	}
+	return false
+}
+
+func (x *Coordination) GetDetail() string {
+	if x != nil {
+		return x.Detail
+	}
+	return ""
+}
+
+func (x *Coordination) GetSince() *timestamppb.Timestamp {
+	if x != nil {
+		return x.Since
+	}
+	return nil
+}
+
+func (x *Coordination) GetHeld() bool {
+	if x != nil {
+		return x.Held
+	}
+	return false
+}
+
+func (x *Coordination) GetUntil() *timestamppb.Timestamp {
+	if x != nil {
+		return x.Until
+	}
+	return nil
+}
+
+func (x *Coordination) GetRefused() int64 {
+	if x != nil {
+		return x.Refused
+	}
+	return 0
+}
+
 // ClusterAdmission is the state of one orchestrator's cluster-wide admission
 // (docs/cluster.md): pool caps and tenant concurrency claimed as slots in the store.
 type ClusterAdmission struct {
@@ -976,7 +1116,7 @@ type ClusterAdmission struct {
 
 func (x *ClusterAdmission) Reset() {
 	*x = ClusterAdmission{}
-	mi := &file_curfew_admin_v1_admin_proto_msgTypes[8]
+	mi := &file_curfew_admin_v1_admin_proto_msgTypes[9]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -988,7 +1128,7 @@ func (x *ClusterAdmission) String() string {
 func (*ClusterAdmission) ProtoMessage() {}
 
 func (x *ClusterAdmission) ProtoReflect() protoreflect.Message {
-	mi := &file_curfew_admin_v1_admin_proto_msgTypes[8]
+	mi := &file_curfew_admin_v1_admin_proto_msgTypes[9]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1001,7 +1141,7 @@ func (x *ClusterAdmission) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ClusterAdmission.ProtoReflect.Descriptor instead.
 func (*ClusterAdmission) Descriptor() ([]byte, []int) {
-	return file_curfew_admin_v1_admin_proto_rawDescGZIP(), []int{8}
+	return file_curfew_admin_v1_admin_proto_rawDescGZIP(), []int{9}
 }
 
 func (x *ClusterAdmission) GetEnabled() bool {
@@ -1079,7 +1219,7 @@ type ClosePoolRequest struct {
 
 func (x *ClosePoolRequest) Reset() {
 	*x = ClosePoolRequest{}
-	mi := &file_curfew_admin_v1_admin_proto_msgTypes[9]
+	mi := &file_curfew_admin_v1_admin_proto_msgTypes[10]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1091,7 +1231,7 @@ func (x *ClosePoolRequest) String() string {
 func (*ClosePoolRequest) ProtoMessage() {}
 
 func (x *ClosePoolRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_curfew_admin_v1_admin_proto_msgTypes[9]
+	mi := &file_curfew_admin_v1_admin_proto_msgTypes[10]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1104,7 +1244,7 @@ func (x *ClosePoolRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ClosePoolRequest.ProtoReflect.Descriptor instead.
 func (*ClosePoolRequest) Descriptor() ([]byte, []int) {
-	return file_curfew_admin_v1_admin_proto_rawDescGZIP(), []int{9}
+	return file_curfew_admin_v1_admin_proto_rawDescGZIP(), []int{10}
 }
 
 func (x *ClosePoolRequest) GetPool() string {
@@ -1131,7 +1271,7 @@ type ClosePoolResponse struct {
 
 func (x *ClosePoolResponse) Reset() {
 	*x = ClosePoolResponse{}
-	mi := &file_curfew_admin_v1_admin_proto_msgTypes[10]
+	mi := &file_curfew_admin_v1_admin_proto_msgTypes[11]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1143,7 +1283,7 @@ func (x *ClosePoolResponse) String() string {
 func (*ClosePoolResponse) ProtoMessage() {}
 
 func (x *ClosePoolResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_curfew_admin_v1_admin_proto_msgTypes[10]
+	mi := &file_curfew_admin_v1_admin_proto_msgTypes[11]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1156,7 +1296,7 @@ func (x *ClosePoolResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ClosePoolResponse.ProtoReflect.Descriptor instead.
 func (*ClosePoolResponse) Descriptor() ([]byte, []int) {
-	return file_curfew_admin_v1_admin_proto_rawDescGZIP(), []int{10}
+	return file_curfew_admin_v1_admin_proto_rawDescGZIP(), []int{11}
 }
 
 func (x *ClosePoolResponse) GetPool() *PoolState {
@@ -1180,7 +1320,7 @@ type OpenPoolRequest struct {
 
 func (x *OpenPoolRequest) Reset() {
 	*x = OpenPoolRequest{}
-	mi := &file_curfew_admin_v1_admin_proto_msgTypes[11]
+	mi := &file_curfew_admin_v1_admin_proto_msgTypes[12]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1192,7 +1332,7 @@ func (x *OpenPoolRequest) String() string {
 func (*OpenPoolRequest) ProtoMessage() {}
 
 func (x *OpenPoolRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_curfew_admin_v1_admin_proto_msgTypes[11]
+	mi := &file_curfew_admin_v1_admin_proto_msgTypes[12]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1205,7 +1345,7 @@ func (x *OpenPoolRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use OpenPoolRequest.ProtoReflect.Descriptor instead.
 func (*OpenPoolRequest) Descriptor() ([]byte, []int) {
-	return file_curfew_admin_v1_admin_proto_rawDescGZIP(), []int{11}
+	return file_curfew_admin_v1_admin_proto_rawDescGZIP(), []int{12}
 }
 
 func (x *OpenPoolRequest) GetPool() string {
@@ -1239,7 +1379,7 @@ type OpenPoolResponse struct {
 
 func (x *OpenPoolResponse) Reset() {
 	*x = OpenPoolResponse{}
-	mi := &file_curfew_admin_v1_admin_proto_msgTypes[12]
+	mi := &file_curfew_admin_v1_admin_proto_msgTypes[13]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1251,7 +1391,7 @@ func (x *OpenPoolResponse) String() string {
 func (*OpenPoolResponse) ProtoMessage() {}
 
 func (x *OpenPoolResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_curfew_admin_v1_admin_proto_msgTypes[12]
+	mi := &file_curfew_admin_v1_admin_proto_msgTypes[13]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1264,7 +1404,7 @@ func (x *OpenPoolResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use OpenPoolResponse.ProtoReflect.Descriptor instead.
 func (*OpenPoolResponse) Descriptor() ([]byte, []int) {
-	return file_curfew_admin_v1_admin_proto_rawDescGZIP(), []int{12}
+	return file_curfew_admin_v1_admin_proto_rawDescGZIP(), []int{13}
 }
 
 func (x *OpenPoolResponse) GetPool() *PoolState {
@@ -1287,7 +1427,7 @@ type ReopenPoolRequest struct {
 
 func (x *ReopenPoolRequest) Reset() {
 	*x = ReopenPoolRequest{}
-	mi := &file_curfew_admin_v1_admin_proto_msgTypes[13]
+	mi := &file_curfew_admin_v1_admin_proto_msgTypes[14]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1299,7 +1439,7 @@ func (x *ReopenPoolRequest) String() string {
 func (*ReopenPoolRequest) ProtoMessage() {}
 
 func (x *ReopenPoolRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_curfew_admin_v1_admin_proto_msgTypes[13]
+	mi := &file_curfew_admin_v1_admin_proto_msgTypes[14]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1312,7 +1452,7 @@ func (x *ReopenPoolRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ReopenPoolRequest.ProtoReflect.Descriptor instead.
 func (*ReopenPoolRequest) Descriptor() ([]byte, []int) {
-	return file_curfew_admin_v1_admin_proto_rawDescGZIP(), []int{13}
+	return file_curfew_admin_v1_admin_proto_rawDescGZIP(), []int{14}
 }
 
 func (x *ReopenPoolRequest) GetPool() string {
@@ -1351,7 +1491,7 @@ type ReopenPoolResponse struct {
 
 func (x *ReopenPoolResponse) Reset() {
 	*x = ReopenPoolResponse{}
-	mi := &file_curfew_admin_v1_admin_proto_msgTypes[14]
+	mi := &file_curfew_admin_v1_admin_proto_msgTypes[15]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1363,7 +1503,7 @@ func (x *ReopenPoolResponse) String() string {
 func (*ReopenPoolResponse) ProtoMessage() {}
 
 func (x *ReopenPoolResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_curfew_admin_v1_admin_proto_msgTypes[14]
+	mi := &file_curfew_admin_v1_admin_proto_msgTypes[15]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1376,7 +1516,7 @@ func (x *ReopenPoolResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ReopenPoolResponse.ProtoReflect.Descriptor instead.
 func (*ReopenPoolResponse) Descriptor() ([]byte, []int) {
-	return file_curfew_admin_v1_admin_proto_rawDescGZIP(), []int{14}
+	return file_curfew_admin_v1_admin_proto_rawDescGZIP(), []int{15}
 }
 
 func (x *ReopenPoolResponse) GetOrphanDelta() int64 {
@@ -1418,7 +1558,7 @@ type ListLeasesRequest struct {
 
 func (x *ListLeasesRequest) Reset() {
 	*x = ListLeasesRequest{}
-	mi := &file_curfew_admin_v1_admin_proto_msgTypes[15]
+	mi := &file_curfew_admin_v1_admin_proto_msgTypes[16]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1430,7 +1570,7 @@ func (x *ListLeasesRequest) String() string {
 func (*ListLeasesRequest) ProtoMessage() {}
 
 func (x *ListLeasesRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_curfew_admin_v1_admin_proto_msgTypes[15]
+	mi := &file_curfew_admin_v1_admin_proto_msgTypes[16]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1443,7 +1583,7 @@ func (x *ListLeasesRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListLeasesRequest.ProtoReflect.Descriptor instead.
 func (*ListLeasesRequest) Descriptor() ([]byte, []int) {
-	return file_curfew_admin_v1_admin_proto_rawDescGZIP(), []int{15}
+	return file_curfew_admin_v1_admin_proto_rawDescGZIP(), []int{16}
 }
 
 func (x *ListLeasesRequest) GetOlderThan() *durationpb.Duration {
@@ -1464,7 +1604,7 @@ type ListLeasesResponse struct {
 
 func (x *ListLeasesResponse) Reset() {
 	*x = ListLeasesResponse{}
-	mi := &file_curfew_admin_v1_admin_proto_msgTypes[16]
+	mi := &file_curfew_admin_v1_admin_proto_msgTypes[17]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1476,7 +1616,7 @@ func (x *ListLeasesResponse) String() string {
 func (*ListLeasesResponse) ProtoMessage() {}
 
 func (x *ListLeasesResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_curfew_admin_v1_admin_proto_msgTypes[16]
+	mi := &file_curfew_admin_v1_admin_proto_msgTypes[17]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1489,7 +1629,7 @@ func (x *ListLeasesResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListLeasesResponse.ProtoReflect.Descriptor instead.
 func (*ListLeasesResponse) Descriptor() ([]byte, []int) {
-	return file_curfew_admin_v1_admin_proto_rawDescGZIP(), []int{16}
+	return file_curfew_admin_v1_admin_proto_rawDescGZIP(), []int{17}
 }
 
 func (x *ListLeasesResponse) GetLeases() []*Lease {
@@ -1518,7 +1658,7 @@ type CancelLeasesRequest struct {
 
 func (x *CancelLeasesRequest) Reset() {
 	*x = CancelLeasesRequest{}
-	mi := &file_curfew_admin_v1_admin_proto_msgTypes[17]
+	mi := &file_curfew_admin_v1_admin_proto_msgTypes[18]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1530,7 +1670,7 @@ func (x *CancelLeasesRequest) String() string {
 func (*CancelLeasesRequest) ProtoMessage() {}
 
 func (x *CancelLeasesRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_curfew_admin_v1_admin_proto_msgTypes[17]
+	mi := &file_curfew_admin_v1_admin_proto_msgTypes[18]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1543,7 +1683,7 @@ func (x *CancelLeasesRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CancelLeasesRequest.ProtoReflect.Descriptor instead.
 func (*CancelLeasesRequest) Descriptor() ([]byte, []int) {
-	return file_curfew_admin_v1_admin_proto_rawDescGZIP(), []int{17}
+	return file_curfew_admin_v1_admin_proto_rawDescGZIP(), []int{18}
 }
 
 func (x *CancelLeasesRequest) GetOlderThan() *durationpb.Duration {
@@ -1571,7 +1711,7 @@ type CancelLeasesResponse struct {
 
 func (x *CancelLeasesResponse) Reset() {
 	*x = CancelLeasesResponse{}
-	mi := &file_curfew_admin_v1_admin_proto_msgTypes[18]
+	mi := &file_curfew_admin_v1_admin_proto_msgTypes[19]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1583,7 +1723,7 @@ func (x *CancelLeasesResponse) String() string {
 func (*CancelLeasesResponse) ProtoMessage() {}
 
 func (x *CancelLeasesResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_curfew_admin_v1_admin_proto_msgTypes[18]
+	mi := &file_curfew_admin_v1_admin_proto_msgTypes[19]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1596,7 +1736,7 @@ func (x *CancelLeasesResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CancelLeasesResponse.ProtoReflect.Descriptor instead.
 func (*CancelLeasesResponse) Descriptor() ([]byte, []int) {
-	return file_curfew_admin_v1_admin_proto_rawDescGZIP(), []int{18}
+	return file_curfew_admin_v1_admin_proto_rawDescGZIP(), []int{19}
 }
 
 func (x *CancelLeasesResponse) GetCancelled() []*Lease {
@@ -1627,7 +1767,7 @@ type FreezeLedgerRequest struct {
 
 func (x *FreezeLedgerRequest) Reset() {
 	*x = FreezeLedgerRequest{}
-	mi := &file_curfew_admin_v1_admin_proto_msgTypes[19]
+	mi := &file_curfew_admin_v1_admin_proto_msgTypes[20]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1639,7 +1779,7 @@ func (x *FreezeLedgerRequest) String() string {
 func (*FreezeLedgerRequest) ProtoMessage() {}
 
 func (x *FreezeLedgerRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_curfew_admin_v1_admin_proto_msgTypes[19]
+	mi := &file_curfew_admin_v1_admin_proto_msgTypes[20]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1652,7 +1792,7 @@ func (x *FreezeLedgerRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use FreezeLedgerRequest.ProtoReflect.Descriptor instead.
 func (*FreezeLedgerRequest) Descriptor() ([]byte, []int) {
-	return file_curfew_admin_v1_admin_proto_rawDescGZIP(), []int{19}
+	return file_curfew_admin_v1_admin_proto_rawDescGZIP(), []int{20}
 }
 
 func (x *FreezeLedgerRequest) GetRunId() string {
@@ -1686,7 +1826,7 @@ type FreezeLedgerResponse struct {
 
 func (x *FreezeLedgerResponse) Reset() {
 	*x = FreezeLedgerResponse{}
-	mi := &file_curfew_admin_v1_admin_proto_msgTypes[20]
+	mi := &file_curfew_admin_v1_admin_proto_msgTypes[21]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1698,7 +1838,7 @@ func (x *FreezeLedgerResponse) String() string {
 func (*FreezeLedgerResponse) ProtoMessage() {}
 
 func (x *FreezeLedgerResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_curfew_admin_v1_admin_proto_msgTypes[20]
+	mi := &file_curfew_admin_v1_admin_proto_msgTypes[21]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1711,7 +1851,7 @@ func (x *FreezeLedgerResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use FreezeLedgerResponse.ProtoReflect.Descriptor instead.
 func (*FreezeLedgerResponse) Descriptor() ([]byte, []int) {
-	return file_curfew_admin_v1_admin_proto_rawDescGZIP(), []int{20}
+	return file_curfew_admin_v1_admin_proto_rawDescGZIP(), []int{21}
 }
 
 func (x *FreezeLedgerResponse) GetFreeze() *Freeze {
@@ -1733,7 +1873,7 @@ type ThawLedgerRequest struct {
 
 func (x *ThawLedgerRequest) Reset() {
 	*x = ThawLedgerRequest{}
-	mi := &file_curfew_admin_v1_admin_proto_msgTypes[21]
+	mi := &file_curfew_admin_v1_admin_proto_msgTypes[22]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1745,7 +1885,7 @@ func (x *ThawLedgerRequest) String() string {
 func (*ThawLedgerRequest) ProtoMessage() {}
 
 func (x *ThawLedgerRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_curfew_admin_v1_admin_proto_msgTypes[21]
+	mi := &file_curfew_admin_v1_admin_proto_msgTypes[22]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1758,7 +1898,7 @@ func (x *ThawLedgerRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ThawLedgerRequest.ProtoReflect.Descriptor instead.
 func (*ThawLedgerRequest) Descriptor() ([]byte, []int) {
-	return file_curfew_admin_v1_admin_proto_rawDescGZIP(), []int{21}
+	return file_curfew_admin_v1_admin_proto_rawDescGZIP(), []int{22}
 }
 
 func (x *ThawLedgerRequest) GetRunId() string {
@@ -1792,7 +1932,7 @@ type ThawLedgerResponse struct {
 
 func (x *ThawLedgerResponse) Reset() {
 	*x = ThawLedgerResponse{}
-	mi := &file_curfew_admin_v1_admin_proto_msgTypes[22]
+	mi := &file_curfew_admin_v1_admin_proto_msgTypes[23]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1804,7 +1944,7 @@ func (x *ThawLedgerResponse) String() string {
 func (*ThawLedgerResponse) ProtoMessage() {}
 
 func (x *ThawLedgerResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_curfew_admin_v1_admin_proto_msgTypes[22]
+	mi := &file_curfew_admin_v1_admin_proto_msgTypes[23]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1817,7 +1957,7 @@ func (x *ThawLedgerResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ThawLedgerResponse.ProtoReflect.Descriptor instead.
 func (*ThawLedgerResponse) Descriptor() ([]byte, []int) {
-	return file_curfew_admin_v1_admin_proto_rawDescGZIP(), []int{22}
+	return file_curfew_admin_v1_admin_proto_rawDescGZIP(), []int{23}
 }
 
 func (x *ThawLedgerResponse) GetThawed() bool {
@@ -1836,7 +1976,7 @@ type ListFreezesRequest struct {
 
 func (x *ListFreezesRequest) Reset() {
 	*x = ListFreezesRequest{}
-	mi := &file_curfew_admin_v1_admin_proto_msgTypes[23]
+	mi := &file_curfew_admin_v1_admin_proto_msgTypes[24]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1848,7 +1988,7 @@ func (x *ListFreezesRequest) String() string {
 func (*ListFreezesRequest) ProtoMessage() {}
 
 func (x *ListFreezesRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_curfew_admin_v1_admin_proto_msgTypes[23]
+	mi := &file_curfew_admin_v1_admin_proto_msgTypes[24]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1861,7 +2001,7 @@ func (x *ListFreezesRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListFreezesRequest.ProtoReflect.Descriptor instead.
 func (*ListFreezesRequest) Descriptor() ([]byte, []int) {
-	return file_curfew_admin_v1_admin_proto_rawDescGZIP(), []int{23}
+	return file_curfew_admin_v1_admin_proto_rawDescGZIP(), []int{24}
 }
 
 // ListFreezesResponse holds them.
@@ -1874,7 +2014,7 @@ type ListFreezesResponse struct {
 
 func (x *ListFreezesResponse) Reset() {
 	*x = ListFreezesResponse{}
-	mi := &file_curfew_admin_v1_admin_proto_msgTypes[24]
+	mi := &file_curfew_admin_v1_admin_proto_msgTypes[25]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1886,7 +2026,7 @@ func (x *ListFreezesResponse) String() string {
 func (*ListFreezesResponse) ProtoMessage() {}
 
 func (x *ListFreezesResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_curfew_admin_v1_admin_proto_msgTypes[24]
+	mi := &file_curfew_admin_v1_admin_proto_msgTypes[25]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1899,7 +2039,7 @@ func (x *ListFreezesResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListFreezesResponse.ProtoReflect.Descriptor instead.
 func (*ListFreezesResponse) Descriptor() ([]byte, []int) {
-	return file_curfew_admin_v1_admin_proto_rawDescGZIP(), []int{24}
+	return file_curfew_admin_v1_admin_proto_rawDescGZIP(), []int{25}
 }
 
 func (x *ListFreezesResponse) GetFreezes() []*Freeze {
@@ -1923,7 +2063,7 @@ type DrainDecodersRequest struct {
 
 func (x *DrainDecodersRequest) Reset() {
 	*x = DrainDecodersRequest{}
-	mi := &file_curfew_admin_v1_admin_proto_msgTypes[25]
+	mi := &file_curfew_admin_v1_admin_proto_msgTypes[26]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1935,7 +2075,7 @@ func (x *DrainDecodersRequest) String() string {
 func (*DrainDecodersRequest) ProtoMessage() {}
 
 func (x *DrainDecodersRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_curfew_admin_v1_admin_proto_msgTypes[25]
+	mi := &file_curfew_admin_v1_admin_proto_msgTypes[26]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1948,7 +2088,7 @@ func (x *DrainDecodersRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DrainDecodersRequest.ProtoReflect.Descriptor instead.
 func (*DrainDecodersRequest) Descriptor() ([]byte, []int) {
-	return file_curfew_admin_v1_admin_proto_rawDescGZIP(), []int{25}
+	return file_curfew_admin_v1_admin_proto_rawDescGZIP(), []int{26}
 }
 
 func (x *DrainDecodersRequest) GetPool() string {
@@ -1982,7 +2122,7 @@ type DrainDecodersResponse struct {
 
 func (x *DrainDecodersResponse) Reset() {
 	*x = DrainDecodersResponse{}
-	mi := &file_curfew_admin_v1_admin_proto_msgTypes[26]
+	mi := &file_curfew_admin_v1_admin_proto_msgTypes[27]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1994,7 +2134,7 @@ func (x *DrainDecodersResponse) String() string {
 func (*DrainDecodersResponse) ProtoMessage() {}
 
 func (x *DrainDecodersResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_curfew_admin_v1_admin_proto_msgTypes[26]
+	mi := &file_curfew_admin_v1_admin_proto_msgTypes[27]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2007,7 +2147,7 @@ func (x *DrainDecodersResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DrainDecodersResponse.ProtoReflect.Descriptor instead.
 func (*DrainDecodersResponse) Descriptor() ([]byte, []int) {
-	return file_curfew_admin_v1_admin_proto_rawDescGZIP(), []int{26}
+	return file_curfew_admin_v1_admin_proto_rawDescGZIP(), []int{27}
 }
 
 func (x *DrainDecodersResponse) GetDrain() *Drain {
@@ -2028,7 +2168,7 @@ type UndrainDecodersRequest struct {
 
 func (x *UndrainDecodersRequest) Reset() {
 	*x = UndrainDecodersRequest{}
-	mi := &file_curfew_admin_v1_admin_proto_msgTypes[27]
+	mi := &file_curfew_admin_v1_admin_proto_msgTypes[28]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2040,7 +2180,7 @@ func (x *UndrainDecodersRequest) String() string {
 func (*UndrainDecodersRequest) ProtoMessage() {}
 
 func (x *UndrainDecodersRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_curfew_admin_v1_admin_proto_msgTypes[27]
+	mi := &file_curfew_admin_v1_admin_proto_msgTypes[28]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2053,7 +2193,7 @@ func (x *UndrainDecodersRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use UndrainDecodersRequest.ProtoReflect.Descriptor instead.
 func (*UndrainDecodersRequest) Descriptor() ([]byte, []int) {
-	return file_curfew_admin_v1_admin_proto_rawDescGZIP(), []int{27}
+	return file_curfew_admin_v1_admin_proto_rawDescGZIP(), []int{28}
 }
 
 func (x *UndrainDecodersRequest) GetPool() string {
@@ -2080,7 +2220,7 @@ type UndrainDecodersResponse struct {
 
 func (x *UndrainDecodersResponse) Reset() {
 	*x = UndrainDecodersResponse{}
-	mi := &file_curfew_admin_v1_admin_proto_msgTypes[28]
+	mi := &file_curfew_admin_v1_admin_proto_msgTypes[29]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2092,7 +2232,7 @@ func (x *UndrainDecodersResponse) String() string {
 func (*UndrainDecodersResponse) ProtoMessage() {}
 
 func (x *UndrainDecodersResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_curfew_admin_v1_admin_proto_msgTypes[28]
+	mi := &file_curfew_admin_v1_admin_proto_msgTypes[29]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2105,7 +2245,7 @@ func (x *UndrainDecodersResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use UndrainDecodersResponse.ProtoReflect.Descriptor instead.
 func (*UndrainDecodersResponse) Descriptor() ([]byte, []int) {
-	return file_curfew_admin_v1_admin_proto_rawDescGZIP(), []int{28}
+	return file_curfew_admin_v1_admin_proto_rawDescGZIP(), []int{29}
 }
 
 func (x *UndrainDecodersResponse) GetUndrained() bool {
@@ -2135,7 +2275,7 @@ type AuditEntry struct {
 
 func (x *AuditEntry) Reset() {
 	*x = AuditEntry{}
-	mi := &file_curfew_admin_v1_admin_proto_msgTypes[29]
+	mi := &file_curfew_admin_v1_admin_proto_msgTypes[30]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2147,7 +2287,7 @@ func (x *AuditEntry) String() string {
 func (*AuditEntry) ProtoMessage() {}
 
 func (x *AuditEntry) ProtoReflect() protoreflect.Message {
-	mi := &file_curfew_admin_v1_admin_proto_msgTypes[29]
+	mi := &file_curfew_admin_v1_admin_proto_msgTypes[30]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2160,7 +2300,7 @@ func (x *AuditEntry) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use AuditEntry.ProtoReflect.Descriptor instead.
 func (*AuditEntry) Descriptor() ([]byte, []int) {
-	return file_curfew_admin_v1_admin_proto_rawDescGZIP(), []int{29}
+	return file_curfew_admin_v1_admin_proto_rawDescGZIP(), []int{30}
 }
 
 func (x *AuditEntry) GetId() int64 {
@@ -2226,7 +2366,7 @@ type ListAuditRequest struct {
 
 func (x *ListAuditRequest) Reset() {
 	*x = ListAuditRequest{}
-	mi := &file_curfew_admin_v1_admin_proto_msgTypes[30]
+	mi := &file_curfew_admin_v1_admin_proto_msgTypes[31]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2238,7 +2378,7 @@ func (x *ListAuditRequest) String() string {
 func (*ListAuditRequest) ProtoMessage() {}
 
 func (x *ListAuditRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_curfew_admin_v1_admin_proto_msgTypes[30]
+	mi := &file_curfew_admin_v1_admin_proto_msgTypes[31]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2251,7 +2391,7 @@ func (x *ListAuditRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListAuditRequest.ProtoReflect.Descriptor instead.
 func (*ListAuditRequest) Descriptor() ([]byte, []int) {
-	return file_curfew_admin_v1_admin_proto_rawDescGZIP(), []int{30}
+	return file_curfew_admin_v1_admin_proto_rawDescGZIP(), []int{31}
 }
 
 func (x *ListAuditRequest) GetSince() *timestamppb.Timestamp {
@@ -2286,7 +2426,7 @@ type ListAuditResponse struct {
 
 func (x *ListAuditResponse) Reset() {
 	*x = ListAuditResponse{}
-	mi := &file_curfew_admin_v1_admin_proto_msgTypes[31]
+	mi := &file_curfew_admin_v1_admin_proto_msgTypes[32]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2298,7 +2438,7 @@ func (x *ListAuditResponse) String() string {
 func (*ListAuditResponse) ProtoMessage() {}
 
 func (x *ListAuditResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_curfew_admin_v1_admin_proto_msgTypes[31]
+	mi := &file_curfew_admin_v1_admin_proto_msgTypes[32]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2311,7 +2451,7 @@ func (x *ListAuditResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListAuditResponse.ProtoReflect.Descriptor instead.
 func (*ListAuditResponse) Descriptor() ([]byte, []int) {
-	return file_curfew_admin_v1_admin_proto_rawDescGZIP(), []int{31}
+	return file_curfew_admin_v1_admin_proto_rawDescGZIP(), []int{32}
 }
 
 func (x *ListAuditResponse) GetEntries() []*AuditEntry {
@@ -2342,7 +2482,7 @@ type APIKey struct {
 
 func (x *APIKey) Reset() {
 	*x = APIKey{}
-	mi := &file_curfew_admin_v1_admin_proto_msgTypes[32]
+	mi := &file_curfew_admin_v1_admin_proto_msgTypes[33]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2354,7 +2494,7 @@ func (x *APIKey) String() string {
 func (*APIKey) ProtoMessage() {}
 
 func (x *APIKey) ProtoReflect() protoreflect.Message {
-	mi := &file_curfew_admin_v1_admin_proto_msgTypes[32]
+	mi := &file_curfew_admin_v1_admin_proto_msgTypes[33]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2367,7 +2507,7 @@ func (x *APIKey) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use APIKey.ProtoReflect.Descriptor instead.
 func (*APIKey) Descriptor() ([]byte, []int) {
-	return file_curfew_admin_v1_admin_proto_rawDescGZIP(), []int{32}
+	return file_curfew_admin_v1_admin_proto_rawDescGZIP(), []int{33}
 }
 
 func (x *APIKey) GetId() string {
@@ -2420,7 +2560,7 @@ type CreateKeyRequest struct {
 
 func (x *CreateKeyRequest) Reset() {
 	*x = CreateKeyRequest{}
-	mi := &file_curfew_admin_v1_admin_proto_msgTypes[33]
+	mi := &file_curfew_admin_v1_admin_proto_msgTypes[34]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2432,7 +2572,7 @@ func (x *CreateKeyRequest) String() string {
 func (*CreateKeyRequest) ProtoMessage() {}
 
 func (x *CreateKeyRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_curfew_admin_v1_admin_proto_msgTypes[33]
+	mi := &file_curfew_admin_v1_admin_proto_msgTypes[34]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2445,7 +2585,7 @@ func (x *CreateKeyRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CreateKeyRequest.ProtoReflect.Descriptor instead.
 func (*CreateKeyRequest) Descriptor() ([]byte, []int) {
-	return file_curfew_admin_v1_admin_proto_rawDescGZIP(), []int{33}
+	return file_curfew_admin_v1_admin_proto_rawDescGZIP(), []int{34}
 }
 
 func (x *CreateKeyRequest) GetTenant() string {
@@ -2488,7 +2628,7 @@ type CreateKeyResponse struct {
 
 func (x *CreateKeyResponse) Reset() {
 	*x = CreateKeyResponse{}
-	mi := &file_curfew_admin_v1_admin_proto_msgTypes[34]
+	mi := &file_curfew_admin_v1_admin_proto_msgTypes[35]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2500,7 +2640,7 @@ func (x *CreateKeyResponse) String() string {
 func (*CreateKeyResponse) ProtoMessage() {}
 
 func (x *CreateKeyResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_curfew_admin_v1_admin_proto_msgTypes[34]
+	mi := &file_curfew_admin_v1_admin_proto_msgTypes[35]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2513,7 +2653,7 @@ func (x *CreateKeyResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CreateKeyResponse.ProtoReflect.Descriptor instead.
 func (*CreateKeyResponse) Descriptor() ([]byte, []int) {
-	return file_curfew_admin_v1_admin_proto_rawDescGZIP(), []int{34}
+	return file_curfew_admin_v1_admin_proto_rawDescGZIP(), []int{35}
 }
 
 func (x *CreateKeyResponse) GetKey() *APIKey {
@@ -2548,7 +2688,7 @@ type RevokeKeyRequest struct {
 
 func (x *RevokeKeyRequest) Reset() {
 	*x = RevokeKeyRequest{}
-	mi := &file_curfew_admin_v1_admin_proto_msgTypes[35]
+	mi := &file_curfew_admin_v1_admin_proto_msgTypes[36]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2560,7 +2700,7 @@ func (x *RevokeKeyRequest) String() string {
 func (*RevokeKeyRequest) ProtoMessage() {}
 
 func (x *RevokeKeyRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_curfew_admin_v1_admin_proto_msgTypes[35]
+	mi := &file_curfew_admin_v1_admin_proto_msgTypes[36]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2573,7 +2713,7 @@ func (x *RevokeKeyRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RevokeKeyRequest.ProtoReflect.Descriptor instead.
 func (*RevokeKeyRequest) Descriptor() ([]byte, []int) {
-	return file_curfew_admin_v1_admin_proto_rawDescGZIP(), []int{35}
+	return file_curfew_admin_v1_admin_proto_rawDescGZIP(), []int{36}
 }
 
 func (x *RevokeKeyRequest) GetId() string {
@@ -2600,7 +2740,7 @@ type RevokeKeyResponse struct {
 
 func (x *RevokeKeyResponse) Reset() {
 	*x = RevokeKeyResponse{}
-	mi := &file_curfew_admin_v1_admin_proto_msgTypes[36]
+	mi := &file_curfew_admin_v1_admin_proto_msgTypes[37]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2612,7 +2752,7 @@ func (x *RevokeKeyResponse) String() string {
 func (*RevokeKeyResponse) ProtoMessage() {}
 
 func (x *RevokeKeyResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_curfew_admin_v1_admin_proto_msgTypes[36]
+	mi := &file_curfew_admin_v1_admin_proto_msgTypes[37]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2625,7 +2765,7 @@ func (x *RevokeKeyResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use RevokeKeyResponse.ProtoReflect.Descriptor instead.
 func (*RevokeKeyResponse) Descriptor() ([]byte, []int) {
-	return file_curfew_admin_v1_admin_proto_rawDescGZIP(), []int{36}
+	return file_curfew_admin_v1_admin_proto_rawDescGZIP(), []int{37}
 }
 
 func (x *RevokeKeyResponse) GetKey() *APIKey {
@@ -2645,7 +2785,7 @@ type ListKeysRequest struct {
 
 func (x *ListKeysRequest) Reset() {
 	*x = ListKeysRequest{}
-	mi := &file_curfew_admin_v1_admin_proto_msgTypes[37]
+	mi := &file_curfew_admin_v1_admin_proto_msgTypes[38]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2657,7 +2797,7 @@ func (x *ListKeysRequest) String() string {
 func (*ListKeysRequest) ProtoMessage() {}
 
 func (x *ListKeysRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_curfew_admin_v1_admin_proto_msgTypes[37]
+	mi := &file_curfew_admin_v1_admin_proto_msgTypes[38]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2670,7 +2810,7 @@ func (x *ListKeysRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListKeysRequest.ProtoReflect.Descriptor instead.
 func (*ListKeysRequest) Descriptor() ([]byte, []int) {
-	return file_curfew_admin_v1_admin_proto_rawDescGZIP(), []int{37}
+	return file_curfew_admin_v1_admin_proto_rawDescGZIP(), []int{38}
 }
 
 func (x *ListKeysRequest) GetTenant() string {
@@ -2690,7 +2830,7 @@ type ListKeysResponse struct {
 
 func (x *ListKeysResponse) Reset() {
 	*x = ListKeysResponse{}
-	mi := &file_curfew_admin_v1_admin_proto_msgTypes[38]
+	mi := &file_curfew_admin_v1_admin_proto_msgTypes[39]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2702,7 +2842,7 @@ func (x *ListKeysResponse) String() string {
 func (*ListKeysResponse) ProtoMessage() {}
 
 func (x *ListKeysResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_curfew_admin_v1_admin_proto_msgTypes[38]
+	mi := &file_curfew_admin_v1_admin_proto_msgTypes[39]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2715,7 +2855,7 @@ func (x *ListKeysResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListKeysResponse.ProtoReflect.Descriptor instead.
 func (*ListKeysResponse) Descriptor() ([]byte, []int) {
-	return file_curfew_admin_v1_admin_proto_rawDescGZIP(), []int{38}
+	return file_curfew_admin_v1_admin_proto_rawDescGZIP(), []int{39}
 }
 
 func (x *ListKeysResponse) GetKeys() []*APIKey {
@@ -2741,7 +2881,7 @@ type TenantUsage struct {
 
 func (x *TenantUsage) Reset() {
 	*x = TenantUsage{}
-	mi := &file_curfew_admin_v1_admin_proto_msgTypes[39]
+	mi := &file_curfew_admin_v1_admin_proto_msgTypes[40]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2753,7 +2893,7 @@ func (x *TenantUsage) String() string {
 func (*TenantUsage) ProtoMessage() {}
 
 func (x *TenantUsage) ProtoReflect() protoreflect.Message {
-	mi := &file_curfew_admin_v1_admin_proto_msgTypes[39]
+	mi := &file_curfew_admin_v1_admin_proto_msgTypes[40]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2766,7 +2906,7 @@ func (x *TenantUsage) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use TenantUsage.ProtoReflect.Descriptor instead.
 func (*TenantUsage) Descriptor() ([]byte, []int) {
-	return file_curfew_admin_v1_admin_proto_rawDescGZIP(), []int{39}
+	return file_curfew_admin_v1_admin_proto_rawDescGZIP(), []int{40}
 }
 
 func (x *TenantUsage) GetTenant() string {
@@ -2824,7 +2964,7 @@ type UsageRequest struct {
 
 func (x *UsageRequest) Reset() {
 	*x = UsageRequest{}
-	mi := &file_curfew_admin_v1_admin_proto_msgTypes[40]
+	mi := &file_curfew_admin_v1_admin_proto_msgTypes[41]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2836,7 +2976,7 @@ func (x *UsageRequest) String() string {
 func (*UsageRequest) ProtoMessage() {}
 
 func (x *UsageRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_curfew_admin_v1_admin_proto_msgTypes[40]
+	mi := &file_curfew_admin_v1_admin_proto_msgTypes[41]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2849,7 +2989,7 @@ func (x *UsageRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use UsageRequest.ProtoReflect.Descriptor instead.
 func (*UsageRequest) Descriptor() ([]byte, []int) {
-	return file_curfew_admin_v1_admin_proto_rawDescGZIP(), []int{40}
+	return file_curfew_admin_v1_admin_proto_rawDescGZIP(), []int{41}
 }
 
 func (x *UsageRequest) GetTenant() string {
@@ -2876,7 +3016,7 @@ type UsageResponse struct {
 
 func (x *UsageResponse) Reset() {
 	*x = UsageResponse{}
-	mi := &file_curfew_admin_v1_admin_proto_msgTypes[41]
+	mi := &file_curfew_admin_v1_admin_proto_msgTypes[42]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2888,7 +3028,7 @@ func (x *UsageResponse) String() string {
 func (*UsageResponse) ProtoMessage() {}
 
 func (x *UsageResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_curfew_admin_v1_admin_proto_msgTypes[41]
+	mi := &file_curfew_admin_v1_admin_proto_msgTypes[42]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2901,7 +3041,7 @@ func (x *UsageResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use UsageResponse.ProtoReflect.Descriptor instead.
 func (*UsageResponse) Descriptor() ([]byte, []int) {
-	return file_curfew_admin_v1_admin_proto_rawDescGZIP(), []int{41}
+	return file_curfew_admin_v1_admin_proto_rawDescGZIP(), []int{42}
 }
 
 func (x *UsageResponse) GetTenants() []*TenantUsage {
@@ -2938,7 +3078,7 @@ type Approval struct {
 
 func (x *Approval) Reset() {
 	*x = Approval{}
-	mi := &file_curfew_admin_v1_admin_proto_msgTypes[42]
+	mi := &file_curfew_admin_v1_admin_proto_msgTypes[43]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -2950,7 +3090,7 @@ func (x *Approval) String() string {
 func (*Approval) ProtoMessage() {}
 
 func (x *Approval) ProtoReflect() protoreflect.Message {
-	mi := &file_curfew_admin_v1_admin_proto_msgTypes[42]
+	mi := &file_curfew_admin_v1_admin_proto_msgTypes[43]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -2963,7 +3103,7 @@ func (x *Approval) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use Approval.ProtoReflect.Descriptor instead.
 func (*Approval) Descriptor() ([]byte, []int) {
-	return file_curfew_admin_v1_admin_proto_rawDescGZIP(), []int{42}
+	return file_curfew_admin_v1_admin_proto_rawDescGZIP(), []int{43}
 }
 
 func (x *Approval) GetTenant() string {
@@ -3077,7 +3217,7 @@ type ListApprovalsRequest struct {
 
 func (x *ListApprovalsRequest) Reset() {
 	*x = ListApprovalsRequest{}
-	mi := &file_curfew_admin_v1_admin_proto_msgTypes[43]
+	mi := &file_curfew_admin_v1_admin_proto_msgTypes[44]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3089,7 +3229,7 @@ func (x *ListApprovalsRequest) String() string {
 func (*ListApprovalsRequest) ProtoMessage() {}
 
 func (x *ListApprovalsRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_curfew_admin_v1_admin_proto_msgTypes[43]
+	mi := &file_curfew_admin_v1_admin_proto_msgTypes[44]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3102,7 +3242,7 @@ func (x *ListApprovalsRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListApprovalsRequest.ProtoReflect.Descriptor instead.
 func (*ListApprovalsRequest) Descriptor() ([]byte, []int) {
-	return file_curfew_admin_v1_admin_proto_rawDescGZIP(), []int{43}
+	return file_curfew_admin_v1_admin_proto_rawDescGZIP(), []int{44}
 }
 
 func (x *ListApprovalsRequest) GetPendingOnly() bool {
@@ -3136,7 +3276,7 @@ type ListApprovalsResponse struct {
 
 func (x *ListApprovalsResponse) Reset() {
 	*x = ListApprovalsResponse{}
-	mi := &file_curfew_admin_v1_admin_proto_msgTypes[44]
+	mi := &file_curfew_admin_v1_admin_proto_msgTypes[45]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3148,7 +3288,7 @@ func (x *ListApprovalsResponse) String() string {
 func (*ListApprovalsResponse) ProtoMessage() {}
 
 func (x *ListApprovalsResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_curfew_admin_v1_admin_proto_msgTypes[44]
+	mi := &file_curfew_admin_v1_admin_proto_msgTypes[45]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3161,7 +3301,7 @@ func (x *ListApprovalsResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListApprovalsResponse.ProtoReflect.Descriptor instead.
 func (*ListApprovalsResponse) Descriptor() ([]byte, []int) {
-	return file_curfew_admin_v1_admin_proto_rawDescGZIP(), []int{44}
+	return file_curfew_admin_v1_admin_proto_rawDescGZIP(), []int{45}
 }
 
 func (x *ListApprovalsResponse) GetApprovals() []*Approval {
@@ -3186,7 +3326,7 @@ type DecideApprovalRequest struct {
 
 func (x *DecideApprovalRequest) Reset() {
 	*x = DecideApprovalRequest{}
-	mi := &file_curfew_admin_v1_admin_proto_msgTypes[45]
+	mi := &file_curfew_admin_v1_admin_proto_msgTypes[46]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3198,7 +3338,7 @@ func (x *DecideApprovalRequest) String() string {
 func (*DecideApprovalRequest) ProtoMessage() {}
 
 func (x *DecideApprovalRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_curfew_admin_v1_admin_proto_msgTypes[45]
+	mi := &file_curfew_admin_v1_admin_proto_msgTypes[46]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3211,7 +3351,7 @@ func (x *DecideApprovalRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DecideApprovalRequest.ProtoReflect.Descriptor instead.
 func (*DecideApprovalRequest) Descriptor() ([]byte, []int) {
-	return file_curfew_admin_v1_admin_proto_rawDescGZIP(), []int{45}
+	return file_curfew_admin_v1_admin_proto_rawDescGZIP(), []int{46}
 }
 
 func (x *DecideApprovalRequest) GetRunId() string {
@@ -3260,7 +3400,7 @@ type DecideApprovalResponse struct {
 
 func (x *DecideApprovalResponse) Reset() {
 	*x = DecideApprovalResponse{}
-	mi := &file_curfew_admin_v1_admin_proto_msgTypes[46]
+	mi := &file_curfew_admin_v1_admin_proto_msgTypes[47]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3272,7 +3412,7 @@ func (x *DecideApprovalResponse) String() string {
 func (*DecideApprovalResponse) ProtoMessage() {}
 
 func (x *DecideApprovalResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_curfew_admin_v1_admin_proto_msgTypes[46]
+	mi := &file_curfew_admin_v1_admin_proto_msgTypes[47]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3285,7 +3425,7 @@ func (x *DecideApprovalResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use DecideApprovalResponse.ProtoReflect.Descriptor instead.
 func (*DecideApprovalResponse) Descriptor() ([]byte, []int) {
-	return file_curfew_admin_v1_admin_proto_rawDescGZIP(), []int{46}
+	return file_curfew_admin_v1_admin_proto_rawDescGZIP(), []int{47}
 }
 
 func (x *DecideApprovalResponse) GetApproval() *Approval {
@@ -3314,7 +3454,7 @@ type OutboxRow struct {
 
 func (x *OutboxRow) Reset() {
 	*x = OutboxRow{}
-	mi := &file_curfew_admin_v1_admin_proto_msgTypes[47]
+	mi := &file_curfew_admin_v1_admin_proto_msgTypes[48]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3326,7 +3466,7 @@ func (x *OutboxRow) String() string {
 func (*OutboxRow) ProtoMessage() {}
 
 func (x *OutboxRow) ProtoReflect() protoreflect.Message {
-	mi := &file_curfew_admin_v1_admin_proto_msgTypes[47]
+	mi := &file_curfew_admin_v1_admin_proto_msgTypes[48]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3339,7 +3479,7 @@ func (x *OutboxRow) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use OutboxRow.ProtoReflect.Descriptor instead.
 func (*OutboxRow) Descriptor() ([]byte, []int) {
-	return file_curfew_admin_v1_admin_proto_rawDescGZIP(), []int{47}
+	return file_curfew_admin_v1_admin_proto_rawDescGZIP(), []int{48}
 }
 
 func (x *OutboxRow) GetTenant() string {
@@ -3414,7 +3554,7 @@ type ListOutboxRequest struct {
 
 func (x *ListOutboxRequest) Reset() {
 	*x = ListOutboxRequest{}
-	mi := &file_curfew_admin_v1_admin_proto_msgTypes[48]
+	mi := &file_curfew_admin_v1_admin_proto_msgTypes[49]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3426,7 +3566,7 @@ func (x *ListOutboxRequest) String() string {
 func (*ListOutboxRequest) ProtoMessage() {}
 
 func (x *ListOutboxRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_curfew_admin_v1_admin_proto_msgTypes[48]
+	mi := &file_curfew_admin_v1_admin_proto_msgTypes[49]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3439,7 +3579,7 @@ func (x *ListOutboxRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListOutboxRequest.ProtoReflect.Descriptor instead.
 func (*ListOutboxRequest) Descriptor() ([]byte, []int) {
-	return file_curfew_admin_v1_admin_proto_rawDescGZIP(), []int{48}
+	return file_curfew_admin_v1_admin_proto_rawDescGZIP(), []int{49}
 }
 
 func (x *ListOutboxRequest) GetTenant() string {
@@ -3491,7 +3631,7 @@ type ListOutboxResponse struct {
 
 func (x *ListOutboxResponse) Reset() {
 	*x = ListOutboxResponse{}
-	mi := &file_curfew_admin_v1_admin_proto_msgTypes[49]
+	mi := &file_curfew_admin_v1_admin_proto_msgTypes[50]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -3503,7 +3643,7 @@ func (x *ListOutboxResponse) String() string {
 func (*ListOutboxResponse) ProtoMessage() {}
 
 func (x *ListOutboxResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_curfew_admin_v1_admin_proto_msgTypes[49]
+	mi := &file_curfew_admin_v1_admin_proto_msgTypes[50]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -3516,7 +3656,7 @@ func (x *ListOutboxResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use ListOutboxResponse.ProtoReflect.Descriptor instead.
 func (*ListOutboxResponse) Descriptor() ([]byte, []int) {
-	return file_curfew_admin_v1_admin_proto_rawDescGZIP(), []int{49}
+	return file_curfew_admin_v1_admin_proto_rawDescGZIP(), []int{50}
 }
 
 func (x *ListOutboxResponse) GetRows() []*OutboxRow {
@@ -3613,7 +3753,7 @@ const file_curfew_admin_v1_admin_proto_rawDesc = "" +
 	"\n" +
 	"last_error\x18\x06 \x01(\tR\tlastError\x123\n" +
 	"\aseen_at\x18\a \x01(\v2\x1a.google.protobuf.TimestampR\x06seenAt\"\x0f\n" +
-	"\rStatusRequest\"\xd2\x04\n" +
+	"\rStatusRequest\"\x95\x05\n" +
 	"\x0eStatusResponse\x120\n" +
 	"\x05pools\x18\x01 \x03(\v2\x1a.curfew.admin.v1.PoolStateR\x05pools\x129\n" +
 	"\bbreakers\x18\x02 \x03(\v2\x1d.curfew.admin.v1.BreakerStateR\bbreakers\x12.\n" +
@@ -3627,7 +3767,20 @@ const file_curfew_admin_v1_admin_proto_rawDesc = "" +
 	"\vunreachable\x18\n" +
 	" \x03(\tR\vunreachable\x12\x18\n" +
 	"\areplica\x18\v \x01(\tR\areplica\x12;\n" +
-	"\acluster\x18\f \x01(\v2!.curfew.admin.v1.ClusterAdmissionR\acluster\"\xdb\x02\n" +
+	"\acluster\x18\f \x01(\v2!.curfew.admin.v1.ClusterAdmissionR\acluster\x12A\n" +
+	"\fcoordination\x18\r \x03(\v2\x1d.curfew.admin.v1.CoordinationR\fcoordination\"\xb4\x02\n" +
+	"\fCoordination\x12\x18\n" +
+	"\aservice\x18\x01 \x01(\tR\aservice\x12\x18\n" +
+	"\areplica\x18\x02 \x01(\tR\areplica\x12\x12\n" +
+	"\x04part\x18\x03 \x01(\tR\x04part\x12\x16\n" +
+	"\x06target\x18\x04 \x01(\tR\x06target\x12\x1a\n" +
+	"\bdegraded\x18\x05 \x01(\bR\bdegraded\x12\x16\n" +
+	"\x06detail\x18\x06 \x01(\tR\x06detail\x120\n" +
+	"\x05since\x18\a \x01(\v2\x1a.google.protobuf.TimestampR\x05since\x12\x12\n" +
+	"\x04held\x18\b \x01(\bR\x04held\x120\n" +
+	"\x05until\x18\t \x01(\v2\x1a.google.protobuf.TimestampR\x05until\x12\x18\n" +
+	"\arefused\x18\n" +
+	" \x01(\x03R\arefused\"\xdb\x02\n" +
 	"\x10ClusterAdmission\x12\x18\n" +
 	"\aenabled\x18\x01 \x01(\bR\aenabled\x12\x1a\n" +
 	"\bdegraded\x18\x02 \x01(\bR\bdegraded\x12A\n" +
@@ -3862,7 +4015,7 @@ func file_curfew_admin_v1_admin_proto_rawDescGZIP() []byte {
 }
 
 var file_curfew_admin_v1_admin_proto_enumTypes = make([]protoimpl.EnumInfo, 2)
-var file_curfew_admin_v1_admin_proto_msgTypes = make([]protoimpl.MessageInfo, 50)
+var file_curfew_admin_v1_admin_proto_msgTypes = make([]protoimpl.MessageInfo, 51)
 var file_curfew_admin_v1_admin_proto_goTypes = []any{
 	(Scope)(0),                      // 0: curfew.admin.v1.Scope
 	(ApprovalState)(0),              // 1: curfew.admin.v1.ApprovalState
@@ -3874,150 +4027,154 @@ var file_curfew_admin_v1_admin_proto_goTypes = []any{
 	(*ReplicaConfig)(nil),           // 7: curfew.admin.v1.ReplicaConfig
 	(*StatusRequest)(nil),           // 8: curfew.admin.v1.StatusRequest
 	(*StatusResponse)(nil),          // 9: curfew.admin.v1.StatusResponse
-	(*ClusterAdmission)(nil),        // 10: curfew.admin.v1.ClusterAdmission
-	(*ClosePoolRequest)(nil),        // 11: curfew.admin.v1.ClosePoolRequest
-	(*ClosePoolResponse)(nil),       // 12: curfew.admin.v1.ClosePoolResponse
-	(*OpenPoolRequest)(nil),         // 13: curfew.admin.v1.OpenPoolRequest
-	(*OpenPoolResponse)(nil),        // 14: curfew.admin.v1.OpenPoolResponse
-	(*ReopenPoolRequest)(nil),       // 15: curfew.admin.v1.ReopenPoolRequest
-	(*ReopenPoolResponse)(nil),      // 16: curfew.admin.v1.ReopenPoolResponse
-	(*ListLeasesRequest)(nil),       // 17: curfew.admin.v1.ListLeasesRequest
-	(*ListLeasesResponse)(nil),      // 18: curfew.admin.v1.ListLeasesResponse
-	(*CancelLeasesRequest)(nil),     // 19: curfew.admin.v1.CancelLeasesRequest
-	(*CancelLeasesResponse)(nil),    // 20: curfew.admin.v1.CancelLeasesResponse
-	(*FreezeLedgerRequest)(nil),     // 21: curfew.admin.v1.FreezeLedgerRequest
-	(*FreezeLedgerResponse)(nil),    // 22: curfew.admin.v1.FreezeLedgerResponse
-	(*ThawLedgerRequest)(nil),       // 23: curfew.admin.v1.ThawLedgerRequest
-	(*ThawLedgerResponse)(nil),      // 24: curfew.admin.v1.ThawLedgerResponse
-	(*ListFreezesRequest)(nil),      // 25: curfew.admin.v1.ListFreezesRequest
-	(*ListFreezesResponse)(nil),     // 26: curfew.admin.v1.ListFreezesResponse
-	(*DrainDecodersRequest)(nil),    // 27: curfew.admin.v1.DrainDecodersRequest
-	(*DrainDecodersResponse)(nil),   // 28: curfew.admin.v1.DrainDecodersResponse
-	(*UndrainDecodersRequest)(nil),  // 29: curfew.admin.v1.UndrainDecodersRequest
-	(*UndrainDecodersResponse)(nil), // 30: curfew.admin.v1.UndrainDecodersResponse
-	(*AuditEntry)(nil),              // 31: curfew.admin.v1.AuditEntry
-	(*ListAuditRequest)(nil),        // 32: curfew.admin.v1.ListAuditRequest
-	(*ListAuditResponse)(nil),       // 33: curfew.admin.v1.ListAuditResponse
-	(*APIKey)(nil),                  // 34: curfew.admin.v1.APIKey
-	(*CreateKeyRequest)(nil),        // 35: curfew.admin.v1.CreateKeyRequest
-	(*CreateKeyResponse)(nil),       // 36: curfew.admin.v1.CreateKeyResponse
-	(*RevokeKeyRequest)(nil),        // 37: curfew.admin.v1.RevokeKeyRequest
-	(*RevokeKeyResponse)(nil),       // 38: curfew.admin.v1.RevokeKeyResponse
-	(*ListKeysRequest)(nil),         // 39: curfew.admin.v1.ListKeysRequest
-	(*ListKeysResponse)(nil),        // 40: curfew.admin.v1.ListKeysResponse
-	(*TenantUsage)(nil),             // 41: curfew.admin.v1.TenantUsage
-	(*UsageRequest)(nil),            // 42: curfew.admin.v1.UsageRequest
-	(*UsageResponse)(nil),           // 43: curfew.admin.v1.UsageResponse
-	(*Approval)(nil),                // 44: curfew.admin.v1.Approval
-	(*ListApprovalsRequest)(nil),    // 45: curfew.admin.v1.ListApprovalsRequest
-	(*ListApprovalsResponse)(nil),   // 46: curfew.admin.v1.ListApprovalsResponse
-	(*DecideApprovalRequest)(nil),   // 47: curfew.admin.v1.DecideApprovalRequest
-	(*DecideApprovalResponse)(nil),  // 48: curfew.admin.v1.DecideApprovalResponse
-	(*OutboxRow)(nil),               // 49: curfew.admin.v1.OutboxRow
-	(*ListOutboxRequest)(nil),       // 50: curfew.admin.v1.ListOutboxRequest
-	(*ListOutboxResponse)(nil),      // 51: curfew.admin.v1.ListOutboxResponse
-	(*timestamppb.Timestamp)(nil),   // 52: google.protobuf.Timestamp
-	(*durationpb.Duration)(nil),     // 53: google.protobuf.Duration
+	(*Coordination)(nil),            // 10: curfew.admin.v1.Coordination
+	(*ClusterAdmission)(nil),        // 11: curfew.admin.v1.ClusterAdmission
+	(*ClosePoolRequest)(nil),        // 12: curfew.admin.v1.ClosePoolRequest
+	(*ClosePoolResponse)(nil),       // 13: curfew.admin.v1.ClosePoolResponse
+	(*OpenPoolRequest)(nil),         // 14: curfew.admin.v1.OpenPoolRequest
+	(*OpenPoolResponse)(nil),        // 15: curfew.admin.v1.OpenPoolResponse
+	(*ReopenPoolRequest)(nil),       // 16: curfew.admin.v1.ReopenPoolRequest
+	(*ReopenPoolResponse)(nil),      // 17: curfew.admin.v1.ReopenPoolResponse
+	(*ListLeasesRequest)(nil),       // 18: curfew.admin.v1.ListLeasesRequest
+	(*ListLeasesResponse)(nil),      // 19: curfew.admin.v1.ListLeasesResponse
+	(*CancelLeasesRequest)(nil),     // 20: curfew.admin.v1.CancelLeasesRequest
+	(*CancelLeasesResponse)(nil),    // 21: curfew.admin.v1.CancelLeasesResponse
+	(*FreezeLedgerRequest)(nil),     // 22: curfew.admin.v1.FreezeLedgerRequest
+	(*FreezeLedgerResponse)(nil),    // 23: curfew.admin.v1.FreezeLedgerResponse
+	(*ThawLedgerRequest)(nil),       // 24: curfew.admin.v1.ThawLedgerRequest
+	(*ThawLedgerResponse)(nil),      // 25: curfew.admin.v1.ThawLedgerResponse
+	(*ListFreezesRequest)(nil),      // 26: curfew.admin.v1.ListFreezesRequest
+	(*ListFreezesResponse)(nil),     // 27: curfew.admin.v1.ListFreezesResponse
+	(*DrainDecodersRequest)(nil),    // 28: curfew.admin.v1.DrainDecodersRequest
+	(*DrainDecodersResponse)(nil),   // 29: curfew.admin.v1.DrainDecodersResponse
+	(*UndrainDecodersRequest)(nil),  // 30: curfew.admin.v1.UndrainDecodersRequest
+	(*UndrainDecodersResponse)(nil), // 31: curfew.admin.v1.UndrainDecodersResponse
+	(*AuditEntry)(nil),              // 32: curfew.admin.v1.AuditEntry
+	(*ListAuditRequest)(nil),        // 33: curfew.admin.v1.ListAuditRequest
+	(*ListAuditResponse)(nil),       // 34: curfew.admin.v1.ListAuditResponse
+	(*APIKey)(nil),                  // 35: curfew.admin.v1.APIKey
+	(*CreateKeyRequest)(nil),        // 36: curfew.admin.v1.CreateKeyRequest
+	(*CreateKeyResponse)(nil),       // 37: curfew.admin.v1.CreateKeyResponse
+	(*RevokeKeyRequest)(nil),        // 38: curfew.admin.v1.RevokeKeyRequest
+	(*RevokeKeyResponse)(nil),       // 39: curfew.admin.v1.RevokeKeyResponse
+	(*ListKeysRequest)(nil),         // 40: curfew.admin.v1.ListKeysRequest
+	(*ListKeysResponse)(nil),        // 41: curfew.admin.v1.ListKeysResponse
+	(*TenantUsage)(nil),             // 42: curfew.admin.v1.TenantUsage
+	(*UsageRequest)(nil),            // 43: curfew.admin.v1.UsageRequest
+	(*UsageResponse)(nil),           // 44: curfew.admin.v1.UsageResponse
+	(*Approval)(nil),                // 45: curfew.admin.v1.Approval
+	(*ListApprovalsRequest)(nil),    // 46: curfew.admin.v1.ListApprovalsRequest
+	(*ListApprovalsResponse)(nil),   // 47: curfew.admin.v1.ListApprovalsResponse
+	(*DecideApprovalRequest)(nil),   // 48: curfew.admin.v1.DecideApprovalRequest
+	(*DecideApprovalResponse)(nil),  // 49: curfew.admin.v1.DecideApprovalResponse
+	(*OutboxRow)(nil),               // 50: curfew.admin.v1.OutboxRow
+	(*ListOutboxRequest)(nil),       // 51: curfew.admin.v1.ListOutboxRequest
+	(*ListOutboxResponse)(nil),      // 52: curfew.admin.v1.ListOutboxResponse
+	(*timestamppb.Timestamp)(nil),   // 53: google.protobuf.Timestamp
+	(*durationpb.Duration)(nil),     // 54: google.protobuf.Duration
 }
 var file_curfew_admin_v1_admin_proto_depIdxs = []int32{
-	52, // 0: curfew.admin.v1.PoolState.operator_closed_at:type_name -> google.protobuf.Timestamp
-	52, // 1: curfew.admin.v1.PoolState.auto_closed_until:type_name -> google.protobuf.Timestamp
-	53, // 2: curfew.admin.v1.PoolState.oldest_queued:type_name -> google.protobuf.Duration
-	52, // 3: curfew.admin.v1.PoolState.forced_open_until:type_name -> google.protobuf.Timestamp
-	52, // 4: curfew.admin.v1.Lease.started_at:type_name -> google.protobuf.Timestamp
-	53, // 5: curfew.admin.v1.Lease.age:type_name -> google.protobuf.Duration
-	52, // 6: curfew.admin.v1.Lease.last_heartbeat:type_name -> google.protobuf.Timestamp
-	52, // 7: curfew.admin.v1.Freeze.frozen_at:type_name -> google.protobuf.Timestamp
-	52, // 8: curfew.admin.v1.Drain.started_at:type_name -> google.protobuf.Timestamp
-	52, // 9: curfew.admin.v1.Drain.cancel_at:type_name -> google.protobuf.Timestamp
-	52, // 10: curfew.admin.v1.ReplicaConfig.loaded_at:type_name -> google.protobuf.Timestamp
-	52, // 11: curfew.admin.v1.ReplicaConfig.seen_at:type_name -> google.protobuf.Timestamp
+	53, // 0: curfew.admin.v1.PoolState.operator_closed_at:type_name -> google.protobuf.Timestamp
+	53, // 1: curfew.admin.v1.PoolState.auto_closed_until:type_name -> google.protobuf.Timestamp
+	54, // 2: curfew.admin.v1.PoolState.oldest_queued:type_name -> google.protobuf.Duration
+	53, // 3: curfew.admin.v1.PoolState.forced_open_until:type_name -> google.protobuf.Timestamp
+	53, // 4: curfew.admin.v1.Lease.started_at:type_name -> google.protobuf.Timestamp
+	54, // 5: curfew.admin.v1.Lease.age:type_name -> google.protobuf.Duration
+	53, // 6: curfew.admin.v1.Lease.last_heartbeat:type_name -> google.protobuf.Timestamp
+	53, // 7: curfew.admin.v1.Freeze.frozen_at:type_name -> google.protobuf.Timestamp
+	53, // 8: curfew.admin.v1.Drain.started_at:type_name -> google.protobuf.Timestamp
+	53, // 9: curfew.admin.v1.Drain.cancel_at:type_name -> google.protobuf.Timestamp
+	53, // 10: curfew.admin.v1.ReplicaConfig.loaded_at:type_name -> google.protobuf.Timestamp
+	53, // 11: curfew.admin.v1.ReplicaConfig.seen_at:type_name -> google.protobuf.Timestamp
 	2,  // 12: curfew.admin.v1.StatusResponse.pools:type_name -> curfew.admin.v1.PoolState
 	3,  // 13: curfew.admin.v1.StatusResponse.breakers:type_name -> curfew.admin.v1.BreakerState
 	4,  // 14: curfew.admin.v1.StatusResponse.leases:type_name -> curfew.admin.v1.Lease
-	53, // 15: curfew.admin.v1.StatusResponse.orphan_window:type_name -> google.protobuf.Duration
+	54, // 15: curfew.admin.v1.StatusResponse.orphan_window:type_name -> google.protobuf.Duration
 	7,  // 16: curfew.admin.v1.StatusResponse.configs:type_name -> curfew.admin.v1.ReplicaConfig
 	5,  // 17: curfew.admin.v1.StatusResponse.freezes:type_name -> curfew.admin.v1.Freeze
 	6,  // 18: curfew.admin.v1.StatusResponse.drains:type_name -> curfew.admin.v1.Drain
-	10, // 19: curfew.admin.v1.StatusResponse.cluster:type_name -> curfew.admin.v1.ClusterAdmission
-	52, // 20: curfew.admin.v1.ClusterAdmission.degraded_since:type_name -> google.protobuf.Timestamp
-	52, // 21: curfew.admin.v1.ClusterAdmission.last_renew:type_name -> google.protobuf.Timestamp
-	2,  // 22: curfew.admin.v1.ClosePoolResponse.pool:type_name -> curfew.admin.v1.PoolState
-	2,  // 23: curfew.admin.v1.OpenPoolResponse.pool:type_name -> curfew.admin.v1.PoolState
-	53, // 24: curfew.admin.v1.ReopenPoolRequest.window:type_name -> google.protobuf.Duration
-	53, // 25: curfew.admin.v1.ReopenPoolResponse.quiet_for:type_name -> google.protobuf.Duration
-	2,  // 26: curfew.admin.v1.ReopenPoolResponse.pool:type_name -> curfew.admin.v1.PoolState
-	53, // 27: curfew.admin.v1.ListLeasesRequest.older_than:type_name -> google.protobuf.Duration
-	4,  // 28: curfew.admin.v1.ListLeasesResponse.leases:type_name -> curfew.admin.v1.Lease
-	53, // 29: curfew.admin.v1.CancelLeasesRequest.older_than:type_name -> google.protobuf.Duration
-	4,  // 30: curfew.admin.v1.CancelLeasesResponse.cancelled:type_name -> curfew.admin.v1.Lease
-	5,  // 31: curfew.admin.v1.FreezeLedgerResponse.freeze:type_name -> curfew.admin.v1.Freeze
-	5,  // 32: curfew.admin.v1.ListFreezesResponse.freezes:type_name -> curfew.admin.v1.Freeze
-	53, // 33: curfew.admin.v1.DrainDecodersRequest.cancel_after:type_name -> google.protobuf.Duration
-	6,  // 34: curfew.admin.v1.DrainDecodersResponse.drain:type_name -> curfew.admin.v1.Drain
-	52, // 35: curfew.admin.v1.AuditEntry.at:type_name -> google.protobuf.Timestamp
-	52, // 36: curfew.admin.v1.ListAuditRequest.since:type_name -> google.protobuf.Timestamp
-	31, // 37: curfew.admin.v1.ListAuditResponse.entries:type_name -> curfew.admin.v1.AuditEntry
-	0,  // 38: curfew.admin.v1.APIKey.scopes:type_name -> curfew.admin.v1.Scope
-	52, // 39: curfew.admin.v1.APIKey.created_at:type_name -> google.protobuf.Timestamp
-	52, // 40: curfew.admin.v1.APIKey.revoked_at:type_name -> google.protobuf.Timestamp
-	0,  // 41: curfew.admin.v1.CreateKeyRequest.scopes:type_name -> curfew.admin.v1.Scope
-	34, // 42: curfew.admin.v1.CreateKeyResponse.key:type_name -> curfew.admin.v1.APIKey
-	34, // 43: curfew.admin.v1.RevokeKeyResponse.key:type_name -> curfew.admin.v1.APIKey
-	34, // 44: curfew.admin.v1.ListKeysResponse.keys:type_name -> curfew.admin.v1.APIKey
-	52, // 45: curfew.admin.v1.UsageRequest.since:type_name -> google.protobuf.Timestamp
-	41, // 46: curfew.admin.v1.UsageResponse.tenants:type_name -> curfew.admin.v1.TenantUsage
-	1,  // 47: curfew.admin.v1.Approval.state:type_name -> curfew.admin.v1.ApprovalState
-	52, // 48: curfew.admin.v1.Approval.requested_at:type_name -> google.protobuf.Timestamp
-	52, // 49: curfew.admin.v1.Approval.expires_at:type_name -> google.protobuf.Timestamp
-	52, // 50: curfew.admin.v1.Approval.decided_at:type_name -> google.protobuf.Timestamp
-	44, // 51: curfew.admin.v1.ListApprovalsResponse.approvals:type_name -> curfew.admin.v1.Approval
-	44, // 52: curfew.admin.v1.DecideApprovalResponse.approval:type_name -> curfew.admin.v1.Approval
-	52, // 53: curfew.admin.v1.OutboxRow.created_at:type_name -> google.protobuf.Timestamp
-	49, // 54: curfew.admin.v1.ListOutboxResponse.rows:type_name -> curfew.admin.v1.OutboxRow
-	8,  // 55: curfew.admin.v1.AdminService.Status:input_type -> curfew.admin.v1.StatusRequest
-	11, // 56: curfew.admin.v1.AdminService.ClosePool:input_type -> curfew.admin.v1.ClosePoolRequest
-	13, // 57: curfew.admin.v1.AdminService.OpenPool:input_type -> curfew.admin.v1.OpenPoolRequest
-	15, // 58: curfew.admin.v1.AdminService.ReopenPool:input_type -> curfew.admin.v1.ReopenPoolRequest
-	17, // 59: curfew.admin.v1.AdminService.ListLeases:input_type -> curfew.admin.v1.ListLeasesRequest
-	19, // 60: curfew.admin.v1.AdminService.CancelLeases:input_type -> curfew.admin.v1.CancelLeasesRequest
-	21, // 61: curfew.admin.v1.AdminService.FreezeLedger:input_type -> curfew.admin.v1.FreezeLedgerRequest
-	23, // 62: curfew.admin.v1.AdminService.ThawLedger:input_type -> curfew.admin.v1.ThawLedgerRequest
-	25, // 63: curfew.admin.v1.AdminService.ListFreezes:input_type -> curfew.admin.v1.ListFreezesRequest
-	27, // 64: curfew.admin.v1.AdminService.DrainDecoders:input_type -> curfew.admin.v1.DrainDecodersRequest
-	29, // 65: curfew.admin.v1.AdminService.UndrainDecoders:input_type -> curfew.admin.v1.UndrainDecodersRequest
-	32, // 66: curfew.admin.v1.AdminService.ListAudit:input_type -> curfew.admin.v1.ListAuditRequest
-	35, // 67: curfew.admin.v1.AdminService.CreateKey:input_type -> curfew.admin.v1.CreateKeyRequest
-	37, // 68: curfew.admin.v1.AdminService.RevokeKey:input_type -> curfew.admin.v1.RevokeKeyRequest
-	39, // 69: curfew.admin.v1.AdminService.ListKeys:input_type -> curfew.admin.v1.ListKeysRequest
-	42, // 70: curfew.admin.v1.AdminService.Usage:input_type -> curfew.admin.v1.UsageRequest
-	45, // 71: curfew.admin.v1.AdminService.ListApprovals:input_type -> curfew.admin.v1.ListApprovalsRequest
-	47, // 72: curfew.admin.v1.AdminService.DecideApproval:input_type -> curfew.admin.v1.DecideApprovalRequest
-	50, // 73: curfew.admin.v1.AdminService.ListOutbox:input_type -> curfew.admin.v1.ListOutboxRequest
-	9,  // 74: curfew.admin.v1.AdminService.Status:output_type -> curfew.admin.v1.StatusResponse
-	12, // 75: curfew.admin.v1.AdminService.ClosePool:output_type -> curfew.admin.v1.ClosePoolResponse
-	14, // 76: curfew.admin.v1.AdminService.OpenPool:output_type -> curfew.admin.v1.OpenPoolResponse
-	16, // 77: curfew.admin.v1.AdminService.ReopenPool:output_type -> curfew.admin.v1.ReopenPoolResponse
-	18, // 78: curfew.admin.v1.AdminService.ListLeases:output_type -> curfew.admin.v1.ListLeasesResponse
-	20, // 79: curfew.admin.v1.AdminService.CancelLeases:output_type -> curfew.admin.v1.CancelLeasesResponse
-	22, // 80: curfew.admin.v1.AdminService.FreezeLedger:output_type -> curfew.admin.v1.FreezeLedgerResponse
-	24, // 81: curfew.admin.v1.AdminService.ThawLedger:output_type -> curfew.admin.v1.ThawLedgerResponse
-	26, // 82: curfew.admin.v1.AdminService.ListFreezes:output_type -> curfew.admin.v1.ListFreezesResponse
-	28, // 83: curfew.admin.v1.AdminService.DrainDecoders:output_type -> curfew.admin.v1.DrainDecodersResponse
-	30, // 84: curfew.admin.v1.AdminService.UndrainDecoders:output_type -> curfew.admin.v1.UndrainDecodersResponse
-	33, // 85: curfew.admin.v1.AdminService.ListAudit:output_type -> curfew.admin.v1.ListAuditResponse
-	36, // 86: curfew.admin.v1.AdminService.CreateKey:output_type -> curfew.admin.v1.CreateKeyResponse
-	38, // 87: curfew.admin.v1.AdminService.RevokeKey:output_type -> curfew.admin.v1.RevokeKeyResponse
-	40, // 88: curfew.admin.v1.AdminService.ListKeys:output_type -> curfew.admin.v1.ListKeysResponse
-	43, // 89: curfew.admin.v1.AdminService.Usage:output_type -> curfew.admin.v1.UsageResponse
-	46, // 90: curfew.admin.v1.AdminService.ListApprovals:output_type -> curfew.admin.v1.ListApprovalsResponse
-	48, // 91: curfew.admin.v1.AdminService.DecideApproval:output_type -> curfew.admin.v1.DecideApprovalResponse
-	51, // 92: curfew.admin.v1.AdminService.ListOutbox:output_type -> curfew.admin.v1.ListOutboxResponse
-	74, // [74:93] is the sub-list for method output_type
-	55, // [55:74] is the sub-list for method input_type
-	55, // [55:55] is the sub-list for extension type_name
-	55, // [55:55] is the sub-list for extension extendee
-	0,  // [0:55] is the sub-list for field type_name
+	11, // 19: curfew.admin.v1.StatusResponse.cluster:type_name -> curfew.admin.v1.ClusterAdmission
+	10, // 20: curfew.admin.v1.StatusResponse.coordination:type_name -> curfew.admin.v1.Coordination
+	53, // 21: curfew.admin.v1.Coordination.since:type_name -> google.protobuf.Timestamp
+	53, // 22: curfew.admin.v1.Coordination.until:type_name -> google.protobuf.Timestamp
+	53, // 23: curfew.admin.v1.ClusterAdmission.degraded_since:type_name -> google.protobuf.Timestamp
+	53, // 24: curfew.admin.v1.ClusterAdmission.last_renew:type_name -> google.protobuf.Timestamp
+	2,  // 25: curfew.admin.v1.ClosePoolResponse.pool:type_name -> curfew.admin.v1.PoolState
+	2,  // 26: curfew.admin.v1.OpenPoolResponse.pool:type_name -> curfew.admin.v1.PoolState
+	54, // 27: curfew.admin.v1.ReopenPoolRequest.window:type_name -> google.protobuf.Duration
+	54, // 28: curfew.admin.v1.ReopenPoolResponse.quiet_for:type_name -> google.protobuf.Duration
+	2,  // 29: curfew.admin.v1.ReopenPoolResponse.pool:type_name -> curfew.admin.v1.PoolState
+	54, // 30: curfew.admin.v1.ListLeasesRequest.older_than:type_name -> google.protobuf.Duration
+	4,  // 31: curfew.admin.v1.ListLeasesResponse.leases:type_name -> curfew.admin.v1.Lease
+	54, // 32: curfew.admin.v1.CancelLeasesRequest.older_than:type_name -> google.protobuf.Duration
+	4,  // 33: curfew.admin.v1.CancelLeasesResponse.cancelled:type_name -> curfew.admin.v1.Lease
+	5,  // 34: curfew.admin.v1.FreezeLedgerResponse.freeze:type_name -> curfew.admin.v1.Freeze
+	5,  // 35: curfew.admin.v1.ListFreezesResponse.freezes:type_name -> curfew.admin.v1.Freeze
+	54, // 36: curfew.admin.v1.DrainDecodersRequest.cancel_after:type_name -> google.protobuf.Duration
+	6,  // 37: curfew.admin.v1.DrainDecodersResponse.drain:type_name -> curfew.admin.v1.Drain
+	53, // 38: curfew.admin.v1.AuditEntry.at:type_name -> google.protobuf.Timestamp
+	53, // 39: curfew.admin.v1.ListAuditRequest.since:type_name -> google.protobuf.Timestamp
+	32, // 40: curfew.admin.v1.ListAuditResponse.entries:type_name -> curfew.admin.v1.AuditEntry
+	0,  // 41: curfew.admin.v1.APIKey.scopes:type_name -> curfew.admin.v1.Scope
+	53, // 42: curfew.admin.v1.APIKey.created_at:type_name -> google.protobuf.Timestamp
+	53, // 43: curfew.admin.v1.APIKey.revoked_at:type_name -> google.protobuf.Timestamp
+	0,  // 44: curfew.admin.v1.CreateKeyRequest.scopes:type_name -> curfew.admin.v1.Scope
+	35, // 45: curfew.admin.v1.CreateKeyResponse.key:type_name -> curfew.admin.v1.APIKey
+	35, // 46: curfew.admin.v1.RevokeKeyResponse.key:type_name -> curfew.admin.v1.APIKey
+	35, // 47: curfew.admin.v1.ListKeysResponse.keys:type_name -> curfew.admin.v1.APIKey
+	53, // 48: curfew.admin.v1.UsageRequest.since:type_name -> google.protobuf.Timestamp
+	42, // 49: curfew.admin.v1.UsageResponse.tenants:type_name -> curfew.admin.v1.TenantUsage
+	1,  // 50: curfew.admin.v1.Approval.state:type_name -> curfew.admin.v1.ApprovalState
+	53, // 51: curfew.admin.v1.Approval.requested_at:type_name -> google.protobuf.Timestamp
+	53, // 52: curfew.admin.v1.Approval.expires_at:type_name -> google.protobuf.Timestamp
+	53, // 53: curfew.admin.v1.Approval.decided_at:type_name -> google.protobuf.Timestamp
+	45, // 54: curfew.admin.v1.ListApprovalsResponse.approvals:type_name -> curfew.admin.v1.Approval
+	45, // 55: curfew.admin.v1.DecideApprovalResponse.approval:type_name -> curfew.admin.v1.Approval
+	53, // 56: curfew.admin.v1.OutboxRow.created_at:type_name -> google.protobuf.Timestamp
+	50, // 57: curfew.admin.v1.ListOutboxResponse.rows:type_name -> curfew.admin.v1.OutboxRow
+	8,  // 58: curfew.admin.v1.AdminService.Status:input_type -> curfew.admin.v1.StatusRequest
+	12, // 59: curfew.admin.v1.AdminService.ClosePool:input_type -> curfew.admin.v1.ClosePoolRequest
+	14, // 60: curfew.admin.v1.AdminService.OpenPool:input_type -> curfew.admin.v1.OpenPoolRequest
+	16, // 61: curfew.admin.v1.AdminService.ReopenPool:input_type -> curfew.admin.v1.ReopenPoolRequest
+	18, // 62: curfew.admin.v1.AdminService.ListLeases:input_type -> curfew.admin.v1.ListLeasesRequest
+	20, // 63: curfew.admin.v1.AdminService.CancelLeases:input_type -> curfew.admin.v1.CancelLeasesRequest
+	22, // 64: curfew.admin.v1.AdminService.FreezeLedger:input_type -> curfew.admin.v1.FreezeLedgerRequest
+	24, // 65: curfew.admin.v1.AdminService.ThawLedger:input_type -> curfew.admin.v1.ThawLedgerRequest
+	26, // 66: curfew.admin.v1.AdminService.ListFreezes:input_type -> curfew.admin.v1.ListFreezesRequest
+	28, // 67: curfew.admin.v1.AdminService.DrainDecoders:input_type -> curfew.admin.v1.DrainDecodersRequest
+	30, // 68: curfew.admin.v1.AdminService.UndrainDecoders:input_type -> curfew.admin.v1.UndrainDecodersRequest
+	33, // 69: curfew.admin.v1.AdminService.ListAudit:input_type -> curfew.admin.v1.ListAuditRequest
+	36, // 70: curfew.admin.v1.AdminService.CreateKey:input_type -> curfew.admin.v1.CreateKeyRequest
+	38, // 71: curfew.admin.v1.AdminService.RevokeKey:input_type -> curfew.admin.v1.RevokeKeyRequest
+	40, // 72: curfew.admin.v1.AdminService.ListKeys:input_type -> curfew.admin.v1.ListKeysRequest
+	43, // 73: curfew.admin.v1.AdminService.Usage:input_type -> curfew.admin.v1.UsageRequest
+	46, // 74: curfew.admin.v1.AdminService.ListApprovals:input_type -> curfew.admin.v1.ListApprovalsRequest
+	48, // 75: curfew.admin.v1.AdminService.DecideApproval:input_type -> curfew.admin.v1.DecideApprovalRequest
+	51, // 76: curfew.admin.v1.AdminService.ListOutbox:input_type -> curfew.admin.v1.ListOutboxRequest
+	9,  // 77: curfew.admin.v1.AdminService.Status:output_type -> curfew.admin.v1.StatusResponse
+	13, // 78: curfew.admin.v1.AdminService.ClosePool:output_type -> curfew.admin.v1.ClosePoolResponse
+	15, // 79: curfew.admin.v1.AdminService.OpenPool:output_type -> curfew.admin.v1.OpenPoolResponse
+	17, // 80: curfew.admin.v1.AdminService.ReopenPool:output_type -> curfew.admin.v1.ReopenPoolResponse
+	19, // 81: curfew.admin.v1.AdminService.ListLeases:output_type -> curfew.admin.v1.ListLeasesResponse
+	21, // 82: curfew.admin.v1.AdminService.CancelLeases:output_type -> curfew.admin.v1.CancelLeasesResponse
+	23, // 83: curfew.admin.v1.AdminService.FreezeLedger:output_type -> curfew.admin.v1.FreezeLedgerResponse
+	25, // 84: curfew.admin.v1.AdminService.ThawLedger:output_type -> curfew.admin.v1.ThawLedgerResponse
+	27, // 85: curfew.admin.v1.AdminService.ListFreezes:output_type -> curfew.admin.v1.ListFreezesResponse
+	29, // 86: curfew.admin.v1.AdminService.DrainDecoders:output_type -> curfew.admin.v1.DrainDecodersResponse
+	31, // 87: curfew.admin.v1.AdminService.UndrainDecoders:output_type -> curfew.admin.v1.UndrainDecodersResponse
+	34, // 88: curfew.admin.v1.AdminService.ListAudit:output_type -> curfew.admin.v1.ListAuditResponse
+	37, // 89: curfew.admin.v1.AdminService.CreateKey:output_type -> curfew.admin.v1.CreateKeyResponse
+	39, // 90: curfew.admin.v1.AdminService.RevokeKey:output_type -> curfew.admin.v1.RevokeKeyResponse
+	41, // 91: curfew.admin.v1.AdminService.ListKeys:output_type -> curfew.admin.v1.ListKeysResponse
+	44, // 92: curfew.admin.v1.AdminService.Usage:output_type -> curfew.admin.v1.UsageResponse
+	47, // 93: curfew.admin.v1.AdminService.ListApprovals:output_type -> curfew.admin.v1.ListApprovalsResponse
+	49, // 94: curfew.admin.v1.AdminService.DecideApproval:output_type -> curfew.admin.v1.DecideApprovalResponse
+	52, // 95: curfew.admin.v1.AdminService.ListOutbox:output_type -> curfew.admin.v1.ListOutboxResponse
+	77, // [77:96] is the sub-list for method output_type
+	58, // [58:77] is the sub-list for method input_type
+	58, // [58:58] is the sub-list for extension type_name
+	58, // [58:58] is the sub-list for extension extendee
+	0,  // [0:58] is the sub-list for field type_name
 }
 
 func init() { file_curfew_admin_v1_admin_proto_init() }
@@ -4031,7 +4188,7 @@ func file_curfew_admin_v1_admin_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_curfew_admin_v1_admin_proto_rawDesc), len(file_curfew_admin_v1_admin_proto_rawDesc)),
 			NumEnums:      2,
-			NumMessages:   50,
+			NumMessages:   51,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

@@ -1177,10 +1177,13 @@ func (x *ListDecodersRequest) GetOlderThan() *durationpb.Duration {
 
 // ListDecodersResponse holds them, oldest first, and the replica's breakers.
 type ListDecodersResponse struct {
-	state         protoimpl.MessageState `protogen:"open.v1"`
-	Replica       string                 `protobuf:"bytes,1,opt,name=replica,proto3" json:"replica,omitempty"`
-	Decoders      []*Decoder             `protobuf:"bytes,2,rep,name=decoders,proto3" json:"decoders,omitempty"`
-	Breakers      []*ProviderBreaker     `protobuf:"bytes,3,rep,name=breakers,proto3" json:"breakers,omitempty"`
+	state    protoimpl.MessageState `protogen:"open.v1"`
+	Replica  string                 `protobuf:"bytes,1,opt,name=replica,proto3" json:"replica,omitempty"`
+	Decoders []*Decoder             `protobuf:"bytes,2,rep,name=decoders,proto3" json:"decoders,omitempty"`
+	Breakers []*ProviderBreaker     `protobuf:"bytes,3,rep,name=breakers,proto3" json:"breakers,omitempty"`
+	// The replica's coordinated limits: its token budgets and its provider breakers'
+	// probe leases (service "modelproxy").
+	Coordination  []*Coordination `protobuf:"bytes,4,rep,name=coordination,proto3" json:"coordination,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -1236,6 +1239,143 @@ func (x *ListDecodersResponse) GetBreakers() []*ProviderBreaker {
 	return nil
 }
 
+func (x *ListDecodersResponse) GetCoordination() []*Coordination {
+	if x != nil {
+		return x.Coordination
+	}
+	return nil
+}
+
+// Coordination is one coordinated limit's state on one replica (docs/cluster.md, "In
+// status"): a target's retry windows, a breaker's half-open probe lease, or the token
+// budgets held in the store.
+type Coordination struct {
+	state protoimpl.MessageState `protogen:"open.v1"`
+	// The service and replica reporting it.
+	Service string `protobuf:"bytes,1,opt,name=service,proto3" json:"service,omitempty"`
+	Replica string `protobuf:"bytes,2,opt,name=replica,proto3" json:"replica,omitempty"`
+	// What is coordinated: "retry_window", "breaker_probe" or "budget".
+	Part string `protobuf:"bytes,3,opt,name=part,proto3" json:"part,omitempty"`
+	// The dependency (retry_window, breaker_probe); empty for budget.
+	Target string `protobuf:"bytes,4,opt,name=target,proto3" json:"target,omitempty"`
+	// The store cannot be asked: the part runs its degraded mode (docs/cluster.md).
+	Degraded bool `protobuf:"varint,5,opt,name=degraded,proto3" json:"degraded,omitempty"`
+	// A human-readable account of the state: the degraded mode, the lease held, refusals.
+	Detail string `protobuf:"bytes,6,opt,name=detail,proto3" json:"detail,omitempty"`
+	// Since when it is degraded; unset when not degraded or not known.
+	Since *timestamppb.Timestamp `protobuf:"bytes,7,opt,name=since,proto3" json:"since,omitempty"`
+	// This replica holds the lease now: a retry window, or the probe lease while its
+	// probe is out.
+	Held bool `protobuf:"varint,8,opt,name=held,proto3" json:"held,omitempty"`
+	// retry_window: the end of the window held. breaker_probe: until when another
+	// replica holds the probe lease (its probe, or its failed probe's open period).
+	Until *timestamppb.Timestamp `protobuf:"bytes,9,opt,name=until,proto3" json:"until,omitempty"`
+	// retry_window: retries refused for want of a window since the process started.
+	Refused       int64 `protobuf:"varint,10,opt,name=refused,proto3" json:"refused,omitempty"`
+	unknownFields protoimpl.UnknownFields
+	sizeCache     protoimpl.SizeCache
+}
+
+func (x *Coordination) Reset() {
+	*x = Coordination{}
+	mi := &file_curfew_modelproxy_v1_modelproxy_proto_msgTypes[17]
+	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+	ms.StoreMessageInfo(mi)
+}
+
+func (x *Coordination) String() string {
+	return protoimpl.X.MessageStringOf(x)
+}
+
+func (*Coordination) ProtoMessage() {}
+
+func (x *Coordination) ProtoReflect() protoreflect.Message {
+	mi := &file_curfew_modelproxy_v1_modelproxy_proto_msgTypes[17]
+	if x != nil {
+		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
+		if ms.LoadMessageInfo() == nil {
+			ms.StoreMessageInfo(mi)
+		}
+		return ms
+	}
+	return mi.MessageOf(x)
+}
+
+// Deprecated: Use Coordination.ProtoReflect.Descriptor instead.
+func (*Coordination) Descriptor() ([]byte, []int) {
+	return file_curfew_modelproxy_v1_modelproxy_proto_rawDescGZIP(), []int{17}
+}
+
+func (x *Coordination) GetService() string {
+	if x != nil {
+		return x.Service
+	}
+	return ""
+}
+
+func (x *Coordination) GetReplica() string {
+	if x != nil {
+		return x.Replica
+	}
+	return ""
+}
+
+func (x *Coordination) GetPart() string {
+	if x != nil {
+		return x.Part
+	}
+	return ""
+}
+
+func (x *Coordination) GetTarget() string {
+	if x != nil {
+		return x.Target
+	}
+	return ""
+}
+
+func (x *Coordination) GetDegraded() bool {
+	if x != nil {
+		return x.Degraded
+	}
+	return false
+}
+
+func (x *Coordination) GetDetail() string {
+	if x != nil {
+		return x.Detail
+	}
+	return ""
+}
+
+func (x *Coordination) GetSince() *timestamppb.Timestamp {
+	if x != nil {
+		return x.Since
+	}
+	return nil
+}
+
+func (x *Coordination) GetHeld() bool {
+	if x != nil {
+		return x.Held
+	}
+	return false
+}
+
+func (x *Coordination) GetUntil() *timestamppb.Timestamp {
+	if x != nil {
+		return x.Until
+	}
+	return nil
+}
+
+func (x *Coordination) GetRefused() int64 {
+	if x != nil {
+		return x.Refused
+	}
+	return 0
+}
+
 // CancelDecodersRequest cancels the decoders this replica runs that started longer ago
 // than older_than, with cause operator.
 type CancelDecodersRequest struct {
@@ -1248,7 +1388,7 @@ type CancelDecodersRequest struct {
 
 func (x *CancelDecodersRequest) Reset() {
 	*x = CancelDecodersRequest{}
-	mi := &file_curfew_modelproxy_v1_modelproxy_proto_msgTypes[17]
+	mi := &file_curfew_modelproxy_v1_modelproxy_proto_msgTypes[18]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1260,7 +1400,7 @@ func (x *CancelDecodersRequest) String() string {
 func (*CancelDecodersRequest) ProtoMessage() {}
 
 func (x *CancelDecodersRequest) ProtoReflect() protoreflect.Message {
-	mi := &file_curfew_modelproxy_v1_modelproxy_proto_msgTypes[17]
+	mi := &file_curfew_modelproxy_v1_modelproxy_proto_msgTypes[18]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1273,7 +1413,7 @@ func (x *CancelDecodersRequest) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CancelDecodersRequest.ProtoReflect.Descriptor instead.
 func (*CancelDecodersRequest) Descriptor() ([]byte, []int) {
-	return file_curfew_modelproxy_v1_modelproxy_proto_rawDescGZIP(), []int{17}
+	return file_curfew_modelproxy_v1_modelproxy_proto_rawDescGZIP(), []int{18}
 }
 
 func (x *CancelDecodersRequest) GetOlderThan() *durationpb.Duration {
@@ -1301,7 +1441,7 @@ type CancelDecodersResponse struct {
 
 func (x *CancelDecodersResponse) Reset() {
 	*x = CancelDecodersResponse{}
-	mi := &file_curfew_modelproxy_v1_modelproxy_proto_msgTypes[18]
+	mi := &file_curfew_modelproxy_v1_modelproxy_proto_msgTypes[19]
 	ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 	ms.StoreMessageInfo(mi)
 }
@@ -1313,7 +1453,7 @@ func (x *CancelDecodersResponse) String() string {
 func (*CancelDecodersResponse) ProtoMessage() {}
 
 func (x *CancelDecodersResponse) ProtoReflect() protoreflect.Message {
-	mi := &file_curfew_modelproxy_v1_modelproxy_proto_msgTypes[18]
+	mi := &file_curfew_modelproxy_v1_modelproxy_proto_msgTypes[19]
 	if x != nil {
 		ms := protoimpl.X.MessageStateOf(protoimpl.Pointer(x))
 		if ms.LoadMessageInfo() == nil {
@@ -1326,7 +1466,7 @@ func (x *CancelDecodersResponse) ProtoReflect() protoreflect.Message {
 
 // Deprecated: Use CancelDecodersResponse.ProtoReflect.Descriptor instead.
 func (*CancelDecodersResponse) Descriptor() ([]byte, []int) {
-	return file_curfew_modelproxy_v1_modelproxy_proto_rawDescGZIP(), []int{18}
+	return file_curfew_modelproxy_v1_modelproxy_proto_rawDescGZIP(), []int{19}
 }
 
 func (x *CancelDecodersResponse) GetReplica() string {
@@ -1430,11 +1570,24 @@ const file_curfew_modelproxy_v1_modelproxy_proto_rawDesc = "" +
 	"\x05state\x18\x02 \x01(\tR\x05state\"O\n" +
 	"\x13ListDecodersRequest\x128\n" +
 	"\n" +
-	"older_than\x18\x01 \x01(\v2\x19.google.protobuf.DurationR\tolderThan\"\xae\x01\n" +
+	"older_than\x18\x01 \x01(\v2\x19.google.protobuf.DurationR\tolderThan\"\xf6\x01\n" +
 	"\x14ListDecodersResponse\x12\x18\n" +
 	"\areplica\x18\x01 \x01(\tR\areplica\x129\n" +
 	"\bdecoders\x18\x02 \x03(\v2\x1d.curfew.modelproxy.v1.DecoderR\bdecoders\x12A\n" +
-	"\bbreakers\x18\x03 \x03(\v2%.curfew.modelproxy.v1.ProviderBreakerR\bbreakers\"i\n" +
+	"\bbreakers\x18\x03 \x03(\v2%.curfew.modelproxy.v1.ProviderBreakerR\bbreakers\x12F\n" +
+	"\fcoordination\x18\x04 \x03(\v2\".curfew.modelproxy.v1.CoordinationR\fcoordination\"\xb4\x02\n" +
+	"\fCoordination\x12\x18\n" +
+	"\aservice\x18\x01 \x01(\tR\aservice\x12\x18\n" +
+	"\areplica\x18\x02 \x01(\tR\areplica\x12\x12\n" +
+	"\x04part\x18\x03 \x01(\tR\x04part\x12\x16\n" +
+	"\x06target\x18\x04 \x01(\tR\x06target\x12\x1a\n" +
+	"\bdegraded\x18\x05 \x01(\bR\bdegraded\x12\x16\n" +
+	"\x06detail\x18\x06 \x01(\tR\x06detail\x120\n" +
+	"\x05since\x18\a \x01(\v2\x1a.google.protobuf.TimestampR\x05since\x12\x12\n" +
+	"\x04held\x18\b \x01(\bR\x04held\x120\n" +
+	"\x05until\x18\t \x01(\v2\x1a.google.protobuf.TimestampR\x05until\x12\x18\n" +
+	"\arefused\x18\n" +
+	" \x01(\x03R\arefused\"i\n" +
 	"\x15CancelDecodersRequest\x128\n" +
 	"\n" +
 	"older_than\x18\x01 \x01(\v2\x19.google.protobuf.DurationR\tolderThan\x12\x16\n" +
@@ -1470,7 +1623,7 @@ func file_curfew_modelproxy_v1_modelproxy_proto_rawDescGZIP() []byte {
 }
 
 var file_curfew_modelproxy_v1_modelproxy_proto_enumTypes = make([]protoimpl.EnumInfo, 1)
-var file_curfew_modelproxy_v1_modelproxy_proto_msgTypes = make([]protoimpl.MessageInfo, 19)
+var file_curfew_modelproxy_v1_modelproxy_proto_msgTypes = make([]protoimpl.MessageInfo, 20)
 var file_curfew_modelproxy_v1_modelproxy_proto_goTypes = []any{
 	(Role)(0),                      // 0: curfew.modelproxy.v1.Role
 	(*ToolCall)(nil),               // 1: curfew.modelproxy.v1.ToolCall
@@ -1490,10 +1643,11 @@ var file_curfew_modelproxy_v1_modelproxy_proto_goTypes = []any{
 	(*ProviderBreaker)(nil),        // 15: curfew.modelproxy.v1.ProviderBreaker
 	(*ListDecodersRequest)(nil),    // 16: curfew.modelproxy.v1.ListDecodersRequest
 	(*ListDecodersResponse)(nil),   // 17: curfew.modelproxy.v1.ListDecodersResponse
-	(*CancelDecodersRequest)(nil),  // 18: curfew.modelproxy.v1.CancelDecodersRequest
-	(*CancelDecodersResponse)(nil), // 19: curfew.modelproxy.v1.CancelDecodersResponse
-	(*durationpb.Duration)(nil),    // 20: google.protobuf.Duration
-	(*timestamppb.Timestamp)(nil),  // 21: google.protobuf.Timestamp
+	(*Coordination)(nil),           // 18: curfew.modelproxy.v1.Coordination
+	(*CancelDecodersRequest)(nil),  // 19: curfew.modelproxy.v1.CancelDecodersRequest
+	(*CancelDecodersResponse)(nil), // 20: curfew.modelproxy.v1.CancelDecodersResponse
+	(*durationpb.Duration)(nil),    // 21: google.protobuf.Duration
+	(*timestamppb.Timestamp)(nil),  // 22: google.protobuf.Timestamp
 }
 var file_curfew_modelproxy_v1_modelproxy_proto_depIdxs = []int32{
 	0,  // 0: curfew.modelproxy.v1.Message.role:type_name -> curfew.modelproxy.v1.Role
@@ -1501,36 +1655,39 @@ var file_curfew_modelproxy_v1_modelproxy_proto_depIdxs = []int32{
 	2,  // 2: curfew.modelproxy.v1.GenerateRequest.messages:type_name -> curfew.modelproxy.v1.Message
 	4,  // 3: curfew.modelproxy.v1.GenerateRequest.tools:type_name -> curfew.modelproxy.v1.ToolSpec
 	5,  // 4: curfew.modelproxy.v1.GenerateRequest.response_schema:type_name -> curfew.modelproxy.v1.ResponseSchema
-	20, // 5: curfew.modelproxy.v1.GenerateRequest.lease_ttl:type_name -> google.protobuf.Duration
+	21, // 5: curfew.modelproxy.v1.GenerateRequest.lease_ttl:type_name -> google.protobuf.Duration
 	2,  // 6: curfew.modelproxy.v1.GenerateRequest.notes:type_name -> curfew.modelproxy.v1.Message
 	1,  // 7: curfew.modelproxy.v1.GenerateResponse.tool_calls:type_name -> curfew.modelproxy.v1.ToolCall
 	6,  // 8: curfew.modelproxy.v1.GenerateResponse.usage:type_name -> curfew.modelproxy.v1.Usage
 	8,  // 9: curfew.modelproxy.v1.RenewLeasesRequest.keys:type_name -> curfew.modelproxy.v1.LeaseKey
-	20, // 10: curfew.modelproxy.v1.RenewLeasesRequest.ttl:type_name -> google.protobuf.Duration
+	21, // 10: curfew.modelproxy.v1.RenewLeasesRequest.ttl:type_name -> google.protobuf.Duration
 	8,  // 11: curfew.modelproxy.v1.RenewLeasesResponse.unknown:type_name -> curfew.modelproxy.v1.LeaseKey
 	12, // 12: curfew.modelproxy.v1.ListModelsResponse.models:type_name -> curfew.modelproxy.v1.ModelInfo
-	21, // 13: curfew.modelproxy.v1.Decoder.started_at:type_name -> google.protobuf.Timestamp
-	21, // 14: curfew.modelproxy.v1.Decoder.last_heartbeat:type_name -> google.protobuf.Timestamp
-	20, // 15: curfew.modelproxy.v1.ListDecodersRequest.older_than:type_name -> google.protobuf.Duration
+	22, // 13: curfew.modelproxy.v1.Decoder.started_at:type_name -> google.protobuf.Timestamp
+	22, // 14: curfew.modelproxy.v1.Decoder.last_heartbeat:type_name -> google.protobuf.Timestamp
+	21, // 15: curfew.modelproxy.v1.ListDecodersRequest.older_than:type_name -> google.protobuf.Duration
 	14, // 16: curfew.modelproxy.v1.ListDecodersResponse.decoders:type_name -> curfew.modelproxy.v1.Decoder
 	15, // 17: curfew.modelproxy.v1.ListDecodersResponse.breakers:type_name -> curfew.modelproxy.v1.ProviderBreaker
-	20, // 18: curfew.modelproxy.v1.CancelDecodersRequest.older_than:type_name -> google.protobuf.Duration
-	14, // 19: curfew.modelproxy.v1.CancelDecodersResponse.cancelled:type_name -> curfew.modelproxy.v1.Decoder
-	3,  // 20: curfew.modelproxy.v1.ModelProxyService.Generate:input_type -> curfew.modelproxy.v1.GenerateRequest
-	9,  // 21: curfew.modelproxy.v1.ModelProxyService.RenewLeases:input_type -> curfew.modelproxy.v1.RenewLeasesRequest
-	11, // 22: curfew.modelproxy.v1.ModelProxyService.ListModels:input_type -> curfew.modelproxy.v1.ListModelsRequest
-	16, // 23: curfew.modelproxy.v1.ModelProxyService.ListDecoders:input_type -> curfew.modelproxy.v1.ListDecodersRequest
-	18, // 24: curfew.modelproxy.v1.ModelProxyService.CancelDecoders:input_type -> curfew.modelproxy.v1.CancelDecodersRequest
-	7,  // 25: curfew.modelproxy.v1.ModelProxyService.Generate:output_type -> curfew.modelproxy.v1.GenerateResponse
-	10, // 26: curfew.modelproxy.v1.ModelProxyService.RenewLeases:output_type -> curfew.modelproxy.v1.RenewLeasesResponse
-	13, // 27: curfew.modelproxy.v1.ModelProxyService.ListModels:output_type -> curfew.modelproxy.v1.ListModelsResponse
-	17, // 28: curfew.modelproxy.v1.ModelProxyService.ListDecoders:output_type -> curfew.modelproxy.v1.ListDecodersResponse
-	19, // 29: curfew.modelproxy.v1.ModelProxyService.CancelDecoders:output_type -> curfew.modelproxy.v1.CancelDecodersResponse
-	25, // [25:30] is the sub-list for method output_type
-	20, // [20:25] is the sub-list for method input_type
-	20, // [20:20] is the sub-list for extension type_name
-	20, // [20:20] is the sub-list for extension extendee
-	0,  // [0:20] is the sub-list for field type_name
+	18, // 18: curfew.modelproxy.v1.ListDecodersResponse.coordination:type_name -> curfew.modelproxy.v1.Coordination
+	22, // 19: curfew.modelproxy.v1.Coordination.since:type_name -> google.protobuf.Timestamp
+	22, // 20: curfew.modelproxy.v1.Coordination.until:type_name -> google.protobuf.Timestamp
+	21, // 21: curfew.modelproxy.v1.CancelDecodersRequest.older_than:type_name -> google.protobuf.Duration
+	14, // 22: curfew.modelproxy.v1.CancelDecodersResponse.cancelled:type_name -> curfew.modelproxy.v1.Decoder
+	3,  // 23: curfew.modelproxy.v1.ModelProxyService.Generate:input_type -> curfew.modelproxy.v1.GenerateRequest
+	9,  // 24: curfew.modelproxy.v1.ModelProxyService.RenewLeases:input_type -> curfew.modelproxy.v1.RenewLeasesRequest
+	11, // 25: curfew.modelproxy.v1.ModelProxyService.ListModels:input_type -> curfew.modelproxy.v1.ListModelsRequest
+	16, // 26: curfew.modelproxy.v1.ModelProxyService.ListDecoders:input_type -> curfew.modelproxy.v1.ListDecodersRequest
+	19, // 27: curfew.modelproxy.v1.ModelProxyService.CancelDecoders:input_type -> curfew.modelproxy.v1.CancelDecodersRequest
+	7,  // 28: curfew.modelproxy.v1.ModelProxyService.Generate:output_type -> curfew.modelproxy.v1.GenerateResponse
+	10, // 29: curfew.modelproxy.v1.ModelProxyService.RenewLeases:output_type -> curfew.modelproxy.v1.RenewLeasesResponse
+	13, // 30: curfew.modelproxy.v1.ModelProxyService.ListModels:output_type -> curfew.modelproxy.v1.ListModelsResponse
+	17, // 31: curfew.modelproxy.v1.ModelProxyService.ListDecoders:output_type -> curfew.modelproxy.v1.ListDecodersResponse
+	20, // 32: curfew.modelproxy.v1.ModelProxyService.CancelDecoders:output_type -> curfew.modelproxy.v1.CancelDecodersResponse
+	28, // [28:33] is the sub-list for method output_type
+	23, // [23:28] is the sub-list for method input_type
+	23, // [23:23] is the sub-list for extension type_name
+	23, // [23:23] is the sub-list for extension extendee
+	0,  // [0:23] is the sub-list for field type_name
 }
 
 func init() { file_curfew_modelproxy_v1_modelproxy_proto_init() }
@@ -1545,7 +1702,7 @@ func file_curfew_modelproxy_v1_modelproxy_proto_init() {
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_curfew_modelproxy_v1_modelproxy_proto_rawDesc), len(file_curfew_modelproxy_v1_modelproxy_proto_rawDesc)),
 			NumEnums:      1,
-			NumMessages:   19,
+			NumMessages:   20,
 			NumExtensions: 0,
 			NumServices:   1,
 		},

@@ -133,7 +133,8 @@ func startedBefore(cut time.Time) func(*liveDecoder) bool {
 }
 
 // ListDecoders implements ModelProxyService: this replica's decoders started longer ago
-// than older_than (all when unset), oldest first, and its provider breakers. The mesh
+// than older_than (all when unset), oldest first, its provider breakers and its
+// coordinated limits (token budgets, provider probe leases). The mesh
 // policy lets only the orchestrator call it (the operators' API fans it out).
 func (s *Server) ListDecoders(_ context.Context, req *modelproxyv1.ListDecodersRequest) (*modelproxyv1.ListDecodersResponse, error) {
 	age, err := olderThan(req.GetOlderThan())
@@ -144,7 +145,7 @@ func (s *Server) ListDecoders(_ context.Context, req *modelproxyv1.ListDecodersR
 	if age > 0 {
 		keep = startedBefore(s.now().Add(-age))
 	}
-	out := &modelproxyv1.ListDecodersResponse{Replica: s.Replica, Breakers: s.breakerStates()}
+	out := &modelproxyv1.ListDecodersResponse{Replica: s.Replica, Breakers: s.breakerStates(), Coordination: s.coordination(time.Now())}
 	for _, d := range s.decoders.list(keep) {
 		out.Decoders = append(out.Decoders, s.decoderProto(d))
 	}

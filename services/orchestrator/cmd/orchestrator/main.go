@@ -348,7 +348,7 @@ func run(args []string) int {
 	})
 	orchestratorv1.RegisterOrchestratorServiceServer(rt.Server, srv)
 	rt.RecordConfigs(ctx, st)
-	acfg := admin.Config{Store: st, Replica: self, Breakers: rt.Breakers, Decoders: decoders, Log: rt.Log}
+	acfg := admin.Config{Store: st, Replica: self, Breakers: rt.Breakers, RetryWindows: rt.RetryWindows(), Decoders: decoders, Log: rt.Log}
 	if adm != nil {
 		pools := admin.NewPoolControls(st, adm, self, rt.Log)
 		go pools.Run(ctx, *operatorPoll)

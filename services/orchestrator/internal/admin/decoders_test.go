@@ -26,12 +26,14 @@ type fakeProxy struct {
 	modelproxyv1.UnimplementedModelProxyServiceServer
 	replica  string
 	decoders []*modelproxyv1.Decoder
+	coord    []*modelproxyv1.Coordination
 	cancels  []*modelproxyv1.CancelDecodersRequest
 }
 
 func (f *fakeProxy) ListDecoders(context.Context, *modelproxyv1.ListDecodersRequest) (*modelproxyv1.ListDecodersResponse, error) {
 	return &modelproxyv1.ListDecodersResponse{Replica: f.replica, Decoders: f.decoders,
-		Breakers: []*modelproxyv1.ProviderBreaker{{Provider: "openai", State: "half_open"}}}, nil
+		Breakers:     []*modelproxyv1.ProviderBreaker{{Provider: "openai", State: "half_open"}},
+		Coordination: f.coord}, nil
 }
 
 func (f *fakeProxy) CancelDecoders(_ context.Context, req *modelproxyv1.CancelDecodersRequest) (*modelproxyv1.CancelDecodersResponse, error) {
@@ -56,7 +58,11 @@ func TestLeasesFanOutToEveryReplica(t *testing.T) {
 			StartedAt: timestamppb.New(now.Add(-age)), Tokens: 5}
 	}
 	a := &fakeProxy{replica: "mp-a", decoders: []*modelproxyv1.Decoder{dec("mp-a", "r1", time.Second)}}
-	b := &fakeProxy{replica: "mp-b", decoders: []*modelproxyv1.Decoder{dec("mp-b", "r2", time.Minute)}}
+	b := &fakeProxy{replica: "mp-b", decoders: []*modelproxyv1.Decoder{dec("mp-b", "r2", time.Minute)},
+		coord: []*modelproxyv1.Coordination{
+			{Service: "modelproxy", Replica: "mp-b", Part: PartBudget, Degraded: true, Detail: "store unreachable", Since: timestamppb.New(now)},
+			{Service: "modelproxy", Replica: "mp-b", Part: PartBreakerProbe, Target: "openai", Held: true, Detail: "probe out"},
+		}}
 	dead, err := grpc.NewClient("127.0.0.1:1", grpc.WithTransportCredentials(insecure.NewCredentials()))
 	if err != nil {
 		t.Fatal(err)
@@ -79,10 +85,17 @@ func TestLeasesFanOutToEveryReplica(t *testing.T) {
 	if len(ls.GetUnreachable()) != 1 || !strings.HasPrefix(ls.GetUnreachable()[0], "modelproxy 127.0.0.1:1") {
 		t.Errorf("unreachable %v, want the dead replica named", ls.GetUnreachable())
 	}
-	leases, breakers, unreachable := s.fleet(ctx, 0)
+	v := s.fleet(ctx, 0)
+	leases, breakers, unreachable := v.leases, v.breakers, v.unreachable
 	if len(leases) != 2 || len(breakers) != 2 || breakers[0].GetService() != "modelproxy" || breakers[0].GetReplica() != "mp-a" ||
 		breakers[0].GetTarget() != "openai" || breakers[0].GetState() != "half_open" || len(unreachable) != 1 {
 		t.Errorf("fleet = %v, %v, %v", leases, breakers, unreachable)
+	}
+	// mp-b's coordinated limits come through, by part: the degraded budget as degraded.
+	if c := v.coordination; len(c) != 2 || c[0].GetPart() != PartBreakerProbe || !c[0].GetHeld() ||
+		c[1].GetPart() != PartBudget || !c[1].GetDegraded() || c[1].GetDetail() != "store unreachable" ||
+		c[1].GetService() != "modelproxy" || c[1].GetReplica() != "mp-b" || !c[1].GetSince().AsTime().Equal(now.Truncate(0)) {
+		t.Errorf("coordination %v, want mp-b's probe lease held and its budget degraded", c)
 	}
 
 	for _, bad := range []*durationpb.Duration{nil, durationpb.New(0), durationpb.New(-time.Second)} {

@@ -88,10 +88,19 @@ func oldestFirst(ls []*adminv1.Lease) {
 	})
 }
 
-// fleet returns every modelproxy replica's decoders started longer ago than olderThan
-// (every one when 0) as Leases, oldest first, its provider breakers as BreakerState
-// (service modelproxy), and the replicas that did not answer. For Status and ListLeases.
-func (s *Server) fleet(ctx context.Context, olderThan time.Duration) (leases []*adminv1.Lease, breakers []*adminv1.BreakerState, unreachable []string) {
+// fleetView is what the modelproxy replicas answered: their decoders as Leases, oldest
+// first, their provider breakers (service modelproxy), their coordinated limits, and
+// the replicas that did not answer.
+type fleetView struct {
+	leases       []*adminv1.Lease
+	breakers     []*adminv1.BreakerState
+	coordination []*adminv1.Coordination
+	unreachable  []string
+}
+
+// fleet asks every modelproxy replica for its decoders started longer ago than
+// olderThan (every one when 0). For Status and ListLeases.
+func (s *Server) fleet(ctx context.Context, olderThan time.Duration) fleetView {
 	req := &modelproxyv1.ListDecodersRequest{}
 	if olderThan > 0 {
 		req.OlderThan = durationpb.New(olderThan)
@@ -99,20 +108,25 @@ func (s *Server) fleet(ctx context.Context, olderThan time.Duration) (leases []*
 	answers, unreachable := fanout(ctx, s.cfg.Decoders, func(ctx context.Context, c modelproxyv1.ModelProxyServiceClient) (*modelproxyv1.ListDecodersResponse, error) {
 		return c.ListDecoders(ctx, req)
 	})
+	v := fleetView{unreachable: unreachable}
 	now := time.Now()
 	for _, a := range answers {
 		for _, d := range a.GetDecoders() {
-			leases = append(leases, leaseOf(d, now))
+			v.leases = append(v.leases, leaseOf(d, now))
 		}
 		for _, b := range a.GetBreakers() {
-			breakers = append(breakers, &adminv1.BreakerState{Service: "modelproxy", Replica: a.GetReplica(), Target: b.GetProvider(), State: b.GetState()})
+			v.breakers = append(v.breakers, &adminv1.BreakerState{Service: "modelproxy", Replica: a.GetReplica(), Target: b.GetProvider(), State: b.GetState()})
+		}
+		for _, c := range a.GetCoordination() {
+			v.coordination = append(v.coordination, fromModelproxy(a.GetReplica(), c))
 		}
 	}
-	oldestFirst(leases)
-	slices.SortFunc(breakers, func(a, b *adminv1.BreakerState) int {
+	oldestFirst(v.leases)
+	slices.SortFunc(v.breakers, func(a, b *adminv1.BreakerState) int {
 		return strings.Compare(a.GetReplica()+"\x00"+a.GetTarget(), b.GetReplica()+"\x00"+b.GetTarget())
 	})
-	return leases, breakers, unreachable
+	sortCoordination(v.coordination)
+	return v
 }
 
 // optionalAge reads an optional older_than: 0 when unset.
@@ -138,7 +152,8 @@ func (s *Server) ListLeases(ctx context.Context, req *adminv1.ListLeasesRequest)
 	if err != nil {
 		return nil, err
 	}
-	leases, _, unreachable := s.fleet(ctx, age)
+	v := s.fleet(ctx, age)
+	leases, unreachable := v.leases, v.unreachable
 	return &adminv1.ListLeasesResponse{Leases: leases, Unreachable: unreachable}, nil
 }
 

@@ -2,6 +2,9 @@ package admin_test
 
 import (
 	"context"
+	"errors"
+	"log/slog"
+	"strings"
 	"testing"
 	"time"
 
@@ -12,14 +15,15 @@ import (
 	adminv1 "github.com/curfew-mesh/curfew/gen/curfew/admin/v1"
 	"github.com/curfew-mesh/curfew/mesh/admission"
 	"github.com/curfew-mesh/curfew/mesh/breaker"
+	"github.com/curfew-mesh/curfew/mesh/retrywindow"
 	"github.com/curfew-mesh/curfew/mesh/store"
 	"github.com/curfew-mesh/curfew/mesh/store/memory"
 	"github.com/curfew-mesh/curfew/services/orchestrator/internal/admin"
 )
 
 // rig is an admin server over a private store and one replica's admission controller,
-// with breakers when given.
-func rig(t *testing.T, breakers ...*breaker.Set) (*admin.Server, *admission.Controller, store.Store) {
+// with the rest of its configuration set by with, when given.
+func rig(t *testing.T, with ...func(*admin.Config)) (*admin.Server, *admission.Controller, store.Store) {
 	t.Helper()
 	st, err := memory.Open(t.Context(), "memory://"+t.Name())
 	if err != nil {
@@ -32,8 +36,8 @@ func rig(t *testing.T, breakers ...*breaker.Set) (*admin.Server, *admission.Cont
 	}
 	t.Cleanup(ctrl.Close)
 	cfg := admin.Config{Store: st, Replica: "orch-1", Pools: admin.NewPoolControls(st, ctrl, "orch-1", nil)}
-	if len(breakers) > 0 {
-		cfg.Breakers = breakers[0]
+	for _, w := range with {
+		w(&cfg)
 	}
 	return admin.New(cfg), ctrl, st
 }
@@ -159,10 +163,45 @@ func TestReopenPool(t *testing.T) {
 // the dead letters, the replicas' configuration versions and the controls from the
 // store; with no modelproxy replica known, no decoder.
 func TestStatusGathersEveryPart(t *testing.T) {
-	breakers := breaker.NewSet(breaker.Config{}, nil)
-	breakers.Get("toolrunner")
-	s, _, st := rig(t, breakers)
 	ctx := t.Context()
+	// The retry windows and the breakers' probe leases are coordinated on a store of
+	// their own, which the test stops after the orchestrator took a window of modelproxy.
+	coord, err := memory.Open(ctx, "memory://"+t.Name()+"-coord")
+	if err != nil {
+		t.Fatal(err)
+	}
+	windows, err := retrywindow.New(retrywindow.Config{Store: coord, Logger: slog.New(slog.DiscardHandler)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = windows.Close(context.Background()) })
+	windows.Known("subagent")
+	if err := windows.AllowRetry(ctx, "modelproxy"); err != nil {
+		t.Fatalf("a window of modelproxy: %v", err)
+	}
+	breakers := breaker.NewSet(breaker.Config{ConsecutiveFailures: 2, OpenTimeout: time.Minute}, nil)
+	if err := breakers.Coordinate(ctx, breaker.Coordination{Store: coord}); err != nil {
+		t.Fatal(err)
+	}
+	breakers.Get("toolrunner")
+	_ = coord.Close() // every store call of the coordination fails from now on
+	if err := windows.AllowRetry(ctx, "toolrunner"); !errors.Is(err, retrywindow.ErrStoreDown) {
+		t.Fatalf("a retry of toolrunner with the store down: %v, want ErrStoreDown", err)
+	}
+	mp := breakers.Get("modelproxy")
+	for range 2 {
+		done, err := mp.Allow(ctx)
+		if err != nil {
+			t.Fatal(err)
+		}
+		done(status.Error(codes.Unavailable, "down"))
+	}
+	for deadline := time.Now().Add(5 * time.Second); !mp.CoordinationDegraded(); time.Sleep(5 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatal("the open breaker of modelproxy did not find the store down within 5 s")
+		}
+	}
+	s, _, st := rig(t, func(c *admin.Config) { c.Breakers, c.RetryWindows = breakers, windows })
 	if _, _, err := st.AddDeadLetter(ctx, store.DeadLetter{Tenant: "acme", RunID: "r1", Step: "0", LastError: "boom"}); err != nil {
 		t.Fatal(err)
 	}
@@ -194,8 +233,39 @@ func TestStatusGathersEveryPart(t *testing.T) {
 	if len(out.GetPools()) != 2 || out.GetPools()[1].GetPool() != "overflow" || !out.GetPools()[1].GetOperatorClosed() {
 		t.Errorf("pools %v", out.GetPools())
 	}
-	if b := out.GetBreakers(); len(b) != 1 || b[0].GetService() != "orchestrator" || b[0].GetTarget() != "toolrunner" || b[0].GetState() != "closed" {
+	if b := out.GetBreakers(); len(b) != 2 || b[0].GetService() != "orchestrator" || b[0].GetTarget() != "modelproxy" || b[0].GetState() != "open" ||
+		b[1].GetTarget() != "toolrunner" || b[1].GetState() != "closed" {
 		t.Errorf("breakers %v", b)
+	}
+	// Coordination: the retry windows by target, then the breakers' probe leases.
+	want := []struct {
+		part, target string
+		degraded     bool
+		held         bool
+		detail       string
+	}{
+		{admin.PartRetryWindow, "modelproxy", false, true, "held for"},
+		{admin.PartRetryWindow, "subagent", false, false, "no window held; 1 window(s) of 10s across replicas"},
+		{admin.PartRetryWindow, "toolrunner", true, false, "store unreachable: retries that need a window are refused; 1 retries refused"},
+		{admin.PartBreakerProbe, "modelproxy", true, false, "store unreachable: probes on its own"},
+		{admin.PartBreakerProbe, "toolrunner", false, false, "one probe per open period across replicas"},
+	}
+	co := out.GetCoordination()
+	if len(co) != len(want) {
+		t.Fatalf("coordination %v, want %d entries", co, len(want))
+	}
+	for i, w := range want {
+		c := co[i]
+		if c.GetService() != "orchestrator" || c.GetReplica() != "orch-1" || c.GetPart() != w.part || c.GetTarget() != w.target ||
+			c.GetDegraded() != w.degraded || c.GetHeld() != w.held || !strings.Contains(c.GetDetail(), w.detail) {
+			t.Errorf("coordination[%d] = %v, want %s %s degraded %v held %v, detail with %q", i, c, w.part, w.target, w.degraded, w.held, w.detail)
+		}
+		if w.degraded != (c.GetSince() != nil) {
+			t.Errorf("coordination[%d] = %v: since %v, want it set exactly when degraded", i, c, c.GetSince())
+		}
+	}
+	if until := co[0].GetUntil().AsTime(); until.Before(time.Now()) || until.After(time.Now().Add(10*time.Second)) {
+		t.Errorf("the held window ends at %v, want within its 10 s length", until)
 	}
 	if c := out.GetConfigs(); len(c) != 1 || c[0].GetReplica() != "orch-2" || c[0].GetVersion() != "abc123" {
 		t.Errorf("configs %v", c)

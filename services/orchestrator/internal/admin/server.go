@@ -10,6 +10,7 @@ import (
 	adminv1 "github.com/curfew-mesh/curfew/gen/curfew/admin/v1"
 	"github.com/curfew-mesh/curfew/mesh/admission"
 	"github.com/curfew-mesh/curfew/mesh/breaker"
+	"github.com/curfew-mesh/curfew/mesh/retrywindow"
 	"github.com/curfew-mesh/curfew/mesh/store"
 )
 
@@ -25,6 +26,9 @@ type Config struct {
 	Pools Pools
 	// Breakers are this orchestrator's breakers, shown by Status; nil: none shown.
 	Breakers *breaker.Set
+	// RetryWindows holds this orchestrator's coordinated retry windows, shown by Status
+	// (service.Runtime.RetryWindows); nil: retries are not coordinated, none shown.
+	RetryWindows *retrywindow.Holder
 	// ReopenPoll is how often ReopenPool reads the orphan delta and reports (0: 1 s,
 	// or a quarter of the window when that is shorter).
 	ReopenPoll time.Duration

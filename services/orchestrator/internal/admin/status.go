@@ -18,8 +18,9 @@ import (
 // judge the same stretch of time.
 const DefaultOrphanWindow = time.Minute
 
-// Status implements adminv1.AdminServiceServer: the pools and breakers as this replica
-// sees them, the decoders of every modelproxy replica, and from the store the orphan
+// Status implements adminv1.AdminServiceServer: the pools, breakers and coordinated
+// limits as this replica sees them, the decoders, breakers and coordinated limits of
+// every modelproxy replica, and from the store the orphan
 // delta, the dead-letter depth, the controls in force and every replica's
 // configuration versions. A part whose source fails is left out and named in
 // unreachable, so that status answers while the mesh is in trouble, which is when it
@@ -36,8 +37,10 @@ func (s *Server) Status(ctx context.Context, _ *adminv1.StatusRequest) (*adminv1
 				Target: b.Target(), State: b.State().Name()})
 		}
 	}
-	leases, breakers, unreachable := s.fleet(ctx, 0)
-	out.Leases, out.Breakers, out.Unreachable = leases, append(out.Breakers, breakers...), unreachable
+	out.Coordination = s.ownCoordination(time.Now())
+	v := s.fleet(ctx, 0)
+	out.Leases, out.Breakers, out.Unreachable = v.leases, append(out.Breakers, v.breakers...), v.unreachable
+	out.Coordination = append(out.Coordination, v.coordination...)
 	storeFailed := func(what string, err error) {
 		s.cfg.Log.WarnContext(ctx, "status: part not read", "part", what, "error", err.Error())
 		out.Unreachable = append(out.Unreachable, "store ("+what+")")

@@ -12,7 +12,7 @@ import type { Message } from "@bufbuild/protobuf";
  * Describes the file curfew/admin/v1/admin.proto.
  */
 export const file_curfew_admin_v1_admin: GenFile = /*@__PURE__*/
-  fileDesc("ChtjdXJmZXcvYWRtaW4vdjEvYWRtaW4ucHJvdG8SD2N1cmZldy5hZG1pbi52MSL0AwoJUG9vbFN0YXRlEgwKBHBvb2wYASABKAkSFwoPb3BlcmF0b3JfY2xvc2VkGAIgASgIEhcKD29wZXJhdG9yX3JlYXNvbhgDIAEoCRIWCg5vcGVyYXRvcl9hY3RvchgEIAEoCRI2ChJvcGVyYXRvcl9jbG9zZWRfYXQYBSABKAsyGi5nb29nbGUucHJvdG9idWYuVGltZXN0YW1wEhMKC2F1dG9fY2xvc2VkGAYgASgIEhcKD2F1dG9fY29uZGl0aW9ucxgHIAMoCRI1ChFhdXRvX2Nsb3NlZF91bnRpbBgIIAEoCzIaLmdvb2dsZS5wcm90b2J1Zi5UaW1lc3RhbXASEQoJaW5fZmxpZ2h0GAkgASgFEg4KBnF1ZXVlZBgKIAEoBRIwCg1vbGRlc3RfcXVldWVkGAsgASgLMhkuZ29vZ2xlLnByb3RvYnVmLkR1cmF0aW9uEhUKDW1heF9pbl9mbGlnaHQYDCABKAUSEQoJbWF4X3F1ZXVlGA0gASgFEhAKCG92ZXJmbG93GA4gASgIEjUKEWZvcmNlZF9vcGVuX3VudGlsGA8gASgLMhouZ29vZ2xlLnByb3RvYnVmLlRpbWVzdGFtcBIPCgdyZXBsaWNhGBAgASgJEhkKEWNsdXN0ZXJfaW5fZmxpZ2h0GBEgASgFIk8KDEJyZWFrZXJTdGF0ZRIPCgdzZXJ2aWNlGAEgASgJEg8KB3JlcGxpY2EYAiABKAkSDgoGdGFyZ2V0GAMgASgJEg0KBXN0YXRlGAQgASgJIoYCCgVMZWFzZRIPCgdyZXBsaWNhGAEgASgJEg4KBnRlbmFudBgCIAEoCRIOCgZydW5faWQYAyABKAkSDwoHbm9kZV9pZBgEIAEoCRINCgVtb2RlbBgFIAEoCRIQCghwcm92aWRlchgGIAEoCRIuCgpzdGFydGVkX2F0GAcgASgLMhouZ29vZ2xlLnByb3RvYnVmLlRpbWVzdGFtcBImCgNhZ2UYCCABKAsyGS5nb29nbGUucHJvdG9idWYuRHVyYXRpb24SMgoObGFzdF9oZWFydGJlYXQYCSABKAsyGi5nb29nbGUucHJvdG9idWYuVGltZXN0YW1wEg4KBnRva2VucxgKIAEoAyKTAQoGRnJlZXplEg4KBnRlbmFudBgBIAEoCRIOCgZydW5faWQYAiABKAkSDgoGcmVhc29uGAMgASgJEg0KBWFjdG9yGAQgASgJEi0KCWZyb3plbl9hdBgFIAEoCzIaLmdvb2dsZS5wcm90b2J1Zi5UaW1lc3RhbXASGwoTdG9rZW5zX2FmdGVyX2ZyZWV6ZRgGIAEoAyKTAQoFRHJhaW4SDAoEcG9vbBgBIAEoCRIOCgZyZWFzb24YAiABKAkSDQoFYWN0b3IYAyABKAkSLgoKc3RhcnRlZF9hdBgEIAEoCzIaLmdvb2dsZS5wcm90b2J1Zi5UaW1lc3RhbXASLQoJY2FuY2VsX2F0GAUgASgLMhouZ29vZ2xlLnByb3RvYnVmLlRpbWVzdGFtcCLCAQoNUmVwbGljYUNvbmZpZxIPCgdzZXJ2aWNlGAEgASgJEg8KB3JlcGxpY2EYAiABKAkSDgoGY29uZmlnGAMgASgJEg8KB3ZlcnNpb24YBCABKAkSLQoJbG9hZGVkX2F0GAUgASgLMhouZ29vZ2xlLnByb3RvYnVmLlRpbWVzdGFtcBISCgpsYXN0X2Vycm9yGAYgASgJEisKB3NlZW5fYXQYByABKAsyGi5nb29nbGUucHJvdG9idWYuVGltZXN0YW1wIg8KDVN0YXR1c1JlcXVlc3Qi1AMKDlN0YXR1c1Jlc3BvbnNlEikKBXBvb2xzGAEgAygLMhouY3VyZmV3LmFkbWluLnYxLlBvb2xTdGF0ZRIvCghicmVha2VycxgCIAMoCzIdLmN1cmZldy5hZG1pbi52MS5CcmVha2VyU3RhdGUSJgoGbGVhc2VzGAMgAygLMhYuY3VyZmV3LmFkbWluLnYxLkxlYXNlEhQKDG9ycGhhbl9kZWx0YRgEIAEoAxIwCg1vcnBoYW5fd2luZG93GAUgASgLMhkuZ29vZ2xlLnByb3RvYnVmLkR1cmF0aW9uEhkKEWRlYWRfbGV0dGVyX2RlcHRoGAYgASgDEi8KB2NvbmZpZ3MYByADKAsyHi5jdXJmZXcuYWRtaW4udjEuUmVwbGljYUNvbmZpZxIoCgdmcmVlemVzGAggAygLMhcuY3VyZmV3LmFkbWluLnYxLkZyZWV6ZRImCgZkcmFpbnMYCSADKAsyFi5jdXJmZXcuYWRtaW4udjEuRHJhaW4SEwoLdW5yZWFjaGFibGUYCiADKAkSDwoHcmVwbGljYRgLIAEoCRIyCgdjbHVzdGVyGAwgASgLMiEuY3VyZmV3LmFkbWluLnYxLkNsdXN0ZXJBZG1pc3Npb24i+QEKEENsdXN0ZXJBZG1pc3Npb24SDwoHZW5hYmxlZBgBIAEoCBIQCghkZWdyYWRlZBgCIAEoCBIyCg5kZWdyYWRlZF9zaW5jZRgDIAEoCzIaLmdvb2dsZS5wcm90b2J1Zi5UaW1lc3RhbXASEgoKbGFzdF9lcnJvchgEIAEoCRIQCghyZXBsaWNhcxgFIAEoBRIUCgxsb2NhbF9hZG1pdHMYBiABKAMSEgoKc2xvdHNfbG9zdBgHIAEoAxIOCgZob2xkZXIYCCABKAkSLgoKbGFzdF9yZW5ldxgJIAEoCzIaLmdvb2dsZS5wcm90b2J1Zi5UaW1lc3RhbXAiMAoQQ2xvc2VQb29sUmVxdWVzdBIMCgRwb29sGAEgASgJEg4KBnJlYXNvbhgCIAEoCSI9ChFDbG9zZVBvb2xSZXNwb25zZRIoCgRwb29sGAEgASgLMhouY3VyZmV3LmFkbWluLnYxLlBvb2xTdGF0ZSI+Cg9PcGVuUG9vbFJlcXVlc3QSDAoEcG9vbBgBIAEoCRIOCgZyZWFzb24YAiABKAkSDQoFZm9yY2UYAyABKAgiPAoQT3BlblBvb2xSZXNwb25zZRIoCgRwb29sGAEgASgLMhouY3VyZmV3LmFkbWluLnYxLlBvb2xTdGF0ZSJcChFSZW9wZW5Qb29sUmVxdWVzdBIMCgRwb29sGAEgASgJEg4KBnJlYXNvbhgCIAEoCRIpCgZ3aW5kb3cYAyABKAsyGS5nb29nbGUucHJvdG9idWYuRHVyYXRpb24ikgEKElJlb3BlblBvb2xSZXNwb25zZRIUCgxvcnBoYW5fZGVsdGEYASABKAMSLAoJcXVpZXRfZm9yGAIgASgLMhkuZ29vZ2xlLnByb3RvYnVmLkR1cmF0aW9uEg4KBm9wZW5lZBgDIAEoCBIoCgRwb29sGAQgASgLMhouY3VyZmV3LmFkbWluLnYxLlBvb2xTdGF0ZSJCChFMaXN0TGVhc2VzUmVxdWVzdBItCgpvbGRlcl90aGFuGAEgASgLMhkuZ29vZ2xlLnByb3RvYnVmLkR1cmF0aW9uIlEKEkxpc3RMZWFzZXNSZXNwb25zZRImCgZsZWFzZXMYASADKAsyFi5jdXJmZXcuYWRtaW4udjEuTGVhc2USEwoLdW5yZWFjaGFibGUYAiADKAkiVAoTQ2FuY2VsTGVhc2VzUmVxdWVzdBItCgpvbGRlcl90aGFuGAEgASgLMhkuZ29vZ2xlLnByb3RvYnVmLkR1cmF0aW9uEg4KBnJlYXNvbhgCIAEoCSJWChRDYW5jZWxMZWFzZXNSZXNwb25zZRIpCgljYW5jZWxsZWQYASADKAsyFi5jdXJmZXcuYWRtaW4udjEuTGVhc2USEwoLdW5yZWFjaGFibGUYAiADKAkiRQoTRnJlZXplTGVkZ2VyUmVxdWVzdBIOCgZydW5faWQYASABKAkSDgoGdGVuYW50GAIgASgJEg4KBnJlYXNvbhgDIAEoCSI/ChRGcmVlemVMZWRnZXJSZXNwb25zZRInCgZmcmVlemUYASABKAsyFy5jdXJmZXcuYWRtaW4udjEuRnJlZXplIkMKEVRoYXdMZWRnZXJSZXF1ZXN0Eg4KBnJ1bl9pZBgBIAEoCRIOCgZ0ZW5hbnQYAiABKAkSDgoGcmVhc29uGAMgASgJIiQKElRoYXdMZWRnZXJSZXNwb25zZRIOCgZ0aGF3ZWQYASABKAgiFAoSTGlzdEZyZWV6ZXNSZXF1ZXN0Ij8KE0xpc3RGcmVlemVzUmVzcG9uc2USKAoHZnJlZXplcxgBIAMoCzIXLmN1cmZldy5hZG1pbi52MS5GcmVlemUiZQoURHJhaW5EZWNvZGVyc1JlcXVlc3QSDAoEcG9vbBgBIAEoCRIvCgxjYW5jZWxfYWZ0ZXIYAiABKAsyGS5nb29nbGUucHJvdG9idWYuRHVyYXRpb24SDgoGcmVhc29uGAMgASgJIj4KFURyYWluRGVjb2RlcnNSZXNwb25zZRIlCgVkcmFpbhgBIAEoCzIWLmN1cmZldy5hZG1pbi52MS5EcmFpbiI2ChZVbmRyYWluRGVjb2RlcnNSZXF1ZXN0EgwKBHBvb2wYASABKAkSDgoGcmVhc29uGAIgASgJIiwKF1VuZHJhaW5EZWNvZGVyc1Jlc3BvbnNlEhEKCXVuZHJhaW5lZBgBIAEoCCKVAQoKQXVkaXRFbnRyeRIKCgJpZBgBIAEoAxImCgJhdBgCIAEoCzIaLmdvb2dsZS5wcm90b2J1Zi5UaW1lc3RhbXASDQoFYWN0b3IYAyABKAkSDgoGYWN0aW9uGAQgASgJEg4KBnRhcmdldBgFIAEoCRIOCgZyZWFzb24YBiABKAkSFAoMcmVxdWVzdF9qc29uGAcgASgJImQKEExpc3RBdWRpdFJlcXVlc3QSKQoFc2luY2UYASABKAsyGi5nb29nbGUucHJvdG9idWYuVGltZXN0YW1wEhEKCXBhZ2Vfc2l6ZRgCIAEoBRISCgpwYWdlX3Rva2VuGAMgASgJIloKEUxpc3RBdWRpdFJlc3BvbnNlEiwKB2VudHJpZXMYASADKAsyGy5jdXJmZXcuYWRtaW4udjEuQXVkaXRFbnRyeRIXCg9uZXh0X3BhZ2VfdG9rZW4YAiABKAkirAEKBkFQSUtleRIKCgJpZBgBIAEoCRIOCgZ0ZW5hbnQYAiABKAkSJgoGc2NvcGVzGAMgAygOMhYuY3VyZmV3LmFkbWluLnYxLlNjb3BlEi4KCmNyZWF0ZWRfYXQYBCABKAsyGi5nb29nbGUucHJvdG9idWYuVGltZXN0YW1wEi4KCnJldm9rZWRfYXQYBSABKAsyGi5nb29nbGUucHJvdG9idWYuVGltZXN0YW1wInEKEENyZWF0ZUtleVJlcXVlc3QSDgoGdGVuYW50GAEgASgJEiYKBnNjb3BlcxgCIAMoDjIWLmN1cmZldy5hZG1pbi52MS5TY29wZRIVCg1yZXZva2Vfb3RoZXJzGAMgASgIEg4KBnJlYXNvbhgEIAEoCSJaChFDcmVhdGVLZXlSZXNwb25zZRIkCgNrZXkYASABKAsyFy5jdXJmZXcuYWRtaW4udjEuQVBJS2V5Eg4KBnNlY3JldBgCIAEoCRIPCgdyZXZva2VkGAMgASgDIi4KEFJldm9rZUtleVJlcXVlc3QSCgoCaWQYASABKAkSDgoGcmVhc29uGAIgASgJIjkKEVJldm9rZUtleVJlc3BvbnNlEiQKA2tleRgBIAEoCzIXLmN1cmZldy5hZG1pbi52MS5BUElLZXkiIQoPTGlzdEtleXNSZXF1ZXN0Eg4KBnRlbmFudBgBIAEoCSI5ChBMaXN0S2V5c1Jlc3BvbnNlEiUKBGtleXMYASADKAsyFy5jdXJmZXcuYWRtaW4udjEuQVBJS2V5In8KC1RlbmFudFVzYWdlEg4KBnRlbmFudBgBIAEoCRIVCg1wcm9tcHRfdG9rZW5zGAIgASgDEhUKDW91dHB1dF90b2tlbnMYAyABKAMSFQoNb3JwaGFuX3Rva2VucxgEIAEoAxIMCgRydW5zGAUgASgDEg0KBXNoZWRzGAYgASgDIkkKDFVzYWdlUmVxdWVzdBIOCgZ0ZW5hbnQYASABKAkSKQoFc2luY2UYAiABKAsyGi5nb29nbGUucHJvdG9idWYuVGltZXN0YW1wIj4KDVVzYWdlUmVzcG9uc2USLQoHdGVuYW50cxgBIAMoCzIcLmN1cmZldy5hZG1pbi52MS5UZW5hbnRVc2FnZSKEAwoIQXBwcm92YWwSDgoGdGVuYW50GAEgASgJEg4KBnJ1bl9pZBgCIAEoCRIPCgdub2RlX2lkGAMgASgJEhcKD2lkZW1wb3RlbmN5X2tleRgEIAEoCRIMCgR0b29sGAUgASgJEhYKDmFyZ3VtZW50c19qc29uGAYgASgJEgsKA3doeRgHIAEoCRItCgVzdGF0ZRgIIAEoDjIeLmN1cmZldy5hZG1pbi52MS5BcHByb3ZhbFN0YXRlEjAKDHJlcXVlc3RlZF9hdBgJIAEoCzIaLmdvb2dsZS5wcm90b2J1Zi5UaW1lc3RhbXASLgoKZXhwaXJlc19hdBgKIAEoCzIaLmdvb2dsZS5wcm90b2J1Zi5UaW1lc3RhbXASEgoKZGVjaWRlZF9ieRgLIAEoCRIuCgpkZWNpZGVkX2F0GAwgASgLMhouZ29vZ2xlLnByb3RvYnVmLlRpbWVzdGFtcBIOCgZyZWFzb24YDSABKAkSFgoOcnVuX3N0YXJ0ZWRfYnkYDiABKAkiTAoUTGlzdEFwcHJvdmFsc1JlcXVlc3QSFAoMcGVuZGluZ19vbmx5GAEgASgIEg4KBnRlbmFudBgCIAEoCRIOCgZydW5faWQYAyABKAkiRQoVTGlzdEFwcHJvdmFsc1Jlc3BvbnNlEiwKCWFwcHJvdmFscxgBIAMoCzIZLmN1cmZldy5hZG1pbi52MS5BcHByb3ZhbCJpChVEZWNpZGVBcHByb3ZhbFJlcXVlc3QSDgoGcnVuX2lkGAEgASgJEg8KB25vZGVfaWQYAiABKAkSDwoHYXBwcm92ZRgDIAEoCBIOCgZyZWFzb24YBCABKAkSDgoGdGVuYW50GAUgASgJIkUKFkRlY2lkZUFwcHJvdmFsUmVzcG9uc2USKwoIYXBwcm92YWwYASABKAsyGS5jdXJmZXcuYWRtaW4udjEuQXBwcm92YWwiqAEKCU91dGJveFJvdxIOCgZ0ZW5hbnQYASABKAkSDwoHY2hhbm5lbBgCIAEoCRILCgNrZXkYAyABKAkSCgoCaWQYBCABKAMSDwoHbWVzc2FnZRgFIAEoCRIuCgpjcmVhdGVkX2F0GAYgASgLMhouZ29vZ2xlLnByb3RvYnVmLlRpbWVzdGFtcBIPCgdyZWxheWVkGAcgASgIEg8KB3N1YmplY3QYCCABKAkicQoRTGlzdE91dGJveFJlcXVlc3QSDgoGdGVuYW50GAEgASgJEg8KB2NoYW5uZWwYAiABKAkSFAoMcGVuZGluZ19vbmx5GAMgASgIEhEKCXBhZ2Vfc2l6ZRgEIAEoBRISCgpwYWdlX3Rva2VuGAUgASgJIn0KEkxpc3RPdXRib3hSZXNwb25zZRIoCgRyb3dzGAEgAygLMhouY3VyZmV3LmFkbWluLnYxLk91dGJveFJvdxIXCg9uZXh0X3BhZ2VfdG9rZW4YAiABKAkSEwoLcmVsYXlfb3duZXIYAyABKAkSDwoHcGVuZGluZxgEIAEoAypECgVTY29wZRIVChFTQ09QRV9VTlNQRUNJRklFRBAAEg8KC1NDT1BFX0FETUlOEAESEwoPU0NPUEVfUkVBRF9PTkxZEAIqvwEKDUFwcHJvdmFsU3RhdGUSHgoaQVBQUk9WQUxfU1RBVEVfVU5TUEVDSUZJRUQQABIaChZBUFBST1ZBTF9TVEFURV9QRU5ESU5HEAESGwoXQVBQUk9WQUxfU1RBVEVfQVBQUk9WRUQQAhIZChVBUFBST1ZBTF9TVEFURV9ERU5JRUQQAxIcChhBUFBST1ZBTF9TVEFURV9USU1FRF9PVVQQBBIcChhBUFBST1ZBTF9TVEFURV9DQU5DRUxMRUQQBTLoDQoMQWRtaW5TZXJ2aWNlEk4KBlN0YXR1cxIeLmN1cmZldy5hZG1pbi52MS5TdGF0dXNSZXF1ZXN0Gh8uY3VyZmV3LmFkbWluLnYxLlN0YXR1c1Jlc3BvbnNlIgOQAgESVwoJQ2xvc2VQb29sEiEuY3VyZmV3LmFkbWluLnYxLkNsb3NlUG9vbFJlcXVlc3QaIi5jdXJmZXcuYWRtaW4udjEuQ2xvc2VQb29sUmVzcG9uc2UiA5ACAhJUCghPcGVuUG9vbBIgLmN1cmZldy5hZG1pbi52MS5PcGVuUG9vbFJlcXVlc3QaIS5jdXJmZXcuYWRtaW4udjEuT3BlblBvb2xSZXNwb25zZSIDkAICElwKClJlb3BlblBvb2wSIi5jdXJmZXcuYWRtaW4udjEuUmVvcGVuUG9vbFJlcXVlc3QaIy5jdXJmZXcuYWRtaW4udjEuUmVvcGVuUG9vbFJlc3BvbnNlIgOQAgIwARJaCgpMaXN0TGVhc2VzEiIuY3VyZmV3LmFkbWluLnYxLkxpc3RMZWFzZXNSZXF1ZXN0GiMuY3VyZmV3LmFkbWluLnYxLkxpc3RMZWFzZXNSZXNwb25zZSIDkAIBEmAKDENhbmNlbExlYXNlcxIkLmN1cmZldy5hZG1pbi52MS5DYW5jZWxMZWFzZXNSZXF1ZXN0GiUuY3VyZmV3LmFkbWluLnYxLkNhbmNlbExlYXNlc1Jlc3BvbnNlIgOQAgISYAoMRnJlZXplTGVkZ2VyEiQuY3VyZmV3LmFkbWluLnYxLkZyZWV6ZUxlZGdlclJlcXVlc3QaJS5jdXJmZXcuYWRtaW4udjEuRnJlZXplTGVkZ2VyUmVzcG9uc2UiA5ACAhJaCgpUaGF3TGVkZ2VyEiIuY3VyZmV3LmFkbWluLnYxLlRoYXdMZWRnZXJSZXF1ZXN0GiMuY3VyZmV3LmFkbWluLnYxLlRoYXdMZWRnZXJSZXNwb25zZSIDkAICEl0KC0xpc3RGcmVlemVzEiMuY3VyZmV3LmFkbWluLnYxLkxpc3RGcmVlemVzUmVxdWVzdBokLmN1cmZldy5hZG1pbi52MS5MaXN0RnJlZXplc1Jlc3BvbnNlIgOQAgESYwoNRHJhaW5EZWNvZGVycxIlLmN1cmZldy5hZG1pbi52MS5EcmFpbkRlY29kZXJzUmVxdWVzdBomLmN1cmZldy5hZG1pbi52MS5EcmFpbkRlY29kZXJzUmVzcG9uc2UiA5ACAhJpCg9VbmRyYWluRGVjb2RlcnMSJy5jdXJmZXcuYWRtaW4udjEuVW5kcmFpbkRlY29kZXJzUmVxdWVzdBooLmN1cmZldy5hZG1pbi52MS5VbmRyYWluRGVjb2RlcnNSZXNwb25zZSIDkAICElcKCUxpc3RBdWRpdBIhLmN1cmZldy5hZG1pbi52MS5MaXN0QXVkaXRSZXF1ZXN0GiIuY3VyZmV3LmFkbWluLnYxLkxpc3RBdWRpdFJlc3BvbnNlIgOQAgESUgoJQ3JlYXRlS2V5EiEuY3VyZmV3LmFkbWluLnYxLkNyZWF0ZUtleVJlcXVlc3QaIi5jdXJmZXcuYWRtaW4udjEuQ3JlYXRlS2V5UmVzcG9uc2USVwoJUmV2b2tlS2V5EiEuY3VyZmV3LmFkbWluLnYxLlJldm9rZUtleVJlcXVlc3QaIi5jdXJmZXcuYWRtaW4udjEuUmV2b2tlS2V5UmVzcG9uc2UiA5ACAhJUCghMaXN0S2V5cxIgLmN1cmZldy5hZG1pbi52MS5MaXN0S2V5c1JlcXVlc3QaIS5jdXJmZXcuYWRtaW4udjEuTGlzdEtleXNSZXNwb25zZSIDkAIBEksKBVVzYWdlEh0uY3VyZmV3LmFkbWluLnYxLlVzYWdlUmVxdWVzdBoeLmN1cmZldy5hZG1pbi52MS5Vc2FnZVJlc3BvbnNlIgOQAgESYwoNTGlzdEFwcHJvdmFscxIlLmN1cmZldy5hZG1pbi52MS5MaXN0QXBwcm92YWxzUmVxdWVzdBomLmN1cmZldy5hZG1pbi52MS5MaXN0QXBwcm92YWxzUmVzcG9uc2UiA5ACARJmCg5EZWNpZGVBcHByb3ZhbBImLmN1cmZldy5hZG1pbi52MS5EZWNpZGVBcHByb3ZhbFJlcXVlc3QaJy5jdXJmZXcuYWRtaW4udjEuRGVjaWRlQXBwcm92YWxSZXNwb25zZSIDkAICEloKCkxpc3RPdXRib3gSIi5jdXJmZXcuYWRtaW4udjEuTGlzdE91dGJveFJlcXVlc3QaIy5jdXJmZXcuYWRtaW4udjEuTGlzdE91dGJveFJlc3BvbnNlIgOQAgFCugEKE2NvbS5jdXJmZXcuYWRtaW4udjFCCkFkbWluUHJvdG9QAVo5Z2l0aHViLmNvbS9jdXJmZXctbWVzaC9jdXJmZXcvZ2VuL2N1cmZldy9hZG1pbi92MTthZG1pbnYxogIDQ0FYqgIPQ3VyZmV3LkFkbWluLlYxygIPQ3VyZmV3XEFkbWluXFYx4gIbQ3VyZmV3XEFkbWluXFYxXEdQQk1ldGFkYXRh6gIRQ3VyZmV3OjpBZG1pbjo6VjFiBnByb3RvMw", [file_google_protobuf_duration, file_google_protobuf_timestamp]);
+  fileDesc("ChtjdXJmZXcvYWRtaW4vdjEvYWRtaW4ucHJvdG8SD2N1cmZldy5hZG1pbi52MSL0AwoJUG9vbFN0YXRlEgwKBHBvb2wYASABKAkSFwoPb3BlcmF0b3JfY2xvc2VkGAIgASgIEhcKD29wZXJhdG9yX3JlYXNvbhgDIAEoCRIWCg5vcGVyYXRvcl9hY3RvchgEIAEoCRI2ChJvcGVyYXRvcl9jbG9zZWRfYXQYBSABKAsyGi5nb29nbGUucHJvdG9idWYuVGltZXN0YW1wEhMKC2F1dG9fY2xvc2VkGAYgASgIEhcKD2F1dG9fY29uZGl0aW9ucxgHIAMoCRI1ChFhdXRvX2Nsb3NlZF91bnRpbBgIIAEoCzIaLmdvb2dsZS5wcm90b2J1Zi5UaW1lc3RhbXASEQoJaW5fZmxpZ2h0GAkgASgFEg4KBnF1ZXVlZBgKIAEoBRIwCg1vbGRlc3RfcXVldWVkGAsgASgLMhkuZ29vZ2xlLnByb3RvYnVmLkR1cmF0aW9uEhUKDW1heF9pbl9mbGlnaHQYDCABKAUSEQoJbWF4X3F1ZXVlGA0gASgFEhAKCG92ZXJmbG93GA4gASgIEjUKEWZvcmNlZF9vcGVuX3VudGlsGA8gASgLMhouZ29vZ2xlLnByb3RvYnVmLlRpbWVzdGFtcBIPCgdyZXBsaWNhGBAgASgJEhkKEWNsdXN0ZXJfaW5fZmxpZ2h0GBEgASgFIk8KDEJyZWFrZXJTdGF0ZRIPCgdzZXJ2aWNlGAEgASgJEg8KB3JlcGxpY2EYAiABKAkSDgoGdGFyZ2V0GAMgASgJEg0KBXN0YXRlGAQgASgJIoYCCgVMZWFzZRIPCgdyZXBsaWNhGAEgASgJEg4KBnRlbmFudBgCIAEoCRIOCgZydW5faWQYAyABKAkSDwoHbm9kZV9pZBgEIAEoCRINCgVtb2RlbBgFIAEoCRIQCghwcm92aWRlchgGIAEoCRIuCgpzdGFydGVkX2F0GAcgASgLMhouZ29vZ2xlLnByb3RvYnVmLlRpbWVzdGFtcBImCgNhZ2UYCCABKAsyGS5nb29nbGUucHJvdG9idWYuRHVyYXRpb24SMgoObGFzdF9oZWFydGJlYXQYCSABKAsyGi5nb29nbGUucHJvdG9idWYuVGltZXN0YW1wEg4KBnRva2VucxgKIAEoAyKTAQoGRnJlZXplEg4KBnRlbmFudBgBIAEoCRIOCgZydW5faWQYAiABKAkSDgoGcmVhc29uGAMgASgJEg0KBWFjdG9yGAQgASgJEi0KCWZyb3plbl9hdBgFIAEoCzIaLmdvb2dsZS5wcm90b2J1Zi5UaW1lc3RhbXASGwoTdG9rZW5zX2FmdGVyX2ZyZWV6ZRgGIAEoAyKTAQoFRHJhaW4SDAoEcG9vbBgBIAEoCRIOCgZyZWFzb24YAiABKAkSDQoFYWN0b3IYAyABKAkSLgoKc3RhcnRlZF9hdBgEIAEoCzIaLmdvb2dsZS5wcm90b2J1Zi5UaW1lc3RhbXASLQoJY2FuY2VsX2F0GAUgASgLMhouZ29vZ2xlLnByb3RvYnVmLlRpbWVzdGFtcCLCAQoNUmVwbGljYUNvbmZpZxIPCgdzZXJ2aWNlGAEgASgJEg8KB3JlcGxpY2EYAiABKAkSDgoGY29uZmlnGAMgASgJEg8KB3ZlcnNpb24YBCABKAkSLQoJbG9hZGVkX2F0GAUgASgLMhouZ29vZ2xlLnByb3RvYnVmLlRpbWVzdGFtcBISCgpsYXN0X2Vycm9yGAYgASgJEisKB3NlZW5fYXQYByABKAsyGi5nb29nbGUucHJvdG9idWYuVGltZXN0YW1wIg8KDVN0YXR1c1JlcXVlc3QiiQQKDlN0YXR1c1Jlc3BvbnNlEikKBXBvb2xzGAEgAygLMhouY3VyZmV3LmFkbWluLnYxLlBvb2xTdGF0ZRIvCghicmVha2VycxgCIAMoCzIdLmN1cmZldy5hZG1pbi52MS5CcmVha2VyU3RhdGUSJgoGbGVhc2VzGAMgAygLMhYuY3VyZmV3LmFkbWluLnYxLkxlYXNlEhQKDG9ycGhhbl9kZWx0YRgEIAEoAxIwCg1vcnBoYW5fd2luZG93GAUgASgLMhkuZ29vZ2xlLnByb3RvYnVmLkR1cmF0aW9uEhkKEWRlYWRfbGV0dGVyX2RlcHRoGAYgASgDEi8KB2NvbmZpZ3MYByADKAsyHi5jdXJmZXcuYWRtaW4udjEuUmVwbGljYUNvbmZpZxIoCgdmcmVlemVzGAggAygLMhcuY3VyZmV3LmFkbWluLnYxLkZyZWV6ZRImCgZkcmFpbnMYCSADKAsyFi5jdXJmZXcuYWRtaW4udjEuRHJhaW4SEwoLdW5yZWFjaGFibGUYCiADKAkSDwoHcmVwbGljYRgLIAEoCRIyCgdjbHVzdGVyGAwgASgLMiEuY3VyZmV3LmFkbWluLnYxLkNsdXN0ZXJBZG1pc3Npb24SMwoMY29vcmRpbmF0aW9uGA0gAygLMh0uY3VyZmV3LmFkbWluLnYxLkNvb3JkaW5hdGlvbiLlAQoMQ29vcmRpbmF0aW9uEg8KB3NlcnZpY2UYASABKAkSDwoHcmVwbGljYRgCIAEoCRIMCgRwYXJ0GAMgASgJEg4KBnRhcmdldBgEIAEoCRIQCghkZWdyYWRlZBgFIAEoCBIOCgZkZXRhaWwYBiABKAkSKQoFc2luY2UYByABKAsyGi5nb29nbGUucHJvdG9idWYuVGltZXN0YW1wEgwKBGhlbGQYCCABKAgSKQoFdW50aWwYCSABKAsyGi5nb29nbGUucHJvdG9idWYuVGltZXN0YW1wEg8KB3JlZnVzZWQYCiABKAMi+QEKEENsdXN0ZXJBZG1pc3Npb24SDwoHZW5hYmxlZBgBIAEoCBIQCghkZWdyYWRlZBgCIAEoCBIyCg5kZWdyYWRlZF9zaW5jZRgDIAEoCzIaLmdvb2dsZS5wcm90b2J1Zi5UaW1lc3RhbXASEgoKbGFzdF9lcnJvchgEIAEoCRIQCghyZXBsaWNhcxgFIAEoBRIUCgxsb2NhbF9hZG1pdHMYBiABKAMSEgoKc2xvdHNfbG9zdBgHIAEoAxIOCgZob2xkZXIYCCABKAkSLgoKbGFzdF9yZW5ldxgJIAEoCzIaLmdvb2dsZS5wcm90b2J1Zi5UaW1lc3RhbXAiMAoQQ2xvc2VQb29sUmVxdWVzdBIMCgRwb29sGAEgASgJEg4KBnJlYXNvbhgCIAEoCSI9ChFDbG9zZVBvb2xSZXNwb25zZRIoCgRwb29sGAEgASgLMhouY3VyZmV3LmFkbWluLnYxLlBvb2xTdGF0ZSI+Cg9PcGVuUG9vbFJlcXVlc3QSDAoEcG9vbBgBIAEoCRIOCgZyZWFzb24YAiABKAkSDQoFZm9yY2UYAyABKAgiPAoQT3BlblBvb2xSZXNwb25zZRIoCgRwb29sGAEgASgLMhouY3VyZmV3LmFkbWluLnYxLlBvb2xTdGF0ZSJcChFSZW9wZW5Qb29sUmVxdWVzdBIMCgRwb29sGAEgASgJEg4KBnJlYXNvbhgCIAEoCRIpCgZ3aW5kb3cYAyABKAsyGS5nb29nbGUucHJvdG9idWYuRHVyYXRpb24ikgEKElJlb3BlblBvb2xSZXNwb25zZRIUCgxvcnBoYW5fZGVsdGEYASABKAMSLAoJcXVpZXRfZm9yGAIgASgLMhkuZ29vZ2xlLnByb3RvYnVmLkR1cmF0aW9uEg4KBm9wZW5lZBgDIAEoCBIoCgRwb29sGAQgASgLMhouY3VyZmV3LmFkbWluLnYxLlBvb2xTdGF0ZSJCChFMaXN0TGVhc2VzUmVxdWVzdBItCgpvbGRlcl90aGFuGAEgASgLMhkuZ29vZ2xlLnByb3RvYnVmLkR1cmF0aW9uIlEKEkxpc3RMZWFzZXNSZXNwb25zZRImCgZsZWFzZXMYASADKAsyFi5jdXJmZXcuYWRtaW4udjEuTGVhc2USEwoLdW5yZWFjaGFibGUYAiADKAkiVAoTQ2FuY2VsTGVhc2VzUmVxdWVzdBItCgpvbGRlcl90aGFuGAEgASgLMhkuZ29vZ2xlLnByb3RvYnVmLkR1cmF0aW9uEg4KBnJlYXNvbhgCIAEoCSJWChRDYW5jZWxMZWFzZXNSZXNwb25zZRIpCgljYW5jZWxsZWQYASADKAsyFi5jdXJmZXcuYWRtaW4udjEuTGVhc2USEwoLdW5yZWFjaGFibGUYAiADKAkiRQoTRnJlZXplTGVkZ2VyUmVxdWVzdBIOCgZydW5faWQYASABKAkSDgoGdGVuYW50GAIgASgJEg4KBnJlYXNvbhgDIAEoCSI/ChRGcmVlemVMZWRnZXJSZXNwb25zZRInCgZmcmVlemUYASABKAsyFy5jdXJmZXcuYWRtaW4udjEuRnJlZXplIkMKEVRoYXdMZWRnZXJSZXF1ZXN0Eg4KBnJ1bl9pZBgBIAEoCRIOCgZ0ZW5hbnQYAiABKAkSDgoGcmVhc29uGAMgASgJIiQKElRoYXdMZWRnZXJSZXNwb25zZRIOCgZ0aGF3ZWQYASABKAgiFAoSTGlzdEZyZWV6ZXNSZXF1ZXN0Ij8KE0xpc3RGcmVlemVzUmVzcG9uc2USKAoHZnJlZXplcxgBIAMoCzIXLmN1cmZldy5hZG1pbi52MS5GcmVlemUiZQoURHJhaW5EZWNvZGVyc1JlcXVlc3QSDAoEcG9vbBgBIAEoCRIvCgxjYW5jZWxfYWZ0ZXIYAiABKAsyGS5nb29nbGUucHJvdG9idWYuRHVyYXRpb24SDgoGcmVhc29uGAMgASgJIj4KFURyYWluRGVjb2RlcnNSZXNwb25zZRIlCgVkcmFpbhgBIAEoCzIWLmN1cmZldy5hZG1pbi52MS5EcmFpbiI2ChZVbmRyYWluRGVjb2RlcnNSZXF1ZXN0EgwKBHBvb2wYASABKAkSDgoGcmVhc29uGAIgASgJIiwKF1VuZHJhaW5EZWNvZGVyc1Jlc3BvbnNlEhEKCXVuZHJhaW5lZBgBIAEoCCKVAQoKQXVkaXRFbnRyeRIKCgJpZBgBIAEoAxImCgJhdBgCIAEoCzIaLmdvb2dsZS5wcm90b2J1Zi5UaW1lc3RhbXASDQoFYWN0b3IYAyABKAkSDgoGYWN0aW9uGAQgASgJEg4KBnRhcmdldBgFIAEoCRIOCgZyZWFzb24YBiABKAkSFAoMcmVxdWVzdF9qc29uGAcgASgJImQKEExpc3RBdWRpdFJlcXVlc3QSKQoFc2luY2UYASABKAsyGi5nb29nbGUucHJvdG9idWYuVGltZXN0YW1wEhEKCXBhZ2Vfc2l6ZRgCIAEoBRISCgpwYWdlX3Rva2VuGAMgASgJIloKEUxpc3RBdWRpdFJlc3BvbnNlEiwKB2VudHJpZXMYASADKAsyGy5jdXJmZXcuYWRtaW4udjEuQXVkaXRFbnRyeRIXCg9uZXh0X3BhZ2VfdG9rZW4YAiABKAkirAEKBkFQSUtleRIKCgJpZBgBIAEoCRIOCgZ0ZW5hbnQYAiABKAkSJgoGc2NvcGVzGAMgAygOMhYuY3VyZmV3LmFkbWluLnYxLlNjb3BlEi4KCmNyZWF0ZWRfYXQYBCABKAsyGi5nb29nbGUucHJvdG9idWYuVGltZXN0YW1wEi4KCnJldm9rZWRfYXQYBSABKAsyGi5nb29nbGUucHJvdG9idWYuVGltZXN0YW1wInEKEENyZWF0ZUtleVJlcXVlc3QSDgoGdGVuYW50GAEgASgJEiYKBnNjb3BlcxgCIAMoDjIWLmN1cmZldy5hZG1pbi52MS5TY29wZRIVCg1yZXZva2Vfb3RoZXJzGAMgASgIEg4KBnJlYXNvbhgEIAEoCSJaChFDcmVhdGVLZXlSZXNwb25zZRIkCgNrZXkYASABKAsyFy5jdXJmZXcuYWRtaW4udjEuQVBJS2V5Eg4KBnNlY3JldBgCIAEoCRIPCgdyZXZva2VkGAMgASgDIi4KEFJldm9rZUtleVJlcXVlc3QSCgoCaWQYASABKAkSDgoGcmVhc29uGAIgASgJIjkKEVJldm9rZUtleVJlc3BvbnNlEiQKA2tleRgBIAEoCzIXLmN1cmZldy5hZG1pbi52MS5BUElLZXkiIQoPTGlzdEtleXNSZXF1ZXN0Eg4KBnRlbmFudBgBIAEoCSI5ChBMaXN0S2V5c1Jlc3BvbnNlEiUKBGtleXMYASADKAsyFy5jdXJmZXcuYWRtaW4udjEuQVBJS2V5In8KC1RlbmFudFVzYWdlEg4KBnRlbmFudBgBIAEoCRIVCg1wcm9tcHRfdG9rZW5zGAIgASgDEhUKDW91dHB1dF90b2tlbnMYAyABKAMSFQoNb3JwaGFuX3Rva2VucxgEIAEoAxIMCgRydW5zGAUgASgDEg0KBXNoZWRzGAYgASgDIkkKDFVzYWdlUmVxdWVzdBIOCgZ0ZW5hbnQYASABKAkSKQoFc2luY2UYAiABKAsyGi5nb29nbGUucHJvdG9idWYuVGltZXN0YW1wIj4KDVVzYWdlUmVzcG9uc2USLQoHdGVuYW50cxgBIAMoCzIcLmN1cmZldy5hZG1pbi52MS5UZW5hbnRVc2FnZSKEAwoIQXBwcm92YWwSDgoGdGVuYW50GAEgASgJEg4KBnJ1bl9pZBgCIAEoCRIPCgdub2RlX2lkGAMgASgJEhcKD2lkZW1wb3RlbmN5X2tleRgEIAEoCRIMCgR0b29sGAUgASgJEhYKDmFyZ3VtZW50c19qc29uGAYgASgJEgsKA3doeRgHIAEoCRItCgVzdGF0ZRgIIAEoDjIeLmN1cmZldy5hZG1pbi52MS5BcHByb3ZhbFN0YXRlEjAKDHJlcXVlc3RlZF9hdBgJIAEoCzIaLmdvb2dsZS5wcm90b2J1Zi5UaW1lc3RhbXASLgoKZXhwaXJlc19hdBgKIAEoCzIaLmdvb2dsZS5wcm90b2J1Zi5UaW1lc3RhbXASEgoKZGVjaWRlZF9ieRgLIAEoCRIuCgpkZWNpZGVkX2F0GAwgASgLMhouZ29vZ2xlLnByb3RvYnVmLlRpbWVzdGFtcBIOCgZyZWFzb24YDSABKAkSFgoOcnVuX3N0YXJ0ZWRfYnkYDiABKAkiTAoUTGlzdEFwcHJvdmFsc1JlcXVlc3QSFAoMcGVuZGluZ19vbmx5GAEgASgIEg4KBnRlbmFudBgCIAEoCRIOCgZydW5faWQYAyABKAkiRQoVTGlzdEFwcHJvdmFsc1Jlc3BvbnNlEiwKCWFwcHJvdmFscxgBIAMoCzIZLmN1cmZldy5hZG1pbi52MS5BcHByb3ZhbCJpChVEZWNpZGVBcHByb3ZhbFJlcXVlc3QSDgoGcnVuX2lkGAEgASgJEg8KB25vZGVfaWQYAiABKAkSDwoHYXBwcm92ZRgDIAEoCBIOCgZyZWFzb24YBCABKAkSDgoGdGVuYW50GAUgASgJIkUKFkRlY2lkZUFwcHJvdmFsUmVzcG9uc2USKwoIYXBwcm92YWwYASABKAsyGS5jdXJmZXcuYWRtaW4udjEuQXBwcm92YWwiqAEKCU91dGJveFJvdxIOCgZ0ZW5hbnQYASABKAkSDwoHY2hhbm5lbBgCIAEoCRILCgNrZXkYAyABKAkSCgoCaWQYBCABKAMSDwoHbWVzc2FnZRgFIAEoCRIuCgpjcmVhdGVkX2F0GAYgASgLMhouZ29vZ2xlLnByb3RvYnVmLlRpbWVzdGFtcBIPCgdyZWxheWVkGAcgASgIEg8KB3N1YmplY3QYCCABKAkicQoRTGlzdE91dGJveFJlcXVlc3QSDgoGdGVuYW50GAEgASgJEg8KB2NoYW5uZWwYAiABKAkSFAoMcGVuZGluZ19vbmx5GAMgASgIEhEKCXBhZ2Vfc2l6ZRgEIAEoBRISCgpwYWdlX3Rva2VuGAUgASgJIn0KEkxpc3RPdXRib3hSZXNwb25zZRIoCgRyb3dzGAEgAygLMhouY3VyZmV3LmFkbWluLnYxLk91dGJveFJvdxIXCg9uZXh0X3BhZ2VfdG9rZW4YAiABKAkSEwoLcmVsYXlfb3duZXIYAyABKAkSDwoHcGVuZGluZxgEIAEoAypECgVTY29wZRIVChFTQ09QRV9VTlNQRUNJRklFRBAAEg8KC1NDT1BFX0FETUlOEAESEwoPU0NPUEVfUkVBRF9PTkxZEAIqvwEKDUFwcHJvdmFsU3RhdGUSHgoaQVBQUk9WQUxfU1RBVEVfVU5TUEVDSUZJRUQQABIaChZBUFBST1ZBTF9TVEFURV9QRU5ESU5HEAESGwoXQVBQUk9WQUxfU1RBVEVfQVBQUk9WRUQQAhIZChVBUFBST1ZBTF9TVEFURV9ERU5JRUQQAxIcChhBUFBST1ZBTF9TVEFURV9USU1FRF9PVVQQBBIcChhBUFBST1ZBTF9TVEFURV9DQU5DRUxMRUQQBTLoDQoMQWRtaW5TZXJ2aWNlEk4KBlN0YXR1cxIeLmN1cmZldy5hZG1pbi52MS5TdGF0dXNSZXF1ZXN0Gh8uY3VyZmV3LmFkbWluLnYxLlN0YXR1c1Jlc3BvbnNlIgOQAgESVwoJQ2xvc2VQb29sEiEuY3VyZmV3LmFkbWluLnYxLkNsb3NlUG9vbFJlcXVlc3QaIi5jdXJmZXcuYWRtaW4udjEuQ2xvc2VQb29sUmVzcG9uc2UiA5ACAhJUCghPcGVuUG9vbBIgLmN1cmZldy5hZG1pbi52MS5PcGVuUG9vbFJlcXVlc3QaIS5jdXJmZXcuYWRtaW4udjEuT3BlblBvb2xSZXNwb25zZSIDkAICElwKClJlb3BlblBvb2wSIi5jdXJmZXcuYWRtaW4udjEuUmVvcGVuUG9vbFJlcXVlc3QaIy5jdXJmZXcuYWRtaW4udjEuUmVvcGVuUG9vbFJlc3BvbnNlIgOQAgIwARJaCgpMaXN0TGVhc2VzEiIuY3VyZmV3LmFkbWluLnYxLkxpc3RMZWFzZXNSZXF1ZXN0GiMuY3VyZmV3LmFkbWluLnYxLkxpc3RMZWFzZXNSZXNwb25zZSIDkAIBEmAKDENhbmNlbExlYXNlcxIkLmN1cmZldy5hZG1pbi52MS5DYW5jZWxMZWFzZXNSZXF1ZXN0GiUuY3VyZmV3LmFkbWluLnYxLkNhbmNlbExlYXNlc1Jlc3BvbnNlIgOQAgISYAoMRnJlZXplTGVkZ2VyEiQuY3VyZmV3LmFkbWluLnYxLkZyZWV6ZUxlZGdlclJlcXVlc3QaJS5jdXJmZXcuYWRtaW4udjEuRnJlZXplTGVkZ2VyUmVzcG9uc2UiA5ACAhJaCgpUaGF3TGVkZ2VyEiIuY3VyZmV3LmFkbWluLnYxLlRoYXdMZWRnZXJSZXF1ZXN0GiMuY3VyZmV3LmFkbWluLnYxLlRoYXdMZWRnZXJSZXNwb25zZSIDkAICEl0KC0xpc3RGcmVlemVzEiMuY3VyZmV3LmFkbWluLnYxLkxpc3RGcmVlemVzUmVxdWVzdBokLmN1cmZldy5hZG1pbi52MS5MaXN0RnJlZXplc1Jlc3BvbnNlIgOQAgESYwoNRHJhaW5EZWNvZGVycxIlLmN1cmZldy5hZG1pbi52MS5EcmFpbkRlY29kZXJzUmVxdWVzdBomLmN1cmZldy5hZG1pbi52MS5EcmFpbkRlY29kZXJzUmVzcG9uc2UiA5ACAhJpCg9VbmRyYWluRGVjb2RlcnMSJy5jdXJmZXcuYWRtaW4udjEuVW5kcmFpbkRlY29kZXJzUmVxdWVzdBooLmN1cmZldy5hZG1pbi52MS5VbmRyYWluRGVjb2RlcnNSZXNwb25zZSIDkAICElcKCUxpc3RBdWRpdBIhLmN1cmZldy5hZG1pbi52MS5MaXN0QXVkaXRSZXF1ZXN0GiIuY3VyZmV3LmFkbWluLnYxLkxpc3RBdWRpdFJlc3BvbnNlIgOQAgESUgoJQ3JlYXRlS2V5EiEuY3VyZmV3LmFkbWluLnYxLkNyZWF0ZUtleVJlcXVlc3QaIi5jdXJmZXcuYWRtaW4udjEuQ3JlYXRlS2V5UmVzcG9uc2USVwoJUmV2b2tlS2V5EiEuY3VyZmV3LmFkbWluLnYxLlJldm9rZUtleVJlcXVlc3QaIi5jdXJmZXcuYWRtaW4udjEuUmV2b2tlS2V5UmVzcG9uc2UiA5ACAhJUCghMaXN0S2V5cxIgLmN1cmZldy5hZG1pbi52MS5MaXN0S2V5c1JlcXVlc3QaIS5jdXJmZXcuYWRtaW4udjEuTGlzdEtleXNSZXNwb25zZSIDkAIBEksKBVVzYWdlEh0uY3VyZmV3LmFkbWluLnYxLlVzYWdlUmVxdWVzdBoeLmN1cmZldy5hZG1pbi52MS5Vc2FnZVJlc3BvbnNlIgOQAgESYwoNTGlzdEFwcHJvdmFscxIlLmN1cmZldy5hZG1pbi52MS5MaXN0QXBwcm92YWxzUmVxdWVzdBomLmN1cmZldy5hZG1pbi52MS5MaXN0QXBwcm92YWxzUmVzcG9uc2UiA5ACARJmCg5EZWNpZGVBcHByb3ZhbBImLmN1cmZldy5hZG1pbi52MS5EZWNpZGVBcHByb3ZhbFJlcXVlc3QaJy5jdXJmZXcuYWRtaW4udjEuRGVjaWRlQXBwcm92YWxSZXNwb25zZSIDkAICEloKCkxpc3RPdXRib3gSIi5jdXJmZXcuYWRtaW4udjEuTGlzdE91dGJveFJlcXVlc3QaIy5jdXJmZXcuYWRtaW4udjEuTGlzdE91dGJveFJlc3BvbnNlIgOQAgFCugEKE2NvbS5jdXJmZXcuYWRtaW4udjFCCkFkbWluUHJvdG9QAVo5Z2l0aHViLmNvbS9jdXJmZXctbWVzaC9jdXJmZXcvZ2VuL2N1cmZldy9hZG1pbi92MTthZG1pbnYxogIDQ0FYqgIPQ3VyZmV3LkFkbWluLlYxygIPQ3VyZmV3XEFkbWluXFYx4gIbQ3VyZmV3XEFkbWluXFYxXEdQQk1ldGFkYXRh6gIRQ3VyZmV3OjpBZG1pbjo6VjFiBnByb3RvMw", [file_google_protobuf_duration, file_google_protobuf_timestamp]);
 
 /**
  * PoolState is a pool's admission state as every replica sees it.
@@ -478,6 +478,14 @@ export type StatusResponse = Message<"curfew.admin.v1.StatusResponse"> & {
    * @generated from field: curfew.admin.v1.ClusterAdmission cluster = 12;
    */
   cluster?: ClusterAdmission | undefined;
+
+  /**
+   * Every other coordinated limit of every replica: the answering orchestrator's retry
+   * windows and probe leases, and each modelproxy replica's budgets and probe leases.
+   *
+   * @generated from field: repeated curfew.admin.v1.Coordination coordination = 13;
+   */
+  coordination: Coordination[];
 };
 
 /**
@@ -486,6 +494,92 @@ export type StatusResponse = Message<"curfew.admin.v1.StatusResponse"> & {
  */
 export const StatusResponseSchema: GenMessage<StatusResponse> = /*@__PURE__*/
   messageDesc(file_curfew_admin_v1_admin, 7);
+
+/**
+ * Coordination is one coordinated limit's state on one replica (docs/cluster.md, "In
+ * status"): a target's retry windows, a breaker's half-open probe lease, or the token
+ * budgets held in the store.
+ *
+ * @generated from message curfew.admin.v1.Coordination
+ */
+export type Coordination = Message<"curfew.admin.v1.Coordination"> & {
+  /**
+   * The service and replica reporting it.
+   *
+   * @generated from field: string service = 1;
+   */
+  service: string;
+
+  /**
+   * @generated from field: string replica = 2;
+   */
+  replica: string;
+
+  /**
+   * What is coordinated: "retry_window", "breaker_probe" or "budget".
+   *
+   * @generated from field: string part = 3;
+   */
+  part: string;
+
+  /**
+   * The dependency (retry_window, breaker_probe); empty for budget.
+   *
+   * @generated from field: string target = 4;
+   */
+  target: string;
+
+  /**
+   * The store cannot be asked: the part runs its degraded mode (docs/cluster.md).
+   *
+   * @generated from field: bool degraded = 5;
+   */
+  degraded: boolean;
+
+  /**
+   * A human-readable account of the state: the degraded mode, the lease held, refusals.
+   *
+   * @generated from field: string detail = 6;
+   */
+  detail: string;
+
+  /**
+   * Since when it is degraded; unset when not degraded or not known.
+   *
+   * @generated from field: google.protobuf.Timestamp since = 7;
+   */
+  since?: Timestamp | undefined;
+
+  /**
+   * This replica holds the lease now: a retry window, or the probe lease while its
+   * probe is out.
+   *
+   * @generated from field: bool held = 8;
+   */
+  held: boolean;
+
+  /**
+   * retry_window: the end of the window held. breaker_probe: until when another
+   * replica holds the probe lease (its probe, or its failed probe's open period).
+   *
+   * @generated from field: google.protobuf.Timestamp until = 9;
+   */
+  until?: Timestamp | undefined;
+
+  /**
+   * retry_window: retries refused for want of a window since the process started.
+   *
+   * @generated from field: int64 refused = 10;
+   */
+  refused: bigint;
+};
+
+/**
+ * Describes the message curfew.admin.v1.Coordination.
+ * Use `create(CoordinationSchema)` to create a new message.
+ */
+export const CoordinationSchema: GenMessage<Coordination> = /*@__PURE__*/
+  messageDesc(file_curfew_admin_v1_admin, 8);
 
 /**
  * ClusterAdmission is the state of one orchestrator's cluster-wide admission
@@ -558,7 +652,7 @@ export type ClusterAdmission = Message<"curfew.admin.v1.ClusterAdmission"> & {
  * Use `create(ClusterAdmissionSchema)` to create a new message.
  */
 export const ClusterAdmissionSchema: GenMessage<ClusterAdmission> = /*@__PURE__*/
-  messageDesc(file_curfew_admin_v1_admin, 8);
+  messageDesc(file_curfew_admin_v1_admin, 9);
 
 /**
  * ClosePoolRequest closes a pool on every replica: new runs are shed with pool_closed,
@@ -583,7 +677,7 @@ export type ClosePoolRequest = Message<"curfew.admin.v1.ClosePoolRequest"> & {
  * Use `create(ClosePoolRequestSchema)` to create a new message.
  */
 export const ClosePoolRequestSchema: GenMessage<ClosePoolRequest> = /*@__PURE__*/
-  messageDesc(file_curfew_admin_v1_admin, 9);
+  messageDesc(file_curfew_admin_v1_admin, 10);
 
 /**
  * ClosePoolResponse is the pool's state afterwards.
@@ -602,7 +696,7 @@ export type ClosePoolResponse = Message<"curfew.admin.v1.ClosePoolResponse"> & {
  * Use `create(ClosePoolResponseSchema)` to create a new message.
  */
 export const ClosePoolResponseSchema: GenMessage<ClosePoolResponse> = /*@__PURE__*/
-  messageDesc(file_curfew_admin_v1_admin, 10);
+  messageDesc(file_curfew_admin_v1_admin, 11);
 
 /**
  * OpenPoolRequest lifts an operator's close.
@@ -634,7 +728,7 @@ export type OpenPoolRequest = Message<"curfew.admin.v1.OpenPoolRequest"> & {
  * Use `create(OpenPoolRequestSchema)` to create a new message.
  */
 export const OpenPoolRequestSchema: GenMessage<OpenPoolRequest> = /*@__PURE__*/
-  messageDesc(file_curfew_admin_v1_admin, 11);
+  messageDesc(file_curfew_admin_v1_admin, 12);
 
 /**
  * OpenPoolResponse is the pool's state afterwards.
@@ -653,7 +747,7 @@ export type OpenPoolResponse = Message<"curfew.admin.v1.OpenPoolResponse"> & {
  * Use `create(OpenPoolResponseSchema)` to create a new message.
  */
 export const OpenPoolResponseSchema: GenMessage<OpenPoolResponse> = /*@__PURE__*/
-  messageDesc(file_curfew_admin_v1_admin, 12);
+  messageDesc(file_curfew_admin_v1_admin, 13);
 
 /**
  * ReopenPoolRequest opens the pool once the orphan token delta has stayed zero for
@@ -683,7 +777,7 @@ export type ReopenPoolRequest = Message<"curfew.admin.v1.ReopenPoolRequest"> & {
  * Use `create(ReopenPoolRequestSchema)` to create a new message.
  */
 export const ReopenPoolRequestSchema: GenMessage<ReopenPoolRequest> = /*@__PURE__*/
-  messageDesc(file_curfew_admin_v1_admin, 13);
+  messageDesc(file_curfew_admin_v1_admin, 14);
 
 /**
  * ReopenPoolResponse is one report of the wait; the last has opened set.
@@ -721,7 +815,7 @@ export type ReopenPoolResponse = Message<"curfew.admin.v1.ReopenPoolResponse"> &
  * Use `create(ReopenPoolResponseSchema)` to create a new message.
  */
 export const ReopenPoolResponseSchema: GenMessage<ReopenPoolResponse> = /*@__PURE__*/
-  messageDesc(file_curfew_admin_v1_admin, 14);
+  messageDesc(file_curfew_admin_v1_admin, 15);
 
 /**
  * ListLeasesRequest lists decoder leases on every modelproxy replica.
@@ -742,7 +836,7 @@ export type ListLeasesRequest = Message<"curfew.admin.v1.ListLeasesRequest"> & {
  * Use `create(ListLeasesRequestSchema)` to create a new message.
  */
 export const ListLeasesRequestSchema: GenMessage<ListLeasesRequest> = /*@__PURE__*/
-  messageDesc(file_curfew_admin_v1_admin, 15);
+  messageDesc(file_curfew_admin_v1_admin, 16);
 
 /**
  * ListLeasesResponse holds them, oldest first.
@@ -766,7 +860,7 @@ export type ListLeasesResponse = Message<"curfew.admin.v1.ListLeasesResponse"> &
  * Use `create(ListLeasesResponseSchema)` to create a new message.
  */
 export const ListLeasesResponseSchema: GenMessage<ListLeasesResponse> = /*@__PURE__*/
-  messageDesc(file_curfew_admin_v1_admin, 16);
+  messageDesc(file_curfew_admin_v1_admin, 17);
 
 /**
  * CancelLeasesRequest cancels the decoders whose leases are older than older_than, on
@@ -791,7 +885,7 @@ export type CancelLeasesRequest = Message<"curfew.admin.v1.CancelLeasesRequest">
  * Use `create(CancelLeasesRequestSchema)` to create a new message.
  */
 export const CancelLeasesRequestSchema: GenMessage<CancelLeasesRequest> = /*@__PURE__*/
-  messageDesc(file_curfew_admin_v1_admin, 17);
+  messageDesc(file_curfew_admin_v1_admin, 18);
 
 /**
  * CancelLeasesResponse names the decoders cancelled.
@@ -815,7 +909,7 @@ export type CancelLeasesResponse = Message<"curfew.admin.v1.CancelLeasesResponse
  * Use `create(CancelLeasesResponseSchema)` to create a new message.
  */
 export const CancelLeasesResponseSchema: GenMessage<CancelLeasesResponse> = /*@__PURE__*/
-  messageDesc(file_curfew_admin_v1_admin, 18);
+  messageDesc(file_curfew_admin_v1_admin, 19);
 
 /**
  * FreezeLedgerRequest freezes a run's or a tenant's ledger: exactly one of run_id and
@@ -846,7 +940,7 @@ export type FreezeLedgerRequest = Message<"curfew.admin.v1.FreezeLedgerRequest">
  * Use `create(FreezeLedgerRequestSchema)` to create a new message.
  */
 export const FreezeLedgerRequestSchema: GenMessage<FreezeLedgerRequest> = /*@__PURE__*/
-  messageDesc(file_curfew_admin_v1_admin, 19);
+  messageDesc(file_curfew_admin_v1_admin, 20);
 
 /**
  * FreezeLedgerResponse is the freeze in force.
@@ -865,7 +959,7 @@ export type FreezeLedgerResponse = Message<"curfew.admin.v1.FreezeLedgerResponse
  * Use `create(FreezeLedgerResponseSchema)` to create a new message.
  */
 export const FreezeLedgerResponseSchema: GenMessage<FreezeLedgerResponse> = /*@__PURE__*/
-  messageDesc(file_curfew_admin_v1_admin, 20);
+  messageDesc(file_curfew_admin_v1_admin, 21);
 
 /**
  * ThawLedgerRequest lifts a freeze, named like FreezeLedgerRequest.
@@ -894,7 +988,7 @@ export type ThawLedgerRequest = Message<"curfew.admin.v1.ThawLedgerRequest"> & {
  * Use `create(ThawLedgerRequestSchema)` to create a new message.
  */
 export const ThawLedgerRequestSchema: GenMessage<ThawLedgerRequest> = /*@__PURE__*/
-  messageDesc(file_curfew_admin_v1_admin, 21);
+  messageDesc(file_curfew_admin_v1_admin, 22);
 
 /**
  * ThawLedgerResponse says whether a freeze was in force.
@@ -913,7 +1007,7 @@ export type ThawLedgerResponse = Message<"curfew.admin.v1.ThawLedgerResponse"> &
  * Use `create(ThawLedgerResponseSchema)` to create a new message.
  */
 export const ThawLedgerResponseSchema: GenMessage<ThawLedgerResponse> = /*@__PURE__*/
-  messageDesc(file_curfew_admin_v1_admin, 22);
+  messageDesc(file_curfew_admin_v1_admin, 23);
 
 /**
  * ListFreezesRequest lists the freezes in force.
@@ -928,7 +1022,7 @@ export type ListFreezesRequest = Message<"curfew.admin.v1.ListFreezesRequest"> &
  * Use `create(ListFreezesRequestSchema)` to create a new message.
  */
 export const ListFreezesRequestSchema: GenMessage<ListFreezesRequest> = /*@__PURE__*/
-  messageDesc(file_curfew_admin_v1_admin, 23);
+  messageDesc(file_curfew_admin_v1_admin, 24);
 
 /**
  * ListFreezesResponse holds them.
@@ -947,7 +1041,7 @@ export type ListFreezesResponse = Message<"curfew.admin.v1.ListFreezesResponse">
  * Use `create(ListFreezesResponseSchema)` to create a new message.
  */
 export const ListFreezesResponseSchema: GenMessage<ListFreezesResponse> = /*@__PURE__*/
-  messageDesc(file_curfew_admin_v1_admin, 24);
+  messageDesc(file_curfew_admin_v1_admin, 25);
 
 /**
  * DrainDecodersRequest stops admitting new decoders, for every run or for those of
@@ -979,7 +1073,7 @@ export type DrainDecodersRequest = Message<"curfew.admin.v1.DrainDecodersRequest
  * Use `create(DrainDecodersRequestSchema)` to create a new message.
  */
 export const DrainDecodersRequestSchema: GenMessage<DrainDecodersRequest> = /*@__PURE__*/
-  messageDesc(file_curfew_admin_v1_admin, 25);
+  messageDesc(file_curfew_admin_v1_admin, 26);
 
 /**
  * DrainDecodersResponse is the drain in force.
@@ -998,7 +1092,7 @@ export type DrainDecodersResponse = Message<"curfew.admin.v1.DrainDecodersRespon
  * Use `create(DrainDecodersResponseSchema)` to create a new message.
  */
 export const DrainDecodersResponseSchema: GenMessage<DrainDecodersResponse> = /*@__PURE__*/
-  messageDesc(file_curfew_admin_v1_admin, 26);
+  messageDesc(file_curfew_admin_v1_admin, 27);
 
 /**
  * UndrainDecodersRequest admits decoders again (for every run, or pool's).
@@ -1022,7 +1116,7 @@ export type UndrainDecodersRequest = Message<"curfew.admin.v1.UndrainDecodersReq
  * Use `create(UndrainDecodersRequestSchema)` to create a new message.
  */
 export const UndrainDecodersRequestSchema: GenMessage<UndrainDecodersRequest> = /*@__PURE__*/
-  messageDesc(file_curfew_admin_v1_admin, 27);
+  messageDesc(file_curfew_admin_v1_admin, 28);
 
 /**
  * UndrainDecodersResponse says whether a drain was in force.
@@ -1041,7 +1135,7 @@ export type UndrainDecodersResponse = Message<"curfew.admin.v1.UndrainDecodersRe
  * Use `create(UndrainDecodersResponseSchema)` to create a new message.
  */
 export const UndrainDecodersResponseSchema: GenMessage<UndrainDecodersResponse> = /*@__PURE__*/
-  messageDesc(file_curfew_admin_v1_admin, 28);
+  messageDesc(file_curfew_admin_v1_admin, 29);
 
 /**
  * AuditEntry is one call that changed something.
@@ -1098,7 +1192,7 @@ export type AuditEntry = Message<"curfew.admin.v1.AuditEntry"> & {
  * Use `create(AuditEntrySchema)` to create a new message.
  */
 export const AuditEntrySchema: GenMessage<AuditEntry> = /*@__PURE__*/
-  messageDesc(file_curfew_admin_v1_admin, 29);
+  messageDesc(file_curfew_admin_v1_admin, 30);
 
 /**
  * ListAuditRequest pages the audit log, newest first.
@@ -1131,7 +1225,7 @@ export type ListAuditRequest = Message<"curfew.admin.v1.ListAuditRequest"> & {
  * Use `create(ListAuditRequestSchema)` to create a new message.
  */
 export const ListAuditRequestSchema: GenMessage<ListAuditRequest> = /*@__PURE__*/
-  messageDesc(file_curfew_admin_v1_admin, 30);
+  messageDesc(file_curfew_admin_v1_admin, 31);
 
 /**
  * ListAuditResponse is one page.
@@ -1155,7 +1249,7 @@ export type ListAuditResponse = Message<"curfew.admin.v1.ListAuditResponse"> & {
  * Use `create(ListAuditResponseSchema)` to create a new message.
  */
 export const ListAuditResponseSchema: GenMessage<ListAuditResponse> = /*@__PURE__*/
-  messageDesc(file_curfew_admin_v1_admin, 31);
+  messageDesc(file_curfew_admin_v1_admin, 32);
 
 /**
  * APIKey is a key's public record: never its secret.
@@ -1194,7 +1288,7 @@ export type APIKey = Message<"curfew.admin.v1.APIKey"> & {
  * Use `create(APIKeySchema)` to create a new message.
  */
 export const APIKeySchema: GenMessage<APIKey> = /*@__PURE__*/
-  messageDesc(file_curfew_admin_v1_admin, 32);
+  messageDesc(file_curfew_admin_v1_admin, 33);
 
 /**
  * CreateKeyRequest makes an API key for tenant.
@@ -1232,7 +1326,7 @@ export type CreateKeyRequest = Message<"curfew.admin.v1.CreateKeyRequest"> & {
  * Use `create(CreateKeyRequestSchema)` to create a new message.
  */
 export const CreateKeyRequestSchema: GenMessage<CreateKeyRequest> = /*@__PURE__*/
-  messageDesc(file_curfew_admin_v1_admin, 33);
+  messageDesc(file_curfew_admin_v1_admin, 34);
 
 /**
  * CreateKeyResponse holds the key's secret, shown this once.
@@ -1261,7 +1355,7 @@ export type CreateKeyResponse = Message<"curfew.admin.v1.CreateKeyResponse"> & {
  * Use `create(CreateKeyResponseSchema)` to create a new message.
  */
 export const CreateKeyResponseSchema: GenMessage<CreateKeyResponse> = /*@__PURE__*/
-  messageDesc(file_curfew_admin_v1_admin, 34);
+  messageDesc(file_curfew_admin_v1_admin, 35);
 
 /**
  * RevokeKeyRequest revokes one key.
@@ -1285,7 +1379,7 @@ export type RevokeKeyRequest = Message<"curfew.admin.v1.RevokeKeyRequest"> & {
  * Use `create(RevokeKeyRequestSchema)` to create a new message.
  */
 export const RevokeKeyRequestSchema: GenMessage<RevokeKeyRequest> = /*@__PURE__*/
-  messageDesc(file_curfew_admin_v1_admin, 35);
+  messageDesc(file_curfew_admin_v1_admin, 36);
 
 /**
  * RevokeKeyResponse is the revoked key.
@@ -1304,7 +1398,7 @@ export type RevokeKeyResponse = Message<"curfew.admin.v1.RevokeKeyResponse"> & {
  * Use `create(RevokeKeyResponseSchema)` to create a new message.
  */
 export const RevokeKeyResponseSchema: GenMessage<RevokeKeyResponse> = /*@__PURE__*/
-  messageDesc(file_curfew_admin_v1_admin, 36);
+  messageDesc(file_curfew_admin_v1_admin, 37);
 
 /**
  * ListKeysRequest lists keys, of one tenant or all.
@@ -1323,7 +1417,7 @@ export type ListKeysRequest = Message<"curfew.admin.v1.ListKeysRequest"> & {
  * Use `create(ListKeysRequestSchema)` to create a new message.
  */
 export const ListKeysRequestSchema: GenMessage<ListKeysRequest> = /*@__PURE__*/
-  messageDesc(file_curfew_admin_v1_admin, 37);
+  messageDesc(file_curfew_admin_v1_admin, 38);
 
 /**
  * ListKeysResponse holds them.
@@ -1342,7 +1436,7 @@ export type ListKeysResponse = Message<"curfew.admin.v1.ListKeysResponse"> & {
  * Use `create(ListKeysResponseSchema)` to create a new message.
  */
 export const ListKeysResponseSchema: GenMessage<ListKeysResponse> = /*@__PURE__*/
-  messageDesc(file_curfew_admin_v1_admin, 38);
+  messageDesc(file_curfew_admin_v1_admin, 39);
 
 /**
  * TenantUsage is what one tenant spent.
@@ -1388,7 +1482,7 @@ export type TenantUsage = Message<"curfew.admin.v1.TenantUsage"> & {
  * Use `create(TenantUsageSchema)` to create a new message.
  */
 export const TenantUsageSchema: GenMessage<TenantUsage> = /*@__PURE__*/
-  messageDesc(file_curfew_admin_v1_admin, 39);
+  messageDesc(file_curfew_admin_v1_admin, 40);
 
 /**
  * UsageRequest sums usage per tenant.
@@ -1416,7 +1510,7 @@ export type UsageRequest = Message<"curfew.admin.v1.UsageRequest"> & {
  * Use `create(UsageRequestSchema)` to create a new message.
  */
 export const UsageRequestSchema: GenMessage<UsageRequest> = /*@__PURE__*/
-  messageDesc(file_curfew_admin_v1_admin, 40);
+  messageDesc(file_curfew_admin_v1_admin, 41);
 
 /**
  * UsageResponse holds one row per tenant.
@@ -1435,7 +1529,7 @@ export type UsageResponse = Message<"curfew.admin.v1.UsageResponse"> & {
  * Use `create(UsageResponseSchema)` to create a new message.
  */
 export const UsageResponseSchema: GenMessage<UsageResponse> = /*@__PURE__*/
-  messageDesc(file_curfew_admin_v1_admin, 41);
+  messageDesc(file_curfew_admin_v1_admin, 42);
 
 /**
  * Approval is one tool call waiting for, or decided by, a human.
@@ -1527,7 +1621,7 @@ export type Approval = Message<"curfew.admin.v1.Approval"> & {
  * Use `create(ApprovalSchema)` to create a new message.
  */
 export const ApprovalSchema: GenMessage<Approval> = /*@__PURE__*/
-  messageDesc(file_curfew_admin_v1_admin, 42);
+  messageDesc(file_curfew_admin_v1_admin, 43);
 
 /**
  * ListApprovalsRequest lists approvals.
@@ -1558,7 +1652,7 @@ export type ListApprovalsRequest = Message<"curfew.admin.v1.ListApprovalsRequest
  * Use `create(ListApprovalsRequestSchema)` to create a new message.
  */
 export const ListApprovalsRequestSchema: GenMessage<ListApprovalsRequest> = /*@__PURE__*/
-  messageDesc(file_curfew_admin_v1_admin, 43);
+  messageDesc(file_curfew_admin_v1_admin, 44);
 
 /**
  * ListApprovalsResponse holds them, oldest first.
@@ -1577,7 +1671,7 @@ export type ListApprovalsResponse = Message<"curfew.admin.v1.ListApprovalsRespon
  * Use `create(ListApprovalsResponseSchema)` to create a new message.
  */
 export const ListApprovalsResponseSchema: GenMessage<ListApprovalsResponse> = /*@__PURE__*/
-  messageDesc(file_curfew_admin_v1_admin, 44);
+  messageDesc(file_curfew_admin_v1_admin, 45);
 
 /**
  * DecideApprovalRequest approves or denies one waiting call.
@@ -1618,7 +1712,7 @@ export type DecideApprovalRequest = Message<"curfew.admin.v1.DecideApprovalReque
  * Use `create(DecideApprovalRequestSchema)` to create a new message.
  */
 export const DecideApprovalRequestSchema: GenMessage<DecideApprovalRequest> = /*@__PURE__*/
-  messageDesc(file_curfew_admin_v1_admin, 45);
+  messageDesc(file_curfew_admin_v1_admin, 46);
 
 /**
  * DecideApprovalResponse is the approval afterwards. Deciding again the same way
@@ -1638,7 +1732,7 @@ export type DecideApprovalResponse = Message<"curfew.admin.v1.DecideApprovalResp
  * Use `create(DecideApprovalResponseSchema)` to create a new message.
  */
 export const DecideApprovalResponseSchema: GenMessage<DecideApprovalResponse> = /*@__PURE__*/
-  messageDesc(file_curfew_admin_v1_admin, 46);
+  messageDesc(file_curfew_admin_v1_admin, 47);
 
 /**
  * OutboxRow is one notify row and its relay state.
@@ -1696,7 +1790,7 @@ export type OutboxRow = Message<"curfew.admin.v1.OutboxRow"> & {
  * Use `create(OutboxRowSchema)` to create a new message.
  */
 export const OutboxRowSchema: GenMessage<OutboxRow> = /*@__PURE__*/
-  messageDesc(file_curfew_admin_v1_admin, 47);
+  messageDesc(file_curfew_admin_v1_admin, 48);
 
 /**
  * ListOutboxRequest lists outbox rows.
@@ -1739,7 +1833,7 @@ export type ListOutboxRequest = Message<"curfew.admin.v1.ListOutboxRequest"> & {
  * Use `create(ListOutboxRequestSchema)` to create a new message.
  */
 export const ListOutboxRequestSchema: GenMessage<ListOutboxRequest> = /*@__PURE__*/
-  messageDesc(file_curfew_admin_v1_admin, 48);
+  messageDesc(file_curfew_admin_v1_admin, 49);
 
 /**
  * ListOutboxResponse is one page, by ascending id.
@@ -1775,7 +1869,7 @@ export type ListOutboxResponse = Message<"curfew.admin.v1.ListOutboxResponse"> &
  * Use `create(ListOutboxResponseSchema)` to create a new message.
  */
 export const ListOutboxResponseSchema: GenMessage<ListOutboxResponse> = /*@__PURE__*/
-  messageDesc(file_curfew_admin_v1_admin, 49);
+  messageDesc(file_curfew_admin_v1_admin, 50);
 
 /**
  * Scope is what an API key may do beyond running its tenant's work.

@@ -12,7 +12,7 @@ import type { Message as Message$1 } from "@bufbuild/protobuf";
  * Describes the file curfew/modelproxy/v1/modelproxy.proto.
  */
 export const file_curfew_modelproxy_v1_modelproxy: GenFile = /*@__PURE__*/
-  fileDesc("CiVjdXJmZXcvbW9kZWxwcm94eS92MS9tb2RlbHByb3h5LnByb3RvEhRjdXJmZXcubW9kZWxwcm94eS52MSJQCghUb29sQ2FsbBIKCgJpZBgBIAEoCRIMCgRuYW1lGAIgASgJEhEKCWFyZ3NfanNvbhgDIAEoCRIXCg9pZGVtcG90ZW5jeV9rZXkYBCABKAkijgEKB01lc3NhZ2USKAoEcm9sZRgBIAEoDjIaLmN1cmZldy5tb2RlbHByb3h5LnYxLlJvbGUSDwoHY29udGVudBgCIAEoCRIyCgp0b29sX2NhbGxzGAMgAygLMh4uY3VyZmV3Lm1vZGVscHJveHkudjEuVG9vbENhbGwSFAoMdG9vbF9jYWxsX2lkGAQgASgJIogDCg9HZW5lcmF0ZVJlcXVlc3QSDQoFbW9kZWwYASABKAkSLwoIbWVzc2FnZXMYAiADKAsyHS5jdXJmZXcubW9kZWxwcm94eS52MS5NZXNzYWdlEhIKCm1heF90b2tlbnMYAyABKAUSLQoFdG9vbHMYBCADKAsyHi5jdXJmZXcubW9kZWxwcm94eS52MS5Ub29sU3BlYxI9Cg9yZXNwb25zZV9zY2hlbWEYBSABKAsyJC5jdXJmZXcubW9kZWxwcm94eS52MS5SZXNwb25zZVNjaGVtYRIYCgt0ZW1wZXJhdHVyZRgGIAEoAUgAiAEBEhEKBHNlZWQYByABKANIAYgBARIRCgljYWNoZWFibGUYCCABKAgSLAoJbGVhc2VfdHRsGAkgASgLMhkuZ29vZ2xlLnByb3RvYnVmLkR1cmF0aW9uEiwKBW5vdGVzGAogAygLMh0uY3VyZmV3Lm1vZGVscHJveHkudjEuTWVzc2FnZUIOCgxfdGVtcGVyYXR1cmVCBwoFX3NlZWQiRgoIVG9vbFNwZWMSDAoEbmFtZRgBIAEoCRITCgtkZXNjcmlwdGlvbhgCIAEoCRIXCg9wYXJhbWV0ZXJzX2pzb24YAyABKAkiMwoOUmVzcG9uc2VTY2hlbWESDAoEbmFtZRgBIAEoCRITCgtzY2hlbWFfanNvbhgCIAEoCSI5CgVVc2FnZRIVCg1wcm9tcHRfdG9rZW5zGAEgASgDEhkKEWNvbXBsZXRpb25fdG9rZW5zGAIgASgDIuABChBHZW5lcmF0ZVJlc3BvbnNlEg0KBWRlbHRhGAEgASgJEg4KBnRva2VucxgCIAEoBRIyCgp0b29sX2NhbGxzGAMgAygLMh4uY3VyZmV3Lm1vZGVscHJveHkudjEuVG9vbENhbGwSFQoNZmluaXNoX3JlYXNvbhgEIAEoCRIqCgV1c2FnZRgFIAEoCzIbLmN1cmZldy5tb2RlbHByb3h5LnYxLlVzYWdlEhAKCHByb3ZpZGVyGAYgASgJEhQKDHNlcnZlZF9tb2RlbBgHIAEoCRIOCgZjYWNoZWQYCCABKAgiPQoITGVhc2VLZXkSDgoGcnVuX2lkGAEgASgJEg8KB25vZGVfaWQYAiABKAkSEAoIcmV0cnlfaWQYAyABKAkiagoSUmVuZXdMZWFzZXNSZXF1ZXN0EiwKBGtleXMYASADKAsyHi5jdXJmZXcubW9kZWxwcm94eS52MS5MZWFzZUtleRImCgN0dGwYAiABKAsyGS5nb29nbGUucHJvdG9idWYuRHVyYXRpb24iRgoTUmVuZXdMZWFzZXNSZXNwb25zZRIvCgd1bmtub3duGAEgAygLMh4uY3VyZmV3Lm1vZGVscHJveHkudjEuTGVhc2VLZXkiEwoRTGlzdE1vZGVsc1JlcXVlc3QiQwoJTW9kZWxJbmZvEgwKBG5hbWUYASABKAkSEAoIcHJvdmlkZXIYAiABKAkSFgoOcHJvdmlkZXJfbW9kZWwYAyABKAkiRQoSTGlzdE1vZGVsc1Jlc3BvbnNlEi8KBm1vZGVscxgBIAMoCzIfLmN1cmZldy5tb2RlbHByb3h5LnYxLk1vZGVsSW5mbyLuAQoHRGVjb2RlchIPCgdyZXBsaWNhGAEgASgJEg4KBnRlbmFudBgCIAEoCRIOCgZydW5faWQYAyABKAkSDwoHbm9kZV9pZBgEIAEoCRINCgVtb2RlbBgFIAEoCRIQCghwcm92aWRlchgGIAEoCRIuCgpzdGFydGVkX2F0GAcgASgLMhouZ29vZ2xlLnByb3RvYnVmLlRpbWVzdGFtcBIyCg5sYXN0X2hlYXJ0YmVhdBgIIAEoCzIaLmdvb2dsZS5wcm90b2J1Zi5UaW1lc3RhbXASDgoGdG9rZW5zGAkgASgDEgwKBHBvb2wYCiABKAkiMgoPUHJvdmlkZXJCcmVha2VyEhAKCHByb3ZpZGVyGAEgASgJEg0KBXN0YXRlGAIgASgJIkQKE0xpc3REZWNvZGVyc1JlcXVlc3QSLQoKb2xkZXJfdGhhbhgBIAEoCzIZLmdvb2dsZS5wcm90b2J1Zi5EdXJhdGlvbiKRAQoUTGlzdERlY29kZXJzUmVzcG9uc2USDwoHcmVwbGljYRgBIAEoCRIvCghkZWNvZGVycxgCIAMoCzIdLmN1cmZldy5tb2RlbHByb3h5LnYxLkRlY29kZXISNwoIYnJlYWtlcnMYAyADKAsyJS5jdXJmZXcubW9kZWxwcm94eS52MS5Qcm92aWRlckJyZWFrZXIiVgoVQ2FuY2VsRGVjb2RlcnNSZXF1ZXN0Ei0KCm9sZGVyX3RoYW4YASABKAsyGS5nb29nbGUucHJvdG9idWYuRHVyYXRpb24SDgoGcmVhc29uGAIgASgJIlsKFkNhbmNlbERlY29kZXJzUmVzcG9uc2USDwoHcmVwbGljYRgBIAEoCRIwCgljYW5jZWxsZWQYAiADKAsyHS5jdXJmZXcubW9kZWxwcm94eS52MS5EZWNvZGVyKl8KBFJvbGUSFAoQUk9MRV9VTlNQRUNJRklFRBAAEg8KC1JPTEVfU1lTVEVNEAESDQoJUk9MRV9VU0VSEAISEgoOUk9MRV9BU1NJU1RBTlQQAxINCglST0xFX1RPT0wQBDKTBAoRTW9kZWxQcm94eVNlcnZpY2USWwoIR2VuZXJhdGUSJS5jdXJmZXcubW9kZWxwcm94eS52MS5HZW5lcmF0ZVJlcXVlc3QaJi5jdXJmZXcubW9kZWxwcm94eS52MS5HZW5lcmF0ZVJlc3BvbnNlMAESYgoLUmVuZXdMZWFzZXMSKC5jdXJmZXcubW9kZWxwcm94eS52MS5SZW5ld0xlYXNlc1JlcXVlc3QaKS5jdXJmZXcubW9kZWxwcm94eS52MS5SZW5ld0xlYXNlc1Jlc3BvbnNlEl8KCkxpc3RNb2RlbHMSJy5jdXJmZXcubW9kZWxwcm94eS52MS5MaXN0TW9kZWxzUmVxdWVzdBooLmN1cmZldy5tb2RlbHByb3h5LnYxLkxpc3RNb2RlbHNSZXNwb25zZRJqCgxMaXN0RGVjb2RlcnMSKS5jdXJmZXcubW9kZWxwcm94eS52MS5MaXN0RGVjb2RlcnNSZXF1ZXN0GiouY3VyZmV3Lm1vZGVscHJveHkudjEuTGlzdERlY29kZXJzUmVzcG9uc2UiA5ACARJwCg5DYW5jZWxEZWNvZGVycxIrLmN1cmZldy5tb2RlbHByb3h5LnYxLkNhbmNlbERlY29kZXJzUmVxdWVzdBosLmN1cmZldy5tb2RlbHByb3h5LnYxLkNhbmNlbERlY29kZXJzUmVzcG9uc2UiA5ACAkLiAQoYY29tLmN1cmZldy5tb2RlbHByb3h5LnYxQg9Nb2RlbHByb3h5UHJvdG9QAVpDZ2l0aHViLmNvbS9jdXJmZXctbWVzaC9jdXJmZXcvZ2VuL2N1cmZldy9tb2RlbHByb3h5L3YxO21vZGVscHJveHl2MaICA0NNWKoCFEN1cmZldy5Nb2RlbHByb3h5LlYxygIUQ3VyZmV3XE1vZGVscHJveHlcVjHiAiBDdXJmZXdcTW9kZWxwcm94eVxWMVxHUEJNZXRhZGF0YeoCFkN1cmZldzo6TW9kZWxwcm94eTo6VjFiBnByb3RvMw", [file_google_protobuf_duration, file_google_protobuf_timestamp]);
+  fileDesc("CiVjdXJmZXcvbW9kZWxwcm94eS92MS9tb2RlbHByb3h5LnByb3RvEhRjdXJmZXcubW9kZWxwcm94eS52MSJQCghUb29sQ2FsbBIKCgJpZBgBIAEoCRIMCgRuYW1lGAIgASgJEhEKCWFyZ3NfanNvbhgDIAEoCRIXCg9pZGVtcG90ZW5jeV9rZXkYBCABKAkijgEKB01lc3NhZ2USKAoEcm9sZRgBIAEoDjIaLmN1cmZldy5tb2RlbHByb3h5LnYxLlJvbGUSDwoHY29udGVudBgCIAEoCRIyCgp0b29sX2NhbGxzGAMgAygLMh4uY3VyZmV3Lm1vZGVscHJveHkudjEuVG9vbENhbGwSFAoMdG9vbF9jYWxsX2lkGAQgASgJIogDCg9HZW5lcmF0ZVJlcXVlc3QSDQoFbW9kZWwYASABKAkSLwoIbWVzc2FnZXMYAiADKAsyHS5jdXJmZXcubW9kZWxwcm94eS52MS5NZXNzYWdlEhIKCm1heF90b2tlbnMYAyABKAUSLQoFdG9vbHMYBCADKAsyHi5jdXJmZXcubW9kZWxwcm94eS52MS5Ub29sU3BlYxI9Cg9yZXNwb25zZV9zY2hlbWEYBSABKAsyJC5jdXJmZXcubW9kZWxwcm94eS52MS5SZXNwb25zZVNjaGVtYRIYCgt0ZW1wZXJhdHVyZRgGIAEoAUgAiAEBEhEKBHNlZWQYByABKANIAYgBARIRCgljYWNoZWFibGUYCCABKAgSLAoJbGVhc2VfdHRsGAkgASgLMhkuZ29vZ2xlLnByb3RvYnVmLkR1cmF0aW9uEiwKBW5vdGVzGAogAygLMh0uY3VyZmV3Lm1vZGVscHJveHkudjEuTWVzc2FnZUIOCgxfdGVtcGVyYXR1cmVCBwoFX3NlZWQiRgoIVG9vbFNwZWMSDAoEbmFtZRgBIAEoCRITCgtkZXNjcmlwdGlvbhgCIAEoCRIXCg9wYXJhbWV0ZXJzX2pzb24YAyABKAkiMwoOUmVzcG9uc2VTY2hlbWESDAoEbmFtZRgBIAEoCRITCgtzY2hlbWFfanNvbhgCIAEoCSI5CgVVc2FnZRIVCg1wcm9tcHRfdG9rZW5zGAEgASgDEhkKEWNvbXBsZXRpb25fdG9rZW5zGAIgASgDIuABChBHZW5lcmF0ZVJlc3BvbnNlEg0KBWRlbHRhGAEgASgJEg4KBnRva2VucxgCIAEoBRIyCgp0b29sX2NhbGxzGAMgAygLMh4uY3VyZmV3Lm1vZGVscHJveHkudjEuVG9vbENhbGwSFQoNZmluaXNoX3JlYXNvbhgEIAEoCRIqCgV1c2FnZRgFIAEoCzIbLmN1cmZldy5tb2RlbHByb3h5LnYxLlVzYWdlEhAKCHByb3ZpZGVyGAYgASgJEhQKDHNlcnZlZF9tb2RlbBgHIAEoCRIOCgZjYWNoZWQYCCABKAgiPQoITGVhc2VLZXkSDgoGcnVuX2lkGAEgASgJEg8KB25vZGVfaWQYAiABKAkSEAoIcmV0cnlfaWQYAyABKAkiagoSUmVuZXdMZWFzZXNSZXF1ZXN0EiwKBGtleXMYASADKAsyHi5jdXJmZXcubW9kZWxwcm94eS52MS5MZWFzZUtleRImCgN0dGwYAiABKAsyGS5nb29nbGUucHJvdG9idWYuRHVyYXRpb24iRgoTUmVuZXdMZWFzZXNSZXNwb25zZRIvCgd1bmtub3duGAEgAygLMh4uY3VyZmV3Lm1vZGVscHJveHkudjEuTGVhc2VLZXkiEwoRTGlzdE1vZGVsc1JlcXVlc3QiQwoJTW9kZWxJbmZvEgwKBG5hbWUYASABKAkSEAoIcHJvdmlkZXIYAiABKAkSFgoOcHJvdmlkZXJfbW9kZWwYAyABKAkiRQoSTGlzdE1vZGVsc1Jlc3BvbnNlEi8KBm1vZGVscxgBIAMoCzIfLmN1cmZldy5tb2RlbHByb3h5LnYxLk1vZGVsSW5mbyLuAQoHRGVjb2RlchIPCgdyZXBsaWNhGAEgASgJEg4KBnRlbmFudBgCIAEoCRIOCgZydW5faWQYAyABKAkSDwoHbm9kZV9pZBgEIAEoCRINCgVtb2RlbBgFIAEoCRIQCghwcm92aWRlchgGIAEoCRIuCgpzdGFydGVkX2F0GAcgASgLMhouZ29vZ2xlLnByb3RvYnVmLlRpbWVzdGFtcBIyCg5sYXN0X2hlYXJ0YmVhdBgIIAEoCzIaLmdvb2dsZS5wcm90b2J1Zi5UaW1lc3RhbXASDgoGdG9rZW5zGAkgASgDEgwKBHBvb2wYCiABKAkiMgoPUHJvdmlkZXJCcmVha2VyEhAKCHByb3ZpZGVyGAEgASgJEg0KBXN0YXRlGAIgASgJIkQKE0xpc3REZWNvZGVyc1JlcXVlc3QSLQoKb2xkZXJfdGhhbhgBIAEoCzIZLmdvb2dsZS5wcm90b2J1Zi5EdXJhdGlvbiLLAQoUTGlzdERlY29kZXJzUmVzcG9uc2USDwoHcmVwbGljYRgBIAEoCRIvCghkZWNvZGVycxgCIAMoCzIdLmN1cmZldy5tb2RlbHByb3h5LnYxLkRlY29kZXISNwoIYnJlYWtlcnMYAyADKAsyJS5jdXJmZXcubW9kZWxwcm94eS52MS5Qcm92aWRlckJyZWFrZXISOAoMY29vcmRpbmF0aW9uGAQgAygLMiIuY3VyZmV3Lm1vZGVscHJveHkudjEuQ29vcmRpbmF0aW9uIuUBCgxDb29yZGluYXRpb24SDwoHc2VydmljZRgBIAEoCRIPCgdyZXBsaWNhGAIgASgJEgwKBHBhcnQYAyABKAkSDgoGdGFyZ2V0GAQgASgJEhAKCGRlZ3JhZGVkGAUgASgIEg4KBmRldGFpbBgGIAEoCRIpCgVzaW5jZRgHIAEoCzIaLmdvb2dsZS5wcm90b2J1Zi5UaW1lc3RhbXASDAoEaGVsZBgIIAEoCBIpCgV1bnRpbBgJIAEoCzIaLmdvb2dsZS5wcm90b2J1Zi5UaW1lc3RhbXASDwoHcmVmdXNlZBgKIAEoAyJWChVDYW5jZWxEZWNvZGVyc1JlcXVlc3QSLQoKb2xkZXJfdGhhbhgBIAEoCzIZLmdvb2dsZS5wcm90b2J1Zi5EdXJhdGlvbhIOCgZyZWFzb24YAiABKAkiWwoWQ2FuY2VsRGVjb2RlcnNSZXNwb25zZRIPCgdyZXBsaWNhGAEgASgJEjAKCWNhbmNlbGxlZBgCIAMoCzIdLmN1cmZldy5tb2RlbHByb3h5LnYxLkRlY29kZXIqXwoEUm9sZRIUChBST0xFX1VOU1BFQ0lGSUVEEAASDwoLUk9MRV9TWVNURU0QARINCglST0xFX1VTRVIQAhISCg5ST0xFX0FTU0lTVEFOVBADEg0KCVJPTEVfVE9PTBAEMpMEChFNb2RlbFByb3h5U2VydmljZRJbCghHZW5lcmF0ZRIlLmN1cmZldy5tb2RlbHByb3h5LnYxLkdlbmVyYXRlUmVxdWVzdBomLmN1cmZldy5tb2RlbHByb3h5LnYxLkdlbmVyYXRlUmVzcG9uc2UwARJiCgtSZW5ld0xlYXNlcxIoLmN1cmZldy5tb2RlbHByb3h5LnYxLlJlbmV3TGVhc2VzUmVxdWVzdBopLmN1cmZldy5tb2RlbHByb3h5LnYxLlJlbmV3TGVhc2VzUmVzcG9uc2USXwoKTGlzdE1vZGVscxInLmN1cmZldy5tb2RlbHByb3h5LnYxLkxpc3RNb2RlbHNSZXF1ZXN0GiguY3VyZmV3Lm1vZGVscHJveHkudjEuTGlzdE1vZGVsc1Jlc3BvbnNlEmoKDExpc3REZWNvZGVycxIpLmN1cmZldy5tb2RlbHByb3h5LnYxLkxpc3REZWNvZGVyc1JlcXVlc3QaKi5jdXJmZXcubW9kZWxwcm94eS52MS5MaXN0RGVjb2RlcnNSZXNwb25zZSIDkAIBEnAKDkNhbmNlbERlY29kZXJzEisuY3VyZmV3Lm1vZGVscHJveHkudjEuQ2FuY2VsRGVjb2RlcnNSZXF1ZXN0GiwuY3VyZmV3Lm1vZGVscHJveHkudjEuQ2FuY2VsRGVjb2RlcnNSZXNwb25zZSIDkAICQuIBChhjb20uY3VyZmV3Lm1vZGVscHJveHkudjFCD01vZGVscHJveHlQcm90b1ABWkNnaXRodWIuY29tL2N1cmZldy1tZXNoL2N1cmZldy9nZW4vY3VyZmV3L21vZGVscHJveHkvdjE7bW9kZWxwcm94eXYxogIDQ01YqgIUQ3VyZmV3Lk1vZGVscHJveHkuVjHKAhRDdXJmZXdcTW9kZWxwcm94eVxWMeICIEN1cmZld1xNb2RlbHByb3h5XFYxXEdQQk1ldGFkYXRh6gIWQ3VyZmV3OjpNb2RlbHByb3h5OjpWMWIGcHJvdG8z", [file_google_protobuf_duration, file_google_protobuf_timestamp]);
 
 /**
  * ToolCall is a model's request to run a tool.
@@ -628,6 +628,14 @@ export type ListDecodersResponse = Message$1<"curfew.modelproxy.v1.ListDecodersR
    * @generated from field: repeated curfew.modelproxy.v1.ProviderBreaker breakers = 3;
    */
   breakers: ProviderBreaker[];
+
+  /**
+   * The replica's coordinated limits: its token budgets and its provider breakers'
+   * probe leases (service "modelproxy").
+   *
+   * @generated from field: repeated curfew.modelproxy.v1.Coordination coordination = 4;
+   */
+  coordination: Coordination[];
 };
 
 /**
@@ -636,6 +644,92 @@ export type ListDecodersResponse = Message$1<"curfew.modelproxy.v1.ListDecodersR
  */
 export const ListDecodersResponseSchema: GenMessage<ListDecodersResponse> = /*@__PURE__*/
   messageDesc(file_curfew_modelproxy_v1_modelproxy, 16);
+
+/**
+ * Coordination is one coordinated limit's state on one replica (docs/cluster.md, "In
+ * status"): a target's retry windows, a breaker's half-open probe lease, or the token
+ * budgets held in the store.
+ *
+ * @generated from message curfew.modelproxy.v1.Coordination
+ */
+export type Coordination = Message$1<"curfew.modelproxy.v1.Coordination"> & {
+  /**
+   * The service and replica reporting it.
+   *
+   * @generated from field: string service = 1;
+   */
+  service: string;
+
+  /**
+   * @generated from field: string replica = 2;
+   */
+  replica: string;
+
+  /**
+   * What is coordinated: "retry_window", "breaker_probe" or "budget".
+   *
+   * @generated from field: string part = 3;
+   */
+  part: string;
+
+  /**
+   * The dependency (retry_window, breaker_probe); empty for budget.
+   *
+   * @generated from field: string target = 4;
+   */
+  target: string;
+
+  /**
+   * The store cannot be asked: the part runs its degraded mode (docs/cluster.md).
+   *
+   * @generated from field: bool degraded = 5;
+   */
+  degraded: boolean;
+
+  /**
+   * A human-readable account of the state: the degraded mode, the lease held, refusals.
+   *
+   * @generated from field: string detail = 6;
+   */
+  detail: string;
+
+  /**
+   * Since when it is degraded; unset when not degraded or not known.
+   *
+   * @generated from field: google.protobuf.Timestamp since = 7;
+   */
+  since?: Timestamp | undefined;
+
+  /**
+   * This replica holds the lease now: a retry window, or the probe lease while its
+   * probe is out.
+   *
+   * @generated from field: bool held = 8;
+   */
+  held: boolean;
+
+  /**
+   * retry_window: the end of the window held. breaker_probe: until when another
+   * replica holds the probe lease (its probe, or its failed probe's open period).
+   *
+   * @generated from field: google.protobuf.Timestamp until = 9;
+   */
+  until?: Timestamp | undefined;
+
+  /**
+   * retry_window: retries refused for want of a window since the process started.
+   *
+   * @generated from field: int64 refused = 10;
+   */
+  refused: bigint;
+};
+
+/**
+ * Describes the message curfew.modelproxy.v1.Coordination.
+ * Use `create(CoordinationSchema)` to create a new message.
+ */
+export const CoordinationSchema: GenMessage<Coordination> = /*@__PURE__*/
+  messageDesc(file_curfew_modelproxy_v1_modelproxy, 17);
 
 /**
  * CancelDecodersRequest cancels the decoders this replica runs that started longer ago
@@ -660,7 +754,7 @@ export type CancelDecodersRequest = Message$1<"curfew.modelproxy.v1.CancelDecode
  * Use `create(CancelDecodersRequestSchema)` to create a new message.
  */
 export const CancelDecodersRequestSchema: GenMessage<CancelDecodersRequest> = /*@__PURE__*/
-  messageDesc(file_curfew_modelproxy_v1_modelproxy, 17);
+  messageDesc(file_curfew_modelproxy_v1_modelproxy, 18);
 
 /**
  * CancelDecodersResponse names the decoders cancelled.
@@ -684,7 +778,7 @@ export type CancelDecodersResponse = Message$1<"curfew.modelproxy.v1.CancelDecod
  * Use `create(CancelDecodersResponseSchema)` to create a new message.
  */
 export const CancelDecodersResponseSchema: GenMessage<CancelDecodersResponse> = /*@__PURE__*/
-  messageDesc(file_curfew_modelproxy_v1_modelproxy, 18);
+  messageDesc(file_curfew_modelproxy_v1_modelproxy, 19);
 
 /**
  * Role is who said a message.
