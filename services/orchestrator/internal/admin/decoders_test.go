@@ -173,7 +173,9 @@ func TestFreezesAndDrains(t *testing.T) {
 		t.Fatal(err)
 	}
 	// The orphan tokens recorded after the freeze are counted; the output a decoder
-	// made before it, written when it ended, is not.
+	// made before it, written when it ended, is not. The store keeps milliseconds and
+	// counts what was recorded strictly after the freeze's: they come a millisecond on.
+	time.Sleep(2 * time.Millisecond)
 	if _, err := st.AddTokens(ctx, store.LedgerEntry{Tenant: "acme", RunID: "run-unique", NodeID: "root/m0", Tokens: 4, Kind: "orphan", Key: "k1"},
 		store.LedgerEntry{Tenant: "acme", RunID: "run-unique", NodeID: "root/m0", Tokens: 9, Kind: "output", Key: "k2"}); err != nil {
 		t.Fatal(err)
