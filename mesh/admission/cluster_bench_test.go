@@ -183,7 +183,7 @@ func benchClaimFloor(b *testing.B) {
 			ss, ok, err := st.ClaimSlots(ctx, scopes, "floor", 10*time.Second)
 			d := time.Since(t0)
 			if err != nil || !ok {
-				fail.Store(fmt.Errorf("claim: ok %v, %v", ok, err))
+				fail.Store(fmt.Errorf("claim: ok %v, %w", ok, err))
 				return
 			}
 			mu.Lock()
