@@ -70,8 +70,11 @@ func TestAdmissionReloadOnTwoReplicas(t *testing.T) {
 	}
 	var orchs []*meshproc.Proc
 	var clients []orchestratorv1.OrchestratorServiceClient
+	// Each replica's own limits: this test is about every replica reloading its file.
+	// The caps shared across replicas, and their reload, are cluster_admission_test.go's
+	// and mesh/admission's.
 	for _, name := range []string{"orchestrator-a", "orchestrator-b"} {
-		p, err := c.Add(ctx, "orchestrator", name, c.OrchestratorArgs(model, sub, tools, "--admission-config", adm)...)
+		p, err := c.Add(ctx, "orchestrator", name, c.OrchestratorArgs(model, sub, tools, "--admission-config", adm, "--cluster-admission=false")...)
 		if err != nil {
 			t.Fatal(err)
 		}

@@ -113,13 +113,13 @@ type clusterState struct {
 }
 
 // clustered reports whether caps are claimed in the store.
-func (c *Controller) clustered() bool { return c.cfg.Cluster.Slots != nil }
+func (c *Controller) clustered() bool { return c.cluster.Slots != nil }
 
 // share is this replica's share of cap while the store is down: ceil(cap / replicas),
 // at least 1.
 func (c *Controller) share(limit int) int {
 	n := 1
-	if f := c.cfg.Cluster.Replicas; f != nil {
+	if f := c.cluster.Replicas; f != nil {
 		n = max(f(), 1)
 	}
 	return max((limit+n-1)/n, 1)
@@ -152,7 +152,7 @@ func (c *Controller) startClaim(p *pool, w *waiter, now time.Time) {
 	c.claims.Add(1)
 	go func() {
 		defer c.claims.Done()
-		ctx, cancel := context.WithTimeout(context.Background(), c.cfg.Cluster.ClaimTimeout)
+		ctx, cancel := context.WithTimeout(context.Background(), c.cluster.ClaimTimeout)
 		defer cancel()
 		start := time.Now()
 		slots, res, err := c.claim(ctx, scopes, sizes)
@@ -173,7 +173,7 @@ func (c *Controller) startClaim(p *pool, w *waiter, now time.Time) {
 // finds one full, the pool's alone tells which (a tenant at its cluster-wide concurrency
 // is shed, a full pool waits).
 func (c *Controller) claim(ctx context.Context, scopes []string, sizes []int) ([]*clusterslots.Slot, claimResult, error) {
-	h := c.cfg.Cluster.Slots
+	h := c.cluster.Slots
 	if err := c.size(ctx, scopes, sizes); err != nil {
 		return nil, claimFailed, err
 	}
@@ -215,7 +215,7 @@ func (c *Controller) size(ctx context.Context, scopes []string, sizes []int) err
 		if c.cl.sized[scope] == sizes[i] {
 			continue
 		}
-		if err := c.cfg.Cluster.Slots.Size(ctx, scope, sizes[i]); err != nil {
+		if err := c.cluster.Slots.Size(ctx, scope, sizes[i]); err != nil {
 			return err
 		}
 		c.cl.sized[scope] = sizes[i]
@@ -289,7 +289,7 @@ func (c *Controller) degrade(err error, now time.Time) {
 	if c.cl.degradedSince.IsZero() {
 		c.cl.degradedSince = now
 	}
-	c.cl.degradedUntil = now.Add(c.cfg.Cluster.DegradedFor)
+	c.cl.degradedUntil = now.Add(c.cluster.DegradedFor)
 	c.cl.lastErr = err
 }
 
@@ -300,7 +300,7 @@ func (c *Controller) waitCluster(p *pool) {
 		return
 	}
 	p.clusterWait = true
-	d := c.cfg.Cluster.Poll
+	d := c.cluster.Poll
 	if until := time.Until(c.cl.degradedUntil); until > 0 {
 		d = min(d, until)
 	}
@@ -347,9 +347,9 @@ func (c *Controller) releaseSlots(ctx context.Context, slots []*clusterslots.Slo
 			lost++
 		}
 	}
-	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), c.cfg.Cluster.ClaimTimeout)
+	ctx, cancel := context.WithTimeout(context.WithoutCancel(ctx), c.cluster.ClaimTimeout)
 	defer cancel()
-	err := c.cfg.Cluster.Slots.ReleaseAll(ctx, slots...)
+	err := c.cluster.Slots.ReleaseAll(ctx, slots...)
 	if err != nil && errors.Is(err, clusterslots.ErrClosed) {
 		err = nil // the holder is closing and releases everything itself
 	}
@@ -378,10 +378,10 @@ func (c *Controller) ClusterStatus() ClusterStatus {
 		s.LastError = c.cl.lastErr.Error()
 	}
 	s.Replicas = 1
-	if f := c.cfg.Cluster.Replicas; f != nil {
+	if f := c.cluster.Replicas; f != nil {
 		s.Replicas = max(f(), 1)
 	}
-	h := c.cfg.Cluster.Slots
+	h := c.cluster.Slots
 	c.mu.Unlock()
 	if h != nil {
 		s.Holder = h.Status()

@@ -273,3 +273,42 @@ func TestClusterCloseWaitsForClaims(t *testing.T) {
 		t.Fatalf("Admit across Close: %v, want a shutdown shed", o.err)
 	}
 }
+
+// TestClusterReloadResizes: a reload that raises a pool's cap sizes its scope in the
+// store anew at the next claim, so the cap holds across replicas at its new value.
+func TestClusterReloadResizes(t *testing.T) {
+	st := storetest.OpenMemory(t)
+	a, b := newReplica(t, st, "a", onePool(1, 10), 2), newReplica(t, st, "b", onePool(1, 10), 2)
+	first := mustAdmit(t, a.c, admission.Request{})
+	defer first.Release(admission.Outcome{})
+	ch := admitAsync(t.Context(), b.c, "b", admission.Request{})
+	waitQueued(t, b.c, "paid", 1)
+	notYet(t, ch, "b") // the one slot is a's
+	for _, r := range []replica{a, b} {
+		if err := r.c.Update(onePool(2, 10)); err != nil {
+			t.Fatal(err)
+		}
+	}
+	o := receive(t, ch) // b's next claim sizes the scope to 2 and takes the second slot
+	if o.err != nil {
+		t.Fatalf("b's run after the reload: %v", o.err)
+	}
+	defer o.t.Release(admission.Outcome{})
+	slots, err := st.ListSlots(t.Context(), admission.PoolScope("paid"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	held := 0
+	for _, s := range slots {
+		if s.Held(time.Now()) {
+			held++
+		}
+	}
+	if len(slots) != 2 || held != 2 {
+		t.Fatalf("after the reload: %d slots, %d held; want 2 and 2", len(slots), held)
+	}
+	// A third run waits: the cap is 2 across both replicas.
+	third := admitAsync(t.Context(), a.c, "a", admission.Request{})
+	waitQueued(t, a.c, "paid", 1)
+	notYet(t, third, "a")
+}

@@ -117,11 +117,13 @@ type Controller struct {
 	lastFailure [len(conditions)]time.Time
 	// operator holds the operators' decisions (SetOperatorControls).
 	operator OperatorControls
-	// cl is the cluster-wide coordination state (cluster.go); claims counts the claims
-	// in flight to the store, sizeMu guards cl.sized.
-	cl     clusterState
-	claims sync.WaitGroup
-	sizeMu sync.Mutex
+	// cluster is Config.Cluster as given to New, defaults applied: wiring, never changed
+	// by Update, so claim goroutines read it without the lock. cl is the coordination
+	// state (cluster.go); claims counts the claims in flight, sizeMu guards cl.sized.
+	cluster ClusterConfig
+	cl      clusterState
+	claims  sync.WaitGroup
+	sizeMu  sync.Mutex
 }
 
 // pool is one pool's state.
@@ -232,6 +234,7 @@ func New(cfg Config, reg prometheus.Registerer) (*Controller, error) {
 		tenants: map[string]*tenant{},
 		classes: map[string]*samples{},
 		cl:      clusterState{sized: map[string]int{}},
+		cluster: cfg.Cluster,
 	}
 	if c.now == nil {
 		c.now = time.Now
