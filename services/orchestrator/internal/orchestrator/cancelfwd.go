@@ -29,7 +29,8 @@ import (
 const cancelMemory = 10 * time.Minute
 
 // OwnerName returns the lease owner name of an orchestrator incarnation: its id, and
-// the address other orchestrators reach it at to forward a CancelRun ("" for none).
+// the address other orchestrators reach it at to forward a CancelRun or a WatchRun ("" for
+// none).
 func OwnerName(id, addr string) string {
 	if addr == "" {
 		return id
