@@ -177,7 +177,7 @@ func (s *Server) WatchRun(req *orchestratorv1.WatchRunRequest, stream orchestrat
 		if err != nil {
 			return runStoreErr(ctx, s.cfg.Log, "get run", id, err)
 		}
-		if run.Status.Terminal() {
+		if apiStatusOf(run.Status) != orchestratorv1.RunStatus_RUN_STATUS_RUNNING {
 			return w.finish(s.fromStore(ctx, run))
 		}
 		if forwarded {
