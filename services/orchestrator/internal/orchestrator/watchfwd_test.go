@@ -174,7 +174,12 @@ func TestWatchRunFollowsTheRunAcrossAHandover(t *testing.T) {
 	st := openStore(t)
 	a, b := newRelayPair(t, st)
 	ctx := context.Background()
-	resp, err := a.orch.StartRun(ctx, &orchestratorv1.StartRunRequest{Task: sleepPlan(2000), Timeout: durationpb.New(30 * time.Second)})
+	// 300 ms of text, then a sleep: the handover comes in one or the other, and a model
+	// step cut off streams its text again on orch-b (the client gets only what it lacks).
+	plan := `{"tokens_per_second":100,"steps":[
+	  {"think_tokens":30,"tools":[{"name":"sleep","args":{"ms":2000}}]},
+	  {"answer_tokens":2}]}`
+	resp, err := a.orch.StartRun(ctx, &orchestratorv1.StartRunRequest{Task: plan, Timeout: durationpb.New(30 * time.Second)})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -185,13 +190,16 @@ func TestWatchRunFollowsTheRunAcrossAHandover(t *testing.T) {
 		t.Fatal(err)
 	}
 	var evs []*orchestratorv1.WatchRunResponse
-	for { // live from the owner: up to the sleep's start
+	for { // live from the owner: up to its first node event
 		ev, err := w.Recv()
 		if err != nil {
 			t.Fatalf("WatchRun via orch-b before the handover: %v", err)
 		}
 		evs = append(evs, ev)
-		if n := ev.GetNode(); n.GetKind() == meshv1.NodeKind_NODE_KIND_TOOL && n.GetStatus() == meshv1.NodeStatus_NODE_STATUS_RUNNING {
+		if ev.GetFinished() != nil {
+			t.Fatal("the run ended before any node event reached orch-b's watch")
+		}
+		if ev.GetNodeEvent() != nil {
 			break
 		}
 	}
