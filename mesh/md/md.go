@@ -56,9 +56,10 @@ const (
 	// client (the orchestrator's OpenAI front door, for a keyed request whose client left
 	// and did not come back) sends it; it is forwarded to the run's owner with the cancel.
 	CancelCause = "curfew-cancel-cause"
-	// CancelForwarded marks a CancelRun one orchestrator forwarded to the run's owner: it
-	// is not forwarded again, so a run that moved while the call was on its way cannot
-	// make it loop.
+	// CancelForwarded marks a call one orchestrator forwarded to the run's owner (a
+	// CancelRun, or a WatchRun the orchestrator relays from the owner): it is not
+	// forwarded again, so a run that moved while the call was on its way cannot make it
+	// loop.
 	CancelForwarded = "curfew-cancel-forwarded"
 )
 

@@ -57,7 +57,7 @@ func run(args []string) int {
 	minRun := fs.Duration("min-run-time", orchestrator.DefaultMinRunTime, "least time left to admit a run; less fails fast with DEADLINE_EXCEEDED")
 	logPrompts := fs.Bool("log-prompts", false, "log each run's task (its prompt) when it starts; off by default, since tasks may hold private data")
 	storeDSN := fs.String("store", "", "durable store of runs, checkpoints, leases and dead letters: a SQLite path (sqlite:///path/curfew.db) or a postgres:// DSN; `curfew up` passes one under its data directory; without one, runs live in memory only and are lost with the process")
-	advertise := fs.String("advertise-addr", "", "address other orchestrators reach this one at (with --store), named in its run leases so that a CancelRun received elsewhere is forwarded to the run's owner; default: --addr when it names a host, else none (Kubernetes: $(POD_IP):port)")
+	advertise := fs.String("advertise-addr", "", "address other orchestrators reach this one at (with --store), named in its run leases so that a CancelRun or WatchRun received elsewhere reaches the run's owner; default: --addr when it names a host, else none (Kubernetes: $(POD_IP):port)")
 	leaseTTL := fs.Duration("lease-ttl", orchestrator.DefaultLeaseTTL, "run lease TTL (with --store), and the outbox relay lease's (with --nats): heartbeats every third of it; a dead orchestrator's runs are taken over about this long after it died")
 	natsURL := fs.String("nats", "", "NATS server (nats://host:4222) whose JetStream also receives dead letters (with --store); none by default")
 	dlqStream := fs.String("dlq-stream", dlq.DefaultStream, "JetStream stream of dead letters (with --nats)")
@@ -190,9 +190,9 @@ func run(args []string) int {
 	adv := advertiseAddr(*advertise, rt.Addr())
 	if shared {
 		if adv == "" {
-			rt.Log.Warn("no --advertise-addr: a CancelRun of a run this orchestrator owns, received by another one, reaches only the run's leaves")
+			rt.Log.Warn("no --advertise-addr: a CancelRun of a run this orchestrator owns, received by another one, reaches only the run's leaves, and a WatchRun there gets no node events")
 		} else {
-			rt.Log.Info("run leases name this orchestrator's address for cancel forwarding", "advertise_addr", adv)
+			rt.Log.Info("run leases name this orchestrator's address for cancel and watch forwarding", "advertise_addr", adv)
 		}
 	}
 	// Other orchestrators are reached as the mesh service "orchestrator", with this one's

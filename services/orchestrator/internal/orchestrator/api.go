@@ -150,48 +150,49 @@ func (s *Server) startDetached(ctx context.Context, key, model, task string, in 
 }
 
 // WatchRun implements OrchestratorService.WatchRun: a run this process holds is followed
-// through its events; one it does not (another orchestrator's) is polled in the store.
+// through its events; one another orchestrator owns is relayed from its owner
+// (watchfwd.go), or polled in the store when the owner cannot be reached.
 func (s *Server) WatchRun(req *orchestratorv1.WatchRunRequest, stream orchestratorv1.OrchestratorService_WatchRunServer) error {
 	ctx := stream.Context()
-	if req.GetRunId() == "" {
+	id := req.GetRunId()
+	if id == "" {
 		return status.Error(codes.InvalidArgument, "run_id is required")
 	}
-	started := false
-	sendStarted := func(r *orchestratorv1.Run) error {
-		if started {
-			return nil
-		}
-		started = true
-		return stream.Send(&orchestratorv1.WatchRunResponse{Event: &orchestratorv1.WatchRunResponse_Started{Started: &orchestratorv1.RunStarted{
-			RunId: r.GetRunId(), Deadline: r.GetDeadline()}}})
-	}
-	finished := func(r *orchestratorv1.Run) error {
-		if err := sendStarted(r); err != nil {
-			return err
-		}
-		return stream.Send(&orchestratorv1.WatchRunResponse{Event: &orchestratorv1.WatchRunResponse_Finished{Finished: r}})
-	}
+	w := newWatcher(stream)
+	forwarded := forwardedCall(ctx)
+	var last ownerTry
 	for {
-		if rn, err := s.visible(ctx, req.GetRunId()); err == nil {
+		if rn, err := s.visible(ctx, id); err == nil {
 			sub := rn.subscribe()
-			err := s.follow(ctx, rn, sub, sendStarted, stream)
+			err := s.follow(ctx, rn, sub, w)
 			rn.unsubscribe(sub)
 			if err != nil {
 				return err
 			}
 			if !rn.moved() {
-				return finished(rn.snapshot(s.shared))
+				return w.finish(rn.snapshot(s.shared))
 			}
 		}
-		r, err := s.stored(ctx, req.GetRunId())
+		run, err := s.cfg.Store.GetRun(ctx, md.IdentityFrom(ctx).Tenant, id)
 		if err != nil {
+			return runStoreErr(ctx, s.cfg.Log, "get run", id, err)
+		}
+		if apiStatusOf(run.Status) != orchestratorv1.RunStatus_RUN_STATUS_RUNNING {
+			return w.finish(s.fromStore(ctx, run))
+		}
+		if forwarded {
+			return notHeld(id)
+		}
+		if err := w.sendStarted(s.fromStore(ctx, run)); err != nil {
 			return err
 		}
-		if r.GetStatus() != orchestratorv1.RunStatus_RUN_STATUS_RUNNING {
-			return finished(r)
-		}
-		if err := sendStarted(r); err != nil {
-			return err
+		if addr := s.relayAddr(run, last); addr != "" && !s.stopping() {
+			done, err := s.relay(ctx, run, addr, w)
+			if done {
+				return err
+			}
+			last = ownerTry{owner: run.Owner, at: time.Now()}
+			continue // look the run up again at once
 		}
 		t := time.NewTimer(watchPoll)
 		select {
@@ -201,25 +202,23 @@ func (s *Server) WatchRun(req *orchestratorv1.WatchRunRequest, stream orchestrat
 		case <-s.handedOver:
 			// Stopping: the watch of a run that goes on elsewhere must not hold the stop.
 			t.Stop()
-			return drainingStatus(fmt.Sprintf("orchestrator is stopping; watch run %s on another replica", req.GetRunId()))
+			return drainingStatus(fmt.Sprintf("orchestrator is stopping; watch run %s on another replica", id))
 		case <-t.C:
 		}
 	}
 }
 
-// follow streams a local run's events until it ends here.
-func (s *Server) follow(ctx context.Context, rn *run, sub chan *orchestratorv1.RunResponse,
-	sendStarted func(*orchestratorv1.Run) error, stream orchestratorv1.OrchestratorService_WatchRunServer,
-) error {
-	if err := sendStarted(rn.snapshot(s.shared)); err != nil {
+// follow streams a local run's events to w until the run ends here.
+func (s *Server) follow(ctx context.Context, rn *run, sub chan *orchestratorv1.RunResponse, w *watcher) error {
+	if err := w.sendStarted(rn.snapshot(s.shared)); err != nil {
 		return err
 	}
 	send := func(ev *orchestratorv1.RunResponse) error {
 		switch e := ev.GetEvent().(type) {
 		case *orchestratorv1.RunResponse_Node:
-			return stream.Send(&orchestratorv1.WatchRunResponse{Event: &orchestratorv1.WatchRunResponse_Node{Node: e.Node}})
+			return w.sendNode(e.Node)
 		case *orchestratorv1.RunResponse_NodeEvent:
-			return stream.Send(&orchestratorv1.WatchRunResponse{Event: &orchestratorv1.WatchRunResponse_NodeEvent{NodeEvent: e.NodeEvent}})
+			return w.sendEvent(e.NodeEvent)
 		}
 		return nil
 	}

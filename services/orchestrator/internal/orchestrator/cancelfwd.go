@@ -29,7 +29,8 @@ import (
 const cancelMemory = 10 * time.Minute
 
 // OwnerName returns the lease owner name of an orchestrator incarnation: its id, and
-// the address other orchestrators reach it at to forward a CancelRun ("" for none).
+// the address other orchestrators reach it at to forward a CancelRun or a WatchRun ("" for
+// none).
 func OwnerName(id, addr string) string {
 	if addr == "" {
 		return id
@@ -58,7 +59,7 @@ func (s *Server) cancelElsewhere(ctx context.Context, req *orchestratorv1.Cancel
 	if run.Status.Terminal() {
 		return s.fromStore(ctx, run), nil
 	}
-	forwarded := len(metadata.ValueFromIncomingContext(ctx, md.CancelForwarded)) > 0
+	forwarded := forwardedCall(ctx)
 	tried := ""
 	if !forwarded {
 		if r, ok := s.forwardCancel(ctx, run, req); ok {
@@ -97,8 +98,16 @@ func (s *Server) cancelElsewhere(ctx context.Context, req *orchestratorv1.Cancel
 	}
 }
 
-// forwardedContext is the context of a call forwarded to another orchestrator: marked
-// forwarded, and carrying the caller's API key when it sent one. The owner authenticates
+// forwardedCall reports whether the incoming call was forwarded by another orchestrator
+// (a CancelRun, or a WatchRun relayed from the owner: watchfwd.go): it is not forwarded
+// again.
+func forwardedCall(ctx context.Context) bool {
+	return len(metadata.ValueFromIncomingContext(ctx, md.CancelForwarded)) > 0
+}
+
+// forwardedContext is the context of a call forwarded to another orchestrator (a
+// CancelRun, a relayed WatchRun): marked forwarded (md.CancelForwarded), and carrying the
+// caller's API key when it sent one, and a CancelRun's cause header. The owner authenticates
 // the tenant itself: by the key, or, from this orchestrator as its mesh peer, by the
 // curfew-tenant the client chain sends (the tenant authenticated here). Over plaintext
 // (--insecure) there are no mesh peers, so the key is what lets the call through.

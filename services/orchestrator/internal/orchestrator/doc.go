@@ -33,7 +33,8 @@
 //     fenced commit of a run's result.
 //   - stored.go: reading runs from the store.
 //   - cancel.go: a run's cancel, decoders first; cancelfwd.go: cancelling a run that
-//     another orchestrator owns.
+//     another orchestrator owns; watchfwd.go: relaying the WatchRun of such a run from
+//     its owner.
 //   - drain.go: the drain and shutdown.
 //   - admission.go: admitting new runs; deadletters.go: recording failed runs and the
 //     DeadLetterService.

@@ -73,12 +73,13 @@ type Config struct {
 	Store RunStore
 	// Owner names this process incarnation in run leases; a random name without an
 	// address when "". Name it with OwnerName to give other orchestrators its address
-	// for CancelRun forwarding.
+	// for CancelRun and WatchRun forwarding.
 	Owner string
 	// Peers, when set, returns a client of the orchestrator at addr (an owner's address,
 	// see OwnerName): a CancelRun of a run another orchestrator owns is forwarded to it
-	// (cancelfwd.go). Without it such a cancel reaches only the run's leaves and is kept
-	// for a takeover.
+	// (cancelfwd.go), and a WatchRun of it is relayed from it (watchfwd.go). Without it
+	// such a cancel reaches only the run's leaves and is kept for a takeover, and such a
+	// watch is served from the store: the run's start and summary, no node events.
 	Peers func(addr string) (orchestratorv1.OrchestratorServiceClient, error)
 	// LeaseTTL is how long a run's lease lasts without a heartbeat; DefaultLeaseTTL when
 	// 0. The owner heartbeats every third of it. A dead owner's runs are taken over
