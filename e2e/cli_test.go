@@ -325,8 +325,10 @@ func TestCLIListFilters(t *testing.T) {
 	}
 	lines := strings.Split(strings.TrimSpace(out), "\n")
 	var first, last struct {
-		Started  struct{ RunID string `json:"run_id"` } `json:"started"`
-		Finished struct{ Model string }                `json:"finished"`
+		Started struct {
+			RunID string `json:"run_id"`
+		} `json:"started"`
+		Finished struct{ Model string } `json:"finished"`
 	}
 	if json.Unmarshal([]byte(lines[0]), &first) != nil || json.Unmarshal([]byte(lines[len(lines)-1]), &last) != nil ||
 		first.Started.RunID == "" || last.Finished.Model == "" {
