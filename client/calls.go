@@ -11,6 +11,7 @@ import (
 	"google.golang.org/grpc/metadata"
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/types/known/durationpb"
+	"google.golang.org/protobuf/types/known/timestamppb"
 
 	meshv1 "github.com/curfew-mesh/curfew/gen/curfew/mesh/v1"
 	orchestratorv1 "github.com/curfew-mesh/curfew/gen/curfew/orchestrator/v1"
@@ -274,14 +275,32 @@ func (c *Client) Cancel(ctx context.Context, runID, reason string) (*orchestrato
 type ListOptions struct {
 	// PageSize is the most runs on the page: 0 means 50; at most 500.
 	PageSize int32
-	// PageToken continues from a previous page's next token; "" is the first page.
+	// PageToken continues from a previous page's next token; "" is the first page. Pass
+	// the same filters with it.
 	PageToken string
+	// Model, when set, lists only the runs started with this model.
+	Model string
+	// CreatedAfter and CreatedBefore, when set, list only the runs created in
+	// [CreatedAfter, CreatedBefore): at or after the one, before the other.
+	CreatedAfter, CreatedBefore time.Time
 }
 
-// List returns one page of the tenant's runs, newest first, without their nodes, and the
-// token of the next page ("" after the last).
+// request is the ListRunsRequest of o.
+func (o ListOptions) request() *orchestratorv1.ListRunsRequest {
+	req := &orchestratorv1.ListRunsRequest{PageSize: o.PageSize, PageToken: o.PageToken, Model: o.Model}
+	if !o.CreatedAfter.IsZero() {
+		req.CreatedAfter = timestamppb.New(o.CreatedAfter)
+	}
+	if !o.CreatedBefore.IsZero() {
+		req.CreatedBefore = timestamppb.New(o.CreatedBefore)
+	}
+	return req
+}
+
+// List returns one page of the tenant's runs that opts selects, newest first, without
+// their nodes, and the token of the next page ("" after the last).
 func (c *Client) List(ctx context.Context, opts ListOptions) (runs []*orchestratorv1.Run, next string, err error) {
-	resp, err := c.rpc.ListRuns(ctx, &orchestratorv1.ListRunsRequest{PageSize: opts.PageSize, PageToken: opts.PageToken})
+	resp, err := c.rpc.ListRuns(ctx, opts.request())
 	if err != nil {
 		return nil, "", err
 	}

@@ -315,3 +315,42 @@ func TestCLILogLevel(t *testing.T) {
 		t.Errorf("ls --log-level info: exit %d, stderr %q: want the certificate's INFO line", code, stderr2)
 	}
 }
+
+// `curfew ls --model --since --until` lists only the runs ListRuns' filters select.
+func TestCLIListFilters(t *testing.T) {
+	t.Parallel()
+	out, stderr, code := curfew(t, "run", `{"steps": [{"answer_tokens": 2}]}`, "--json")
+	if code != 0 {
+		t.Fatalf("run: exit %d, stderr %s", code, stderr)
+	}
+	lines := strings.Split(strings.TrimSpace(out), "\n")
+	var first, last struct {
+		Started struct {
+			RunID string `json:"run_id"`
+		} `json:"started"`
+		Finished struct{ Model string } `json:"finished"`
+	}
+	if json.Unmarshal([]byte(lines[0]), &first) != nil || json.Unmarshal([]byte(lines[len(lines)-1]), &last) != nil ||
+		first.Started.RunID == "" || last.Finished.Model == "" {
+		t.Fatalf("no run id or model in the run's events:\n%s", out)
+	}
+	id, model := first.Started.RunID, last.Finished.Model
+	for _, c := range []struct {
+		args   []string
+		listed bool
+	}{
+		{[]string{"--model", model, "--since", "5m"}, true},
+		{[]string{"--since", time.Now().Add(-time.Minute).UTC().Format(time.RFC3339), "--until", time.Now().Add(time.Minute).UTC().Format(time.RFC3339)}, true},
+		{[]string{"--model", "no-such-model"}, false},
+		{[]string{"--until", "1h"}, false},
+		{[]string{"--since", time.Now().Add(time.Hour).UTC().Format(time.RFC3339)}, false},
+	} {
+		out, stderr, code := curfew(t, append([]string{"ls", "--limit", "500", "--json"}, c.args...)...)
+		if code != 0 {
+			t.Fatalf("ls %v: exit %d, stderr %s", c.args, code, stderr)
+		}
+		if strings.Contains(out, id) != c.listed {
+			t.Errorf("ls %v: run %s listed %v, want %v", c.args, id, !c.listed, c.listed)
+		}
+	}
+}

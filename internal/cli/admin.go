@@ -260,19 +260,22 @@ func cmdUsage(ctx context.Context, args []string, stdout, stderr io.Writer) int 
 
 // parseSince reads --since: "" (nil: everything), a duration back from now, or an RFC
 // 3339 time.
-func parseSince(v string) (*timestamppb.Timestamp, error) {
+func parseSince(v string) (*timestamppb.Timestamp, error) { return parseWhen("--since", v) }
+
+// parseWhen reads the value v of the time flag name as --since does.
+func parseWhen(name, v string) (*timestamppb.Timestamp, error) {
 	if v == "" {
 		return nil, nil
 	}
 	if d, err := time.ParseDuration(v); err == nil {
 		if d <= 0 {
-			return nil, fmt.Errorf("--since %s: give a positive duration", v)
+			return nil, fmt.Errorf("%s %s: give a positive duration", name, v)
 		}
 		return timestamppb.New(time.Now().Add(-d)), nil
 	}
 	t, err := time.Parse(time.RFC3339, v)
 	if err != nil {
-		return nil, fmt.Errorf("--since %q: give a duration (1h) or an RFC 3339 time", v)
+		return nil, fmt.Errorf("%s %q: give a duration (1h) or an RFC 3339 time", name, v)
 	}
 	return timestamppb.New(t), nil
 }

@@ -38,7 +38,7 @@ Usage:
                  [--shutdown-grace D] [--start-timeout D] [--insecure] [--json]
   curfew run     (--plan FILE | TASK) [--deadline D] [--model M] [--continue] [--cancel-after D] [--json]
   curfew get     RUN [--json]
-  curfew ls      [--limit N] [--json]
+  curfew ls      [--limit N] [--model M] [--since D|TIME] [--until D|TIME] [--json]
   curfew cancel  RUN [--reason TEXT] [--json]
   curfew trace   RUN [--width N] [--json]
   curfew dlq     ls [--run RUN] [--all] [--limit N] [--json]

@@ -40,12 +40,26 @@ func cmdLs(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	var c common
 	c.register(fs)
 	limit := fs.Int("limit", 50, "most runs to list, newest first")
+	model := fs.String("model", "", "only runs started with this model")
+	sinceFlag := fs.String("since", "", "only runs created since this long ago (1h) or this RFC 3339 time")
+	untilFlag := fs.String("until", "", "only runs created before this long ago (10m) or this RFC 3339 time")
 	pos, err := parse(fs, args)
 	if err != nil {
 		return usageErr(stderr, "ls", err)
 	}
 	if len(pos) != 0 || *limit < 1 {
 		return usageErr(stderr, "ls", errors.New("takes no arguments, and --limit must be at least 1"))
+	}
+	since, err := parseWhen("--since", *sinceFlag)
+	if err != nil {
+		return usageErr(stderr, "ls", err)
+	}
+	until, err := parseWhen("--until", *untilFlag)
+	if err != nil {
+		return usageErr(stderr, "ls", err)
+	}
+	if since != nil && until != nil && since.AsTime().After(until.AsTime()) {
+		return usageErr(stderr, "ls", errors.New("--since is after --until"))
 	}
 	conn, err := c.dial()
 	if err != nil {
@@ -58,7 +72,8 @@ func cmdLs(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	var runs []*orchestratorv1.Run
 	token := ""
 	for len(runs) < *limit {
-		resp, err := client.ListRuns(ctx, &orchestratorv1.ListRunsRequest{PageSize: int32(min(*limit-len(runs), 500)), PageToken: token}) //nolint:gosec // at most 500
+		resp, err := client.ListRuns(ctx, &orchestratorv1.ListRunsRequest{PageSize: int32(min(*limit-len(runs), 500)), PageToken: token, //nolint:gosec // at most 500
+			Model: *model, CreatedAfter: since, CreatedBefore: until})
 		if err != nil {
 			return callErr(stderr, "ls", err)
 		}

@@ -34,8 +34,9 @@
 // built-ins (kv, outbox) that they commit together with; dead letters; the token
 // ledger. Every row belongs to a tenant and every read names one: another tenant's
 // row reads as ErrNotFound. The exceptions are deliberate: ClaimExpiredRuns sweeps all
-// tenants (orchestrators serve all of them), and the dead-letter methods take tenant ""
-// as the operator's view of all tenants.
+// tenants (orchestrators serve all of them), the dead-letter methods take tenant ""
+// as the operator's view of all tenants, and ListRuns lists every tenant's runs only
+// when asked by name (RunQuery.AllTenants; a query without a tenant is refused).
 //
 // # Fencing
 //
@@ -66,6 +67,10 @@
 //     millisecond and in UTC.
 //   - List pages hold 100 rows unless Limit says otherwise (at most 1000); cursors
 //     are the last ID of the page (UUIDv7, so pages run newest first).
+//   - ListRuns filters by tenant (or every tenant), status, model and a creation window
+//     [CreatedAfter, CreatedBefore), lower bound inclusive, upper exclusive; each filter
+//     has an index (migration 0012), so a page costs a range of one index, not a scan
+//     of the table (docs/benchmarks.md, "Run list filters").
 //   - [WaitTool] polls (5 ms doubling to 250 ms) rather than LISTEN/NOTIFY, so both
 //     backends behave alike; its cost is one poll interval of extra latency.
 //

@@ -58,8 +58,14 @@ type Runs interface {
 	CreateRun(ctx context.Context, r NewRun) (run Run, created bool, err error)
 	// GetRun returns the tenant's run, or ErrNotFound (also for another tenant's run).
 	GetRun(ctx context.Context, tenant, runID string) (Run, error)
-	// ListRuns pages through the tenant's runs newest first (run IDs are UUIDv7).
-	// next is the cursor of the following page, "" after the last one.
+	// ListRuns pages through the runs q selects (a tenant's, or with q.AllTenants every
+	// tenant's), newest first by run ID (UUIDv7, minted at creation). next is the
+	// cursor of the following page, "" after the last one. Passing it back with the
+	// same filters continues without duplicates or gaps, also while runs are created,
+	// end or are deleted meanwhile (a run's ID never changes; those created since sort
+	// before the cursor). ErrInvalidArgument for a query that names no tenant without
+	// AllTenants (or one with both), an unknown status, a negative limit, or a window
+	// whose CreatedAfter is after its CreatedBefore.
 	ListRuns(ctx context.Context, q RunQuery) (runs []Run, next string, err error)
 	// FinishRun ends the run with a terminal status, fenced by the lease: ErrStaleEpoch
 	// if the lease is no longer current, ErrRunFinished if the run had already ended

@@ -18,6 +18,15 @@ const (
 	StatusDeadlineExceeded RunStatus = "deadline_exceeded"
 )
 
+// Known reports whether s is one of the statuses above.
+func (s RunStatus) Known() bool {
+	switch s {
+	case StatusPending, StatusRunning, StatusSucceeded, StatusFailed, StatusCancelled, StatusDeadlineExceeded:
+		return true
+	}
+	return false
+}
+
 // Terminal reports whether s ends a run.
 func (s RunStatus) Terminal() bool {
 	switch s {
@@ -98,12 +107,26 @@ type RunResult struct {
 	Summary []byte
 }
 
-// RunQuery selects a page of a tenant's runs.
+// RunQuery selects a page of runs: a tenant's, or every tenant's for an operator. The
+// filters combine with AND; a zero field does not filter.
 type RunQuery struct {
-	Tenant string // required
-	Status RunStatus
-	After  string // cursor from the previous page ("" for the first)
-	Limit  int    // 0: 100; at most 1000
+	// Tenant is the tenant whose runs are listed. It is required unless AllTenants is
+	// set, and must then be empty: a query that names no tenant by mistake is refused
+	// rather than answered with every tenant's runs.
+	Tenant string
+	// AllTenants lists the runs of every tenant: the operators' view. Never set it on
+	// a tenant's behalf.
+	AllTenants bool
+	Status     RunStatus // one status; "" for any
+	Model      string    // the model alias the run was started with (NewRun.Model); "" for any
+	// CreatedAfter and CreatedBefore bound the run's creation time to the half-open
+	// window [CreatedAfter, CreatedBefore): CreatedAfter is inclusive, CreatedBefore
+	// exclusive, and a zero bound leaves its side open. Times compare at the store's
+	// millisecond precision (CreatedAt as read back). CreatedAfter after CreatedBefore
+	// is ErrInvalidArgument; equal bounds are an empty window.
+	CreatedAfter, CreatedBefore time.Time
+	After                       string // cursor from the previous page ("" for the first)
+	Limit                       int    // 0: 100; at most 1000; negative: ErrInvalidArgument
 }
 
 // Checkpoint is one completed agent step.

@@ -73,6 +73,43 @@ func BenchmarkTokenBudget(b *testing.B) {
 	storetest.BenchmarkTokenBudget(b, storetest.PostgresDSN(b))
 }
 
+// BenchmarkRunList is the console's filtered run lists over 10,000 runs
+// (docs/benchmarks.md, "Run list filters"). It logs PostgreSQL's plan of the rare
+// model's query as it stands after seeding (autovacuum may not have analyzed the table
+// yet: the plan the first pages get), to show which index serves it.
+func BenchmarkRunList(b *testing.B) {
+	dsn := storetest.PostgresDSN(b)
+	storetest.BenchmarkRunList(b, dsn, func(b *testing.B, q store.RunQuery) {
+		ctx := context.Background()
+		conn, err := pgx.Connect(ctx, dsn)
+		if err != nil {
+			b.Fatal(err)
+		}
+		defer func() { _ = conn.Close(ctx) }()
+		// The statement ListRuns builds for this query (sqlcore.runFilter), less the
+		// column list.
+		rows, err := conn.Query(ctx, `EXPLAIN (ANALYZE, BUFFERS, COSTS OFF) SELECT run_id FROM runs
+			WHERE model = $1 AND created_ms >= $2 AND created_ms < $3 ORDER BY run_id DESC LIMIT $4`,
+			q.Model, q.CreatedAfter.UnixMilli(), q.CreatedBefore.UnixMilli(), q.Limit+1)
+		if err != nil {
+			b.Fatal(err)
+		}
+		defer rows.Close()
+		plan := "plan of the rare model's query:"
+		for rows.Next() {
+			var line string
+			if err := rows.Scan(&line); err != nil {
+				b.Fatal(err)
+			}
+			plan += "\n  " + line
+		}
+		if err := rows.Err(); err != nil {
+			b.Fatal(err)
+		}
+		b.Log(plan)
+	})
+}
+
 // BenchmarkCheckpointNoSyncCommit is the same with synchronous_commit=off for the
 // session: the cost without waiting for the WAL flush, to tell the statement's cost
 // from the disk's. Not a recommended setting (a crash may lose the last commits).

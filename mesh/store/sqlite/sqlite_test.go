@@ -117,6 +117,12 @@ func BenchmarkCheckpoint(b *testing.B) {
 	storetest.BenchmarkCheckpoint(b, filepath.Join(b.TempDir(), "curfew.db"))
 }
 
+// BenchmarkRunList is the console's filtered run lists over 10,000 runs, on a file
+// (docs/benchmarks.md, "Run list filters").
+func BenchmarkRunList(b *testing.B) {
+	storetest.BenchmarkRunList(b, filepath.Join(b.TempDir(), "curfew.db"), nil)
+}
+
 func BenchmarkCheckpointSyncFull(b *testing.B) {
 	storetest.BenchmarkCheckpoint(b, filepath.Join(b.TempDir(), "curfew.db"), store.WithSyncFull(true))
 }

@@ -2,6 +2,7 @@ package storetest
 
 import (
 	"context"
+	"fmt"
 	"slices"
 	"strconv"
 	"testing"
@@ -85,5 +86,101 @@ func BenchmarkTokenBudget(b *testing.B, dsn string, opts ...store.Option) {
 		at := func(q float64) float64 { return float64(m.lat[int(q*float64(len(m.lat)-1))].Microseconds()) }
 		b.ReportMetric(at(0.50), m.name+"-p50-us")
 		b.ReportMetric(at(0.99), m.name+"-p99-us")
+	}
+}
+
+// The run list benchmark's store: BenchRuns runs of BenchTenants tenants, created
+// benchRunEvery apart by the store's clock (four hours in all) from [NewClock]'s
+// instant, round-robin over nine common models and, every 200th run, the rare one.
+const (
+	BenchRuns     = 10_000
+	BenchTenants  = 20
+	BenchRareRuns = BenchRuns / 200
+	benchRunEvery = 1440 * time.Millisecond
+	benchRare     = "rare-model"
+)
+
+// BenchRareQuery is the operator's query the run list benchmark measures: every
+// tenant's runs of the rare model created in the third hour of the store, the first
+// page of 50 (a console page).
+func BenchRareQuery() store.RunQuery {
+	t0 := NewClock().Now()
+	return store.RunQuery{AllTenants: true, Model: benchRare,
+		CreatedAfter: t0.Add(2 * time.Hour), CreatedBefore: t0.Add(3 * time.Hour), Limit: 50}
+}
+
+// BenchmarkRunList measures ListRuns with the console's filters on the store at dsn
+// with BenchRuns runs: the rare model in one hour across tenants (BenchRareQuery, the
+// issue's target), and for comparison a common model in the same hour, every
+// tenant's first page, one tenant's ended runs in the hour, and the running runs (all,
+// and in the hour). Each
+// is a sub-benchmark reporting the median and the 99th percentile of the calls. After
+// seeding it calls inspect, when not nil, with BenchRareQuery, so that a backend can log
+// its plan. Half the runs are left running; the others end succeeded, failed or
+// cancelled.
+func BenchmarkRunList(b *testing.B, dsn string, inspect func(b *testing.B, q store.RunQuery), opts ...store.Option) {
+	ctx := context.Background()
+	clock := NewClock()
+	s, err := store.Open(ctx, dsn, append(opts, store.WithClock(clock.Now))...)
+	if err != nil {
+		b.Fatal(err)
+	}
+	defer func() { _ = s.Close() }()
+	start := time.Now()
+	ended := []store.RunStatus{store.StatusSucceeded, store.StatusFailed, store.StatusCancelled}
+	for i := range BenchRuns {
+		model := "model-" + strconv.Itoa(i%9)
+		if i%200 == 100 {
+			model = benchRare
+		}
+		r, _, err := s.CreateRun(ctx, store.NewRun{Tenant: fmt.Sprintf("tenant-%02d", (i+i/200)%BenchTenants), Model: model,
+			Task: []byte(`{"steps":[{"answer_tokens":5}]}`), Deadline: clock.Now().Add(time.Minute), Owner: "bench", LeaseTTL: time.Hour})
+		if err != nil {
+			b.Fatal(err)
+		}
+		if i%2 == 0 {
+			if _, err := s.FinishRun(ctx, r.Lease(), store.RunResult{Status: ended[i/2%3], Answer: []byte("42")}); err != nil {
+				b.Fatal(err)
+			}
+		}
+		clock.Advance(benchRunEvery)
+	}
+	b.Logf("seeded %d runs in %v", BenchRuns, time.Since(start).Round(time.Millisecond))
+	rare := BenchRareQuery()
+	if inspect != nil {
+		inspect(b, rare)
+	}
+	hour := func(q store.RunQuery) store.RunQuery {
+		q.CreatedAfter, q.CreatedBefore = rare.CreatedAfter, rare.CreatedBefore
+		return q
+	}
+	for _, c := range []struct {
+		name string
+		q    store.RunQuery
+		want int // runs on the page
+	}{
+		{"rare-model-1h", rare, 12},
+		{"common-model-1h", hour(store.RunQuery{AllTenants: true, Model: "model-3", Limit: 50}), 50},
+		{"all-tenants", store.RunQuery{AllTenants: true, Limit: 50}, 50},
+		{"tenant-succeeded-1h", hour(store.RunQuery{Tenant: "tenant-07", Status: store.StatusSucceeded, Limit: 50}), 22},
+		{"running", store.RunQuery{AllTenants: true, Status: store.StatusRunning, Limit: 50}, 50},
+		{"running-1h", hour(store.RunQuery{AllTenants: true, Status: store.StatusRunning, Limit: 50}), 50},
+	} {
+		b.Run(c.name, func(b *testing.B) {
+			var lat []time.Duration
+			for b.Loop() {
+				t := time.Now()
+				runs, _, err := s.ListRuns(ctx, c.q)
+				lat = append(lat, time.Since(t))
+				if err != nil || len(runs) != c.want {
+					b.Fatalf("list %+v: %d runs, %v; want %d", c.q, len(runs), err, c.want)
+				}
+			}
+			b.StopTimer()
+			slices.Sort(lat)
+			at := func(q float64) float64 { return float64(lat[int(q*float64(len(lat)-1))].Microseconds()) }
+			b.ReportMetric(at(0.50), "p50-us")
+			b.ReportMetric(at(0.99), "p99-us")
+		})
 	}
 }

@@ -1439,8 +1439,16 @@ type ListRunsRequest struct {
 	state protoimpl.MessageState `protogen:"open.v1"`
 	// At most this many; 0 means 50, and the maximum is 500.
 	PageSize int32 `protobuf:"varint,1,opt,name=page_size,json=pageSize,proto3" json:"page_size,omitempty"`
-	// From a previous response's next_page_token.
-	PageToken     string `protobuf:"bytes,2,opt,name=page_token,json=pageToken,proto3" json:"page_token,omitempty"`
+	// From a previous response's next_page_token, with the same filters.
+	PageToken string `protobuf:"bytes,2,opt,name=page_token,json=pageToken,proto3" json:"page_token,omitempty"`
+	// Filters, combined with AND; unset fields do not filter. Only runs started with
+	// this model (the name the run records: the default model when it named none).
+	Model string `protobuf:"bytes,3,opt,name=model,proto3" json:"model,omitempty"`
+	// Only runs created at or after this instant (inclusive).
+	CreatedAfter *timestamppb.Timestamp `protobuf:"bytes,4,opt,name=created_after,json=createdAfter,proto3" json:"created_after,omitempty"`
+	// Only runs created before this instant (exclusive). Before created_after is
+	// INVALID_ARGUMENT; equal to it, an empty window.
+	CreatedBefore *timestamppb.Timestamp `protobuf:"bytes,5,opt,name=created_before,json=createdBefore,proto3" json:"created_before,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -1487,6 +1495,27 @@ func (x *ListRunsRequest) GetPageToken() string {
 		return x.PageToken
 	}
 	return ""
+}
+
+func (x *ListRunsRequest) GetModel() string {
+	if x != nil {
+		return x.Model
+	}
+	return ""
+}
+
+func (x *ListRunsRequest) GetCreatedAfter() *timestamppb.Timestamp {
+	if x != nil {
+		return x.CreatedAfter
+	}
+	return nil
+}
+
+func (x *ListRunsRequest) GetCreatedBefore() *timestamppb.Timestamp {
+	if x != nil {
+		return x.CreatedBefore
+	}
+	return nil
 }
 
 // ListRunsResponse is one page of runs (without their nodes).
@@ -1755,11 +1784,14 @@ const file_curfew_orchestrator_v1_orchestrator_proto_rawDesc = "" +
 	"\rGetRunRequest\x12\x15\n" +
 	"\x06run_id\x18\x01 \x01(\tR\x05runId\"?\n" +
 	"\x0eGetRunResponse\x12-\n" +
-	"\x03run\x18\x01 \x01(\v2\x1b.curfew.orchestrator.v1.RunR\x03run\"M\n" +
+	"\x03run\x18\x01 \x01(\v2\x1b.curfew.orchestrator.v1.RunR\x03run\"\xe7\x01\n" +
 	"\x0fListRunsRequest\x12\x1b\n" +
 	"\tpage_size\x18\x01 \x01(\x05R\bpageSize\x12\x1d\n" +
 	"\n" +
-	"page_token\x18\x02 \x01(\tR\tpageToken\"k\n" +
+	"page_token\x18\x02 \x01(\tR\tpageToken\x12\x14\n" +
+	"\x05model\x18\x03 \x01(\tR\x05model\x12?\n" +
+	"\rcreated_after\x18\x04 \x01(\v2\x1a.google.protobuf.TimestampR\fcreatedAfter\x12A\n" +
+	"\x0ecreated_before\x18\x05 \x01(\v2\x1a.google.protobuf.TimestampR\rcreatedBefore\"k\n" +
 	"\x10ListRunsResponse\x12/\n" +
 	"\x04runs\x18\x01 \x03(\v2\x1b.curfew.orchestrator.v1.RunR\x04runs\x12&\n" +
 	"\x0fnext_page_token\x18\x02 \x01(\tR\rnextPageToken\"A\n" +
@@ -1865,25 +1897,27 @@ var file_curfew_orchestrator_v1_orchestrator_proto_depIdxs = []int32{
 	3,  // 25: curfew.orchestrator.v1.WatchRunResponse.finished:type_name -> curfew.orchestrator.v1.Run
 	23, // 26: curfew.orchestrator.v1.WatchRunResponse.node_event:type_name -> curfew.mesh.v1.NodeEvent
 	3,  // 27: curfew.orchestrator.v1.GetRunResponse.run:type_name -> curfew.orchestrator.v1.Run
-	3,  // 28: curfew.orchestrator.v1.ListRunsResponse.runs:type_name -> curfew.orchestrator.v1.Run
-	3,  // 29: curfew.orchestrator.v1.CancelRunResponse.run:type_name -> curfew.orchestrator.v1.Run
-	7,  // 30: curfew.orchestrator.v1.OrchestratorService.Run:input_type -> curfew.orchestrator.v1.RunRequest
-	10, // 31: curfew.orchestrator.v1.OrchestratorService.StartRun:input_type -> curfew.orchestrator.v1.StartRunRequest
-	12, // 32: curfew.orchestrator.v1.OrchestratorService.WatchRun:input_type -> curfew.orchestrator.v1.WatchRunRequest
-	14, // 33: curfew.orchestrator.v1.OrchestratorService.GetRun:input_type -> curfew.orchestrator.v1.GetRunRequest
-	16, // 34: curfew.orchestrator.v1.OrchestratorService.ListRuns:input_type -> curfew.orchestrator.v1.ListRunsRequest
-	18, // 35: curfew.orchestrator.v1.OrchestratorService.CancelRun:input_type -> curfew.orchestrator.v1.CancelRunRequest
-	9,  // 36: curfew.orchestrator.v1.OrchestratorService.Run:output_type -> curfew.orchestrator.v1.RunResponse
-	11, // 37: curfew.orchestrator.v1.OrchestratorService.StartRun:output_type -> curfew.orchestrator.v1.StartRunResponse
-	13, // 38: curfew.orchestrator.v1.OrchestratorService.WatchRun:output_type -> curfew.orchestrator.v1.WatchRunResponse
-	15, // 39: curfew.orchestrator.v1.OrchestratorService.GetRun:output_type -> curfew.orchestrator.v1.GetRunResponse
-	17, // 40: curfew.orchestrator.v1.OrchestratorService.ListRuns:output_type -> curfew.orchestrator.v1.ListRunsResponse
-	19, // 41: curfew.orchestrator.v1.OrchestratorService.CancelRun:output_type -> curfew.orchestrator.v1.CancelRunResponse
-	36, // [36:42] is the sub-list for method output_type
-	30, // [30:36] is the sub-list for method input_type
-	30, // [30:30] is the sub-list for extension type_name
-	30, // [30:30] is the sub-list for extension extendee
-	0,  // [0:30] is the sub-list for field type_name
+	21, // 28: curfew.orchestrator.v1.ListRunsRequest.created_after:type_name -> google.protobuf.Timestamp
+	21, // 29: curfew.orchestrator.v1.ListRunsRequest.created_before:type_name -> google.protobuf.Timestamp
+	3,  // 30: curfew.orchestrator.v1.ListRunsResponse.runs:type_name -> curfew.orchestrator.v1.Run
+	3,  // 31: curfew.orchestrator.v1.CancelRunResponse.run:type_name -> curfew.orchestrator.v1.Run
+	7,  // 32: curfew.orchestrator.v1.OrchestratorService.Run:input_type -> curfew.orchestrator.v1.RunRequest
+	10, // 33: curfew.orchestrator.v1.OrchestratorService.StartRun:input_type -> curfew.orchestrator.v1.StartRunRequest
+	12, // 34: curfew.orchestrator.v1.OrchestratorService.WatchRun:input_type -> curfew.orchestrator.v1.WatchRunRequest
+	14, // 35: curfew.orchestrator.v1.OrchestratorService.GetRun:input_type -> curfew.orchestrator.v1.GetRunRequest
+	16, // 36: curfew.orchestrator.v1.OrchestratorService.ListRuns:input_type -> curfew.orchestrator.v1.ListRunsRequest
+	18, // 37: curfew.orchestrator.v1.OrchestratorService.CancelRun:input_type -> curfew.orchestrator.v1.CancelRunRequest
+	9,  // 38: curfew.orchestrator.v1.OrchestratorService.Run:output_type -> curfew.orchestrator.v1.RunResponse
+	11, // 39: curfew.orchestrator.v1.OrchestratorService.StartRun:output_type -> curfew.orchestrator.v1.StartRunResponse
+	13, // 40: curfew.orchestrator.v1.OrchestratorService.WatchRun:output_type -> curfew.orchestrator.v1.WatchRunResponse
+	15, // 41: curfew.orchestrator.v1.OrchestratorService.GetRun:output_type -> curfew.orchestrator.v1.GetRunResponse
+	17, // 42: curfew.orchestrator.v1.OrchestratorService.ListRuns:output_type -> curfew.orchestrator.v1.ListRunsResponse
+	19, // 43: curfew.orchestrator.v1.OrchestratorService.CancelRun:output_type -> curfew.orchestrator.v1.CancelRunResponse
+	38, // [38:44] is the sub-list for method output_type
+	32, // [32:38] is the sub-list for method input_type
+	32, // [32:32] is the sub-list for extension type_name
+	32, // [32:32] is the sub-list for extension extendee
+	0,  // [0:32] is the sub-list for field type_name
 }
 
 func init() { file_curfew_orchestrator_v1_orchestrator_proto_init() }

@@ -14,6 +14,7 @@ import (
 
 	orchestratorv1 "github.com/curfew-mesh/curfew/gen/curfew/orchestrator/v1"
 	"github.com/curfew-mesh/curfew/mesh/md"
+	"github.com/curfew-mesh/curfew/mesh/store"
 )
 
 // Limits of the public API.
@@ -272,14 +273,44 @@ func (s *Server) GetRun(ctx context.Context, req *orchestratorv1.GetRunRequest) 
 }
 
 // ListRuns implements OrchestratorService.ListRuns: the caller's tenant's runs, newest
-// first, without nodes. The page token is the id of the last run of the previous page;
-// run ids are UUIDv7, ordered by creation, so pages stay stable while new runs arrive.
+// first, without nodes, filtered by model and creation window. The page token is the id
+// of the last run of the previous page; run ids are UUIDv7, ordered by creation, so
+// pages stay stable while new runs arrive, whatever the filters.
 func (s *Server) ListRuns(ctx context.Context, req *orchestratorv1.ListRunsRequest) (*orchestratorv1.ListRunsResponse, error) {
 	size, after, err := pageOf(req, DefaultPageSize, MaxPageSize)
 	if err != nil {
 		return nil, err
 	}
-	return s.listStored(ctx, size, after)
+	q, err := runFilters(req)
+	if err != nil {
+		return nil, err
+	}
+	q.Tenant, q.After, q.Limit = md.IdentityFrom(ctx).Tenant, after, size
+	return s.listStored(ctx, q)
+}
+
+// runFilters reads ListRuns' filters into a store query: INVALID_ARGUMENT for a
+// timestamp out of range or a window that ends before it starts.
+func runFilters(req *orchestratorv1.ListRunsRequest) (store.RunQuery, error) {
+	q := store.RunQuery{Model: req.GetModel()}
+	for _, b := range []struct {
+		name string
+		ts   *timestamppb.Timestamp
+		to   *time.Time
+	}{{"created_after", req.GetCreatedAfter(), &q.CreatedAfter}, {"created_before", req.GetCreatedBefore(), &q.CreatedBefore}} {
+		if b.ts == nil {
+			continue
+		}
+		if err := b.ts.CheckValid(); err != nil {
+			return q, status.Errorf(codes.InvalidArgument, "%s: %v", b.name, err)
+		}
+		*b.to = b.ts.AsTime()
+	}
+	if !q.CreatedAfter.IsZero() && !q.CreatedBefore.IsZero() && q.CreatedAfter.After(q.CreatedBefore) {
+		return q, status.Errorf(codes.InvalidArgument, "created_after (%s) is after created_before (%s)",
+			q.CreatedAfter.Format(time.RFC3339Nano), q.CreatedBefore.Format(time.RFC3339Nano))
+	}
+	return q, nil
 }
 
 // pageOf reads a list request's page: its size (0: def; above most: most; negative:

@@ -33,8 +33,9 @@ func (s *Server) stored(ctx context.Context, id string) (*orchestratorv1.Run, er
 	return r, nil
 }
 
-func (s *Server) listStored(ctx context.Context, size int, after string) (*orchestratorv1.ListRunsResponse, error) {
-	runs, next, err := s.cfg.Store.ListRuns(ctx, store.RunQuery{Tenant: md.IdentityFrom(ctx).Tenant, After: after, Limit: size})
+// listStored reads one page of q from the store.
+func (s *Server) listStored(ctx context.Context, q store.RunQuery) (*orchestratorv1.ListRunsResponse, error) {
+	runs, next, err := s.cfg.Store.ListRuns(ctx, q)
 	if err != nil {
 		return nil, runStoreErr(ctx, s.cfg.Log, "list runs", "", err)
 	}
