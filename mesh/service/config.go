@@ -133,3 +133,22 @@ func WatchDecoder(ctx context.Context, rt *Runtime, path string, leases *decoder
 	t := w.Current()
 	return leases.SetTiming(t.Heartbeat, t.LeaseTTL)
 }
+
+// LiveReplicas counts the replicas of service whose rows in st (RecordConfigs) were
+// written in the last three ReplicaRefresh periods, self always included: the replica
+// count of a cluster-wide limit's local share while the store is down. A replica
+// writes rows only for its configuration files, so one run without any is counted only
+// by itself.
+func LiveReplicas(ctx context.Context, st store.Replicas, service, self string) (int, error) {
+	cs, err := st.ListReplicaConfigs(ctx, service)
+	if err != nil {
+		return 0, err
+	}
+	seen := map[string]bool{self: true}
+	for _, c := range cs {
+		if time.Since(c.SeenAt) < 3*ReplicaRefresh {
+			seen[c.Replica] = true
+		}
+	}
+	return len(seen), nil
+}

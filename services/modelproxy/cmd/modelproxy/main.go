@@ -175,23 +175,11 @@ func run(args []string) int {
 	return 0
 }
 
-// liveReplicas counts the replicas of service name that wrote their rows of store.Replicas
-// within the last three refresh periods (this one included): the share of a tenant's
-// budget each may spend alone while the store is unreachable (budget.SharedConfig).
+// liveReplicas is the replica count of budget.SharedConfig: the replicas of service name
+// seen recently in the store (service.LiveReplicas), among which a tenant's budget is
+// shared while the store is unreachable.
 func liveReplicas(st store.Replicas, name, self string) func(context.Context) (int, error) {
-	return func(ctx context.Context) (int, error) {
-		cs, err := st.ListReplicaConfigs(ctx, name)
-		if err != nil {
-			return 0, err
-		}
-		seen := map[string]bool{self: true}
-		for _, c := range cs {
-			if time.Since(c.SeenAt) < 3*service.ReplicaRefresh {
-				seen[c.Replica] = true
-			}
-		}
-		return len(seen), nil
-	}
+	return func(ctx context.Context) (int, error) { return service.LiveReplicas(ctx, st, name, self) }
 }
 
 // hasBudget reports whether any tenant of c, or its default, has a token budget.

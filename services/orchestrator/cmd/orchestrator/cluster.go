@@ -23,9 +23,9 @@ type clusterAdmission struct {
 
 // newClusterAdmission starts the slot holder on st. fixed, when positive, is the replica
 // count of the degraded share (--cluster-replicas); else it is counted from the
-// replicas' rows in st (service.RecordConfigs), refreshed every ReplicaRefresh, the last
-// count kept while the store fails.
-func newClusterAdmission(ctx context.Context, st store.Store, ttl time.Duration, fixed int, log *slog.Logger) (*clusterAdmission, error) {
+// replicas' rows in st (service.LiveReplicas; self is this replica's name there),
+// refreshed every ReplicaRefresh, the last count kept while the store fails.
+func newClusterAdmission(ctx context.Context, st store.Store, self string, ttl time.Duration, fixed int, log *slog.Logger) (*clusterAdmission, error) {
 	ca := &clusterAdmission{}
 	ca.replicas.Store(1)
 	h, err := clusterslots.New(clusterslots.Config{Store: st, TTL: ttl, Logger: log, //nolint:contextcheck // its loops serve the process until close, not this call
@@ -47,17 +47,9 @@ func newClusterAdmission(ctx context.Context, st store.Store, ttl time.Duration,
 	count := func() {
 		cctx, cancel := context.WithTimeout(ctx, 5*time.Second)
 		defer cancel()
-		rows, err := st.ListReplicaConfigs(cctx, "orchestrator")
-		if err != nil {
-			return
+		if n, err := service.LiveReplicas(cctx, st, "orchestrator", self); err == nil {
+			ca.replicas.Store(int64(n))
 		}
-		live := map[string]bool{}
-		for _, r := range rows {
-			if time.Since(r.SeenAt) < 3*service.ReplicaRefresh {
-				live[r.Replica] = true
-			}
-		}
-		ca.replicas.Store(int64(max(len(live), 1)))
 	}
 	go func() {
 		count()

@@ -202,7 +202,7 @@ func run(args []string) int {
 	if !*admissionOff {
 		var cluster *clusterAdmission
 		if shared && *clusterSlots {
-			if cluster, err = newClusterAdmission(ctx, st, *clusterTTL, *clusterReplicas, rt.Log); err != nil {
+			if cluster, err = newClusterAdmission(ctx, st, rt.Replica(), *clusterTTL, *clusterReplicas, rt.Log); err != nil {
 				fmt.Fprintln(os.Stderr, "orchestrator: --cluster-admission:", err)
 				return 2
 			}
