@@ -46,25 +46,7 @@ func TestBudgetAcrossReplicas(t *testing.T) {
 	adm := filepath.Join(c.Dir, "admission.json")
 	writeFile(t, adm, fmt.Sprintf(`{"pools": [{"name": "paid", "max_in_flight": 8}],
 	  "tenants": {"acme": {"token_budget": %d, "window": "1h"}}}`, clusterBudget))
-	var (
-		models []*meshproc.Proc
-		mps    []modelproxyv1.ModelProxyServiceClient
-	)
-	for _, n := range []string{"modelproxy-a", "modelproxy-b"} {
-		p, err := c.Add(ctx, "modelproxy", n, "--store", c.Store, "--admission-config", adm)
-		if err != nil {
-			t.Fatal(err)
-		}
-		if err := p.Start(ctx); err != nil {
-			t.Fatalf("%s: %v", n, err)
-		}
-		conn, err := c.Conn(p)
-		if err != nil {
-			t.Fatal(err)
-		}
-		models = append(models, p)
-		mps = append(mps, modelproxyv1.NewModelProxyServiceClient(conn))
-	}
+	models, mps := budgetReplicas(ctx, t, c, adm)
 
 	// Each call decodes 30 tokens in about 150 ms, after a prompt of 6 words (tokens).
 	const plan = `{"tokens_per_second": 200, "steps": [{"answer_tokens": 30}]}`
@@ -317,25 +299,7 @@ func TestBudgetStoreOutage(t *testing.T) {
 	adm := filepath.Join(dir, "admission.json")
 	writeFile(t, adm, fmt.Sprintf(`{"pools": [{"name": "paid", "max_in_flight": 8}],
 	  "tenants": {"acme": {"token_budget": %d, "window": "1h"}}}`, budgetTokens))
-	var (
-		models []*meshproc.Proc
-		mps    []modelproxyv1.ModelProxyServiceClient
-	)
-	for _, n := range []string{"modelproxy-a", "modelproxy-b"} {
-		p, err := c.Add(ctx, "modelproxy", n, "--store", c.Store, "--admission-config", adm)
-		if err != nil {
-			t.Fatal(err)
-		}
-		if err := p.Start(ctx); err != nil {
-			t.Fatalf("%s: %v", n, err)
-		}
-		conn, err := c.Conn(p)
-		if err != nil {
-			t.Fatal(err)
-		}
-		models = append(models, p)
-		mps = append(mps, modelproxyv1.NewModelProxyServiceClient(conn))
-	}
+	models, mps := budgetReplicas(ctx, t, c, adm)
 	const plan = `{"tokens_per_second": 1000, "steps": [{"answer_tokens": 30}]}`
 	// A plan no budget covers: its refusal tells a replica the tenant's latest figures.
 	const huge = `{"tokens_per_second": 1000, "steps": [{"answer_tokens": 100000}]}`
@@ -453,4 +417,30 @@ func TestBudgetStoreOutage(t *testing.T) {
 		}
 		left -= perCall
 	}
+}
+
+// budgetReplicas starts two modelproxy replicas on the cluster's store with the
+// admission file adm (the tenants' budgets), and dials each.
+func budgetReplicas(ctx context.Context, t *testing.T, c *meshproc.Cluster, adm string) ([]*meshproc.Proc, []modelproxyv1.ModelProxyServiceClient) {
+	t.Helper()
+	var (
+		models []*meshproc.Proc
+		mps    []modelproxyv1.ModelProxyServiceClient
+	)
+	for _, n := range []string{"modelproxy-a", "modelproxy-b"} {
+		p, err := c.Add(ctx, "modelproxy", n, "--store", c.Store, "--admission-config", adm)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if err := p.Start(ctx); err != nil {
+			t.Fatalf("%s: %v", n, err)
+		}
+		conn, err := c.Conn(p)
+		if err != nil {
+			t.Fatal(err)
+		}
+		models = append(models, p)
+		mps = append(mps, modelproxyv1.NewModelProxyServiceClient(conn))
+	}
+	return models, mps
 }
