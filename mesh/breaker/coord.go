@@ -305,6 +305,21 @@ func (co *coord) allowProbe(ctx context.Context, cb *gobreaker.TwoStepCircuitBre
 		co.remote.Store(b.set.now() + int64(co.c.cfg.Poll))
 		return nil, b.refuse(StateHalfOpen, co.c.cfg.Poll, noRetry)
 	}
+	if b.cb.Load() != cb || cb.State() != gobreaker.StateHalfOpen {
+		// The read loop closed the breaker between the read and the claim: another
+		// replica's probe succeeded. This call is no probe; releasing our claim keeps
+		// the lease saying so (free, at a later epoch), for the replicas still open.
+		_ = co.c.cfg.Store.ReleaseSlot(sctx, got) // if this fails, the lease lapses by its TTL
+		return b.allowLocal(ctx, b.cb.Load(), noRetry)
+	}
+	if got.Epoch > sl.Epoch+1 {
+		// Another replica claimed the lease and finished its probe between our read and
+		// our claim, with an outcome we did not see: send nothing, give the lease back
+		// and let the next read decide.
+		_ = co.expire(sctx) // if this fails, the lease lapses by its TTL
+		co.remote.Store(b.set.now() + int64(co.c.cfg.Poll))
+		return nil, b.refuse(StateHalfOpen, co.c.cfg.Poll, noRetry)
+	}
 	gdone, err := cb.Allow()
 	if err != nil { // gobreaker moved on meanwhile: give the lease back unused
 		_ = co.expire(ctx) // if this fails, the lease lapses by its TTL
