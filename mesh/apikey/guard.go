@@ -12,6 +12,7 @@ import (
 
 	"github.com/curfew-mesh/curfew/mesh/md"
 	"github.com/curfew-mesh/curfew/mesh/meshtls"
+	"github.com/curfew-mesh/curfew/mesh/store"
 )
 
 // Guard decides which tenant a call to a public API acts for; its Tenant is the server
@@ -21,7 +22,11 @@ import (
 //     tenant's data.
 //  2. A call with `authorization: Bearer <key>` acts for the tenant of that key, verified
 //     against the store; a curfew-tenant header beside it is ignored (and logged at
-//     debug level), so a key of tenant A can never act for B.
+//     debug level), so a key of tenant A can never act for B. The one exception is an
+//     operator's key, when OperatorTenants is set: a key with the admin scope acts for
+//     the tenant its curfew-tenant header names on every guarded method, and a key with
+//     the read-only scope on the methods ReadOnly reports (the web console's operators
+//     see every tenant's runs; a CLI on the mesh's certificate can already).
 //  3. A call without a key from a trusted mesh peer (an mTLS client certificate whose
 //     identity is in Peers: another orchestrator forwarding a call, the curfew CLI) acts
 //     for the tenant its curfew-tenant header names, md.DefaultTenant when none.
@@ -41,6 +46,11 @@ type Guard struct {
 	// 2 and 3): a non-nil error, a status, refuses the call (the orchestrator's per-tenant
 	// request rate, admission.Controller.AllowRequest).
 	Limit func(tenant string) error
+	// OperatorTenants lets operators' keys name the tenant they act for (rule 2).
+	OperatorTenants bool
+	// ReadOnly reports the guarded methods that change nothing, which a read-only key
+	// may call for another tenant; nil: none.
+	ReadOnly func(fullMethod string) bool
 	// Log receives forged-header notes at debug level; nil: slog.Default().
 	Log *slog.Logger
 }
@@ -55,19 +65,31 @@ func (g *Guard) Tenant(ctx context.Context, fullMethod, claimed string) (string,
 		if g.Keys == nil {
 			return "", status.Error(codes.Unauthenticated, "this server keeps no API keys (it runs without a store); call it as a mesh peer")
 		}
-		t, err := g.Keys.Tenant(ctx)
+		k, err := g.Keys.Key(ctx)
 		if err != nil {
 			return "", err
 		}
-		if claimed != t && len(metadata.ValueFromIncomingContext(ctx, md.Tenant)) > 0 {
-			g.log().DebugContext(ctx, "curfew-tenant header ignored: the API key names the tenant", "method", fullMethod, "tenant", t)
+		if claimed != k.Tenant && len(metadata.ValueFromIncomingContext(ctx, md.Tenant)) > 0 {
+			if g.operatorFor(k, fullMethod) {
+				return g.limit(claimed)
+			}
+			g.log().DebugContext(ctx, "curfew-tenant header ignored: the API key names the tenant", "method", fullMethod, "tenant", k.Tenant)
 		}
-		return g.limit(t)
+		return g.limit(k.Tenant)
 	}
 	if id, ok := meshtls.PeerIdentity(ctx); ok && slices.Contains(g.Peers, id) {
 		return g.limit(claimed)
 	}
 	return "", status.Errorf(codes.Unauthenticated, "missing API key: send metadata authorization: Bearer <key> (curfew tenant create makes one)")
+}
+
+// operatorFor reports whether key k may act for another tenant on fullMethod (rule 2).
+func (g *Guard) operatorFor(k store.APIKey, fullMethod string) bool {
+	if !g.OperatorTenants {
+		return false
+	}
+	return slices.Contains(k.Scopes, store.ScopeAdmin) ||
+		(slices.Contains(k.Scopes, store.ScopeReadOnly) && g.ReadOnly != nil && g.ReadOnly(fullMethod))
 }
 
 func (g *Guard) limit(tenant string) (string, error) {

@@ -16,6 +16,7 @@ import (
 	"github.com/curfew-mesh/curfew/mesh/apikey"
 	"github.com/curfew-mesh/curfew/mesh/md"
 	"github.com/curfew-mesh/curfew/mesh/meshtls"
+	"github.com/curfew-mesh/curfew/mesh/store"
 	"github.com/curfew-mesh/curfew/mesh/store/storetest"
 )
 
@@ -140,4 +141,48 @@ func BenchmarkGuardTenant(b *testing.B) {
 		g := &apikey.Guard{Methods: []string{api}, Peers: []string{meshtls.CLI}}
 		run(b, g, peerCtx(metadata.NewIncomingContext(b.Context(), metadata.Pairs(md.Tenant, "acme")), b, filepath.Join(b.TempDir(), "tls"), meshtls.CLI))
 	})
+}
+
+// An operator's key acts for the tenant it names only when the guard allows it: an admin
+// key on every method, a read-only key on the read-only ones; a plain key never.
+func TestGuardOperatorKeys(t *testing.T) {
+	ctx := t.Context()
+	st := openStore(t, "")
+	scoped := func(tenant string, scopes ...string) apikey.Key {
+		k, err := apikey.New(tenant)
+		if err != nil {
+			t.Fatal(err)
+		}
+		k.Record.Scopes = scopes
+		if _, _, err := st.CreateAPIKey(ctx, k.Record, false); err != nil {
+			t.Fatal(err)
+		}
+		return k
+	}
+	admin, reader, plain := scoped("ops", store.ScopeAdmin), scoped("ops", store.ScopeReadOnly), scoped("acme")
+	const api = "/curfew.orchestrator.v1.OrchestratorService/"
+	g := &apikey.Guard{Keys: &apikey.Authenticator{Keys: st}, Methods: []string{api}, OperatorTenants: true,
+		ReadOnly: func(m string) bool { return m == api+"GetRun" }}
+	naming := func(key, tenant string) context.Context {
+		return metadata.NewIncomingContext(ctx, metadata.Pairs("authorization", "Bearer "+key, md.Tenant, tenant))
+	}
+	for _, c := range []struct {
+		name   string
+		key    string
+		method string
+		want   string
+	}{
+		{"admin key, any method", admin.Secret, api + "CancelRun", "globex"},
+		{"read-only key, a read", reader.Secret, api + "GetRun", "globex"},
+		{"read-only key, a change: its own tenant", reader.Secret, api + "CancelRun", "ops"},
+		{"tenant key: its own tenant", plain.Secret, api + "GetRun", "acme"},
+	} {
+		if got, err := g.Tenant(naming(c.key, "globex"), c.method, "globex"); err != nil || got != c.want {
+			t.Errorf("%s: %q, %v; want %q", c.name, got, err, c.want)
+		}
+	}
+	g.OperatorTenants = false
+	if got, err := g.Tenant(naming(admin.Secret, "globex"), api+"CancelRun", "globex"); err != nil || got != "ops" {
+		t.Errorf("admin key without OperatorTenants: %q, %v; want its own tenant", got, err)
+	}
 }

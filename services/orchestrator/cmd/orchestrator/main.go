@@ -152,6 +152,10 @@ func run(args []string) int {
 			"/" + orchestratorv1.DeadLetterService_ServiceDesc.ServiceName + "/",
 		},
 		Peers: []string{meshtls.Orchestrator, meshtls.CLI},
+		// An operator's key may act for any tenant (docs/security.md): the web console's
+		// operators see every tenant's runs, as the curfew CLI on the mesh certificate does.
+		OperatorTenants: true,
+		ReadOnly:        publicReadOnly,
 	}
 	if shared {
 		guard.Keys = &apikey.Authenticator{Keys: st}
@@ -390,6 +394,17 @@ func run(args []string) int {
 }
 
 type grpcConn = grpc.ClientConn
+
+// publicReadOnly reports the public API's methods that change nothing, which an
+// operator's read-only key may call for any tenant.
+func publicReadOnly(fullMethod string) bool {
+	o, d := "/"+orchestratorv1.OrchestratorService_ServiceDesc.ServiceName+"/", "/"+orchestratorv1.DeadLetterService_ServiceDesc.ServiceName+"/"
+	switch fullMethod {
+	case o + "GetRun", o + "WatchRun", o + "ListRuns", d + "ListDeadLetters", d + "GetDeadLetter":
+		return true
+	}
+	return false
+}
 
 // owner names this process incarnation in run leases: host, pid and a random suffix, so
 // that a restarted orchestrator is a new owner and fencing tells the two apart.
