@@ -133,6 +133,12 @@ func (a *Authenticator) KeyTenant(ctx context.Context, key string) (string, erro
 	return k.Tenant, err
 }
 
+// Lookup returns the record of key (cfk_…), with Tenant's errors: for a caller that
+// holds the key itself and needs its scopes too (the web console's sessions).
+func (a *Authenticator) Lookup(ctx context.Context, key string) (store.APIKey, error) {
+	return a.key(ctx, key)
+}
+
 func (a *Authenticator) key(ctx context.Context, key string) (store.APIKey, error) {
 	id, secret, err := Parse(key)
 	if err != nil {

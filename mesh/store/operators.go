@@ -57,6 +57,9 @@ const (
 	// ControlDrain: no new decoder starts for runs of pool Target (DrainAll: every
 	// run); decoders still running at Until (when set) are cancelled.
 	ControlDrain ControlKind = "drain"
+	// ControlConsoleSignedOut: the web console's session Target (its id) was signed out
+	// before it expired, at Until; every replica refuses it from its next poll on.
+	ControlConsoleSignedOut ControlKind = "console_signed_out"
 )
 
 // DrainAll is the Target of a ControlDrain that covers every run.

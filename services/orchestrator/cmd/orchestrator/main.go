@@ -78,12 +78,18 @@ func run(args []string) int {
 	clusterReplicas := fs.Int("cluster-replicas", 0, "orchestrator replicas sharing the caps, for each replica's share of a cap while the store is down (docs/cluster.md); 0: counted from the replicas' configuration rows in the store")
 	var hedging hedge.Flags
 	hedging.Register(fs)
+	var consoleCfg consoleFlags
+	consoleCfg.register(fs)
 	operatorPoll := fs.Duration("operator-poll", admin.DefaultControlsPoll, "how often the operators' pool controls (curfew pool close|open) are read from the store: a control set through any replica holds on this one within it")
 	if err := service.Parse(fs, args, os.Getenv); err != nil {
 		fmt.Fprintln(os.Stderr, "orchestrator:", err)
 		return 2
 	}
 	if err := o.Validate(); err != nil { // a bad common flag is a usage error too
+		fmt.Fprintln(os.Stderr, "orchestrator:", err)
+		return 2
+	}
+	if err := consoleCfg.validate(); err != nil {
 		fmt.Fprintln(os.Stderr, "orchestrator:", err)
 		return 2
 	}
@@ -384,6 +390,14 @@ func run(args []string) int {
 			return 2
 		}
 		rt.OnDrain(closeOpenAI)
+	}
+	if consoleCfg.addr != "" {
+		closeConsole, err := serveConsole(ctx, rt, consoleCfg, st, guard.Keys, shared)
+		if err != nil {
+			fmt.Fprintln(os.Stderr, "orchestrator: --console-addr:", err)
+			return 2
+		}
+		rt.OnDrain(closeConsole)
 	}
 	err = rt.Serve(ctx)
 	if err != nil {

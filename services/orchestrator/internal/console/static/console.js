@@ -1,0 +1,80 @@
+// curfew console: live updates of a run's page (Server-Sent Events), the deadline
+// countdown, and the run list's refresh. Everything else works without it.
+"use strict";
+
+// curfewSeen records when this page first showed each node in each status
+// ("root/m0 running" -> Date.now()), so that a test can measure how late a node event
+// reaches the page.
+window.curfewSeen = {};
+
+function noteNodes(root) {
+  root.querySelectorAll("tr.node").forEach(function (tr) {
+    var k = tr.dataset.node + " " + tr.dataset.status;
+    if (!(k in window.curfewSeen)) window.curfewSeen[k] = Date.now();
+  });
+}
+
+// followRun keeps #live current from the run's event stream. An update waits while the
+// keyboard focus is inside the live part (a reason being typed is not wiped out).
+function followRun(live) {
+  var pending = null;
+  function apply(html) {
+    if (live.contains(document.activeElement) && document.activeElement !== document.body &&
+        document.activeElement.tagName !== "BUTTON") {
+      pending = html;
+      return;
+    }
+    pending = null;
+    live.innerHTML = html;
+    noteNodes(live);
+    countdown();
+  }
+  live.addEventListener("focusout", function () {
+    setTimeout(function () { if (pending !== null) apply(pending); }, 0);
+  });
+  noteNodes(live);
+  var es = new EventSource(live.dataset.events);
+  es.addEventListener("view", function (e) { apply(e.data); });
+  es.addEventListener("end", function () { es.close(); live.dataset.ended = "1"; });
+  es.onerror = function () {
+    if (live.dataset.ended) es.close();
+  };
+}
+
+var skew = 0; // server clock - browser clock, in ms
+
+function countdown() {
+  var s = document.querySelector("section.summary");
+  var el = document.getElementById("countdown");
+  if (!s || !el) return;
+  var dl = Number(s.dataset.deadline);
+  if (!dl || s.dataset.live !== "true") return;
+  var left = dl - (Date.now() + skew);
+  el.textContent = left > 0 ? "deadline in " + (left / 1000).toFixed(1) + " s" : "deadline passed";
+}
+
+function refreshList(box) {
+  var every = Number(box.dataset.refresh);
+  if (!every) return;
+  setInterval(function () {
+    if (document.hidden) return;
+    var src = box.dataset.src;
+    src += (src.indexOf("?") < 0 ? "?" : "&") + "fragment=1";
+    fetch(src, { credentials: "same-origin" }).then(function (r) {
+      if (r.ok) return r.text();
+      throw new Error(r.status);
+    }).then(function (html) { box.innerHTML = html; }).catch(function () {});
+  }, every);
+}
+
+document.addEventListener("DOMContentLoaded", function () {
+  var live = document.getElementById("live");
+  if (live) {
+    skew = Number(live.dataset.serverNow) - Date.now();
+    followRun(live);
+    countdown();
+    setInterval(countdown, 100);
+  }
+  var rows = document.getElementById("runrows");
+  if (rows) refreshList(rows);
+});
