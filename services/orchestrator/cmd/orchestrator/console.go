@@ -26,8 +26,8 @@ import (
 // consoleFlags are the web console's flags (docs/console.md).
 type consoleFlags struct {
 	addr, cert, key, secretFile, tokenFile, traceURL string
-	behindTLS                                         bool
-	sessionTTL                                        time.Duration
+	behindTLS                                        bool
+	sessionTTL                                       time.Duration
 }
 
 func (f *consoleFlags) register(fs *flag.FlagSet) {

@@ -142,7 +142,9 @@ func (h *Handler) Routes() []Route {
 		{Method: "POST", Pattern: "/signin", Public: true, Changes: true, handler: h.signin},
 		{Method: "GET", Pattern: "/signin/link", Public: true, handler: h.signinLink},
 		{Method: "POST", Pattern: "/signout", Changes: true, handler: h.signout},
-		{Method: "GET", Pattern: "/{$}", handler: func(w http.ResponseWriter, r *http.Request, _ *user) { http.Redirect(w, r, "/runs", http.StatusSeeOther) }},
+		{Method: "GET", Pattern: "/{$}", handler: func(w http.ResponseWriter, r *http.Request, _ *user) {
+			http.Redirect(w, r, "/runs", http.StatusSeeOther)
+		}},
 		{Method: "GET", Pattern: "/runs", handler: h.runList},
 		{Method: "POST", Pattern: "/runs", Changes: true, handler: h.startRun},
 		{Method: "GET", Pattern: "/runs/{tenant}/{run}", handler: h.runPage},

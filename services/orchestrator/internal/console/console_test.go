@@ -172,7 +172,9 @@ func TestHeadersSigninAndOneTimeLink(t *testing.T) {
 
 func TestRunViewDrawsDeadlineAndCancel(t *testing.T) {
 	t0 := time.Date(2026, 12, 1, 10, 0, 0, 0, time.UTC)
-	at := func(ms int) *timestamppb.Timestamp { return timestamppb.New(t0.Add(time.Duration(ms) * time.Millisecond)) }
+	at := func(ms int) *timestamppb.Timestamp {
+		return timestamppb.New(t0.Add(time.Duration(ms) * time.Millisecond))
+	}
 	run := &orchestratorv1.Run{RunId: "r1", Tenant: "acme", Status: orchestratorv1.RunStatus_RUN_STATUS_CANCELLED,
 		CreatedAt: at(0), Deadline: at(60_000), CancelledAt: at(1000), EndedAt: at(1020),
 		Nodes: []*meshv1.Node{

@@ -131,8 +131,8 @@ type signouts struct {
 	st   store.Operators
 	poll time.Duration
 
-	mu     sync.Mutex
-	read   time.Time
+	mu    sync.Mutex
+	read  time.Time
 	ended map[string]time.Time // session id → its expiry
 }
 
