@@ -109,6 +109,24 @@ export CURFEW_ETCD CURFEW_KUBE_APISERVER
 echo "   $CURFEW_ETCD"
 echo "   $CURFEW_KUBE_APISERVER"
 
+echo "== chromium (the web console's browser test drives it headless)"
+# Debian's chromium package; the test in e2e/console_test.go reads CURFEW_CHROMIUM (it
+# skips without it, and fails under CI=true).
+if [[ -z "${CURFEW_CHROMIUM:-}" ]]; then
+  if ! command -v chromium >/dev/null 2>&1; then
+    echo "   installing Debian's chromium"
+    if [[ "$(id -u)" == 0 ]]; then
+      DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium >/dev/null ||
+        { apt-get update -q >/dev/null && DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium >/dev/null; } || true
+    else
+      sudo -n env DEBIAN_FRONTEND=noninteractive apt-get install -y -q chromium >/dev/null || true
+    fi
+  fi
+  CURFEW_CHROMIUM="$(command -v chromium || true)"
+fi
+export CURFEW_CHROMIUM
+echo "   ${CURFEW_CHROMIUM:-not installed}"
+
 echo "== tests (race detector on)"
 # The e2e tests assert real-time properties (at most 1 token after a cancel at 40 tokens/s)
 # on the service binaries they build; those are built without -race, as shipped. The
