@@ -206,7 +206,8 @@ func (r consoleRoute) path(vals map[string]string) string {
 const consolePlan = `{"tokens_per_second": 50, "steps": [
   {"think_tokens": 5, "tools": [
     {"name": "sleep", "args": {"ms": 60000, "progress_ms": 250}},
-    {"name": "spawn_subagent", "args": {"plan": {"tokens_per_second": 20, "steps": [{"think_tokens": 3000, "answer_tokens": 1}]}}}]},
+    {"name": "spawn_subagent", "args": {"plan": {"tokens_per_second": 20, "steps": [
+      {"think_tokens": 3000, "tools": [{"name": "sleep", "args": {"ms": 1}}]}, {"answer_tokens": 1}]}}}]},
   {"answer_tokens": 5}]}`
 
 func TestConsoleIsolationAndCSRF(t *testing.T) {

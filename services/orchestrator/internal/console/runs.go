@@ -227,6 +227,10 @@ func (h *Handler) view(_ context.Context, u *user, run *orchestratorv1.Run, text
 // arrive: a node event reaches the page within it plus the render.
 const viewEvery = 50 * time.Millisecond
 
+// quietRefresh is how long an event stream waits for a watch event before it reads the
+// run afresh.
+const quietRefresh = 2 * time.Second
+
 // runEvents streams a run's view as Server-Sent Events ("view": the live part of the
 // page, re-rendered; "end": the run ended), following WatchRun, which any replica
 // relays from the run's owner. A run still running is re-rendered every second too, for
@@ -304,13 +308,24 @@ func (h *Handler) runEvents(w http.ResponseWriter, r *http.Request, u *user) {
 	tick := time.NewTicker(time.Second)
 	defer tick.Stop()
 	var flush <-chan time.Time
-	dirty := false
+	dirty, lastEvent := false, time.Now()
 	for {
 		select {
 		case <-ctx.Done():
 			return
 		case <-tick.C:
-			if run.GetEndedAt() == nil && !send("view") {
+			if run.GetEndedAt() != nil {
+				continue
+			}
+			// A watch that has said nothing for a while (a run quiet between steps, or
+			// a watch that reached a replica with no node events for it) is made good
+			// by reading the run afresh: GetRun asks every replica's node reports.
+			if time.Since(lastEvent) >= quietRefresh {
+				if fresh, err := h.getRun(ctx, r, u); err == nil && len(fresh.GetNodes()) >= len(run.GetNodes()) {
+					run, lastEvent = fresh, time.Now()
+				}
+			}
+			if !send("view") {
 				return
 			}
 		case <-flush:
@@ -336,6 +351,7 @@ func (h *Handler) runEvents(w http.ResponseWriter, r *http.Request, u *user) {
 				return
 			}
 			applyEvent(run, up.msg, texts, pending, &lastText)
+			lastEvent = time.Now()
 			if !dirty {
 				dirty = true
 				flush = time.After(viewEvery)
