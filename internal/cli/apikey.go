@@ -2,6 +2,8 @@ package cli
 
 import (
 	"context"
+	"crypto/rand"
+	"encoding/base64"
 	"errors"
 	"fmt"
 	"io/fs"
@@ -76,4 +78,34 @@ func prepareCLIKey(ctx context.Context, dsn, dataDir string) error {
 	}
 	_ = os.Remove(path) // a file of another mode is not reused: WriteFile keeps the mode
 	return os.WriteFile(path, []byte(k.Secret+"\n"), 0o600)
+}
+
+// The web console's files in the data directory.
+const (
+	consoleSecretFile = "console.secret"
+	consoleTokenFile  = "console.token"
+)
+
+// prepareConsole makes sure DIR/console.secret holds the console's session secret (made
+// once, 0600) and writes a new one-time sign-in token to DIR/console.token, which it
+// returns.
+func prepareConsole(dataDir string) (string, error) {
+	secret := filepath.Join(dataDir, consoleSecretFile)
+	if b, err := os.ReadFile(secret); err != nil || len(strings.TrimSpace(string(b))) < 32 { //nolint:gosec // in the data directory the user names
+		_ = os.Remove(secret)
+		if err := os.WriteFile(secret, []byte(randomToken(48)+"\n"), 0o600); err != nil {
+			return "", err
+		}
+	}
+	token := randomToken(24)
+	path := filepath.Join(dataDir, consoleTokenFile)
+	_ = os.Remove(path)
+	return token, os.WriteFile(path, []byte(token+"\n"), 0o600)
+}
+
+// randomToken is n random bytes, URL-safe base64.
+func randomToken(n int) string {
+	b := make([]byte, n)
+	_, _ = rand.Read(b)
+	return base64.RawURLEncoding.EncodeToString(b)
 }

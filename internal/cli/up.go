@@ -56,7 +56,7 @@ func readEndpoints(dir string) (*Endpoints, error) {
 func cmdUp(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	fs := newFlags("up", stderr)
 	dataDir := fs.String("data-dir", defaultDataDir(), "data directory: endpoints.json and logs/")
-	basePort := fs.Int("base-port", 7700, "first of 9 consecutive ports (gRPC and admin per service, then the orchestrator's OpenAI-compatible API); 0 picks free ports")
+	basePort := fs.Int("base-port", 7700, "first of 10 consecutive ports (gRPC and admin per service, then the orchestrator's OpenAI-compatible API and web console); 0 picks free ports")
 	binDir := fs.String("bin-dir", "", "directory of the service binaries (default: next to curfew, else $PATH)")
 	grace := fs.Duration("shutdown-grace", service.DefaultShutdownGrace, "each service's --shutdown-grace: how long its in-flight calls and runs get to finish on stop; a service still running after its whole stop bound (docs/leases.md#drain) is killed")
 	startTimeout := fs.Duration("start-timeout", 30*time.Second, "how long to wait for every service to report SERVING")
@@ -125,8 +125,8 @@ func cmdUp(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	for _, svc := range []string{"toolrunner", "orchestrator", "modelproxy"} { // the services that keep durable state
 		extra[svc] = append(extra[svc], "--store", dsn)
 	}
-	if *basePort < 0 || *basePort > 65535-8 {
-		return usageErr(stderr, "up", fmt.Errorf("--base-port must be 0 or between 1 and %d", 65535-8))
+	if *basePort < 0 || *basePort > 65535-9 {
+		return usageErr(stderr, "up", fmt.Errorf("--base-port must be 0 or between 1 and %d", 65535-9))
 	}
 	if err := os.MkdirAll(filepath.Join(*dataDir, "logs"), 0o755); err != nil { //nolint:gosec // the user's own logs, which hold no secrets
 		return usageErr(stderr, "up", fmt.Errorf("--data-dir: %w", err))
@@ -152,6 +152,15 @@ func cmdUp(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	if err := prepareStore(ctx, dsn); err != nil {
 		return usageErr(stderr, "up", fmt.Errorf("--store: %w", err))
 	}
+	// The web console (docs/console.md): its sessions' secret is kept in the data
+	// directory, so that sessions outlive a restart; each start makes a new one-time
+	// sign-in link for the local operator.
+	signinToken, err := prepareConsole(*dataDir)
+	if err != nil {
+		return usageErr(stderr, "up", fmt.Errorf("--data-dir: the console's secret: %w", err))
+	}
+	extra["orchestrator"] = append(extra["orchestrator"], "--console-secret-file", filepath.Join(*dataDir, consoleSecretFile),
+		"--console-signin-token-file", filepath.Join(*dataDir, consoleTokenFile))
 	if *insecureFlag { // no mTLS, so the CLI is no mesh peer: it needs an API key
 		if err := prepareCLIKey(ctx, dsn, *dataDir); err != nil {
 			return usageErr(stderr, "up", fmt.Errorf("the CLI's API key: %w", err))
@@ -202,6 +211,9 @@ func cmdUp(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		for _, p := range procs {
 			if p.OpenAIAddr != "" {
 				fmt.Fprintf(stdout, "openai        http://%s/v1 (docs/openai.md)\n", p.OpenAIAddr)
+			}
+			if p.ConsoleAddr != "" {
+				fmt.Fprintf(stdout, "console       http://%s/ (sign in once with http://%s/signin/link?token=%s)\n", p.ConsoleAddr, p.ConsoleAddr, signinToken)
 			}
 		}
 		fmt.Fprintf(stdout, "endpoints     %s\nlogs          %s\n", filepath.Join(*dataDir, EndpointsFile), logs)

@@ -19,6 +19,9 @@ var portOffset = map[string]int{"orchestrator": 0, "toolrunner": 2, "subagent": 
 // openAIOffset is the orchestrator's OpenAI-compatible API's port above the base port.
 const openAIOffset = 8
 
+// consoleOffset is the orchestrator's web console's port, base+9.
+const consoleOffset = 9
+
 // peers are the services each service calls, with the flag that names each one.
 var peers = map[string][]string{
 	"orchestrator": {"modelproxy", "toolrunner", "subagent"},
@@ -33,11 +36,14 @@ type Endpoint struct {
 	// OpenAIAddr is the orchestrator's OpenAI-compatible API (--openai-addr); other
 	// services have none.
 	OpenAIAddr string `json:"openai_addr,omitempty"`
-	PID        int    `json:"pid"` // 0 until the process has started
+	// ConsoleAddr is the orchestrator's web console (--console-addr); other services
+	// have none.
+	ConsoleAddr string `json:"console_addr,omitempty"`
+	PID         int    `json:"pid"` // 0 until the process has started
 }
 
 // Allocate assigns every service its gRPC and admin address on 127.0.0.1 (and the
-// orchestrator its OpenAI-compatible API's, base+8): base, base+1,
+// orchestrator its OpenAI-compatible API's, base+8, and its web console's, base+9): base, base+1,
 // ... in the fixed layout of `curfew up --base-port` (the orchestrator on base), or free
 // ports when base is 0. A free port is released before the service binds it, so another
 // process may take it meanwhile.
@@ -46,13 +52,16 @@ func Allocate(base int) (map[string]Endpoint, error) {
 	for _, name := range Services {
 		ports := []int{0, 0}
 		if name == "orchestrator" {
-			ports = append(ports, 0)
+			ports = append(ports, 0, 0)
 		}
 		for i := range ports {
 			if base != 0 {
 				ports[i] = base + portOffset[name] + i
-				if i == 2 {
+				switch i {
+				case 2:
 					ports[i] = base + openAIOffset
+				case 3:
+					ports[i] = base + consoleOffset
 				}
 				continue
 			}
@@ -66,6 +75,7 @@ func Allocate(base int) (map[string]Endpoint, error) {
 		ep := Endpoint{Addr: "127.0.0.1:" + strconv.Itoa(ports[0]), AdminAddr: "127.0.0.1:" + strconv.Itoa(ports[1])}
 		if len(ports) > 2 {
 			ep.OpenAIAddr = "127.0.0.1:" + strconv.Itoa(ports[2])
+			ep.ConsoleAddr = "127.0.0.1:" + strconv.Itoa(ports[3])
 		}
 		eps[name] = ep
 	}

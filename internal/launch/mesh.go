@@ -50,8 +50,11 @@ func Start(cfg Config) (*Mesh, error) {
 		if ep.OpenAIAddr != "" {
 			args = append(args, "--openai-addr", ep.OpenAIAddr)
 		}
+		if ep.ConsoleAddr != "" {
+			args = append(args, "--console-addr", ep.ConsoleAddr)
+		}
 		p := &Process{Name: name, Bin: cfg.Bins[name], Args: append(args, cfg.Args[name]...),
-			Addr: ep.Addr, AdminAddr: ep.AdminAddr, OpenAIAddr: ep.OpenAIAddr, Log: filepath.Join(cfg.LogDir, name+".log")}
+			Addr: ep.Addr, AdminAddr: ep.AdminAddr, OpenAIAddr: ep.OpenAIAddr, ConsoleAddr: ep.ConsoleAddr, Log: filepath.Join(cfg.LogDir, name+".log")}
 		if err := p.Start(); err != nil {
 			m.Stop()
 			return nil, err
@@ -68,7 +71,7 @@ func (m *Mesh) Processes() []*Process { return m.procs }
 func (m *Mesh) Endpoints() map[string]Endpoint {
 	eps := map[string]Endpoint{}
 	for _, p := range m.procs {
-		eps[p.Name] = Endpoint{Addr: p.Addr, AdminAddr: p.AdminAddr, OpenAIAddr: p.OpenAIAddr, PID: p.PID()}
+		eps[p.Name] = Endpoint{Addr: p.Addr, AdminAddr: p.AdminAddr, OpenAIAddr: p.OpenAIAddr, ConsoleAddr: p.ConsoleAddr, PID: p.PID()}
 	}
 	return eps
 }

@@ -26,7 +26,9 @@ type Process struct {
 	AdminAddr string   // its admin address, for the caller's reference
 	// OpenAIAddr is the orchestrator's OpenAI-compatible API, for the caller's reference.
 	OpenAIAddr string
-	Log        string // the file its stdout and stderr are appended to
+	// ConsoleAddr is the orchestrator's web console, for the caller's reference.
+	ConsoleAddr string
+	Log         string // the file its stdout and stderr are appended to
 	// Creds are what WaitServing presents to the service; nil is plaintext.
 	Creds credentials.TransportCredentials
 	// ParentDeathSignal is sent to the process when its parent dies; SIGTERM when 0,
