@@ -65,7 +65,7 @@ func chromium(t *testing.T) context.Context {
 }
 
 // browse runs browser steps with a bound of d.
-func browse(t *testing.T, ctx context.Context, d time.Duration, what string, steps ...chromedp.Action[chromedp.Void]) {
+func browse(ctx context.Context, t *testing.T, d time.Duration, what string, steps ...chromedp.Action[chromedp.Void]) {
 	t.Helper()
 	c, cancel := context.WithTimeout(ctx, d)
 	defer cancel()
@@ -75,7 +75,7 @@ func browse(t *testing.T, ctx context.Context, d time.Duration, what string, ste
 }
 
 // value runs one browser action that returns a value, with a bound of d.
-func value[T any](t *testing.T, ctx context.Context, d time.Duration, what string, a chromedp.Action[T]) T {
+func value[T any](ctx context.Context, t *testing.T, d time.Duration, what string, a chromedp.Action[T]) T {
 	t.Helper()
 	c, cancel := context.WithTimeout(ctx, d)
 	defer cancel()
@@ -117,7 +117,7 @@ func TestConsoleInBrowser(t *testing.T) {
 	}
 
 	// Sign in on A with the tenant's key, and start a run with the form.
-	browse(t, ctx, 30*time.Second, "sign in on A",
+	browse(ctx, t, 30*time.Second, "sign in on A",
 		chromedp.Navigate(r.consA+"/signin"),
 		chromedp.WaitVisible(chromedp.ID("key")),
 		chromedp.SendKeys(chromedp.ID("key"), keyA),
@@ -129,7 +129,7 @@ func TestConsoleInBrowser(t *testing.T) {
 		chromedp.Submit(chromedp.ID("st-task")),
 		chromedp.WaitVisible(chromedp.ID("live")),
 	)
-	loc := value(t, ctx, 10*time.Second, "location", chromedp.Location())
+	loc := value(ctx, t, 10*time.Second, "location", chromedp.Location())
 	path := strings.TrimPrefix(loc, r.consA)
 	if !strings.HasPrefix(path, "/runs/console-browser/") {
 		t.Fatalf("after starting a run the browser is at %s", loc)
@@ -137,11 +137,11 @@ func TestConsoleInBrowser(t *testing.T) {
 	runID := path[strings.LastIndexByte(path, '/')+1:]
 
 	// Open it on B: the nodes appear while the run runs.
-	browse(t, ctx, 30*time.Second, "open the run on B", chromedp.Navigate(r.consB+path), chromedp.WaitVisible(chromedp.ID("live")))
+	browse(ctx, t, 30*time.Second, "open the run on B", chromedp.Navigate(r.consB+path), chromedp.WaitVisible(chromedp.ID("live")))
 	var nodes []pageNode
 	deadline := time.Now().Add(30 * time.Second)
 	for {
-		nodes = value(t, ctx, 10*time.Second, "read the nodes", chromedp.Evaluate[[]pageNode](readNodes))
+		nodes = value(ctx, t, 10*time.Second, "read the nodes", chromedp.Evaluate[[]pageNode](readNodes))
 		running := 0
 		for _, n := range nodes {
 			if n.Status == "running" {
@@ -163,17 +163,17 @@ func TestConsoleInBrowser(t *testing.T) {
 	}
 
 	// When the page first showed each node running (read before the cancel reloads it).
-	seen := value(t, ctx, 10*time.Second, "read the arrival times", chromedp.Evaluate[map[string]float64](`window.curfewSeen`))
+	seen := value(ctx, t, 10*time.Second, "read the arrival times", chromedp.Evaluate[map[string]float64](`window.curfewSeen`))
 
 	// Cancel, with a reason, on B.
-	browse(t, ctx, 60*time.Second, "cancel on B",
+	browse(ctx, t, 60*time.Second, "cancel on B",
 		chromedp.SendKeys(chromedp.ID("reason"), "e2e: stop it"),
 		chromedp.Click(chromedp.ID("cancel")),
 		chromedp.WaitVisible(chromedp.ID("cancel-line")),
 	)
 	deadline = time.Now().Add(30 * time.Second)
 	for {
-		nodes = value(t, ctx, 10*time.Second, "read the nodes", chromedp.Evaluate[[]pageNode](readNodes))
+		nodes = value(ctx, t, 10*time.Second, "read the nodes", chromedp.Evaluate[[]pageNode](readNodes))
 		if !slices.ContainsFunc(nodes, func(n pageNode) bool { return n.Status == "running" }) {
 			break
 		}
@@ -197,8 +197,8 @@ func TestConsoleInBrowser(t *testing.T) {
 	if decoders == 0 {
 		t.Error("the page shows no model node")
 	}
-	lines := value(t, ctx, 10*time.Second, "read the timeline", chromedp.Evaluate[int](`document.querySelectorAll("#deadline-line, #cancel-line").length`))
-	status := value(t, ctx, 10*time.Second, "read the status", chromedp.Text(chromedp.ID("run-status")))
+	lines := value(ctx, t, 10*time.Second, "read the timeline", chromedp.Evaluate[int](`document.querySelectorAll("#deadline-line, #cancel-line").length`))
+	status := value(ctx, t, 10*time.Second, "read the status", chromedp.Text(chromedp.ID("run-status")))
 	if lines != 2 || !strings.Contains(status, "cancelled") {
 		t.Errorf("timeline lines %d (want the deadline's and the cancel's), run status %q", lines, status)
 	}
@@ -220,34 +220,34 @@ func TestConsoleInBrowser(t *testing.T) {
 		}
 	}
 	t.Logf("node start to the page (browser clock), %d nodes: %v", len(lags), lags)
-	screenshot(t, ctx, r.consB+path, filepath.Join(shots, "console-run.png"))
+	screenshot(ctx, t, r.consB+path, filepath.Join(shots, "console-run.png"))
 
 	// An operator: the one-time link of orchestrator-a signs the local operator in.
-	browse(t, ctx, 30*time.Second, "operator's health page",
+	browse(ctx, t, 30*time.Second, "operator's health page",
 		chromedp.Navigate(r.consA+"/signin/link?token="+r.token),
 		chromedp.WaitVisible(chromedp.ID("runrows")),
 		chromedp.Navigate(r.consB+"/health"),
 		chromedp.WaitVisible(chromedp.ID("orphan-delta")),
 	)
-	healthText := value(t, ctx, 10*time.Second, "read the health page", chromedp.Text(chromedp.CSS("main")))
+	healthText := value(ctx, t, 10*time.Second, "read the health page", chromedp.Text(chromedp.CSS("main")))
 	for _, want := range []string{"Pools", "Breakers", "Decoders", "Dead letters", "Orphan delta"} {
 		if !strings.Contains(healthText, want) {
 			t.Errorf("the health page lacks %q", want)
 		}
 	}
-	screenshot(t, ctx, r.consB+"/health", filepath.Join(shots, "console-health.png"))
+	screenshot(ctx, t, r.consB+"/health", filepath.Join(shots, "console-health.png"))
 	// The operator sees every tenant's runs, this one among them.
-	browse(t, ctx, 30*time.Second, "operator's run list", chromedp.Navigate(r.consB+"/runs"), chromedp.WaitVisible(chromedp.ID("runrows")))
-	list := value(t, ctx, 10*time.Second, "read the list", chromedp.Text(chromedp.ID("runrows")))
+	browse(ctx, t, 30*time.Second, "operator's run list", chromedp.Navigate(r.consB+"/runs"), chromedp.WaitVisible(chromedp.ID("runrows")))
+	list := value(ctx, t, 10*time.Second, "read the list", chromedp.Text(chromedp.ID("runrows")))
 	if !strings.Contains(list, runID) || !strings.Contains(list, "console-browser") {
 		t.Errorf("the operator's list lacks the tenant's run %s", runID)
 	}
 }
 
-func screenshot(t *testing.T, ctx context.Context, u, file string) {
+func screenshot(ctx context.Context, t *testing.T, u, file string) {
 	t.Helper()
-	browse(t, ctx, 30*time.Second, "open "+u, chromedp.Navigate(u), chromedp.WaitReady(chromedp.CSS("main")), chromedp.Sleep(300*time.Millisecond))
-	png := value(t, ctx, 30*time.Second, "screenshot "+u, chromedp.FullScreenshot(100))
+	browse(ctx, t, 30*time.Second, "open "+u, chromedp.Navigate(u), chromedp.WaitReady(chromedp.CSS("main")), chromedp.Sleep(300*time.Millisecond))
+	png := value(ctx, t, 30*time.Second, "screenshot "+u, chromedp.FullScreenshot(100))
 	if err := os.MkdirAll(filepath.Dir(file), 0o755); err != nil {
 		t.Fatal(err)
 	}

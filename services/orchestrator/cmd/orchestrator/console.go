@@ -170,7 +170,7 @@ func consoleSecret(path string) ([]byte, error) {
 		_, err := rand.Read(b)
 		return b, err
 	}
-	b, err := os.ReadFile(path)
+	b, err := os.ReadFile(path) //nolint:gosec // the file the operator names with --console-secret-file
 	if err != nil {
 		return nil, err
 	}

@@ -64,7 +64,7 @@ func TestRouteTableIsTheGoldenOne(t *testing.T) {
 			b.WriteString(" public")
 		}
 		b.WriteString("\n")
-		if r.Method == "POST" && !r.Changes {
+		if r.Method == http.MethodPost && !r.Changes {
 			t.Errorf("%s %s changes state without a CSRF token", r.Method, r.Pattern)
 		}
 	}

@@ -182,7 +182,7 @@ func (s *signouts) add(ctx context.Context, u *user) error {
 // setCookie sets a cookie of the console: HttpOnly, SameSite=Strict, Secure when the
 // browser reaches the console over TLS.
 func (h *Handler) setCookie(w http.ResponseWriter, name, value string, exp time.Time) {
-	c := &http.Cookie{Name: name, Value: value, Path: "/", HttpOnly: true, SameSite: http.SameSiteStrictMode, Secure: h.cfg.Secure}
+	c := &http.Cookie{Name: name, Value: value, Path: "/", HttpOnly: true, SameSite: http.SameSiteStrictMode, Secure: h.cfg.Secure} //nolint:gosec // Secure whenever the browser reaches the console over TLS; plain HTTP only on loopback
 	if exp.IsZero() {
 		c.MaxAge = -1
 	} else {
