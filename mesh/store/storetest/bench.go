@@ -100,6 +100,32 @@ const (
 	benchRare     = "rare-model"
 )
 
+// SeedBenchRuns creates the run list benchmark's BenchRuns runs in s, whose clock must
+// be clock (store.WithClock(clock.Now)): BenchTenants tenants, nine common models
+// round-robin and one rare model (every 200th run), created 1.44 s apart, half left
+// running and the others succeeded, failed or cancelled.
+func SeedBenchRuns(ctx context.Context, s store.Store, clock *Clock) error {
+	ended := []store.RunStatus{store.StatusSucceeded, store.StatusFailed, store.StatusCancelled}
+	for i := range BenchRuns {
+		model := "model-" + strconv.Itoa(i%9)
+		if i%200 == 100 {
+			model = benchRare
+		}
+		r, _, err := s.CreateRun(ctx, store.NewRun{Tenant: fmt.Sprintf("tenant-%02d", (i+i/200)%BenchTenants), Model: model,
+			Task: []byte(`{"steps":[{"answer_tokens":5}]}`), Deadline: clock.Now().Add(time.Minute), Owner: "bench", LeaseTTL: time.Hour})
+		if err != nil {
+			return err
+		}
+		if i%2 == 0 {
+			if _, err := s.FinishRun(ctx, r.Lease(), store.RunResult{Status: ended[i/2%3], Answer: []byte("42")}); err != nil {
+				return err
+			}
+		}
+		clock.Advance(benchRunEvery)
+	}
+	return nil
+}
+
 // BenchRareQuery is the operator's query the run list benchmark measures: every
 // tenant's runs of the rare model created in the third hour of the store, the first
 // page of 50 (a console page).
@@ -127,23 +153,8 @@ func BenchmarkRunList(b *testing.B, dsn string, inspect func(b *testing.B, q sto
 	}
 	defer func() { _ = s.Close() }()
 	start := time.Now()
-	ended := []store.RunStatus{store.StatusSucceeded, store.StatusFailed, store.StatusCancelled}
-	for i := range BenchRuns {
-		model := "model-" + strconv.Itoa(i%9)
-		if i%200 == 100 {
-			model = benchRare
-		}
-		r, _, err := s.CreateRun(ctx, store.NewRun{Tenant: fmt.Sprintf("tenant-%02d", (i+i/200)%BenchTenants), Model: model,
-			Task: []byte(`{"steps":[{"answer_tokens":5}]}`), Deadline: clock.Now().Add(time.Minute), Owner: "bench", LeaseTTL: time.Hour})
-		if err != nil {
-			b.Fatal(err)
-		}
-		if i%2 == 0 {
-			if _, err := s.FinishRun(ctx, r.Lease(), store.RunResult{Status: ended[i/2%3], Answer: []byte("42")}); err != nil {
-				b.Fatal(err)
-			}
-		}
-		clock.Advance(benchRunEvery)
+	if err := SeedBenchRuns(ctx, s, clock); err != nil {
+		b.Fatal(err)
 	}
 	b.Logf("seeded %d runs in %v", BenchRuns, time.Since(start).Round(time.Millisecond))
 	rare := BenchRareQuery()
