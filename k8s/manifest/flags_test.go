@@ -239,6 +239,7 @@ func startContainer(t *testing.T, s *set, bin, c, store string) {
 					tlsSecretFiles(t, bin, v.Secret.SecretName, local)
 				default:
 					fakeSecretFiles(t, mounts, mp, local)
+					fakeSecretArgs(t, ctr.Args, mp, local)
 				}
 			}
 		}
@@ -263,6 +264,8 @@ func startContainer(t *testing.T, s *set, bin, c, store string) {
 			a = "--admin-addr=" + admin
 		case "health-addr": // one port in every pod; here, processes side by side
 			a = "--health-addr=" + freeAddr(t)
+		case "console-addr":
+			a = "--console-addr=" + freeAddr(t)
 		}
 		if name, v, ok := strings.Cut(a, "="); ok && mounts[v] != "" { // a flag naming a mount (--tls-dir)
 			args = append(args, name+"="+mounts[v])
@@ -377,6 +380,18 @@ func fakeSecretFiles(t *testing.T, mounts map[string]string, mountPath, local st
 			for _, m := range re.FindAllStringSubmatch(string(b), -1) {
 				writeFile(t, filepath.Join(local, m[1]), "sk-curfew-manifest-test-not-a-key\n")
 			}
+		}
+	}
+}
+
+// fakeSecretArgs writes a fake secret for each file under mountPath that a flag names
+// (--console-secret-file=/etc/curfew/console/secret), long enough for any of them.
+func fakeSecretArgs(t *testing.T, args []string, mountPath, local string) {
+	t.Helper()
+	re := regexp.MustCompile("^--[a-z-]+=" + regexp.QuoteMeta(mountPath+"/") + `([A-Za-z0-9._-]+)$`)
+	for _, a := range args {
+		if m := re.FindStringSubmatch(a); m != nil {
+			writeFile(t, filepath.Join(local, m[1]), "curfew-manifest-test-not-a-secret-0123456789abcdef\n")
 		}
 	}
 }

@@ -19,7 +19,7 @@ import (
 // directory, or an overlay with the components after its "+" (manifest.Compose, in
 // namespace curfew), as a team adds the tool server examples of k8s/examples to its own.
 var trees = []string{"../base", "../overlays/dev", "../overlays/prod",
-	"../overlays/prod+../examples/mcp-http", "../overlays/dev+../examples/mcp-sidecar"}
+	"../overlays/prod+../examples/mcp-http", "../overlays/dev+../examples/mcp-sidecar", "../overlays/prod+../components/console"}
 
 // buildTree renders one of trees.
 func buildTree(tree string) ([]byte, error) {
