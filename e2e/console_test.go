@@ -338,6 +338,64 @@ func TestConsoleIsolationAndCSRF(t *testing.T) {
 	}
 }
 
+// An operator's console sees another tenant's run waiting for approval and approves it
+// on the replica that does not own it; a read-only operator may look but not cancel.
+func TestConsoleOperatorApproves(t *testing.T) {
+	r := newConsoleRig(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	keyA := r.scopedKey(t, "console-approve")
+	resp, err := tenantClientKey(t, r.a, keyA).StartRun(ctx, &orchestratorv1.StartRunRequest{Task: approvalPlan("console-approve"),
+		Timeout: durationpb.New(90 * time.Second)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	id := resp.GetRun().GetRunId()
+	page := r.consB + "/runs/console-approve/" + id
+
+	reader := signIn(t, r.consB, r.scopedKey(t, "ops", store.ScopeReadOnly))
+	if code, body := reader.get(page); code != http.StatusOK || strings.Contains(body, `value="approve"`) || strings.Contains(body, `id="cancel"`) {
+		t.Errorf("a read-only operator's run page: %d, or it offers Approve or Cancel", code)
+	}
+	if code, _ := reader.post(page+"/cancel", url.Values{"csrf": {reader.csrf}, "reason": {"read-only"}}); code != http.StatusForbidden {
+		t.Errorf("a read-only operator's cancel: %d, want 403", code)
+	}
+
+	op := signIn(t, r.consB, r.scopedKey(t, "ops", store.ScopeAdmin))
+	deadline := time.Now().Add(30 * time.Second)
+	for {
+		code, body := op.get(page)
+		if code == http.StatusOK && strings.Contains(body, `value="approve"`) && strings.Contains(body, approvalNode) {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("the operator's run page offers no approval after 30s (%d)", code)
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+	if code, _ := op.post(page+"/approval", url.Values{"csrf": {op.csrf}, "node": {approvalNode}, "decision": {"approve"}, "reason": {"looks fine"}}); code != http.StatusSeeOther {
+		t.Fatalf("approve: %d, want 303", code)
+	}
+	deadline = time.Now().Add(30 * time.Second)
+	for {
+		got, err := r.st.GetRun(ctx, "console-approve", id)
+		if err == nil && got.Status.Terminal() {
+			if got.Status != store.StatusSucceeded {
+				t.Fatalf("the approved run ended %s: %s", got.Status, got.Error)
+			}
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("the approved run is %s after 30s (%v)", got.Status, err)
+		}
+		time.Sleep(100 * time.Millisecond)
+	}
+	rows, err := r.st.ListOutbox(ctx, "console-approve", 0, 100)
+	if err != nil || len(rows) != 1 || rows[0].Channel != "console-approve" {
+		t.Errorf("the tenant's outbox after the approval: %d rows (%v), want the approved notification", len(rows), err)
+	}
+}
+
 // tenantClientKey is a client of orchestrator p (plaintext) with key.
 func tenantClientKey(t *testing.T, p *meshproc.Proc, key string) orchestratorv1.OrchestratorServiceClient {
 	t.Helper()
