@@ -396,6 +396,57 @@ func TestConsoleOperatorApproves(t *testing.T) {
 	}
 }
 
+// A tenant sees its dead letter in the console and replays it; pressing Replay twice
+// runs the step once.
+func TestConsoleReplaysADeadLetterOnce(t *testing.T) {
+	r := newConsoleRig(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 2*time.Minute)
+	defer cancel()
+	key := r.scopedKey(t, "console-dlq")
+	plan := `{"tokens_per_second": 500, "steps": [
+	  {"think_tokens": 2, "tools": [{"name": "fail", "args": {"code": "INVALID_ARGUMENT", "times": 5}}]},
+	  {"answer_tokens": 1}]}`
+	resp, err := tenantClientKey(t, r.a, key).StartRun(ctx, &orchestratorv1.StartRunRequest{Task: plan, IdempotencyKey: "console-dlq-1",
+		Timeout: durationpb.New(20 * time.Second)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	var d store.DeadLetter
+	for deadline := time.Now().Add(30 * time.Second); ; time.Sleep(100 * time.Millisecond) {
+		dls, _, err := r.st.ListDeadLetters(ctx, store.DeadLetterQuery{Tenant: "console-dlq", RunID: resp.GetRun().GetRunId()})
+		if err == nil && len(dls) == 1 {
+			d = dls[0]
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("no dead letter for the failing run after 30s (%v)", err)
+		}
+	}
+	b := signIn(t, r.consB, key)
+	if code, body := b.get(r.consB + "/dead-letters"); code != http.StatusOK || !strings.Contains(body, d.ID) || !strings.Contains(body, "/replay") {
+		t.Fatalf("GET /dead-letters: %d, without the tenant's dead letter %s and its Replay", code, d.ID)
+	}
+	var runs []string
+	for range 2 {
+		res, err := b.c.PostForm(r.consB+"/dead-letters/console-dlq/"+d.ID+"/replay", url.Values{"csrf": {b.csrf}})
+		if err != nil {
+			t.Fatal(err)
+		}
+		_ = res.Body.Close()
+		loc := res.Header.Get("Location")
+		if res.StatusCode != http.StatusSeeOther || !strings.HasPrefix(loc, "/runs/console-dlq/") {
+			t.Fatalf("replay: %d to %q, want the replay run's page", res.StatusCode, loc)
+		}
+		runs = append(runs, loc)
+	}
+	if runs[0] != runs[1] {
+		t.Errorf("two replays opened two runs: %v", runs)
+	}
+	if got, err := r.st.GetDeadLetter(ctx, "console-dlq", d.ID); err != nil || got.ReplayedAt.IsZero() {
+		t.Errorf("the dead letter after its replay: %+v (%v)", got, err)
+	}
+}
+
 // tenantClientKey is a client of orchestrator p (plaintext) with key.
 func tenantClientKey(t *testing.T, p *meshproc.Proc, key string) orchestratorv1.OrchestratorServiceClient {
 	t.Helper()
