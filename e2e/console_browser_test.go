@@ -221,6 +221,7 @@ func TestConsoleInBrowser(t *testing.T) {
 	}
 	t.Logf("node start to the page (browser clock), %d nodes: %v", len(lags), lags)
 	screenshot(ctx, t, r.consB+path, filepath.Join(shots, "console-run.png"))
+	accessible(ctx, t, "the run page")
 
 	// An operator: the one-time link of orchestrator-a signs the local operator in.
 	browse(ctx, t, 30*time.Second, "operator's health page",
@@ -236,11 +237,55 @@ func TestConsoleInBrowser(t *testing.T) {
 		}
 	}
 	screenshot(ctx, t, r.consB+"/health", filepath.Join(shots, "console-health.png"))
+	accessible(ctx, t, "the health page")
 	// The operator sees every tenant's runs, this one among them.
 	browse(ctx, t, 30*time.Second, "operator's run list", chromedp.Navigate(r.consB+"/runs"), chromedp.WaitVisible(chromedp.ID("runrows")))
 	list := value(ctx, t, 10*time.Second, "read the list", chromedp.Text(chromedp.ID("runrows")))
+	accessible(ctx, t, "the run list")
 	if !strings.Contains(list, runID) || !strings.Contains(list, "console-browser") {
 		t.Errorf("the operator's list lacks the tenant's run %s", runID)
+	}
+}
+
+// axeViolation is one rule axe-core found broken on a page.
+type axeViolation struct {
+	ID     string `json:"id"`
+	Impact string `json:"impact"`
+	Help   string `json:"help"`
+	Nodes  int    `json:"nodes"`
+}
+
+// accessible runs axe-core (scripts/axe, pinned) in the page the browser shows and fails
+// t for every serious or critical violation of WCAG 2.1 A and AA.
+func accessible(ctx context.Context, t *testing.T, page string) {
+	t.Helper()
+	repo, err := meshproc.Repo()
+	if err != nil {
+		t.Fatal(err)
+	}
+	src, err := os.ReadFile(filepath.Join(repo, ".tools", "axe", "node_modules", "axe-core", "axe.min.js"))
+	if err != nil {
+		meshproc.Missing(t, "axe-core not installed (scripts/node.sh axe): %v", err)
+		return
+	}
+	value(ctx, t, 10*time.Second, "load axe-core", chromedp.Evaluate[bool](string(src)+";true"))
+	const audit = `axe.run(document, {runOnly: {type: "tag", values: ["wcag2a", "wcag2aa", "wcag21a", "wcag21aa"]}})
+	  .then(r => ({passes: r.passes.length, violations: r.violations.map(v => ({id: v.id, impact: v.impact || "", help: v.help, nodes: v.nodes.length}))}))`
+	type report struct {
+		Passes     int            `json:"passes"`
+		Violations []axeViolation `json:"violations"`
+	}
+	got := value(ctx, t, 30*time.Second, "axe on "+page, chromedp.Evaluate[report](audit, chromedp.EvalAwaitPromise))
+	if got.Passes == 0 {
+		t.Errorf("%s: axe-core checked no rule", page)
+	}
+	t.Logf("%s: axe-core, %d rules pass, %d violated", page, got.Passes, len(got.Violations))
+	for _, v := range got.Violations {
+		if v.Impact == "serious" || v.Impact == "critical" {
+			t.Errorf("%s: accessibility, %s (%s): %s, %d elements", page, v.ID, v.Impact, v.Help, v.Nodes)
+		} else {
+			t.Logf("%s: accessibility, %s (%s): %s, %d elements", page, v.ID, v.Impact, v.Help, v.Nodes)
+		}
 	}
 }
 

@@ -8,6 +8,8 @@
 #   examples/node-tool  the Node tool server's dependencies, then its build into dist/
 #   examples/openai-node  the official openai SDK, which e2e/openai_node_test.go drives
 #                       curfew's OpenAI-compatible API with (no build)
+#   .tools/axe          axe-core (scripts/axe/package.json), the accessibility checker
+#                       the web console's browser test runs in its pages
 #   .tools/mcp-everything  the MCP reference server @modelcontextprotocol/server-everything
 #                       (scripts/mcp-everything/package.json), which the toolrunner's MCP
 #                       source is tested against
@@ -18,6 +20,7 @@
 #   scripts/node.sh node-tool  the tool server only
 #   scripts/node.sh mcp        the MCP reference server only
 #   scripts/node.sh openai     the openai SDK client only
+#   scripts/node.sh axe        axe-core only
 #
 # Needs Node.js >= 20 with npm. Without node it installs Debian's nodejs and npm when it
 # runs as root under CI=true; otherwise it fails and says so.
@@ -75,6 +78,9 @@ if [[ "$what" == all || "$what" == node-tool ]]; then
 fi
 if [[ "$what" == all || "$what" == openai ]]; then
   ci examples/openai-node examples/openai-node
+fi
+if [[ "$what" == all || "$what" == axe ]]; then
+  ci .tools/axe scripts/axe
 fi
 if [[ "$what" == all || "$what" == mcp ]]; then
   ci .tools/mcp-everything scripts/mcp-everything

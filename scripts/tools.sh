@@ -38,6 +38,9 @@ bash scripts/node.sh mcp
 # The official openai SDK the OpenAI-compatible API is tested with, pinned by
 # examples/openai-node/package-lock.json.
 bash scripts/node.sh openai
+# axe-core, which the web console's browser test runs in its pages, pinned by
+# scripts/axe/package-lock.json.
+bash scripts/node.sh axe
 if [[ "${CURFEW_SKIP_LINT_INSTALL:-}" != 1 ]]; then
   install golangci-lint github.com/golangci/golangci-lint/v2/cmd/golangci-lint "$GOLANGCI_LINT_VERSION"
 fi
