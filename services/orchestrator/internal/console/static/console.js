@@ -2,18 +2,6 @@
 // countdown, and the run list's refresh. Everything else works without it.
 "use strict";
 
-// curfewSeen records when this page first showed each node in each status
-// ("root/m0 running" -> Date.now()), so that a test can measure how late a node event
-// reaches the page.
-window.curfewSeen = {};
-
-function noteNodes(root) {
-  root.querySelectorAll("tr.node").forEach(function (tr) {
-    var k = tr.dataset.node + " " + tr.dataset.status;
-    if (!(k in window.curfewSeen)) window.curfewSeen[k] = Date.now();
-  });
-}
-
 // followRun keeps #live current from the run's event stream. An update waits while the
 // keyboard focus is inside the live part (a reason being typed is not wiped out).
 function followRun(live) {
@@ -26,13 +14,11 @@ function followRun(live) {
     }
     pending = null;
     live.innerHTML = html;
-    noteNodes(live);
     countdown();
   }
   live.addEventListener("focusout", function () {
     setTimeout(function () { if (pending !== null) apply(pending); }, 0);
   });
-  noteNodes(live);
   var es = new EventSource(live.dataset.events);
   es.addEventListener("view", function (e) { apply(e.data); });
   es.addEventListener("end", function () { es.close(); live.dataset.ended = "1"; });
