@@ -14,7 +14,7 @@ import (
 	"sync"
 	"time"
 
-	"google.golang.org/grpc/codes"
+	"github.com/grpc-ecosystem/grpc-gateway/v2/runtime"
 	"google.golang.org/grpc/metadata"
 	"google.golang.org/grpc/status"
 
@@ -254,28 +254,10 @@ func as(ctx context.Context, u *user, tenant string) context.Context {
 	return metadata.NewOutgoingContext(ctx, metadata.Pairs(kv...))
 }
 
-// httpStatus maps a call's error to the HTTP status the console answers with.
-func httpStatus(err error) int {
-	switch status.Code(err) {
-	case codes.InvalidArgument, codes.OutOfRange:
-		return http.StatusBadRequest
-	case codes.NotFound:
-		return http.StatusNotFound
-	case codes.Unauthenticated:
-		return http.StatusUnauthorized
-	case codes.PermissionDenied:
-		return http.StatusForbidden
-	case codes.FailedPrecondition, codes.AlreadyExists, codes.Aborted:
-		return http.StatusConflict
-	case codes.ResourceExhausted:
-		return http.StatusTooManyRequests
-	case codes.Unavailable:
-		return http.StatusServiceUnavailable
-	case codes.DeadlineExceeded:
-		return http.StatusGatewayTimeout
-	}
-	return http.StatusInternalServerError
-}
+// httpStatus maps a call's error to the HTTP status the console answers with: the
+// canonical mapping of google.rpc codes (grpc-gateway's, which HTTP front ends of gRPC
+// services share).
+func httpStatus(err error) int { return runtime.HTTPStatusFromCode(status.Code(err)) }
 
 // fail answers a failed call: its status's message for the user's own errors, a generic
 // one (the detail logged) for the server's.
