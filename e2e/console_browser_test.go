@@ -12,6 +12,7 @@ import (
 	"time"
 
 	"github.com/chromedp/chromedp"
+	"google.golang.org/protobuf/types/known/durationpb"
 
 	orchestratorv1 "github.com/curfew-mesh/curfew/gen/curfew/orchestrator/v1"
 	"github.com/curfew-mesh/curfew/internal/meshproc"
@@ -136,8 +137,20 @@ func TestConsoleInBrowser(t *testing.T) {
 	}
 	runID := path[strings.LastIndexByte(path, '/')+1:]
 
-	// Open it on B: the nodes appear while the run runs.
+	// Open it on B: the nodes appear while the run runs. The test's own observer notes
+	// when the page first shows each node in each status (the browser's clock), to
+	// measure how late node events reach it.
 	browse(ctx, t, 30*time.Second, "open the run on B", chromedp.Navigate(r.consB+path), chromedp.WaitVisible(chromedp.ID("live")))
+	value(ctx, t, 10*time.Second, "observe the nodes", chromedp.Evaluate[bool](`(() => {
+	  window.seen = {};
+	  const note = () => document.querySelectorAll("tr.node").forEach(tr => {
+	    const k = tr.dataset.node + " " + tr.dataset.status;
+	    if (!(k in window.seen)) window.seen[k] = Date.now();
+	  });
+	  note();
+	  new MutationObserver(note).observe(document.getElementById("live"), {childList: true, subtree: true});
+	  return true;
+	})()`))
 	var nodes []pageNode
 	deadline := time.Now().Add(30 * time.Second)
 	for {
@@ -157,13 +170,17 @@ func TestConsoleInBrowser(t *testing.T) {
 		}
 		time.Sleep(100 * time.Millisecond)
 	}
+	// The countdown to the deadline runs while the run does.
+	if cd := value(ctx, t, 10*time.Second, "read the countdown", chromedp.Text(chromedp.ID("countdown"))); !strings.HasPrefix(cd, "deadline in ") {
+		t.Errorf("countdown %q, want \"deadline in …\"", cd)
+	}
 	runningAtCancel := map[string]bool{}
 	for _, n := range nodes {
 		runningAtCancel[n.ID] = n.Status == "running"
 	}
 
 	// When the page first showed each node running (read before the cancel reloads it).
-	seen := value(ctx, t, 10*time.Second, "read the arrival times", chromedp.Evaluate[map[string]float64](`window.curfewSeen`))
+	seen := value(ctx, t, 10*time.Second, "read the arrival times", chromedp.Evaluate[map[string]float64](`window.seen`))
 
 	// Cancel, with a reason, on B.
 	browse(ctx, t, 60*time.Second, "cancel on B",
@@ -242,6 +259,20 @@ func TestConsoleInBrowser(t *testing.T) {
 	browse(ctx, t, 30*time.Second, "operator's run list", chromedp.Navigate(r.consB+"/runs"), chromedp.WaitVisible(chromedp.ID("runrows")))
 	list := value(ctx, t, 10*time.Second, "read the list", chromedp.Text(chromedp.ID("runrows")))
 	accessible(ctx, t, "the run list")
+	// The list refreshes itself (every 5 s): a run started now appears without a reload.
+	later, err := tenantClientKey(t, r.a, keyA).StartRun(t.Context(), &orchestratorv1.StartRunRequest{
+		Task: `{"steps": [{"answer_tokens": 1}]}`, Timeout: durationpb.New(30 * time.Second)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for deadline := time.Now().Add(20 * time.Second); ; time.Sleep(200 * time.Millisecond) {
+		if strings.Contains(value(ctx, t, 10*time.Second, "read the list", chromedp.Text(chromedp.ID("runrows"))), later.GetRun().GetRunId()) {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("run %s started after the list was opened is not on it after 20s", later.GetRun().GetRunId())
+		}
+	}
 	if !strings.Contains(list, runID) || !strings.Contains(list, "console-browser") {
 		t.Errorf("the operator's list lacks the tenant's run %s", runID)
 	}

@@ -216,3 +216,61 @@ func TestApplyEventFollowsTextOffsets(t *testing.T) {
 		t.Errorf("nodes %v, want one, updated", run.Nodes)
 	}
 }
+
+// A session ends when it expires and when its key is revoked; pages are never cached.
+func TestSessionsEndOnExpiryAndRevocation(t *testing.T) {
+	h, st := newHandler(t)
+	srv := httptest.NewServer(h)
+	defer srv.Close()
+	k, err := apikey.New("acme")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, _, err := st.CreateAPIKey(t.Context(), k.Record, false); err != nil {
+		t.Fatal(err)
+	}
+	get := func(s session) *http.Response {
+		t.Helper()
+		v, err := h.seal.seal(s)
+		if err != nil {
+			t.Fatal(err)
+		}
+		req, _ := http.NewRequestWithContext(t.Context(), http.MethodGet, srv.URL+"/runs", nil)
+		req.AddCookie(&http.Cookie{Name: sessionCookie, Value: v})
+		c := srv.Client()
+		c.CheckRedirect = func(*http.Request, []*http.Request) error { return http.ErrUseLastResponse }
+		resp, err := c.Do(req)
+		if err != nil {
+			t.Fatal(err)
+		}
+		_ = resp.Body.Close()
+		return resp
+	}
+	live := session{ID: "s1", Key: k.Secret, Exp: time.Now().Add(time.Hour)}
+	if resp := get(live); resp.StatusCode != http.StatusOK || resp.Header.Get("Cache-Control") != "no-store" {
+		t.Fatalf("a live session: %d, Cache-Control %q; want 200, no-store", resp.StatusCode, resp.Header.Get("Cache-Control"))
+	}
+	if resp := get(session{ID: "s2", Key: k.Secret, Exp: time.Now().Add(-time.Second)}); resp.StatusCode != http.StatusSeeOther {
+		t.Errorf("an expired session: %d, want a redirect to sign in", resp.StatusCode)
+	}
+	if _, err := st.RevokeAPIKey(t.Context(), k.Record.ID); err != nil {
+		t.Fatal(err)
+	}
+	if resp := get(live); resp.StatusCode != http.StatusSeeOther {
+		t.Errorf("a session whose key was revoked: %d, want a redirect to sign in", resp.StatusCode)
+	}
+}
+
+// Over TLS (its own, or an ingress's) the cookies are Secure and the browser is told to
+// stay on HTTPS.
+func TestSecureConsoleMarksCookiesSecure(t *testing.T) {
+	h, _ := newHandler(t)
+	h.cfg.Secure = true
+	w := httptest.NewRecorder()
+	h.ServeHTTP(w, httptest.NewRequest(http.MethodGet, "/signin", nil))
+	res := w.Result()
+	_ = res.Body.Close()
+	if len(res.Cookies()) == 0 || !res.Cookies()[0].Secure || res.Header.Get("Strict-Transport-Security") == "" {
+		t.Errorf("over TLS: cookies %+v, HSTS %q", res.Cookies(), res.Header.Get("Strict-Transport-Security"))
+	}
+}
