@@ -8,9 +8,7 @@ import (
 	"testing"
 	"time"
 
-	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
-	"google.golang.org/grpc/credentials/insecure"
 	"google.golang.org/grpc/status"
 	"google.golang.org/protobuf/proto"
 	"google.golang.org/protobuf/types/known/durationpb"
@@ -228,10 +226,5 @@ func tenantClient(ctx context.Context, t *testing.T, r *crashRig, p *meshproc.Pr
 	if _, _, err := r.st.CreateAPIKey(ctx, k.Record, false); err != nil {
 		t.Fatal(err)
 	}
-	conn, err := grpc.NewClient(p.Addr, grpc.WithTransportCredentials(insecure.NewCredentials()), grpc.WithPerRPCCredentials(apikey.Bearer(k.Secret)))
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { _ = conn.Close() })
-	return orchestratorv1.NewOrchestratorServiceClient(conn)
+	return tenantClientKey(t, p, k.Secret)
 }
