@@ -1,7 +1,6 @@
 package apiserver
 
 import (
-	"bytes"
 	"context"
 	"crypto/rand"
 	"crypto/rsa"
@@ -11,19 +10,16 @@ import (
 	"encoding/pem"
 	"errors"
 	"fmt"
-	"io"
-	"net"
 	"net/http"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"strconv"
-	"strings"
 	"sync"
-	"syscall"
 	"time"
 
 	"k8s.io/client-go/rest"
+
+	"github.com/curfew-mesh/curfew/k8s/internal/proc"
 )
 
 // The environment variables that name the binaries when Options leaves them empty.
@@ -47,6 +43,11 @@ type Options struct {
 	// ReadyTimeout bounds the wait for each process to become ready (etcd's /health, then
 	// the API server's /readyz); zero means 2 minutes, room for a loaded 2-core machine.
 	ReadyTimeout time.Duration
+	// ExtraArgs are added to kube-apiserver's flags (a later flag wins over an earlier one).
+	ExtraArgs []string
+	// Dir, when set, is where the certificates, credentials, etcd's data and the logs go,
+	// and is not removed by Stop; empty means a new temporary directory that Stop removes.
+	Dir string
 }
 
 // Server is a running etcd and kube-apiserver pair. Stop it when done.
@@ -60,8 +61,9 @@ type Server struct {
 	EtcdURL string
 
 	dir       string
-	etcd      *process
-	apiserver *process
+	keepDir   bool
+	etcd      *proc.Process
+	apiserver *proc.Process
 	stopOnce  sync.Once
 	stopErr   error
 }
@@ -85,11 +87,16 @@ func Start(ctx context.Context, opts Options) (*Server, error) {
 	if opts.ReadyTimeout <= 0 {
 		opts.ReadyTimeout = 2 * time.Minute
 	}
-	dir, err := os.MkdirTemp("", "curfew-apiserver-")
-	if err != nil {
+	dir, keep := opts.Dir, opts.Dir != ""
+	if !keep {
+		var err error
+		if dir, err = os.MkdirTemp("", "curfew-apiserver-"); err != nil {
+			return nil, fmt.Errorf("apiserver: %w", err)
+		}
+	} else if err := os.MkdirAll(dir, 0o700); err != nil {
 		return nil, fmt.Errorf("apiserver: %w", err)
 	}
-	s := &Server{dir: dir}
+	s := &Server{dir: dir, keepDir: keep}
 	if err := s.start(ctx, opts); err != nil {
 		if stopErr := s.Stop(); stopErr != nil {
 			err = errors.Join(err, stopErr)
@@ -100,20 +107,23 @@ func Start(ctx context.Context, opts Options) (*Server, error) {
 }
 
 // Stop ends the API server, then etcd (SIGTERM, then SIGKILL after a grace period), and
-// removes the temporary directory. It may be called more than once.
+// removes the temporary directory (not a directory of Options.Dir). It may be called more
+// than once.
 func (s *Server) Stop() error {
 	s.stopOnce.Do(func() {
 		// The API server first, so that it does not log its lost store.
-		s.apiserver.stop()
-		s.etcd.stop()
-		s.stopErr = os.RemoveAll(s.dir)
+		s.apiserver.Stop()
+		s.etcd.Stop()
+		if !s.keepDir {
+			s.stopErr = os.RemoveAll(s.dir)
+		}
 	})
 	return s.stopErr
 }
 
 // Logs returns the last lines that etcd and the API server wrote, for failure messages.
 func (s *Server) Logs() string {
-	return "etcd:\n" + s.etcd.tail() + "\nkube-apiserver:\n" + s.apiserver.tail()
+	return "etcd:\n" + s.etcd.Tail() + "\nkube-apiserver:\n" + s.apiserver.Tail()
 }
 
 func (s *Server) start(ctx context.Context, opts Options) error {
@@ -131,7 +141,7 @@ func (s *Server) startEtcd(ctx context.Context, opts Options) error {
 	data := filepath.Join(s.dir, "etcd")
 	var lastErr error
 	for attempt := range attempts {
-		ports, err := freePorts(ctx, 2)
+		ports, err := proc.FreePorts(ctx, 2)
 		if err != nil {
 			return err
 		}
@@ -140,7 +150,7 @@ func (s *Server) startEtcd(ctx context.Context, opts Options) error {
 		if err := os.RemoveAll(data); err != nil {
 			return fmt.Errorf("apiserver: %w", err)
 		}
-		p, err := startProcess(ctx, opts.Etcd, filepath.Join(s.dir, fmt.Sprintf("etcd-%d.log", attempt)),
+		p, err := proc.Start(ctx, opts.Etcd, filepath.Join(s.dir, fmt.Sprintf("etcd-%d.log", attempt)),
 			"--name=curfew-test",
 			"--data-dir="+data,
 			"--listen-client-urls="+client,
@@ -159,14 +169,14 @@ func (s *Server) startEtcd(ctx context.Context, opts Options) error {
 		s.etcd = p
 		s.EtcdURL = client
 		httpClient := &http.Client{Timeout: 5 * time.Second}
-		lastErr = p.waitReady(ctx, opts.ReadyTimeout, func(ctx context.Context) error {
-			return getOK(ctx, httpClient, client+"/health", "")
+		lastErr = p.WaitReady(ctx, opts.ReadyTimeout, func(ctx context.Context) error {
+			return proc.GetOK(ctx, httpClient, client+"/health", "")
 		})
 		if lastErr == nil {
 			return nil
 		}
-		p.stop()
-		if !p.lostPort() {
+		p.Stop()
+		if !p.LostPort() {
 			break
 		}
 	}
@@ -181,7 +191,7 @@ func (s *Server) startAPIServer(ctx context.Context, opts Options) error {
 	certDir := filepath.Join(s.dir, "certs")
 	var lastErr error
 	for attempt := range attempts {
-		ports, err := freePorts(ctx, 1)
+		ports, err := proc.FreePorts(ctx, 1)
 		if err != nil {
 			return err
 		}
@@ -189,16 +199,16 @@ func (s *Server) startAPIServer(ctx context.Context, opts Options) error {
 		if err := os.RemoveAll(certDir); err != nil {
 			return fmt.Errorf("apiserver: %w", err)
 		}
-		p, err := startProcess(ctx, opts.APIServer, filepath.Join(s.dir, fmt.Sprintf("kube-apiserver-%d.log", attempt)),
-			"--etcd-servers="+s.EtcdURL,
+		args := []string{
+			"--etcd-servers=" + s.EtcdURL,
 			"--bind-address=127.0.0.1",
 			"--advertise-address=127.0.0.1",
-			"--secure-port="+strconv.Itoa(ports[0]),
-			"--cert-dir="+certDir,
-			"--token-auth-file="+filepath.Join(s.dir, "tokens.csv"),
-			"--authorization-mode=RBAC",
-			"--service-account-key-file="+filepath.Join(s.dir, "sa.pub"),
-			"--service-account-signing-key-file="+filepath.Join(s.dir, "sa.key"),
+			"--secure-port=" + strconv.Itoa(ports[0]),
+			"--cert-dir=" + certDir,
+			"--token-auth-file=" + filepath.Join(s.dir, "tokens.csv"),
+			"--authorization-mode=Node,RBAC",
+			"--service-account-key-file=" + filepath.Join(s.dir, "sa.pub"),
+			"--service-account-signing-key-file=" + filepath.Join(s.dir, "sa.key"),
 			"--service-account-issuer=https://kubernetes.default.svc.cluster.local",
 			"--api-audiences=https://kubernetes.default.svc.cluster.local",
 			// Alone on loopback: no other API server to reconcile the kubernetes
@@ -207,7 +217,9 @@ func (s *Server) startAPIServer(ctx context.Context, opts Options) error {
 			"--service-cluster-ip-range=10.96.0.0/16",
 			"--allow-privileged=true",
 			"--profiling=false",
-		)
+		}
+		p, err := proc.Start(ctx, opts.APIServer, filepath.Join(s.dir, fmt.Sprintf("kube-apiserver-%d.log", attempt)),
+			append(args, opts.ExtraArgs...)...)
 		if err != nil {
 			return err
 		}
@@ -219,15 +231,15 @@ func (s *Server) startAPIServer(ctx context.Context, opts Options) error {
 			Timeout:   10 * time.Second,
 			Transport: &http.Transport{TLSClientConfig: &tls.Config{InsecureSkipVerify: true}}, //nolint:gosec // loopback readiness probe, see above
 		}
-		lastErr = p.waitReady(ctx, opts.ReadyTimeout, func(ctx context.Context) error {
-			return getOK(ctx, insecure, url+"/readyz", token)
+		lastErr = p.WaitReady(ctx, opts.ReadyTimeout, func(ctx context.Context) error {
+			return proc.GetOK(ctx, insecure, url+"/readyz", token)
 		})
 		insecure.CloseIdleConnections()
 		if lastErr == nil {
 			break
 		}
-		p.stop()
-		if !p.lostPort() {
+		p.Stop()
+		if !p.LostPort() {
 			return fmt.Errorf("apiserver: kube-apiserver: %w", lastErr)
 		}
 	}
@@ -283,145 +295,4 @@ func (s *Server) writeCredentials() (string, error) {
 		}
 	}
 	return token, nil
-}
-
-// freePorts returns n distinct loopback ports that were free a moment ago.
-func freePorts(ctx context.Context, n int) ([]int, error) {
-	var lc net.ListenConfig
-	ports := make([]int, 0, n)
-	for range n {
-		l, err := lc.Listen(ctx, "tcp", "127.0.0.1:0")
-		if err != nil {
-			return nil, fmt.Errorf("apiserver: a free port: %w", err)
-		}
-		defer l.Close()
-		ports = append(ports, l.Addr().(*net.TCPAddr).Port)
-	}
-	return ports, nil
-}
-
-// getOK GETs url and wants 200.
-func getOK(ctx context.Context, c *http.Client, url, token string) error {
-	req, err := http.NewRequestWithContext(ctx, http.MethodGet, url, http.NoBody)
-	if err != nil {
-		return err
-	}
-	if token != "" {
-		req.Header.Set("Authorization", "Bearer "+token)
-	}
-	resp, err := c.Do(req)
-	if err != nil {
-		return err
-	}
-	defer resp.Body.Close()
-	body, _ := io.ReadAll(io.LimitReader(resp.Body, 4096))
-	if resp.StatusCode != http.StatusOK {
-		return fmt.Errorf("GET %s: %s: %s", url, resp.Status, strings.TrimSpace(string(body)))
-	}
-	return nil
-}
-
-// process is one child process with its output in a log file.
-type process struct {
-	name   string
-	cmd    *exec.Cmd
-	log    *os.File
-	cancel context.CancelFunc
-	done   chan struct{} // closed when the process has exited, with err
-	err    error
-}
-
-// gracePeriod is how long a process has to exit after SIGTERM before it is killed.
-const gracePeriod = 20 * time.Second
-
-func startProcess(ctx context.Context, bin, logPath string, args ...string) (*process, error) {
-	log, err := os.Create(logPath)
-	if err != nil {
-		return nil, fmt.Errorf("apiserver: %w", err)
-	}
-	// The process outlives ctx, which bounds the start only; Stop cancels pctx.
-	pctx, cancel := context.WithCancel(context.WithoutCancel(ctx))
-	cmd := exec.CommandContext(pctx, bin, args...)
-	cmd.Stdout = log
-	cmd.Stderr = log
-	cmd.SysProcAttr = sysProcAttr()
-	cmd.Cancel = func() error { return cmd.Process.Signal(syscall.SIGTERM) }
-	cmd.WaitDelay = gracePeriod
-	p := &process{name: filepath.Base(bin), cmd: cmd, log: log, cancel: cancel, done: make(chan struct{})}
-	if err := cmd.Start(); err != nil {
-		cancel()
-		log.Close()
-		return nil, fmt.Errorf("apiserver: start %s: %w", bin, err)
-	}
-	go func() {
-		p.err = cmd.Wait()
-		close(p.done)
-	}()
-	return p, nil
-}
-
-// waitReady polls ready every 250ms until it succeeds, the process exits, ctx ends or
-// timeout passes; the errors name the last failure and end with the process's log.
-func (p *process) waitReady(ctx context.Context, timeout time.Duration, ready func(context.Context) error) error {
-	ctx, cancel := context.WithTimeout(ctx, timeout)
-	defer cancel()
-	tick := time.NewTicker(250 * time.Millisecond)
-	defer tick.Stop()
-	var last error
-	for {
-		if last = ready(ctx); last == nil {
-			return nil
-		}
-		select {
-		case <-p.done:
-			exit := p.err
-			if exit == nil {
-				exit = errors.New("exit status 0")
-			}
-			return fmt.Errorf("%s exited before it was ready (%w); its log:\n%s", p.name, exit, p.tail())
-		case <-ctx.Done():
-			return fmt.Errorf("%s not ready after %s (last: %w); its log:\n%s", p.name, timeout, last, p.tail())
-		case <-tick.C:
-		}
-	}
-}
-
-// stop ends the process (SIGTERM, then SIGKILL after gracePeriod) and waits for it.
-func (p *process) stop() {
-	if p == nil {
-		return
-	}
-	p.cancel()
-	<-p.done
-	p.log.Close()
-}
-
-// lostPort tells whether the process exited because its port had been taken meanwhile.
-func (p *process) lostPort() bool {
-	select {
-	case <-p.done:
-	default:
-		return false
-	}
-	data, err := os.ReadFile(p.log.Name())
-	return err == nil && bytes.Contains(data, []byte("address already in use"))
-}
-
-// tailLines is how much of a log the errors and Logs quote.
-const tailLines = 40
-
-// tail returns the last tailLines lines of the process's log.
-func (p *process) tail() string {
-	if p == nil {
-		return "(not started)"
-	}
-	data, err := os.ReadFile(p.log.Name())
-	if err != nil {
-		return fmt.Sprintf("(no log: %v)", err)
-	}
-	lines := strings.Split(strings.TrimRight(string(data), "\n"), "\n")
-	if len(lines) > tailLines {
-		lines = lines[len(lines)-tailLines:]
-	}
-	return strings.Join(lines, "\n")
 }

@@ -3,7 +3,7 @@
 // that admits, defaults and validates the objects as a cluster would.
 //
 // Start launches Debian's etcd (scripts/etcd.sh) with a temporary data directory and the
-// kube-apiserver built from the pinned wrapper module k8s/tools/kube-apiserver
+// kube-apiserver built from the pinned wrapper module k8s/tools/kubernetes
 // (scripts/kube-apiserver.sh) on free 127.0.0.1 ports, with a generated service-account
 // key and a token file whose one token belongs to system:masters, waits for /readyz and
 // hands back a *rest.Config for that token. Stop ends both processes and removes every
