@@ -4,7 +4,7 @@
 # server-side dry-run and strict field validation (over Debian's etcd, see scripts/etcd.sh).
 #
 # It is built from the Go module proxy through the pinned wrapper module
-# k8s/tools/kube-apiserver (k8s.io/kubernetes plus a replace to the matching v0.x release
+# k8s/tools/kubernetes (k8s.io/kubernetes plus a replace to the matching v0.x release
 # for each of its staging modules), outside any workspace (about 7.5 minutes on 2 cores).
 # The wrapper's go.mod, go.sum and tools.go are copied into a cache outside the repository
 # and the binary is reused while it is there and reports the pinned version.
@@ -14,7 +14,7 @@
 # Environment:
 #   CURFEW_CACHE_DIR   cache root (default $HOME/.cache/curfew)
 #
-# The version is the one pinned in k8s/tools/kube-apiserver/go.mod (k8s.io/kubernetes);
+# The version is the one pinned in k8s/tools/kubernetes/go.mod (k8s.io/kubernetes);
 # it is stamped into the binary with -ldflags as Kubernetes' own build does, since a plain
 # `go build` would report v0.0.0-master.
 #
@@ -22,7 +22,7 @@
 set -euo pipefail
 
 root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
-module="$root/k8s/tools/kube-apiserver"
+module="$root/k8s/tools/kubernetes"
 version="$(awk '$1 == "require" && $2 == "k8s.io/kubernetes" { print $3 }' "$module/go.mod")"
 if [[ ! "$version" =~ ^v1\.([0-9]+)\.[0-9]+$ ]]; then
   echo "kube-apiserver: no pinned k8s.io/kubernetes version in $module/go.mod" >&2
