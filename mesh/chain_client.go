@@ -1,7 +1,10 @@
 package mesh
 
 import (
+	"time"
+
 	"google.golang.org/grpc"
+	"google.golang.org/grpc/resolver/dns"
 
 	"github.com/curfew-mesh/curfew/mesh/breaker"
 	"github.com/curfew-mesh/curfew/mesh/retry"
@@ -79,6 +82,18 @@ func DialOptions(cfg ClientConfig) []grpc.DialOption {
 	}
 	return []grpc.DialOption{grpc.WithChainUnaryInterceptor(us...), grpc.WithChainStreamInterceptor(ss...),
 		grpc.WithDefaultServiceConfig(LoadBalancingConfig)}
+}
+
+// DNSReresolveInterval is the least time between two DNS resolutions of one dns:///
+// target, for every connection of the process (grpc-go's default is 30 s). A connection
+// re-resolves its target when an address fails; with 30 s, a client whose last answer held
+// only pods that a rolling update has since replaced would fail its calls for up to 30 s
+// while the new pods are ready. One second matches mesh/replicas' own rate.
+const DNSReresolveInterval = time.Second
+
+func init() {
+	// Process-wide, and only allowed at init time.
+	dns.SetMinResolutionInterval(DNSReresolveInterval)
 }
 
 // LoadBalancingConfig is the default service config of DialOptions' connections: calls
