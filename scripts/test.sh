@@ -97,7 +97,7 @@ echo "   $CURFEW_OTELCOL"
 echo "== etcd and kube-apiserver (the Kubernetes manifests' server-side dry-run; cached outside the repo)"
 # scripts/etcd.sh installs Debian's etcd-server (no service is left running: the test starts
 # its own etcd on free loopback ports); scripts/kube-apiserver.sh builds kube-apiserver from
-# the pinned k8s/tools/kube-apiserver once (7.5 to 30 minutes) and then reuses it. The test in
+# the pinned k8s/tools/kubernetes once (7.5 to 30 minutes) and then reuses it. The test in
 # k8s/apiserver reads both (it skips without them, and fails under CI=true).
 if [[ -z "${CURFEW_ETCD:-}" ]]; then
   CURFEW_ETCD="$(bash scripts/etcd.sh)"
@@ -136,9 +136,29 @@ echo "== tests (race detector on)"
 go test -race -count=1 -p 1 -timeout 20m work
 
 echo "== k8s module (manifests, images, and their server-side dry-run on a real kube-apiserver; not in go.work)"
-(cd k8s && GOWORK=off go test -race -count=1 -timeout 20m ./...)
+# The one-node cluster test has its own step, last and alone (below).
+(cd k8s && GOWORK=off go test -race -count=1 -timeout 20m -skip '^TestManifestsAsPods$' ./...)
 
 echo "== fuzz (every Go fuzz target for ${FUZZTIME:-10s}; corpora in testdata/fuzz)"
 # The parsers of what callers and operators send: metadata headers, plans and tool
 # arguments, and the admission, retry and providers files (issue 9, hardened input).
 bash scripts/fuzz.sh
+
+echo "== one-node cluster: the dev overlay as real pods (k8s/cluster; alone, after everything else)"
+# Debian's containerd, runc, CNI plugins and iptables (scripts/node-packages.sh), kubelet,
+# kube-controller-manager, kube-scheduler, kube-proxy and kubectl built from the pinned
+# k8s/tools/kubernetes (scripts/kube-node.sh, about 15 minutes once, then cached) and CoreDNS
+# (scripts/coredns.sh). The test reads CURFEW_KUBE_NODE and CURFEW_COREDNS besides etcd's and
+# kube-apiserver's (it skips without them, and fails under CI=true); it needs root, and
+# tears down every process, mount, network namespace and rule it made. See docs/kubernetes.md.
+bash scripts/node-packages.sh
+if [[ -z "${CURFEW_KUBE_NODE:-}" ]]; then
+  CURFEW_KUBE_NODE="$(bash scripts/kube-node.sh)"
+fi
+if [[ -z "${CURFEW_COREDNS:-}" ]]; then
+  CURFEW_COREDNS="$(bash scripts/coredns.sh)"
+fi
+export CURFEW_KUBE_NODE CURFEW_COREDNS
+echo "   $CURFEW_KUBE_NODE"
+echo "   $CURFEW_COREDNS"
+(cd k8s && GOWORK=off go test -count=1 -timeout 30m -run '^TestManifestsAsPods$' -v ./cluster/)
