@@ -289,4 +289,7 @@ func TestManifestsAsPods(t *testing.T) {
 	t.Run("a rolling update of all four Deployments under load loses no run", func(t *testing.T) {
 		testRollingUpdate(ctx, t, c, tlsDir)
 	})
+	t.Run("a pod of each service deleted with --force mid-run", func(t *testing.T) {
+		testForcedDeletion(ctx, t, c, tlsDir)
+	})
 }

@@ -272,19 +272,25 @@ func kvVersions(ctx context.Context, t *testing.T, c *cluster.Cluster, prefix st
 	return versions
 }
 
-// testRollingUpdate rolls all four Deployments to a new image tag under 50 runs in flight.
-func testRollingUpdate(ctx context.Context, t *testing.T, c *cluster.Cluster, tlsDir string) {
-	// Through the curfew-api Service's ClusterIP, which kube-proxy's rules make reachable
-	// from the node: a port-forward would pin one pod, and that pod goes away here. One
-	// connection per client, so that kube-proxy spreads them over the orchestrators.
+// dialClusterIP makes n clients of the curfew-api Service's ClusterIP, which kube-proxy's
+// rules make reachable from the node: a port-forward would pin one pod, which may go away.
+// One connection per client, so that kube-proxy spreads them over the orchestrators.
+func dialClusterIP(ctx context.Context, t *testing.T, c *cluster.Cluster, tlsDir string, n int) []orchestratorv1.OrchestratorServiceClient {
+	t.Helper()
 	ip, err := c.Kubectl(ctx, "-n", "curfew", "get", "svc", "curfew-api", "-o", "jsonpath={.spec.clusterIP}")
 	if err != nil {
 		t.Fatal(err)
 	}
 	var apis []orchestratorv1.OrchestratorServiceClient
-	for range 10 {
+	for range n {
 		apis = append(apis, dialAPI(t, tlsDir, strings.TrimSpace(string(ip))+":7700"))
 	}
+	return apis
+}
+
+// testRollingUpdate rolls all four Deployments to a new image tag under 50 runs in flight.
+func testRollingUpdate(ctx context.Context, t *testing.T, c *cluster.Cluster, tlsDir string) {
+	apis := dialClusterIP(ctx, t, c, tlsDir, 10)
 	newTag := "cluster-test-2"
 	for ref := range services {
 		if err := c.TagImage(ctx, ref+":"+testTag, ref+":"+newTag); err != nil {
