@@ -42,15 +42,6 @@ const (
 	imagesNATS     = "/usr/sbin/nats-server"
 )
 
-func imagesRoot(t *testing.T) string {
-	t.Helper()
-	root, err := filepath.Abs("../..")
-	if err != nil {
-		t.Fatal(err)
-	}
-	return root
-}
-
 // imagesNeedHost skips the test unless it runs as root (it mounts, chroots and changes user)
 // and the machine has the programs; under CI=true a missing program fails it.
 func imagesNeedHost(t *testing.T, programs ...string) {
@@ -166,7 +157,7 @@ func imagesParseRuntimeStage(t *testing.T, dockerfile string) imagesRuntimeStage
 // The service images run what the Dockerfiles' runtime stages say, as a numeric non-root user,
 // a static binary stamped with the version, on a root that a read-only mount takes nothing from.
 func TestServiceImages(t *testing.T) {
-	root := imagesRoot(t)
+	root := repoRoot(t)
 	for _, svc := range []string{"orchestrator", "toolrunner", "subagent", "modelproxy"} {
 		t.Run(svc, func(t *testing.T) {
 			t.Parallel()
@@ -243,7 +234,7 @@ func TestServiceImages(t *testing.T) {
 
 // ServiceImage fails, before building anything, on a Dockerfile whose runtime it could not reproduce.
 func TestServiceImageRejects(t *testing.T) {
-	b, err := os.ReadFile(filepath.Join(imagesRoot(t), "services/orchestrator/Dockerfile"))
+	b, err := os.ReadFile(filepath.Join(repoRoot(t), "services/orchestrator/Dockerfile"))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -280,7 +271,7 @@ func TestPauseImage(t *testing.T) {
 	t.Parallel()
 	ref := "registry.k8s.io/pause:3.10"
 	out := filepath.Join(t.TempDir(), "pause.tar")
-	if err := cluster.PauseImage(t.Context(), imagesRoot(t), ref, out); err != nil {
+	if err := cluster.PauseImage(t.Context(), repoRoot(t), ref, out); err != nil {
 		t.Fatal(err)
 	}
 	var names []string
@@ -427,7 +418,7 @@ func imagesUnpack(t *testing.T, path, ref, dir string) *v1.ConfigFile {
 // imagesStatefulSet reads the StatefulSet of a manifest of the repository.
 func imagesStatefulSet(t *testing.T, rel string) *appsv1.StatefulSet {
 	t.Helper()
-	b, err := os.ReadFile(filepath.Join(imagesRoot(t), rel))
+	b, err := os.ReadFile(filepath.Join(repoRoot(t), rel))
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -647,7 +638,7 @@ func TestPostgresImage(t *testing.T) {
 	t.Parallel()
 	ref := "docker.io/library/postgres:17.6-bookworm"
 	out := filepath.Join(t.TempDir(), "postgres.tar")
-	if err := cluster.PostgresImage(t.Context(), imagesRoot(t), ref, out); err != nil {
+	if err := cluster.PostgresImage(t.Context(), repoRoot(t), ref, out); err != nil {
 		t.Fatal(err)
 	}
 	rootfs := t.TempDir()
@@ -741,7 +732,7 @@ disabled_plugins = ["io.containerd.grpc.v1.cri", "io.containerd.snapshotter.v1.b
 
 	ref := "registry.k8s.io/pause:3.10"
 	out := filepath.Join(t.TempDir(), "pause.tar")
-	if err := cluster.PauseImage(t.Context(), imagesRoot(t), ref, out); err != nil {
+	if err := cluster.PauseImage(t.Context(), repoRoot(t), ref, out); err != nil {
 		t.Fatal(err)
 	}
 	if err := cluster.Import(t.Context(), "ctr", sock, out); err != nil {

@@ -68,6 +68,7 @@ func requireCluster(t *testing.T) cluster.Options {
 	return cluster.Options{}
 }
 
+// repoRoot is the repository root (the build context of the Dockerfiles).
 func repoRoot(t *testing.T) string {
 	t.Helper()
 	root, err := filepath.Abs("../..")

@@ -425,11 +425,37 @@ func TestEveryServiceRunsMTLS(t *testing.T) {
 				t.Errorf("%s: --tls-dir is not the Secret curfew-tls-%s", c, c)
 				continue
 			}
+			// Optional, the pod would start without its certificate and fail at its first
+			// TLS handshake instead of waiting for the Secret.
+			if secret.Optional != nil && *secret.Optional {
+				t.Errorf("%s: the TLS Secret curfew-tls-%s is optional", c, c)
+			}
 			// 0440 (the process reads it through its group, fsGroup): written in octal in
 			// YAML, it must not have been read as decimal 440 (0670, writable).
 			if secret.DefaultMode == nil || *secret.DefaultMode != 0o440 {
 				t.Errorf("%s: the TLS Secret's files must have mode 0440 (defaultMode %v)", c, secret.DefaultMode)
 			}
+		}
+	})
+}
+
+// In dev there are no provider keys (the sim model only): modelproxy's provider-keys Secret
+// is optional there, and required wherever a tree does not say otherwise.
+func TestProviderKeysOptionalInDevOnly(t *testing.T) {
+	each(t, func(t *testing.T, s *set) {
+		d := s.deployments["modelproxy"]
+		var keys *corev1.SecretVolumeSource
+		for _, v := range d.Spec.Template.Spec.Volumes {
+			if v.Secret != nil && v.Secret.SecretName == "curfew-provider-keys" {
+				keys = v.Secret
+			}
+		}
+		if keys == nil {
+			t.Fatal("modelproxy mounts no curfew-provider-keys Secret")
+		}
+		optional := keys.Optional != nil && *keys.Optional
+		if dev := strings.HasPrefix(s.tree, "overlays/dev"); optional != dev {
+			t.Errorf("curfew-provider-keys optional: %v, want %v", optional, dev)
 		}
 	})
 }
