@@ -4,10 +4,10 @@
 # kube-controller-manager, kube-scheduler, kube-proxy and kubectl, built from the same pinned
 # wrapper module as kube-apiserver (k8s/tools/kubernetes, k8s.io/kubernetes v1.37.2).
 #
-# Built outside any workspace with CGO_ENABLED=0 (about 15 minutes on 2 cores the first
-# time; most of kube-apiserver's packages are shared through the Go build cache), stamped
-# with the pinned version as Kubernetes' own build does, and reused while every binary is
-# there and reports that version.
+# Built outside any workspace with CGO_ENABLED=0 (47 minutes measured on 2 cores the first
+# time, while other builds shared the machine; kube-apiserver then reuses most packages from
+# the Go build cache), stamped with the pinned version as Kubernetes' own build does, and
+# reused while every binary is there and reports that version.
 #
 #   scripts/kube-node.sh     prints the directory of the binaries (building them if needed)
 #
@@ -62,7 +62,7 @@ if works; then
   exit 0
 fi
 
-echo "kube-node: building ${cmds[*]} $version into $dir/bin (about 15 minutes)" >&2
+echo "kube-node: building ${cmds[*]} $version into $dir/bin (up to an hour on 2 cores)" >&2
 start=$(date +%s)
 rm -rf "$dir/src" "$dir/bin.tmp"
 mkdir -p "$dir/src" "$dir/bin.tmp"

@@ -161,4 +161,4 @@ fi
 export CURFEW_KUBE_NODE CURFEW_COREDNS
 echo "   $CURFEW_KUBE_NODE"
 echo "   $CURFEW_COREDNS"
-(cd k8s && GOWORK=off go test -count=1 -timeout 30m -run '^TestManifestsAsPods$' -v ./cluster/)
+(cd k8s && GOWORK=off go test -race -count=1 -timeout 30m -run '^TestManifestsAsPods$' -v ./cluster/)

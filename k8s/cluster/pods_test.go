@@ -5,6 +5,7 @@ import (
 	"context"
 	"fmt"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"strconv"
 	"strings"
@@ -234,6 +235,55 @@ func pidsOf(t *testing.T, comm string) []int {
 	return pids
 }
 
+// leftovers lists what a torn-down cluster in dir left on the machine: its directory, a
+// mount under it, a process whose root or command line is under it, the bridge, or an
+// iptables chain of kube-proxy, the kubelet or the CNI plugins.
+func leftovers(t *testing.T, dir string) []string {
+	t.Helper()
+	var left []string
+	if _, err := os.Stat(dir); err == nil {
+		left = append(left, "directory "+dir)
+	}
+	mounts, err := os.ReadFile("/proc/self/mountinfo")
+	if err != nil {
+		t.Fatal(err)
+	}
+	for line := range strings.Lines(string(mounts)) {
+		if f := strings.Fields(line); len(f) > 4 && strings.HasPrefix(f[4], dir) {
+			left = append(left, "mount "+f[4])
+		}
+	}
+	entries, err := os.ReadDir("/proc")
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, e := range entries {
+		if _, err := strconv.Atoi(e.Name()); err != nil {
+			continue
+		}
+		root, _ := os.Readlink(filepath.Join("/proc", e.Name(), "root"))
+		cmdline, _ := os.ReadFile(filepath.Join("/proc", e.Name(), "cmdline"))
+		if strings.HasPrefix(root, dir) || strings.Contains(string(cmdline), dir) {
+			left = append(left, fmt.Sprintf("process %s (%s)", e.Name(), strings.ReplaceAll(string(cmdline), "\x00", " ")))
+		}
+	}
+	if out, err := exec.Command("ip", "link", "show", cluster.Bridge).CombinedOutput(); err == nil {
+		left = append(left, "link "+strings.TrimSpace(string(out)))
+	}
+	for _, bin := range []string{"iptables-save", "ip6tables-save"} {
+		out, err := exec.Command(bin).Output()
+		if err != nil {
+			continue
+		}
+		for line := range strings.Lines(string(out)) {
+			if strings.HasPrefix(line, ":KUBE-") || strings.HasPrefix(line, ":CNI-") {
+				left = append(left, bin+" chain "+strings.Fields(line)[0][1:])
+			}
+		}
+	}
+	return left
+}
+
 func TestManifestsAsPods(t *testing.T) {
 	opts := requireCluster(t)
 	ctx, cancel := context.WithTimeout(context.Background(), 25*time.Minute)
@@ -252,6 +302,9 @@ func TestManifestsAsPods(t *testing.T) {
 		}
 		if err := c.Stop(); err != nil {
 			t.Errorf("tear down: %v", err)
+		}
+		for _, l := range leftovers(t, c.Dir) {
+			t.Errorf("left behind: %s", l)
 		}
 	})
 	t.Logf("cluster up in %s", time.Since(start).Round(time.Second))
