@@ -156,23 +156,29 @@ func (h *Holder) Known(target string) {
 // retry must not be made. It makes no store round trip while a window is held and
 // verified, nor while a refusal stands.
 func (h *Holder) AllowRetry(ctx context.Context, target string) error {
+	_, err := h.allow(ctx, target)
+	return err
+}
+
+// allow is AllowRetry, also returning the window that allowed the retry.
+func (h *Holder) allow(ctx context.Context, target string) (store.Slot, error) {
 	t, err := h.target(target)
 	if err != nil {
 		h.metrics.refused(target, "closed")
-		return err
+		return store.Slot{}, err
 	}
-	if done, err := h.quick(t); done {
-		return err
+	if sl, done, err := h.quick(t); done {
+		return sl, err
 	}
 	select {
 	case t.sem <- struct{}{}:
 	case <-ctx.Done():
-		return ctx.Err()
+		return store.Slot{}, ctx.Err()
 	}
 	defer func() { <-t.sem }()
 	// Another call may have settled it while this one waited.
-	if done, err := h.quick(t); done {
-		return err
+	if sl, done, err := h.quick(t); done {
+		return sl, err
 	}
 	h.mu.Lock()
 	held := t.lease != nil
@@ -198,17 +204,17 @@ func (h *Holder) target(name string) (*target, error) {
 }
 
 // quick decides without the store when it can: done is false when a claim or a
-// verification is needed.
-func (h *Holder) quick(t *target) (done bool, err error) {
+// verification is needed; sl is the window that allowed the retry.
+func (h *Holder) quick(t *target) (sl store.Slot, done bool, err error) {
 	h.mu.Lock()
 	defer h.mu.Unlock()
 	now := time.Now()
 	if t.lease != nil {
 		if now.Before(t.until) {
 			if now.Sub(t.verifiedAt) < h.verify {
-				return true, nil
+				return *t.lease, true, nil
 			}
-			return false, nil
+			return store.Slot{}, false, nil
 		}
 		// The window ended: it moves. Claim again only after its expiry plus the guard,
 		// so that the replicas refused meanwhile, who ask at its expiry, come first.
@@ -217,14 +223,14 @@ func (h *Holder) quick(t *target) (done bool, err error) {
 	}
 	if now.Before(t.refuseTil) {
 		h.refusedLocked(t)
-		return true, fmt.Errorf("%w: %s", t.refuse, t.name)
+		return store.Slot{}, true, fmt.Errorf("%w: %s", t.refuse, t.name)
 	}
-	return false, nil
+	return store.Slot{}, false, nil
 }
 
 // claim asks the store for a window of t (one round trip; two the first time, which
 // sizes the scope; two when refused, to learn when the window moves).
-func (h *Holder) claim(call context.Context, t *target) error {
+func (h *Holder) claim(call context.Context, t *target) (store.Slot, error) {
 	ctx, cancel := context.WithTimeout(call, StoreTimeout)
 	defer cancel()
 	st := h.cfg.Store
@@ -234,9 +240,9 @@ func (h *Holder) claim(call context.Context, t *target) error {
 	if !sized {
 		if err := st.SizeSlots(ctx, t.scope, h.cfg.Window.Replicas); err != nil {
 			if call.Err() != nil {
-				return call.Err() // the call ended, not the store
+				return store.Slot{}, call.Err() // the call ended, not the store
 			}
-			return h.storeFailed(t, "size", err)
+			return store.Slot{}, h.storeFailed(t, "size", err)
 		}
 		h.mu.Lock()
 		t.sized = true
@@ -246,9 +252,9 @@ func (h *Holder) claim(call context.Context, t *target) error {
 	sl, ok, err := st.ClaimSlot(ctx, t.scope, h.cfg.Name, h.cfg.Window.Length)
 	if err != nil {
 		if call.Err() != nil {
-			return call.Err()
+			return store.Slot{}, call.Err()
 		}
-		return h.storeFailed(t, "claim", err)
+		return store.Slot{}, h.storeFailed(t, "claim", err)
 	}
 	if ok {
 		h.mu.Lock()
@@ -258,7 +264,7 @@ func (h *Holder) claim(call context.Context, t *target) error {
 			rctx, rcancel := context.WithTimeout(context.WithoutCancel(ctx), StoreTimeout)
 			defer rcancel()
 			_ = st.ReleaseSlot(rctx, sl)
-			return ErrClosed
+			return store.Slot{}, ErrClosed
 		}
 		t.lease = &sl
 		t.expiry = start.Add(h.cfg.Window.Length)
@@ -268,7 +274,7 @@ func (h *Holder) claim(call context.Context, t *target) error {
 		h.metrics.claimed(t.name)
 		h.cfg.Logger.Info("retry window claimed", "target", t.name, "slot", sl.N, "epoch", sl.Epoch,
 			"length", h.cfg.Window.Length.String())
-		return nil
+		return sl, nil
 	}
 	// Every window is held: learn when the earliest one moves, and refuse until then.
 	now := time.Now()
@@ -290,12 +296,12 @@ func (h *Holder) claim(call context.Context, t *target) error {
 	h.resumedLocked(t)
 	t.refuse, t.refuseTil = ErrBusy, moves
 	h.refusedLocked(t)
-	return fmt.Errorf("%w: %s", ErrBusy, t.name)
+	return store.Slot{}, fmt.Errorf("%w: %s", ErrBusy, t.name)
 }
 
 // verifyWindow checks in the store (one round trip) that t's window is still this
 // process's, with its epoch; a window found lost, or that cannot be verified, ends now.
-func (h *Holder) verifyWindow(call context.Context, t *target) error {
+func (h *Holder) verifyWindow(call context.Context, t *target) (store.Slot, error) {
 	ctx, cancel := context.WithTimeout(call, StoreTimeout)
 	defer cancel()
 	h.mu.Lock()
@@ -303,30 +309,30 @@ func (h *Holder) verifyWindow(call context.Context, t *target) error {
 	h.mu.Unlock()
 	slots, err := h.cfg.Store.ListSlots(ctx, t.scope)
 	if err != nil && call.Err() != nil {
-		return call.Err() // the call ended, not the store: the next retry verifies
+		return store.Slot{}, call.Err() // the call ended, not the store: the next retry verifies
 	}
 	now := time.Now()
 	h.mu.Lock()
 	defer h.mu.Unlock()
 	if t.lease == nil || t.lease.Epoch != lease.Epoch {
-		return fmt.Errorf("%w: %s", ErrBusy, t.name) // ended meanwhile (Close)
+		return store.Slot{}, fmt.Errorf("%w: %s", ErrBusy, t.name) // ended meanwhile (Close)
 	}
 	if err != nil {
 		h.endLocked(t, "verify_failed")
 		h.downLocked(t, "verify", err)
-		return fmt.Errorf("%w: %s: %w", ErrStoreDown, t.name, err)
+		return store.Slot{}, fmt.Errorf("%w: %s: %w", ErrStoreDown, t.name, err)
 	}
 	for _, s := range slots {
 		if s.N == lease.N && s.Holder == h.cfg.Name && s.Epoch == lease.Epoch && s.Held(now) {
 			t.verifiedAt = now
 			h.resumedLocked(t)
-			return nil
+			return lease, nil
 		}
 	}
 	h.endLocked(t, "taken")
 	t.refuse, t.refuseTil = ErrBusy, now.Add(h.guard)
 	h.refusedLocked(t)
-	return fmt.Errorf("%w: %s (this replica's window was lost)", ErrBusy, t.name)
+	return store.Slot{}, fmt.Errorf("%w: %s (this replica's window was lost)", ErrBusy, t.name)
 }
 
 // storeFailed refuses retries of t for StoreRetry after a failed round trip.

@@ -57,20 +57,21 @@ func race(t *testing.T, hs []*Holder, target string, d time.Duration) ([]window,
 			go func() {
 				defer wg.Done()
 				for time.Now().Before(end) {
-					err := h.AllowRetry(context.Background(), target)
+					// allow names the window that allowed the retry at the moment it
+					// decided; asking Status afterwards would race the window's end.
+					sl, err := h.allow(context.Background(), target)
 					now := time.Now()
 					switch {
 					case err == nil:
-						st := h.Status()[target]
-						if !st.Held {
-							t.Errorf("%s: allowed without a window", h.Name())
+						if sl.Holder != h.Name() || sl.Epoch == 0 {
+							t.Errorf("%s: allowed without a window of its own: %+v", h.Name(), sl)
 							return
 						}
-						k := fmt.Sprintf("%s/%d/%d", h.Name(), st.Slot, st.Epoch)
+						k := fmt.Sprintf("%s/%d/%d", h.Name(), sl.N, sl.Epoch)
 						mu.Lock()
 						w := wins[k]
 						if w == nil {
-							w = &window{holder: h.Name(), epoch: st.Epoch, slot: st.Slot, first: now}
+							w = &window{holder: h.Name(), epoch: sl.Epoch, slot: sl.N, first: now}
 							wins[k] = w
 						}
 						w.last = now
