@@ -6,6 +6,7 @@ import (
 	"slices"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -73,11 +74,12 @@ func TestToolEventsReachEmitEvent(t *testing.T) {
 	}
 }
 
-// A tool call that failed UNAVAILABLE before any message is retried by the client
-// chain; one that reported progress first is not: its stream has carried a message. The
-// fake answers to sleep's name: a built-in without side effects, which callers retry
-// without a key (a name that is not a built-in's they retry only with one).
-func TestToolWithEventsNotRetried(t *testing.T) {
+// A tool call that failed UNAVAILABLE is retried by the client chain, before any message
+// and after it reported progress too (its callee died mid-call: the loop's tool calls
+// are retry.Restartable). The fake answers to sleep's name: a built-in without side
+// effects, which callers retry without a key (a name that is not a built-in's they
+// retry only with one).
+func TestToolRetriedAfterItsEvents(t *testing.T) {
 	flaky := func(withEvent bool) meshtest.ToolFunc {
 		var mu sync.Mutex
 		attempts := 0
@@ -104,7 +106,7 @@ func TestToolWithEventsNotRetried(t *testing.T) {
 		wantCode  codes.Code
 	}{
 		{"quiet", false, 2, codes.OK},
-		{"reported", true, 1, codes.Unavailable},
+		{"reported", true, 2, codes.OK},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			model := meshtest.NewModel(
@@ -182,5 +184,71 @@ func TestModelTextReachesEmitEvent(t *testing.T) {
 		if !slices.Equal(lines, want) {
 			t.Fatalf("%s emitted:\n%s\nwant:\n%s", tc.node, strings.Join(lines, "\n"), strings.Join(want, "\n"))
 		}
+	}
+}
+
+// A model step whose decoder dies mid-stream (UNAVAILABLE after some text) is started
+// over: the step's text is the new attempt's (its deltas start again at offset 0), the
+// answer is whole, and the node's tokens count both attempts, as both were spent.
+func TestModelStepRestartedAfterCut(t *testing.T) {
+	const answer = "the whole answer"
+	var cuts atomic.Int32
+	model := meshtest.NewModel(meshtest.ModelStep{
+		Text: answer,
+		After: func(context.Context) error {
+			if cuts.Add(1) == 1 {
+				return status.Error(codes.Unavailable, "error reading from server: EOF")
+			}
+			return nil
+		},
+	})
+	plain := meshtest.Serve(t, mesh.ServerConfig{}, model.Register)
+	// The fake model, reached with curfew's default retry policy.
+	mc, err := grpc.NewClient(plain.Target(), append(mesh.DialOptions(mesh.ClientConfig{}),
+		grpc.WithTransportCredentials(insecure.NewCredentials()))...)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer mc.Close()
+	var (
+		mu      sync.Mutex
+		offsets []int64
+		last    *meshv1.Node
+	)
+	loop := agent.New(agent.Config{Model: modelproxyv1.NewModelProxyServiceClient(mc),
+		Tools: toolrunnerv1.NewToolRunnerServiceClient(plain), SettleTimeout: time.Second,
+		Emit: func(n *meshv1.Node) {
+			mu.Lock()
+			defer mu.Unlock()
+			if n.GetId() == "root/m0" {
+				last = n
+			}
+		},
+		EmitEvent: func(ev *meshv1.NodeEvent) {
+			mu.Lock()
+			defer mu.Unlock()
+			if d := ev.GetText(); d != nil && ev.GetNodeId() == "root/m0" {
+				offsets = append(offsets, d.GetOffset())
+			}
+		}})
+	ctx, cancelRun := runCtx(t, 5*time.Second)
+	defer cancelRun()
+	got, err := loop.Run(ctx, "root", "", "task")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got != answer {
+		t.Fatalf("answer %q, want %q", got, answer)
+	}
+	if n := len(model.Calls()); n != 2 {
+		t.Fatalf("%d model calls, want 2 (one cut, one restarted)", n)
+	}
+	mu.Lock()
+	defer mu.Unlock()
+	if last.GetStatus() != meshv1.NodeStatus_NODE_STATUS_SUCCEEDED || last.GetTokens() != 6 {
+		t.Fatalf("node %v: want SUCCEEDED with 6 tokens (3 per attempt)", last)
+	}
+	if want := []int64{0, 3, 9, 0, 3, 9}; !slices.Equal(offsets, want) {
+		t.Fatalf("text offsets %v, want %v: the restarted attempt streams from 0", offsets, want)
 	}
 }

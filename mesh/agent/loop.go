@@ -429,17 +429,22 @@ func (l *Loop) generate(ctx context.Context, id string, req *modelproxyv1.Genera
 			chaos.From(ctx).SlowHeartbeat)
 		req.LeaseTtl = l.cfg.Leases.TTLProto()
 	}
-	st, err := l.cfg.Model.Generate(cctx, req)
-	if err != nil {
-		lease.Release()
-		return nil, l.failed(ctx, l.cfg.ModelNodes, id, err)
-	}
-	l.cfg.Emit(cloneNode(node)) // a snapshot: node changes as tokens arrive
 	var (
 		text  strings.Builder
 		final *modelproxyv1.GenerateResponse
 		last  time.Time
 	)
+	// A step whose decoder dies, or drains past its grace, mid-stream is started over on
+	// another replica (retry.Restartable, under the retry policy): the step's text is the
+	// new attempt's, streamed again from offset 0 as a step redone after a takeover is;
+	// its tokens count every attempt's, as all were spent.
+	restarted := retry.Restartable(func(int, error) { text.Reset(); final = nil })
+	st, err := l.cfg.Model.Generate(cctx, req, restarted)
+	if err != nil {
+		lease.Release()
+		return nil, l.failed(ctx, l.cfg.ModelNodes, id, err)
+	}
+	l.cfg.Emit(cloneNode(node)) // a snapshot: node changes as tokens arrive
 	for {
 		resp, err := st.Recv()
 		if errors.Is(err, io.EOF) {
@@ -644,10 +649,8 @@ func (l *Loop) callTool(ctx context.Context, id string, c *modelproxyv1.ToolCall
 	}
 	cctx = metadata.AppendToOutgoingContext(cctx, md.ToolErrors, toolErrors)
 	// The caller's view of the tool node, for progress: toolrunner streams only the nodes
-	// beneath a tool (a subagent's), so that a tool call stays retryable until it has a
-	// result (a stream is retried only before its first message; a tool that sends node
-	// events gives that up at its first). The summary takes the node from toolrunner's
-	// own record.
+	// beneath a tool (a subagent's). The call stays retryable after them (execute makes
+	// it Restartable). The summary takes the node from toolrunner's own record.
 	// Each event gets a node of its own, built when it is sent: nothing is held for the
 	// node while the tool runs but its start instant.
 	started := time.Now()
@@ -687,11 +690,16 @@ func (l *Loop) callTool(ctx context.Context, id string, c *modelproxyv1.ToolCall
 // nodes and node events it streams are passed on; a hedged call's backup passes none
 // (its twin's are the node's).
 func (l *Loop) execute(ctx context.Context, id string, req *toolrunnerv1.ExecuteRequest, opts []grpc.CallOption, emit bool) (string, error) {
+	var out *toolrunnerv1.ExecuteResult
+	// A call whose toolrunner (or, beneath spawn_subagent, subagent) dies or drains past
+	// its grace after streaming nodes is started over on another replica, under the
+	// retry policy: its side effects are guarded as on any retry (an idempotency key for
+	// a side-effect tool), and the nodes beneath it are streamed again by the new attempt.
+	opts = append(slices.Clip(opts), retry.Restartable(func(int, error) { out = nil }))
 	st, err := l.cfg.Tools.Execute(ctx, req, opts...)
 	if err != nil {
 		return "", err
 	}
-	var out *toolrunnerv1.ExecuteResult
 	for {
 		ev, err := st.Recv()
 		if errors.Is(err, io.EOF) {

@@ -101,6 +101,9 @@ type ModelStep struct {
 	Before func(ctx context.Context) error
 	// Text is streamed word by word, one token per chunk.
 	Text string
+	// After, if set, runs once Text is streamed; an error it returns ends the call with
+	// that error instead of the last chunk (a decoder cut mid-stream).
+	After func(ctx context.Context) error
 	// ToolCalls, when not empty, are sent on the last chunk with finish reason
 	// "tool_calls"; otherwise the finish reason is "stop".
 	ToolCalls []*modelproxyv1.ToolCall
@@ -158,6 +161,11 @@ func (m *Model) Generate(req *modelproxyv1.GenerateRequest, ss grpc.ServerStream
 			w = " " + w
 		}
 		if err := ss.Send(&modelproxyv1.GenerateResponse{Delta: w, Tokens: 1}); err != nil {
+			return err
+		}
+	}
+	if step.After != nil {
+		if err := step.After(ctx); err != nil {
 			return err
 		}
 	}

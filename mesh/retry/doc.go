@@ -21,10 +21,16 @@
 //
 // Coordinated retries (issue 24): Config.Window, when set, is asked before every retry
 // (never before a first attempt) whether this replica holds the target's cluster-wide
-// retry window; a refusal ends the call with its error marked RETRIES_EXHAUSTED, as if
-// its retries were spent. mesh/retrywindow implements it on the store's slots; the
-// retry file's "window" section (WindowConfig, default 1 replica per 10 s window) sets
-// it. A nil Window leaves every replica retrying on its own.
+// retry window. A refusal that says when the window moves (WindowRefusal) is waited out,
+// up to MaxWindowWaits times while the deadline leaves room for an attempt ("others
+// wait", seed 001); a refusal not waited out ends the call with its error marked
+// RETRIES_EXHAUSTED, as if its retries were spent. mesh/retrywindow implements it on the
+// store's slots; the retry file's "window" section (WindowConfig, default 1 replica per
+// 10 s window) sets it. A nil Window leaves every replica retrying on its own.
+//
+// Restartable streams: a server-streaming call is retried only before its first message,
+// unless the caller passes Restartable, saying it can take the stream again from its
+// start (the agent loop's tool calls and model steps, whose callee may die mid-call).
 //
 // Policy logic takes an injected clock and random source and imports no transport code;
 // the interceptors in interceptor.go apply it to gRPC calls.

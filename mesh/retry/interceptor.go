@@ -82,6 +82,19 @@ type Window interface {
 	AllowRetry(ctx context.Context, target string) error
 }
 
+// WindowRefusal is implemented by a Window's refusal that knows when the window may be
+// asked again (the held windows move, or the store is asked again). A retry refused so
+// waits until then and asks again, at most MaxWindowWaits times, while the call's
+// deadline leaves room for an attempt after the wait ("others wait", seed 001); any other
+// refusal, or one the deadline leaves no room to wait for, ends the call.
+type WindowRefusal interface {
+	error
+	RetryAt() time.Time
+}
+
+// MaxWindowWaits is how many refusals one retry waits out before it gives up.
+const MaxWindowWaits = 3
+
 // Metrics are the client-side retry metrics.
 type Metrics struct {
 	attempts        *prometheus.CounterVec
@@ -271,6 +284,10 @@ type call struct {
 	callerAttempt, minted bool
 	// hedge: the call is a hedged call's backup (Hedge): one attempt, marked curfew-hedge.
 	hedge bool
+	// restartable: a stream may start over after its first message (Restartable), and
+	// restarted is told when it does.
+	restartable bool
+	restarted   func(attempt int, err error)
 }
 
 // SideEffect marks one call as having side effects: it is retried only when it carries an
@@ -278,6 +295,25 @@ type call struct {
 func SideEffect() grpc.CallOption { return sideEffect{} }
 
 type sideEffect struct{ grpc.EmptyCallOption }
+
+// Restartable lets a server-streaming call start over after its first message when an
+// attempt fails with an error the policy retries (its callee died, or drained past its
+// grace, mid-call): the caller can take the stream again from its start. restarted, when
+// not nil, is called on the receiving goroutine just before the next attempt is opened,
+// with the number of the attempt that failed and its error, so that the caller drops what
+// it built from the failed attempt's messages. Every rule of the policy still holds
+// (attempts, budget, window, no retry of a side effect without an idempotency key), and
+// the attempts share the call's retry-id, so the callee's in-flight table and idempotency
+// records see one logical call. Without it (the default), a stream is never retried after
+// its first message. Unary and client-streaming calls ignore it.
+func Restartable(restarted func(attempt int, err error)) grpc.CallOption {
+	return restartable{restarted: restarted}
+}
+
+type restartable struct {
+	grpc.EmptyCallOption
+	restarted func(attempt int, err error)
+}
 
 // Hedge marks one call as a hedged call's backup (package mesh/hedge): a second attempt of
 // a logical call whose first attempt is still running, sent with its twin's retry-id
@@ -299,11 +335,13 @@ func (c *client) begin(ctx context.Context, method string, opts []grpc.CallOptio
 	cl := &call{c: c, method: method, p: c.policy(method), start: c.cfg.Now(),
 		hasKey: len(metadata.ValueFromOutgoingContext(ctx, md.IdempotencyKey)) > 0}
 	for _, o := range opts {
-		switch o.(type) {
+		switch o := o.(type) {
 		case sideEffect:
 			cl.p.NonIdempotent = true
 		case hedgeOpt:
 			cl.hedge = true
+		case restartable:
+			cl.restartable, cl.restarted = true, o.restarted
 		}
 	}
 	cl.first = 1
@@ -418,7 +456,7 @@ func (cl *call) after(ctx context.Context, n int, err error, trailer metadata.MD
 		log("retry budget exhausted")
 		return false, MarkExhausted(err, n)
 	}
-	if out := cl.window(ctx, n, err, log); out != nil {
+	if out := cl.window(ctx, n, err, d.Delay, log); out != nil {
 		return false, out
 	}
 	if m := c.cfg.Metrics; m != nil {
@@ -430,25 +468,46 @@ func (cl *call) after(ctx context.Context, n int, err error, trailer metadata.MD
 	}
 	// The window may have ended during the backoff: ask again (no store round trip
 	// while it is still held).
-	if out := cl.window(ctx, n, err, log); out != nil {
+	if out := cl.window(ctx, n, err, 0, log); out != nil {
 		return false, out
 	}
 	return true, nil
 }
 
-// window asks Config.Window, if any, whether this replica may retry now; a refusal
-// returns attempt n's error marked exhausted, so that no layer above retries it either.
-func (cl *call) window(ctx context.Context, n int, err error, log func(string, ...any)) error {
+// window asks Config.Window, if any, whether this replica may retry now, waiting out up
+// to MaxWindowWaits refusals that say when to ask again (WindowRefusal) while the
+// deadline leaves room for the wait, the backoff still to come and an attempt; a refusal
+// it does not wait out returns attempt n's error marked exhausted, so that no layer
+// above retries it either.
+func (cl *call) window(ctx context.Context, n int, err error, backoff time.Duration, log func(string, ...any)) error {
 	w := cl.c.cfg.Window
 	if w == nil || cl.p.Naive {
 		return nil // the naive baseline coordinates nothing, as it has no budget
 	}
-	werr := w.AllowRetry(ctx, cl.c.cfg.Target)
-	if werr == nil {
-		return nil
+	for waits := 0; ; waits++ {
+		werr := w.AllowRetry(ctx, cl.c.cfg.Target)
+		if werr == nil {
+			return nil
+		}
+		var wr WindowRefusal
+		if waits < MaxWindowWaits && errors.As(werr, &wr) {
+			now := cl.c.cfg.Now()
+			d := wr.RetryAt().Sub(now)
+			// A little jitter, so that the callers refused together do not all ask at
+			// the same instant.
+			d = max(d, 0) + time.Duration(cl.c.cfg.Rand()*float64(min(d/10, 100*time.Millisecond)+time.Millisecond))
+			dl, ok := ctx.Deadline()
+			if !ok || now.Add(d+backoff+cl.p.MinAttemptTime).Before(dl) {
+				log("retry waits for a retry window", "window", werr.Error(), "wait_ms", d.Milliseconds())
+				if serr := cl.c.cfg.Sleep(ctx, d); serr != nil {
+					return err // cancelled while waiting: the last attempt's error stands
+				}
+				continue
+			}
+		}
+		log("retry refused: no retry window", "window", werr.Error())
+		return MarkExhausted(err, n)
 	}
-	log("retry refused: no retry window", "window", werr.Error())
-	return MarkExhausted(err, n)
 }
 
 // UnaryClientInterceptor retries unary calls by cfg, with a budget of its own; use
@@ -511,7 +570,8 @@ func (c *client) stream() grpc.StreamClientInterceptor {
 	}
 }
 
-// retryStream is a server-streaming call that can start over until its first message.
+// retryStream is a server-streaming call that can start over until its first message
+// (after it too when the call is Restartable).
 type retryStream struct {
 	ctx      context.Context
 	cl       *call
@@ -525,7 +585,8 @@ type retryStream struct {
 	n        int
 	sent     []any // the request, replayed on a new attempt
 	closed   bool
-	received bool
+	received bool // the current attempt has answered (it was counted)
+	answered bool // some attempt has answered: the call's request is complete in sent
 }
 
 func (s *retryStream) Header() (metadata.MD, error) { return s.cur.Header() }
@@ -538,7 +599,7 @@ func (s *retryStream) CloseSend() error {
 }
 
 func (s *retryStream) SendMsg(m any) error {
-	if !s.received {
+	if !s.answered {
 		s.sent = append(s.sent, m)
 	}
 	return s.cur.SendMsg(m)
@@ -549,20 +610,27 @@ func (s *retryStream) RecvMsg(m any) error {
 		err := s.cur.RecvMsg(m)
 		if err == nil || (!s.received && errors.Is(err, io.EOF)) {
 			if !s.received {
-				s.received = true
+				s.received, s.answered = true, true
 				_, _ = s.cl.after(s.ctx, s.n, nil, nil) // count the attempt that answered
 			}
 			return err
 		}
-		if errors.Is(err, io.EOF) || (s.received && !s.cl.p.Naive) {
+		if errors.Is(err, io.EOF) || (s.received && !s.cl.p.Naive && !s.cl.restartable) {
 			// After the first message the work has been done and paid for (a token, a
-			// subagent's first step): never retried silently. Only the naive baseline does.
+			// subagent's first step): never retried silently. Only the naive baseline
+			// does, and a Restartable call, whose caller takes the stream from its start.
 			return err
 		}
+		// (An attempt that answered and then failed is counted twice by the attempts
+		// metric: as OK at its first message, and with its error here.)
 		retry, out := s.cl.after(s.ctx, s.n, err, s.cur.Trailer())
 		if !retry {
 			return out
 		}
+		if s.received && s.cl.restarted != nil {
+			s.cl.restarted(s.n, err)
+		}
+		s.received = false
 		if err := s.restart(); err != nil {
 			return err
 		}

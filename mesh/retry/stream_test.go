@@ -3,7 +3,9 @@ package retry_test
 import (
 	"context"
 	"errors"
+	"fmt"
 	"io"
+	"slices"
 	"testing"
 	"time"
 
@@ -134,6 +136,94 @@ func TestStreamNotRetriedAfterFirstMessage(t *testing.T) {
 	checkAttempts(t, svc.all(), "1")
 	if len(sl.waits()) != 0 {
 		t.Fatalf("slept %v", sl.waits())
+	}
+}
+
+// TestStreamRestartableAfterFirstMessage: a Restartable call whose callee dies after
+// its first message starts over on a new attempt with the same retry-id and request;
+// the caller is told before the new attempt's messages arrive, and gets the second
+// attempt's messages whole.
+func TestStreamRestartableAfterFirstMessage(t *testing.T) {
+	svc := &tools{behave: func(ss execStream, req *toolrunnerv1.ExecuteRequest, n int) error {
+		if n == 1 {
+			if err := sendNode(ss, "root/sub/s0"); err != nil {
+				return err
+			}
+			return status.Error(codes.Unavailable, "error reading from server: EOF")
+		}
+		return answer(ss, req)
+	}}
+	sl := &sleeper{}
+	cc := dial(t, serve(t, nil, svc), retry.Config{Sleep: sl.Sleep})
+	var restarts []string
+	var got []*toolrunnerv1.ExecuteResponse
+	st, err := toolrunnerv1.NewToolRunnerServiceClient(cc).Execute(callCtx(t), toolReq, retry.Restartable(func(n int, err error) {
+		restarts = append(restarts, fmt.Sprintf("%d %s after %d", n, status.Code(err), len(got)))
+		got = nil // what the failed attempt sent is dropped
+	}))
+	if err != nil {
+		t.Fatal(err)
+	}
+	for {
+		r, err := st.Recv()
+		if errors.Is(err, io.EOF) {
+			break
+		}
+		if err != nil {
+			t.Fatalf("Recv: %v", err)
+		}
+		got = append(got, r)
+	}
+	checkAnswer(t, got)
+	if want := []string{"1 Unavailable after 1"}; !slices.Equal(restarts, want) {
+		t.Fatalf("restarts %q, want %q", restarts, want)
+	}
+	all := svc.all()
+	checkAttempts(t, all, "1", "2")
+	for i, s := range all {
+		if !proto.Equal(s.req, toolReq) {
+			t.Errorf("attempt %d saw request %v, want %v replayed", i+1, s.req, toolReq)
+		}
+	}
+}
+
+// TestStreamRestartableBounded: a Restartable call still obeys the policy: attempts are
+// bounded (the last error is marked exhausted), a code the policy does not retry ends it
+// at once, and a side effect without an idempotency key is never run twice.
+func TestStreamRestartableBounded(t *testing.T) {
+	midStream := func(code codes.Code) func(execStream, *toolrunnerv1.ExecuteRequest, int) error {
+		return func(ss execStream, _ *toolrunnerv1.ExecuteRequest, _ int) error {
+			if err := sendNode(ss, "root/sub/s0"); err != nil {
+				return err
+			}
+			return status.Error(code, "cut")
+		}
+	}
+	for _, tc := range []struct {
+		name     string
+		code     codes.Code
+		opts     []grpc.CallOption
+		attempts []string
+		marked   bool
+	}{
+		{"exhausted", codes.Unavailable, nil, []string{"1", "2", "3"}, true},
+		{"not retryable", codes.Internal, nil, []string{"1"}, false},
+		{"side effect without key", codes.Unavailable, []grpc.CallOption{retry.SideEffect()}, []string{"1"}, false},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			svc := &tools{behave: midStream(tc.code)}
+			cc := dial(t, serve(t, nil, svc), retry.Config{Sleep: (&sleeper{}).Sleep})
+			restarts := 0
+			opts := append(tc.opts, retry.Restartable(func(int, error) { restarts++ }))
+			_, err := runExecute(callCtx(t), cc, toolReq, opts...)
+			if status.Code(err) != tc.code || retry.IsExhausted(err) != tc.marked {
+				t.Fatalf("error %v: want %s, marked exhausted %v", err, tc.code, tc.marked)
+			}
+			checkAttempts(t, svc.all(), tc.attempts...)
+			if restarts != len(tc.attempts)-1 {
+				t.Fatalf("%d restarts for %d attempts", restarts, len(tc.attempts))
+			}
+		})
 	}
 }
 

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"sync"
 	"testing"
+	"time"
 
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
@@ -54,8 +55,9 @@ func TestWindowNotAskedOnSuccess(t *testing.T) {
 	}
 }
 
-// TestWindowRefusalEndsCall: without a window, the first retryable error ends the call,
-// marked exhausted (no layer above retries it), after one attempt.
+// TestWindowRefusalEndsCall: without a window, and with a refusal that does not say when
+// the window moves, the first retryable error ends the call, marked exhausted (no layer
+// above retries it), after one attempt.
 func TestWindowRefusalEndsCall(t *testing.T) {
 	svc := &nodes{fail: failFirst(5, status.Error(codes.Unavailable, "down"))}
 	w := &window{}
@@ -95,6 +97,69 @@ func TestWindowEndsDuringBackoff(t *testing.T) {
 		t.Fatalf("error %v not marked exhausted", err)
 	}
 	checkAttempts(t, svc.all(), "1")
+}
+
+// movingWindow refuses the first refusals asks, each refusal saying the window moves
+// in `in`, then allows every retry.
+type movingWindow struct {
+	mu       sync.Mutex
+	refusals int
+	in       time.Duration
+	asked    int
+}
+
+type refusal struct{ at time.Time }
+
+func (r refusal) Error() string      { return "another replica holds the window" }
+func (r refusal) RetryAt() time.Time { return r.at }
+
+func (w *movingWindow) AllowRetry(context.Context, string) error {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	w.asked++
+	if w.asked <= w.refusals {
+		return refusal{at: time.Now().Add(w.in)}
+	}
+	return nil
+}
+
+// TestWindowRefusalWaited: a refusal that says when the window moves is waited out
+// (others wait, seed 001) and the retry is sent then; more than MaxWindowWaits refusals
+// in a row, or a move the deadline leaves no room for, end the call marked exhausted.
+func TestWindowRefusalWaited(t *testing.T) {
+	for _, tc := range []struct {
+		name     string
+		w        *movingWindow
+		timeout  time.Duration
+		attempts []string
+		waits    int // window waits slept (backoffs apart)
+	}{
+		{"moves", &movingWindow{refusals: 2, in: 2 * time.Second}, 20 * time.Second, []string{"1", "2"}, 2},
+		{"too many refusals", &movingWindow{refusals: 100, in: 2 * time.Second}, 20 * time.Second, []string{"1"}, retry.MaxWindowWaits},
+		{"past the deadline", &movingWindow{refusals: 1, in: 30 * time.Second}, 20 * time.Second, []string{"1"}, 0},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			svc := &nodes{fail: failFirst(1, status.Error(codes.Unavailable, "cut"))}
+			sl := &sleeper{}
+			cc := dial(t, serve(t, svc, nil), retry.Config{Target: "nodes", Window: tc.w, Sleep: sl.Sleep, Rand: constRand(0)})
+			ctx, cancel := context.WithTimeout(t.Context(), tc.timeout)
+			defer cancel()
+			err := listNodesCall(ctx, cc)
+			checkAttempts(t, svc.all(), tc.attempts...)
+			if ok := len(tc.attempts) > 1; ok != (err == nil) || (!ok && !retry.IsExhausted(err)) {
+				t.Fatalf("error %v with %d attempts", err, len(tc.attempts))
+			}
+			waits := 0
+			for _, d := range sl.waits() {
+				if d > time.Second { // a window wait (about 2 s), not a backoff (≤ 250 ms)
+					waits++
+				}
+			}
+			if waits != tc.waits {
+				t.Fatalf("waited %d times for the window (sleeps %v), want %d", waits, sl.waits(), tc.waits)
+			}
+		})
+	}
 }
 
 // TestWindowNotForNaive: the naive baseline coordinates nothing.

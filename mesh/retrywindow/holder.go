@@ -37,6 +37,21 @@ var (
 	ErrClosed = errors.New("retrywindow: holder closed")
 )
 
+// Refusal is AllowRetry's refusal of a retry (ErrBusy or ErrStoreDown, which it wraps):
+// it says when the window may be asked again (retry.WindowRefusal), so that a caller may
+// wait for the window to move rather than fail.
+type Refusal struct {
+	Target string
+	Err    error     // ErrBusy or ErrStoreDown, wrapping the store's error if any
+	Until  time.Time // when the refusal ends: the earliest window moves, or the store is asked again
+}
+
+func (r *Refusal) Error() string      { return fmt.Sprintf("%v: %s", r.Err, r.Target) }
+func (r *Refusal) Unwrap() error      { return r.Err }
+func (r *Refusal) RetryAt() time.Time { return r.Until }
+
+var _ retry.WindowRefusal = (*Refusal)(nil)
+
 // Config configures a Holder.
 type Config struct {
 	// Store holds the windows (required): a store the replicas share.
@@ -223,7 +238,7 @@ func (h *Holder) quick(t *target) (sl store.Slot, done bool, err error) {
 	}
 	if now.Before(t.refuseTil) {
 		h.refusedLocked(t)
-		return store.Slot{}, true, fmt.Errorf("%w: %s", t.refuse, t.name)
+		return store.Slot{}, true, &Refusal{Target: t.name, Err: t.refuse, Until: t.refuseTil}
 	}
 	return store.Slot{}, false, nil
 }
@@ -296,7 +311,7 @@ func (h *Holder) claim(call context.Context, t *target) (store.Slot, error) {
 	h.resumedLocked(t)
 	t.refuse, t.refuseTil = ErrBusy, moves
 	h.refusedLocked(t)
-	return store.Slot{}, fmt.Errorf("%w: %s", ErrBusy, t.name)
+	return store.Slot{}, &Refusal{Target: t.name, Err: ErrBusy, Until: moves}
 }
 
 // verifyWindow checks in the store (one round trip) that t's window is still this
@@ -320,7 +335,7 @@ func (h *Holder) verifyWindow(call context.Context, t *target) (store.Slot, erro
 	if err != nil {
 		h.endLocked(t, "verify_failed")
 		h.downLocked(t, "verify", err)
-		return store.Slot{}, fmt.Errorf("%w: %s: %w", ErrStoreDown, t.name, err)
+		return store.Slot{}, &Refusal{Target: t.name, Err: fmt.Errorf("%w: %w", ErrStoreDown, err), Until: t.refuseTil}
 	}
 	for _, s := range slots {
 		if s.N == lease.N && s.Holder == h.cfg.Name && s.Epoch == lease.Epoch && s.Held(now) {
@@ -332,7 +347,7 @@ func (h *Holder) verifyWindow(call context.Context, t *target) (store.Slot, erro
 	h.endLocked(t, "taken")
 	t.refuse, t.refuseTil = ErrBusy, now.Add(h.guard)
 	h.refusedLocked(t)
-	return store.Slot{}, fmt.Errorf("%w: %s (this replica's window was lost)", ErrBusy, t.name)
+	return store.Slot{}, &Refusal{Target: t.name, Err: fmt.Errorf("%w (this replica's window was lost)", ErrBusy), Until: t.refuseTil}
 }
 
 // storeFailed refuses retries of t for StoreRetry after a failed round trip.
@@ -340,7 +355,7 @@ func (h *Holder) storeFailed(t *target, op string, err error) error {
 	h.mu.Lock()
 	defer h.mu.Unlock()
 	h.downLocked(t, op, err)
-	return fmt.Errorf("%w: %s: %w", ErrStoreDown, t.name, err)
+	return &Refusal{Target: t.name, Err: fmt.Errorf("%w: %w", ErrStoreDown, err), Until: t.refuseTil}
 }
 
 func (h *Holder) downLocked(t *target, op string, err error) {

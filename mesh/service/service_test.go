@@ -427,7 +427,13 @@ func (f *failing) Execute(*toolrunnerv1.ExecuteRequest, grpc.ServerStreamingServ
 
 func execute(t *testing.T, cc *grpc.ClientConn) error {
 	t.Helper()
-	ctx, cancel := context.WithTimeout(context.Background(), 10*time.Second)
+	return executeWithin(t, cc, 10*time.Second)
+}
+
+// executeWithin is execute with a call deadline of d.
+func executeWithin(t *testing.T, cc *grpc.ClientConn, d time.Duration) error {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), d)
 	defer cancel()
 	st, err := toolrunnerv1.NewToolRunnerServiceClient(cc).Execute(ctx, &toolrunnerv1.ExecuteRequest{Name: "x"})
 	if err != nil {
