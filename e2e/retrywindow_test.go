@@ -100,8 +100,8 @@ func overlapPeak(rs []retryRun) int {
 // (item 3) on real processes: three orchestrators on one PostgreSQL store, whose
 // toolrunner is a dependency in this process that always fails UNAVAILABLE. It records
 // the retries it receives by caller replica (a run's owner), and at no moment do more
-// than N = 1 replicas send retries; over the test the window moves to more than one of
-// them. Breakers are off: they are not what this test is about.
+// than N = 1 replicas send retries (the others wait for the window); over the test the
+// window moves to more than one of them. Breakers are off: they are not what this test is about.
 func TestRetryWindowsAcrossOrchestrators(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
 	defer cancel()
@@ -242,7 +242,9 @@ func TestRetryWindowsAcrossOrchestrators(t *testing.T) {
 	if len(byReplica) < 2 {
 		t.Fatalf("retries came from %d replica(s): the window never moved", len(byReplica))
 	}
-	if dep.firsts <= total {
-		t.Fatalf("%d first attempts and %d retries: replicas without a window retried", dep.firsts, total)
+	// Replicas without a window wait for it rather than retry (peak above); each call
+	// still makes at most the policy's attempts.
+	if most := 2 * dep.firsts; total > most {
+		t.Fatalf("%d first attempts and %d retries: more than 2 retries per call", dep.firsts, total)
 	}
 }
