@@ -35,7 +35,7 @@ const usage = `curfew: one absolute deadline and one stop signal for agent trees
 Usage:
   curfew up      [--data-dir DIR] [--base-port N] [--bin-dir DIR] [--store DSN]
                  [--providers-config FILE] [--admission-config FILE] [--tools-config FILE]
-                 [--shutdown-grace D] [--start-timeout D] [--insecure] [--json]
+                 [--shutdown-grace D] [--start-timeout D] [--max-restarts N] [--insecure] [--json]
   curfew run     (--plan FILE | TASK) [--deadline D] [--model M] [--continue] [--cancel-after D] [--json]
   curfew get     RUN [--json]
   curfew ls      [--limit N] [--model M] [--since D|TIME] [--until D|TIME] [--json]

@@ -36,10 +36,24 @@ type Endpoints struct {
 	// TLSDir is the directory of the mesh's mTLS files (DIR/tls, absolute) when the
 	// services run mTLS, "" when they run plaintext (curfew up --insecure).
 	TLSDir string `json:"tls_dir,omitempty"`
+	// Restarts counts, per service, the times curfew up restarted it after it exited on
+	// its own (--max-restarts); absent while none was.
+	Restarts map[string]int `json:"restarts,omitempty"`
 }
 
 // EndpointsFile is the name of the endpoints file in the data directory.
 const EndpointsFile = "endpoints.json"
+
+// writeEndpoints writes e to DIR/endpoints.json, replacing it whole (a reader never sees
+// half of it).
+func writeEndpoints(dir string, e Endpoints) error {
+	b, _ := json.MarshalIndent(e, "", "  ")
+	tmp := filepath.Join(dir, EndpointsFile+".tmp")
+	if err := os.WriteFile(tmp, append(b, '\n'), 0o644); err != nil { //nolint:gosec // addresses only, read by every client command
+		return err
+	}
+	return os.Rename(tmp, filepath.Join(dir, EndpointsFile))
+}
 
 func readEndpoints(dir string) (*Endpoints, error) {
 	b, err := os.ReadFile(filepath.Join(dir, EndpointsFile)) //nolint:gosec // endpoints.json in the data directory the user names
@@ -60,6 +74,7 @@ func cmdUp(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	binDir := fs.String("bin-dir", "", "directory of the service binaries (default: next to curfew, else $PATH)")
 	grace := fs.Duration("shutdown-grace", service.DefaultShutdownGrace, "each service's --shutdown-grace: how long its in-flight calls and runs get to finish on stop; a service still running after its whole stop bound (docs/leases.md#drain) is killed")
 	startTimeout := fs.Duration("start-timeout", 30*time.Second, "how long to wait for every service to report SERVING")
+	maxRestarts := fs.Int("max-restarts", launch.DefaultMaxRestarts, "a service that exits on its own is restarted on its addresses, after a backoff from 1s doubling to 30s (reset after a minute up), and the mesh is stopped only when one restarts more than this many times within 5 minutes (a crash loop); 0 stops the mesh at the first exit")
 	asJSON := fs.Bool("json", false, "print the endpoints as JSON")
 	providers := fs.String("providers-config", "", "modelproxy's providers file (docs/providers.md); default $CURFEW_PROVIDERS_CONFIG, else only the sim model")
 	admissionFile := fs.String("admission-config", "", "admission file: pools, tenant limits, token budgets (docs/admission.md), for the orchestrator's admission and modelproxy's per-call budget reservations; default $CURFEW_ADMISSION_CONFIG, else the built-in pools")
@@ -192,8 +207,7 @@ func cmdUp(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		return ExitFail
 	}
 	out := Endpoints{Services: m.Endpoints(), StartedAt: time.Now().UTC(), TLSDir: tlsDir}
-	b, _ := json.MarshalIndent(out, "", "  ")
-	if err := os.WriteFile(filepath.Join(*dataDir, EndpointsFile), append(b, '\n'), 0o644); err != nil { //nolint:gosec // addresses only, read by every client command
+	if err := writeEndpoints(*dataDir, out); err != nil {
 		fmt.Fprintln(stderr, "curfew up:", err)
 		m.Stop()
 		return ExitFail
@@ -226,9 +240,31 @@ func cmdUp(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	}
 
 	exit := ExitOK
-	if p := m.Wait(ctx); p != nil {
-		fmt.Fprintf(stderr, "curfew up: %s exited unexpectedly: %v; stopping the mesh\n", p.Name, p.Err())
-		exit = ExitFail
+	if *maxRestarts <= 0 {
+		if p := m.Wait(ctx); p != nil {
+			fmt.Fprintf(stderr, "curfew up: %s exited unexpectedly: %v; stopping the mesh\n", p.Name, p.Err())
+			exit = ExitFail
+		}
+	} else {
+		// Keep the mesh up: a crashed service comes back on its addresses, and runs carry
+		// on through the durable-state rules (docs/store.md).
+		report := func(e launch.Event) {
+			fmt.Fprintln(stderr, "curfew up:", e)
+			if e.Kind == launch.Restarted {
+				if out.Restarts == nil {
+					out.Restarts = map[string]int{}
+				}
+				out.Restarts[e.Service] = e.Restarts
+				out.Services = m.Endpoints() // its new pid
+				if err := writeEndpoints(*dataDir, out); err != nil {
+					fmt.Fprintln(stderr, "curfew up:", err)
+				}
+			}
+		}
+		if err := m.Supervise(ctx, launch.RestartPolicy{MaxRestarts: *maxRestarts}, report); err != nil {
+			fmt.Fprintf(stderr, "curfew up: %v; stopping the mesh\n", err)
+			exit = ExitFail
+		}
 	}
 	m.Stop()
 	_ = os.Remove(filepath.Join(*dataDir, EndpointsFile))

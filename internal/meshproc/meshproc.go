@@ -6,6 +6,7 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"io"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -131,6 +132,8 @@ type Options struct {
 	// Dir is the working directory of `curfew up` and so of every service; "" is the
 	// test's.
 	Dir string
+	// Stderr receives `curfew up`'s standard error; os.Stderr when nil.
+	Stderr io.Writer
 }
 
 // Start builds the binaries if needed and starts `curfew up --base-port 0` in dataDir,
@@ -151,6 +154,9 @@ func Start(ctx context.Context, dataDir string, o Options) (*Mesh, error) {
 	m.up.Dir = o.Dir
 	m.up.Env = append(os.Environ(), o.Env...)
 	m.up.Stderr = os.Stderr
+	if o.Stderr != nil {
+		m.up.Stderr = o.Stderr
+	}
 	m.up.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGTERM}
 	out, err := m.up.StdoutPipe()
 	if err != nil {

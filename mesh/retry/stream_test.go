@@ -214,7 +214,7 @@ func TestStreamRestartableBounded(t *testing.T) {
 			svc := &tools{behave: midStream(tc.code)}
 			cc := dial(t, serve(t, nil, svc), retry.Config{Sleep: (&sleeper{}).Sleep})
 			restarts := 0
-			opts := append(tc.opts, retry.Restartable(func(int, error) { restarts++ }))
+			opts := append(slices.Clip(tc.opts), retry.Restartable(func(int, error) { restarts++ }))
 			_, err := runExecute(callCtx(t), cc, toolReq, opts...)
 			if status.Code(err) != tc.code || retry.IsExhausted(err) != tc.marked {
 				t.Fatalf("error %v: want %s, marked exhausted %v", err, tc.code, tc.marked)

@@ -46,8 +46,12 @@ type Refusal struct {
 	Until  time.Time // when the refusal ends: the earliest window moves, or the store is asked again
 }
 
-func (r *Refusal) Error() string      { return fmt.Sprintf("%v: %s", r.Err, r.Target) }
-func (r *Refusal) Unwrap() error      { return r.Err }
+func (r *Refusal) Error() string { return fmt.Sprintf("%v: %s", r.Err, r.Target) }
+
+// Unwrap returns ErrBusy or ErrStoreDown (wrapping the store's error).
+func (r *Refusal) Unwrap() error { return r.Err }
+
+// RetryAt is when the window may be asked again.
 func (r *Refusal) RetryAt() time.Time { return r.Until }
 
 var _ retry.WindowRefusal = (*Refusal)(nil)
