@@ -22,12 +22,12 @@ import (
 	"github.com/curfew-mesh/curfew/k8s/cluster"
 )
 
-// loadPlan is a run of about 50 s, longer than an orchestrator's drain bound (5 s + 20 s +
-// 2 s), so that a rollout hands runs over, made of calls shorter than the callees' own
-// shutdown grace (20 s), which a drain lets finish: a tool call with a side effect (kv_put
-// under the run's own key, whose version counts the writes that took effect), then five
-// steps of a sleep each, the first with a subagent, so that every service has work in
-// flight throughout.
+// loadPlan is a run of about 75 s, longer than an orchestrator's drain bound (5 s + 20 s +
+// 2 s), so that a rollout hands runs over: a tool call with a side effect (kv_put under
+// the run's own key, whose version counts the writes that took effect), then five steps
+// of a sleep each, the first with a subagent whose own sleep (25 s) outlasts the callees'
+// shutdown grace (20 s), so that a drain cuts it mid-call and the call must start over on
+// another replica (docs/retries.md), and every service has work in flight throughout.
 func loadPlan(key string) string {
 	sleep := `{"think_tokens": 40, "tools": [{"name": "sleep", "args": {"ms": 8000}}]}`
 	return fmt.Sprintf(`{"tokens_per_second": 40, "steps": [
@@ -35,7 +35,7 @@ func loadPlan(key string) string {
 	    {"name": "kv_put", "args": {"key": %[1]q, "value": 1}},
 	    {"name": "sleep", "args": {"ms": 8000}},
 	    {"name": "spawn_subagent", "args": {"plan": {"tokens_per_second": 40, "steps": [
-	      {"think_tokens": 40, "tools": [{"name": "sleep", "args": {"ms": 5000}}]},
+	      {"think_tokens": 40, "tools": [{"name": "sleep", "args": {"ms": 25000}}]},
 	      {"answer_tokens": 5}]}}}]},
 	  %[2]s, %[2]s, %[2]s, %[2]s,
 	  {"answer_tokens": 5}]}`, key, sleep)
