@@ -413,12 +413,19 @@ func (cl *call) attemptCtx(ctx context.Context, n int) context.Context {
 // after judges attempt n's outcome and, to retry, waits before the next attempt. It
 // returns retry, or the error to return (nil on success).
 func (cl *call) after(ctx context.Context, n int, err error, trailer metadata.MD) (retry bool, out error) {
+	return cl.judge(ctx, n, err, trailer, true)
+}
+
+// judge is after; count is false for an attempt already counted (a stream that answered,
+// counted then, and failed afterwards): it is neither counted again in the attempts
+// metric nor told to the throttle twice.
+func (cl *call) judge(ctx context.Context, n int, err error, trailer metadata.MD, count bool) (retry bool, out error) {
 	c := cl.c
 	code := status.Code(err)
-	if m := c.cfg.Metrics; m != nil {
+	if m := c.cfg.Metrics; m != nil && count {
 		c.attemptCounter(m, cl.method, code, n > 1).Inc()
 	}
-	if c.throttle != nil && code != codes.Unavailable && code != codes.ResourceExhausted {
+	if c.throttle != nil && count && code != codes.Unavailable && code != codes.ResourceExhausted {
 		c.throttle.Accepted()
 	}
 	if err == nil || ctx.Err() != nil || cl.hedge {
@@ -621,9 +628,8 @@ func (s *retryStream) RecvMsg(m any) error {
 			// does, and a Restartable call, whose caller takes the stream from its start.
 			return err
 		}
-		// (An attempt that answered and then failed is counted twice by the attempts
-		// metric: as OK at its first message, and with its error here.)
-		retry, out := s.cl.after(s.ctx, s.n, err, s.cur.Trailer())
+		// An attempt that answered was counted then (as OK): judged here, not recounted.
+		retry, out := s.cl.judge(s.ctx, s.n, err, s.cur.Trailer(), !s.received)
 		if !retry {
 			return out
 		}

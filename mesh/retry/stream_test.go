@@ -154,7 +154,8 @@ func TestStreamRestartableAfterFirstMessage(t *testing.T) {
 		return answer(ss, req)
 	}}
 	sl := &sleeper{}
-	cc := dial(t, serve(t, nil, svc), retry.Config{Sleep: sl.Sleep})
+	reg := prometheus.NewRegistry()
+	cc := dial(t, serve(t, nil, svc), retry.Config{Target: "toolrunner", Metrics: retry.NewMetrics(reg), Sleep: sl.Sleep})
 	var restarts []string
 	var got []*toolrunnerv1.ExecuteResponse
 	st, err := toolrunnerv1.NewToolRunnerServiceClient(cc).Execute(callCtx(t), toolReq, retry.Restartable(func(n int, err error) {
@@ -184,6 +185,14 @@ func TestStreamRestartableAfterFirstMessage(t *testing.T) {
 		if !proto.Equal(s.req, toolReq) {
 			t.Errorf("attempt %d saw request %v, want %v replayed", i+1, s.req, toolReq)
 		}
+	}
+	// Each attempt is counted once, when it answered: the cut one is not counted again.
+	l := map[string]string{"target": "toolrunner", "method": execute}
+	first := metric(t, reg, "curfew_retry_attempts_total", with(l, "code", "OK", "retry", "false"))
+	second := metric(t, reg, "curfew_retry_attempts_total", with(l, "code", "OK", "retry", "true"))
+	cut := metric(t, reg, "curfew_retry_attempts_total", with(l, "code", "Unavailable", "retry", "false"))
+	if first != 1 || second != 1 || cut != 0 {
+		t.Errorf("attempts counted: %v first, %v retry, %v as Unavailable; want 1, 1, 0", first, second, cut)
 	}
 }
 

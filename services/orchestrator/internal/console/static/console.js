@@ -3,12 +3,15 @@
 "use strict";
 
 // followRun keeps #live current from the run's event stream. An update waits while the
-// keyboard focus is inside the live part (a reason being typed is not wiped out).
+// keyboard focus is inside the live part (a reason being typed is not wiped out), and
+// while a pointer is pressed in it: replacing the part between a button's press and its
+// release would lose the click (Cancel, Approve).
 function followRun(live) {
   var pending = null;
+  var pressing = false;
   function apply(html) {
-    if (live.contains(document.activeElement) && document.activeElement !== document.body &&
-        document.activeElement.tagName !== "BUTTON") {
+    if (pressing || (live.contains(document.activeElement) && document.activeElement !== document.body &&
+        document.activeElement.tagName !== "BUTTON")) {
       pending = html;
       return;
     }
@@ -16,8 +19,23 @@ function followRun(live) {
     live.innerHTML = html;
     countdown();
   }
-  live.addEventListener("focusout", function () {
+  function flush() {
     setTimeout(function () { if (pending !== null) apply(pending); }, 0);
+  }
+  live.addEventListener("focusout", function (e) {
+    if (!live.contains(e.relatedTarget)) flush(); // focus moving within the part waits
+  });
+  live.addEventListener("pointerdown", function () { pressing = true; });
+  // After the release: the click it makes is dispatched first.
+  document.addEventListener("pointerup", function () {
+    if (!pressing) return;
+    pressing = false;
+    flush();
+  });
+  document.addEventListener("pointercancel", function () {
+    if (!pressing) return;
+    pressing = false;
+    flush();
   });
   var es = new EventSource(live.dataset.events);
   es.addEventListener("view", function (e) { apply(e.data); });
