@@ -185,9 +185,16 @@ func TestConsoleInBrowser(t *testing.T) {
 	// When the page first showed each node running (read before the cancel reloads it).
 	seen := value(ctx, t, 10*time.Second, "read the arrival times", chromedp.Evaluate[map[string]float64](`window.seen`))
 
-	// Cancel, with a reason, on B.
+	// Cancel, with a reason, on B. The reason field is focused in one evaluation: until
+	// then each view event replaces the live part, and a node looked up first may be gone
+	// when it is focused; from then on the page holds its updates (the focus is in the
+	// part), so the keys and the click reach the nodes they were aimed at.
+	if !value(ctx, t, 10*time.Second, "focus the reason", chromedp.Evaluate[bool](
+		`(() => { const el = document.getElementById("reason"); el.focus(); return document.activeElement === el; })()`)) {
+		t.Fatal("the reason field did not take the focus")
+	}
 	browse(ctx, t, 60*time.Second, "cancel on B",
-		chromedp.SendKeys(chromedp.ID("reason"), "e2e: stop it"),
+		chromedp.KeyEvent("e2e: stop it"),
 		chromedp.Click(chromedp.ID("cancel")),
 		chromedp.WaitVisible(chromedp.ID("cancel-line")),
 	)
