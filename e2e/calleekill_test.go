@@ -4,7 +4,6 @@ import (
 	"context"
 	"fmt"
 	"net"
-	"os"
 	"strconv"
 	"strings"
 	"sync"
@@ -48,24 +47,7 @@ func TestCalleesKilledMidCall(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
 	defer cancel()
 	dsn := storetest.PostgresDSN(t)
-	dir, err := os.MkdirTemp("", "curfew-calleekill-") // kept when the test fails, for the logs
-	if err != nil {
-		t.Fatal(err)
-	}
-	c, err := meshproc.NewCluster(ctx, dir, dsn)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() {
-		if err := c.Close(); err != nil {
-			t.Errorf("cluster: %v", err)
-		}
-		if t.Failed() {
-			t.Logf("process logs are in %s", dir)
-		} else {
-			_ = os.RemoveAll(dir)
-		}
-	})
+	c := newCluster(ctx, t, "calleekill", dsn)
 
 	ips := []string{"127.0.0.1", "127.0.0.2"}
 	targets := map[string]string{}

@@ -48,24 +48,7 @@ func newOpsBase(ctx context.Context, t *testing.T, name string) *opsCluster {
 // newOpsBaseOn is newOpsBase on the PostgreSQL store dsn names.
 func newOpsBaseOn(ctx context.Context, t *testing.T, name, dsn string) *opsCluster {
 	t.Helper()
-	dir, err := os.MkdirTemp("", "curfew-"+name+"-") // kept when the test fails, for the logs
-	if err != nil {
-		t.Fatal(err)
-	}
-	c, err := meshproc.NewCluster(ctx, dir, dsn)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() {
-		if err := c.Close(); err != nil {
-			t.Errorf("cluster: %v", err)
-		}
-		if t.Failed() {
-			t.Logf("process logs are in %s", dir)
-		} else {
-			_ = os.RemoveAll(dir)
-		}
-	})
+	c := newCluster(ctx, t, name, dsn)
 	st, err := store.Open(ctx, dsn)
 	if err != nil {
 		t.Fatal(err)

@@ -44,24 +44,8 @@ func TestAdmissionReloadOnTwoReplicas(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
 	defer cancel()
 	dsn := storetest.PostgresDSN(t)
-	dir, err := os.MkdirTemp("", "curfew-reload-") // kept when the test fails, for the logs
-	if err != nil {
-		t.Fatal(err)
-	}
-	c, err := meshproc.NewCluster(ctx, dir, dsn)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() {
-		if err := c.Close(); err != nil {
-			t.Errorf("cluster: %v", err)
-		}
-		if t.Failed() {
-			t.Logf("process logs are in %s", dir)
-		} else {
-			_ = os.RemoveAll(dir)
-		}
-	})
+	c := newCluster(ctx, t, "reload", dsn)
+	dir := c.Dir
 	adm := filepath.Join(dir, "admission.json")
 	writeFile(t, adm, reloadAdmission(1))
 	model, sub, tools, err := c.Mesh(ctx, nil)

@@ -19,7 +19,6 @@ import (
 
 	orchestratorv1 "github.com/curfew-mesh/curfew/gen/curfew/orchestrator/v1"
 	toolrunnerv1 "github.com/curfew-mesh/curfew/gen/curfew/toolrunner/v1"
-	"github.com/curfew-mesh/curfew/internal/meshproc"
 	"github.com/curfew-mesh/curfew/mesh/md"
 	"github.com/curfew-mesh/curfew/mesh/store/storetest"
 )
@@ -106,24 +105,8 @@ func TestRetryWindowsAcrossOrchestrators(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 3*time.Minute)
 	defer cancel()
 	dsn := storetest.PostgresDSN(t)
-	dir, err := os.MkdirTemp("", "curfew-retrywindow-") // kept when the test fails, for the logs
-	if err != nil {
-		t.Fatal(err)
-	}
-	c, err := meshproc.NewCluster(ctx, dir, dsn)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() {
-		if err := c.Close(); err != nil {
-			t.Errorf("cluster: %v", err)
-		}
-		if t.Failed() {
-			t.Logf("process logs are in %s", dir)
-		} else {
-			_ = os.RemoveAll(dir)
-		}
-	})
+	c := newCluster(ctx, t, "retrywindow", dsn)
+	dir := c.Dir
 
 	dep := &downTools{retries: map[string][]time.Time{}}
 	var lc net.ListenConfig
