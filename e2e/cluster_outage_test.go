@@ -9,6 +9,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/jackc/pgx/v5"
+
 	adminv1 "github.com/curfew-mesh/curfew/gen/curfew/admin/v1"
 	orchestratorv1 "github.com/curfew-mesh/curfew/gen/curfew/orchestrator/v1"
 	"github.com/curfew-mesh/curfew/mesh/admission"
@@ -26,6 +28,8 @@ type loadResult struct {
 // cluster-wide admission is degraded and still answer status; once it is back,
 // coordination resumes: runs succeed again, the paid cap of 2 holds across both
 // replicas, status is coordinated again, and no slot stays held once the load ends.
+// No spend is lost to the outage: the durable ledger ends up with every token modelproxy
+// counted, those its decoders emitted while the store was down included.
 func TestClusterCoordinationSurvivesStoreOutage(t *testing.T) {
 	t.Parallel()
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
@@ -180,4 +184,30 @@ func TestClusterCoordinationSurvivesStoreOutage(t *testing.T) {
 		}
 		return true
 	})
+
+	// The decoders that ran while the store was down kept their entries and appended them
+	// once it was back: no gap between the ledger and modelproxy's own count.
+	var ledger, emitted float64
+	waitFor(t, "the ledger holds every token modelproxy emitted", 30*time.Second, func() bool {
+		emitted = metricsPage(t, model).value("curfew_model_tokens_total", nil, false)
+		ledger = ledgerTokens(ctx, t, pg.dsn())
+		return emitted > 0 && ledger == emitted
+	})
+	t.Logf("the ledger holds %.0f tokens, modelproxy emitted %.0f", ledger, emitted)
+}
+
+// ledgerTokens sums the output and orphan tokens of every entry in the durable ledger at
+// dsn (the prompt entries apart).
+func ledgerTokens(ctx context.Context, t *testing.T, dsn string) float64 {
+	t.Helper()
+	c, err := pgx.Connect(ctx, dsn)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = c.Close(ctx) }()
+	var n int64
+	if err := c.QueryRow(ctx, `SELECT COALESCE(SUM(tokens), 0) FROM token_ledger WHERE kind <> 'prompt'`).Scan(&n); err != nil {
+		t.Fatal(err)
+	}
+	return float64(n)
 }

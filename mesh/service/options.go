@@ -73,6 +73,11 @@ type Options struct {
 	// Chaos honours the per-request curfew-chaos header: the drill's fault switches
 	// (package chaos, docs/drill.md). Off by default; never set it in production.
 	Chaos bool
+	// Pprof serves Go's runtime profiles under /debug/pprof/ on the admin address: CPU,
+	// allocations, heap (?gc=1 collects first), goroutines. Off by default: a profile
+	// costs CPU while it is taken and shows the program's internals to whoever reaches
+	// the admin port.
+	Pprof bool
 	// MaxRecvMsgSize bounds one request message, in bytes; a larger one is refused
 	// with RESOURCE_EXHAUSTED before any handler runs. DefaultMaxRecvMsgSize when 0.
 	MaxRecvMsgSize int
@@ -112,6 +117,7 @@ func (o *Options) Register(fs *flag.FlagSet, name, addr, admin string) {
 	fs.IntVar(&o.MaxRecvMsgSize, "max-recv-msg-size", DefaultMaxRecvMsgSize, "largest request message accepted, in bytes; larger ones are refused with RESOURCE_EXHAUSTED")
 	fs.IntVar(&o.MaxHeaderListSize, "max-header-list-size", DefaultMaxHeaderListSize, "largest request metadata (all headers) accepted, in bytes")
 	fs.BoolVar(&o.Chaos, "chaos", false, "chaos settings for drills: honour the per-request curfew-chaos header's fault switches (docs/drill.md); off by default, never in production")
+	fs.BoolVar(&o.Pprof, "pprof", false, "serve Go's runtime profiles under /debug/pprof/ on --admin-addr (CPU, allocations, heap with ?gc=1 collecting first, goroutines), for the soak's profiles (docs/soak.md); off by default")
 	o.Retry.Register(fs)
 	o.Breaker.Register(fs)
 }

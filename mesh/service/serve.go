@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"net/http"
+	"net/http/pprof"
 	"time"
 
 	"github.com/prometheus/client_golang/prometheus/promhttp"
@@ -140,7 +141,7 @@ func (rt *Runtime) Serve(ctx context.Context) error {
 }
 
 // adminMux is the admin port's handler: /healthz (the process is up), /readyz (health
-// is SERVING) and /metrics (Registry).
+// is SERVING), /metrics (Registry) and, with Options.Pprof, /debug/pprof/.
 func (rt *Runtime) adminMux() *http.ServeMux {
 	mux := http.NewServeMux()
 	mux.HandleFunc("/healthz", func(w http.ResponseWriter, _ *http.Request) { _, _ = w.Write([]byte("ok\n")) })
@@ -157,6 +158,13 @@ func (rt *Runtime) adminMux() *http.ServeMux {
 	// log the failure, rather than answer 500 for the whole page.
 	mux.Handle("/metrics", promhttp.HandlerFor(rt.Registry, promhttp.HandlerOpts{
 		ErrorHandling: promhttp.ContinueOnError, ErrorLog: slogPrinter{rt.Log}}))
+	if rt.Opts.Pprof {
+		mux.HandleFunc("/debug/pprof/", pprof.Index) // heap, allocs, goroutine, block, mutex
+		mux.HandleFunc("/debug/pprof/cmdline", pprof.Cmdline)
+		mux.HandleFunc("/debug/pprof/profile", pprof.Profile)
+		mux.HandleFunc("/debug/pprof/symbol", pprof.Symbol)
+		mux.HandleFunc("/debug/pprof/trace", pprof.Trace)
+	}
 	return mux
 }
 

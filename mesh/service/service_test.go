@@ -178,6 +178,19 @@ func start(t *testing.T, o service.Options, register func(*grpc.Server)) *runnin
 	return startHooked(t, o, register, nil)
 }
 
+// With --pprof the admin address serves the runtime's profiles; a heap profile with
+// ?gc=1 collects first (the soak's heap after a forced collection).
+func TestRuntimeServesProfilesWithPprof(t *testing.T) {
+	o := validOptions()
+	o.Pprof = true
+	r := start(t, o, nil)
+	for _, path := range []string{"/debug/pprof/", "/debug/pprof/heap?gc=1", "/debug/pprof/goroutine?debug=1", "/debug/pprof/profile?seconds=1"} {
+		if code, body := get(t, r.admin+path); code != http.StatusOK || body == "" {
+			t.Errorf("%s = %d, %d bytes; want 200 and a profile", path, code, len(body))
+		}
+	}
+}
+
 var httpClient = &http.Client{Transport: &http.Transport{DisableKeepAlives: true}, Timeout: 3 * time.Second}
 
 func get(t *testing.T, url string) (int, string) {
@@ -212,6 +225,9 @@ func TestRuntimeServesHealthAdminAndReflection(t *testing.T) {
 	}
 	if code, body := get(t, r.admin+"/metrics"); code != http.StatusOK || !strings.Contains(body, "go_goroutines") {
 		t.Errorf("/metrics = %d, has go_goroutines: %v", code, strings.Contains(body, "go_goroutines"))
+	}
+	if code, _ := get(t, r.admin+"/debug/pprof/heap"); code != http.StatusNotFound {
+		t.Errorf("/debug/pprof/heap without --pprof = %d, want 404", code)
 	}
 
 	refl, err := reflectionpb.NewServerReflectionClient(r.cc).ServerReflectionInfo(ctx)

@@ -30,6 +30,11 @@ import (
 	"github.com/curfew-mesh/curfew/services/modelproxy/internal/modelproxy"
 )
 
+// ledgerFlushBound bounds the wait at exit for the token ledger's last entries to reach
+// the store (retried meanwhile if the store fails); what it cannot take by then is
+// logged as lost.
+const ledgerFlushBound = 5 * time.Second
+
 func main() { os.Exit(run(os.Args[1:])) }
 
 func run(args []string) int {
@@ -99,7 +104,13 @@ func run(args []string) int {
 		return 1
 	}
 	srv := modelproxy.New(st)
-	defer srv.Flush() // the last decoders' entries, before the store closes
+	defer func() { // the last decoders' entries, before the store closes
+		fctx, cancel := context.WithTimeout(context.Background(), ledgerFlushBound)
+		defer cancel()
+		if err := srv.Flush(fctx); err != nil {
+			rt.Log.Error("modelproxy: at exit", "error", err.Error())
+		}
+	}()
 	srv.Metrics = modelproxy.NewMetrics(rt.Registry)
 	srv.Log = rt.Log
 	srv.Leases.TTL = *leaseTTL

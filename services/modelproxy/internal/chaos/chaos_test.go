@@ -30,7 +30,7 @@ func serve(t *testing.T, bare bool) (*modelproxy.Server, modelproxyv1.ModelProxy
 	t.Helper()
 	log := slog.New(slog.DiscardHandler)
 	srv := modelproxy.New(storetest.OpenMemory(t))
-	t.Cleanup(srv.Flush) // before the store closes
+	t.Cleanup(func() { _ = srv.Flush(context.Background()) }) // before the store closes
 	srv.Log = log
 	var svc modelproxyv1.ModelProxyServiceServer = srv
 	if !bare {

@@ -46,7 +46,7 @@ func BenchmarkCancelDecoders(b *testing.B) {
 			}
 			srv := New(st)
 			srv.Log = slog.New(slog.DiscardHandler)
-			b.Cleanup(srv.Flush)
+			b.Cleanup(func() { _ = srv.Flush(context.Background()) })
 			cc := meshtest.Serve(b, mesh.ServerConfig{Logger: srv.Log}, func(gs *grpc.Server) {
 				modelproxyv1.RegisterModelProxyServiceServer(gs, srv)
 				meshv1.RegisterNodeReportServiceServer(gs, srv.Report())

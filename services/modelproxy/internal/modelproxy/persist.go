@@ -3,9 +3,11 @@ package modelproxy
 import (
 	"context"
 	"crypto/rand"
+	"errors"
 	"fmt"
 	"log/slog"
 	"slices"
+	"strconv"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -48,54 +50,85 @@ const persistDelay = 20 * time.Millisecond
 // persistBatch bounds the entries appended in one transaction.
 const persistBatch = 512
 
+// spendCheckpoint is how often a streaming decoder's tokens are queued for the durable
+// ledger: a decoder queues the tokens recorded since its last part at its first token
+// after each interval, and the rest when it ends. A modelproxy killed mid-stream so loses
+// at most this interval of a decoder's spend (plus persistDelay), not the whole decode.
+const spendCheckpoint = 500 * time.Millisecond
+
 // spend is one decoder's share of the ledger: it records each token into the server's
 // in-memory Ledger and, when the server persists (a shared store), keeps the token's
-// instant and the instant the decoder's context was cancelled, so that the decoder's own
-// tokens can be appended to the store when it ends. Tokens of a decoder are recorded by
-// its own goroutine only.
+// instant and the instant the decoder's context was cancelled, and queues the decoder's
+// tokens for the store in parts: one every spendCheckpoint while it streams, and the
+// last when it ends. Tokens of a decoder are recorded by its own goroutine only.
 type spend struct {
-	ledger    *Ledger
-	run, node string
-	keep      bool    // persisted: keep the instants
-	at        []int64 // unix nanos of the decoder's tokens
-	prompted  int64   // prompt tokens charged
-	spent     int64   // output and prompt tokens recorded, persisted or not (the budget's settle)
+	srv       *Server
+	ctx       context.Context // the call's: its identity names the entries
+	run, node string          // the in-memory ledger's key
+	keep      bool            // persisted: keep the instants
+	at        []int64         // unix nanos of the decoder's tokens
+	prompted  int64           // prompt tokens charged
+	spent     int64           // output and prompt tokens recorded, persisted or not (the budget's settle)
 	cancelled atomic.Int64
 	// output counts the output tokens recorded so far, for readers on other goroutines
 	// (ListDecoders).
 	output atomic.Int64
 	done   chan struct{} // closed once the cancel instant is stored
 	stop   func() bool
+
+	// The parts for the durable ledger (keep and a run id).
+	prun     string    // the run the entries are attributed to; "": nothing is persisted
+	key      string    // the decoder's ledger key; part k is key/k
+	provider string    // the provider of the latest tokens
+	parts    int       // parts queued
+	queued   int       // instants of at queued so far
+	prompts  int64     // prompt tokens queued so far
+	last     time.Time // when the last part was queued, or the decoder started
 }
 
-// newSpend starts the tally of a decoder whose node context is ctx.
-func (s *Server) newSpend(ctx context.Context, run, node string) *spend {
-	d := &spend{ledger: s.Ledger, run: run, node: node, keep: s.Store.Shared()}
+// newSpend starts the tally of a decoder whose node context is ctx, keyed run and node in
+// the in-memory ledger and attributed to prun in the store ("" for a call without a run
+// id: not persisted).
+func (s *Server) newSpend(ctx context.Context, run, node, prun string) *spend {
+	d := &spend{srv: s, ctx: ctx, run: run, node: node, keep: s.Store.Shared(), prun: prun, last: s.now()}
 	if d.keep {
 		d.done = make(chan struct{})
 		d.stop = context.AfterFunc(ctx, func() {
 			d.cancelled.Store(s.now().UnixNano())
 			close(d.done)
 		})
+		if prun != "" {
+			d.key = s.ledgerEntryKey(ctx, prun, node)
+		}
 	}
 	return d
 }
 
-// record adds n tokens emitted at instant at.
-func (d *spend) record(at time.Time, n int) {
+// record adds n tokens emitted at instant at by provider, and queues a part for the
+// store when the last is spendCheckpoint old.
+func (d *spend) record(at time.Time, n int, provider string) {
 	if n <= 0 {
 		return
 	}
 	d.spent += int64(n)
 	d.output.Add(int64(n))
-	d.ledger.RecordN(d.run, d.node, at, n)
-	if d.keep {
-		ns := at.UnixNano()
-		for range n {
-			d.at = append(d.at, ns)
+	d.ledger().RecordN(d.run, d.node, at, n)
+	if !d.keep {
+		return
+	}
+	ns := at.UnixNano()
+	for range n {
+		d.at = append(d.at, ns)
+	}
+	d.provider = provider
+	if d.key != "" {
+		if now := d.srv.now(); now.Sub(d.last) >= d.srv.checkpoint {
+			d.checkpoint(now)
 		}
 	}
 }
+
+func (d *spend) ledger() *Ledger { return d.srv.Ledger }
 
 // prompt adds the n prompt tokens the provider charged the decoder's request.
 func (d *spend) prompt(n int64) {
@@ -103,16 +136,36 @@ func (d *spend) prompt(n int64) {
 		return
 	}
 	d.spent += n
-	d.ledger.RecordPrompt(d.run, d.node, n)
+	d.ledger().RecordPrompt(d.run, d.node, n)
 	if d.keep {
 		d.prompted += n
 	}
 }
 
-// end stops watching the context and returns the decoder's tokens split at the instant
-// its context was cancelled (all of them are output when it was not), and the prompt
-// tokens it was charged. Without a shared store it returns nothing: nothing is persisted.
-func (d *spend) end() (output, orphan, prompt int64) {
+// checkpoint queues the tokens recorded since the last part while the decoder streams.
+// Its split of output from orphan tokens needs the cancel's instant: while the context is
+// done but the instant not yet stored, it waits for the end instead.
+func (d *spend) checkpoint(now time.Time) {
+	var c int64
+	select {
+	case <-d.done:
+		c = d.cancelled.Load()
+	default:
+		if d.ctx.Err() != nil {
+			return
+		}
+		// Not cancelled now: every token recorded so far precedes any later cancel.
+	}
+	d.queue(c)
+	d.last = now
+}
+
+// end stops watching the context, queues the decoder's last part for the store (it
+// is attributed to the provider that decoded, provider), and returns the decoder's
+// tokens in all, split at the instant its context was cancelled (all of them are output
+// when it was not), and the prompt tokens it was charged. Without a shared store it
+// returns nothing: nothing is persisted.
+func (d *spend) end(provider string) (output, orphan, prompt int64) {
 	if !d.keep {
 		return 0, 0, 0
 	}
@@ -120,6 +173,12 @@ func (d *spend) end() (output, orphan, prompt int64) {
 		<-d.done // the cancel fired: wait until its instant is stored
 	}
 	c := d.cancelled.Load()
+	if provider != "" {
+		d.provider = provider
+	}
+	if d.key != "" {
+		d.queue(c)
+	}
 	for _, t := range d.at {
 		if c != 0 && t > c {
 			orphan++
@@ -128,22 +187,97 @@ func (d *spend) end() (output, orphan, prompt int64) {
 	return int64(len(d.at)) - orphan, orphan, d.prompted
 }
 
+// queue queues the part of the tokens and prompt tokens not queued yet, split at the
+// cancel instant c (0: not cancelled): an "output" entry with the tokens before it, an
+// "orphan" entry with those after, and a "prompt" entry (store.KindPrompt), each only
+// when non-zero, under the key key/k of the decoder's k-th part.
+func (d *spend) queue(c int64) {
+	var output, orphan int64
+	for _, t := range d.at[d.queued:] {
+		if c != 0 && t > c {
+			orphan++
+		} else {
+			output++
+		}
+	}
+	prompt := d.prompted - d.prompts
+	if output == 0 && orphan == 0 && prompt == 0 {
+		return
+	}
+	d.queued, d.prompts = len(d.at), d.prompted
+	d.parts++
+	id := md.IdentityFrom(d.ctx)
+	tenant := id.Tenant
+	if tenant == "" {
+		tenant = md.DefaultTenant
+	}
+	key := d.key + "/" + strconv.Itoa(d.parts)
+	entry := func(kind, key string, n int64) store.LedgerEntry {
+		return store.LedgerEntry{Tenant: tenant, RunID: d.prun, NodeID: d.node, Tokens: n, Kind: kind, Key: key,
+			RetryID: id.RetryID, Provider: d.provider}
+	}
+	entries := make([]store.LedgerEntry, 0, 3)
+	if output > 0 {
+		entries = append(entries, entry(KindOutput, key, output))
+	}
+	if orphan > 0 {
+		entries = append(entries, entry(KindOrphan, key+"/"+KindOrphan, orphan))
+	}
+	if prompt > 0 {
+		entries = append(entries, entry(store.KindPrompt, key+"/"+store.KindPrompt, prompt))
+	}
+	d.srv.enqueue(d.ctx, entries...)
+}
+
+// ledgerEntryKey is the key of a decoder of node attributed to run in the durable ledger.
+// run/node/retry-id/attempt name the decoder for whoever reads the ledger; the process
+// nonce and the sequence make the key unique to this decoder, so a step decoded again (by
+// a retry or after an orchestrator restart) is new entries, while an append of an entry
+// repeated (after a failed transaction) is not counted twice.
+func (s *Server) ledgerEntryKey(ctx context.Context, run, node string) string {
+	id := md.IdentityFrom(ctx)
+	retry := id.RetryID
+	if retry == "" {
+		retry = "-"
+	}
+	p := &s.persister
+	return fmt.Sprintf("modelproxy/%s/%s/%s/%d/%s.%d", run, node, retry, max(id.Attempt, 1), p.nonce, p.seq.Add(1))
+}
+
 // persister queues decoders' ledger entries and appends them to the store off the
 // calls' path: one writer goroutine, started by the first entry queued while none runs,
 // waits persistDelay, appends what has queued (at most persistBatch) in one transaction,
 // and ends when the queue is empty.
+//
+// An append that fails (the store restarting, unreachable) is not lost: its entries go
+// back to the head of the queue and the writer tries again after a backoff (from
+// persistDelay doubling to persistRetryMax), until the store takes them. Their keys make
+// a repeated append count once. The queue holds at most persistQueueMax entries; beyond,
+// the oldest are dropped and logged as lost.
 type persister struct {
 	nonce string        // random per process: keys of a restarted modelproxy never collide
 	seq   atomic.Uint64 // per decoder
 
-	mu      sync.Mutex
-	queue   []store.LedgerEntry
-	running bool          // the writer is running
-	delay   time.Duration // persistDelay; tests may change it
-	waiters int           // Flush calls waiting: the writer does not delay
-	hurry   chan struct{} // wakes a delaying writer for Flush (capacity 1)
-	idle    sync.Cond     // on mu, broadcast when the writer ends
+	mu        sync.Mutex
+	queue     []store.LedgerEntry
+	running   bool          // the writer is running
+	delay     time.Duration // persistDelay; tests may change it
+	waiters   int           // Flush calls waiting: the writer does not delay
+	hurry     chan struct{} // wakes a delaying writer for Flush (capacity 1)
+	idle      sync.Cond     // on mu, broadcast when the writer ends or gives up an attempt
+	abandon   bool          // a Flush ran out of time: the writer drops what is queued and ends
+	failing   time.Time     // since when appends fail; zero while they succeed
+	dropped   int64         // entries dropped over persistQueueMax since the last log line
+	queueMax  int           // persistQueueMax; tests may change it
+	retryBase time.Duration // the first retry's backoff: persistDelay; tests may change it
 }
+
+// persistRetryMax bounds the backoff between appends retried while the store fails.
+const persistRetryMax = 2 * time.Second
+
+// persistQueueMax bounds the entries waiting for the store (about 200 bytes each): a
+// store down for long costs memory up to this, then the oldest entries.
+const persistQueueMax = 200_000
 
 // enqueue queues es and starts the writer unless it runs. ctx is the queuing call's,
 // detached from its cancellation for the writer.
@@ -152,6 +286,10 @@ func (s *Server) enqueue(ctx context.Context, es ...store.LedgerEntry) {
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	p.queue = append(p.queue, es...)
+	if over := len(p.queue) - p.max(); over > 0 {
+		p.queue = p.queue[over:]
+		p.dropped += int64(over)
+	}
 	if p.running {
 		return
 	}
@@ -168,15 +306,29 @@ func (p *persister) init() {
 	}
 }
 
+func (p *persister) max() int {
+	if p.queueMax > 0 {
+		return p.queueMax
+	}
+	return persistQueueMax
+}
+
 // write is the writer: it appends the queue in batches until it is empty.
 func (s *Server) write(ctx context.Context) {
 	p := &s.persister
+	var backoff time.Duration // while appends fail
 	for {
 		p.mu.Lock()
-		hurry := p.waiters > 0
+		wait := p.delay
+		if p.waiters > 0 {
+			wait = 0
+		}
+		if backoff > 0 {
+			wait = backoff
+		}
 		p.mu.Unlock()
-		if !hurry {
-			t := time.NewTimer(p.delay)
+		if wait > 0 {
+			t := time.NewTimer(wait)
 			select {
 			case <-t.C:
 			case <-p.hurry:
@@ -184,16 +336,49 @@ func (s *Server) write(ctx context.Context) {
 			}
 		}
 		p.mu.Lock()
+		if p.abandon {
+			s.lost(p.queue, "the store did not take them before the flush's bound")
+			p.queue = nil
+		}
 		batch := p.queue
 		if len(batch) > persistBatch {
 			batch = batch[:persistBatch:persistBatch]
 		}
-		p.queue = p.queue[len(batch):]
 		p.mu.Unlock()
 
-		s.append(ctx, batch)
+		var err error
+		if len(batch) > 0 {
+			err = s.append(ctx, batch)
+		}
 
 		p.mu.Lock()
+		if p.dropped > 0 {
+			s.log().Error("token ledger: too many entries waiting for the store; the oldest were dropped",
+				"entries", p.dropped, "queue_max", p.max())
+			p.dropped = 0
+		}
+		switch {
+		case err != nil && retriable(err) && !p.abandon:
+			if p.failing.IsZero() {
+				p.failing = time.Now()
+				s.log().Warn("token ledger entries not persisted yet: retrying until the store takes them",
+					"entries", len(p.queue), "error", err.Error())
+			}
+			backoff = min(max(2*backoff, p.retryFirst()), persistRetryMax)
+			p.idle.Broadcast() // a Flush may be waiting to give up
+		case err != nil:
+			s.lost(batch, err.Error())
+			fallthrough
+		default:
+			if !p.failing.IsZero() && err == nil && len(batch) > 0 {
+				s.log().Info("token ledger: the store takes entries again", "failed_for", time.Since(p.failing).Round(time.Millisecond).String())
+				p.failing = time.Time{}
+			}
+			backoff = 0
+			// The batch is the queue's head (entries are only added at its tail, and
+			// dropped from its head only beyond the bound).
+			p.queue = p.queue[min(len(batch), len(p.queue)):]
+		}
 		if len(p.queue) == 0 {
 			p.queue = nil // let the appended entries go
 			p.running = false
@@ -209,90 +394,84 @@ func (s *Server) write(ctx context.Context) {
 	}
 }
 
-// append writes batch in one transaction, bounded by persistTimeout; a failure is logged
-// (the in-memory ledger still has the tokens).
-func (s *Server) append(ctx context.Context, batch []store.LedgerEntry) {
+func (p *persister) retryFirst() time.Duration {
+	if p.retryBase > 0 {
+		return p.retryBase
+	}
+	return persistDelay
+}
+
+// retriable reports whether an append that failed with err may succeed later: every
+// failure but an entry the store refuses (store.ErrInvalidArgument).
+func retriable(err error) bool { return !errors.Is(err, store.ErrInvalidArgument) }
+
+// append writes batch in one transaction, bounded by persistTimeout.
+func (s *Server) append(ctx context.Context, batch []store.LedgerEntry) error {
 	ctx, cancel := context.WithTimeout(ctx, persistTimeout)
 	defer cancel()
-	if _, err := s.Store.AddTokens(ctx, batch...); err != nil {
-		var tokens int64
-		var runs []string
-		for _, e := range batch {
-			tokens += e.Tokens
-			if len(runs) < 8 && !slices.Contains(runs, e.RunID) {
-				runs = append(runs, e.RunID)
-			}
-		}
-		s.log().Warn("token ledger entries not persisted", "entries", len(batch), "tokens", tokens,
-			"runs", runs, "first_key", batch[0].Key, "error", err.Error())
+	_, err := s.Store.AddTokens(ctx, batch...)
+	return err
+}
+
+// lost logs entries given up on, and why.
+func (s *Server) lost(batch []store.LedgerEntry, why string) {
+	if len(batch) == 0 {
+		return
 	}
+	var tokens int64
+	var runs []string
+	for _, e := range batch {
+		tokens += e.Tokens
+		if len(runs) < 8 && !slices.Contains(runs, e.RunID) {
+			runs = append(runs, e.RunID)
+		}
+	}
+	s.log().Error("token ledger entries lost", "entries", len(batch), "tokens", tokens,
+		"runs", runs, "first_key", batch[0].Key, "why", why)
 }
 
 // newNonce returns the random part of this process's ledger keys.
 func newNonce() string { return rand.Text()[:12] }
 
-// persist queues the entries of a decoder of node that just ended, attributed to run
-// (the ledger's key of the call's run id), the call's tenant and retry-id, and the
-// provider that decoded (its figures from spend.end): one "output" entry with the tokens
-// it emitted before a cancel, one "orphan" entry with those after, and one "prompt"
-// entry (store.KindPrompt) with the prompt tokens it was charged, each only when
-// non-zero, and nothing for a call without a run id. The entries are queued for the
-// writer (persister), so the caller's stream ends without waiting for the store; a
-// failure is logged. Flush appends what is queued.
-func (s *Server) persist(ctx context.Context, run, node, provider string, output, orphan, prompt int64) {
-	if (output == 0 && orphan == 0 && prompt == 0) || run == "" {
-		return
-	}
-	id := md.IdentityFrom(ctx)
-	id.RunID = run
-	tenant := id.Tenant
-	if tenant == "" {
-		tenant = md.DefaultTenant
-	}
-	p := &s.persister
-	retry := id.RetryID
-	if retry == "" {
-		retry = "-"
-	}
-	// run/node/retry-id/attempt name the decoder for whoever reads the ledger; the
-	// process nonce and the sequence make the key unique to this decoder, so a step
-	// decoded again (by a retry or after an orchestrator restart) is a new entry, while an
-	// append of this entry repeated is not counted twice.
-	key := fmt.Sprintf("modelproxy/%s/%s/%s/%d/%s.%d", id.RunID, node, retry, max(id.Attempt, 1), p.nonce, p.seq.Add(1))
-	entries := make([]store.LedgerEntry, 0, 3)
-	if output > 0 {
-		entries = append(entries, store.LedgerEntry{Tenant: tenant, RunID: id.RunID, NodeID: node, Tokens: output, Kind: KindOutput, Key: key,
-			RetryID: id.RetryID, Provider: provider})
-	}
-	if orphan > 0 {
-		entries = append(entries, store.LedgerEntry{Tenant: tenant, RunID: id.RunID, NodeID: node, Tokens: orphan, Kind: KindOrphan, Key: key + "/" + KindOrphan,
-			RetryID: id.RetryID, Provider: provider})
-	}
-	if prompt > 0 {
-		entries = append(entries, store.LedgerEntry{Tenant: tenant, RunID: id.RunID, NodeID: node, Tokens: prompt, Kind: store.KindPrompt, Key: key + "/" + store.KindPrompt,
-			RetryID: id.RetryID, Provider: provider})
-	}
-	s.enqueue(ctx, entries...)
-}
-
 // Flush appends the queued ledger entries without delay and returns once none is queued
-// or being appended. Call it before closing the store.
-func (s *Server) Flush() {
+// or being appended: call it before closing the store. While the store fails, the
+// appends are retried until ctx is done; then what is still queued is dropped, logged,
+// and counted in the error.
+func (s *Server) Flush(ctx context.Context) error {
 	p := &s.persister
 	p.mu.Lock()
 	defer p.mu.Unlock()
 	p.init()
 	p.waiters++
-	if p.running {
+	defer func() { p.waiters-- }()
+	wake := func() {
 		select {
 		case p.hurry <- struct{}{}:
 		default:
 		}
 	}
+	if p.running {
+		wake()
+	}
+	stop := context.AfterFunc(ctx, func() {
+		p.mu.Lock()
+		p.idle.Broadcast()
+		p.mu.Unlock()
+	})
+	defer stop()
+	var lost int
 	for p.running {
+		if ctx.Err() != nil && !p.abandon {
+			p.abandon, lost = true, len(p.queue)
+			wake()
+		}
 		p.idle.Wait()
 	}
-	p.waiters--
+	p.abandon = false
+	if lost > 0 {
+		return fmt.Errorf("token ledger: %d entries not persisted: %w", lost, context.Cause(ctx))
+	}
+	return nil
 }
 
 func (s *Server) log() *slog.Logger {

@@ -3,12 +3,14 @@ package modelproxy
 import (
 	"context"
 	"database/sql"
+	"errors"
 	"fmt"
 	"log/slog"
 	"path/filepath"
 	"slices"
 	"strings"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -108,13 +110,19 @@ func (d *durable) usage(t *testing.T, run string) store.Usage {
 // persistEnv is newEnv with the server persisting its ledger to d.
 func persistEnv(t *testing.T, d *durable) *env {
 	t.Helper()
-	srv := New(d.s)
+	return persistEnvOn(t, d.s)
+}
+
+// persistEnvOn is newEnv with the server persisting its ledger to st.
+func persistEnvOn(t *testing.T, st LedgerStore) *env {
+	t.Helper()
+	srv := New(st)
 	srv.Log = slog.New(slog.DiscardHandler)
 	cc := meshtest.Serve(t, mesh.ServerConfig{Logger: slog.New(slog.DiscardHandler)}, func(gs *grpc.Server) {
 		modelproxyv1.RegisterModelProxyServiceServer(gs, srv)
 		meshv1.RegisterNodeReportServiceServer(gs, srv.Report())
 	})
-	t.Cleanup(srv.Flush) // runs before the store closes (cleanups run last-in first-out)
+	t.Cleanup(func() { flush(t, srv) }) // runs before the store closes (cleanups run last-in first-out)
 	return &env{srv: srv, model: modelproxyv1.NewModelProxyServiceClient(cc), report: meshv1.NewNodeReportServiceClient(cc)}
 }
 
@@ -147,7 +155,7 @@ func TestLedgerPersistsOneEntryPerDecoder(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	e.srv.Flush()
+	flush(t, e.srv)
 	first := delivered(chunks)
 	if first != 5 {
 		t.Fatalf("delivered %d tokens, want 5", first)
@@ -169,7 +177,7 @@ func TestLedgerPersistsOneEntryPerDecoder(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	e.srv.Flush()
+	flush(t, e.srv)
 	second := delivered(chunks)
 	rows = d.rows(t, run)
 	if len(rows) != 2 || rows[1].tokens != second || rows[1].key == rows[0].key || !strings.HasPrefix(rows[1].key, "modelproxy/"+run+"/"+node+"/") {
@@ -186,7 +194,7 @@ func TestLedgerPersistsOneEntryPerDecoder(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	e.srv.Flush()
+	flush(t, e.srv)
 	third := delivered(chunks)
 	if rows = d.rows(t, run); len(rows) != 3 {
 		t.Fatalf("after a restart rows = %+v, want three entries", rows)
@@ -232,7 +240,7 @@ func TestLedgerPersistsCancelledDecoder(t *testing.T) {
 	meshtest.WaitNode(t, e.srv.Nodes, run, node)
 	var rows []row
 	for deadline := time.Now().Add(5 * time.Second); ; time.Sleep(5 * time.Millisecond) {
-		e.srv.Flush()
+		flush(t, e.srv)
 		if rows = d.rows(t, run); len(rows) > 0 || time.Now().After(deadline) {
 			break
 		}
@@ -256,7 +264,7 @@ func TestLedgerNotPersistedWithoutRunOrTokens(t *testing.T) {
 	fault := `{"steps":[{"answer_tokens":3,"model_error":{"attempts":1}}]}`
 	_, err := generate(tenantIdent("r-none", "root/m0"), t, e.model, &modelproxyv1.GenerateRequest{Messages: conversation(fault, 0)})
 	meshtest.WantCode(t, err, codes.Unavailable)
-	e.srv.Flush()
+	flush(t, e.srv)
 	for _, run := range []string{"", unattributed, "r-none"} {
 		if rows := d.rows(t, run); len(rows) != 0 {
 			t.Fatalf("run %q has rows %+v, want none", run, rows)
@@ -272,28 +280,27 @@ func TestLedgerNotPersistedWithoutRunOrTokens(t *testing.T) {
 func TestLedgerPersistsOrphanTokens(t *testing.T) {
 	d := openDurable(t, "")
 	s := New(d.s)
-	defer s.Flush()
+	defer flush(t, s)
 	base := time.Unix(1_700_000_000, 0)
 	clock := base
 	s.now = func() time.Time { return clock }
 
 	const run, node = "r-orphan", "root/m0"
 	ctx, cancel := context.WithCancel(md.WithIdentity(context.Background(), md.Identity{Tenant: testTenant, RunID: run, NodeID: node}))
-	sp := s.newSpend(ctx, run, node)
-	sp.record(base.Add(10*time.Millisecond), 3)
+	sp := s.newSpend(ctx, run, node, run)
+	sp.record(base.Add(10*time.Millisecond), 3, SimModel)
 	clock = base.Add(20 * time.Millisecond)
 	cancel() // the cancel instant is the clock's: +20 ms
-	sp.record(base.Add(30*time.Millisecond), 2)
+	sp.record(base.Add(30*time.Millisecond), 2, SimModel)
 	sp.prompt(9)
-	output, orphan, prompt := sp.end()
+	output, orphan, prompt := sp.end(SimModel)
 	if output != 3 || orphan != 2 || prompt != 9 {
 		t.Fatalf("split = %d output, %d orphan, %d prompt; want 3, 2 and 9", output, orphan, prompt)
 	}
 	if total, before, after := s.Ledger.Figures(run, node, clock); total != 5 || before != 3 || after != 2 {
 		t.Fatalf("in-memory figures = %d, %d, %d; want 5, 3, 2", total, before, after)
 	}
-	s.persist(ctx, run, node, SimModel, output, orphan, prompt)
-	s.Flush()
+	flush(t, s)
 	if pr := d.promptRows(t, run); len(pr) != 1 || pr[0].tokens != 9 || pr[0].key == "" {
 		t.Fatalf("prompt rows = %+v, want one of 9 tokens under the decoder's key", pr)
 	}
@@ -307,25 +314,164 @@ func TestLedgerPersistsOrphanTokens(t *testing.T) {
 	}
 
 	// Without a cancel every token is output.
-	sp = s.newSpend(md.WithIdentity(context.Background(), md.Identity{RunID: run, NodeID: node}), run, node)
-	sp.record(clock, 4)
-	if output, orphan, _ := sp.end(); output != 4 || orphan != 0 {
+	sp = s.newSpend(md.WithIdentity(context.Background(), md.Identity{RunID: run, NodeID: node}), run, node, run)
+	sp.record(clock, 4, SimModel)
+	if output, orphan, _ := sp.end(SimModel); output != 4 || orphan != 0 {
 		t.Fatalf("uncancelled split = %d, %d; want 4, 0", output, orphan)
 	}
 }
 
-// A failing store costs a log line, not the call.
-func TestLedgerStoreFailureDoesNotFailTheCall(t *testing.T) {
-	d := openDurable(t, "")
-	e := persistEnv(t, d)
-	if err := d.s.Close(); err != nil { // every append now fails
-		t.Fatal(err)
+// outage is a LedgerStore over a real store whose appends fail while down, as those to
+// a PostgreSQL being restarted do.
+type outage struct {
+	LedgerStore
+	down    atomic.Bool
+	refused atomic.Int64
+}
+
+func (o *outage) AddTokens(ctx context.Context, es ...store.LedgerEntry) (int, error) {
+	if o.down.Load() {
+		o.refused.Add(1)
+		return 0, errors.New("dial tcp 127.0.0.1:5432: connect: connection refused")
 	}
-	chunks, err := generate(tenantIdent("r-closed", "root/m0"), t, e.model, &modelproxyv1.GenerateRequest{Messages: conversation(fivePlan, 0)})
+	return o.LedgerStore.AddTokens(ctx, es...)
+}
+
+// A store that fails costs neither the call nor its tokens: the appends are retried until
+// the store is back, and each entry lands once.
+func TestLedgerEntriesOutliveAStoreOutage(t *testing.T) {
+	d := openDurable(t, "")
+	o := &outage{LedgerStore: d.s}
+	o.down.Store(true)
+	e := persistEnvOn(t, o)
+	e.srv.persister.retryBase = time.Millisecond
+	const run = "r-outage"
+	chunks, err := generate(tenantIdent(run, "root/m0"), t, e.model, &modelproxyv1.GenerateRequest{Messages: conversation(fivePlan, 0)})
 	if err != nil || delivered(chunks) != 5 {
 		t.Fatalf("call with a failing store: %d tokens, %v; want 5, nil", delivered(chunks), err)
 	}
-	e.srv.Flush()
+	deadline := time.Now().Add(30 * time.Second)
+	for o.refused.Load() < 3 { // retried, not dropped
+		if time.Now().After(deadline) {
+			t.Fatalf("%d appends tried while the store was down, want retries", o.refused.Load())
+		}
+		time.Sleep(time.Millisecond)
+	}
+	if rows := d.rows(t, run); len(rows) != 0 {
+		t.Fatalf("rows while down: %+v", rows)
+	}
+	o.down.Store(false)
+	flush(t, e.srv)
+	rows := d.rows(t, run)
+	if len(rows) != 1 || rows[0].tokens != 5 || rows[0].kind != KindOutput {
+		t.Fatalf("rows after the outage = %+v, want one output entry of 5 tokens", rows)
+	}
+	if u := d.usage(t, run); u.ByNode["root/m0"] != 5 {
+		t.Fatalf("usage = %+v, want the 5 tokens", u)
+	}
+}
+
+// A store that never comes back bounds Flush: what is still queued is dropped, logged
+// and counted in its error, and the writer ends.
+func TestLedgerFlushBoundedWhileTheStoreFails(t *testing.T) {
+	d := openDurable(t, "")
+	o := &outage{LedgerStore: d.s}
+	o.down.Store(true)
+	e := persistEnvOn(t, o)
+	chunks, err := generate(tenantIdent("r-gone", "root/m0"), t, e.model, &modelproxyv1.GenerateRequest{Messages: conversation(fivePlan, 0)})
+	if err != nil || delivered(chunks) != 5 {
+		t.Fatalf("call with a failing store: %d tokens, %v; want 5, nil", delivered(chunks), err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 200*time.Millisecond)
+	defer cancel()
+	err = e.srv.Flush(ctx)
+	if err == nil || !strings.Contains(err.Error(), "entries not persisted") {
+		t.Fatalf("Flush = %v, want the entries it gave up on", err)
+	}
+	o.down.Store(false)
+	flush(t, e.srv) // nothing queued any more: returns at once
+	if rows := d.rows(t, "r-gone"); len(rows) != 0 {
+		t.Fatalf("rows = %+v, want none: they were given up", rows)
+	}
+}
+
+// A decoder that streams longer than the checkpoint interval has its tokens in the store
+// before it ends, so a modelproxy killed mid-stream loses at most the last interval; its
+// parts together are exactly what it emitted, split at the cancel.
+func TestLedgerCheckpointsAStreamingDecoder(t *testing.T) {
+	d := openDurable(t, "")
+	s := New(d.s)
+	defer flush(t, s)
+	base := time.Unix(1_700_000_000, 0)
+	clock := base
+	s.now = func() time.Time { return clock }
+
+	const run, node = "r-parts", "root/m0"
+	ctx, cancel := context.WithCancel(md.WithIdentity(context.Background(), md.Identity{Tenant: testTenant, RunID: run, NodeID: node}))
+	defer cancel()
+	sp := s.newSpend(ctx, run, node, run)
+	sp.record(clock, 3, SimModel) // within the first interval: nothing queued yet
+	flush(t, s)
+	if rows := d.rows(t, run); len(rows) != 0 {
+		t.Fatalf("rows within the first interval = %+v, want none", rows)
+	}
+	clock = clock.Add(spendCheckpoint)
+	sp.record(clock, 2, SimModel) // an interval later: the 5 so far are queued
+	flush(t, s)
+	if rows := d.rows(t, run); len(rows) != 1 || rows[0].tokens != 5 || rows[0].kind != KindOutput {
+		t.Fatalf("rows after a checkpoint = %+v, want one output entry of 5", rows)
+	}
+	clock = clock.Add(time.Millisecond)
+	cancel()                                            // at clock
+	sp.record(clock.Add(time.Millisecond), 1, SimModel) // after the cancel: an orphan
+	sp.prompt(4)
+	if output, orphan, prompt := sp.end(SimModel); output != 5 || orphan != 1 || prompt != 4 {
+		t.Fatalf("end = %d, %d, %d; want 5, 1, 4", output, orphan, prompt)
+	}
+	flush(t, s)
+	rows := d.rows(t, run)
+	if len(rows) != 2 || rows[1].kind != KindOrphan || rows[1].tokens != 1 || !strings.HasSuffix(rows[0].key, "/1") ||
+		rows[1].key != strings.TrimSuffix(rows[0].key, "/1")+"/2/orphan" {
+		t.Fatalf("rows = %+v, want part 1 (output 5) and part 2 (orphan 1) under the decoder's key", rows)
+	}
+	if u := d.usage(t, run); u.ByNode[node] != 6 || u.PromptByNode[node] != 4 {
+		t.Fatalf("usage = %+v, want 6 output and 4 prompt tokens", u)
+	}
+}
+
+// Through Generate: a decode of two seconds is in the store while it still streams.
+func TestLedgerHasADecoderWhileItStreams(t *testing.T) {
+	d := openDurable(t, "")
+	e := persistEnv(t, d)
+	e.srv.checkpoint = 50 * time.Millisecond
+	const run = "r-streaming"
+	plan := `{"tokens_per_second":20,"steps":[{"answer_tokens":40}]}`
+	type result struct {
+		chunks []*modelproxyv1.GenerateResponse
+		err    error
+	}
+	done := make(chan result, 1)
+	go func() {
+		c, err := generate(tenantIdent(run, "root/m0"), t, e.model, &modelproxyv1.GenerateRequest{Messages: conversation(plan, 0)})
+		done <- result{c, err}
+	}()
+	var during int64
+	for during == 0 {
+		select {
+		case r := <-done:
+			t.Fatalf("the decoder ended (%v) before any of its tokens were in the store", r.err)
+		case <-time.After(10 * time.Millisecond):
+		}
+		during = d.usage(t, run).ByNode["root/m0"]
+	}
+	r := <-done
+	if r.err != nil || delivered(r.chunks) != 40 {
+		t.Fatalf("call: %d tokens, %v; want 40, nil", delivered(r.chunks), r.err)
+	}
+	flush(t, e.srv)
+	if got := d.usage(t, run).ByNode["root/m0"]; during >= 40 || got != 40 {
+		t.Fatalf("in the store: %d while streaming, %d at the end; want some, then all 40", during, got)
+	}
 }
 
 // batches is a LedgerStore over a real store that records the size of each append and
@@ -361,7 +507,12 @@ func (b *batches) seen() []int {
 func decoderEnded(s *Server, run string, n int) {
 	for i := range n {
 		node := fmt.Sprintf("root/m%d", i)
-		s.persist(md.WithIdentity(context.Background(), md.Identity{Tenant: testTenant, RunID: run, NodeID: node}), run, node, SimModel, 3, 1, 0)
+		ctx, cancel := context.WithCancel(md.WithIdentity(context.Background(), md.Identity{Tenant: testTenant, RunID: run, NodeID: node}))
+		sp := s.newSpend(ctx, run, node, run)
+		sp.record(time.Now().Add(-time.Hour), 3, SimModel)
+		cancel()
+		sp.record(time.Now().Add(time.Hour), 1, SimModel) // after any cancel instant
+		sp.end(SimModel)
 	}
 }
 
@@ -380,7 +531,7 @@ func TestLedgerBurstIsOneTransaction(t *testing.T) {
 		t.Fatalf("appends during the delay: %v, want none", got)
 	}
 	start := time.Now()
-	s.Flush()
+	flush(t, s)
 	if waited := time.Since(start); waited > 20*time.Second {
 		t.Fatalf("Flush took %v: it did not cut the writer's delay short", waited)
 	}
@@ -396,7 +547,7 @@ func TestLedgerBurstIsOneTransaction(t *testing.T) {
 
 	// More than a batch holds: appended in batches of persistBatch.
 	decoderEnded(s, "r-big", 600)
-	s.Flush()
+	flush(t, s)
 	if got := b.seen()[1:]; !slices.Equal(got, []int{persistBatch, persistBatch, 1200 - 2*persistBatch}) {
 		t.Fatalf("appends of 1200 entries %v, want %d, %d, %d", got, persistBatch, persistBatch, 1200-2*persistBatch)
 	}
@@ -409,7 +560,7 @@ func TestLedgerBurstIsOneTransaction(t *testing.T) {
 func TestLedgerAppendsAfterDelay(t *testing.T) {
 	d := openDurable(t, "")
 	s := New(d.s)
-	defer s.Flush()
+	defer flush(t, s)
 	decoderEnded(s, "r-delay", 2)
 	for deadline := time.Now().Add(10 * time.Second); len(d.rows(t, "r-delay")) < 4; time.Sleep(5 * time.Millisecond) {
 		if time.Now().After(deadline) {
@@ -429,7 +580,7 @@ func TestLedgerQueuedDuringAppend(t *testing.T) {
 	<-b.started // the writer is appending r-a's 2 entries
 	decoderEnded(s, "r-b", 3)
 	flushed := make(chan struct{})
-	go func() { s.Flush(); close(flushed) }()
+	go func() { _ = s.Flush(context.Background()); close(flushed) }()
 	select {
 	case <-flushed:
 		t.Fatal("Flush returned while a batch was being appended")
@@ -478,7 +629,7 @@ func TestLedgerNotPersistedOnPrivateStore(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	srv.Flush()
+	flush(t, srv)
 	st.mu.Lock()
 	n := st.entries
 	st.mu.Unlock()
@@ -487,5 +638,15 @@ func TestLedgerNotPersistedOnPrivateStore(t *testing.T) {
 	}
 	if total, _, _ := srv.Ledger.Figures(run, node, time.Time{}); total != delivered(chunks) || total != 5 {
 		t.Errorf("the in-memory ledger has %d tokens, the stream delivered %d, want 5", total, delivered(chunks))
+	}
+}
+
+// flush is Flush bounded for a test: the entries queued reach the store, or it fails.
+func flush(t testing.TB, s *Server) {
+	t.Helper()
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	if err := s.Flush(ctx); err != nil {
+		t.Error(err)
 	}
 }

@@ -78,7 +78,7 @@ func (d direct) serve(ctx context.Context, c *call) error {
 			return err
 		}
 		if ch.Tokens > 0 {
-			c.spend.record(c.now(), ch.Tokens)
+			c.spend.record(c.now(), ch.Tokens, d.p.Name())
 			if counted != nil {
 				counted.Add(float64(ch.Tokens))
 			}

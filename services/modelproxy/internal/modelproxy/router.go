@@ -477,7 +477,7 @@ func (c *chainCall) stream1(ctx context.Context, t Target, lat *latency) (_ *cac
 			}
 			last = now
 			counted += int64(ch.Tokens)
-			c.spend.record(now, ch.Tokens)
+			c.spend.record(now, ch.Tokens, t.Provider)
 			c.metrics.addTokens(c.rt.alias, t.Provider, ch.Tokens)
 		}
 		if ch.FinishReason != "" || ch.Usage != nil || len(ch.ToolCalls) > 0 {
@@ -505,7 +505,7 @@ func (c *chainCall) stream1(ctx context.Context, t Target, lat *latency) (_ *cac
 		usage = &modelproxyv1.Usage{CompletionTokens: counted}
 	} else if extra := usage.GetCompletionTokens() - counted; extra > 0 {
 		// The provider's count is authoritative; record what the stream did not show.
-		c.spend.record(time.Now(), int(extra))
+		c.spend.record(time.Now(), int(extra), t.Provider)
 		c.metrics.addTokens(c.rt.alias, t.Provider, int(extra))
 	}
 	if p := usage.GetPromptTokens(); p > 0 {

@@ -43,8 +43,8 @@ type Server struct {
 	LedgerKey func(ctx context.Context, model, run, node string) (string, string)
 	// Metrics, if set, count the tokens decoders emit and, per summary, the orphan tokens.
 	Metrics *Metrics
-	// Store persists the ledger: each decoder's tokens are queued when it ends and
-	// appended in batches (see persist). A service without a durable store gives a
+	// Store persists the ledger: each decoder's tokens are queued while it streams
+	// (every spendCheckpoint) and when it ends, and appended in batches (persist.go). A service without a durable store gives a
 	// process-private one (memory://). Call Flush before closing it.
 	Store LedgerStore
 	// Log receives the appends that failed and the leases that lapsed; nil is
@@ -61,6 +61,9 @@ type Server struct {
 	Replica string
 	// persister keys and tracks the appends in flight.
 	persister persister
+	// checkpoint is how often a streaming decoder queues its spend (spendCheckpoint);
+	// tests may change it.
+	checkpoint time.Duration
 	// decoders are the decoders running (decoders.go).
 	decoders decoderTable
 	// controls are the operators' controls last read by WatchControls (controls.go); nil
@@ -73,7 +76,8 @@ type Server struct {
 // New returns a server with an empty node table and ledger, and the sim model, that
 // persists its ledger to st.
 func New(st LedgerStore) *Server {
-	s := &Server{Nodes: nodes.New(0), Ledger: NewLedger(), Sim: sim.New(), Store: st, persister: persister{nonce: newNonce(), delay: persistDelay}, now: time.Now}
+	s := &Server{Nodes: nodes.New(0), Ledger: NewLedger(), Sim: sim.New(), Store: st, persister: persister{nonce: newNonce(), delay: persistDelay},
+		checkpoint: spendCheckpoint, now: time.Now}
 	s.Leases = newLeases(DefaultLeaseTTL, s.leaseLapsed)
 	return s
 }
@@ -160,7 +164,8 @@ func (s *Server) Generate(req *modelproxyv1.GenerateRequest, stream modelproxyv1
 	lease := s.Leases.holdWith(leaseKey{tenant, run, node, id.RetryID}, ttl, dec.lapsed)
 	tokens := s.traceTokens(ctx, run, node)
 	lrun, lnode := s.ledgerKey(ctx, model, run, node)
-	sp := s.newSpend(ctx, lrun, lnode)
+	prun, _ := s.ledgerKey(ctx, model, id.RunID, node) // the store's: "" without a run id
+	sp := s.newSpend(ctx, lrun, lnode, prun)
 	// In the operators' view from here to its end; a control read between the check
 	// above and now stops it at the next read (applyControls).
 	live := &liveDecoder{tenant: tenant, run: run, node: node, retry: id.RetryID, pool: id.Pool, model: model, rt: rt,
@@ -173,15 +178,13 @@ func (s *Server) Generate(req *modelproxyv1.GenerateRequest, stream modelproxyv1
 	dctx := dec.context()
 	err = leaseErr(dctx, err)
 	hold.Settle(sp.spent) // to what the ledger recorded, however the call ended
-	output, orphan, prompt := sp.end()
 	tokens.end()
 	ended := s.Nodes.Finish(dctx, run, node, err, func(n *meshv1.Node) {
 		if dctx.Err() != nil {
 			n.CancelledAt = timestamppb.New(s.now())
 		}
 	})
-	prun, _ := s.ledgerKey(ctx, model, id.RunID, node)
-	s.persist(ctx, prun, lnode, rt.provider(ended), output, orphan, prompt)
+	sp.end(rt.provider(ended)) // the last part of its spend, queued for the store
 	return err
 }
 

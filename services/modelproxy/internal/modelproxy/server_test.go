@@ -50,7 +50,7 @@ func newEnv(t *testing.T, cfg mesh.ServerConfig) *env {
 func newServer(t testing.TB) *Server {
 	t.Helper()
 	srv := New(storetest.OpenMemory(t))
-	t.Cleanup(srv.Flush)
+	t.Cleanup(func() { flush(t, srv) })
 	return srv
 }
 
