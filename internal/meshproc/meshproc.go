@@ -204,6 +204,20 @@ func Start(ctx context.Context, dataDir string, o Options) (*Mesh, error) {
 	return m, nil
 }
 
+// Attach returns the mesh a running `curfew up` serves from dataDir (its
+// endpoints.json), to call its services; Stop then closes the connections only.
+func Attach(dataDir string) (*Mesh, error) {
+	b, err := os.ReadFile(filepath.Join(dataDir, "endpoints.json")) //nolint:gosec // the data directory the caller named
+	if err != nil {
+		return nil, err
+	}
+	m := &Mesh{Dir: dataDir}
+	if err := json.Unmarshal(b, &m.Endpoints); err != nil {
+		return nil, fmt.Errorf("%s/endpoints.json: %w", dataDir, err)
+	}
+	return m, nil
+}
+
 // TLS reports whether the mesh runs mTLS.
 func (m *Mesh) TLS() bool { return m.Endpoints.TLSDir != "" }
 
@@ -283,8 +297,8 @@ func (m *Mesh) Stop() error {
 	}
 	m.conns = nil
 	m.mu.Unlock()
-	if m.up.Process == nil {
-		return nil
+	if m.up == nil || m.up.Process == nil {
+		return nil // attached (Attach): not this package's to stop
 	}
 	_ = m.up.Process.Signal(syscall.SIGTERM)
 	select {

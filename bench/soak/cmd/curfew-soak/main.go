@@ -1,0 +1,198 @@
+// Command curfew-soak drives a curfew mesh under load and writes what it found
+// (docs/soak.md): report.json, summary.txt and PNG plots in --out. By default it starts
+// its own mesh under `curfew up` (built from this repository, every service with
+// --pprof, toolrunner with the MCP test server as tool source "fx"); with --data-dir it
+// drives the mesh a running `curfew up` serves from that directory instead.
+//
+//	go run ./bench/soak/cmd/curfew-soak --concurrency 200 --duration 60s --out /tmp/soak
+//
+// It exits 0 when every check of the report held, 1 when one did not, 2 on bad usage.
+package main
+
+import (
+	"context"
+	"flag"
+	"fmt"
+	"io"
+	"os"
+	"os/signal"
+	"path/filepath"
+	"sort"
+	"strconv"
+	"strings"
+	"syscall"
+	"time"
+
+	"github.com/curfew-mesh/curfew/bench/soak"
+	orchestratorv1 "github.com/curfew-mesh/curfew/gen/curfew/orchestrator/v1"
+	"github.com/curfew-mesh/curfew/internal/meshproc"
+)
+
+func main() {
+	ctx, stop := signal.NotifyContext(context.Background(), os.Interrupt, syscall.SIGTERM)
+	defer stop()
+	os.Exit(run(ctx, os.Args[1:], os.Stdout, os.Stderr))
+}
+
+func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
+	fs := flag.NewFlagSet("curfew-soak", flag.ContinueOnError)
+	fs.SetOutput(stderr)
+	mix := soak.DefaultMix()
+	concurrency := fs.Int("concurrency", soak.DefaultConcurrency, "runs kept in flight (the offered load: a closed loop)")
+	duration := fs.Duration("duration", time.Minute, "how long new runs start; the runs in flight then finish")
+	settle := fs.Duration("settle", soak.DefaultSettle, "how long the processes get after the last run to return to their baseline")
+	warmup := fs.Duration("warmup", soak.DefaultWarmup, "a load of the same mix before the measured one, so the baseline has the connections and caches a serving mesh keeps; 0 skips it")
+	profile := fs.Duration("profile", 0, "take a CPU profile of this long and an allocation profile of every process from the load's middle, into --out/profiles (the processes need --pprof, which the own mesh has)")
+	rounds := fs.Int("rounds", 1, "loads run one after the other on the same mesh; with 2 or more, the last one's heap after a forced collection must end within 10 % of the first's (a plateau, not a leak)")
+	seed := fs.Uint64("seed", 0, "seed of the draws of kinds and cancel instants (0: random, reported)")
+	out := fs.String("out", "soak-report", "directory for report.json, summary.txt and the plots")
+	dataDir := fs.String("data-dir", "", "drive the mesh a running `curfew up` serves from this directory (its endpoints.json) instead of starting one; the MCP kind then needs --mcp-tool")
+	mcpTool := fs.String("mcp-tool", "", "the MCP effect tool as plans call it, with --data-dir (the own mesh's is fx__effect)")
+	weights := fs.String("weights", weightsString(mix.Weights), "the mix: kind=weight, comma-separated (kinds: tools, mcp, subagent, failing, cancelled, deadline)")
+	fs.DurationVar(&mix.CancelMin, "cancel-min", mix.CancelMin, "earliest client cancel of a cancelled run after its start")
+	fs.DurationVar(&mix.CancelMax, "cancel-max", mix.CancelMax, "latest client cancel of a cancelled run after its start")
+	fs.IntVar(&mix.StepTokens, "step-tokens", mix.StepTokens, "tokens of each model step of the short kinds")
+	fs.Float64Var(&mix.TokensPerSecond, "tokens-per-second", mix.TokensPerSecond, "decode rate of the short kinds' model steps")
+	fs.Float64Var(&mix.LongTokensPerSecond, "long-tokens-per-second", mix.LongTokensPerSecond, "decode rate of the cancelled and deadline kinds' long decodes")
+	fs.DurationVar(&mix.DeadlineTimeout, "deadline", mix.DeadlineTimeout, "the deadline kind's timeout")
+	fs.IntVar(&mix.ToolMS, "tool-ms", mix.ToolMS, "duration of the tools kind's sleep tool, in milliseconds")
+	fs.Float64Var(&mix.ToolFailRate, "tool-fail-rate", mix.ToolFailRate, "share of tools runs that also call the failing tool")
+	if err := fs.Parse(args); err != nil {
+		return 2
+	}
+	w, err := parseWeights(*weights)
+	if err != nil {
+		fmt.Fprintln(stderr, "curfew-soak: --weights:", err)
+		return 2
+	}
+	mix.Weights = w
+	if err := os.MkdirAll(*out, 0o755); err != nil { //nolint:gosec // a report directory for people to read
+		fmt.Fprintln(stderr, "curfew-soak:", err)
+		return 1
+	}
+
+	var (
+		m      *meshproc.Mesh
+		record string
+	)
+	if *dataDir != "" {
+		m, err = meshproc.Attach(*dataDir)
+		mix.MCPTool = *mcpTool
+	} else {
+		m, record, err = soak.StartMesh(ctx, filepath.Join(*out, "mesh"), *concurrency, stderr)
+		mix.MCPTool = soak.MCPTool
+	}
+	if err != nil {
+		fmt.Fprintln(stderr, "curfew-soak:", err)
+		return 1
+	}
+	defer func() { _ = m.Stop() }()
+	orch, err := m.Orchestrator()
+	if err != nil {
+		fmt.Fprintln(stderr, "curfew-soak:", err)
+		return 1
+	}
+	if mix.MCPTool != "" {
+		if err := soak.WaitForTool(ctx, orch, mix.MCPTool); err != nil {
+			fmt.Fprintln(stderr, "curfew-soak:", err)
+			return 1
+		}
+	}
+	cfg := soak.Config{Orchestrators: []orchestratorv1.OrchestratorServiceClient{orch}, Concurrency: *concurrency,
+		Duration: *duration, Mix: mix, Seed: *seed, Settle: *settle, Log: stderr, Warmup: *warmup}
+	if *warmup == 0 {
+		cfg.Warmup = -1
+	}
+	if *profile > 0 {
+		cfg.ProfileDir, cfg.ProfileFor = filepath.Join(*out, "profiles"), *profile
+	}
+	cfg.Processes = soak.Processes(m)
+	if record != "" {
+		cfg.Effects = func() (soak.Effects, error) { return soak.EffectsFromRecord(record) }
+	}
+	ok := true
+	var reports []*soak.Report
+	for round := 1; round <= *rounds; round++ {
+		dir := *out
+		if *rounds > 1 {
+			dir = filepath.Join(*out, fmt.Sprintf("round-%d", round))
+			if cfg.ProfileDir != "" {
+				cfg.ProfileDir = filepath.Join(dir, "profiles")
+			}
+			fmt.Fprintf(stdout, "== round %d of %d\n", round, *rounds)
+		}
+		rep, err := soak.Drive(ctx, cfg)
+		if rep == nil {
+			fmt.Fprintln(stderr, "curfew-soak:", err)
+			return 1
+		}
+		if err != nil {
+			fmt.Fprintln(stderr, "curfew-soak:", err)
+			ok = false
+		}
+		if err := write(rep, dir, stdout); err != nil {
+			fmt.Fprintln(stderr, "curfew-soak:", err)
+			return 1
+		}
+		ok = ok && rep.OK()
+		reports = append(reports, rep)
+	}
+	if len(reports) > 1 {
+		checks := soak.Plateau(reports[0], reports[len(reports)-1])
+		for _, c := range checks {
+			mark := "ok  "
+			if !c.OK {
+				mark, ok = "FAIL", false
+			}
+			fmt.Fprintf(stdout, "%s %s: %s\n", mark, c.Name, c.Detail)
+		}
+	}
+	if !ok {
+		return 1
+	}
+	return 0
+}
+
+// write writes rep's report.json, summary.txt and plots into dir, and its summary to w.
+func write(rep *soak.Report, dir string, w io.Writer) error {
+	if err := os.MkdirAll(dir, 0o755); err != nil { //nolint:gosec // a report directory for people to read
+		return err
+	}
+	if err := rep.WriteJSON(filepath.Join(dir, "report.json")); err != nil {
+		return err
+	}
+	if _, err := rep.Plots(dir); err != nil {
+		return err
+	}
+	summary := rep.Summary()
+	if err := os.WriteFile(filepath.Join(dir, "summary.txt"), []byte(summary), 0o644); err != nil { //nolint:gosec // for people to read
+		return err
+	}
+	_, err := fmt.Fprint(w, summary)
+	return err
+}
+
+func weightsString(w map[soak.Kind]int) string {
+	parts := make([]string, 0, len(w))
+	for k, v := range w {
+		parts = append(parts, fmt.Sprintf("%s=%d", k, v))
+	}
+	sort.Strings(parts)
+	return strings.Join(parts, ",")
+}
+
+func parseWeights(s string) (map[soak.Kind]int, error) {
+	w := map[soak.Kind]int{}
+	for _, part := range strings.Split(s, ",") {
+		k, v, ok := strings.Cut(strings.TrimSpace(part), "=")
+		if !ok {
+			return nil, fmt.Errorf("%q: want kind=weight", part)
+		}
+		n, err := strconv.Atoi(v)
+		if err != nil || n < 0 {
+			return nil, fmt.Errorf("%q: the weight is a whole number ≥ 0", part)
+		}
+		w[soak.Kind(k)] = n
+	}
+	return w, nil
+}

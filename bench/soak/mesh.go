@@ -1,0 +1,97 @@
+package soak
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"io"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"time"
+
+	orchestratorv1 "github.com/curfew-mesh/curfew/gen/curfew/orchestrator/v1"
+	"github.com/curfew-mesh/curfew/internal/meshproc"
+)
+
+// MCPTool is the effect tool of the mesh StartMesh starts, as plans call it.
+const MCPTool = "fx__effect"
+
+// StartMesh builds the binaries (meshproc.Build) and the MCP test server and starts
+// `curfew up` in dir (emptied first): every service with --pprof, toolrunner with the
+// test server as tool source "fx" recording its calls to the returned file, and
+// admission sized for concurrency runs in flight (the built-in pools admit 10 at once: a
+// soak measures the mesh, not its shedding). Stop the mesh when done.
+func StartMesh(ctx context.Context, dir string, concurrency int, stderr io.Writer) (*meshproc.Mesh, string, error) {
+	dir, err := filepath.Abs(dir)
+	if err != nil {
+		return nil, "", err
+	}
+	_ = os.RemoveAll(dir)
+	if err := os.MkdirAll(dir, 0o755); err != nil { //nolint:gosec // the mesh's data directory
+		return nil, "", err
+	}
+	repo, err := meshproc.Repo()
+	if err != nil {
+		return nil, "", err
+	}
+	mcp := filepath.Join(dir, "curfew-mcptest")
+	build := exec.CommandContext(ctx, "go", "build", "-o", mcp, "./internal/mcptest/cmd/curfew-mcptest")
+	build.Dir = repo
+	if b, err := build.CombinedOutput(); err != nil {
+		return nil, "", fmt.Errorf("building curfew-mcptest: %w\n%s", err, b)
+	}
+	record := filepath.Join(dir, "mcp-calls.jsonl")
+	tools := filepath.Join(dir, "tools.json")
+	if err := os.WriteFile(tools, fmt.Appendf(nil, `{"sources": [{"name": "fx", "kind": "mcp_stdio", "command": %q,
+	  "args": ["--record", %q], "side_effects": "irreversible"}]}`, mcp, record), 0o600); err != nil {
+		return nil, "", err
+	}
+	admission := filepath.Join(dir, "admission.json")
+	if err := os.WriteFile(admission, fmt.Appendf(nil, `{"pools": [{"name": "soak", "max_in_flight": %d, "max_queue": %d, "max_queue_age": "30s"}]}`,
+		concurrency+concurrency/2, max(concurrency, 16)), 0o600); err != nil {
+		return nil, "", err
+	}
+	m, err := meshproc.Start(ctx, dir, meshproc.Options{Env: []string{"CURFEW_PPROF=true"},
+		Args: []string{"--tools-config", tools, "--admission-config", admission}, Stderr: stderr})
+	return m, record, err
+}
+
+// Processes are the mesh's service processes, to sample.
+func Processes(m *meshproc.Mesh) []Process {
+	var ps []Process
+	for _, n := range []string{"orchestrator", "toolrunner", "subagent", "modelproxy"} {
+		if ep, ok := m.Endpoints.Services[n]; ok {
+			ps = append(ps, Process{Name: n, Admin: ep.AdminAddr})
+		}
+	}
+	return ps
+}
+
+// WaitForTool runs a one-call plan of tool until it succeeds: toolrunner lists a source's
+// tools in the background after its start.
+func WaitForTool(ctx context.Context, orch orchestratorv1.OrchestratorServiceClient, tool string) error {
+	task := fmt.Sprintf(`{"steps": [{"tools": [{"name": %q, "idempotency_key": "soak-probe-%d"}]}, {"answer_tokens": 1}]}`, tool, time.Now().UnixNano())
+	var last string
+	for end := time.Now().Add(time.Minute); time.Now().Before(end); time.Sleep(200 * time.Millisecond) {
+		st, err := orch.Run(ctx, &orchestratorv1.RunRequest{Task: task})
+		if err != nil {
+			return err
+		}
+		for {
+			ev, err := st.Recv()
+			if err != nil {
+				last = err.Error()
+				break
+			}
+			if f := ev.GetFinished(); f != nil {
+				if f.GetStatus() == orchestratorv1.RunStatus_RUN_STATUS_SUCCEEDED {
+					return nil
+				}
+				last = f.GetStatus().String() + " " + f.GetErrorMessage()
+				break
+			}
+		}
+	}
+	return errors.New("the MCP tool " + tool + " never answered: " + last)
+}
