@@ -21,7 +21,10 @@ const MCPTool = "fx__effect"
 // `curfew up` in dir (emptied first): every service with --pprof, toolrunner with the
 // test server as tool source "fx" recording its calls to the returned file, and
 // admission sized for concurrency runs in flight (the built-in pools admit 10 at once: a
-// soak measures the mesh, not its shedding). Stop the mesh when done.
+// soak measures the mesh, not its shedding). What the processes keep of ended runs is
+// bounded short (--retention 5s, the orchestrator's --max-runs 4 × concurrency), so that
+// the heap after one load and after the next compare: with the defaults (15 minutes,
+// 10,000 runs) a few minutes' loads only fill those caches. Stop the mesh when done.
 func StartMesh(ctx context.Context, dir string, concurrency int, stderr io.Writer) (*meshproc.Mesh, string, error) {
 	dir, err := filepath.Abs(dir)
 	if err != nil {
@@ -52,7 +55,8 @@ func StartMesh(ctx context.Context, dir string, concurrency int, stderr io.Write
 		concurrency+concurrency/2, max(concurrency, 16)), 0o600); err != nil {
 		return nil, "", err
 	}
-	m, err := meshproc.Start(ctx, dir, meshproc.Options{Env: []string{"CURFEW_PPROF=true"},
+	env := []string{"CURFEW_PPROF=true", "CURFEW_RETENTION=5s", fmt.Sprintf("CURFEW_MAX_RUNS=%d", 4*max(concurrency, 16))}
+	m, err := meshproc.Start(ctx, dir, meshproc.Options{Env: env,
 		Args: []string{"--tools-config", tools, "--admission-config", admission}, Stderr: stderr})
 	return m, record, err
 }

@@ -9,6 +9,7 @@ import (
 
 	"github.com/curfew-mesh/curfew/mesh/breaker"
 	"github.com/curfew-mesh/curfew/mesh/deadline"
+	"github.com/curfew-mesh/curfew/mesh/nodes"
 	"github.com/curfew-mesh/curfew/mesh/retry"
 )
 
@@ -73,6 +74,10 @@ type Options struct {
 	// Chaos honours the per-request curfew-chaos header: the drill's fault switches
 	// (package chaos, docs/drill.md). Off by default; never set it in production.
 	Chaos bool
+	// Retention is how long a run's node records stay in this process's memory after its
+	// last node ended (ListNodes, the run's summary; in modelproxy, its ledger's token
+	// instants too); nodes.DefaultRetention (15 minutes) when 0. Swept every SweepEvery.
+	Retention time.Duration
 	// Pprof serves Go's runtime profiles under /debug/pprof/ on the admin address: CPU,
 	// allocations, heap (?gc=1 collects first), goroutines. Off by default: a profile
 	// costs CPU while it is taken and shows the program's internals to whoever reaches
@@ -117,6 +122,7 @@ func (o *Options) Register(fs *flag.FlagSet, name, addr, admin string) {
 	fs.IntVar(&o.MaxRecvMsgSize, "max-recv-msg-size", DefaultMaxRecvMsgSize, "largest request message accepted, in bytes; larger ones are refused with RESOURCE_EXHAUSTED")
 	fs.IntVar(&o.MaxHeaderListSize, "max-header-list-size", DefaultMaxHeaderListSize, "largest request metadata (all headers) accepted, in bytes")
 	fs.BoolVar(&o.Chaos, "chaos", false, "chaos settings for drills: honour the per-request curfew-chaos header's fault switches (docs/drill.md); off by default, never in production")
+	fs.DurationVar(&o.Retention, "retention", nodes.DefaultRetention, "how long a run's node records stay in memory after its last node ended (ListNodes, summaries; in modelproxy, the in-memory ledger's token instants): the memory a steady load holds is its throughput times this")
 	fs.BoolVar(&o.Pprof, "pprof", false, "serve Go's runtime profiles under /debug/pprof/ on --admin-addr (CPU, allocations, heap with ?gc=1 collecting first, goroutines), for the soak's profiles (docs/soak.md); off by default")
 	o.Retry.Register(fs)
 	o.Breaker.Register(fs)
@@ -161,4 +167,14 @@ func (o *Options) Validate() error {
 		return err
 	}
 	return o.requireTransport()
+}
+
+// SweepEvery is how often a service forgets the node records older than its Retention: a
+// minute, or half the retention when that is shorter (at least a second).
+func (o Options) SweepEvery() time.Duration {
+	r := o.Retention
+	if r <= 0 {
+		r = nodes.DefaultRetention
+	}
+	return max(min(time.Minute, r/2), time.Second)
 }

@@ -576,3 +576,13 @@ func TestRequestSizeLimits(t *testing.T) {
 		t.Fatalf("a 10-byte limit: %v", err)
 	}
 }
+
+// A service forgets ended runs' nodes every minute, or twice per --retention when that is
+// shorter (never more often than once a second).
+func TestSweepEvery(t *testing.T) {
+	for r, want := range map[time.Duration]time.Duration{0: time.Minute, time.Hour: time.Minute, 10 * time.Second: 5 * time.Second, time.Second: time.Second} {
+		if got := (service.Options{Retention: r}).SweepEvery(); got != want {
+			t.Errorf("retention %v: sweep every %v, want %v", r, got, want)
+		}
+	}
+}

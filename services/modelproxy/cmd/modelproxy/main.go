@@ -111,6 +111,7 @@ func run(args []string) int {
 			rt.Log.Error("modelproxy: at exit", "error", err.Error())
 		}
 	}()
+	srv.Nodes = nodes.New(rt.Opts.Retention)
 	srv.Metrics = modelproxy.NewMetrics(rt.Registry)
 	srv.Log = rt.Log
 	srv.Leases.TTL = *leaseTTL
@@ -175,7 +176,7 @@ func run(args []string) int {
 	report := srv.Report()
 	report.Metrics = nodes.NewMetrics(rt.Registry, meshv1.NodeKind_NODE_KIND_MODEL)
 	meshv1.RegisterNodeReportServiceServer(rt.Server, report)
-	go service.Every(ctx, time.Minute, srv.Sweep)
+	go service.Every(ctx, rt.Opts.SweepEvery(), srv.Sweep)
 	// The operators' freezes and drains, from the store: the shared one every replica
 	// reads, or this replica's own.
 	go srv.WatchControls(ctx, st, *controlsPoll)

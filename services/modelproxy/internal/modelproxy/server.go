@@ -75,6 +75,9 @@ type Server struct {
 
 // New returns a server with an empty node table and ledger, and the sim model, that
 // persists its ledger to st.
+//
+// Its node table keeps a run's records nodes.DefaultRetention after it ended; a caller
+// that wants another retention replaces Nodes before serving.
 func New(st LedgerStore) *Server {
 	s := &Server{Nodes: nodes.New(0), Ledger: NewLedger(), Sim: sim.New(), Store: st, persister: persister{nonce: newNonce(), delay: persistDelay},
 		checkpoint: spendCheckpoint, now: time.Now}

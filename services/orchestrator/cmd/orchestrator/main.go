@@ -332,6 +332,7 @@ func run(args []string) int {
 		return 2
 	}
 	srv := orchestrator.New(orchestrator.Config{
+		NodeRetention: rt.Opts.Retention,
 		Loop: agent.Config{
 			Model:      models,
 			ModelNodes: reports["modelproxy"],
@@ -372,7 +373,7 @@ func run(args []string) int {
 	// The lease loops outlive the signal: the runs in flight are heartbeaten through the
 	// drain, until Shutdown stops the loops (Drain stops the takeovers first).
 	srv.Start(context.WithoutCancel(ctx))
-	go service.Every(ctx, time.Minute, srv.Sweep)
+	go service.Every(ctx, rt.Opts.SweepEvery(), srv.Sweep)
 	go service.Every(ctx, orchestrator.ShedFlushPeriod, srv.FlushSheds)
 	rt.OnStop(func() { srv.FlushSheds(time.Now()) })
 	// The drain (docs/leases.md#drain): when the stop begins, no new runs and no more takeovers;

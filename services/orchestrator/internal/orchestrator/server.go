@@ -50,6 +50,9 @@ type Config struct {
 	// assemble summaries and told to cancel a run's nodes. The first is modelproxy's, the
 	// decoders': a cancel tells it first (see cancelWith).
 	Reports []meshv1.NodeReportServiceClient
+	// NodeRetention is how long a run's node records stay in memory after it ended
+	// (nodes.DefaultRetention when 0).
+	NodeRetention time.Duration
 	// MaxRuns is how many runs are kept in memory; DefaultMaxRuns when 0. Older ones
 	// are read from a shared store; a process-private one forgets them too.
 	MaxRuns int
@@ -155,7 +158,7 @@ func New(cfg Config) *Server {
 	if cfg.Owner == "" {
 		cfg.Owner = OwnerName("orchestrator/"+uuid.NewString()[:8], "")
 	}
-	s := &Server{cfg: cfg, nodes: nodes.New(0), shared: cfg.Store.Shared(), runs: map[string]*run{}, handedOver: make(chan struct{})}
+	s := &Server{cfg: cfg, nodes: nodes.New(cfg.NodeRetention), shared: cfg.Store.Shared(), runs: map[string]*run{}, handedOver: make(chan struct{})}
 	if s.shared && cfg.Registerer != nil {
 		s.leaseMetrics = newLeaseMetrics(cfg.Registerer, s)
 	}

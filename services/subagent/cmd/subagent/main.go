@@ -102,7 +102,7 @@ func run(args []string) int {
 		fmt.Fprintln(os.Stderr, "subagent: --hedge-max-extra-load:", err)
 		return 2
 	}
-	srv := subagent.New(subagent.Config{MaxDepth: *maxDepth, Loop: agent.Config{
+	srv := subagent.New(subagent.Config{MaxDepth: *maxDepth, NodeRetention: rt.Opts.Retention, Loop: agent.Config{
 		Model:      models,
 		ModelNodes: modelNodes,
 		Tools:      toolrunnerv1.NewToolRunnerServiceClient(tc),
@@ -115,7 +115,7 @@ func run(args []string) int {
 	report := srv.Report()
 	report.Metrics = nodes.NewMetrics(rt.Registry, meshv1.NodeKind_NODE_KIND_SUBAGENT)
 	meshv1.RegisterNodeReportServiceServer(rt.Server, report)
-	go service.Every(ctx, time.Minute, srv.Nodes.Sweep)
+	go service.Every(ctx, rt.Opts.SweepEvery(), srv.Nodes.Sweep)
 	if err := rt.Serve(ctx); err != nil {
 		rt.Log.Error("serve", "error", err.Error())
 		return 1

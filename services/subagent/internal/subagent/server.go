@@ -3,6 +3,7 @@ package subagent
 import (
 	"strings"
 	"sync"
+	"time"
 
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
@@ -23,6 +24,9 @@ const DefaultMaxDepth = 3
 type Config struct {
 	Loop     agent.Config
 	MaxDepth int // DefaultMaxDepth when 0
+	// NodeRetention is how long a run's node records stay in memory after it ended
+	// (nodes.DefaultRetention when 0).
+	NodeRetention time.Duration
 }
 
 // Server implements SubagentService.
@@ -37,7 +41,7 @@ func New(cfg Config) *Server {
 	if cfg.MaxDepth == 0 {
 		cfg.MaxDepth = DefaultMaxDepth
 	}
-	s := &Server{cfg: cfg, Nodes: nodes.New(0)}
+	s := &Server{cfg: cfg, Nodes: nodes.New(cfg.NodeRetention)}
 	s.cfg.Loop.Notes = s.Nodes
 	return s
 }

@@ -144,12 +144,13 @@ func run(args []string) int {
 		cancel()
 	}
 	rt.RecordConfigs(ctx, st)
+	cfg.NodeRetention = rt.Opts.Retention
 	srv := toolrunner.New(cfg)
 	toolrunnerv1.RegisterToolRunnerServiceServer(rt.Server, srv)
 	report := srv.Report()
 	report.Metrics = nodes.NewMetrics(rt.Registry, meshv1.NodeKind_NODE_KIND_TOOL)
 	meshv1.RegisterNodeReportServiceServer(rt.Server, report)
-	go service.Every(ctx, time.Minute, srv.Sweep)
+	go service.Every(ctx, rt.Opts.SweepEvery(), srv.Sweep)
 	if err := rt.Serve(ctx); err != nil {
 		rt.Log.Error("serve", "error", err.Error())
 		return 1

@@ -44,6 +44,9 @@ const (
 
 // Config configures a Server.
 type Config struct {
+	// NodeRetention is how long a run's node records stay in memory after it ended
+	// (nodes.DefaultRetention when 0).
+	NodeRetention time.Duration
 	// Subagent and SubagentNodes reach the subagent service (for spawn_subagent).
 	Subagent      subagentv1.SubagentServiceClient
 	SubagentNodes meshv1.NodeReportServiceClient
@@ -110,7 +113,7 @@ func New(cfg Config) *Server {
 	if cfg.SettleTimeout == 0 {
 		cfg.SettleTimeout = cancel.DefaultSettleTimeout
 	}
-	s := &Server{cfg: cfg, Nodes: nodes.New(0), fanout: map[string]int{}, jobs: newJobs(), keys: newKeys(),
+	s := &Server{cfg: cfg, Nodes: nodes.New(cfg.NodeRetention), fanout: map[string]int{}, jobs: newJobs(), keys: newKeys(),
 		effects: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "curfew_tool_effects_total",
 			Help: "Side effects tools actually performed (a deploy job started), by tool; a retry with an idempotency key adds none.",
