@@ -1,12 +1,14 @@
 package soak
 
 import (
+	"cmp"
 	"context"
 	"crypto/rand"
 	"errors"
 	"fmt"
 	"io"
 	mrand "math/rand/v2"
+	"slices"
 	"sync"
 	"sync/atomic"
 	"time"
@@ -51,6 +53,9 @@ type Config struct {
 	// pprof`.
 	ProfileDir string
 	ProfileFor time.Duration
+	// Faults happen during the load, each At after its start (a SIGKILL of a process, a
+	// store restarted); the report records when each happened and its error.
+	Faults []Fault
 	// WatchShare is the share of runs followed by WatchRun, every event of them streamed
 	// to the load as a console watching them would; the others are polled with GetRun
 	// every PollEvery, as a batch client does. DefaultWatchShare when 0; none when < 0.
@@ -70,6 +75,20 @@ const (
 	DefaultWatchShare  = 0.1
 	DefaultPollEvery   = 500 * time.Millisecond
 )
+
+// Fault is one fault the load injects: Do runs At after the load's start.
+type Fault struct {
+	At   time.Duration
+	Name string
+	Do   func(ctx context.Context) error
+}
+
+// FaultRecord is a fault as it happened.
+type FaultRecord struct {
+	Name  string  `json:"name"`
+	At    float64 `json:"at_s"` // since the load's start
+	Error string  `json:"error,omitempty"`
+}
 
 // Effects is what the MCP server saw: the logical calls (a run's tool node), and those
 // whose effect happened under more than one idempotency key, that is more than once.
@@ -164,6 +183,8 @@ func Drive(ctx context.Context, cfg Config) (*Report, error) {
 			}
 		}
 	}()
+	faulted := make(chan []FaultRecord, 1)
+	go func() { faulted <- inject(ctx, begin, cfg.Faults) }()
 	profiled := make(chan error, 1)
 	if cfg.ProfileDir != "" {
 		go func() { profiled <- smp.profile(ctx, cfg, begin) }()
@@ -176,6 +197,7 @@ func Drive(ctx context.Context, cfg Config) (*Report, error) {
 		mu.Unlock()
 	})
 	drained := time.Now()
+	faults := <-faulted
 	// Lost runs: an id whose end the load never saw is read once more from the store.
 	for i := range outcomes {
 		o := &outcomes[i]
@@ -195,6 +217,7 @@ func Drive(ctx context.Context, cfg Config) (*Report, error) {
 	perr := <-profiled
 	after := smp.settled(ctx)
 	rep := newReport(cfg, begin, drained, outcomes, smp.samples(), baseline, after)
+	rep.Faults = faults
 	if cfg.Effects != nil {
 		e, err := cfg.Effects()
 		if err != nil {
@@ -207,6 +230,27 @@ func Drive(ctx context.Context, cfg Config) (*Report, error) {
 		return rep, perr
 	}
 	return rep, ctx.Err()
+}
+
+// inject runs the faults at their instants after begin, in order, and returns what
+// happened; it stops at ctx's end.
+func inject(ctx context.Context, begin time.Time, faults []Fault) []FaultRecord {
+	fs := slices.Clone(faults)
+	slices.SortFunc(fs, func(a, b Fault) int { return cmp.Compare(a.At, b.At) })
+	var out []FaultRecord
+	for _, f := range fs {
+		select {
+		case <-ctx.Done():
+			return out
+		case <-time.After(time.Until(begin.Add(f.At))):
+		}
+		r := FaultRecord{Name: f.Name, At: time.Since(begin).Seconds()}
+		if err := f.Do(ctx); err != nil {
+			r.Error = err.Error()
+		}
+		out = append(out, r)
+	}
+	return out
 }
 
 // drive keeps cfg.Concurrency runs of the mix in flight, named load-<n>, until stopAt,

@@ -2,12 +2,15 @@ package soak
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"io"
+	"net/http"
 	"os"
 	"os/exec"
 	"path/filepath"
+	"syscall"
 	"time"
 
 	orchestratorv1 "github.com/curfew-mesh/curfew/gen/curfew/orchestrator/v1"
@@ -98,4 +101,91 @@ func WaitForTool(ctx context.Context, orch orchestratorv1.OrchestratorServiceCli
 		}
 	}
 	return errors.New("the MCP tool " + tool + " never answered: " + last)
+}
+
+// KillOrder is the order Kills kills the services in.
+var KillOrder = []string{"modelproxy", "toolrunner", "subagent", "orchestrator"}
+
+// Kills are faults that SIGKILL one service of the mesh each, in KillOrder, spread evenly
+// over a load of duration: `curfew up` is to restart each (docs/cli.md, --max-restarts)
+// while the load goes on. The pid is read from endpoints.json when the kill comes.
+func Kills(m *meshproc.Mesh, duration time.Duration) []Fault {
+	var fs []Fault
+	for i, svc := range KillOrder {
+		fs = append(fs, Fault{At: duration * time.Duration(i+1) / time.Duration(len(KillOrder)+1), Name: "SIGKILL " + svc,
+			Do: func(context.Context) error {
+				now, err := ReadState(m.Dir)
+				if err != nil {
+					return err
+				}
+				pid := now.PIDs[svc]
+				if pid <= 0 {
+					return fmt.Errorf("%s has no pid in endpoints.json", svc)
+				}
+				return syscall.Kill(pid, syscall.SIGKILL)
+			}})
+	}
+	return fs
+}
+
+// State is what `curfew up` says of its services: each one's pid and how often it
+// restarted one (endpoints.json).
+type State struct {
+	PIDs     map[string]int
+	Restarts map[string]int
+}
+
+// ReadState reads the state of the mesh `curfew up` serves from dir.
+func ReadState(dir string) (State, error) {
+	var e struct {
+		Services map[string]struct {
+			PID int `json:"pid"`
+		} `json:"services"`
+		Restarts map[string]int `json:"restarts"`
+	}
+	b, err := os.ReadFile(filepath.Join(dir, "endpoints.json")) //nolint:gosec // the mesh's data directory
+	if err != nil {
+		return State{}, err
+	}
+	if err := json.Unmarshal(b, &e); err != nil {
+		return State{}, fmt.Errorf("%s/endpoints.json: %w", dir, err)
+	}
+	st := State{PIDs: map[string]int{}, Restarts: map[string]int{}}
+	for n, svc := range e.Services {
+		st.PIDs[n] = svc.PID
+	}
+	for n, r := range e.Restarts {
+		st.Restarts[n] = r
+	}
+	return st, nil
+}
+
+// MeshUp checks, after a load with Kills, that `curfew up` restarted every service it
+// killed since before: endpoints.json counts more restarts and names a new, live pid;
+// and that every service serves (/readyz).
+func MeshUp(ctx context.Context, m *meshproc.Mesh, before State, killed []string) []Check {
+	var out []Check
+	now, err := ReadState(m.Dir)
+	if err != nil {
+		return []Check{{Name: "mesh up after the kills", Detail: err.Error()}}
+	}
+	for _, svc := range killed {
+		pid, old := now.PIDs[svc], before.PIDs[svc]
+		alive := pid > 0 && syscall.Kill(pid, 0) == nil
+		out = append(out, Check{Name: "restarted by curfew up: " + svc, OK: now.Restarts[svc] > before.Restarts[svc] && pid != old && alive,
+			Detail: fmt.Sprintf("restarts %d -> %d, pid %d -> %d, running %v", before.Restarts[svc], now.Restarts[svc], old, pid, alive)})
+	}
+	c := &http.Client{Timeout: 2 * time.Second}
+	for _, p := range Processes(m) { // restarted on the same addresses
+		ok := false
+		req, err := http.NewRequestWithContext(ctx, http.MethodGet, "http://"+p.Admin+"/readyz", nil)
+		if err == nil {
+			if resp, err := c.Do(req); err == nil {
+				ok = resp.StatusCode == http.StatusOK
+				_ = resp.Body.Close()
+			}
+		}
+		out = append(out, Check{Name: "serving after the load: " + p.Name, OK: ok, Detail: "/readyz on " + p.Admin})
+	}
+	return out
 }

@@ -49,6 +49,8 @@ type Report struct {
 	DecodersOverOneOrphan int      `json:"decoders_over_one_orphan_token"`
 	WatchBreaks           int      `json:"watch_breaks"`
 	Effects               *Effects `json:"effects,omitempty"`
+	// Faults are the faults injected, when each happened and its error.
+	Faults []FaultRecord `json:"faults,omitempty"`
 	// Baseline and After are every process sampled (after a forced collection where it
 	// serves profiles) before the load and once it drained and settled.
 	Baseline []Sample `json:"baseline"`
@@ -262,6 +264,9 @@ func (r *Report) check() {
 	add("no run lost", len(r.Lost) == 0, "%d of %d runs given an id never reached an end (ids in lost)", len(r.Lost), r.Runs)
 	add("at most one token after a cancel per decoder", r.DecodersOverOneOrphan == 0,
 		"%d decoders decoded more than one token after their cancel (at most %d; %d in all)", r.DecodersOverOneOrphan, r.MaxOrphanPerDecoder, r.OrphanTokens)
+	for _, f := range r.Faults {
+		add("fault injected: "+f.Name, f.Error == "", "at %.1f s %s", f.At, f.Error)
+	}
 	if r.Effects != nil {
 		add("no duplicate side effect", r.Effects.Duplicates == 0, "%d of %d effect calls happened more than once", r.Effects.Duplicates, r.Effects.Calls)
 	}

@@ -44,6 +44,7 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	warmup := fs.Duration("warmup", soak.DefaultWarmup, "a load of the same mix before the measured one, so the baseline has the connections and caches a serving mesh keeps; 0 skips it")
 	profile := fs.Duration("profile", 0, "take a CPU profile of this long and an allocation profile of every process from the load's middle, into --out/profiles (the processes need --pprof, which the own mesh has)")
 	rounds := fs.Int("rounds", 1, "loads run one after the other on the same mesh; with 2 or more, the last one's heap after a forced collection must end within 10 % of the first's (a plateau, not a leak)")
+	kill := fs.Bool("kill", false, "SIGKILL each service once during each load (modelproxy, toolrunner, subagent, orchestrator, evenly spread); curfew up must restart every one, and no run may be lost (the own mesh only)")
 	seed := fs.Uint64("seed", 0, "seed of the draws of kinds and cancel instants (0: random, reported)")
 	out := fs.String("out", "soak-report", "directory for report.json, summary.txt and the plots")
 	dataDir := fs.String("data-dir", "", "drive the mesh a running `curfew up` serves from this directory (its endpoints.json) instead of starting one; the MCP kind then needs --mcp-tool")
@@ -58,6 +59,10 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	fs.IntVar(&mix.ToolMS, "tool-ms", mix.ToolMS, "duration of the tools kind's sleep tool, in milliseconds")
 	fs.Float64Var(&mix.ToolFailRate, "tool-fail-rate", mix.ToolFailRate, "share of tools runs that also call the failing tool")
 	if err := fs.Parse(args); err != nil {
+		return 2
+	}
+	if *kill && *dataDir != "" {
+		fmt.Fprintln(stderr, "curfew-soak: --kill needs the own mesh (no --data-dir): it reads curfew up's restarts")
 		return 2
 	}
 	w, err := parseWeights(*weights)
@@ -121,7 +126,18 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 			}
 			fmt.Fprintf(stdout, "== round %d of %d\n", round, *rounds)
 		}
+		var before soak.State
+		if *kill {
+			if before, err = soak.ReadState(m.Dir); err != nil {
+				fmt.Fprintln(stderr, "curfew-soak:", err)
+				return 1
+			}
+			cfg.Faults = soak.Kills(m, *duration)
+		}
 		rep, err := soak.Drive(ctx, cfg)
+		if rep != nil && *kill {
+			rep.Checks = append(rep.Checks, soak.MeshUp(ctx, m, before, soak.KillOrder)...)
+		}
 		if rep == nil {
 			fmt.Fprintln(stderr, "curfew-soak:", err)
 			return 1
