@@ -17,6 +17,7 @@ import (
 	orchestratorv1 "github.com/curfew-mesh/curfew/gen/curfew/orchestrator/v1"
 	"github.com/curfew-mesh/curfew/internal/cli"
 	"github.com/curfew-mesh/curfew/internal/meshproc"
+	"github.com/curfew-mesh/curfew/mesh/store"
 )
 
 // syncBuffer is an io.Writer safe for the writer and a reader at once.
@@ -40,7 +41,10 @@ func (b *syncBuffer) String() string {
 // TestUpRestartsACrashedService: modelproxy killed with SIGKILL while runs stream from
 // it. `curfew up` restarts it on its address and says so; the mesh stays up; the runs,
 // whose model steps were cut, carry on through the durable-state rules and succeed;
-// endpoints.json names the new pid and counts the restart.
+// endpoints.json names the new pid and counts the restart. No spend is lost with the
+// killed decoders: each run's summary counts the cut attempt's tokens beside the
+// retry's, and so does the durable ledger, from the parts the decoder appended while it
+// streamed.
 func TestUpRestartsACrashedService(t *testing.T) {
 	t.Parallel()
 	const runs = 8
@@ -68,6 +72,11 @@ func TestUpRestartsACrashedService(t *testing.T) {
 	plan := `{"tokens_per_second": 40, "steps": [
 	  {"think_tokens": 120, "tools": [{"name": "sleep", "args": {"ms": 500}}]},
 	  {"answer_tokens": 4}]}`
+	st0, err := store.Open(ctx, filepath.Join(dir, "curfew.db")) // curfew up's store
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = st0.Close() })
 	ids := make([]string, runs)
 	for i := range runs {
 		resp, err := oc.StartRun(ctx, &orchestratorv1.StartRunRequest{Task: plan,
@@ -94,6 +103,7 @@ func TestUpRestartsACrashedService(t *testing.T) {
 				if st != orchestratorv1.RunStatus_RUN_STATUS_SUCCEEDED {
 					t.Errorf("run %s ended %s: %s %s", id, st, run.GetErrorCode(), run.GetErrorMessage())
 				}
+				checkSpendKept(ctx, t, st0, run)
 				break
 			}
 			if ctx.Err() != nil {
@@ -123,5 +133,32 @@ func TestUpRestartsACrashedService(t *testing.T) {
 		if !strings.Contains(stderr.String(), want) {
 			t.Errorf("curfew up's stderr lacks %q:\n%s", want, stderr.String())
 		}
+	}
+}
+
+// checkSpendKept checks that run's think step root/m0 (120 tokens, cut by the kill
+// after about 60 and decoded again in full) counts the cut attempt's tokens beside the
+// retry's, in the summary and in the durable ledger: more than 120 in each.
+func checkSpendKept(ctx context.Context, t *testing.T, st store.Store, run *orchestratorv1.Run) {
+	t.Helper()
+	var summary int64
+	for _, n := range run.GetNodes() {
+		if n.GetId() == "root/m0" {
+			summary = n.GetTokens()
+		}
+	}
+	var ledger int64
+	for end := time.Now().Add(10 * time.Second); ; time.Sleep(100 * time.Millisecond) { // the last part lands within persistDelay
+		u, err := st.TokenUsage(ctx, run.GetTenant(), run.GetRunId())
+		if err != nil {
+			t.Fatal(err)
+		}
+		if ledger = u.ByNode["root/m0"]; ledger > 120 || time.Now().After(end) {
+			break
+		}
+	}
+	if summary <= 120 || ledger <= 120 {
+		t.Errorf("run %s: root/m0 has %d tokens in its summary and %d in the ledger; want more than the retry's 120 in each (the cut attempt's too)",
+			run.GetRunId(), summary, ledger)
 	}
 }

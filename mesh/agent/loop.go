@@ -437,8 +437,13 @@ func (l *Loop) generate(ctx context.Context, id string, req *modelproxyv1.Genera
 	// A step whose decoder dies, or drains past its grace, mid-stream is started over on
 	// another replica (retry.Restartable, under the retry policy): the step's text is the
 	// new attempt's, streamed again from offset 0 as a step redone after a takeover is;
-	// its tokens count every attempt's, as all were spent.
-	restarted := retry.Restartable(func(int, error) { text.Reset(); final = nil })
+	// its tokens count every attempt's, as all were spent, and its Attempt says which
+	// attempt streams now (0 until a restart).
+	restarted := retry.Restartable(func(attempt int, _ error) {
+		text.Reset()
+		final = nil
+		node.Attempt = int32(attempt + 1) //nolint:gosec // attempts are bounded by the retry policy, far below 2^31
+	})
 	st, err := l.cfg.Model.Generate(cctx, req, restarted)
 	if err != nil {
 		lease.Release()

@@ -253,3 +253,41 @@ func TestSlowSubscriberKeepsNodeUpdates(t *testing.T) {
 		t.Fatalf("last event %v, want the node's end", last)
 	}
 }
+
+// A model node's tokens count every attempt: a stream restarted under the same node goes
+// on counting, a step redone after a failure starts a node of the same id from 0, and an
+// end published twice counts once.
+func TestStreamedTokensCountEveryAttempt(t *testing.T) {
+	rn := &run{}
+	model := func(status meshv1.NodeStatus, tokens int64) *meshv1.Node {
+		return &meshv1.Node{Id: "root/m0", Kind: meshv1.NodeKind_NODE_KIND_MODEL, Status: status, Tokens: tokens}
+	}
+	const running, failed, ok = meshv1.NodeStatus_NODE_STATUS_RUNNING, meshv1.NodeStatus_NODE_STATUS_FAILED, meshv1.NodeStatus_NODE_STATUS_SUCCEEDED
+	for _, n := range []*meshv1.Node{
+		model(running, 0), model(running, 20), model(running, 45), // restarted at 30: counting on
+		model(failed, 60), model(failed, 60), // cut: the step failed (its end published twice)
+		model(running, 0), model(running, 70), model(ok, 120), // redone from 0
+	} {
+		rn.publishNode(n)
+	}
+	if got := rn.streamed["root/m0"]; got.total() != 180 || !got.retried {
+		t.Fatalf("streamed %d tokens (retried %v), want 60 + 120 over two attempts", got.total(), got.retried)
+	}
+
+	// One attempt: the summary keeps its executor's figure. A stream restarted under the
+	// same node says so by its Attempt.
+	one := &run{}
+	one.publishNode(model(running, 10))
+	one.publishNode(model(ok, 50))
+	if got := one.streamed["root/m0"]; got.total() != 50 || got.retried {
+		t.Fatalf("one attempt: %d tokens, retried %v; want 50, false", got.total(), got.retried)
+	}
+	again := &run{}
+	again.publishNode(model(running, 10))
+	restarted := model(running, 30)
+	restarted.Attempt = 2
+	again.publishNode(restarted)
+	if !again.streamed["root/m0"].retried {
+		t.Fatal("a node on its second attempt is not marked retried")
+	}
+}

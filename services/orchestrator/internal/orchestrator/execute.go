@@ -188,12 +188,24 @@ func (s *Server) collect(ctx context.Context, run string, cancelAt time.Time, se
 		}()
 	}
 	wg.Wait()
+	streamed := map[string]int64{}
 	if rn, err := s.get(run); err == nil { // last: the executors' records come first
 		rn.mu.Lock()
 		reports = append(reports, slices.Clone(rn.failedCalls))
+		for id, t := range rn.streamed {
+			if t.retried { // a single attempt's record is its executor's alone
+				streamed[id] = t.total()
+			}
+		}
 		rn.mu.Unlock()
 	}
-	return nodes.Merge(reports...)
+	merged := nodes.Merge(reports...)
+	for _, n := range merged {
+		if t := streamed[n.GetId()]; n.GetKind() == meshv1.NodeKind_NODE_KIND_MODEL && t > n.GetTokens() {
+			n.Tokens = t // the executor's record lost an earlier attempt (see run.streamed)
+		}
+	}
+	return merged
 }
 
 func setNodes(r *orchestratorv1.Run, ns []*meshv1.Node) {

@@ -34,6 +34,9 @@ const eventBuffer = 256
 // are at most plan.MaxToolCalls.
 const maxRunningNodes = 4096
 
+// maxStreamedNodes bounds the model nodes whose streamed tokens a run keeps (run.streamed).
+const maxStreamedNodes = 4096
+
 // maxNodeText and maxRunText bound the text of running model nodes a run keeps for late
 // subscribers (see run.text): the latest maxNodeText bytes of each node, and
 // maxRunText bytes in all. A node whose text would take the run past maxRunText is
@@ -78,6 +81,14 @@ type run struct {
 	// that fail the tool's schema, an unknown tool), whose error went back to the model.
 	// An executor's own record of a node comes first (collect).
 	failedCalls []*meshv1.Node
+	// streamed counts, per model node, the tokens the loops published for it over all
+	// its attempts (collect): for a node that ran more than one attempt the summary takes
+	// it where the executor's record has fewer, as when a modelproxy that died mid-stream
+	// took its record of an attempt with it and its restart knows only the retry's. A
+	// node of one attempt keeps its executor's figure, the ledger's truth (a drill's
+	// cross-check of the ledger against the streamed tokens relies on it). At most
+	// maxStreamedNodes.
+	streamed map[string]*streamedTokens
 	// text is the latest text of running model nodes (its TextDelta events), which a
 	// late subscriber is sent as one delta per node; textBytes is its total length. Bounded
 	// by maxNodeText and maxRunText; nil when there is none.
@@ -112,11 +123,51 @@ func newRun(r store.Run) *run {
 	}
 }
 
+// streamedTokens are a model node's tokens as its loop published them. A node runs once
+// per attempt of its step: a stream restarted under the same node goes on counting
+// (mesh/agent), while a step redone after it failed (the run parked on an open breaker,
+// say) starts a new node of the same id from 0. earlier sums the attempts that ended;
+// current is the latest attempt's most.
+type streamedTokens struct {
+	earlier, current int64
+	ended            bool // the latest attempt ended: a running node is a new one
+	// retried: the node ran more than one attempt (a step redone, or a stream restarted:
+	// the node's Attempt above 1). Only then may the executor's record lack one.
+	retried bool
+}
+
+func (t *streamedTokens) total() int64 { return t.earlier + t.current }
+
+// countStreamed counts model node n's tokens in rn.streamed; rn.mu is held.
+func (rn *run) countStreamed(n *meshv1.Node) {
+	t := rn.streamed[n.GetId()]
+	if t == nil {
+		if len(rn.streamed) >= maxStreamedNodes {
+			return
+		}
+		if rn.streamed == nil {
+			rn.streamed = map[string]*streamedTokens{}
+		}
+		t = &streamedTokens{}
+		rn.streamed[n.GetId()] = t
+	}
+	running := n.GetStatus() == meshv1.NodeStatus_NODE_STATUS_RUNNING
+	if running && t.ended { // a new attempt
+		t.earlier, t.current, t.ended, t.retried = t.total(), 0, false, true
+	}
+	t.retried = t.retried || n.GetAttempt() > 1
+	t.current = max(t.current, n.GetTokens())
+	t.ended = !running
+}
+
 // publishNode publishes a node's start, update or end.
 func (rn *run) publishNode(n *meshv1.Node) {
 	rn.mu.Lock()
 	defer rn.mu.Unlock()
 	id := n.GetId()
+	if n.GetKind() == meshv1.NodeKind_NODE_KIND_MODEL {
+		rn.countStreamed(n)
+	}
 	if n.GetStatus() == meshv1.NodeStatus_NODE_STATUS_RUNNING {
 		if _, ok := rn.running[id]; !ok && len(rn.running) < maxRunningNodes {
 			if rn.running == nil {
