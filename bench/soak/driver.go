@@ -56,6 +56,10 @@ type Config struct {
 	// Faults happen during the load, each At after its start (a SIGKILL of a process, a
 	// store restarted); the report records when each happened and its error.
 	Faults []Fault
+	// DumpDir, if set, receives the goroutines of every process whose count did not
+	// return to its baseline (<process>.goroutines.txt, /debug/pprof/goroutine?debug=1),
+	// to say what was left running.
+	DumpDir string
 	// WatchShare is the share of runs followed by WatchRun, every event of them streamed
 	// to the load as a console watching them would; the others are polled with GetRun
 	// every PollEvery, as a batch client does. DefaultWatchShare when 0; none when < 0.
@@ -226,6 +230,11 @@ func Drive(ctx context.Context, cfg Config) (*Report, error) {
 		rep.Effects = &e
 	}
 	rep.check()
+	if cfg.DumpDir != "" {
+		if err := smp.dumpLeft(ctx, cfg.DumpDir, baseline, after); err != nil && perr == nil {
+			perr = err
+		}
+	}
 	if perr != nil {
 		return rep, perr
 	}

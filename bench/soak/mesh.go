@@ -13,8 +13,13 @@ import (
 	"syscall"
 	"time"
 
+	"github.com/jackc/pgx/v5"
+	"github.com/prometheus/common/expfmt"
+	"github.com/prometheus/common/model"
+
 	orchestratorv1 "github.com/curfew-mesh/curfew/gen/curfew/orchestrator/v1"
 	"github.com/curfew-mesh/curfew/internal/meshproc"
+	"github.com/curfew-mesh/curfew/internal/pgproc"
 )
 
 // MCPTool is the effect tool of the mesh StartMesh starts, as plans call it.
@@ -28,7 +33,10 @@ const MCPTool = "fx__effect"
 // bounded short (--retention 5s, the orchestrator's --max-runs 4 × concurrency), so that
 // the heap after one load and after the next compare: with the defaults (15 minutes,
 // 10,000 runs) a few minutes' loads only fill those caches. Stop the mesh when done.
-func StartMesh(ctx context.Context, dir string, concurrency int, stderr io.Writer) (*meshproc.Mesh, string, error) {
+//
+// With a store DSN the services share that store (PostgreSQL: RestartStore restarts a
+// pgproc server under the load); without, curfew up's SQLite file in dir.
+func StartMesh(ctx context.Context, dir string, concurrency int, storeDSN string, stderr io.Writer) (*meshproc.Mesh, string, error) {
 	dir, err := filepath.Abs(dir)
 	if err != nil {
 		return nil, "", err
@@ -59,8 +67,11 @@ func StartMesh(ctx context.Context, dir string, concurrency int, stderr io.Write
 		return nil, "", err
 	}
 	env := []string{"CURFEW_PPROF=true", "CURFEW_RETENTION=5s", fmt.Sprintf("CURFEW_MAX_RUNS=%d", 4*max(concurrency, 16))}
-	m, err := meshproc.Start(ctx, dir, meshproc.Options{Env: env,
-		Args: []string{"--tools-config", tools, "--admission-config", admission}, Stderr: stderr})
+	args := []string{"--tools-config", tools, "--admission-config", admission}
+	if storeDSN != "" {
+		args = append(args, "--store", storeDSN)
+	}
+	m, err := meshproc.Start(ctx, dir, meshproc.Options{Env: env, Args: args, Stderr: stderr})
 	return m, record, err
 }
 
@@ -188,4 +199,82 @@ func MeshUp(ctx context.Context, m *meshproc.Mesh, before State, killed []string
 		out = append(out, Check{Name: "serving after the load: " + p.Name, OK: ok, Detail: "/readyz on " + p.Admin})
 	}
 	return out
+}
+
+// StoreDown is how long RestartStore keeps the store down.
+const StoreDown = 3 * time.Second
+
+// RestartStore is a fault that stops the mesh's PostgreSQL at once (its connections cut)
+// at instant at, and starts it again StoreDown later.
+func RestartStore(pg *pgproc.Server, at time.Duration) Fault {
+	return Fault{At: at, Name: "PostgreSQL restarted", Do: func(ctx context.Context) error {
+		if err := pg.Stop(); err != nil {
+			return err
+		}
+		select {
+		case <-ctx.Done():
+		case <-time.After(StoreDown):
+		}
+		return pg.Up(context.WithoutCancel(ctx))
+	}}
+}
+
+// LedgerGap checks that the durable ledger at dsn holds every token modelproxy says it
+// emitted (curfew_model_tokens_total on its /metrics, summed over its series): the
+// ledger's parts appended while the store was down were kept and appended once it came
+// back. It waits up to 30 s for the last parts. Only meaningful while modelproxy was
+// not restarted: a restart resets its counter.
+func LedgerGap(ctx context.Context, dsn string, modelproxy Process) Check {
+	c := &http.Client{Timeout: 2 * time.Second}
+	var ledger, emitted float64
+	var err error
+	for end := time.Now().Add(30 * time.Second); ; time.Sleep(200 * time.Millisecond) {
+		emitted, err = counterSum(ctx, c, "http://"+modelproxy.Admin+"/metrics", "curfew_model_tokens_total")
+		if err == nil {
+			ledger, err = ledgerTokens(ctx, dsn)
+		}
+		if (err == nil && ledger == emitted) || time.Now().After(end) || ctx.Err() != nil {
+			break
+		}
+	}
+	if err != nil {
+		return Check{Name: "no gap in the ledger", Detail: err.Error()}
+	}
+	return Check{Name: "no gap in the ledger", OK: ledger == emitted,
+		Detail: fmt.Sprintf("the ledger holds %.0f output tokens, modelproxy emitted %.0f", ledger, emitted)}
+}
+
+// counterSum sums every series of a counter on a /metrics page.
+func counterSum(ctx context.Context, c *http.Client, url, name string) (float64, error) {
+	req, err := http.NewRequestWithContext(ctx, http.MethodGet, url, nil)
+	if err != nil {
+		return 0, err
+	}
+	resp, err := c.Do(req)
+	if err != nil {
+		return 0, err
+	}
+	defer func() { _ = resp.Body.Close() }()
+	p := expfmt.NewTextParser(model.UTF8Validation)
+	mfs, err := p.TextToMetricFamilies(resp.Body)
+	if err != nil {
+		return 0, err
+	}
+	var sum float64
+	for _, m := range mfs[name].GetMetric() {
+		sum += m.GetCounter().GetValue()
+	}
+	return sum, nil
+}
+
+// ledgerTokens sums the output and orphan tokens of every entry of the ledger at dsn.
+func ledgerTokens(ctx context.Context, dsn string) (float64, error) {
+	conn, err := pgx.Connect(ctx, dsn)
+	if err != nil {
+		return 0, err
+	}
+	defer func() { _ = conn.Close(ctx) }()
+	var n int64
+	err = conn.QueryRow(ctx, `SELECT COALESCE(SUM(tokens), 0) FROM token_ledger WHERE kind <> 'prompt'`).Scan(&n)
+	return float64(n), err
 }

@@ -194,3 +194,26 @@ func fetch(ctx context.Context, c *http.Client, url, path string) error {
 	}
 	return f.Close()
 }
+
+// dumpLeft writes into dir the goroutines of every process whose count after the load
+// is above its baseline by more than GoroutineSlack.
+func (s *sampler) dumpLeft(ctx context.Context, dir string, baseline, after []Sample) error {
+	before := map[string]Sample{}
+	for _, b := range baseline {
+		before[b.Process] = b
+	}
+	var errs []error
+	for i, a := range after {
+		if b := before[a.Process]; !a.Up || a.Goroutines <= b.Goroutines+GoroutineSlack {
+			continue
+		}
+		if err := os.MkdirAll(dir, 0o755); err != nil { //nolint:gosec // dumps for people to read
+			return err
+		}
+		p := s.procs[i]
+		if err := fetch(ctx, s.client, "http://"+p.Admin+"/debug/pprof/goroutine?debug=1", filepath.Join(dir, p.Name+".goroutines.txt")); err != nil {
+			errs = append(errs, fmt.Errorf("%s: %w", p.Name, err))
+		}
+	}
+	return errors.Join(errs...)
+}

@@ -34,7 +34,7 @@ func TestDriveARealMesh(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
 	defer cancel()
 	const concurrency = 8
-	m, record, err := StartMesh(ctx, t.TempDir(), concurrency, os.Stderr)
+	m, record, err := StartMesh(ctx, t.TempDir(), concurrency, "", os.Stderr)
 	if err != nil {
 		t.Fatal(err)
 	}

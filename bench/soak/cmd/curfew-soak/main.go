@@ -26,6 +26,7 @@ import (
 	"github.com/curfew-mesh/curfew/bench/soak"
 	orchestratorv1 "github.com/curfew-mesh/curfew/gen/curfew/orchestrator/v1"
 	"github.com/curfew-mesh/curfew/internal/meshproc"
+	"github.com/curfew-mesh/curfew/internal/pgproc"
 )
 
 func main() {
@@ -44,6 +45,7 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	warmup := fs.Duration("warmup", soak.DefaultWarmup, "a load of the same mix before the measured one, so the baseline has the connections and caches a serving mesh keeps; 0 skips it")
 	profile := fs.Duration("profile", 0, "take a CPU profile of this long and an allocation profile of every process from the load's middle, into --out/profiles (the processes need --pprof, which the own mesh has)")
 	rounds := fs.Int("rounds", 1, "loads run one after the other on the same mesh; with 2 or more, the last one's heap after a forced collection must end within 10 % of the first's (a plateau, not a leak)")
+	pgRestart := fs.Bool("pg-restart", false, "run the own mesh on a PostgreSQL of its own (initdb, pg_ctl) and restart it once during each load, down for 3 s; without --kill, check afterwards that the ledger holds every token modelproxy emitted")
 	kill := fs.Bool("kill", false, "SIGKILL each service once during each load (modelproxy, toolrunner, subagent, orchestrator, evenly spread); curfew up must restart every one, and no run may be lost (the own mesh only)")
 	seed := fs.Uint64("seed", 0, "seed of the draws of kinds and cancel instants (0: random, reported)")
 	out := fs.String("out", "soak-report", "directory for report.json, summary.txt and the plots")
@@ -61,8 +63,8 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	if err := fs.Parse(args); err != nil {
 		return 2
 	}
-	if *kill && *dataDir != "" {
-		fmt.Fprintln(stderr, "curfew-soak: --kill needs the own mesh (no --data-dir): it reads curfew up's restarts")
+	if (*kill || *pgRestart) && *dataDir != "" {
+		fmt.Fprintln(stderr, "curfew-soak: --kill and --pg-restart need the own mesh (no --data-dir)")
 		return 2
 	}
 	w, err := parseWeights(*weights)
@@ -79,12 +81,24 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	var (
 		m      *meshproc.Mesh
 		record string
+		pg     *pgproc.Server
 	)
+	if *pgRestart {
+		if pg, err = pgproc.Start(ctx); err != nil {
+			fmt.Fprintln(stderr, "curfew-soak:", err)
+			return 1
+		}
+		defer func() { _ = pg.Close() }()
+	}
 	if *dataDir != "" {
 		m, err = meshproc.Attach(*dataDir)
 		mix.MCPTool = *mcpTool
 	} else {
-		m, record, err = soak.StartMesh(ctx, filepath.Join(*out, "mesh"), *concurrency, stderr)
+		dsn := ""
+		if pg != nil {
+			dsn = pg.DSN()
+		}
+		m, record, err = soak.StartMesh(ctx, filepath.Join(*out, "mesh"), *concurrency, dsn, stderr)
 		mix.MCPTool = soak.MCPTool
 	}
 	if err != nil {
@@ -134,9 +148,16 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 			}
 			cfg.Faults = soak.Kills(m, *duration)
 		}
+		if pg != nil {
+			cfg.Faults = append(cfg.Faults, soak.RestartStore(pg, *duration*3/10))
+		}
+		cfg.DumpDir = filepath.Join(dir, "goroutines")
 		rep, err := soak.Drive(ctx, cfg)
 		if rep != nil && *kill {
 			rep.Checks = append(rep.Checks, soak.MeshUp(ctx, m, before, soak.KillOrder)...)
+		}
+		if rep != nil && pg != nil && !*kill {
+			rep.Checks = append(rep.Checks, soak.LedgerGap(ctx, pg.DSN(), soak.Process{Name: "modelproxy", Admin: m.Endpoints.Services["modelproxy"].AdminAddr}))
 		}
 		if rep == nil {
 			fmt.Fprintln(stderr, "curfew-soak:", err)
