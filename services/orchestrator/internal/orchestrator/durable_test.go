@@ -2,9 +2,11 @@ package orchestrator
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"path/filepath"
 	"slices"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -472,5 +474,65 @@ func TestGetRunWhileTheResultIsStored(t *testing.T) {
 	}
 	if err := <-cancelled; err != nil {
 		t.Fatal(err)
+	}
+}
+
+// outageFinish is a real store whose FinishRun fails while down, as PostgreSQL's does
+// while it restarts.
+type outageFinish struct {
+	store.Store
+	down    atomic.Bool
+	refused atomic.Int64
+}
+
+func (o *outageFinish) FinishRun(ctx context.Context, l store.Lease, res store.RunResult) (store.Run, error) {
+	if o.down.Load() {
+		o.refused.Add(1)
+		return store.Run{}, errors.New("dial tcp 127.0.0.1:5432: connect: connection refused")
+	}
+	return o.Store.FinishRun(ctx, l, res)
+}
+
+// A run that ends while its result cannot be stored is not run again once its lease
+// lapses: its client saw it end, so the result it ended with is stored once the store
+// takes it, and no decoder starts for it a second time.
+func TestResultStoredAfterTheStoreComesBack(t *testing.T) {
+	st := &outageFinish{Store: openStore(t)}
+	st.down.Store(true)
+	e := newDurableEnv(t, st, "orch-a", 300*time.Millisecond)
+	ctx := context.Background()
+	res, err := e.orch.StartRun(ctx, &orchestratorv1.StartRunRequest{Task: `{"steps": [{"answer_tokens": 3}]}`, Timeout: durationpb.New(20 * time.Second)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	id := res.GetRun().GetRunId()
+	for until := time.Now().Add(5 * time.Second); ; time.Sleep(10 * time.Millisecond) {
+		got, err := e.orch.GetRun(ctx, &orchestratorv1.GetRunRequest{RunId: id})
+		if err == nil && got.GetRun().GetStatus() == orchestratorv1.RunStatus_RUN_STATUS_SUCCEEDED {
+			break
+		}
+		if time.Now().After(until) {
+			t.Fatalf("the run did not end: %v %v", got, err)
+		}
+	}
+	time.Sleep(time.Second) // several lease TTLs: a lapsed lease must not resume it
+	if st.refused.Load() < 2 {
+		t.Fatalf("FinishRun tried %d times while the store was down, want retries", st.refused.Load())
+	}
+	st.down.Store(false)
+	for until := time.Now().Add(5 * time.Second); ; time.Sleep(20 * time.Millisecond) {
+		r, err := st.GetRun(ctx, md.DefaultTenant, id)
+		if err == nil && r.Status.Terminal() {
+			if r.Status != store.StatusSucceeded {
+				t.Fatalf("stored %s, want the SUCCEEDED its client saw", r.Status)
+			}
+			break
+		}
+		if time.Now().After(until) {
+			t.Fatalf("the result was never stored: %+v %v", r, err)
+		}
+	}
+	if got := e.decoders(); len(got) != 1 {
+		t.Fatalf("decoders %v: the run was run again", got)
 	}
 }

@@ -92,7 +92,8 @@ func (s *Server) stopLeases() {
 	s.bg.Wait()
 }
 
-// heartbeats extends the leases of the runs this process owns every LeaseTTL/3.
+// heartbeats extends the leases of the runs this process owns every LeaseTTL/3, and
+// stores the results of runs that ended while the store was down.
 func (s *Server) heartbeats(ctx context.Context) {
 	t := time.NewTicker(s.cfg.LeaseTTL / 3)
 	defer t.Stop()
@@ -105,7 +106,7 @@ func (s *Server) heartbeats(ctx context.Context) {
 		// A few at a time: one slow round trip must not make the others' leases lapse.
 		sem := make(chan struct{}, heartbeatParallel)
 		var wg sync.WaitGroup
-		for _, rn := range s.live() {
+		for _, rn := range append(s.live(), s.unstored()...) {
 			sem <- struct{}{}
 			wg.Add(1)
 			go func() {
@@ -117,11 +118,18 @@ func (s *Server) heartbeats(ctx context.Context) {
 	}
 }
 
-// heartbeat extends the run's lease; a lease found lost stops the run here.
+// heartbeat extends the run's lease; a lease found lost stops the run here. A run that
+// ended while the store was down has its result stored instead.
 func (s *Server) heartbeat(ctx context.Context, rn *run) {
 	rn.mu.Lock()
-	l, skip := rn.lease, rn.finishing || rn.lost || rn.handover
+	l, skip, unstored := rn.lease, rn.finishing || rn.lost || rn.handover, rn.unstored && !rn.lost
 	rn.mu.Unlock()
+	if unstored {
+		if s.commit(ctx, rn) && !rn.resultUnstored() {
+			s.cfg.Log.InfoContext(ctx, "stored the result of a run that ended while the store was down", "run_id", rn.id)
+		}
+		return
+	}
 	if skip || l.Epoch == 0 {
 		return
 	}
@@ -186,7 +194,16 @@ func (s *Server) resume(ctx context.Context, r store.Run) {
 		// The run goes on, writing under the new lease.
 		rn.mu.Lock()
 		rn.lease = r.Lease()
+		unstored := rn.unstored
 		rn.mu.Unlock()
+		if unstored {
+			// It ended here while the store was down, and its client saw the end: store
+			// the result now, under the new lease; never run it again.
+			if s.commit(ctx, rn) && !rn.resultUnstored() {
+				log.InfoContext(ctx, "stored the result of a run that ended while the store was down")
+			}
+			return
+		}
 		log.WarnContext(ctx, "run's lease lapsed before its heartbeat; reclaimed it")
 		return
 	}
@@ -325,7 +342,8 @@ func fenced(err error) bool {
 }
 
 // commit stores the run's result under its lease, then records a failure as a dead
-// letter. It reports false when the run is no longer this process's to end.
+// letter. It reports false when the run is no longer this process's to end. A result
+// the store cannot take now is kept (run.unstored) and stored again by the heartbeats.
 func (s *Server) commit(ctx context.Context, rn *run) bool {
 	r := rn.snapshot(s.shared)
 	summary, err := proto.Marshal(r)
@@ -338,6 +356,9 @@ func (s *Server) commit(ctx context.Context, rn *run) bool {
 		_, err := s.cfg.Store.FinishRun(ctx, rn.leaseNow(), res)
 		return err
 	})
+	rn.mu.Lock()
+	rn.unstored = err != nil && !fenced(err)
+	rn.mu.Unlock()
 	switch {
 	case err == nil:
 	case errors.Is(err, store.ErrStaleEpoch), errors.Is(err, store.ErrRunFinished):
@@ -348,12 +369,13 @@ func (s *Server) commit(ctx context.Context, rn *run) bool {
 		rn.mu.Unlock()
 		return false
 	default:
-		// The result is lost with this process only if it dies too: the lease lapses and
+		// Kept in memory: once the lease lapses, the scan reclaims the run and stores its
+		// result then (resume). The result is lost only if this process dies too: then
 		// another orchestrator resumes the run from its last checkpoint.
-		s.cfg.Log.ErrorContext(ctx, "could not store the run's result", "run_id", rn.id, "error", err.Error())
+		s.cfg.Log.ErrorContext(ctx, "could not store the run's result; storing it again once the store answers", "run_id", rn.id, "error", err.Error())
 	}
-	if r.GetStatus() == orchestratorv1.RunStatus_RUN_STATUS_FAILED {
-		s.deadLetter(ctx, r, "")
+	if r.GetStatus() == orchestratorv1.RunStatus_RUN_STATUS_FAILED && err == nil {
+		s.deadLetter(ctx, r, "") // once, with the result stored (a result stored later records it then)
 	}
 	return true
 }

@@ -101,8 +101,13 @@ type run struct {
 	// run without ending it.
 	lease     store.Lease
 	finishing bool // the result is being committed: heartbeats no longer matter
-	lost      bool // another orchestrator claimed the run
-	handover  bool // shutting down: release the lease for another orchestrator
+	// unstored: the run ended here but its result could not be stored (the store was
+	// down). It stays in memory, and when the lease scan reclaims it (its lease lapsed
+	// meanwhile), its result is stored then, not the run resumed: its client has seen
+	// it end (resume).
+	unstored bool
+	lost     bool // another orchestrator claimed the run
+	handover bool // shutting down: release the lease for another orchestrator
 
 	// orphan is the chaos setting orphan (a drill's naive baseline): a client's
 	// disconnect or an operator's cancel is recorded but not acted on.
@@ -402,6 +407,13 @@ func (rn *run) handOver() bool {
 	return true
 }
 
+// resultUnstored reports whether the run ended here but its result is not stored yet.
+func (rn *run) resultUnstored() bool {
+	rn.mu.Lock()
+	defer rn.mu.Unlock()
+	return rn.unstored
+}
+
 // moved reports whether the run was lost or handed over.
 func (rn *run) moved() bool {
 	rn.mu.Lock()
@@ -439,7 +451,7 @@ func (s *Server) add(rn *run) {
 	}
 	kept := s.order[:0]
 	for _, id := range s.order {
-		if rn := s.runs[id]; excess > 0 && rn.ended() {
+		if rn := s.runs[id]; excess > 0 && rn.ended() && !rn.resultUnstored() {
 			delete(s.runs, id)
 			excess--
 			if !s.shared {
@@ -528,6 +540,19 @@ func (s *Server) visible(ctx context.Context, id string) (*run, error) {
 		return nil, status.Errorf(codes.NotFound, "run %q not found", id)
 	}
 	return rn, nil
+}
+
+// unstored returns the runs that ended here but whose result is not stored yet.
+func (s *Server) unstored() []*run {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	var out []*run
+	for _, rn := range s.runs {
+		if rn.resultUnstored() {
+			out = append(out, rn)
+		}
+	}
+	return out
 }
 
 // live returns the runs of this process that have not ended.
