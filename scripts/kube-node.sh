@@ -39,7 +39,10 @@ works() {
   for c in "${cmds[@]}"; do
     [[ -x "$dir/bin/$c" ]] || return 1
     if [[ "$c" == kubectl ]]; then
-      out="$(timeout 20 "$dir/bin/$c" version --client 2>&1 | head -1)" || return 1
+      # The whole output, then its first line (a `| head -1` pipe can fail the binary's
+      # later writes under pipefail).
+      out="$(timeout 20 "$dir/bin/$c" version --client 2>&1)" || return 1
+      out="${out%%$'\n'*}"
       [[ "$out" == "Client Version: $version" ]] || return 1
     else
       out="$(timeout 20 "$dir/bin/$c" --version 2>&1)" || return 1

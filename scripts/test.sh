@@ -163,13 +163,13 @@ echo "   $CURFEW_KUBE_NODE"
 echo "   $CURFEW_COREDNS"
 (cd k8s && GOWORK=off go test -race -count=1 -timeout 30m -run '^TestManifestsAsPods$' -v ./cluster/)
 
-echo "== soak: 100 runs in flight for 60 s, twice, every service SIGKILLed once in each, on a mesh under curfew up (bench/soak; alone, last)"
+echo "== soak: 100 runs in flight for 60 s, twice, every service SIGKILLed and PostgreSQL restarted once in each (bench/soak; alone, last)"
 # Every run ends, no effect twice, at most one token after a cancel per decoder, every
 # process's goroutines back to their count, the heap flat from one load to the next
 # (docs/soak.md). The report and plots stay in the directory printed on failure.
 soak_out="$(mktemp -d /tmp/curfew-soak-XXXXXX)"
 if go run ./bench/soak/cmd/curfew-soak --concurrency 100 --duration 60s --rounds 2 --kill \
-  --long-tokens-per-second 40 --out "$soak_out"; then
+  --pg-restart --long-tokens-per-second 40 --out "$soak_out"; then
   rm -rf "$soak_out"
 else
   echo "soak failed: its report, plots and process logs are in $soak_out" >&2
