@@ -135,7 +135,7 @@ func Drive(ctx context.Context, cfg Config) (*Report, error) {
 		cfg.Settle = DefaultSettle
 	}
 	if cfg.Seed == 0 {
-		cfg.Seed = mrand.Uint64()
+		cfg.Seed = mrand.Uint64() //nolint:gosec // the load's draws, reported to repeat them: no secret
 	}
 	if cfg.Warmup == 0 {
 		cfg.Warmup = DefaultWarmup
@@ -273,7 +273,7 @@ func drive(ctx context.Context, cfg Config, load string, stopAt time.Time, recor
 		wg.Add(1)
 		go func() {
 			defer wg.Done()
-			rnd := mrand.New(mrand.NewPCG(cfg.Seed, uint64(w)))
+			rnd := mrand.New(mrand.NewPCG(cfg.Seed, uint64(w))) //nolint:gosec // repeatable draws of kinds and cancel instants: no secret
 			orch := cfg.Orchestrators[w%len(cfg.Orchestrators)]
 			for ctx.Err() == nil && time.Now().Before(stopAt) {
 				watch := rnd.Float64() < cfg.WatchShare

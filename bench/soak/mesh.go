@@ -50,7 +50,7 @@ func StartMesh(ctx context.Context, dir string, concurrency int, storeDSN string
 		return nil, "", err
 	}
 	mcp := filepath.Join(dir, "curfew-mcptest")
-	build := exec.CommandContext(ctx, "go", "build", "-o", mcp, "./internal/mcptest/cmd/curfew-mcptest")
+	build := exec.CommandContext(ctx, "go", "build", "-o", mcp, "./internal/mcptest/cmd/curfew-mcptest") //nolint:gosec // this repository's test server, into the mesh's directory
 	build.Dir = repo
 	if b, err := build.CombinedOutput(); err != nil {
 		return nil, "", fmt.Errorf("building curfew-mcptest: %w\n%s", err, b)

@@ -2,6 +2,7 @@ package soak
 
 import (
 	"context"
+	"fmt"
 	"os"
 	"testing"
 	"time"
@@ -17,7 +18,7 @@ func TestMain(m *testing.M) {
 	meshproc.Cleanup()
 	if code == 0 {
 		if err := goleak.Find(); err != nil {
-			os.Stderr.WriteString("goleak: " + err.Error() + "\n")
+			fmt.Fprintln(os.Stderr, "goleak:", err)
 			code = 1
 		}
 	}
