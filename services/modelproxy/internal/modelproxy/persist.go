@@ -268,6 +268,7 @@ type persister struct {
 	abandon   bool          // a Flush ran out of time: the writer drops what is queued and ends
 	failing   time.Time     // since when appends fail; zero while they succeed
 	dropped   int64         // entries dropped over persistQueueMax since the last log line
+	shed      uint64        // entries ever dropped from the queue's head over the bound
 	queueMax  int           // persistQueueMax; tests may change it
 	retryBase time.Duration // the first retry's backoff: persistDelay; tests may change it
 }
@@ -289,6 +290,7 @@ func (s *Server) enqueue(ctx context.Context, es ...store.LedgerEntry) {
 	if over := len(p.queue) - p.max(); over > 0 {
 		p.queue = p.queue[over:]
 		p.dropped += int64(over)
+		p.shed += uint64(over)
 	}
 	if p.running {
 		return
@@ -344,6 +346,7 @@ func (s *Server) write(ctx context.Context) {
 		if len(batch) > persistBatch {
 			batch = batch[:persistBatch:persistBatch]
 		}
+		shed := p.shed
 		p.mu.Unlock()
 
 		var err error
@@ -375,9 +378,11 @@ func (s *Server) write(ctx context.Context) {
 				p.failing = time.Time{}
 			}
 			backoff = 0
-			// The batch is the queue's head (entries are only added at its tail, and
-			// dropped from its head only beyond the bound).
-			p.queue = p.queue[min(len(batch), len(p.queue)):]
+			// The batch was the queue's head: entries are added at its tail only, and
+			// dropped from its head only beyond the bound, maybe some of the batch's while
+			// it was appended. What is left of it goes.
+			left := max(len(batch)-int(p.shed-shed), 0) //nolint:gosec // at most the queue's length
+			p.queue = p.queue[min(left, len(p.queue)):]
 		}
 		if len(p.queue) == 0 {
 			p.queue = nil // let the appended entries go

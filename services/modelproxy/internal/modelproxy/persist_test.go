@@ -650,3 +650,50 @@ func flush(t testing.TB, s *Server) {
 		t.Error(err)
 	}
 }
+
+// While the store fails, at most queueMax entries wait; beyond, the oldest are dropped,
+// and the newest reach the store once it takes them again.
+func TestLedgerQueueBoundedWhileTheStoreFails(t *testing.T) {
+	d := openDurable(t, "")
+	o := &outage{LedgerStore: d.s}
+	o.down.Store(true)
+	s := New(o)
+	s.Log = slog.New(slog.DiscardHandler)
+	s.persister.retryBase = time.Millisecond
+	s.persister.queueMax = 4
+	const run = "r-bounded"
+	decoderEnded(s, run, 3) // 6 entries: root/m0's two are dropped
+	for deadline := time.Now().Add(10 * time.Second); o.refused.Load() < 2; time.Sleep(time.Millisecond) {
+		if time.Now().After(deadline) {
+			t.Fatal("the writer never tried the failing store")
+		}
+	}
+	o.down.Store(false)
+	flush(t, s)
+	u := d.usage(t, run)
+	if u.ByNode["root/m0"] != 0 || u.ByNode["root/m1"] != 4 || u.ByNode["root/m2"] != 4 {
+		t.Fatalf("usage by node %v: want root/m0's entries dropped, m1's and m2's 4 tokens each", u.ByNode)
+	}
+}
+
+// Entries dropped over the bound while their batch was being appended are not taken off
+// the queue twice: the entries queued after them still reach the store.
+func TestLedgerBoundDuringAppendKeepsTheNewest(t *testing.T) {
+	d := openDurable(t, "")
+	b := &batches{LedgerStore: d.s, started: make(chan struct{}), hold: make(chan struct{})}
+	s := New(b)
+	s.Log = slog.New(slog.DiscardHandler)
+	s.persister.delay = time.Millisecond
+	s.persister.queueMax = 4
+	decoderEnded(s, "r-a", 1)
+	<-b.started               // the writer is appending r-a's 2 entries
+	decoderEnded(s, "r-b", 2) // 6 queued: r-a's 2, in flight, are over the bound
+	close(b.hold)
+	flush(t, s)
+	if got := b.seen(); !slices.Equal(got, []int{2, 4}) {
+		t.Fatalf("appends %v, want 2 then r-b's 4", got)
+	}
+	if n := len(d.rows(t, "r-b")); n != 4 {
+		t.Fatalf("r-b has %d rows, want its 4", n)
+	}
+}
