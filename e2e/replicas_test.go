@@ -10,11 +10,11 @@ import (
 	"testing"
 	"time"
 
-	"golang.org/x/net/dns/dnsmessage"
 	"google.golang.org/protobuf/types/known/durationpb"
 
 	meshv1 "github.com/curfew-mesh/curfew/gen/curfew/mesh/v1"
 	orchestratorv1 "github.com/curfew-mesh/curfew/gen/curfew/orchestrator/v1"
+	"github.com/curfew-mesh/curfew/internal/dnsstub"
 	"github.com/curfew-mesh/curfew/internal/meshproc"
 )
 
@@ -23,49 +23,12 @@ import (
 // resolves to every ready pod. It returns the server's address.
 func serveDNS(t *testing.T, name string, ips ...string) string {
 	t.Helper()
-	var lc net.ListenConfig
-	pc, err := lc.ListenPacket(t.Context(), "udp", "127.0.0.1:0")
+	s, err := dnsstub.Start(t.Context(), map[string][]string{name: ips})
 	if err != nil {
 		t.Fatal(err)
 	}
-	t.Cleanup(func() { _ = pc.Close() })
-	fqdn := dnsmessage.MustNewName(name + ".")
-	go func() {
-		buf := make([]byte, 1500)
-		for {
-			n, from, err := pc.ReadFrom(buf)
-			if err != nil {
-				return
-			}
-			var p dnsmessage.Parser
-			h, err := p.Start(buf[:n])
-			if err != nil {
-				continue
-			}
-			q, err := p.Question()
-			if err != nil {
-				continue
-			}
-			resp := dnsmessage.Message{Header: dnsmessage.Header{ID: h.ID, Response: true, Authoritative: true}, Questions: []dnsmessage.Question{q}}
-			switch {
-			case q.Name != fqdn:
-				resp.RCode = dnsmessage.RCodeNameError
-			case q.Type == dnsmessage.TypeA:
-				for _, ip := range ips {
-					var a [4]byte
-					copy(a[:], net.ParseIP(ip).To4())
-					resp.Answers = append(resp.Answers, dnsmessage.Resource{
-						Header: dnsmessage.ResourceHeader{Name: fqdn, Type: dnsmessage.TypeA, Class: dnsmessage.ClassINET, TTL: 1},
-						Body:   &dnsmessage.AResource{A: a}})
-				}
-			}
-			out, err := resp.Pack()
-			if err == nil {
-				_, _ = pc.WriteTo(out, from)
-			}
-		}
-	}()
-	return pc.LocalAddr().String()
+	t.Cleanup(func() { _ = s.Close() })
+	return s.Addr()
 }
 
 // Two toolrunner replicas behind one DNS name (127.0.0.1:P and 127.0.0.2:P, as two pods
