@@ -3,6 +3,7 @@ module github.com/curfew-mesh/curfew
 go 1.26.0
 
 require (
+	github.com/Shopify/toxiproxy/v2 v2.12.0
 	github.com/chromedp/chromedp v0.23.1
 	github.com/curfew-mesh/curfew/gen v0.0.0
 	github.com/curfew-mesh/curfew/mesh v0.0.0-00010101000000-000000000000

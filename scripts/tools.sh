@@ -30,6 +30,18 @@ install protoc-gen-go google.golang.org/protobuf/cmd/protoc-gen-go "$PROTOC_GEN_
 install protoc-gen-go-grpc google.golang.org/grpc/cmd/protoc-gen-go-grpc "$PROTOC_GEN_GO_GRPC_VERSION"
 install buf github.com/bufbuild/buf/cmd/buf "$BUF_VERSION"
 install grpcurl github.com/fullstorydev/grpcurl/cmd/grpcurl "$GRPCURL_VERSION"
+# toxiproxy puts latency, resets and timeouts between the soak's replicas (curfew-soak
+# --cluster, docs/soak.md); the same version as the client in go.mod. Its main package is
+# named server: installed under the name toxiproxy-server.
+TOXIPROXY_VERSION=v2.12.0
+if ! need toxiproxy-server "$TOXIPROXY_VERSION"; then
+  echo "tools: installing github.com/Shopify/toxiproxy/v2/cmd/server@$TOXIPROXY_VERSION" >&2
+  GOBIN="$GOBIN/.toxiproxy" go install "github.com/Shopify/toxiproxy/v2/cmd/server@$TOXIPROXY_VERSION"
+  mv "$GOBIN/.toxiproxy/server" "$GOBIN/toxiproxy-server"
+  rmdir "$GOBIN/.toxiproxy"
+  rm -f "$GOBIN/.toxiproxy-server."*
+  touch "$GOBIN/.toxiproxy-server.$TOXIPROXY_VERSION"
+fi
 # The npm plugins of buf.gen.yaml (protoc-gen-es), pinned by scripts/node-tools/package-lock.json.
 bash scripts/node.sh tools
 # The MCP reference server the toolrunner's MCP source is tested against, pinned by

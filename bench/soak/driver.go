@@ -274,10 +274,10 @@ func drive(ctx context.Context, cfg Config, load string, stopAt time.Time, recor
 		go func() {
 			defer wg.Done()
 			rnd := mrand.New(mrand.NewPCG(cfg.Seed, uint64(w))) //nolint:gosec // repeatable draws of kinds and cancel instants: no secret
-			orch := cfg.Orchestrators[w%len(cfg.Orchestrators)]
+			door := frontDoor{orchs: cfg.Orchestrators, first: w}
 			for ctx.Err() == nil && time.Now().Before(stopAt) {
 				watch := rnd.Float64() < cfg.WatchShare
-				o := runOne(ctx, orch, cfg, cfg.Mix.pick(rnd), fmt.Sprintf("soak-%s-%d", load, seq.Add(1)), watch, rnd)
+				o := runOne(ctx, door, cfg, cfg.Mix.pick(rnd), fmt.Sprintf("soak-%s-%d", load, seq.Add(1)), watch, rnd)
 				if record != nil {
 					record(o)
 				}
@@ -290,13 +290,27 @@ func drive(ctx context.Context, cfg Config, load string, stopAt time.Time, recor
 	wg.Wait()
 }
 
+// frontDoor is how a worker reaches the orchestrators: its own replica first, and after
+// a failed call the next one, as a client behind a Service's load balancer would (any
+// replica takes a run's GetRun, WatchRun and CancelRun, forwarding them to the run's
+// owner).
+type frontDoor struct {
+	orchs []orchestratorv1.OrchestratorServiceClient
+	first int
+}
+
+// at is the orchestrator of a call's try-th attempt.
+func (d frontDoor) at(try int) orchestratorv1.OrchestratorServiceClient {
+	return d.orchs[(d.first+try)%len(d.orchs)]
+}
+
 // runOne starts one run, cancels it when its kind says so, and follows it to its end:
 // by WatchRun when watch is set, else by polling GetRun.
-func runOne(ctx context.Context, orch orchestratorv1.OrchestratorServiceClient, cfg Config, k Kind, name string, watch bool, rnd *mrand.Rand) outcome {
+func runOne(ctx context.Context, door frontDoor, cfg Config, k Kind, name string, watch bool, rnd *mrand.Rand) outcome {
 	req, cancelAfter := cfg.Mix.request(k, name, rnd)
 	o := outcome{kind: k, started: time.Now()}
 	sctx, cancel := context.WithTimeout(ctx, 30*time.Second)
-	resp, err := orch.StartRun(sctx, req)
+	resp, err := door.at(0).StartRun(sctx, req)
 	cancel()
 	o.startLat = time.Since(o.started)
 	if err != nil {
@@ -315,8 +329,8 @@ func runOne(ctx context.Context, orch orchestratorv1.OrchestratorServiceClient, 
 			at := time.Now()
 			cancelled <- at
 			// Retried while the orchestrator is unreachable: the client's cancel must land.
-			for rctx.Err() == nil {
-				_, err := orch.CancelRun(rctx, &orchestratorv1.CancelRunRequest{RunId: o.id, Reason: "soak: the client cancels"})
+			for try := 0; rctx.Err() == nil; try++ {
+				_, err := door.at(try).CancelRun(rctx, &orchestratorv1.CancelRunRequest{RunId: o.id, Reason: "soak: the client cancels"})
 				if err == nil || status.Code(err) == codes.FailedPrecondition || status.Code(err) == codes.NotFound {
 					return
 				}
@@ -326,9 +340,9 @@ func runOne(ctx context.Context, orch orchestratorv1.OrchestratorServiceClient, 
 		defer t.Stop()
 	}
 	if watch {
-		o.final, o.watchErrs = follow(rctx, orch, o.id)
+		o.final, o.watchErrs = follow(rctx, door, o.id)
 	} else {
-		o.final = poll(rctx, orch, o.id, cfg.PollEvery)
+		o.final = poll(rctx, door, o.id, cfg.PollEvery)
 	}
 	o.ended = time.Now()
 	if e := o.final.GetEndedAt(); e != nil {
@@ -346,9 +360,10 @@ func runOne(ctx context.Context, orch orchestratorv1.OrchestratorServiceClient, 
 // follow watches run id to its end, watching again when a stream breaks (its
 // orchestrator killed or draining: another one follows the run), and reads it with
 // GetRun when it can watch no more.
-func follow(ctx context.Context, orch orchestratorv1.OrchestratorServiceClient, id string) (*orchestratorv1.Run, int) {
+func follow(ctx context.Context, door frontDoor, id string) (*orchestratorv1.Run, int) {
 	breaks := 0
 	for ctx.Err() == nil {
+		orch := door.at(breaks)
 		st, err := orch.WatchRun(ctx, &orchestratorv1.WatchRunRequest{RunId: id})
 		if err == nil {
 			for {
@@ -374,10 +389,14 @@ func follow(ctx context.Context, orch orchestratorv1.OrchestratorServiceClient, 
 }
 
 // poll reads run id every period until it has ended.
-func poll(ctx context.Context, orch orchestratorv1.OrchestratorServiceClient, id string, period time.Duration) *orchestratorv1.Run {
-	for {
-		if r, err := orch.GetRun(ctx, &orchestratorv1.GetRunRequest{RunId: id}); err == nil && terminal(r.GetRun()) {
+func poll(ctx context.Context, door frontDoor, id string, period time.Duration) *orchestratorv1.Run {
+	for try := 0; ; {
+		r, err := door.at(try).GetRun(ctx, &orchestratorv1.GetRunRequest{RunId: id})
+		if err == nil && terminal(r.GetRun()) {
 			return r.GetRun()
+		}
+		if err != nil {
+			try++ // the next replica
 		}
 		select {
 		case <-ctx.Done():

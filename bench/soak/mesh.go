@@ -45,15 +45,9 @@ func StartMesh(ctx context.Context, dir string, concurrency int, storeDSN string
 	if err := os.MkdirAll(dir, 0o755); err != nil { //nolint:gosec // the mesh's data directory
 		return nil, "", err
 	}
-	repo, err := meshproc.Repo()
+	mcp, err := buildMCPTest(ctx, dir)
 	if err != nil {
 		return nil, "", err
-	}
-	mcp := filepath.Join(dir, "curfew-mcptest")
-	build := exec.CommandContext(ctx, "go", "build", "-o", mcp, "./internal/mcptest/cmd/curfew-mcptest") //nolint:gosec // this repository's test server, into the mesh's directory
-	build.Dir = repo
-	if b, err := build.CombinedOutput(); err != nil {
-		return nil, "", fmt.Errorf("building curfew-mcptest: %w\n%s", err, b)
 	}
 	record := filepath.Join(dir, "mcp-calls.jsonl")
 	tools := filepath.Join(dir, "tools.json")
@@ -73,6 +67,21 @@ func StartMesh(ctx context.Context, dir string, concurrency int, storeDSN string
 	}
 	m, err := meshproc.Start(ctx, dir, meshproc.Options{Env: env, Args: args, Stderr: stderr})
 	return m, record, err
+}
+
+// buildMCPTest builds the MCP test server (internal/mcptest) into dir.
+func buildMCPTest(ctx context.Context, dir string) (string, error) {
+	repo, err := meshproc.Repo()
+	if err != nil {
+		return "", err
+	}
+	mcp := filepath.Join(dir, "curfew-mcptest")
+	build := exec.CommandContext(ctx, "go", "build", "-o", mcp, "./internal/mcptest/cmd/curfew-mcptest") //nolint:gosec // this repository's test server, into the mesh's directory
+	build.Dir = repo
+	if b, err := build.CombinedOutput(); err != nil {
+		return "", fmt.Errorf("building curfew-mcptest: %w\n%s", err, b)
+	}
+	return mcp, nil
 }
 
 // Processes are the mesh's service processes, to sample.
@@ -219,17 +228,21 @@ func RestartStore(pg *pgproc.Server, at time.Duration) Fault {
 	}}
 }
 
-// LedgerGap checks that the durable ledger at dsn holds every token modelproxy says it
-// emitted (curfew_model_tokens_total on its /metrics, summed over its series): the
+// LedgerGap checks that the durable ledger at dsn holds every token the modelproxies say
+// they emitted (curfew_model_tokens_total on their /metrics, summed over every series): the
 // ledger's parts appended while the store was down were kept and appended once it came
 // back. It waits up to 30 s for the last parts. Only meaningful while modelproxy was
 // not restarted: a restart resets its counter.
-func LedgerGap(ctx context.Context, dsn string, modelproxy Process) Check {
+func LedgerGap(ctx context.Context, dsn string, modelproxies ...Process) Check {
 	c := &http.Client{Timeout: 2 * time.Second}
 	var ledger, emitted float64
 	var err error
 	for end := time.Now().Add(30 * time.Second); ; time.Sleep(200 * time.Millisecond) {
-		emitted, err = counterSum(ctx, c, "http://"+modelproxy.Admin+"/metrics", "curfew_model_tokens_total")
+		emitted, err = 0, nil
+		for _, mp := range modelproxies {
+			n, e := counterSum(ctx, c, "http://"+mp.Admin+"/metrics", "curfew_model_tokens_total")
+			emitted, err = emitted+n, errors.Join(err, e)
+		}
 		if err == nil {
 			ledger, err = ledgerTokens(ctx, dsn)
 		}

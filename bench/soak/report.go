@@ -7,6 +7,7 @@ import (
 	"os"
 	"slices"
 	"sort"
+	"strings"
 	"time"
 
 	meshv1 "github.com/curfew-mesh/curfew/gen/curfew/mesh/v1"
@@ -44,11 +45,14 @@ type Report struct {
 	DeadlineOvershoot Percentiles `json:"deadline_overshoot_ms"`
 	// OrphanTokens are the tokens decoded after a cancel, in all and at most per
 	// decoder; DecodersOverOne counts decoders with more than one.
-	OrphanTokens          int64    `json:"orphan_tokens"`
-	MaxOrphanPerDecoder   int64    `json:"max_orphan_tokens_per_decoder"`
-	DecodersOverOneOrphan int      `json:"decoders_over_one_orphan_token"`
-	WatchBreaks           int      `json:"watch_breaks"`
-	Effects               *Effects `json:"effects,omitempty"`
+	OrphanTokens          int64 `json:"orphan_tokens"`
+	MaxOrphanPerDecoder   int64 `json:"max_orphan_tokens_per_decoder"`
+	DecodersOverOneOrphan int   `json:"decoders_over_one_orphan_token"`
+	// OverOne are the decoders with more than one token after their cancel, to say
+	// which and when (the faults' instants are in Faults).
+	OverOne     []OrphanDecoder `json:"decoders_over_one,omitempty"`
+	WatchBreaks int             `json:"watch_breaks"`
+	Effects     *Effects        `json:"effects,omitempty"`
 	// Faults are the faults injected, when each happened and its error.
 	Faults []FaultRecord `json:"faults,omitempty"`
 	// Baseline and After are every process sampled (after a forced collection where it
@@ -67,6 +71,17 @@ type KindReport struct {
 	Outcomes map[string]int `json:"outcomes"`
 	// Latency is from StartRun sent to the end seen, over the kind's runs that ended.
 	Latency Percentiles `json:"latency_ms"`
+}
+
+// OrphanDecoder is a decoder that decoded more than one token after its run's cancel.
+type OrphanDecoder struct {
+	Run    string  `json:"run"`
+	Node   string  `json:"node"`
+	Kind   Kind    `json:"kind"`
+	Tokens int64   `json:"tokens_after_cancel"`
+	At     float64 `json:"cancel_at_s,omitempty"` // the client's CancelRun, since the load's start
+	// CancelToLast is from the run's cancel to its last decoder's end, in milliseconds.
+	CancelToLast float64 `json:"cancel_to_last_decoder_ms,omitempty"`
 }
 
 // Percentiles summarise a distribution, in milliseconds.
@@ -176,6 +191,12 @@ func newReport(cfg Config, begin, drained time.Time, outs []outcome, samples, ba
 			r.MaxOrphanPerDecoder = max(r.MaxOrphanPerDecoder, a)
 			if a > 1 {
 				r.DecodersOverOneOrphan++
+				od := OrphanDecoder{Run: o.id, Node: n.GetId(), Kind: o.kind, Tokens: a}
+				if !o.cancelAt.IsZero() {
+					od.At = o.cancelAt.Sub(r.Started).Seconds()
+					od.CancelToLast = float64(last.Sub(o.cancelAt).Microseconds()) / 1000
+				}
+				r.OverOne = append(r.OverOne, od)
 			}
 		}
 		r.Kinds[o.kind] = k
@@ -270,9 +291,17 @@ func (r *Report) check() {
 	if r.Effects != nil {
 		add("no duplicate side effect", r.Effects.Duplicates == 0, "%d of %d effect calls happened more than once", r.Effects.Duplicates, r.Effects.Calls)
 	}
-	before := map[string]Sample{}
+	before, after, restarted := map[string]Sample{}, map[string]Sample{}, map[string]bool{}
 	for _, s := range r.Baseline {
 		before[s.Process] = s
+	}
+	for _, s := range r.After {
+		after[s.Process] = s
+	}
+	for _, s := range r.Samples {
+		if !s.Up {
+			restarted[s.Process] = true
+		}
 	}
 	for _, s := range r.After {
 		b, ok := before[s.Process]
@@ -280,9 +309,37 @@ func (r *Report) check() {
 			add("goroutines back to baseline: "+s.Process, false, "not sampled before and after (up %v, %v)", b.Up, s.Up)
 			continue
 		}
-		add("goroutines back to baseline: "+s.Process, s.Goroutines <= b.Goroutines+GoroutineSlack,
-			"%.0f before, %.0f after (slack %d)", b.Goroutines, s.Goroutines, GoroutineSlack)
+		if !restarted[s.Process] {
+			add("goroutines back to baseline: "+s.Process, s.Goroutines <= b.Goroutines+GoroutineSlack,
+				"%.0f before, %.0f after (slack %d)", b.Goroutines, s.Goroutines, GoroutineSlack)
+			continue
+		}
+		// A process killed and restarted during the load has no baseline of its own (a
+		// fresh process): its twin, another replica of its service that served the same
+		// load without a restart, stands for it.
+		twin, found := "", false
+		for _, o := range r.After {
+			if o.Process != s.Process && o.Up && !restarted[o.Process] && service(o.Process) == service(s.Process) {
+				twin, found = o.Process, true
+				break
+			}
+		}
+		if !found {
+			add("goroutines back to baseline: "+s.Process, true, "%.0f after; restarted during the load, no replica of its service to compare with", s.Goroutines)
+			continue
+		}
+		t := after[twin]
+		add("goroutines back to baseline: "+s.Process, s.Goroutines <= t.Goroutines+GoroutineSlack,
+			"%.0f after; restarted during the load, so compared with %s, which was not: %.0f (slack %d)", s.Goroutines, twin, t.Goroutines, GoroutineSlack)
 	}
+}
+
+// service is the service of a replica's process name: "toolrunner" of "toolrunner-b".
+func service(process string) string {
+	if i := strings.LastIndexByte(process, '-'); i > 0 {
+		return process[:i]
+	}
+	return process
 }
 
 // OK reports whether every check held.

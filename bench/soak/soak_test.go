@@ -134,3 +134,67 @@ func TestStoreRestartOnARealMesh(t *testing.T) {
 		}
 	}
 }
+
+// Two replicas of every service behind toxiproxy on a PostgreSQL of their own, under a
+// short load with every fault: a replica of each service killed and restarted, latency,
+// resets and a black hole on the hops, the store restarted. No run is lost, no effect
+// happens twice, no decoder decodes more than a token after its cancel, every replica
+// serves afterwards, and the goroutines return (a restarted replica's compared with its
+// twin's).
+func TestClusterUnderEveryFault(t *testing.T) {
+	if testing.Short() {
+		t.Skip("starts eight services, toxiproxy and a PostgreSQL")
+	}
+	if _, err := toxiproxyBin(); err != nil {
+		meshproc.Missing(t, "%v", err)
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
+	defer cancel()
+	pg, err := pgproc.Start(ctx)
+	if errors.Is(err, pgproc.ErrNotInstalled) {
+		meshproc.Missing(t, "%v", err)
+	}
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = pg.Close() }()
+	const concurrency = 8
+	c, err := StartCluster(ctx, t.TempDir(), concurrency, pg.DSN())
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = c.Close() }()
+	orchs, err := c.Orchestrators()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := WaitForTool(ctx, orchs[0], MCPTool); err != nil {
+		t.Fatal(err)
+	}
+	mix := DefaultMix()
+	mix.MCPTool = MCPTool
+	mix.StepTokens, mix.TokensPerSecond, mix.ToolMS = 10, 100, 300
+	mix.LongTokensPerSecond = 40
+	mix.CancelMin, mix.CancelMax, mix.DeadlineTimeout = 500*time.Millisecond, 2*time.Second, 2*time.Second
+	const d = 20 * time.Second
+	faults := append(c.Faults(d, true, true), RestartStore(pg, d*3/10))
+	rep, err := Drive(ctx, Config{Orchestrators: orchs, Processes: c.Processes(), Concurrency: concurrency, Duration: d,
+		Mix: mix, Seed: 13, Warmup: 2 * time.Second, Settle: 3 * time.Second, Faults: faults,
+		Effects: func() (Effects, error) { return EffectsFromRecord(c.Record) }})
+	if err != nil {
+		t.Fatal(err)
+	}
+	rep.Checks = append(rep.Checks, c.Serving(ctx)...)
+	t.Log("\n" + rep.Summary())
+	if len(rep.Faults) != len(faults) {
+		t.Errorf("%d faults injected, want %d: %+v", len(rep.Faults), len(faults), rep.Faults)
+	}
+	if rep.Effects == nil || rep.Effects.Calls == 0 {
+		t.Errorf("effects %+v: the MCP server saw no call", rep.Effects)
+	}
+	for _, c := range rep.Checks {
+		if !c.OK {
+			t.Errorf("check failed: %s: %s", c.Name, c.Detail)
+		}
+	}
+}

@@ -34,6 +34,13 @@ func (r *Report) Summary() string {
 	pct("cancel to last decoder", r.CancelLatency)
 	pct("deadline overshoot", r.DeadlineOvershoot)
 	fmt.Fprintf(&b, "tokens after a cancel: %d in all, at most %d per decoder\n", r.OrphanTokens, r.MaxOrphanPerDecoder)
+	for i, d := range r.OverOne {
+		if i == 10 {
+			fmt.Fprintf(&b, "  ... %d more in report.json\n", len(r.OverOne)-i)
+			break
+		}
+		fmt.Fprintf(&b, "  %s %s (%s): %d tokens, cancel at %.1f s, last decoder %.1f ms after it\n", d.Run, d.Node, d.Kind, d.Tokens, d.At, d.CancelToLast)
+	}
 	if r.Effects != nil {
 		fmt.Fprintf(&b, "MCP effects: %d calls, %d happened more than once\n", r.Effects.Calls, r.Effects.Duplicates)
 	}

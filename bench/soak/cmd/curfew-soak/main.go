@@ -47,6 +47,8 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	rounds := fs.Int("rounds", 1, "loads run one after the other on the same mesh; with 2 or more, the last one's heap after a forced collection must end within 10 % of the first's (a plateau, not a leak)")
 	pgRestart := fs.Bool("pg-restart", false, "run the own mesh on a PostgreSQL of its own (initdb, pg_ctl) and restart it once during each load, down for 3 s; without --kill, check afterwards that the ledger holds every token modelproxy emitted")
 	kill := fs.Bool("kill", false, "SIGKILL each service once during each load (modelproxy, toolrunner, subagent, orchestrator, evenly spread); curfew up must restart every one, and no run may be lost (the own mesh only)")
+	cluster := fs.Bool("cluster", false, "instead of curfew up, two replicas of every service, each behind a toxiproxy proxy on its own 127.0.0.x, on a PostgreSQL of its own (initdb, pg_ctl); with --kill one replica of each service is killed and restarted after 3 s")
+	toxics := fs.Bool("toxics", false, "with --cluster: latency, TCP resets and a black hole switched on and off on the replicas' hops during each load (docs/soak.md)")
 	seed := fs.Uint64("seed", 0, "seed of the draws of kinds and cancel instants (0: random, reported)")
 	out := fs.String("out", "soak-report", "directory for report.json, summary.txt and the plots")
 	dataDir := fs.String("data-dir", "", "drive the mesh a running `curfew up` serves from this directory (its endpoints.json) instead of starting one; the MCP kind then needs --mcp-tool")
@@ -63,8 +65,12 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	if err := fs.Parse(args); err != nil {
 		return 2
 	}
-	if (*kill || *pgRestart) && *dataDir != "" {
-		fmt.Fprintln(stderr, "curfew-soak: --kill and --pg-restart need the own mesh (no --data-dir)")
+	if (*kill || *pgRestart || *cluster) && *dataDir != "" {
+		fmt.Fprintln(stderr, "curfew-soak: --kill, --pg-restart and --cluster need the own mesh (no --data-dir)")
+		return 2
+	}
+	if *toxics && !*cluster {
+		fmt.Fprintln(stderr, "curfew-soak: --toxics needs --cluster (toxiproxy stands in front of the cluster's replicas)")
 		return 2
 	}
 	w, err := parseWeights(*weights)
@@ -78,46 +84,31 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		return 1
 	}
 
-	var (
-		m      *meshproc.Mesh
-		record string
-		pg     *pgproc.Server
-	)
-	if *pgRestart {
+	var pg *pgproc.Server
+	if *pgRestart || *cluster {
 		if pg, err = pgproc.Start(ctx); err != nil {
 			fmt.Fprintln(stderr, "curfew-soak:", err)
 			return 1
 		}
 		defer func() { _ = pg.Close() }()
 	}
+	t, err := target(ctx, *out, *dataDir, *concurrency, *cluster, pg, stderr)
+	if err != nil {
+		fmt.Fprintln(stderr, "curfew-soak:", err)
+		return 1
+	}
+	defer func() { _ = t.close() }()
+	mix.MCPTool = soak.MCPTool
 	if *dataDir != "" {
-		m, err = meshproc.Attach(*dataDir)
 		mix.MCPTool = *mcpTool
-	} else {
-		dsn := ""
-		if pg != nil {
-			dsn = pg.DSN()
-		}
-		m, record, err = soak.StartMesh(ctx, filepath.Join(*out, "mesh"), *concurrency, dsn, stderr)
-		mix.MCPTool = soak.MCPTool
-	}
-	if err != nil {
-		fmt.Fprintln(stderr, "curfew-soak:", err)
-		return 1
-	}
-	defer func() { _ = m.Stop() }()
-	orch, err := m.Orchestrator()
-	if err != nil {
-		fmt.Fprintln(stderr, "curfew-soak:", err)
-		return 1
 	}
 	if mix.MCPTool != "" {
-		if err := soak.WaitForTool(ctx, orch, mix.MCPTool); err != nil {
+		if err := soak.WaitForTool(ctx, t.orchs[0], mix.MCPTool); err != nil {
 			fmt.Fprintln(stderr, "curfew-soak:", err)
 			return 1
 		}
 	}
-	cfg := soak.Config{Orchestrators: []orchestratorv1.OrchestratorServiceClient{orch}, Concurrency: *concurrency,
+	cfg := soak.Config{Orchestrators: t.orchs, Concurrency: *concurrency,
 		Duration: *duration, Mix: mix, Seed: *seed, Settle: *settle, Log: stderr, Warmup: *warmup}
 	if *warmup == 0 {
 		cfg.Warmup = -1
@@ -125,9 +116,9 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	if *profile > 0 {
 		cfg.ProfileDir, cfg.ProfileFor = filepath.Join(*out, "profiles"), *profile
 	}
-	cfg.Processes = soak.Processes(m)
-	if record != "" {
-		cfg.Effects = func() (soak.Effects, error) { return soak.EffectsFromRecord(record) }
+	cfg.Processes = t.processes
+	if t.record != "" {
+		cfg.Effects = func() (soak.Effects, error) { return soak.EffectsFromRecord(t.record) }
 	}
 	ok := true
 	var reports []*soak.Report
@@ -140,24 +131,22 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 			}
 			fmt.Fprintf(stdout, "== round %d of %d\n", round, *rounds)
 		}
-		var before soak.State
-		if *kill {
-			if before, err = soak.ReadState(m.Dir); err != nil {
-				fmt.Fprintln(stderr, "curfew-soak:", err)
-				return 1
-			}
-			cfg.Faults = soak.Kills(m, *duration)
+		faults, after, err := t.faults(*duration, *kill, *toxics)
+		if err != nil {
+			fmt.Fprintln(stderr, "curfew-soak:", err)
+			return 1
 		}
-		if pg != nil {
+		cfg.Faults = faults
+		if *pgRestart {
 			cfg.Faults = append(cfg.Faults, soak.RestartStore(pg, *duration*3/10))
 		}
 		cfg.DumpDir = filepath.Join(dir, "goroutines")
 		rep, err := soak.Drive(ctx, cfg)
-		if rep != nil && *kill {
-			rep.Checks = append(rep.Checks, soak.MeshUp(ctx, m, before, soak.KillOrder)...)
+		if rep != nil {
+			rep.Checks = append(rep.Checks, after(ctx)...)
 		}
-		if rep != nil && pg != nil && !*kill {
-			rep.Checks = append(rep.Checks, soak.LedgerGap(ctx, pg.DSN(), soak.Process{Name: "modelproxy", Admin: m.Endpoints.Services["modelproxy"].AdminAddr}))
+		if rep != nil && *pgRestart && !*kill {
+			rep.Checks = append(rep.Checks, soak.LedgerGap(ctx, pg.DSN(), t.modelproxies...))
 		}
 		if rep == nil {
 			fmt.Fprintln(stderr, "curfew-soak:", err)
@@ -188,6 +177,78 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		return 1
 	}
 	return 0
+}
+
+// mesh is the mesh a soak drives: its own under curfew up, its own cluster, or a running
+// curfew up's.
+type mesh struct {
+	orchs        []orchestratorv1.OrchestratorServiceClient
+	processes    []soak.Process
+	modelproxies []soak.Process
+	record       string // the MCP server's record of calls; "" when not the own mesh
+	// faults are a load's kills and toxics, and after checks what they left.
+	faults func(d time.Duration, kill, toxics bool) ([]soak.Fault, func(context.Context) []soak.Check, error)
+	close  func() error
+}
+
+// target starts the mesh the flags ask for, or attaches to the running one in dataDir.
+func target(ctx context.Context, out, dataDir string, concurrency int, cluster bool, pg *pgproc.Server, stderr io.Writer) (*mesh, error) {
+	if cluster {
+		c, err := soak.StartCluster(ctx, filepath.Join(out, "mesh"), concurrency, pg.DSN())
+		if err != nil {
+			return nil, err
+		}
+		orchs, err := c.Orchestrators()
+		if err != nil {
+			_ = c.Close()
+			return nil, err
+		}
+		t := &mesh{orchs: orchs, processes: c.Processes(), record: c.Record, close: c.Close}
+		for _, p := range t.processes {
+			if strings.HasPrefix(p.Name, "modelproxy") {
+				t.modelproxies = append(t.modelproxies, p)
+			}
+		}
+		t.faults = func(d time.Duration, kill, toxics bool) ([]soak.Fault, func(context.Context) []soak.Check, error) {
+			return c.Faults(d, kill, toxics), c.Serving, nil
+		}
+		return t, nil
+	}
+	var (
+		m      *meshproc.Mesh
+		record string
+		err    error
+	)
+	if dataDir != "" {
+		m, err = meshproc.Attach(dataDir)
+	} else {
+		dsn := ""
+		if pg != nil {
+			dsn = pg.DSN()
+		}
+		m, record, err = soak.StartMesh(ctx, filepath.Join(out, "mesh"), concurrency, dsn, stderr)
+	}
+	if err != nil {
+		return nil, err
+	}
+	orch, err := m.Orchestrator()
+	if err != nil {
+		_ = m.Stop()
+		return nil, err
+	}
+	t := &mesh{orchs: []orchestratorv1.OrchestratorServiceClient{orch}, processes: soak.Processes(m), record: record, close: m.Stop,
+		modelproxies: []soak.Process{{Name: "modelproxy", Admin: m.Endpoints.Services["modelproxy"].AdminAddr}}}
+	t.faults = func(d time.Duration, kill, _ bool) ([]soak.Fault, func(context.Context) []soak.Check, error) {
+		if !kill {
+			return nil, func(context.Context) []soak.Check { return nil }, nil
+		}
+		before, err := soak.ReadState(m.Dir)
+		if err != nil {
+			return nil, nil, err
+		}
+		return soak.Kills(m, d), func(ctx context.Context) []soak.Check { return soak.MeshUp(ctx, m, before, soak.KillOrder) }, nil
+	}
+	return t, nil
 }
 
 // write writes rep's report.json, summary.txt and plots into dir, and its summary to w.
