@@ -160,19 +160,22 @@ func (s *Store) ReserveTokens(ctx context.Context, r store.TokenReservation) (st
 		return st, rows.Err()
 	}
 	err := s.d.Tx(ctx, func(q Querier) error {
-		if _, err := q.Exec(ctx, `DELETE FROM budget_holds WHERE tenant = $1 AND lapsed_ms > 0 AND expires_ms <= $2`, r.Tenant, now); err != nil {
-			return err
-		}
-		// SQLite's RETURNING reads the row as updated (tokens 0): the tokens are summed
-		// first, in the same transaction.
-		const expired = `WHERE tenant = $1 AND lapsed_ms = 0 AND expires_ms <= $8`
-		swept, _, err := sums(ctx, q, `SELECT COALESCE(SUM(tokens), 0), 0 FROM budget_holds `+expired, args...)
+		// One read finds what is expired (the tokens of the live holds among it: SQLite's
+		// RETURNING would read a lapsed row's tokens as updated, 0); the writes run only
+		// when there is some, so the common reservation costs what it did before 0013.
+		const expired = `WHERE tenant = $1 AND expires_ms <= $8`
+		swept, rows, err := sums(ctx, q, `SELECT COALESCE(SUM(tokens), 0), COUNT(*) FROM budget_holds `+expired, args...)
 		if err != nil {
 			return err
 		}
-		_, charged, err := sums(ctx, q, `UPDATE budget_holds `+lapse+` `+expired+` RETURNING 0, charged`, args...)
-		if err != nil {
-			return err
+		var charged int64
+		if rows > 0 {
+			if _, err := q.Exec(ctx, `DELETE FROM budget_holds `+expired+` AND lapsed_ms > 0`, args...); err != nil {
+				return err
+			}
+			if _, charged, err = sums(ctx, q, `UPDATE budget_holds `+lapse+` `+expired+` AND lapsed_ms = 0 RETURNING 0, charged`, args...); err != nil {
+				return err
+			}
 		}
 		if err := scan(q.QueryRow(ctx, upsert, append(args, swept, charged)...)); err != nil {
 			return err
