@@ -40,7 +40,8 @@
 // enforce a tenant's budget together (docs/cluster.md, "Budgets across replicas"): one
 // round trip to reserve, one to settle, and one renewal statement per TTL/3 for all of
 // a process's holds; a crashed replica's reservations stop counting TTL after its last
-// renewal. While the store is unreachable a Shared reserves against this replica's
+// renewal, and each is then charged what the token ledger has of its call (the caller
+// names the call's ledger entries with [WithLedger]), so a crash hides no spend. While the store is unreachable a Shared reserves against this replica's
 // share of what the tenant had left (the remaining budget / live replicas), keeps its
 // settlements for the store, and coordinates again once the store answers.
 // modelproxy uses Shared when its store is shared, Memory otherwise.

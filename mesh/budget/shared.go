@@ -220,7 +220,9 @@ func (s *Shared) limitsOf(name string) (int64, time.Duration) {
 	return l.TokenBudget, l.Window
 }
 
-// Reserve implements Budgets: one store round trip, or none while degraded.
+// Reserve implements Budgets: one store round trip, or none while degraded. The ledger
+// name of ctx (WithLedger), if any, goes with the hold: a hold this process never
+// settles is charged the call's ledger spend when it lapses.
 func (s *Shared) Reserve(ctx context.Context, name string, n int64) (Hold, error) {
 	budget, window := s.limitsOf(name)
 	if budget <= 0 {
@@ -238,9 +240,10 @@ func (s *Shared) Reserve(ctx context.Context, name string, n int64) (Hold, error
 	s.mu.Unlock()
 	if local == nil {
 		id := s.name + "/" + strconv.FormatUint(seq, 10)
+		ref := ledgerOf(ctx) // what the hold is charged if it lapses
 		sctx, cancel := context.WithTimeout(ctx, s.timeout)
-		st, err := s.st.ReserveTokens(sctx, store.TokenReservation{Tenant: name, Holder: s.name, ID: id, Tokens: n,
-			Budget: budget, Window: window, TTL: s.ttl})
+		st, err := s.st.ReserveTokens(sctx, store.TokenReservation{Tenant: name, Holder: s.name, ID: id,
+			RunID: ref.run, LedgerKey: ref.key, Tokens: n, Budget: budget, Window: window, TTL: s.ttl})
 		cancel()
 		if err == nil {
 			return s.granted(name, id, seq, n, budget, window, st)

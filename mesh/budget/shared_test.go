@@ -166,6 +166,63 @@ func TestSharedDeadReplicaHoldsExpire(t *testing.T) {
 	t.Logf("a dead replica's reservation came back after %v (TTL %v)", took.Round(time.Millisecond), ttl)
 }
 
+// A replica that dies mid-call leaves its reservation unsettled, but its call's spend is
+// in the token ledger (the parts its decoder persisted): when the hold lapses, the
+// tenant's window is charged those tokens, neither nothing nor the whole reservation.
+func TestSharedDeadReplicaChargedFromLedger(t *testing.T) {
+	ctx := context.Background()
+	dsn := storetest.MemoryDSN(t)
+	const (
+		ttl = 600 * time.Millisecond
+		key = "modelproxy/run-1/root/m0/rid-1/1/nonce.1"
+	)
+	lim := limits(1000, time.Hour)
+	st := openStore(t, dsn)
+	live := newShared(t, budget.SharedConfig{Store: openStore(t, dsn), Limits: lim, TTL: ttl})
+	dead, err := budget.NewShared(budget.SharedConfig{Store: openStore(t, dsn), Limits: lim, TTL: ttl})
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := dead.Reserve(budget.WithLedger(ctx, "run-1", key), "acme", 300); err != nil {
+		t.Fatal(err)
+	}
+	// Its decoder persisted two parts before the crash: 20 output + 4 prompt, then 9.
+	if _, err := st.AddTokens(ctx,
+		store.LedgerEntry{Tenant: "acme", RunID: "run-1", Tokens: 20, Kind: "output", Key: key + "/1"},
+		store.LedgerEntry{Tenant: "acme", RunID: "run-1", Tokens: 4, Kind: store.KindPrompt, Key: key + "/1/prompt"},
+		store.LedgerEntry{Tenant: "acme", RunID: "run-1", Tokens: 9, Kind: "output", Key: key + "/2"}); err != nil {
+		t.Fatal(err)
+	}
+	_ = dead.Close() // its renewals stop; its hold is never settled
+	died := time.Now()
+	var u budget.Usage
+	for time.Since(died) < 10*time.Second {
+		if u, err = live.Usage(ctx, "acme"); err != nil {
+			t.Fatal(err)
+		}
+		if u.Reserved == 0 {
+			break
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+	if u.Reserved != 0 || u.Spent != 33 {
+		t.Fatalf("usage %v after the dead replica's hold expired (%v after its death), want spent 33 (its ledger), reserved 0",
+			u, time.Since(died).Round(time.Millisecond))
+	}
+	// The reservation that lapses it charges it once, and the budget holds it: 1000 - 33.
+	if _, err := live.Reserve(ctx, "acme", 968); !budget.Refused(err) {
+		t.Fatalf("968 with 33 charged of 1000: %v, want a refusal", err)
+	}
+	h, err := live.Reserve(ctx, "acme", 967)
+	if err != nil {
+		t.Fatal(err)
+	}
+	h.Settle(7)
+	if u, err = live.Usage(ctx, "acme"); err != nil || u.Spent != 40 || u.Reserved != 0 {
+		t.Fatalf("usage %v, %v after a call of 7; want spent 40", u, err)
+	}
+}
+
 // flaky is a store whose budget calls fail while down is set.
 type flaky struct {
 	store.Budgets

@@ -20,36 +20,58 @@ import (
 // grant more than the budget. Reservations carry over a window boundary; spend is
 // charged to the window in which a call settles. Time is the store's clock
 // (store.WithClock), so replicas' clocks must agree within a fraction of the TTL.
+//
+// A hold whose TTL passes lapses: it stops counting as reserved, and the tokens the
+// token ledger holds for its call (the sum of the parts of TokenReservation.LedgerKey)
+// are charged to the tenant's current window, so a crashed holder's spend is neither
+// hidden nor charged in full. The lapsed hold stays behind as a tombstone for
+// LapsedHoldKeep (renewed by its holder while it lives), so that a late settlement of it
+// charges only what the lapse did not: a call is charged once whether it settles first,
+// lapses first, or both race.
 type Budgets interface {
 	// ReserveTokens reserves r.Tokens of r.Tenant's r.Budget for r.Holder under r.ID
 	// until now+r.TTL, or refuses (Granted false, nothing held), in one round trip on
-	// PostgreSQL. It also drops the tenant's expired holds. The answer's Spent and
-	// Reserved are the tenant's after the decision (Reserved includes this hold when
-	// granted).
+	// PostgreSQL. It also lapses the tenant's expired holds (charging their ledger
+	// spend) and drops their expired tombstones, whatever the outcome. The answer's
+	// Spent and Reserved are the tenant's after the decision (Reserved includes this
+	// hold when granted).
 	ReserveTokens(ctx context.Context, r TokenReservation) (TokenBudgetState, error)
-	// SettleTokens removes the hold s.ID, if it is still there (it may have expired and
-	// been dropped; "" names none), and charges s.Actual to the tenant's window
-	// containing s.At (zero: now), in one round trip on PostgreSQL. A charge to a window
-	// older than the tenant's current one is not added (that window is over); one to a
-	// newer window starts it.
+	// SettleTokens removes the hold s.ID, if it is still there (it may have lapsed;
+	// "" names none), and charges s.Actual to the tenant's window containing s.At
+	// (zero: now), in one round trip on PostgreSQL; of a lapsed hold, only what s.Actual
+	// adds to the ledger spend its lapse charged. A charge to a window older than the
+	// tenant's current one is not added (that window is over); one to a newer window
+	// starts it.
 	SettleTokens(ctx context.Context, s TokenSettlement) error
-	// RenewTokenHolds extends every hold of holder to now+ttl, in one statement, and
-	// returns their IDs; a hold missing from the answer was lost (it expired and a
-	// reservation dropped it).
+	// RenewTokenHolds extends every live hold of holder to now+ttl (and its lapsed
+	// holds' tombstones to now+LapsedHoldKeep), in one statement, and returns the live
+	// holds' IDs; a hold missing from the answer was lost (it lapsed).
 	RenewTokenHolds(ctx context.Context, holder string, ttl time.Duration) ([]string, error)
 	// TokenBudgetUsage returns the tenant's state in its current window of length
 	// window (spent is 0 when the stored window is older, or of another length), its
-	// Reserved counting live holds only. Granted is false.
+	// Reserved counting live holds only, and its Spent including the ledger spend of the
+	// holds expired but not lapsed yet (what the next reservation will charge). Granted
+	// is false.
 	TokenBudgetUsage(ctx context.Context, tenant string, window time.Duration) (TokenBudgetState, error)
 }
+
+// LapsedHoldKeep is how long a lapsed hold's tombstone outlives its lapse, or its
+// holder's last renewal: a holder that comes back within it (its renewals failed for
+// longer than the TTL, its call went on) settles the hold for what the lapse did not
+// charge; one that comes back later is charged its call's whole spend again.
+const LapsedHoldKeep = time.Hour
 
 // TokenReservation is one reservation request (Budgets.ReserveTokens). Every field is
 // required: Tokens, Budget, Window and TTL positive.
 type TokenReservation struct {
 	Tenant, Holder string
 	// ID names the hold, unique across holders (the holder's name and a sequence).
-	ID     string
-	Tokens int64
+	ID string
+	// RunID and LedgerKey name the call's decoder in the token ledger (optional): its
+	// parts are the ledger entries of RunID keyed LedgerKey/<k>… (modelproxy's
+	// ledgerEntryKey). A hold that lapses is charged their sum; without them, nothing.
+	RunID, LedgerKey string
+	Tokens           int64
 	// Budget is the tenant's budget per Window, as this replica's configuration says.
 	Budget int64
 	Window time.Duration

@@ -87,9 +87,9 @@ type spend struct {
 }
 
 // newSpend starts the tally of a decoder whose node context is ctx, keyed run and node in
-// the in-memory ledger and attributed to prun in the store ("" for a call without a run
-// id: not persisted).
-func (s *Server) newSpend(ctx context.Context, run, node, prun string) *spend {
+// the in-memory ledger and attributed to prun in the store under key (decoderKey; "" for
+// a call without a run id: not persisted).
+func (s *Server) newSpend(ctx context.Context, run, node, prun, key string) *spend {
 	d := &spend{srv: s, ctx: ctx, run: run, node: node, keep: s.Store.Shared(), prun: prun, last: s.now()}
 	if d.keep {
 		d.done = make(chan struct{})
@@ -97,11 +97,20 @@ func (s *Server) newSpend(ctx context.Context, run, node, prun string) *spend {
 			d.cancelled.Store(s.now().UnixNano())
 			close(d.done)
 		})
-		if prun != "" {
-			d.key = s.ledgerEntryKey(ctx, prun, node)
-		}
+		d.key = key
 	}
 	return d
+}
+
+// decoderKey is the key of the parts a decoder of node attributed to prun will persist
+// (ledgerEntryKey), or "" when none will be: the store is private, or the call has no
+// run id. It is made before the call's budget reservation, which records it, so that a
+// hold this process never settles is charged the parts when it lapses (budget.WithLedger).
+func (s *Server) decoderKey(ctx context.Context, prun, node string) string {
+	if !s.Store.Shared() || prun == "" {
+		return ""
+	}
+	return s.ledgerEntryKey(ctx, prun, node)
 }
 
 // record adds n tokens emitted at instant at by provider, and queues a part for the

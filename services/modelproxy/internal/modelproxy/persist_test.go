@@ -287,7 +287,7 @@ func TestLedgerPersistsOrphanTokens(t *testing.T) {
 
 	const run, node = "r-orphan", "root/m0"
 	ctx, cancel := context.WithCancel(md.WithIdentity(context.Background(), md.Identity{Tenant: testTenant, RunID: run, NodeID: node}))
-	sp := s.newSpend(ctx, run, node, run)
+	sp := s.newSpend(ctx, run, node, run, s.decoderKey(ctx, run, node))
 	sp.record(base.Add(10*time.Millisecond), 3, SimModel)
 	clock = base.Add(20 * time.Millisecond)
 	cancel() // the cancel instant is the clock's: +20 ms
@@ -314,7 +314,8 @@ func TestLedgerPersistsOrphanTokens(t *testing.T) {
 	}
 
 	// Without a cancel every token is output.
-	sp = s.newSpend(md.WithIdentity(context.Background(), md.Identity{RunID: run, NodeID: node}), run, node, run)
+	ictx := md.WithIdentity(context.Background(), md.Identity{RunID: run, NodeID: node})
+	sp = s.newSpend(ictx, run, node, run, s.decoderKey(ictx, run, node))
 	sp.record(clock, 4, SimModel)
 	if output, orphan, _ := sp.end(SimModel); output != 4 || orphan != 0 {
 		t.Fatalf("uncancelled split = %d, %d; want 4, 0", output, orphan)
@@ -409,7 +410,7 @@ func TestLedgerCheckpointsAStreamingDecoder(t *testing.T) {
 	const run, node = "r-parts", "root/m0"
 	ctx, cancel := context.WithCancel(md.WithIdentity(context.Background(), md.Identity{Tenant: testTenant, RunID: run, NodeID: node}))
 	defer cancel()
-	sp := s.newSpend(ctx, run, node, run)
+	sp := s.newSpend(ctx, run, node, run, s.decoderKey(ctx, run, node))
 	sp.record(clock, 3, SimModel) // within the first interval: nothing queued yet
 	flush(t, s)
 	if rows := d.rows(t, run); len(rows) != 0 {
@@ -508,7 +509,7 @@ func decoderEnded(s *Server, run string, n int) {
 	for i := range n {
 		node := fmt.Sprintf("root/m%d", i)
 		ctx, cancel := context.WithCancel(md.WithIdentity(context.Background(), md.Identity{Tenant: testTenant, RunID: run, NodeID: node}))
-		sp := s.newSpend(ctx, run, node, run)
+		sp := s.newSpend(ctx, run, node, run, s.decoderKey(ctx, run, node))
 		sp.record(time.Now().Add(-time.Hour), 3, SimModel)
 		cancel()
 		sp.record(time.Now().Add(time.Hour), 1, SimModel) // after any cancel instant

@@ -155,9 +155,14 @@ func (s *Server) Generate(req *modelproxyv1.GenerateRequest, stream modelproxyv1
 		return cancelledRun(err)
 	}
 	ctx = bctx
+	lrun, lnode := s.ledgerKey(ctx, model, run, node)
+	prun, _ := s.ledgerKey(ctx, model, id.RunID, node) // the store's: "" without a run id
+	key := s.decoderKey(ctx, prun, lnode)
 	// The tenant's budget covers the call's prompt and max_tokens, or it does not start:
-	// its node ends at once, failed with the refusal, and no provider is asked.
-	hold, bound, err := s.reserve(ctx, tenant, rt, req)
+	// its node ends at once, failed with the refusal, and no provider is asked. The hold
+	// names the decoder's parts in the durable ledger: if this process dies before it
+	// settles, the hold is charged them when it lapses.
+	hold, bound, err := s.reserve(budget.WithLedger(ctx, prun, key), tenant, rt, req)
 	if err != nil {
 		s.Nodes.Finish(ctx, run, node, err, nil)
 		return err
@@ -166,9 +171,7 @@ func (s *Server) Generate(req *modelproxyv1.GenerateRequest, stream modelproxyv1
 	defer dec.close()
 	lease := s.Leases.holdWith(leaseKey{tenant, run, node, id.RetryID}, ttl, dec.lapsed)
 	tokens := s.traceTokens(ctx, run, node)
-	lrun, lnode := s.ledgerKey(ctx, model, run, node)
-	prun, _ := s.ledgerKey(ctx, model, id.RunID, node) // the store's: "" without a run id
-	sp := s.newSpend(ctx, lrun, lnode, prun)
+	sp := s.newSpend(ctx, lrun, lnode, prun, key)
 	// In the operators' view from here to its end; a control read between the check
 	// above and now stops it at the next read (applyControls).
 	live := &liveDecoder{tenant: tenant, run: run, node: node, retry: id.RetryID, pool: id.Pool, model: model, rt: rt,
