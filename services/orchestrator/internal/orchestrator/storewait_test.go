@@ -21,19 +21,20 @@ import (
 	"github.com/curfew-mesh/curfew/mesh/store"
 )
 
-// outageCheckpoints is a real store whose checkpoint writes fail while down, with the
-// error the PostgreSQL backend returns while the server restarts: the connection
-// refused, marked store.ErrUnavailable.
-type outageCheckpoints struct {
+// outageStore is a real store that this orchestrator cannot reach while down: its
+// checkpoints, heartbeats, takeover scans and results fail with the error the PostgreSQL
+// backend returns while the server restarts (the connection refused, marked
+// store.ErrUnavailable).
+type outageStore struct {
 	store.Store
 	down    atomic.Bool
-	refused atomic.Int64
+	refused atomic.Int64 // checkpoint writes refused
 }
 
 var errRefused = fmt.Errorf("%w: %w", store.ErrUnavailable,
 	&net.OpError{Op: "dial", Net: "tcp", Err: os.NewSyscallError("connect", syscall.ECONNREFUSED)})
 
-func (o *outageCheckpoints) PutCheckpoint(ctx context.Context, l store.Lease, c store.Checkpoint) error {
+func (o *outageStore) PutCheckpoint(ctx context.Context, l store.Lease, c store.Checkpoint) error {
 	if o.down.Load() {
 		o.refused.Add(1)
 		return errRefused
@@ -41,9 +42,30 @@ func (o *outageCheckpoints) PutCheckpoint(ctx context.Context, l store.Lease, c 
 	return o.Store.PutCheckpoint(ctx, l, c)
 }
 
+func (o *outageStore) HeartbeatRun(ctx context.Context, l store.Lease, ttl time.Duration) (store.Lease, error) {
+	if o.down.Load() {
+		return store.Lease{}, errRefused
+	}
+	return o.Store.HeartbeatRun(ctx, l, ttl)
+}
+
+func (o *outageStore) ClaimExpiredRuns(ctx context.Context, owner string, ttl time.Duration, limit int) ([]store.Run, error) {
+	if o.down.Load() {
+		return nil, errRefused
+	}
+	return o.Store.ClaimExpiredRuns(ctx, owner, ttl, limit)
+}
+
+func (o *outageStore) FinishRun(ctx context.Context, l store.Lease, res store.RunResult) (store.Run, error) {
+	if o.down.Load() {
+		return store.Run{}, errRefused
+	}
+	return o.Store.FinishRun(ctx, l, res)
+}
+
 // waitRefused waits until the store has refused at least n checkpoint writes of run
 // id, which must go on meanwhile.
-func (o *outageCheckpoints) waitRefused(t *testing.T, e *env, id string, n int64) {
+func (o *outageStore) waitRefused(t *testing.T, e *env, id string, n int64) {
 	t.Helper()
 	for until := time.Now().Add(10 * time.Second); o.refused.Load() < n; time.Sleep(5 * time.Millisecond) {
 		resp, err := e.orch.GetRun(context.Background(), &orchestratorv1.GetRunRequest{RunId: id})
@@ -59,9 +81,14 @@ func (o *outageCheckpoints) waitRefused(t *testing.T, e *env, id string, n int64
 
 func newStoreWaitEnv(t *testing.T, st store.Store) (*env, *prometheus.Registry) {
 	t.Helper()
+	return newStoreWaitEnvOf(t, st, "orch-a", 2*time.Second)
+}
+
+func newStoreWaitEnvOf(t *testing.T, st store.Store, owner string, ttl time.Duration) (*env, *prometheus.Registry) {
+	t.Helper()
 	reg := prometheus.NewRegistry()
 	e := newEnvWith(t, mesh.ServerConfig{}, nil, func(c *Config) {
-		c.Store, c.Owner, c.LeaseTTL, c.DeadLetters, c.Registerer = st, "orch-a", 2*time.Second, deadLetters{st}, reg
+		c.Store, c.Owner, c.LeaseTTL, c.DeadLetters, c.Registerer = st, owner, ttl, deadLetters{st}, reg
 	})
 	return e, reg
 }
@@ -70,7 +97,7 @@ func newStoreWaitEnv(t *testing.T, st store.Store) (*env, *prometheus.Registry) 
 // store, and carries on when it is back: it succeeds, with every model step decoded
 // once and every tool called once, and said that it waited.
 func TestRunWaitsForTheStore(t *testing.T) {
-	st := &outageCheckpoints{Store: openStore(t)}
+	st := &outageStore{Store: openStore(t)}
 	st.down.Store(true)
 	e, _ := newStoreWaitEnv(t, st)
 	ctx := context.Background()
@@ -157,7 +184,7 @@ func (f *failCheckpoints) PutCheckpoint(context.Context, store.Lease, store.Chec
 // A run waiting for the store ends DEADLINE_EXCEEDED at its deadline, not later and not
 // for the store; the wait ends with it.
 func TestStoreWaitEndsAtTheDeadline(t *testing.T) {
-	st := &outageCheckpoints{Store: openStore(t)}
+	st := &outageStore{Store: openStore(t)}
 	st.down.Store(true)
 	e, _ := newStoreWaitEnv(t, st)
 	const timeout = 1500 * time.Millisecond
@@ -191,7 +218,7 @@ func TestStoreWaitEndsAtTheDeadline(t *testing.T) {
 // A run waiting for the store and cancelled ends CANCELLED at once, not when the store
 // is back.
 func TestStoreWaitEndsAtACancel(t *testing.T) {
-	st := &outageCheckpoints{Store: openStore(t)}
+	st := &outageStore{Store: openStore(t)}
 	st.down.Store(true)
 	e, _ := newStoreWaitEnv(t, st)
 	ctx := context.Background()
@@ -220,6 +247,68 @@ func TestStoreWaitEndsAtACancel(t *testing.T) {
 	}
 	st.down.Store(false)
 	waitStored(t, st, id, store.StatusCancelled)
+}
+
+// A run whose lease lapses while it waits for the store, and which another
+// orchestrator takes over meanwhile, stops here once the store is back: its checkpoint
+// is refused as stale, and nothing of it lands over the new owner's run.
+func TestStoreWaitStopsWhenAnotherOrchestratorTookTheRun(t *testing.T) {
+	base := openStore(t)
+	st := &outageStore{Store: base}
+	st.down.Store(true)
+	const ttl = 300 * time.Millisecond
+	a, _ := newStoreWaitEnvOf(t, st, "orch-a", ttl)
+	ctx := context.Background()
+	res, err := a.orch.StartRun(ctx, &orchestratorv1.StartRunRequest{Task: fastPlan, Timeout: durationpb.New(30 * time.Second)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	id := res.GetRun().GetRunId()
+	st.waitRefused(t, a, id, 2)
+
+	// orch-b reaches the store: it claims the run once orch-a's lease lapsed, resumes
+	// it (no checkpoint was written) and ends it.
+	b, _ := newStoreWaitEnvOf(t, base, "orch-b", ttl)
+	var ended store.Run
+	for until := time.Now().Add(10 * time.Second); ; time.Sleep(20 * time.Millisecond) {
+		r, err := base.GetRun(ctx, md.DefaultTenant, id)
+		if err == nil && r.Status.Terminal() {
+			ended = r
+			break
+		}
+		if time.Now().After(until) {
+			t.Fatalf("orch-b did not end the run: %+v %v", r, err)
+		}
+	}
+	if ended.Status != store.StatusSucceeded || ended.Owner != "orch-b" || ended.Epoch != 2 {
+		t.Fatalf("stored %s by %s at epoch %d, want succeeded by orch-b at epoch 2", ended.Status, ended.Owner, ended.Epoch)
+	}
+
+	// The store is back for orch-a: its next try is refused as stale and it stops.
+	st.down.Store(false)
+	for until := time.Now().Add(10 * time.Second); testutil.ToFloat64(a.srv.leaseMetrics.lost) != 1; time.Sleep(10 * time.Millisecond) {
+		if time.Now().After(until) {
+			t.Fatal("orch-a did not stop the run it lost")
+		}
+	}
+	cps, err := base.ListCheckpoints(ctx, md.DefaultTenant, id)
+	if err != nil || len(cps) != 3 {
+		t.Fatalf("checkpoints %d (%v), want orch-b's 3", len(cps), err)
+	}
+	for _, c := range cps {
+		if c.Epoch != 2 {
+			t.Errorf("checkpoint %d written under epoch %d, want only orch-b's (2)", c.Step, c.Epoch)
+		}
+	}
+	if got := a.tools.total(); got != 0 {
+		t.Errorf("orch-a called %d tools for a run it lost", got)
+	}
+	if r, err := base.GetRun(ctx, md.DefaultTenant, id); err != nil || r.Status != store.StatusSucceeded || r.Epoch != 2 {
+		t.Errorf("after orch-a stopped, the store has %s at epoch %d (%v), want orch-b's result", r.Status, r.Epoch, err)
+	}
+	if n := b.tools.total(); n != 2 {
+		t.Errorf("orch-b called %d tools, want 2", n)
+	}
 }
 
 // waitStored waits until the store holds the run ended with want.
