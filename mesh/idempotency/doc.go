@@ -14,6 +14,10 @@
 //   - a record done: it returns the stored result without running anything;
 //   - a record failed for good: it returns the stored failure.
 //
+// While the store is out of reach (store.ErrUnavailable: PostgreSQL restarting), Do
+// waits for it before claiming, trying again with backoff while the call's context
+// lives: nothing has run yet, so the wait costs the call time, not an effect.
+//
 // A call that fails with a retryable error, or is cancelled, before completing releases
 // its record, so the next attempt runs at once; a permanent failure (a client error) is
 // stored. Release happens only without effects: effects are applied only by completion.

@@ -8,11 +8,13 @@ import (
 	"encoding/json"
 	"errors"
 	"fmt"
+	"math/rand/v2"
 	"time"
 
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/status"
 
+	"github.com/curfew-mesh/curfew/mesh/retry"
 	"github.com/curfew-mesh/curfew/mesh/store"
 )
 
@@ -115,7 +117,7 @@ func (e *Executor) Do(ctx context.Context, c Call, fn func(ctx context.Context) 
 	}
 	joined := false
 	for {
-		b, err := e.cfg.Store.BeginTool(ctx, store.ToolBegin{Tenant: c.Tenant, Key: c.Key, Owner: e.cfg.Owner, TTL: e.cfg.LeaseTTL, RunID: c.RunID, Tool: c.Tool})
+		b, err := e.begin(ctx, store.ToolBegin{Tenant: c.Tenant, Key: c.Key, Owner: e.cfg.Owner, TTL: e.cfg.LeaseTTL, RunID: c.RunID, Tool: c.Tool})
 		if err != nil {
 			return nil, 0, storeErr(ctx, err)
 		}
@@ -142,6 +144,30 @@ func (e *Executor) Do(ctx context.Context, c Call, fn func(ctx context.Context) 
 			return v, Executed, err
 		default:
 			return nil, 0, status.Errorf(codes.Internal, "idempotency: unknown begin outcome %v", b.Outcome)
+		}
+	}
+}
+
+// beginWait paces the tries of BeginTool while the store is unavailable: full jitter
+// under a ceiling of 50 ms, doubling with each try up to 1 s, for as long as the call's
+// context lives.
+var beginWait = retry.Policy{Base: 50 * time.Millisecond, Cap: time.Second}
+
+// begin is BeginTool, tried again while the store is out of reach (store.ErrUnavailable)
+// and ctx lives: nothing has run for the call yet, so waiting for the store costs the
+// call time, never an effect, where failing would make its caller retry or fail it.
+func (e *Executor) begin(ctx context.Context, tb store.ToolBegin) (store.Begin, error) {
+	for try := 1; ; try++ {
+		b, err := e.cfg.Store.BeginTool(ctx, tb)
+		if !errors.Is(err, store.ErrUnavailable) {
+			return b, err
+		}
+		t := time.NewTimer(beginWait.Backoff(try+1, rand.Float64))
+		select {
+		case <-ctx.Done():
+			t.Stop()
+			return b, err
+		case <-t.C:
 		}
 	}
 }

@@ -2,6 +2,7 @@ package idempotency_test
 
 import (
 	"context"
+	"fmt"
 	"path/filepath"
 	"sync"
 	"sync/atomic"
@@ -303,4 +304,52 @@ func TestRequireLiveCancelledBeforeCommit(t *testing.T) {
 			t.Fatalf("next attempt: %v %v", o, err)
 		}
 	})
+}
+
+// outage is a store whose BeginTool fails as PostgreSQL's does while it restarts, for
+// its first `down` calls.
+type outage struct {
+	store.Store
+	down  int64
+	tries atomic.Int64
+}
+
+func (o *outage) BeginTool(ctx context.Context, b store.ToolBegin) (store.Begin, error) {
+	if o.tries.Add(1) <= o.down {
+		return store.Begin{}, fmt.Errorf("%w: dial tcp 127.0.0.1:5432: connect: connection refused", store.ErrUnavailable)
+	}
+	return o.Store.BeginTool(ctx, b)
+}
+
+// While the store is unavailable a call waits for it before claiming, then runs once;
+// a call whose context ends meanwhile ends with it, having run nothing.
+func TestWaitsForAnUnavailableStore(t *testing.T) {
+	st := &outage{Store: storetest.OpenMemory(t), down: 4}
+	e := executor(t, st, "a", time.Second)
+	ran := 0
+	v, o, err := e.Do(ctxT(t), idempotency.Call{Tenant: "t", Key: "k"}, func(context.Context) (idempotency.Result, error) {
+		ran++
+		return idempotency.Result{Value: []byte("v")}, nil
+	})
+	if err != nil || o != idempotency.Executed || string(v) != "v" || ran != 1 {
+		t.Fatalf("Do = %q %v %v, ran %d: want the call run once after the outage", v, o, err, ran)
+	}
+	if n := st.tries.Load(); n != 5 {
+		t.Errorf("BeginTool tried %d times, want 5 (4 refused)", n)
+	}
+
+	st = &outage{Store: storetest.OpenMemory(t), down: 1 << 40}
+	e = executor(t, st, "a", time.Second)
+	ctx, cancel := context.WithTimeout(context.Background(), 300*time.Millisecond)
+	defer cancel()
+	_, _, err = e.Do(ctx, idempotency.Call{Tenant: "t", Key: "k"}, func(context.Context) (idempotency.Result, error) {
+		t.Error("ran while the store was down")
+		return idempotency.Result{}, nil
+	})
+	if status.Code(err) != codes.DeadlineExceeded {
+		t.Fatalf("Do = %v, want DEADLINE_EXCEEDED: the call's deadline passed while it waited", err)
+	}
+	if n := st.tries.Load(); n < 2 {
+		t.Errorf("BeginTool tried %d times, want it tried again while waiting", n)
+	}
 }

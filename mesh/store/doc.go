@@ -78,6 +78,10 @@
 //
 // Errors callers act on wrap one sentinel (ErrNotFound, ErrAlreadyExists, ErrConflict,
 // ErrStaleEpoch, ErrLeaseHeld, ErrRunFinished, ErrAlreadyReplayed,
-// ErrInvalidArgument, ErrSchemaTooNew); [Code] maps them to gRPC codes. Anything else
-// is an infrastructure error (INTERNAL; do not send its text to clients).
+// ErrInvalidArgument, ErrSchemaTooNew, ErrUnavailable); [Code] maps them to gRPC codes.
+// ErrUnavailable marks a store that could not be reached or could not answer now, which
+// the same call may get past later: the PostgreSQL backend marks the errors of a
+// connection refused, cut or timed out and of a server shutting down or starting up
+// (postgres/errors.go). Anything else is an infrastructure error (INTERNAL; do not send
+// its text to clients).
 package store

@@ -39,6 +39,13 @@ var (
 	// ErrSchemaTooNew: the database was migrated by a newer curfew than this binary; it
 	// refuses to run against a schema it does not know.
 	ErrSchemaTooNew = errors.New("store: database schema is newer than this binary")
+	// ErrUnavailable: the store could not be reached or could not answer now (connection
+	// refused or cut, the server shutting down or starting up, too many connections).
+	// The same call may succeed once the store is back: it is the one store error a
+	// caller may wait out (the orchestrator's checkpoints do, within the run's deadline).
+	// A backend marks only errors it knows to be such; a constraint violation, a fenced
+	// write or any error it cannot classify is never ErrUnavailable.
+	ErrUnavailable = errors.New("store: unavailable")
 )
 
 // LeaseHeldError is returned (wrapping ErrLeaseHeld) when a run is leased by someone else.
@@ -60,6 +67,7 @@ func (e *LeaseHeldError) Unwrap() error { return ErrLeaseHeld }
 // Code maps a store error to the gRPC code a service should answer with. Errors that wrap
 // none of the sentinels are a cancelled or expired context (CANCELED, DEADLINE_EXCEEDED)
 // or an infrastructure failure (INTERNAL, whose text must not be sent to the client).
+// ErrUnavailable is UNAVAILABLE; its text, like INTERNAL's, is the backend's own.
 func Code(err error) codes.Code {
 	switch {
 	case err == nil:
@@ -74,6 +82,8 @@ func Code(err error) codes.Code {
 		return codes.FailedPrecondition
 	case errors.Is(err, ErrInvalidArgument):
 		return codes.InvalidArgument
+	case errors.Is(err, ErrUnavailable):
+		return codes.Unavailable
 	case errors.Is(err, context.Canceled):
 		return codes.Canceled
 	case errors.Is(err, context.DeadlineExceeded):

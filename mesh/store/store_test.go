@@ -30,6 +30,7 @@ func TestCode(t *testing.T) {
 		context.Canceled:                              codes.Canceled,
 		fmt.Errorf("q: %w", context.DeadlineExceeded): codes.DeadlineExceeded,
 		errors.New("connection reset"):                codes.Internal,
+		fmt.Errorf("%w: dial", store.ErrUnavailable):  codes.Unavailable,
 	} {
 		if got := store.Code(err); got != want {
 			t.Errorf("Code(%v) = %v, want %v", err, got, want)

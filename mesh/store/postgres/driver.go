@@ -11,7 +11,8 @@ import (
 	"github.com/curfew-mesh/curfew/mesh/store/internal/sqlcore"
 )
 
-// driver is a Driver over a pgxpool.
+// driver is a Driver over a pgxpool. Every error it returns has passed through classify:
+// PostgreSQL out of reach is store.ErrUnavailable.
 type driver struct{ pool *pgxpool.Pool }
 
 // Read implements Driver.
@@ -30,9 +31,9 @@ func (d driver) Write(ctx context.Context, s string, args ...any) (sqlcore.Rows,
 // Tx implements Driver: READ COMMITTED; the statements lock what they need (ON CONFLICT,
 // UPDATE ... WHERE re-checked after a concurrent commit, SELECT ... FOR UPDATE).
 func (d driver) Tx(ctx context.Context, fn func(sqlcore.Querier) error) error {
-	return pgx.BeginTxFunc(ctx, d.pool, pgx.TxOptions{IsoLevel: pgx.ReadCommitted}, func(tx pgx.Tx) error {
+	return classify(pgx.BeginTxFunc(ctx, d.pool, pgx.TxOptions{IsoLevel: pgx.ReadCommitted}, func(tx pgx.Tx) error {
 		return fn(pgxQuerier{tx})
-	})
+	}))
 }
 
 // Close implements Driver.
@@ -52,7 +53,7 @@ type pgxQuerier struct{ c pgxConn }
 func (q pgxQuerier) Exec(ctx context.Context, s string, args ...any) (int64, error) {
 	tag, err := q.c.Exec(ctx, s, args...)
 	if err != nil {
-		return 0, err
+		return 0, classify(err)
 	}
 	return tag.RowsAffected(), nil
 }
@@ -64,9 +65,9 @@ func (q pgxQuerier) QueryRow(ctx context.Context, s string, args ...any) sqlcore
 func (q pgxQuerier) Query(ctx context.Context, s string, args ...any) (sqlcore.Rows, error) {
 	rows, err := q.c.Query(ctx, s, args...)
 	if err != nil {
-		return nil, err
+		return nil, classify(err)
 	}
-	return rows, nil
+	return pgxRows{rows}, nil
 }
 
 type pgxRow struct{ r pgx.Row }
@@ -76,5 +77,13 @@ func (r pgxRow) Scan(dest ...any) error {
 	if errors.Is(err, pgx.ErrNoRows) {
 		return sqlcore.ErrNoRows
 	}
-	return err
+	return classify(err)
 }
+
+// pgxRows classifies the errors of reading a result: a connection cut mid-result
+// surfaces there, not from Query.
+type pgxRows struct{ pgx.Rows }
+
+func (r pgxRows) Scan(dest ...any) error { return classify(r.Rows.Scan(dest...)) }
+
+func (r pgxRows) Err() error { return classify(r.Rows.Err()) }

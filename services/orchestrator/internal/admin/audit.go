@@ -69,7 +69,7 @@ func storeErr(err error) error {
 	switch c := store.Code(err); c {
 	case codes.OK:
 		return nil
-	case codes.Internal:
+	case codes.Internal, codes.Unavailable:
 		return status.Error(codes.Unavailable, "the store did not answer: retry")
 	default:
 		return status.Error(c, strings.TrimPrefix(err.Error(), "store: "))

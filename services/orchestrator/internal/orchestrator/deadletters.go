@@ -180,7 +180,7 @@ func storeError(err error, what, unavailable string) error {
 		return status.Error(c, "the call was cancelled")
 	case codes.DeadlineExceeded:
 		return status.Error(c, "the call's deadline passed")
-	case codes.Internal:
+	case codes.Internal, codes.Unavailable:
 		return status.Error(codes.Unavailable, unavailable)
 	default:
 		return status.Error(c, what+": "+c.String())

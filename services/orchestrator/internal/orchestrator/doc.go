@@ -31,6 +31,8 @@
 //     journal) and assembling its summary.
 //   - leases.go: heartbeats, takeover and resume, the journal of checkpoints, and the
 //     fenced commit of a run's result.
+//   - storewait.go: a run waiting, within its deadline, for an unavailable store to
+//     take its checkpoint.
 //   - stored.go: reading runs from the store.
 //   - cancel.go: a run's cancel, decoders first; cancelfwd.go: cancelling a run that
 //     another orchestrator owns; watchfwd.go: relaying the WatchRun of such a run from
@@ -38,5 +40,6 @@
 //   - drain.go: the drain and shutdown.
 //   - admission.go: admitting new runs; deadletters.go: recording failed runs and the
 //     DeadLetterService.
-//   - leasemetrics.go, logging.go: the run-lease metrics and the run log lines.
+//   - leasemetrics.go, logging.go: the run-lease metrics (the waits for the store
+//     among them) and the run log lines.
 package orchestrator

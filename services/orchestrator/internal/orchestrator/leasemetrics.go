@@ -11,6 +11,10 @@ import (
 type leaseMetrics struct {
 	takeovers *prometheus.CounterVec // by outcome: resumed, deadline_exceeded
 	lost      prometheus.Counter
+	// The runs waiting for the store to take a checkpoint (storewait.go): now, and
+	// every wait begun.
+	waiting    prometheus.Gauge
+	storeWaits prometheus.Counter
 }
 
 // Takeover outcomes.
@@ -31,6 +35,14 @@ func newLeaseMetrics(reg prometheus.Registerer, s *Server) *leaseMetrics {
 			Name: "curfew_run_leases_lost_total",
 			Help: "Runs this orchestrator stopped advancing because another orchestrator had claimed them (a fenced write or heartbeat).",
 		}),
+		waiting: prometheus.NewGauge(prometheus.GaugeOpts{
+			Name: "curfew_runs_waiting_for_store",
+			Help: "Runs of this orchestrator waiting, within their deadline, for an unavailable store to take their checkpoint.",
+		}),
+		storeWaits: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "curfew_run_store_waits_total",
+			Help: "Times a run of this orchestrator began waiting for an unavailable store to take its checkpoint, instead of failing.",
+		}),
 	}
 	for _, o := range []string{takeoverResumed, takeoverDeadline, takeoverCancelled} {
 		m.takeovers.WithLabelValues(o)
@@ -43,7 +55,7 @@ func newLeaseMetrics(reg prometheus.Registerer, s *Server) *leaseMetrics {
 		Name: "curfew_run_lease_heartbeat_age_seconds",
 		Help: "Time since the least recently renewed run lease this orchestrator holds was last renewed (created, claimed or heartbeated); it should stay under the lease TTL (alert CurfewRunLeaseStale).",
 	}, func() float64 { return s.oldestLeaseAge(time.Now()).Seconds() })
-	reg.MustRegister(m.takeovers, m.lost, held, oldest)
+	reg.MustRegister(m.takeovers, m.lost, m.waiting, m.storeWaits, held, oldest)
 	return m
 }
 
@@ -56,6 +68,19 @@ func (m *leaseMetrics) takeover(outcome string) {
 func (m *leaseMetrics) leaseLost() {
 	if m != nil {
 		m.lost.Inc()
+	}
+}
+
+func (m *leaseMetrics) storeWaitBegan() {
+	if m != nil {
+		m.storeWaits.Inc()
+		m.waiting.Inc()
+	}
+}
+
+func (m *leaseMetrics) storeWaitEnded() {
+	if m != nil {
+		m.waiting.Dec()
 	}
 }
 

@@ -297,8 +297,9 @@ func (j *runJournal) Record(ctx context.Context, e agent.Entry) error {
 	} else {
 		c.ToolResults = b
 	}
-	err = withStoreRetry(ctx, func(ctx context.Context) error {
-		return j.s.cfg.Store.PutCheckpoint(ctx, j.rn.leaseNow(), c)
+	// An unavailable store is waited for, within the run's deadline (storewait.go).
+	err = j.s.waitForStore(ctx, j.rn, "checkpoint", func(ctx context.Context, l store.Lease) error {
+		return j.s.cfg.Store.PutCheckpoint(ctx, l, c)
 	})
 	switch {
 	case err == nil:
@@ -308,6 +309,10 @@ func (j *runJournal) Record(ctx context.Context, e agent.Entry) error {
 	case errors.Is(err, store.ErrStaleEpoch), errors.Is(err, store.ErrRunFinished):
 		j.rn.lose()
 		return status.Errorf(codes.Aborted, "run %s: %v", j.rn.id, errLeaseLost)
+	case ctx.Err() != nil:
+		// The deadline or a cancel ended the run while it waited: the run ends as its
+		// context says (execute), not for the store.
+		return status.FromContextError(ctx.Err()).Err()
 	default:
 		return runStoreErr(ctx, j.s.cfg.Log, "checkpoint", j.rn.id, err)
 	}

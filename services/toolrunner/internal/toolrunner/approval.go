@@ -225,7 +225,7 @@ func storeStatus(ctx context.Context, what string, err error) error {
 	if ctx.Err() != nil {
 		return status.FromContextError(ctx.Err()).Err()
 	}
-	if c := store.Code(err); c != codes.Internal && c != codes.Unknown {
+	if c := store.Code(err); c != codes.Internal && c != codes.Unknown && c != codes.Unavailable {
 		return status.Errorf(c, "%s: %v", what, err)
 	}
 	return status.Errorf(codes.Unavailable, "%s: the store is unavailable", what)
