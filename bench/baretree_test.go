@@ -344,10 +344,13 @@ type bareModel struct {
 }
 
 // Generate streams max_tokens tokens at the model's rate, then a final chunk.
-func (m *bareModel) Generate(req *modelproxyv1.GenerateRequest, st grpc.ServerStreamingServer[modelproxyv1.GenerateResponse]) error {
+func (m *bareModel) Generate(req *modelproxyv1.GenerateRequest, st grpc.ServerStreamingServer[modelproxyv1.GenerateResponse]) (err error) {
 	ctx := st.Context()
-	defer func() { // a cancelled decoder reports when it stopped, however it saw the cancel
-		if ctx.Err() != nil {
+	defer func() {
+		// A decoder that stops early was cancelled, whether it saw the cancel in its
+		// context or as a failed Send (which grpc-go may report before the context is
+		// done): it reports when it stopped.
+		if err != nil {
 			m.event(bareEnded + " " + strconv.FormatInt(time.Now().UnixNano(), 10))
 		}
 	}()

@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"net/http"
 	"os"
 	"path/filepath"
 	"strings"
@@ -92,6 +93,16 @@ func BenchmarkThroughput(b *testing.B) {
 		if _, err := throughputOnce(b, warm, 50, conc, [4]int{}); err != nil {
 			b.Fatal(err)
 		}
+	}
+	if dir := os.Getenv("CURFEW_BENCH_PPROF_DIR"); dir != "" {
+		// Where curfew's CPU goes, for docs/benchmarks.md: a CPU profile of every service
+		// over one block of runs, made before the measured rounds so that it costs them
+		// nothing. The services serve profiles with CURFEW_PPROF=true in the environment.
+		stop := cpuProfiles(b, m, dir, 5*time.Second)
+		if _, err := throughputOnce(b, curfewRun, runs, conc, [4]int{}); err != nil {
+			b.Fatal(err)
+		}
+		stop()
 	}
 	var rounds []throughputRound
 	for b.Loop() {
@@ -240,4 +251,30 @@ func printThroughputTable(rounds []throughputRound, conc int) {
 			per(c.client, c.runs), per(bb.client, bb.runs), r.load)
 	}
 	addReport(sb.String())
+}
+
+// cpuProfiles fetches a CPU profile of d from every service of m into dir (as
+// <service>-cpu.pb.gz), in the background; the function it returns waits for them.
+func cpuProfiles(b *testing.B, m *meshproc.Mesh, dir string, d time.Duration) func() {
+	var wg sync.WaitGroup
+	for _, name := range serviceNames {
+		wg.Go(func() {
+			c := http.Client{Timeout: d + 30*time.Second}
+			resp, err := c.Get(fmt.Sprintf("http://%s/debug/pprof/profile?seconds=%d", m.Endpoints.Services[name].AdminAddr, int(d.Seconds())))
+			if err != nil {
+				b.Log(err)
+				return
+			}
+			defer resp.Body.Close()
+			body, err := io.ReadAll(resp.Body)
+			if err != nil || resp.StatusCode != http.StatusOK {
+				b.Logf("%s CPU profile: %v %s (is CURFEW_PPROF=true set?)", name, err, resp.Status)
+				return
+			}
+			if err := os.WriteFile(filepath.Join(dir, name+"-cpu.pb.gz"), body, 0o644); err != nil {
+				b.Log(err)
+			}
+		})
+	}
+	return wg.Wait
 }
