@@ -16,10 +16,11 @@ import (
 )
 
 // Settings of BenchmarkTracingRun; CURFEW_BENCH_TRACE_RATIO overrides the sampled share
-// of the ratio setup, in per mille.
+// of the ratio setup, in per mille, and CURFEW_BENCH_TRACE_CANCELS the cancel iterations.
 const (
 	tracingDemoRuns   = 8  // demo runs in flight per block (each takes about 13 s)
 	tracingRatioMille = 10 // 1 %: the parent-based ratio sampler's share of runs
+	tracingCancels    = 10 // 64-leaf cancel iterations per mesh per round
 )
 
 // tracingMesh is one of BenchmarkTracingRun's meshes.
@@ -46,13 +47,13 @@ type tracingMesh struct {
 //     (the orchestrator's root span decides, every hop below follows its parent).
 //
 // Two workloads: blocks of tracingDemoRuns concurrent runs of examples/plans/demo.json
-// (a model step, sleep, deploy and a nested subagent, about 13 s), and one iteration of
-// BenchmarkCancelPropagation on the 64-leaf tree of depth 3 per mesh per round. For both
+// (a model step, sleep, deploy and a nested subagent, about 13 s), and iterations of
+// BenchmarkCancelPropagation on the 64-leaf tree of depth 3. For both
 // the CPU of the four service processes is summed over the block or iteration (the
 // collector's own CPU is not counted: it is the receiver, not curfew). Goal (issue 26):
 // on ≤ 1.05 × off in CPU, and the cancel p99 unchanged within the run-to-run spread.
-// Run it with -benchtime=<rounds>x; each round makes one demo block and one cancel
-// iteration on every mesh.
+// Run it with -benchtime=<rounds>x; each round makes one demo block and tracingCancels
+// cancel iterations on every mesh, the meshes taking turns.
 func BenchmarkTracingRun(b *testing.B) {
 	bin := os.Getenv("CURFEW_OTELCOL")
 	if bin == "" {
@@ -60,6 +61,7 @@ func BenchmarkTracingRun(b *testing.B) {
 	}
 	addr := startBenchCollector(b, bin)
 	ratio := float64(envInt(b, "CURFEW_BENCH_TRACE_RATIO", tracingRatioMille)) / 1000
+	cancels := envInt(b, "CURFEW_BENCH_TRACE_CANCELS", tracingCancels)
 	fanout := fmt.Sprintf("CURFEW_MAX_SUBAGENT_FANOUT=%d", cancelFanout)
 	otlp := []string{fanout, "OTEL_EXPORTER_OTLP_ENDPOINT=http://" + addr, "OTEL_EXPORTER_OTLP_PROTOCOL=grpc"}
 	setups := []struct {
@@ -134,8 +136,8 @@ func BenchmarkTracingRun(b *testing.B) {
 			tm.demo = append(tm.demo, cpu)
 			tm.runs += tracingDemoRuns
 		}
-		for i := range meshes {
-			tm := meshes[(i+round)%len(meshes)]
+		for k := range cancels * len(meshes) {
+			tm := meshes[(k+round)%len(meshes)]
 			var smp cancelSample
 			cpu, err := measureCPU(tm.ps, func() error {
 				var err error
