@@ -1,6 +1,7 @@
 package bench
 
 import (
+	"cmp"
 	"context"
 	"errors"
 	"fmt"
@@ -89,7 +90,7 @@ func BenchmarkThroughput(b *testing.B) {
 		defer cancel()
 		return bare.run(rctx, task)
 	}
-	for _, warm := range []func() error{curfewRun, bareRun} { // connections, caches, JIT-free but page-cold
+	for _, warm := range []func() error{curfewRun, bareRun} { // warm-up: connections, heaps, the store's pages
 		if _, err := throughputOnce(b, warm, 50, conc, [4]int{}); err != nil {
 			b.Fatal(err)
 		}
@@ -196,7 +197,7 @@ func throughputOnce(b *testing.B, run func() error, n, conc int, pids [4]int) (t
 			for range jobs {
 				if err := run(); err != nil {
 					mu.Lock()
-					first = cmp(first, err)
+					first = cmp.Or(first, err)
 					mu.Unlock()
 				}
 			}
@@ -219,14 +220,6 @@ func throughputOnce(b *testing.B, run func() error, n, conc int, pids [4]int) (t
 		}
 	}
 	return x, nil
-}
-
-// cmp returns the first non-nil error.
-func cmp(a, b error) error {
-	if a != nil {
-		return a
-	}
-	return b
 }
 
 func printThroughputTable(rounds []throughputRound, conc int) {
