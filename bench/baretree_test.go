@@ -10,6 +10,7 @@ import (
 	"net"
 	"os"
 	"os/exec"
+	"slices"
 	"strconv"
 	"strings"
 	"sync"
@@ -87,7 +88,7 @@ func startBareTree(tb testing.TB, tps float64, events bool) *bareTree {
 	}
 	for i, name := range serviceNames {
 		cmd := exec.Command(os.Args[0], "-test.run", "^$") //nolint:noctx // stopped in Cleanup
-		cmd.Env = append(env, bareRoleEnv+"="+name)
+		cmd.Env = append(slices.Clone(env), bareRoleEnv+"="+name)
 		cmd.Stderr = os.Stderr
 		out, err := cmd.StdoutPipe()
 		if err != nil {
