@@ -17,6 +17,15 @@
 //     OpenAI-compatible front door and through Run, and a disconnect of 64 front-door
 //     streams to the model server seeing each upstream stream close, each beside the same
 //     server called directly.
+//   - BenchmarkThroughput: CPU per run, summed over the four service processes, for a
+//     small plan on the real mesh against the same plan on the bare tree (the same four
+//     processes and protos on bare grpc-go with no policies, baretree_test.go),
+//     alternating blocks of runs.
+//   - BenchmarkCancelFloor: the 64-leaf cancel of BenchmarkCancelPropagation beside the
+//     same cancel on the bare tree (grpc-go's own context cancellation), alternating.
+//   - BenchmarkTracingRun: CPU per run (the demo plan, and a 64-leaf cancel) and the
+//     cancel's latency with tracing off, on (every span exported to a real OpenTelemetry
+//     Collector) and sampled by a parent-based ratio, three meshes alternating.
 //
 // Every benchmark runs only under `go test -bench`; a plain `go test ./bench/...` runs
 // the fast unit tests of the helpers and nothing else. scripts/bench.sh runs them all with

@@ -27,6 +27,9 @@ func TestMain(m *testing.M) {
 	if os.Getenv(echoEnv) == "1" { // the child of BenchmarkLoopbackRTT
 		os.Exit(echoServer())
 	}
+	if role := os.Getenv(bareRoleEnv); role != "" { // a process of the bare tree
+		os.Exit(bareServe(role))
+	}
 	code := m.Run()
 	meshproc.Cleanup() // the binaries Build made for this process (about 90 MB)
 	cleanupToolBins()

@@ -13,13 +13,19 @@ import (
 // real mesh under `curfew up` with env added, stopping it when tb ends.
 func startMesh(tb testing.TB, env ...string) *meshproc.Mesh {
 	tb.Helper()
+	return startMeshWith(tb, meshproc.Options{Env: env})
+}
+
+// startMeshWith is startMesh with all of meshproc's options (Insecure, say).
+func startMeshWith(tb testing.TB, o meshproc.Options) *meshproc.Mesh {
+	tb.Helper()
 	dir, err := os.MkdirTemp("", "curfew-bench-")
 	if err != nil {
 		tb.Fatal(err)
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
 	defer cancel()
-	m, err := meshproc.Start(ctx, dir, meshproc.Options{Env: env})
+	m, err := meshproc.Start(ctx, dir, o)
 	if err != nil {
 		_ = os.RemoveAll(dir)
 		tb.Fatal("start mesh: ", err)

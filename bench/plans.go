@@ -113,3 +113,18 @@ func SleepPlan(ms int) string {
 	}
 	return string(b)
 }
+
+// SmallPlan is the throughput benchmark's run: a model step of 50 tokens that calls two
+// 1 ms sleep tools in parallel, then an answer of 50 tokens, decoded at 10,000 tokens/s
+// (issue 26's "small plan": 2 model steps, 2 tools).
+func SmallPlan() string {
+	sleep := toolJSON{Name: plan.ToolSleep, Args: map[string]int{"ms": 1}}
+	b, err := json.Marshal(planJSON{TokensPerSecond: 10000, Steps: []stepJSON{
+		{ThinkTokens: 50, Tools: []toolJSON{sleep, sleep}},
+		{AnswerTokens: 50},
+	}})
+	if err != nil {
+		panic(err)
+	}
+	return string(b)
+}

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Runs the benchmarks recorded in docs/benchmarks.md and prints their results.
 #
-#   scripts/bench.sh                 # all three (about 9 minutes on 2 cores)
-#   ONLY=chain scripts/bench.sh      # one of: chain, cancel, memory, amplify, tracing, mtls, tools, openai
+#   scripts/bench.sh                 # chain, cancel, memory, throughput, cancelfloor (about 20 minutes on 2 cores)
+#   ONLY=chain scripts/bench.sh      # one of: chain, cancel, memory, amplify, tracing, throughput,
+#                                    # cancelfloor, tracingrun, mtls, tools, openai
 #
 # Knobs (environment): OUT (results directory, default a new temp dir), CHAIN_COUNT (10),
 # CHAIN_ROUNDS (100), CANCEL_ITERS (50, trees of 1 and 8 leaves), CANCEL_ITERS_64 (100,
@@ -10,7 +11,9 @@
 # CURFEW_BENCH_AMP_SECONDS (60) and CURFEW_BENCH_AMP_LOADS ("rate=4,conc=2,conc=16")
 # (amplify), TOOL_CANCEL_ITERS (200), TOOL_CALL_ITERS (1000), CURFEW_BENCH_MCP_SESSIONS (16),
 # CURFEW_BENCH_MEM_ROUNDS (3) and CURFEW_BENCH_TOOL_CALLS (1000) (tools), FIRST_DELTA_ITERS (200),
-# DISCONNECT_ITERS (5, each two rounds) and CURFEW_BENCH_DISCONNECT_STREAMS (64) (openai), CURFEW_BIN_DIR
+# DISCONNECT_ITERS (5, each two rounds) and CURFEW_BENCH_DISCONNECT_STREAMS (64) (openai),
+# THROUGHPUT_ROUNDS (8), CURFEW_BENCH_THROUGHPUT_RUNS (200) and CURFEW_BENCH_THROUGHPUT_CONC (4)
+# (throughput), TRACING_RUN_ROUNDS (6) and CURFEW_BENCH_TRACE_RATIO (10 per mille) (tracingrun), CURFEW_BIN_DIR
 # (reuse built binaries; by default they are built into $OUT/bin, private to this run, so
 # that nobody's `make build` can swap them mid-run).
 set -euo pipefail
@@ -30,6 +33,8 @@ TOOL_CANCEL_ITERS="${TOOL_CANCEL_ITERS:-200}"
 TOOL_CALL_ITERS="${TOOL_CALL_ITERS:-1000}"
 FIRST_DELTA_ITERS="${FIRST_DELTA_ITERS:-200}"
 DISCONNECT_ITERS="${DISCONNECT_ITERS:-5}"
+THROUGHPUT_ROUNDS="${THROUGHPUT_ROUNDS:-8}"
+TRACING_RUN_ROUNDS="${TRACING_RUN_ROUNDS:-6}"
 export CURFEW_BENCH_RAW="$OUT" # per-iteration samples of the cancel benchmark, as CSV
 
 if [[ -z "${CURFEW_BIN_DIR:-}" ]]; then
@@ -115,6 +120,28 @@ run_tracing() {
     -test.benchtime "${CHAIN_ROUNDS}x" | tee "$OUT/tracing-latency.txt"
 }
 
+run_throughput() {
+  echo
+  echo "## throughput: CPU per run of a small plan, the mesh against bare grpc-go on the same processes, alternating"
+  "$BT" -test.run '^$' -test.bench '^BenchmarkThroughput$' -test.count 2 \
+    -test.benchtime "${THROUGHPUT_ROUNDS}x" -test.timeout 30m | tee "$OUT/throughput.txt"
+}
+
+run_cancelfloor() {
+  echo
+  echo "## cancel at 64 leaves beside bare grpc-go's own cancel, alternating, ${CANCEL_ITERS_64} iterations per side"
+  "$BT" -test.run '^$' -test.bench '^BenchmarkCancelFloor$' \
+    -test.benchtime "${CANCEL_ITERS_64}x" -test.timeout 60m | tee "$OUT/cancel-floor.txt"
+}
+
+run_tracingrun() {
+  export CURFEW_OTELCOL="${CURFEW_OTELCOL:-$(bash scripts/otelcol.sh)}"
+  echo
+  echo "## tracing on real runs: off, on (100 %, to the collector), parent-based ratio; alternating"
+  "$BT" -test.run '^$' -test.bench '^BenchmarkTracingRun$' -test.count 2 \
+    -test.benchtime "${TRACING_RUN_ROUNDS}x" -test.timeout 60m | tee "$OUT/tracing-run.txt"
+}
+
 run_mtls() {
   echo
   echo "## mTLS on the hop: the hop as served, plaintext vs mTLS (--tls-dir), interleaved"
@@ -147,14 +174,17 @@ run_openai() {
 case "$ONLY" in
   tools) run_tools ;;
   openai) run_openai ;;
-  all) run_chain; run_cancel; run_memory ;;
+  all) run_chain; run_cancel; run_memory; run_throughput; run_cancelfloor ;;
   mtls) run_mtls ;;
   amplify) run_amplify ;;
   tracing) run_tracing ;;
+  throughput) run_throughput ;;
+  cancelfloor) run_cancelfloor ;;
+  tracingrun) run_tracingrun ;;
   chain) run_chain ;;
   cancel) run_cancel ;;
   memory) run_memory ;;
-  *) echo "ONLY must be all, chain, cancel, memory, amplify, tracing, mtls, tools or openai" >&2; exit 2 ;;
+  *) echo "ONLY must be all, chain, cancel, memory, amplify, tracing, throughput, cancelfloor, tracingrun, mtls, tools or openai" >&2; exit 2 ;;
 esac
 echo
 echo "load at end: $(cut -d' ' -f1-3 /proc/loadavg)"
