@@ -65,6 +65,10 @@ type Config struct {
 	// every PollEvery, as a batch client does. DefaultWatchShare when 0; none when < 0.
 	WatchShare float64
 	PollEvery  time.Duration
+	// Ramp spreads the workers' first runs evenly over its length, in the warm-up and in
+	// the load, as traffic grows rather than arriving in one instant (200 starts at
+	// once are a burst no client makes); DefaultRamp when 0, none when < 0.
+	Ramp time.Duration
 	// Log, if set, receives a line per second of progress.
 	Log io.Writer
 }
@@ -78,6 +82,7 @@ const (
 	DefaultProfileFor  = 10 * time.Second
 	DefaultWatchShare  = 0.1
 	DefaultPollEvery   = 500 * time.Millisecond
+	DefaultRamp        = 3 * time.Second
 )
 
 // Fault is one fault the load injects: Do runs At after the load's start.
@@ -130,6 +135,9 @@ func Drive(ctx context.Context, cfg Config) (*Report, error) {
 	}
 	if cfg.SampleEvery <= 0 {
 		cfg.SampleEvery = DefaultSampleEvery
+	}
+	if cfg.Ramp == 0 {
+		cfg.Ramp = DefaultRamp
 	}
 	if cfg.Settle <= 0 {
 		cfg.Settle = DefaultSettle
@@ -275,6 +283,12 @@ func drive(ctx context.Context, cfg Config, load string, stopAt time.Time, recor
 			defer wg.Done()
 			rnd := mrand.New(mrand.NewPCG(cfg.Seed, uint64(w))) //nolint:gosec // repeatable draws of kinds and cancel instants: no secret
 			door := frontDoor{orchs: cfg.Orchestrators, first: w}
+			if cfg.Ramp > 0 { // the workers start spread over the ramp, not all in one instant
+				select {
+				case <-ctx.Done():
+				case <-time.After(cfg.Ramp * time.Duration(w) / time.Duration(cfg.Concurrency)):
+				}
+			}
 			for ctx.Err() == nil && time.Now().Before(stopAt) {
 				watch := rnd.Float64() < cfg.WatchShare
 				o := runOne(ctx, door, cfg, cfg.Mix.pick(rnd), fmt.Sprintf("soak-%s-%d", load, seq.Add(1)), watch, rnd)

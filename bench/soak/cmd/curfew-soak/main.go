@@ -43,6 +43,7 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	duration := fs.Duration("duration", time.Minute, "how long new runs start; the runs in flight then finish")
 	settle := fs.Duration("settle", soak.DefaultSettle, "how long the processes get after the last run to return to their baseline")
 	warmup := fs.Duration("warmup", soak.DefaultWarmup, "a load of the same mix before the measured one, so the baseline has the connections and caches a serving mesh keeps; 0 skips it")
+	ramp := fs.Duration("ramp", soak.DefaultRamp, "spread the workers' first runs over this long, in the warm-up and the load; 0 starts them all at once")
 	profile := fs.Duration("profile", 0, "take a CPU profile of this long and an allocation profile of every process from the load's middle, into --out/profiles (the processes need --pprof, which the own mesh has)")
 	rounds := fs.Int("rounds", 1, "loads run one after the other on the same mesh; with 2 or more, the last one's heap after a forced collection must end within 10 % of the first's (a plateau, not a leak)")
 	pgRestart := fs.Bool("pg-restart", false, "run the own mesh on a PostgreSQL of its own (initdb, pg_ctl) and restart it once during each load, down for 3 s; without --kill, check afterwards that the ledger holds every token modelproxy emitted")
@@ -112,6 +113,10 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		Duration: *duration, Mix: mix, Seed: *seed, Settle: *settle, Log: stderr, Warmup: *warmup}
 	if *warmup == 0 {
 		cfg.Warmup = -1
+	}
+	cfg.Ramp = *ramp
+	if *ramp == 0 {
+		cfg.Ramp = -1
 	}
 	if *profile > 0 {
 		cfg.ProfileDir, cfg.ProfileFor = filepath.Join(*out, "profiles"), *profile
