@@ -136,22 +136,7 @@ func startBareTree(tb testing.TB, tps float64, events bool) *bareTree {
 
 // run makes one Run call of task and reads it to its end.
 func (t *bareTree) run(ctx context.Context, task string) error {
-	st, err := t.orch.Run(ctx, &orchestratorv1.RunRequest{Task: task})
-	if err != nil {
-		return err
-	}
-	for {
-		ev, err := st.Recv()
-		if errors.Is(err, io.EOF) {
-			return nil
-		}
-		if err != nil {
-			return err
-		}
-		if f := ev.GetFinished(); f != nil && f.GetStatus() != orchestratorv1.RunStatus_RUN_STATUS_SUCCEEDED {
-			return fmt.Errorf("bare run ended %v", f.GetStatus())
-		}
-	}
+	return runToEnd(ctx, t.orch, task)
 }
 
 // bareServe is the body of a bare-tree child process (see TestMain): it serves its

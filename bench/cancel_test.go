@@ -90,20 +90,7 @@ var cancelResults []cancelResult
 // (-benchtime=<n>x; nearest-rank percentiles, so p99 is the maximum below 100 samples),
 // and the p99 of max(ended_at) − cancelled_at (the part inside the mesh).
 func BenchmarkCancelPropagation(b *testing.B) {
-	m := startMesh(b, fmt.Sprintf("CURFEW_MAX_SUBAGENT_FANOUT=%d", cancelFanout))
-	orch, err := m.Orchestrator()
-	if err != nil {
-		b.Fatal(err)
-	}
-	mp, err := m.Report("modelproxy")
-	if err != nil {
-		b.Fatal(err)
-	}
-	var ps procs
-	for i, name := range serviceNames {
-		ps.pids[i] = m.Endpoints.Services[name].PID
-		ps.admins[i] = m.Endpoints.Services[name].AdminAddr
-	}
+	orch, mp, ps := startCancelMesh(b)
 	cancelResults = nil
 	for _, s := range Shapes {
 		b.Run(s.Name(), func(b *testing.B) {
@@ -374,4 +361,26 @@ func writeRaw(r cancelResult) error {
 	}
 	name := fmt.Sprintf("cancel-leaves%d-depth%d.csv", r.shape.Leaves, r.shape.Depth)
 	return os.WriteFile(filepath.Join(dir, name), []byte(sb.String()), 0o644)
+}
+
+// startCancelMesh starts the mesh of the 64-leaf cancel benchmarks (the subagent fan-out
+// raised to cancelFanout; stopped when b ends) and returns its orchestrator, modelproxy's node reports and the
+// processes to sample.
+func startCancelMesh(b *testing.B) (orchestratorv1.OrchestratorServiceClient, meshv1.NodeReportServiceClient, procs) {
+	b.Helper()
+	m := startMesh(b, fmt.Sprintf("CURFEW_MAX_SUBAGENT_FANOUT=%d", cancelFanout))
+	orch, err := m.Orchestrator()
+	if err != nil {
+		b.Fatal(err)
+	}
+	mp, err := m.Report("modelproxy")
+	if err != nil {
+		b.Fatal(err)
+	}
+	var ps procs
+	for i, name := range serviceNames {
+		ps.pids[i] = m.Endpoints.Services[name].PID
+		ps.admins[i] = m.Endpoints.Services[name].AdminAddr
+	}
+	return orch, mp, ps
 }

@@ -24,20 +24,7 @@ import (
 // Goal (issue 26): curfew's p99 ≤ 5 ms, or ≤ 2× the floor's p99 measured in the same
 // run. Run it with -benchtime=<iterations>x (per side).
 func BenchmarkCancelFloor(b *testing.B) {
-	m := startMesh(b, fmt.Sprintf("CURFEW_MAX_SUBAGENT_FANOUT=%d", cancelFanout))
-	orch, err := m.Orchestrator()
-	if err != nil {
-		b.Fatal(err)
-	}
-	mp, err := m.Report("modelproxy")
-	if err != nil {
-		b.Fatal(err)
-	}
-	var ps procs
-	for i, name := range serviceNames {
-		ps.pids[i] = m.Endpoints.Services[name].PID
-		ps.admins[i] = m.Endpoints.Services[name].AdminAddr
-	}
+	orch, mp, ps := startCancelMesh(b)
 	bare := startBareTree(b, leafTPS, true)
 	var rows []string
 	for _, s := range Shapes {

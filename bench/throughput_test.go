@@ -153,7 +153,13 @@ func BenchmarkThroughput(b *testing.B) {
 func meshRunWithin(ctx context.Context, orch orchestratorv1.OrchestratorServiceClient, task string, within time.Duration) error {
 	rctx, cancel := context.WithTimeout(ctx, within)
 	defer cancel()
-	st, err := orch.Run(rctx, &orchestratorv1.RunRequest{Task: task})
+	return runToEnd(rctx, orch, task)
+}
+
+// runToEnd makes one Run call of task on orch (the mesh's or the bare tree's) and reads
+// it to its end: an error unless the run succeeded.
+func runToEnd(ctx context.Context, orch orchestratorv1.OrchestratorServiceClient, task string) error {
+	st, err := orch.Run(ctx, &orchestratorv1.RunRequest{Task: task})
 	if err != nil {
 		return err
 	}

@@ -94,14 +94,7 @@ func TestStoreRestartOnARealMesh(t *testing.T) {
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
 	defer cancel()
-	pg, err := pgproc.Start(ctx)
-	if errors.Is(err, pgproc.ErrNotInstalled) {
-		meshproc.Missing(t, "%v", err)
-	}
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer func() { _ = pg.Close() }()
+	pg := privatePG(ctx, t)
 	const concurrency = 8
 	m, _, err := StartMesh(ctx, t.TempDir(), concurrency, pg.DSN(), os.Stderr)
 	if err != nil {
@@ -150,14 +143,7 @@ func TestClusterUnderEveryFault(t *testing.T) {
 	}
 	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
 	defer cancel()
-	pg, err := pgproc.Start(ctx)
-	if errors.Is(err, pgproc.ErrNotInstalled) {
-		meshproc.Missing(t, "%v", err)
-	}
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer func() { _ = pg.Close() }()
+	pg := privatePG(ctx, t)
 	const concurrency = 8
 	c, err := StartCluster(ctx, t.TempDir(), concurrency, pg.DSN())
 	if err != nil {
@@ -197,4 +183,18 @@ func TestClusterUnderEveryFault(t *testing.T) {
 			t.Errorf("check failed: %s: %s", c.Name, c.Detail)
 		}
 	}
+}
+
+// privatePG starts a PostgreSQL of the test's own, stopped when the test ends.
+func privatePG(ctx context.Context, t *testing.T) *pgproc.Server {
+	t.Helper()
+	pg, err := pgproc.Start(ctx)
+	if errors.Is(err, pgproc.ErrNotInstalled) {
+		meshproc.Missing(t, "%v", err)
+	}
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = pg.Close() })
+	return pg
 }

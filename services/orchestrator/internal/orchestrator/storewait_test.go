@@ -97,15 +97,8 @@ func newStoreWaitEnvOf(t *testing.T, st store.Store, owner string, ttl time.Dura
 // store, and carries on when it is back: it succeeds, with every model step decoded
 // once and every tool called once, and said that it waited.
 func TestRunWaitsForTheStore(t *testing.T) {
-	st := &outageStore{Store: openStore(t)}
-	st.down.Store(true)
-	e, _ := newStoreWaitEnv(t, st)
+	st, e, id := startWhileDown(t, 30*time.Second)
 	ctx := context.Background()
-	res, err := e.orch.StartRun(ctx, &orchestratorv1.StartRunRequest{Task: fastPlan, Timeout: durationpb.New(30 * time.Second)})
-	if err != nil {
-		t.Fatal(err)
-	}
-	id := res.GetRun().GetRunId()
 
 	// The first checkpoint (step 0's model output) is refused, tried again and again:
 	// the run waits at it, its tools not called yet.
@@ -184,15 +177,8 @@ func (f *failCheckpoints) PutCheckpoint(context.Context, store.Lease, store.Chec
 // A run waiting for the store ends DEADLINE_EXCEEDED at its deadline, not later and not
 // for the store; the wait ends with it.
 func TestStoreWaitEndsAtTheDeadline(t *testing.T) {
-	st := &outageStore{Store: openStore(t)}
-	st.down.Store(true)
-	e, _ := newStoreWaitEnv(t, st)
 	const timeout = 1500 * time.Millisecond
-	res, err := e.orch.StartRun(context.Background(), &orchestratorv1.StartRunRequest{Task: fastPlan, Timeout: durationpb.New(timeout)})
-	if err != nil {
-		t.Fatal(err)
-	}
-	id := res.GetRun().GetRunId()
+	st, e, id := startWhileDown(t, timeout)
 	st.waitRefused(t, e, id, 2)
 	r := e.waitEndedWithin(t, id, 10*time.Second)
 	if r.GetStatus() != orchestratorv1.RunStatus_RUN_STATUS_DEADLINE_EXCEEDED || r.GetErrorCode() != "DEADLINE_EXCEEDED" {
@@ -218,15 +204,8 @@ func TestStoreWaitEndsAtTheDeadline(t *testing.T) {
 // A run waiting for the store and cancelled ends CANCELLED at once, not when the store
 // is back.
 func TestStoreWaitEndsAtACancel(t *testing.T) {
-	st := &outageStore{Store: openStore(t)}
-	st.down.Store(true)
-	e, _ := newStoreWaitEnv(t, st)
+	st, e, id := startWhileDown(t, 30*time.Second)
 	ctx := context.Background()
-	res, err := e.orch.StartRun(ctx, &orchestratorv1.StartRunRequest{Task: fastPlan, Timeout: durationpb.New(30 * time.Second)})
-	if err != nil {
-		t.Fatal(err)
-	}
-	id := res.GetRun().GetRunId()
 	st.waitRefused(t, e, id, 4) // waiting (past the first try, which outlives a cancel)
 	asked := time.Now()
 	if _, err := e.orch.CancelRun(ctx, &orchestratorv1.CancelRunRequest{RunId: id, Reason: "test"}); err != nil {
@@ -362,4 +341,18 @@ func (f *fakeTools) total() int {
 		n += v
 	}
 	return n
+}
+
+// startWhileDown starts a run of fastPlan with timeout on an orchestrator whose store is
+// down, and returns the store (to bring back), the environment and the run's id.
+func startWhileDown(t *testing.T, timeout time.Duration) (*outageStore, *env, string) {
+	t.Helper()
+	st := &outageStore{Store: openStore(t)}
+	st.down.Store(true)
+	e, _ := newStoreWaitEnv(t, st)
+	res, err := e.orch.StartRun(context.Background(), &orchestratorv1.StartRunRequest{Task: fastPlan, Timeout: durationpb.New(timeout)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return st, e, res.GetRun().GetRunId()
 }
