@@ -69,6 +69,9 @@ type Config struct {
 	// the load, as traffic grows rather than arriving in one instant (200 starts at
 	// once are a burst no client makes); DefaultRamp when 0, none when < 0.
 	Ramp time.Duration
+	// GoroutineSlack is how far a process's goroutines may end above their count before
+	// the load; GoroutineSlack (the constant) when 0.
+	GoroutineSlack int
 	// Log, if set, receives a line per second of progress.
 	Log io.Writer
 }
@@ -135,6 +138,9 @@ func Drive(ctx context.Context, cfg Config) (*Report, error) {
 	}
 	if cfg.SampleEvery <= 0 {
 		cfg.SampleEvery = DefaultSampleEvery
+	}
+	if cfg.GoroutineSlack <= 0 {
+		cfg.GoroutineSlack = GoroutineSlack
 	}
 	if cfg.Ramp == 0 {
 		cfg.Ramp = DefaultRamp
@@ -237,9 +243,10 @@ func Drive(ctx context.Context, cfg Config) (*Report, error) {
 		}
 		rep.Effects = &e
 	}
+	rep.GoroutineSlack = cfg.GoroutineSlack
 	rep.check()
 	if cfg.DumpDir != "" {
-		if err := smp.dumpLeft(ctx, cfg.DumpDir, baseline, after); err != nil && perr == nil {
+		if err := smp.dumpLeft(ctx, cfg.DumpDir, baseline, after, cfg.GoroutineSlack); err != nil && perr == nil {
 			perr = err
 		}
 	}

@@ -54,6 +54,7 @@ func TestReportOutcomesAndChecks(t *testing.T) {
 	after := []Sample{{Process: "orchestrator", Up: true, Goroutines: 50 + GoroutineSlack + 1}}
 	r := newReport(Config{Concurrency: 4, Duration: 10 * time.Second, Mix: DefaultMix()}, t0, t0.Add(3*time.Second), outs, nil, base, after)
 	r.Effects = &Effects{Calls: 3, Duplicates: 1}
+	r.GoroutineSlack = GoroutineSlack
 	r.check()
 
 	if r.Runs != 5 || r.Refused["ResourceExhausted"] != 1 || r.Outcomes["FAILED/INVALID_ARGUMENT"] != 1 || r.Outcomes["LOST"] != 1 ||

@@ -196,15 +196,15 @@ func fetch(ctx context.Context, c *http.Client, url, path string) error {
 }
 
 // dumpLeft writes into dir the goroutines of every process whose count after the load
-// is above its baseline by more than GoroutineSlack.
-func (s *sampler) dumpLeft(ctx context.Context, dir string, baseline, after []Sample) error {
+// is above its baseline by more than slack.
+func (s *sampler) dumpLeft(ctx context.Context, dir string, baseline, after []Sample, slack int) error {
 	before := map[string]Sample{}
 	for _, b := range baseline {
 		before[b.Process] = b
 	}
 	var errs []error
 	for i, a := range after {
-		if b := before[a.Process]; !a.Up || a.Goroutines <= b.Goroutines+GoroutineSlack {
+		if b := before[a.Process]; !a.Up || a.Goroutines <= b.Goroutines+float64(slack) {
 			continue
 		}
 		if err := os.MkdirAll(dir, 0o755); err != nil { //nolint:gosec // dumps for people to read

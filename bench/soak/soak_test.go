@@ -165,7 +165,7 @@ func TestClusterUnderEveryFault(t *testing.T) {
 	const d = 20 * time.Second
 	faults := append(c.Faults(d, true, true), RestartStore(pg, d*3/10))
 	rep, err := Drive(ctx, Config{Orchestrators: orchs, Processes: c.Processes(), Concurrency: concurrency, Duration: d,
-		Mix: mix, Seed: 13, Warmup: 2 * time.Second, Settle: 3 * time.Second, Faults: faults,
+		Mix: mix, Seed: 13, Warmup: 6 * time.Second, Settle: 3 * time.Second, Faults: faults, GoroutineSlack: ClusterGoroutineSlack,
 		Effects: func() (Effects, error) { return EffectsFromRecord(c.Record) }})
 	if err != nil {
 		t.Fatal(err)

@@ -121,7 +121,7 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	if *profile > 0 {
 		cfg.ProfileDir, cfg.ProfileFor = filepath.Join(*out, "profiles"), *profile
 	}
-	cfg.Processes = t.processes
+	cfg.Processes, cfg.GoroutineSlack = t.processes, t.slack
 	if t.record != "" {
 		cfg.Effects = func() (soak.Effects, error) { return soak.EffectsFromRecord(t.record) }
 	}
@@ -191,6 +191,7 @@ type mesh struct {
 	processes    []soak.Process
 	modelproxies []soak.Process
 	record       string // the MCP server's record of calls; "" when not the own mesh
+	slack        int    // the goroutine check's (0: the default)
 	// faults are a load's kills and toxics, and after checks what they left.
 	faults func(d time.Duration, kill, toxics bool) ([]soak.Fault, func(context.Context) []soak.Check, error)
 	close  func() error
@@ -208,7 +209,7 @@ func target(ctx context.Context, out, dataDir string, concurrency int, cluster b
 			_ = c.Close()
 			return nil, err
 		}
-		t := &mesh{orchs: orchs, processes: c.Processes(), record: c.Record, close: c.Close}
+		t := &mesh{orchs: orchs, processes: c.Processes(), record: c.Record, close: c.Close, slack: soak.ClusterGoroutineSlack}
 		for _, p := range t.processes {
 			if strings.HasPrefix(p.Name, "modelproxy") {
 				t.modelproxies = append(t.modelproxies, p)
