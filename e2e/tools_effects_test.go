@@ -181,11 +181,16 @@ func TestNodeToolServerThroughTheMesh(t *testing.T) {
 		if err != nil || dl > runDL+1 || dl < runDL-2000 {
 			t.Errorf("the server's curfew-deadline %q, want the run's %d (at most 2 s less)", ev.Deadline, runDL)
 		}
+		// grpc-timeout is stamped when toolrunner sends the call and the server's clock is
+		// read when its handler runs: on a loaded machine the one can be well ahead of
+		// the other (CI saw 60 ms), so 1 s of margin above, 2 s below.
 		left := runDL - ev.AtMS
-		if ev.TimeLeftMS == nil || *ev.TimeLeftMS > left+50 || *ev.TimeLeftMS < left-2000 || *ev.TimeLeftMS > 20000 {
-			t.Errorf("the server's time left %v ms, want about %d ms (the run's deadline less its clock, 2 s margin)", ev.TimeLeftMS, left)
+		if ev.TimeLeftMS == nil || *ev.TimeLeftMS > left+1000 || *ev.TimeLeftMS < left-2000 || *ev.TimeLeftMS > 20000 {
+			t.Errorf("the server's time left %v ms, want about %d ms (the run's deadline less its clock, 1 s margin above, 2 s below)", ev.TimeLeftMS, left)
 		}
-		t.Logf("the Node server had %d ms left of the run's 20 s", *ev.TimeLeftMS)
+		if ev.TimeLeftMS != nil {
+			t.Logf("the Node server had %d ms left of the run's 20 s", *ev.TimeLeftMS)
+		}
 	})
 
 	t.Run("wait cancelled", func(t *testing.T) {
