@@ -124,17 +124,8 @@ func TestClusterCoordinationSurvivesStoreOutage(t *testing.T) {
 	}
 	pg.start(t)
 	up := time.Now()
-	okDown, failedDown, longest := since(down.Add(time.Second))
-	t.Logf("store down for %v: %d runs succeeded, %d refused, the longest refusal took %v",
-		up.Sub(down).Round(time.Millisecond), okDown, failedDown, longest.Round(time.Millisecond))
 	if !degraded {
 		t.Error("status never said cluster admission was degraded while the store was down")
-	}
-	if failedDown == 0 {
-		t.Error("no run was refused while the store was down")
-	}
-	if longest > 5*time.Second {
-		t.Errorf("a run refused while the store was down took %v, want a fast refusal (≤ 5 s)", longest)
 	}
 
 	// Coordination resumes.
@@ -172,6 +163,33 @@ func TestClusterCoordinationSurvivesStoreOutage(t *testing.T) {
 	}
 	stop.Store(true)
 	wg.Wait()
+
+	// The runs started while the store was down (admitted on this replica's share, or
+	// refused) either waited for the store within their deadline and succeeded once it
+	// was back, or were refused fast: none failed after a long wait, and none is left.
+	var okDown, failedDown int
+	var longest time.Duration
+	mu.Lock()
+	for _, r := range results {
+		if r.start.Before(down.Add(time.Second)) || !r.start.Before(up) {
+			continue
+		}
+		if r.ok {
+			okDown++
+			continue
+		}
+		failedDown++
+		longest = max(longest, r.end.Sub(r.start))
+	}
+	mu.Unlock()
+	t.Logf("store down for %v: of the runs started meanwhile, %d waited for it and succeeded, %d were refused, the longest refusal took %v",
+		up.Sub(down).Round(time.Millisecond), okDown, failedDown, longest.Round(time.Millisecond))
+	if okDown+failedDown == 0 {
+		t.Error("no run started while the store was down")
+	}
+	if longest > 5*time.Second {
+		t.Errorf("a run refused while the store was down took %v, want a fast refusal (≤ 5 s) or a wait that succeeds", longest)
+	}
 	waitFor(t, "no paid slot held once the load ended", 10*time.Second, func() bool {
 		slots, err := oc.st.ListSlots(ctx, admission.PoolScope("paid"))
 		if err != nil {
