@@ -58,12 +58,14 @@ func curfewDrill(t *testing.T, args ...string) (rows []drill.Row, verdict string
 // The seed's drill with its knobs (8 tasks, 12 s deadline, cancel at 3.5 s, 40 tokens/s,
 // one retry with the same retry-id, 4 s heartbeats, paid pool capped at 2), in shed
 // mode, in orphan mode and with each of the five faults, each on a mesh of its own.
+// The drills run one after another: each bounds tokens after a cancel to the one in
+// flight (25 ms at 40 tokens/s), and seven meshes decoding at once on two cores made
+// that bound flaky (2 tokens in 2 of 3 full e2e runs).
 func TestDrill(t *testing.T) {
 	if testing.Short() {
 		t.Skip("the drill takes about 15 s per mode")
 	}
 	t.Run("shed", func(t *testing.T) {
-		t.Parallel()
 		rows, verdict, code := curfewDrill(t)
 		if code != 0 || !strings.HasPrefix(verdict, "shed within grace") {
 			t.Errorf("exit %d, verdict %q: want 0, shed within grace", code, verdict)
@@ -81,7 +83,6 @@ func TestDrill(t *testing.T) {
 		}
 	})
 	t.Run("orphan", func(t *testing.T) {
-		t.Parallel()
 		rows, verdict, code := curfewDrill(t, "--mode", "orphan")
 		if code == 0 || !strings.HasPrefix(verdict, "orphan decode after cancel") {
 			t.Errorf("exit %d, verdict %q: want non-zero, orphan decode after cancel", code, verdict)
@@ -114,7 +115,6 @@ func TestDrill(t *testing.T) {
 		{"5", "caught by lease lapse", func(drill.Row) int64 { return 320 }},
 	} {
 		t.Run("fault"+tc.fault, func(t *testing.T) {
-			t.Parallel()
 			rows, verdict, code := curfewDrill(t, "--fault", tc.fault)
 			if code != 0 || !strings.Contains(verdict, tc.defence) {
 				t.Errorf("exit %d, verdict %q: want 0 and %q", code, verdict, tc.defence)
