@@ -82,6 +82,10 @@ type Registry struct {
 	calls *prometheus.CounterVec
 	late  *prometheus.CounterVec
 
+	// rebuildMu makes rebuilds one at a time, so that the table stored last is made from
+	// the newest lists: two rebuilds interleaved could store an older snapshot last.
+	rebuildMu sync.Mutex
+
 	mu         sync.RWMutex
 	sources    []*src            // in the file's order
 	byName     map[string]*src   // sources by name
@@ -518,6 +522,8 @@ func (r *Registry) setTools(s *src, tools []source.Tool, log *slog.Logger) {
 // file's order and tools in their source's: of two tools with one name, the later one is
 // skipped and logged (once).
 func (r *Registry) rebuild() {
+	r.rebuildMu.Lock()
+	defer r.rebuildMu.Unlock()
 	table := map[string]*entry{}
 	var clashes []string
 	r.mu.RLock()

@@ -3,9 +3,11 @@ package registry
 import (
 	"context"
 	"encoding/json"
+	"fmt"
 	"io"
 	"log/slog"
 	"slices"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -138,5 +140,47 @@ func TestUpdateSessions(t *testing.T) {
 	}
 	if n := len(names(r, "")); n != 6 {
 		t.Fatalf("%d tools after a refused Update, want 6", n)
+	}
+}
+
+// Lists landing at once from several sources, with a reload's rebuild among them, leave
+// the table made from every source's newest list: no rebuild stores an older snapshot
+// over a newer one.
+func TestRebuildsKeepTheNewestLists(t *testing.T) {
+	ss := &sessions{opened: map[string][]*fake{}}
+	var srcs []string
+	for _, n := range strings.Split("abcdefghijklmnop", "") {
+		srcs = append(srcs, grpcSource(n, ""))
+	}
+	cfg, err := Parse([]byte(`{"sources": [`+strings.Join(srcs, ", ")+`]}`), lookupEnv, lookPath)
+	if err != nil {
+		t.Fatal(err)
+	}
+	r, err := New(cfg, Options{Openers: map[string]Opener{KindGRPC: ss.open}, Logger: slog.New(slog.NewTextHandler(io.Discard, nil))})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = r.Close() })
+	eventually(t, "the first lists", func() bool { return len(names(r, "")) == 32 })
+	r.mu.RLock()
+	sources := slices.Clone(r.sources)
+	r.mu.RUnlock()
+	log := slog.New(slog.NewTextHandler(io.Discard, nil))
+	for round := range 1000 {
+		var wg sync.WaitGroup
+		for _, s := range sources {
+			wg.Go(func() {
+				r.setTools(s, []source.Tool{{Name: fmt.Sprintf("v%d", round)}}, log)
+			})
+		}
+		wg.Go(r.rebuild)
+		wg.Wait()
+		want := make([]string, 0, len(sources))
+		for _, s := range sources {
+			want = append(want, fmt.Sprintf("%s__v%d", s.cfg.Name, round))
+		}
+		if got := names(r, ""); !slices.Equal(got, want) {
+			t.Fatalf("round %d: the table lists %v, want %v", round, got, want)
+		}
 	}
 }
