@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"log/slog"
 	"math/rand/v2" //nolint:gosec // jitter, not secrets
 	"slices"
 	"strings"
@@ -88,7 +89,7 @@ func newMetrics(reg prometheus.Registerer) *metrics {
 		}, []string{"target", "from", "to"}),
 		calls: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "curfew_circuit_breaker_calls_total",
-			Help: "Calls through a circuit breaker per downstream target by outcome: success, failure, ignored (says nothing about the target, e.g. cancelled by the caller), rejected (refused by the open breaker, never sent).",
+			Help: "Calls through a circuit breaker per downstream target by outcome: success, failure, ignored (says nothing about the target, e.g. cancelled by the caller), endpoint_failure (UNAVAILABLE from one replica while another serves: not counted against the target), rejected (refused by the open breaker, never sent).",
 		}, []string{"target", "outcome"}),
 	}
 	if reg != nil {
@@ -128,6 +129,7 @@ type Set struct {
 	breakers map[string]*Breaker
 	reg      prometheus.Registerer
 	coord    *coordination // nil: each breaker probes on its own (see Coordinate)
+	log      *slog.Logger  // nil: nothing logged (SetLogger)
 }
 
 // NewSet returns a set of breakers configured by cfg (defaults applied), registering the
@@ -207,6 +209,12 @@ type Breaker struct {
 	trans    map[[2]State]prometheus.Counter // the four possible transitions
 	outcomes [3]prometheus.Counter           // by Outcome
 	rejected prometheus.Counter
+	// endpointFailed counts failures of one endpoint not counted against the target
+	// (endpoints.go).
+	endpointFailed prometheus.Counter
+
+	endpoints endpoints
+	lastFail  atomic.Pointer[lastFailure] // for the log line of the next opening
 }
 
 // errIgnored and errFailed tell gobreaker the outcome Classify found.
@@ -228,6 +236,7 @@ func (s *Set) newBreaker(target string) *Breaker {
 		b.outcomes[o] = s.m.calls.WithLabelValues(target, o.String())
 	}
 	b.rejected = s.m.calls.WithLabelValues(target, "rejected")
+	b.endpointFailed = s.m.calls.WithLabelValues(target, "endpoint_failure")
 	for _, st := range []State{StateOpen, StateHalfOpen} {
 		b.info[st] = mustAny(&errdetails.ErrorInfo{Reason: Reason, Domain: Domain, Metadata: map[string]string{"target": target, "state": st.String()}})
 	}
@@ -277,6 +286,7 @@ func (b *Breaker) changed(_ string, from, to gobreaker.State) {
 		// Half-open on time even with no call to notice it, so that the state gauge and
 		// State tell the truth. Harmless when a call notices first.
 		time.AfterFunc(period, func() { b.wake(until) })
+		b.logOpened(period)
 	} else {
 		b.openUntil.Store(0)
 	}
@@ -293,6 +303,9 @@ func (b *Breaker) changed(_ string, from, to gobreaker.State) {
 	b.gauges[t].Set(1)
 	if c := b.trans[[2]State{f, t}]; c != nil {
 		c.Inc()
+	}
+	if t == StateClosed && b.set.log != nil {
+		b.set.log.Info("circuit breaker closed: calls to the target flow again", "target", b.target)
 	}
 }
 
@@ -389,7 +402,17 @@ func (c *call) done(err error) {
 		return
 	}
 	o := Classify(c.ctx, err)
-	c.b.outcomes[o].Inc()
+	method, addr := callOf(c.ctx)
+	switch {
+	case c.b.judge(addr, o, err):
+		c.b.endpointFailed.Inc()
+		o = OutcomeIgnored
+	case o == OutcomeFailure:
+		c.b.outcomes[o].Inc()
+		c.b.lastFail.Store(&lastFailure{method: method, peer: addr, err: err})
+	default:
+		c.b.outcomes[o].Inc()
+	}
 	if c.after != nil {
 		defer c.after(o)
 	}

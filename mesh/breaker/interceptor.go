@@ -5,6 +5,7 @@ import (
 
 	"google.golang.org/grpc"
 	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/peer"
 	"google.golang.org/grpc/status"
 )
 
@@ -20,7 +21,8 @@ func (s *Set) UnaryClientInterceptor(target string) grpc.UnaryClientInterceptor 
 	}
 	b := s.Get(target)
 	return func(ctx context.Context, method string, req, reply any, cc *grpc.ClientConn, invoker grpc.UnaryInvoker, opts ...grpc.CallOption) (err error) {
-		done, err := b.allow(ctx, true)
+		p := new(peer.Peer)
+		done, err := b.allow(withCall(ctx, method, p), true)
 		if err != nil {
 			return err
 		}
@@ -30,7 +32,9 @@ func (s *Set) UnaryClientInterceptor(target string) grpc.UnaryClientInterceptor 
 				done(status.Error(codes.Internal, "panic in the call"))
 			}
 		}()
-		err = invoker(ctx, method, req, reply, cc, opts...)
+		// A fresh slice: appending to opts could write into the caller's backing array.
+		all := append(append(make([]grpc.CallOption, 0, len(opts)+1), opts...), grpc.Peer(p))
+		err = invoker(ctx, method, req, reply, cc, all...)
 		returned = true
 		done(err)
 		return err
@@ -52,7 +56,8 @@ func (s *Set) StreamClientInterceptor(target string) grpc.StreamClientIntercepto
 	}
 	b := s.Get(target)
 	return func(ctx context.Context, desc *grpc.StreamDesc, cc *grpc.ClientConn, method string, streamer grpc.Streamer, opts ...grpc.CallOption) (_ grpc.ClientStream, err error) {
-		done, err := b.allow(ctx, true)
+		p := new(peer.Peer)
+		done, err := b.allow(withCall(ctx, method, p), true)
 		if err != nil {
 			return nil, err
 		}
@@ -63,8 +68,9 @@ func (s *Set) StreamClientInterceptor(target string) grpc.StreamClientIntercepto
 			}
 		}()
 		// A fresh slice: appending to opts could write into the caller's backing array.
-		all := make([]grpc.CallOption, 0, len(opts)+1)
-		all = append(append(all, opts...), grpc.OnFinish(done))
+		// gRPC fills in the peer before it calls OnFinish.
+		all := make([]grpc.CallOption, 0, len(opts)+2)
+		all = append(append(all, opts...), grpc.Peer(p), grpc.OnFinish(done))
 		cs, err := streamer(ctx, desc, cc, method, all...)
 		returned = true
 		if err != nil {

@@ -101,6 +101,7 @@ func New(ctx context.Context, o Options, minTime map[string]time.Duration) (*Run
 	rt.metrics = newMetrics(rt.Registry)
 	bcfg, _ := o.Breaker.Config(o.fs != nil) // checked by Validate
 	rt.Breakers = breaker.NewSet(bcfg, rt.Registry)
+	rt.Breakers.SetLogger(log)
 	if rt.tls, err = newTLS(o, log, rt.Registry); err != nil {
 		rt.closeListeners()
 		return nil, err

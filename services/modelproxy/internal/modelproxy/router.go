@@ -123,6 +123,7 @@ func NewRouter(f *File, o RouterOptions) (*Router, error) {
 		r.providers[pc.Name] = p
 	}
 	r.breakers = breaker.NewSet(f.BreakerSettings(), o.Registry)
+	r.breakers.SetLogger(o.Log)
 	// The providers are known: their breakers' series start at 0, before the first call.
 	for name := range r.providers {
 		r.breakers.Get(name)

@@ -176,6 +176,7 @@ func New(cfg *Config, o Options) (*Registry, error) {
 		return nil, err
 	}
 	r.breakers = breaker.NewSet(o.Breaker, o.Registerer)
+	r.breakers.SetLogger(r.log)
 	for _, sc := range cfg.Sources {
 		s := r.newSrc(sc)
 		r.sources = append(r.sources, s)
