@@ -10,10 +10,12 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"strings"
 	"syscall"
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	dto "github.com/prometheus/client_model/go"
 	"github.com/prometheus/common/expfmt"
 	"github.com/prometheus/common/model"
 
@@ -228,66 +230,89 @@ func RestartStore(pg *pgproc.Server, at time.Duration) Fault {
 	}}
 }
 
-// LedgerGap checks that the durable ledger at dsn holds every token the modelproxies say
-// they emitted (curfew_model_tokens_total on their /metrics, summed over every series): the
-// ledger's parts appended while the store was down were kept and appended once it came
-// back. It waits up to 30 s for the last parts. Only meaningful while modelproxy was
-// not restarted: a restart resets its counter.
+// LedgerGap checks, for every modelproxy process running now, that the durable ledger
+// at dsn holds every token the process says it emitted: the output and orphan entries
+// whose key carries its writer mark (curfew_modelproxy_ledger_writer_info) sum to its
+// curfew_model_tokens_total (every series). So the parts it appended while the store was
+// down were kept and appended once the store came back, and none twice. A process killed
+// during the soak took its counter with it: the entries of writers not running now are
+// reported beside the check, not checked. It waits up to 30 s for the last parts.
 func LedgerGap(ctx context.Context, dsn string, modelproxies ...Process) Check {
+	const name = "no gap in the ledger"
 	c := &http.Client{Timeout: 2 * time.Second}
-	var ledger, emitted float64
-	var err error
+	var (
+		gaps        []string
+		live, total int64
+		err         error
+	)
 	for end := time.Now().Add(30 * time.Second); ; time.Sleep(200 * time.Millisecond) {
-		emitted, err = 0, nil
-		for _, mp := range modelproxies {
-			n, e := counterSum(ctx, c, "http://"+mp.Admin+"/metrics", "curfew_model_tokens_total")
-			emitted, err = emitted+n, errors.Join(err, e)
-		}
-		if err == nil {
-			ledger, err = ledgerTokens(ctx, dsn)
-		}
-		if (err == nil && ledger == emitted) || time.Now().After(end) || ctx.Err() != nil {
+		gaps, live, total, err = ledgerGaps(ctx, c, dsn, modelproxies)
+		if (err == nil && len(gaps) == 0) || time.Now().After(end) || ctx.Err() != nil {
 			break
 		}
 	}
 	if err != nil {
-		return Check{Name: "no gap in the ledger", Detail: err.Error()}
+		return Check{Name: name, Detail: err.Error()}
 	}
-	return Check{Name: "no gap in the ledger", OK: ledger == emitted,
-		Detail: fmt.Sprintf("the ledger holds %.0f output tokens, modelproxy emitted %.0f", ledger, emitted)}
+	if len(gaps) > 0 {
+		return Check{Name: name, Detail: strings.Join(gaps, "; ")}
+	}
+	return Check{Name: name, OK: true, Detail: fmt.Sprintf("for each of the %d modelproxy processes running now, the ledger holds exactly the output tokens it emitted (%d in all); %d more are from processes killed before the end",
+		len(modelproxies), live, total-live)}
 }
 
-// counterSum sums every series of a counter on a /metrics page.
-func counterSum(ctx context.Context, c *http.Client, url, name string) (float64, error) {
+// ledgerGaps compares each process's counter with its ledger entries once, and returns
+// the mismatches, the ledger's output tokens of these processes and of every writer.
+func ledgerGaps(ctx context.Context, c *http.Client, dsn string, modelproxies []Process) (gaps []string, live, total int64, err error) {
+	conn, err := pgx.Connect(ctx, dsn)
+	if err != nil {
+		return nil, 0, 0, err
+	}
+	defer func() { _ = conn.Close(ctx) }()
+	for _, mp := range modelproxies {
+		mfs, err := scrape(ctx, c, "http://"+mp.Admin+"/metrics")
+		if err != nil {
+			return nil, 0, 0, fmt.Errorf("%s: %w", mp.Name, err)
+		}
+		writer := ""
+		for _, m := range mfs["curfew_modelproxy_ledger_writer_info"].GetMetric() {
+			for _, l := range m.GetLabel() {
+				if l.GetName() == "writer" {
+					writer = l.GetValue()
+				}
+			}
+		}
+		if writer == "" {
+			return nil, 0, 0, fmt.Errorf("%s exports no curfew_modelproxy_ledger_writer_info", mp.Name)
+		}
+		var emitted float64
+		for _, m := range mfs["curfew_model_tokens_total"].GetMetric() {
+			emitted += m.GetCounter().GetValue()
+		}
+		var ledger int64
+		if err := conn.QueryRow(ctx, `SELECT COALESCE(SUM(tokens), 0) FROM token_ledger WHERE kind <> 'prompt' AND entry_key LIKE '%/' || $1 || '.%'`, writer).Scan(&ledger); err != nil {
+			return nil, 0, 0, err
+		}
+		live += ledger
+		if float64(ledger) != emitted {
+			gaps = append(gaps, fmt.Sprintf("%s (writer %s) emitted %.0f output tokens, the ledger holds %d of them", mp.Name, writer, emitted, ledger))
+		}
+	}
+	err = conn.QueryRow(ctx, `SELECT COALESCE(SUM(tokens), 0) FROM token_ledger WHERE kind <> 'prompt'`).Scan(&total)
+	return gaps, live, total, err
+}
+
+// scrape reads a /metrics page.
+func scrape(ctx context.Context, c *http.Client, url string) (map[string]*dto.MetricFamily, error) {
 	req, err := http.NewRequestWithContext(ctx, http.MethodGet, url, nil)
 	if err != nil {
-		return 0, err
+		return nil, err
 	}
 	resp, err := c.Do(req)
 	if err != nil {
-		return 0, err
+		return nil, err
 	}
 	defer func() { _ = resp.Body.Close() }()
 	p := expfmt.NewTextParser(model.UTF8Validation)
-	mfs, err := p.TextToMetricFamilies(resp.Body)
-	if err != nil {
-		return 0, err
-	}
-	var sum float64
-	for _, m := range mfs[name].GetMetric() {
-		sum += m.GetCounter().GetValue()
-	}
-	return sum, nil
-}
-
-// ledgerTokens sums the output and orphan tokens of every entry of the ledger at dsn.
-func ledgerTokens(ctx context.Context, dsn string) (float64, error) {
-	conn, err := pgx.Connect(ctx, dsn)
-	if err != nil {
-		return 0, err
-	}
-	defer func() { _ = conn.Close(ctx) }()
-	var n int64
-	err = conn.QueryRow(ctx, `SELECT COALESCE(SUM(tokens), 0) FROM token_ledger WHERE kind <> 'prompt'`).Scan(&n)
-	return float64(n), err
+	return p.TextToMetricFamilies(resp.Body)
 }

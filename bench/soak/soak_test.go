@@ -84,8 +84,8 @@ func TestDriveARealMesh(t *testing.T) {
 
 // The store restarted under a short load, on real processes: no run is lost, every
 // process's goroutines return, and the ledger holds every token modelproxy counted, those
-// decoded while the store was down included (RestartStore and LedgerGap, which CI's soak
-// step, run with --kill, does not check). A run re-run after its client saw it end needs
+// decoded while the store was down included (RestartStore and LedgerGap; CI's soak steps
+// check it too, per modelproxy process alive at the end, with kills). A run re-run after its client saw it end needs
 // more load to show: TestResultStoredAfterTheStoreComesBack (orchestrator) and CI's soak
 // step, 100 in flight, guard that.
 func TestStoreRestartOnARealMesh(t *testing.T) {

@@ -46,7 +46,7 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	ramp := fs.Duration("ramp", soak.DefaultRamp, "spread the workers' first runs over this long, in the warm-up and the load; 0 starts them all at once")
 	profile := fs.Duration("profile", 0, "take a CPU profile of this long and an allocation profile of every process from the load's middle, into --out/profiles (the processes need --pprof, which the own mesh has)")
 	rounds := fs.Int("rounds", 1, "loads run one after the other on the same mesh; with 2 or more, the last one's heap after a forced collection must end within 10 % of the first's (a plateau, not a leak)")
-	pgRestart := fs.Bool("pg-restart", false, "run the own mesh on a PostgreSQL of its own (initdb, pg_ctl) and restart it once during each load, down for 3 s; without --kill, check afterwards that the ledger holds every token modelproxy emitted")
+	pgRestart := fs.Bool("pg-restart", false, "run the own mesh on a PostgreSQL of its own (initdb, pg_ctl) and restart it once during each load, down for 3 s, and check afterwards that, per modelproxy process running then, the ledger holds every token it emitted")
 	kill := fs.Bool("kill", false, "SIGKILL each service once during each load (modelproxy, toolrunner, subagent, orchestrator, evenly spread); curfew up must restart every one, and no run may be lost (the own mesh only)")
 	cluster := fs.Bool("cluster", false, "instead of curfew up, two replicas of every service, each behind a toxiproxy proxy on its own 127.0.0.x, on a PostgreSQL of its own (initdb, pg_ctl); with --kill one replica of each service is killed and restarted after 3 s")
 	toxics := fs.Bool("toxics", false, "with --cluster: latency, TCP resets and a black hole switched on and off on the replicas' hops during each load (docs/soak.md)")
@@ -150,7 +150,7 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		if rep != nil {
 			rep.Checks = append(rep.Checks, after(ctx)...)
 		}
-		if rep != nil && *pgRestart && !*kill {
+		if rep != nil && *pgRestart {
 			rep.Checks = append(rep.Checks, soak.LedgerGap(ctx, pg.DSN(), t.modelproxies...))
 		}
 		if rep == nil {

@@ -113,6 +113,7 @@ func run(args []string) int {
 	}()
 	srv.Nodes = nodes.New(rt.Opts.Retention)
 	srv.Metrics = modelproxy.NewMetrics(rt.Registry)
+	rt.Registry.MustRegister(srv.LedgerWriterCollector())
 	srv.Log = rt.Log
 	srv.Leases.TTL = *leaseTTL
 	srv.Replica = rt.Replica()

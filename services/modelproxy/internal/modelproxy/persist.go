@@ -12,6 +12,8 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/prometheus/client_golang/prometheus"
+
 	"github.com/curfew-mesh/curfew/mesh/md"
 	"github.com/curfew-mesh/curfew/mesh/store"
 )
@@ -251,6 +253,24 @@ func (s *Server) ledgerEntryKey(ctx context.Context, run, node string) string {
 	}
 	p := &s.persister
 	return fmt.Sprintf("modelproxy/%s/%s/%s/%d/%s.%d", run, node, retry, max(id.Attempt, 1), p.nonce, p.seq.Add(1))
+}
+
+// LedgerWriter returns this process's mark in the keys of the ledger entries it appends
+// (ledgerEntryKey: …/<writer>.<seq>/<kind>): random per process, so the entries one
+// modelproxy process appended can be told from another's, for instance to check them
+// against that process's own counters.
+func (s *Server) LedgerWriter() string { return s.persister.nonce }
+
+// LedgerWriterCollector exports LedgerWriter as the info metric
+// curfew_modelproxy_ledger_writer_info{writer="…"} 1.
+func (s *Server) LedgerWriterCollector() prometheus.Collector {
+	g := prometheus.NewGauge(prometheus.GaugeOpts{
+		Name:        "curfew_modelproxy_ledger_writer_info",
+		Help:        "This modelproxy process's mark in the keys of the token ledger entries it appends (…/<writer>.<sequence>/<kind>), random per process: the entries one process appended are those whose key carries its writer.",
+		ConstLabels: prometheus.Labels{"writer": s.persister.nonce},
+	})
+	g.Set(1)
+	return g
 }
 
 // persister queues decoders' ledger entries and appends them to the store off the
