@@ -278,7 +278,8 @@ func (b *Breaker) changed(_ string, from, to gobreaker.State) {
 	if to == gobreaker.StateOpen {
 		now := b.set.now()
 		period := b.set.cfg.openPeriod(b.set.rand())
-		if shared := b.sharedUntil.Swap(0); shared > now {
+		shared := b.sharedUntil.Swap(0)
+		if shared > now {
 			period = time.Duration(shared - now)
 		}
 		until := now + int64(period)
@@ -286,7 +287,7 @@ func (b *Breaker) changed(_ string, from, to gobreaker.State) {
 		// Half-open on time even with no call to notice it, so that the state gauge and
 		// State tell the truth. Harmless when a call notices first.
 		time.AfterFunc(period, func() { b.wake(until) })
-		b.logOpened(period)
+		b.logOpened(period, shared > now)
 	} else {
 		b.openUntil.Store(0)
 	}

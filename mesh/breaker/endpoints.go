@@ -3,11 +3,12 @@ package breaker
 import (
 	"context"
 	"log/slog"
+	"net"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"google.golang.org/grpc/codes"
-	"google.golang.org/grpc/peer"
 	"google.golang.org/grpc/status"
 )
 
@@ -24,20 +25,59 @@ import (
 // endpoint, or when every endpoint fails, every failure counts. A call whose endpoint is
 // not known (no connection was picked; Allow without an interceptor) counts as well.
 
-// endpoints is a breaker's record of each endpoint's last judged outcome.
+// endpoints is a breaker's record of what each endpoint last showed.
 type endpoints struct {
 	mu   sync.Mutex
-	last map[string]lastOutcome // by peer address
+	last map[string]*endpointSeen // by peer address
 }
 
-type lastOutcome struct {
-	ok bool
-	at int64 // Set.now's scale
+// endpointSeen is when an endpoint last showed it is up (a success, or a stream opened on
+// it) and when it last failed, on Set.now's scale (0: never).
+type endpointSeen struct {
+	up, failed int64
+}
+
+// healthy reports whether the endpoint showed it was up, after its last failure and
+// within window of now.
+func (e *endpointSeen) healthy(now, window int64) bool {
+	return e.up > e.failed && now-e.up <= window
 }
 
 // maxEndpoints is how many endpoints are kept before those silent for a Window are
 // dropped (replicas come and go under a rollout).
 const maxEndpoints = 32
+
+// seen returns addr's record, making it; e.mu is held.
+func (e *endpoints) seen(addr string, now, window int64) *endpointSeen {
+	if e.last == nil {
+		e.last = map[string]*endpointSeen{}
+	}
+	if s := e.last[addr]; s != nil {
+		return s
+	}
+	if len(e.last) >= maxEndpoints {
+		for a, s := range e.last {
+			if now-max(s.up, s.failed) > window {
+				delete(e.last, a)
+			}
+		}
+	}
+	s := &endpointSeen{}
+	e.last[addr] = s
+	return s
+}
+
+// up records that the endpoint addr answered: a stream was opened on it.
+func (b *Breaker) up(addr string) {
+	if addr == "" {
+		return
+	}
+	now, window := b.set.now(), int64(b.set.cfg.Window)
+	e := &b.endpoints
+	e.mu.Lock()
+	e.seen(addr, now, window).up = now
+	e.mu.Unlock()
+}
 
 // judge records the outcome o (from Classify) of a call answered by the endpoint addr
 // ("" unknown) and returns whether it is an endpoint failure, not to be counted against
@@ -50,22 +90,17 @@ func (b *Breaker) judge(addr string, o Outcome, err error) bool {
 	e := &b.endpoints
 	e.mu.Lock()
 	defer e.mu.Unlock()
-	if e.last == nil {
-		e.last = map[string]lastOutcome{}
-	}
-	if len(e.last) >= maxEndpoints {
-		for a, l := range e.last {
-			if now-l.at > window {
-				delete(e.last, a)
-			}
-		}
-	}
-	e.last[addr] = lastOutcome{ok: o == OutcomeSuccess, at: now}
-	if o != OutcomeFailure || status.Code(err) != codes.Unavailable {
+	s := e.seen(addr, now, window)
+	if o == OutcomeSuccess {
+		s.up = now
 		return false
 	}
-	for a, l := range e.last {
-		if a != addr && l.ok && now-l.at <= window {
+	s.failed = now
+	if status.Code(err) != codes.Unavailable {
+		return false
+	}
+	for a, other := range e.last {
+		if a != addr && other.healthy(now, window) {
 			return true
 		}
 	}
@@ -85,13 +120,18 @@ type lastFailure struct {
 // the metrics are kept either way. Call it before the breakers are used.
 func (s *Set) SetLogger(l *slog.Logger) { s.log = l }
 
-// logOpened logs b's opening, if the set has a logger.
-func (b *Breaker) logOpened(period time.Duration) {
+// logOpened logs b's opening, if the set has a logger; shared says another replica's
+// probe opened it (a coordinated breaker).
+func (b *Breaker) logOpened(period time.Duration, shared bool) {
+	f := b.lastFail.Swap(nil)
 	if b.set.log == nil {
 		return
 	}
 	args := []any{"target", b.target, "half_open_in", period.Round(time.Millisecond)}
-	if f := b.lastFail.Load(); f != nil {
+	switch {
+	case shared:
+		args = append(args, "cause", "another replica's probe failed or is still out")
+	case f != nil:
 		args = append(args, "last_method", f.method, "last_endpoint", f.peer,
 			"last_code", status.Code(f.err).String(), "last_error", status.Convert(f.err).Message())
 	}
@@ -105,11 +145,21 @@ type callKey struct{}
 // callInfo is what an interceptor knows of a call.
 type callInfo struct {
 	method string
-	peer   *peer.Peer // filled in by gRPC once the call has an endpoint
+	addr   atomic.Pointer[string] // its endpoint, once known: a stream may end meanwhile
 }
 
-func withCall(ctx context.Context, method string, p *peer.Peer) context.Context {
-	return context.WithValue(ctx, callKey{}, &callInfo{method: method, peer: p})
+// withCall returns ctx carrying a new callInfo for method, and the callInfo.
+func withCall(ctx context.Context, method string) (context.Context, *callInfo) {
+	ci := &callInfo{method: method}
+	return context.WithValue(ctx, callKey{}, ci), ci
+}
+
+// setPeer records the call's endpoint, if known.
+func (ci *callInfo) setPeer(a net.Addr) {
+	if a != nil {
+		s := a.String()
+		ci.addr.Store(&s)
+	}
 }
 
 // callOf returns the method and endpoint address of the call made with ctx ("" unknown).
@@ -118,8 +168,8 @@ func callOf(ctx context.Context) (method, addr string) {
 	if ci == nil {
 		return "", ""
 	}
-	if ci.peer != nil && ci.peer.Addr != nil {
-		addr = ci.peer.Addr.String()
+	if a := ci.addr.Load(); a != nil {
+		addr = *a
 	}
 	return ci.method, addr
 }

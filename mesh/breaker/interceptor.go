@@ -21,8 +21,8 @@ func (s *Set) UnaryClientInterceptor(target string) grpc.UnaryClientInterceptor 
 	}
 	b := s.Get(target)
 	return func(ctx context.Context, method string, req, reply any, cc *grpc.ClientConn, invoker grpc.UnaryInvoker, opts ...grpc.CallOption) (err error) {
-		p := new(peer.Peer)
-		done, err := b.allow(withCall(ctx, method, p), true)
+		cctx, ci := withCall(ctx, method)
+		done, err := b.allow(cctx, true)
 		if err != nil {
 			return err
 		}
@@ -33,21 +33,25 @@ func (s *Set) UnaryClientInterceptor(target string) grpc.UnaryClientInterceptor 
 			}
 		}()
 		// A fresh slice: appending to opts could write into the caller's backing array.
+		p := new(peer.Peer)
 		all := append(append(make([]grpc.CallOption, 0, len(opts)+1), opts...), grpc.Peer(p))
 		err = invoker(ctx, method, req, reply, cc, all...)
 		returned = true
+		ci.setPeer(p.Addr)
 		done(err)
 		return err
 	}
 }
 
 // StreamClientInterceptor guards streaming calls to target. A stream's outcome is its end
-// status, reported by gRPC once when the stream finishes (grpc.OnFinish): io.EOF after
+// status, reported by gRPC once when the stream finishes (grpc.OnFinish), except for a
+// half-open probe, which succeeds at its first message (probeStream): io.EOF after
 // the last message is a success, an error status is judged by Classify, and a stream the
 // caller abandons by cancelling its context ends CANCELED with the caller's context done,
-// which is ignored. No goroutine is started and the stream is not wrapped. As with any
-// gRPC stream, the caller must read it to the end or cancel its context; a stream left
-// open holds its outcome (and, half-open, the probe slot) until then.
+// which is ignored. No goroutine is started and, but for a probe, the stream is not
+// wrapped. As with any gRPC stream, the caller must read it to the end or cancel its
+// context; a stream left open holds its outcome (and, half-open, the probe slot) until
+// then.
 func (s *Set) StreamClientInterceptor(target string) grpc.StreamClientInterceptor {
 	if s.cfg.Off {
 		return func(ctx context.Context, desc *grpc.StreamDesc, cc *grpc.ClientConn, method string, streamer grpc.Streamer, opts ...grpc.CallOption) (grpc.ClientStream, error) {
@@ -56,8 +60,8 @@ func (s *Set) StreamClientInterceptor(target string) grpc.StreamClientIntercepto
 	}
 	b := s.Get(target)
 	return func(ctx context.Context, desc *grpc.StreamDesc, cc *grpc.ClientConn, method string, streamer grpc.Streamer, opts ...grpc.CallOption) (_ grpc.ClientStream, err error) {
-		p := new(peer.Peer)
-		done, err := b.allow(withCall(ctx, method, p), true)
+		cctx, ci := withCall(ctx, method)
+		done, err := b.allow(cctx, true)
 		if err != nil {
 			return nil, err
 		}
@@ -68,15 +72,44 @@ func (s *Set) StreamClientInterceptor(target string) grpc.StreamClientIntercepto
 			}
 		}()
 		// A fresh slice: appending to opts could write into the caller's backing array.
-		// gRPC fills in the peer before it calls OnFinish.
-		all := make([]grpc.CallOption, 0, len(opts)+2)
-		all = append(append(all, opts...), grpc.Peer(p), grpc.OnFinish(done))
+		all := make([]grpc.CallOption, 0, len(opts)+1)
+		all = append(append(all, opts...), grpc.OnFinish(done))
 		cs, err := streamer(ctx, desc, cc, method, all...)
 		returned = true
 		if err != nil {
 			done(err) // gRPC has reported it already when it made an attempt; done is idempotent
 			return nil, err
 		}
+		if p, ok := peer.FromContext(cs.Context()); ok && p.Addr != nil {
+			ci.setPeer(p.Addr)
+			b.up(p.Addr.String()) // a stream opened on it: the endpoint is up
+		}
+		if b.State() == StateHalfOpen {
+			return &probeStream{ClientStream: cs, done: done}, nil
+		}
 		return cs, nil
 	}
+}
+
+// probeStream is a half-open breaker's probe on a stream. A stream may last as long as
+// its caller's deadline (a subagent's run, a long decode), and while the probe is out the
+// breaker refuses every other call, on this replica and, coordinated, on the others. So a
+// probe stream's first message from the target is its success: the target is up and
+// serving. Its end status is then not judged (done takes the first outcome). A stream
+// that ends before its first message is judged by its end status, as any stream.
+//
+// Only a probe is wrapped: a closed breaker's streams keep their end status as their
+// outcome, with nothing added to their path. A stream wrapped because the breaker
+// half-opened just after its call was allowed is judged early too, which is harmless.
+type probeStream struct {
+	grpc.ClientStream
+	done func(error)
+}
+
+func (s *probeStream) RecvMsg(m any) error {
+	err := s.ClientStream.RecvMsg(m)
+	if err == nil {
+		s.done(nil)
+	}
+	return err
 }
