@@ -407,6 +407,7 @@ func (c *call) done(err error) {
 	switch {
 	case c.b.judge(addr, o, err):
 		c.b.endpointFailed.Inc()
+		retry.NoteEndpointFailure(c.ctx) // its retry needs no retry window
 		o = OutcomeIgnored
 	case o == OutcomeFailure:
 		c.b.outcomes[o].Inc()

@@ -23,6 +23,7 @@ import (
 	"github.com/curfew-mesh/curfew/mesh"
 	"github.com/curfew-mesh/curfew/mesh/breaker"
 	"github.com/curfew-mesh/curfew/mesh/meshtest"
+	"github.com/curfew-mesh/curfew/mesh/retry"
 )
 
 // replica is one replica of a service: a bare gRPC server whose Check answers at once,
@@ -290,4 +291,72 @@ func dialReplicas(t *testing.T, set *breaker.Set, addrs []resolver.Address) *grp
 	}
 	t.Cleanup(func() { _ = cc.Close() })
 	return cc
+}
+
+// refusingWindow is a retry window held by another replica for good.
+type refusingWindow struct{ asked atomic.Int64 }
+
+func (w *refusingWindow) AllowRetry(context.Context, string) error {
+	w.asked.Add(1)
+	return errors.New("other replicas hold the target's retry windows")
+}
+
+// Calls cut by one replica's crash are retried on the other without a retry window: the
+// breaker notes the endpoint failure on the attempt, and the retry layer above needs no
+// window for it. A failure of the whole target still does.
+func TestAReplicasCrashIsRetriedWithoutAWindow(t *testing.T) {
+	a, b := startEndpoint(t), startEndpoint(t)
+	set := breaker.NewSet(breaker.Config{ConsecutiveFailures: 100, OpenTimeout: time.Hour}, nil)
+	w := &refusingWindow{}
+	rc := retry.Config{Target: "svc", Logger: quiet(), Window: w, Default: retry.Policy{MaxAttempts: 3, Base: time.Millisecond, Cap: time.Millisecond}}
+	res := manual.NewBuilderWithScheme("replicas")
+	res.InitialState(resolver.State{Addresses: []resolver.Address{{Addr: a.addr}, {Addr: b.addr}}})
+	opts := append(mesh.DialOptions(mesh.ClientConfig{Retry: rc, Breakers: set}),
+		grpc.WithTransportCredentials(insecure.NewCredentials()), grpc.WithResolvers(res),
+		grpc.WithDefaultServiceConfig(`{"loadBalancingConfig": [{"round_robin": {}}]}`))
+	cc, err := grpc.NewClient(res.Scheme()+":///svc", opts...)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { _ = cc.Close() })
+	ctx := timeout(t, 10*time.Second)
+	for range 10 { // both replicas answer
+		if err := check(ctx, cc); err != nil {
+			t.Fatal(err)
+		}
+	}
+
+	// Calls held on b, then b crashes: each is retried, on a, and succeeds.
+	b.hold.Store(true)
+	errs := make(chan error, 64)
+	var wg sync.WaitGroup
+	sent := 0
+	for b.held.Load() < 4 {
+		wg.Go(func() { errs <- check(ctx, cc) })
+		sent++
+		time.Sleep(time.Millisecond)
+		if ctx.Err() != nil || sent == 64 {
+			t.Fatalf("only %d calls wait on b", b.held.Load())
+		}
+	}
+	b.srv.Stop()
+	wg.Wait()
+	close(errs)
+	for err := range errs {
+		if err != nil {
+			t.Errorf("a call cut by b's crash: %v, want it retried on a", err)
+		}
+	}
+	if n := w.asked.Load(); n != 0 {
+		t.Errorf("the retry window was asked %d times for endpoint failures, want 0", n)
+	}
+
+	// Both down: a failure of the target needs the window, which refuses.
+	a.srv.Stop()
+	if err := check(ctx, cc); status.Code(err) != codes.Unavailable {
+		t.Fatalf("a call with both replicas down: %v, want UNAVAILABLE", err)
+	}
+	if w.asked.Load() == 0 {
+		t.Error("the retry window was not asked when the whole target failed")
+	}
 }

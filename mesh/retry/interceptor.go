@@ -288,6 +288,8 @@ type call struct {
 	// restarted is told when it does.
 	restartable bool
 	restarted   func(attempt int, err error)
+	// note is the last attempt's endpoint note (endpoint.go), nil without a Window.
+	note *endpointNote
 }
 
 // SideEffect marks one call as having side effects: it is retried only when it carries an
@@ -380,6 +382,7 @@ func (c *client) begin(ctx context.Context, method string, opts []grpc.CallOptio
 // caller's first attempt.
 func (cl *call) attemptCtx(ctx context.Context, n int) context.Context {
 	cl.attempts = n
+	ctx = cl.noted(ctx)
 	a := strconv.Itoa(cl.first + n - 1)
 	if !cl.callerAttempt {
 		// Appended to the call's context, not to the previous attempt's: one value each.
@@ -490,6 +493,10 @@ func (cl *call) window(ctx context.Context, n int, err error, backoff time.Durat
 	w := cl.c.cfg.Window
 	if w == nil || cl.p.Naive {
 		return nil // the naive baseline coordinates nothing, as it has no budget
+	}
+	if cl.endpointFailed() {
+		log("retry needs no retry window: one replica of the target failed while another is up")
+		return nil
 	}
 	for waits := 0; ; waits++ {
 		werr := w.AllowRetry(ctx, cl.c.cfg.Target)
