@@ -72,6 +72,9 @@ type Config struct {
 	// GoroutineSlack is how far a process's goroutines may end above their count before
 	// the load; GoroutineSlack (the constant) when 0.
 	GoroutineSlack int
+	// TokensAfterCancel is the most tokens a decoder may decode after its run's cancel;
+	// DefaultTokensAfterCancel (the issue's bound, one) when 0.
+	TokensAfterCancel int64
 	// Log, if set, receives a line per second of progress.
 	Log io.Writer
 }
@@ -81,11 +84,13 @@ const (
 	DefaultConcurrency = 200
 	DefaultSampleEvery = time.Second
 	DefaultSettle      = 5 * time.Second
-	DefaultWarmup      = 5 * time.Second
-	DefaultProfileFor  = 10 * time.Second
-	DefaultWatchShare  = 0.1
-	DefaultPollEvery   = 500 * time.Millisecond
-	DefaultRamp        = 3 * time.Second
+	// DefaultTokensAfterCancel is issue 26's bound: at most one token after a cancel.
+	DefaultTokensAfterCancel = 1
+	DefaultWarmup            = 5 * time.Second
+	DefaultProfileFor        = 10 * time.Second
+	DefaultWatchShare        = 0.1
+	DefaultPollEvery         = 500 * time.Millisecond
+	DefaultRamp              = 3 * time.Second
 )
 
 // Fault is one fault the load injects: Do runs At after the load's start.
@@ -141,6 +146,9 @@ func Drive(ctx context.Context, cfg Config) (*Report, error) {
 	}
 	if cfg.GoroutineSlack <= 0 {
 		cfg.GoroutineSlack = GoroutineSlack
+	}
+	if cfg.TokensAfterCancel <= 0 {
+		cfg.TokensAfterCancel = DefaultTokensAfterCancel
 	}
 	if cfg.Ramp == 0 {
 		cfg.Ramp = DefaultRamp
@@ -243,7 +251,7 @@ func Drive(ctx context.Context, cfg Config) (*Report, error) {
 		}
 		rep.Effects = &e
 	}
-	rep.GoroutineSlack = cfg.GoroutineSlack
+	rep.GoroutineSlack, rep.TokensAfterCancel = cfg.GoroutineSlack, cfg.TokensAfterCancel
 	rep.check()
 	if cfg.DumpDir != "" {
 		if err := smp.dumpLeft(ctx, cfg.DumpDir, baseline, after, cfg.GoroutineSlack); err != nil && perr == nil {

@@ -63,8 +63,10 @@ type Report struct {
 	// Series is the load per second: runs ended, and latency percentiles of those.
 	Series []Second `json:"series"`
 	// GoroutineSlack is the slack of the goroutine check (Config.GoroutineSlack).
-	GoroutineSlack int     `json:"goroutine_slack"`
-	Checks         []Check `json:"checks"`
+	GoroutineSlack int `json:"goroutine_slack"`
+	// TokensAfterCancel is the bound of the tokens check (Config.TokensAfterCancel).
+	TokensAfterCancel int64   `json:"tokens_after_cancel_bound"`
+	Checks            []Check `json:"checks"`
 }
 
 // KindReport is one kind's runs.
@@ -294,7 +296,12 @@ func (r *Report) check() {
 		r.Checks = append(r.Checks, Check{Name: name, OK: ok, Detail: fmt.Sprintf(format, args...)})
 	}
 	add("no run lost", len(r.Lost) == 0, "%d of %d runs given an id never reached an end (ids in lost)", len(r.Lost), r.Runs)
-	add("at most one token after a cancel per decoder", r.DecodersOverOneOrphan == 0,
+	bound := max(r.TokensAfterCancel, 1)
+	name := "at most one token after a cancel per decoder"
+	if bound > 1 {
+		name = fmt.Sprintf("at most %d tokens after a cancel per decoder", bound)
+	}
+	add(name, r.MaxOrphanPerDecoder <= bound,
 		"%d decoders decoded more than one token after their cancel (at most %d; %d in all)", r.DecodersOverOneOrphan, r.MaxOrphanPerDecoder, r.OrphanTokens)
 	for _, f := range r.Faults {
 		add("fault injected: "+f.Name, f.Error == "", "at %.1f s %s", f.At, f.Error)

@@ -84,6 +84,17 @@ func TestReportOutcomesAndChecks(t *testing.T) {
 	if r.OK() {
 		t.Fatal("OK with failed checks")
 	}
+	// With a bound of 2 (--max-tokens-after-cancel), the decoder at 2 passes.
+	loose := newReport(Config{Concurrency: 4, Duration: 10 * time.Second, Mix: DefaultMix()}, t0, t0.Add(3*time.Second), outs, nil, base, after)
+	loose.TokensAfterCancel = 2
+	loose.check()
+	held := false
+	for _, c := range loose.Checks {
+		held = held || (c.Name == "at most 2 tokens after a cancel per decoder" && c.OK)
+	}
+	if !held {
+		t.Errorf("with a bound of 2, the tokens check did not hold for a decoder at 2: %+v", loose.Checks)
+	}
 	dir := t.TempDir()
 	if err := r.WriteJSON(filepath.Join(dir, "report.json")); err != nil {
 		t.Fatal(err)

@@ -45,6 +45,7 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	warmup := fs.Duration("warmup", soak.DefaultWarmup, "a load of the same mix before the measured one, so the baseline has the connections and caches a serving mesh keeps; 0 skips it")
 	ramp := fs.Duration("ramp", soak.DefaultRamp, "spread the workers' first runs over this long, in the warm-up and the load; 0 starts them all at once")
 	profile := fs.Duration("profile", 0, "take a CPU profile of this long and an allocation profile of every process from the load's middle, into --out/profiles (the processes need --pprof, which the own mesh has)")
+	tokensAfterCancel := fs.Int64("max-tokens-after-cancel", soak.DefaultTokensAfterCancel, "the most tokens a decoder may decode after its run's cancel (issue 26's bound is 1)")
 	rounds := fs.Int("rounds", 1, "loads run one after the other on the same mesh; with 2 or more, the last one's heap after a forced collection must end within 10 % of the first's (a plateau, not a leak)")
 	pgRestart := fs.Bool("pg-restart", false, "run the own mesh on a PostgreSQL of its own (initdb, pg_ctl) and restart it once during each load, down for 3 s, and check afterwards that, per modelproxy process running then, the ledger holds every token it emitted")
 	kill := fs.Bool("kill", false, "SIGKILL each service once during each load (modelproxy, toolrunner, subagent, orchestrator, evenly spread); curfew up must restart every one, and no run may be lost (the own mesh only)")
@@ -115,6 +116,7 @@ func run(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		cfg.Warmup = -1
 	}
 	cfg.Ramp = *ramp
+	cfg.TokensAfterCancel = *tokensAfterCancel
 	if *ramp == 0 {
 		cfg.Ramp = -1
 	}
