@@ -84,7 +84,7 @@ func TestOneReplicaDownDoesNotOpenTheServicesBreaker(t *testing.T) {
 	a, b := startEndpoint(t), startEndpoint(t)
 	reg := prometheus.NewRegistry()
 	set := breaker.NewSet(breaker.Config{ConsecutiveFailures: 3, OpenTimeout: time.Hour}, reg)
-	cc := dialReplicas(t, set, []resolver.Address{{Addr: a.addr}, {Addr: b.addr}})
+	cc := dialReplicas(t, set, noRetries, []resolver.Address{{Addr: a.addr}, {Addr: b.addr}})
 	ctx := timeout(t, 10*time.Second)
 	for range 10 { // both replicas answer
 		if err := check(ctx, cc); err != nil {
@@ -226,7 +226,7 @@ func TestOpenStreamsShowTheSurvivorIsUp(t *testing.T) {
 	t.Cleanup(func() { close(crashed) }) // (before the servers' Stop)
 	reg := prometheus.NewRegistry()
 	set := breaker.NewSet(breaker.Config{ConsecutiveFailures: 2, OpenTimeout: time.Hour}, reg)
-	cc := dialReplicas(t, set, addrs)
+	cc := dialReplicas(t, set, noRetries, addrs)
 	hc := healthpb.NewHealthClient(cc)
 	ctx, cancel := context.WithCancel(timeout(t, 10*time.Second))
 	defer cancel()
@@ -275,12 +275,11 @@ func TestOpenStreamsShowTheSurvivorIsUp(t *testing.T) {
 }
 
 // dialReplicas connects to addrs as one service "svc", round robin, with the mesh client
-// chain (no retries) and the set's breaker.
-func dialReplicas(t *testing.T, set *breaker.Set, addrs []resolver.Address) *grpc.ClientConn {
+// chain: rc's retries (Target "svc") and the set's breaker.
+func dialReplicas(t *testing.T, set *breaker.Set, rc retry.Config, addrs []resolver.Address) *grpc.ClientConn {
 	t.Helper()
 	res := manual.NewBuilderWithScheme("replicas")
 	res.InitialState(resolver.State{Addresses: addrs})
-	rc := noRetries
 	rc.Target, rc.Logger = "svc", quiet()
 	opts := append(mesh.DialOptions(mesh.ClientConfig{Retry: rc, Breakers: set}),
 		grpc.WithTransportCredentials(insecure.NewCredentials()), grpc.WithResolvers(res),
@@ -308,17 +307,8 @@ func TestAReplicasCrashIsRetriedWithoutAWindow(t *testing.T) {
 	a, b := startEndpoint(t), startEndpoint(t)
 	set := breaker.NewSet(breaker.Config{ConsecutiveFailures: 100, OpenTimeout: time.Hour}, nil)
 	w := &refusingWindow{}
-	rc := retry.Config{Target: "svc", Logger: quiet(), Window: w, Default: retry.Policy{MaxAttempts: 3, Base: time.Millisecond, Cap: time.Millisecond}}
-	res := manual.NewBuilderWithScheme("replicas")
-	res.InitialState(resolver.State{Addresses: []resolver.Address{{Addr: a.addr}, {Addr: b.addr}}})
-	opts := append(mesh.DialOptions(mesh.ClientConfig{Retry: rc, Breakers: set}),
-		grpc.WithTransportCredentials(insecure.NewCredentials()), grpc.WithResolvers(res),
-		grpc.WithDefaultServiceConfig(`{"loadBalancingConfig": [{"round_robin": {}}]}`))
-	cc, err := grpc.NewClient(res.Scheme()+":///svc", opts...)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { _ = cc.Close() })
+	rc := retry.Config{Window: w, Default: retry.Policy{MaxAttempts: 3, Base: time.Millisecond, Cap: time.Millisecond}}
+	cc := dialReplicas(t, set, rc, []resolver.Address{{Addr: a.addr}, {Addr: b.addr}})
 	ctx := timeout(t, 10*time.Second)
 	for range 10 { // both replicas answer
 		if err := check(ctx, cc); err != nil {
