@@ -80,7 +80,7 @@ func (s *Set) StreamClientInterceptor(target string) grpc.StreamClientIntercepto
 			done(err) // gRPC has reported it already when it made an attempt; done is idempotent
 			return nil, err
 		}
-		if p, ok := peer.FromContext(cs.Context()); ok && p.Addr != nil {
+		if p, ok := peer.FromContext(cs.Context()); ok && p.Addr != nil { //nolint:contextcheck // reads the stream's peer, makes no call
 			ci.setPeer(p.Addr)
 			b.up(p.Addr.String()) // a stream opened on it: the endpoint is up
 		}
