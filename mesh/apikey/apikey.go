@@ -11,8 +11,6 @@ import (
 	"fmt"
 	"log/slog"
 	"strings"
-	"sync"
-	"time"
 
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/credentials"
@@ -93,39 +91,11 @@ func hash(secret string) []byte {
 	return h[:]
 }
 
-// Authenticator checks bearer API keys against the store, on every call.
-//
-// While the store cannot be asked (store.ErrUnavailable: PostgreSQL restarting, out of
-// reach), a key is checked against its last record this Authenticator read and verified,
-// if that is at most StaleIfUnavailable old: callers keep working through a store
-// outage (a cancel above all: a run's stop signal must not depend on the store), and a
-// run started meanwhile waits for the store within its deadline. The price: a key revoked
-// within that time before the outage, and not presented since, is still taken during
-// it. A key refused (unknown, revoked, wrong secret) forgets its record at once.
+// Authenticator checks bearer API keys against the store.
 type Authenticator struct {
 	Keys store.APIKeys
 	Log  *slog.Logger // nil: slog.Default()
-	// StaleIfUnavailable is how old a key's last verified record may be to be used while
-	// the store is unavailable; DefaultStaleIfUnavailable when 0, never when negative.
-	StaleIfUnavailable time.Duration
-
-	mu   sync.Mutex
-	last map[string]verified // by key id
 }
-
-// DefaultStaleIfUnavailable is Authenticator.StaleIfUnavailable's default.
-const DefaultStaleIfUnavailable = time.Minute
-
-// verified is a key's record as last read from the store and verified, and when.
-type verified struct {
-	rec store.APIKey
-	at  time.Time
-}
-
-// maxRemembered bounds the records kept for StaleIfUnavailable; beyond, those too old to
-// be used are dropped. Only keys found in the store are kept, so a caller sending made-up
-// ids adds nothing.
-const maxRemembered = 4096
 
 // errUnauthenticated is every refused key's status, alike on purpose.
 var errUnauthenticated = status.Error(codes.Unauthenticated, "invalid API key")
@@ -176,86 +146,23 @@ func (a *Authenticator) key(ctx context.Context, key string) (store.APIKey, erro
 		return store.APIKey{}, errUnauthenticated
 	}
 	rec, err := a.Keys.GetAPIKey(ctx, id)
-	stale := false
 	switch {
 	case errors.Is(err, store.ErrNotFound):
-		a.forget(id)
 		a.log().DebugContext(ctx, "API key refused", "key_id", id, "reason", "unknown")
 		return store.APIKey{}, errUnauthenticated
-	case errors.Is(err, store.ErrUnavailable):
-		var ok bool
-		if rec, ok = a.recent(id); !ok {
-			a.log().WarnContext(ctx, "API key lookup failed", "key_id", id, "error", err.Error())
-			return store.APIKey{}, status.Error(codes.Unavailable, "cannot check the API key now; retry")
-		}
-		stale = true
-		a.log().DebugContext(ctx, "API key checked against its last record: the store is unavailable", "key_id", id)
 	case err != nil:
 		a.log().WarnContext(ctx, "API key lookup failed", "key_id", id, "error", err.Error())
 		return store.APIKey{}, status.Error(codes.Unavailable, "cannot check the API key now; retry")
 	}
 	if subtle.ConstantTimeCompare(rec.Hash, hash(secret)) != 1 {
 		a.log().DebugContext(ctx, "API key refused", "key_id", id, "reason", "wrong secret")
-		return store.APIKey{}, errUnauthenticated // (its record stays: the key itself is sound)
+		return store.APIKey{}, errUnauthenticated
 	}
 	if rec.Revoked() {
-		a.forget(id)
 		a.log().DebugContext(ctx, "API key refused", "key_id", id, "reason", "revoked", "revoked_at", rec.RevokedAt)
 		return store.APIKey{}, errUnauthenticated
 	}
-	if !stale {
-		a.remember(id, rec)
-	}
 	return rec, nil
-}
-
-// staleWindow is StaleIfUnavailable with its default.
-func (a *Authenticator) staleWindow() time.Duration {
-	if a.StaleIfUnavailable == 0 {
-		return DefaultStaleIfUnavailable
-	}
-	return a.StaleIfUnavailable
-}
-
-// remember keeps rec, just read and verified, for StaleIfUnavailable.
-func (a *Authenticator) remember(id string, rec store.APIKey) {
-	w := a.staleWindow()
-	if w < 0 {
-		return
-	}
-	now := time.Now()
-	a.mu.Lock()
-	defer a.mu.Unlock()
-	if a.last == nil {
-		a.last = map[string]verified{}
-	}
-	if _, ok := a.last[id]; !ok && len(a.last) >= maxRemembered {
-		for k, v := range a.last {
-			if now.Sub(v.at) > w {
-				delete(a.last, k)
-			}
-		}
-	}
-	a.last[id] = verified{rec: rec, at: now}
-}
-
-// recent returns id's last verified record if it is young enough to be used.
-func (a *Authenticator) recent(id string) (store.APIKey, bool) {
-	w := a.staleWindow()
-	a.mu.Lock()
-	defer a.mu.Unlock()
-	v, ok := a.last[id]
-	if !ok || w < 0 || time.Since(v.at) > w {
-		return store.APIKey{}, false
-	}
-	return v.rec, true
-}
-
-// forget drops id's record: the store refused the key.
-func (a *Authenticator) forget(id string) {
-	a.mu.Lock()
-	delete(a.last, id)
-	a.mu.Unlock()
 }
 
 // Caller names the caller of a server call's ctx, for the audit log and a run's

@@ -1,19 +1,14 @@
 package apikey_test
 
 import (
-	"context"
-	"fmt"
 	"strings"
-	"sync/atomic"
 	"testing"
-	"time"
 
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/metadata"
 	"google.golang.org/grpc/status"
 
 	"github.com/curfew-mesh/curfew/mesh/apikey"
-	"github.com/curfew-mesh/curfew/mesh/store"
 )
 
 func TestNewAndParse(t *testing.T) {
@@ -144,74 +139,5 @@ func TestBearerRoundTrip(t *testing.T) {
 	tenant, err := (&apikey.Authenticator{Keys: st}).Tenant(metadata.NewIncomingContext(t.Context(), metadata.New(md)))
 	if err != nil || tenant != "acme" {
 		t.Fatalf("the key Bearer sends: %q, %v", tenant, err)
-	}
-}
-
-// flaky is a key store that can be taken down: GetAPIKey then fails as a PostgreSQL out
-// of reach does (store.ErrUnavailable).
-type flaky struct {
-	store.APIKeys
-	down atomic.Bool
-}
-
-func (f *flaky) GetAPIKey(ctx context.Context, id string) (store.APIKey, error) {
-	if f.down.Load() {
-		return store.APIKey{}, fmt.Errorf("%w: connection refused", store.ErrUnavailable)
-	}
-	return f.APIKeys.GetAPIKey(ctx, id)
-}
-
-// While the store is unavailable, a key seen and verified recently is checked against
-// its last record; a key not seen, a wrong secret, a key refused before the outage, or a
-// record older than StaleIfUnavailable is not taken.
-func TestAuthenticatorThroughAStoreOutage(t *testing.T) {
-	ctx := t.Context()
-	st := openStore(t, "")
-	keys := &flaky{APIKeys: st}
-	seen, unseen, revoked := makeKey(t, st, "acme", false), makeKey(t, st, "acme", false), makeKey(t, st, "acme", false)
-	a := &apikey.Authenticator{Keys: keys}
-	tenantOf := func(a *apikey.Authenticator, key string) (string, error) {
-		return a.Tenant(metadata.NewIncomingContext(ctx, metadata.Pairs("authorization", "Bearer "+key)))
-	}
-	for _, k := range []apikey.Key{seen, revoked} {
-		if _, err := tenantOf(a, k.Secret); err != nil {
-			t.Fatal(err)
-		}
-	}
-	if _, err := st.RevokeAPIKey(ctx, revoked.Record.ID); err != nil {
-		t.Fatal(err)
-	}
-	if _, err := tenantOf(a, revoked.Secret); status.Code(err) != codes.Unauthenticated {
-		t.Fatalf("the revoked key with the store up: %v, want UNAUTHENTICATED", err)
-	}
-
-	keys.down.Store(true)
-	if tenant, err := tenantOf(a, seen.Secret); err != nil || tenant != "acme" {
-		t.Errorf("a key verified before the outage: %q, %v; want acme", tenant, err)
-	}
-	if _, err := tenantOf(a, unseen.Secret); status.Code(err) != codes.Unavailable {
-		t.Errorf("a key not seen before the outage: %v, want UNAVAILABLE", err)
-	}
-	if _, err := tenantOf(a, revoked.Secret); status.Code(err) != codes.Unavailable {
-		t.Errorf("a key refused before the outage: %v, want UNAVAILABLE", err)
-	}
-	forged, _ := apikey.New("acme")
-	wrong := apikey.Prefix + seen.Record.ID + forged.Secret[len(apikey.Prefix)+16:]
-	if _, err := tenantOf(a, wrong); status.Code(err) != codes.Unauthenticated {
-		t.Errorf("a seen key's id with another secret: %v, want UNAUTHENTICATED", err)
-	}
-
-	// The window: a record older than StaleIfUnavailable is not used; negative: never.
-	for _, w := range []time.Duration{30 * time.Millisecond, -1} {
-		keys.down.Store(false)
-		b := &apikey.Authenticator{Keys: keys, StaleIfUnavailable: w}
-		if _, err := tenantOf(b, seen.Secret); err != nil {
-			t.Fatal(err)
-		}
-		keys.down.Store(true)
-		time.Sleep(100 * time.Millisecond)
-		if _, err := tenantOf(b, seen.Secret); status.Code(err) != codes.Unavailable {
-			t.Errorf("StaleIfUnavailable %v, the record 100 ms old: %v, want UNAVAILABLE", w, err)
-		}
 	}
 }
