@@ -179,7 +179,8 @@ fi
 echo "== soak, cluster: 200 runs in flight for 60 s, two replicas of every service behind toxiproxy, one of each killed, latency, resets and a black hole, PostgreSQL restarted (bench/soak --cluster; alone, last)"
 # The same checks, on two replicas of every service (docs/soak.md, "The cluster it
 # starts"): no run lost, no effect twice, the ledger exact per modelproxy process, every
-# replica serving afterwards, goroutines back. At half the default pace (tools of 4 s,
+# replica serving afterwards, no orchestrator's breaker for modelproxy opened by one
+# replica's kill, goroutines back. At half the default pace (tools of 4 s,
 # 25 tokens/s, long decodes at 20 tokens/s) and a 10 s ramp. Tokens after a cancel are
 # bounded at 3 per decoder here, not issue 26's 1: on two cores, with every fault, a few
 # cancels in a minute reach their decoder 70-250 ms late (2-3 tokens at 20 tokens/s;

@@ -10,6 +10,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"strconv"
+	"strings"
 	"syscall"
 	"time"
 
@@ -335,6 +336,40 @@ func (c *Cluster) Serving(ctx context.Context) []Check {
 			}
 		}
 		out = append(out, Check{Name: "serving after the load: " + p.Name, OK: ok, Detail: "/readyz on " + p.Admin})
+	}
+	return out
+}
+
+// ModelproxyNotFenced checks that no orchestrator's breaker for modelproxy opened during
+// the load (curfew_circuit_breaker_transitions_total{target="modelproxy",to="open"}, per
+// orchestrator process running at the end). The faults take down one modelproxy replica
+// at a time (a kill, latency), never both: the other serves throughout, so one
+// replica's failures must not fence off the service (docs/breakers.md, "One replica down
+// is not the service down").
+func (c *Cluster) ModelproxyNotFenced(ctx context.Context) []Check {
+	hc := &http.Client{Timeout: 2 * time.Second}
+	var out []Check
+	for _, p := range c.Processes() {
+		if !strings.HasPrefix(p.Name, "orchestrator") {
+			continue
+		}
+		name := "modelproxy's breaker never opened: " + p.Name
+		mfs, err := scrape(ctx, hc, "http://"+p.Admin+"/metrics")
+		if err != nil {
+			out = append(out, Check{Name: name, Detail: err.Error()})
+			continue
+		}
+		var opened float64
+		for _, m := range mfs["curfew_circuit_breaker_transitions_total"].GetMetric() {
+			labels := map[string]string{}
+			for _, l := range m.GetLabel() {
+				labels[l.GetName()] = l.GetValue()
+			}
+			if labels["target"] == "modelproxy" && labels["to"] == "open" {
+				opened += m.GetCounter().GetValue()
+			}
+		}
+		out = append(out, Check{Name: name, OK: opened == 0, Detail: fmt.Sprintf("opened %.0f times", opened)})
 	}
 	return out
 }

@@ -16,9 +16,11 @@ import (
 // connection, balanced by gRPC. One replica going down (a crash, a rollout) must not
 // fence off the service while another replica serves: gRPC's balancer already stops
 // picking a replica it cannot connect to, and the retry layer sends the failed attempt
-// to another. So a call that failed UNAVAILABLE at one endpoint, while another endpoint's
-// last judged call succeeded within the breaker's Window, is not counted against the
-// target: it is an endpoint failure (outcome "endpoint_failure" in the calls metric).
+// to another. So a call that failed UNAVAILABLE at one endpoint, while another endpoint
+// is up, is not counted against the target: it is an endpoint failure (outcome
+// "endpoint_failure" in the calls metric). An endpoint is up when, within the breaker's
+// Window and after its last failure, a call to it succeeded or a stream was opened on it
+// (a replica whose calls are all long streams still open has no success yet).
 // Only UNAVAILABLE is judged this way, as the code of an endpoint that is down or
 // unreachable; INTERNAL, UNKNOWN, DATA_LOSS and a target's own timeout count as before,
 // since they say the service's code or state is broken wherever it runs. With one

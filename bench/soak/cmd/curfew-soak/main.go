@@ -218,7 +218,9 @@ func target(ctx context.Context, out, dataDir string, concurrency int, cluster b
 			}
 		}
 		t.faults = func(d time.Duration, kill, toxics bool) ([]soak.Fault, func(context.Context) []soak.Check, error) {
-			return c.Faults(d, kill, toxics), c.Serving, nil
+			return c.Faults(d, kill, toxics), func(ctx context.Context) []soak.Check {
+				return append(c.Serving(ctx), c.ModelproxyNotFenced(ctx)...)
+			}, nil
 		}
 		return t, nil
 	}
