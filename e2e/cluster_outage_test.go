@@ -23,11 +23,12 @@ type loadResult struct {
 }
 
 // Issue 24's store outage: a private PostgreSQL under two orchestrators (and one of
-// every other service) is stopped for 10 s mid-load. While it is down, runs are refused
-// fast (their record cannot be written) instead of hanging, the orchestrators say
-// cluster-wide admission is degraded and still answer status; once it is back,
-// coordination resumes: runs succeed again, the paid cap of 2 holds across both
-// replicas, status is coordinated again, and no slot stays held once the load ends.
+// every other service) is stopped for 10 s mid-load. A run started while it is down
+// either waits for it within its deadline and succeeds, or is refused fast; none hangs
+// and fails late. The orchestrators say cluster-wide admission is degraded and still
+// answer status; once it is back, coordination resumes: runs succeed again, the paid cap
+// of 2 holds across both replicas, status is coordinated again, and no slot stays held
+// once the load ends.
 // No spend is lost to the outage: the durable ledger ends up with every token modelproxy
 // counted, those its decoders emitted while the store was down included.
 func TestClusterCoordinationSurvivesStoreOutage(t *testing.T) {
@@ -111,6 +112,25 @@ func TestClusterCoordinationSurvivesStoreOutage(t *testing.T) {
 	// curfew-cli's certificate still reads status): the orchestrators' metrics say it.
 	pg.stop(t)
 	down := time.Now()
+	// The load's clients may all be inside runs that wait out the outage, so two more
+	// clients start one run each, on each orchestrator, well inside it.
+	for i := range 2 {
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			select {
+			case <-time.After(2 * time.Second):
+			case <-ctx.Done():
+				return
+			}
+			r := loadResult{start: time.Now()}
+			fin, err := runOnce(ctx, oc.runs[i], &orchestratorv1.RunRequest{Task: work}, 20*time.Second)
+			r.end, r.ok = time.Now(), err == nil && fin.GetStatus() == orchestratorv1.RunStatus_RUN_STATUS_SUCCEEDED
+			mu.Lock()
+			results = append(results, r)
+			mu.Unlock()
+		}()
+	}
 	degraded := false
 	for time.Since(down) < 10*time.Second {
 		for _, o := range oc.orchs {
