@@ -156,3 +156,47 @@ func TestConnectionsReresolveAfterTheirAddressesAreReplaced(t *testing.T) {
 	}
 	t.Fatalf("calls still fail %s after the addresses were replaced: %v", bound, last)
 }
+
+// A connection whose only address went away for 30 s reaches it again within
+// ReconnectMaxDelay (and a little) of its return: its attempts are at most that far apart.
+// grpc-go's default backoff would have spaced them 10-20 s apart by then.
+func TestConnectionsReconnectSoonAfterALongOutage(t *testing.T) {
+	if testing.Short() {
+		t.Skip("waits out a 30 s outage")
+	}
+	t.Parallel()
+	probe, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	addr := probe.Addr().String()
+	_ = probe.Close()
+	stop := serveHealth(t, addr)
+	conn, err := grpc.NewClient(addr, append(mesh.DialOptions(mesh.ClientConfig{}), grpc.WithTransportCredentials(insecure.NewCredentials()))...)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer conn.Close()
+	client := healthpb.NewHealthClient(conn)
+	if _, err := client.Check(t.Context(), &healthpb.HealthCheckRequest{}); err != nil {
+		t.Fatalf("before the outage: %v", err)
+	}
+
+	stop()
+	const outage = 30 * time.Second
+	time.Sleep(outage)
+	serveHealth(t, addr)
+	back := time.Now()
+	ctx, cancel := context.WithTimeout(t.Context(), 40*time.Second)
+	defer cancel()
+	if _, err := client.Check(ctx, &healthpb.HealthCheckRequest{}, grpc.WaitForReady(true)); err != nil {
+		t.Fatalf("after the outage: %v", err)
+	}
+	took := time.Since(back)
+	t.Logf("reached again %v after a %v outage ended", took.Round(10*time.Millisecond), outage)
+	// The last attempt before the return was at most ReconnectMaxDelay (+20 % jitter)
+	// before the next; 2 s of margin for a loaded machine.
+	if bound := mesh.ReconnectMaxDelay*6/5 + 2*time.Second; took > bound {
+		t.Fatalf("reached again %v after the outage ended, want ≤ %v", took.Round(10*time.Millisecond), bound)
+	}
+}
