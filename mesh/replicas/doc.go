@@ -7,7 +7,8 @@
 // run's summary (its token figures from each decoder's ledger) and the wait for a
 // cancelled subtree's teardown must ask every replica. With Kubernetes' headless
 // Services a dns:/// target resolves to every ready pod; Set resolves it (at most once a
-// DefaultRefresh, keeping the last good answer when a lookup fails) and keeps a
+// DefaultRefresh, in the background so that no call but the very first waits for DNS,
+// keeping the last good answer when a lookup fails) and keeps a
 // connection per address, and NodeReports is a NodeReportServiceClient that fans each
 // call out to all of them and joins the answers. A target naming its DNS server
 // (dns://10.0.0.10:53/curfew-toolrunner:7702) is resolved there, as gRPC's own dns

@@ -40,6 +40,11 @@ type Set struct {
 	// resolving is closed when the resolution under way ends; nil when none is.
 	resolving chan struct{}
 	closed    bool
+
+	// bg counts the resolutions under way; bgCtx is theirs, cancelled by Close.
+	bg       sync.WaitGroup
+	bgCtx    context.Context
+	bgCancel context.CancelFunc
 }
 
 // Option configures a Set.
@@ -109,6 +114,7 @@ func New(target string, dial func(addr string) (*grpc.ClientConn, error), opts .
 			s.lookup = r.LookupHost
 		}
 	}
+	s.bgCtx, s.bgCancel = context.WithCancel(context.Background())
 	return s, nil
 }
 
@@ -118,9 +124,13 @@ const LookupTimeout = time.Second
 // Conns returns a connection to every replica: each address the name resolved to at
 // most the refresh period ago (a failed resolution keeps the last good one, and with none
 // falls back to the target itself, one replica of gRPC's choosing), or the target's one
-// connection. An address it cannot dial is left out and logged. One caller resolves at a
-// time, for at most LookupTimeout, without holding up the others, who use the last
-// addresses meanwhile (or, before the first answer, wait for it).
+// connection. An address it cannot dial is left out and logged.
+//
+// Once the name has an answer, no caller waits for DNS: the first caller to find the
+// answer older than the refresh period starts one resolution in the background (bounded
+// by LookupTimeout), and every caller, that one included, uses the last addresses
+// meanwhile. A cancel broadcast must not wait out a lookup of the DNS server. Only before
+// the first answer do callers wait for it (or for ctx).
 func (s *Set) Conns(ctx context.Context) []*grpc.ClientConn {
 	s.mu.Lock()
 	defer s.mu.Unlock()
@@ -128,22 +138,13 @@ func (s *Set) Conns(ctx context.Context) []*grpc.ClientConn {
 		return nil
 	}
 	if s.host != "" && time.Since(s.resolved) >= s.refresh {
-		switch done := s.resolving; {
-		case done == nil:
-			done = make(chan struct{})
-			s.resolving = done
-			s.mu.Unlock()
-			lctx, cancel := context.WithTimeout(ctx, LookupTimeout)
-			ips, err := s.lookup(lctx, s.host)
-			cancel()
-			s.mu.Lock()
-			s.resolving = nil
-			close(done)
-			if s.closed {
-				return nil
-			}
-			s.apply(ctx, ips, err)
-		case len(s.addrs) == 0: // the first resolution is under way: wait for it
+		if s.resolving == nil {
+			s.resolving = make(chan struct{})
+			s.bg.Add(1)
+			go s.resolve(s.resolving)
+		}
+		if s.resolved.IsZero() { // the first resolution is under way: wait for it
+			done := s.resolving
 			s.mu.Unlock()
 			select {
 			case <-done:
@@ -175,6 +176,23 @@ func (s *Set) Conns(ctx context.Context) []*grpc.ClientConn {
 	return out
 }
 
+// resolve looks the name up once, for at most LookupTimeout, applies the answer, and
+// closes done.
+func (s *Set) resolve(done chan struct{}) {
+	defer s.bg.Done()
+	ctx, cancel := context.WithTimeout(s.bgCtx, LookupTimeout)
+	ips, err := s.lookup(ctx, s.host)
+	cancel()
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	s.resolving = nil
+	close(done)
+	if s.closed {
+		return
+	}
+	s.apply(s.bgCtx, ips, err)
+}
+
 // apply takes a resolution's answer: on success the addresses are replaced and the
 // connections of those gone closed; a failure keeps the last addresses. Called with
 // s.mu held.
@@ -202,15 +220,18 @@ func (s *Set) apply(ctx context.Context, ips []string, err error) {
 	s.addrs = addrs
 }
 
-// Close closes every connection; Conns returns none afterwards.
+// Close closes every connection, and stops and waits for a resolution under way; Conns
+// returns none afterwards.
 func (s *Set) Close() error {
 	s.mu.Lock()
-	defer s.mu.Unlock()
 	s.closed = true
+	s.bgCancel()
 	var errs []error
 	for a, c := range s.conns {
 		errs = append(errs, c.Close())
 		delete(s.conns, a)
 	}
+	s.mu.Unlock()
+	s.bg.Wait()
 	return errors.Join(errs...)
 }

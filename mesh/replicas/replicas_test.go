@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"net"
+	"slices"
 	"strconv"
 	"sync/atomic"
 	"testing"
@@ -140,14 +141,15 @@ func TestNodeReportsReachEveryReplica(t *testing.T) {
 // connections of addresses gone; a target that is not dns:/// is one replica; bad
 // targets are refused.
 func TestSetResolution(t *testing.T) {
-	answer := []string{"127.0.0.1", "127.0.0.2"}
+	var answer atomic.Pointer[[]string]
+	answer.Store(&[]string{"127.0.0.1", "127.0.0.2"})
 	var fail atomic.Bool
 	set, err := replicas.New("dns:///svc.test:7702", dial, replicas.WithRefresh(time.Nanosecond),
 		replicas.WithLookup(func(context.Context, string) ([]string, error) {
 			if fail.Load() {
 				return nil, errors.New("SERVFAIL")
 			}
-			return answer, nil
+			return *answer.Load(), nil
 		}))
 	if err != nil {
 		t.Fatal(err)
@@ -163,13 +165,27 @@ func TestSetResolution(t *testing.T) {
 	if got := targets(); len(got) != 2 || got[0] != "127.0.0.1:7702" || got[1] != "127.0.0.2:7702" {
 		t.Fatalf("conns to %v", got)
 	}
-	fail.Store(true)
-	if got := targets(); len(got) != 2 {
-		t.Fatalf("after a failed lookup: %v, want the last good addresses", got)
+	// Later resolutions run in the background: a few calls see each answer take effect.
+	settled := func(want ...string) []string {
+		var got []string
+		for range 200 {
+			if got = targets(); slices.Equal(got, want) {
+				return got
+			}
+			time.Sleep(time.Millisecond)
+		}
+		return got
 	}
+	fail.Store(true)
+	for range 20 {
+		if got := targets(); len(got) != 2 {
+			t.Fatalf("after a failed lookup: %v, want the last good addresses", got)
+		}
+		time.Sleep(time.Millisecond)
+	}
+	answer.Store(&[]string{"127.0.0.2"})
 	fail.Store(false)
-	answer = []string{"127.0.0.2"}
-	if got := targets(); len(got) != 1 || got[0] != "127.0.0.2:7702" {
+	if got := settled("127.0.0.2:7702"); len(got) != 1 || got[0] != "127.0.0.2:7702" {
 		t.Fatalf("after the answer shrank: %v", got)
 	}
 
@@ -191,17 +207,19 @@ func TestSetResolution(t *testing.T) {
 	}
 }
 
-// One caller resolves at a time and the others are not held up: while a lookup hangs,
-// another caller gets the last addresses at once; a lookup is bounded by LookupTimeout.
+// Once the name has an answer, no caller waits for DNS: while a lookup hangs, every
+// caller (the one whose call started it too) gets the last addresses at once. One
+// lookup runs at a time, bounded by LookupTimeout, and Close stops it.
 func TestSlowLookupHoldsNoOneUp(t *testing.T) {
 	release := make(chan struct{})
-	var calls atomic.Int32
+	var calls, ended atomic.Int32
 	set, err := replicas.New("dns:///svc.test:7702", dial, replicas.WithRefresh(time.Nanosecond),
 		replicas.WithLookup(func(ctx context.Context, _ string) ([]string, error) {
 			if calls.Add(1) == 1 {
 				return []string{"127.0.0.1"}, nil
 			}
-			select { // the second lookup hangs until released or timed out
+			defer ended.Add(1)
+			select { // later lookups hang until released or timed out
 			case <-release:
 			case <-ctx.Done():
 				return nil, ctx.Err()
@@ -211,28 +229,49 @@ func TestSlowLookupHoldsNoOneUp(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	defer func() { _ = set.Close() }()
 	if got := set.Conns(t.Context()); len(got) != 1 {
 		t.Fatalf("first resolution: %d conns", len(got))
 	}
-	slow := make(chan time.Duration, 1)
-	go func() {
-		t0 := time.Now()
-		set.Conns(t.Context()) // resolves, and hangs in the lookup
-		slow <- time.Since(t0)
-	}()
-	for calls.Load() < 2 {
-		time.Sleep(time.Millisecond)
-	}
+	// The next call starts a lookup that hangs; it and every call after it get the last
+	// address at once, and start no second lookup.
 	t0 := time.Now()
-	if got := set.Conns(t.Context()); len(got) != 1 || got[0].Target() != "127.0.0.1:7702" {
-		t.Fatalf("during a hung lookup: %v, want the last address", got)
+	for range 50 {
+		if got := set.Conns(t.Context()); len(got) != 1 || got[0].Target() != "127.0.0.1:7702" {
+			t.Fatalf("during a hung lookup: %v, want the last address", got)
+		}
 	}
 	if d := time.Since(t0); d > replicas.LookupTimeout/2 {
-		t.Errorf("a caller waited %v behind another's lookup", d)
+		t.Errorf("50 calls took %v during a hung lookup: a caller waited for DNS", d)
 	}
-	if d := <-slow; d < replicas.LookupTimeout/2 || d > 10*replicas.LookupTimeout {
-		t.Errorf("the hung lookup took %v, want about LookupTimeout (%v)", d, replicas.LookupTimeout)
+	for wait := time.Now().Add(replicas.LookupTimeout / 2); calls.Load() < 2 && time.Now().Before(wait); {
+		time.Sleep(time.Millisecond) // the background lookup may not have begun yet
+	}
+	if n := calls.Load(); n != 2 {
+		t.Errorf("%d lookups, want the first and one hung one", n)
+	}
+	// The hung lookup gives up after LookupTimeout; a call after that starts another.
+	deadline := time.Now().Add(10 * replicas.LookupTimeout)
+	for ended.Load() < 1 && time.Now().Before(deadline) {
+		time.Sleep(10 * time.Millisecond)
+	}
+	if ended.Load() < 1 {
+		t.Fatalf("the hung lookup did not end within %v", 10*replicas.LookupTimeout)
+	}
+	if d := time.Since(t0); d < replicas.LookupTimeout/2 {
+		t.Errorf("the hung lookup ended after %v, want about LookupTimeout (%v)", d, replicas.LookupTimeout)
+	}
+	for calls.Load() < 3 && time.Now().Before(deadline) {
+		set.Conns(t.Context())
+		time.Sleep(10 * time.Millisecond)
+	}
+	if calls.Load() < 3 {
+		t.Fatal("no lookup after the hung one timed out")
+	}
+	// Close stops the third, hanging lookup and waits for it (goleak checks).
+	t0 = time.Now()
+	_ = set.Close()
+	if d := time.Since(t0); d > replicas.LookupTimeout/2 {
+		t.Errorf("Close took %v: it did not stop the lookup under way", d)
 	}
 	close(release)
 }
