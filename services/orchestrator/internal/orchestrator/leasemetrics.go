@@ -37,11 +37,11 @@ func newLeaseMetrics(reg prometheus.Registerer, s *Server) *leaseMetrics {
 		}),
 		waiting: prometheus.NewGauge(prometheus.GaugeOpts{
 			Name: "curfew_runs_waiting_for_store",
-			Help: "Runs of this orchestrator waiting, within their deadline, for an unavailable store to take their checkpoint.",
+			Help: "Runs of this orchestrator waiting, within their deadline, for an unavailable store to take their checkpoint, or their record as they start.",
 		}),
 		storeWaits: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "curfew_run_store_waits_total",
-			Help: "Times a run of this orchestrator began waiting for an unavailable store to take its checkpoint, instead of failing.",
+			Help: "Times a run of this orchestrator began waiting for an unavailable store to take its checkpoint or its record, instead of failing.",
 		}),
 	}
 	for _, o := range []string{takeoverResumed, takeoverDeadline, takeoverCancelled} {

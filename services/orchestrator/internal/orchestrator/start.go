@@ -136,7 +136,7 @@ func (s *Server) create(ctx context.Context, tenant, key, model, task string, in
 		return nil, nil, err
 	}
 	began := time.Now()
-	r, created, err := s.cfg.Store.CreateRun(ctx, store.NewRun{Tenant: tenant, IdempotencyKey: key, Task: []byte(task),
+	r, created, err := s.createRun(ctx, store.NewRun{Tenant: tenant, IdempotencyKey: key, Task: []byte(task),
 		Model: model, Input: encodeInput(in), Deadline: dl, Owner: s.cfg.Owner, LeaseTTL: s.cfg.LeaseTTL,
 		StartedBy: apikey.Caller(ctx)})
 	if err != nil {

@@ -6,6 +6,8 @@ import (
 	"math/rand/v2"
 	"time"
 
+	"github.com/google/uuid"
+
 	"github.com/curfew-mesh/curfew/mesh/retry"
 	"github.com/curfew-mesh/curfew/mesh/store"
 )
@@ -33,6 +35,10 @@ import (
 // for each wait (leasemetrics.go). A deadline that passes during the wait ends the run
 // DEADLINE_EXCEEDED, a cancel ends it CANCELLED at once: the wait sleeps on the run's
 // context.
+//
+// A new run's record is written this way too (createRun): a start during an outage
+// waits for the store, within the call's deadline and the run's, and the run starts
+// once the store is back, rather than being refused.
 //
 // The run's result is not written this way: a run that ended keeps a result the store
 // could not take and the heartbeats store it later (commit, run.unstored).
@@ -112,4 +118,77 @@ var errNoAnswer = errors.New("the store did not answer within " + storeTimeout.S
 // outage reports whether err says the store is out of reach, which a run waits out.
 func outage(err error) bool {
 	return errors.Is(err, store.ErrUnavailable) || errors.Is(err, errNoAnswer)
+}
+
+// createRun records the new run nr, waiting out a store outage as a checkpoint does
+// (above) for as long as ctx allows: the caller leaving, or its deadline, ends the wait
+// with the outage's error.
+//
+// The run's id is chosen here, before the first try, so that a try the store committed
+// without answering (its connection cut after the commit) is recognised by the next:
+// the same id already taken, or the idempotency key already naming that id, is this
+// very run, created, not another caller's.
+func (s *Server) createRun(ctx context.Context, nr store.NewRun) (store.Run, bool, error) {
+	nr.RunID = uuid.Must(uuid.NewV7()).String()
+	var began time.Time
+	for try := 1; ; try++ {
+		var (
+			r       store.Run
+			created bool
+		)
+		err := tryStore(ctx, false, func(ctx context.Context) error {
+			var err error
+			r, created, err = s.cfg.Store.CreateRun(ctx, nr)
+			return err
+		})
+		if try > 1 {
+			r, created, err = s.ownEarlierTry(ctx, nr, r, created, err)
+		}
+		if !outage(err) || ctx.Err() != nil {
+			if !began.IsZero() {
+				s.leaseMetrics.storeWaitEnded()
+				s.cfg.Log.InfoContext(ctx, "run stopped waiting for the store", "run_id", nr.RunID, "op", "create run",
+					"waited_ms", time.Since(began).Milliseconds(), "tries", try, "stored", err == nil)
+			}
+			return r, created, err
+		}
+		if began.IsZero() {
+			began = time.Now()
+			s.leaseMetrics.storeWaitBegan()
+			s.cfg.Log.WarnContext(ctx, "the store is unavailable; the new run waits for it to be recorded", "run_id", nr.RunID, "op", "create run",
+				"error", err.Error())
+		}
+		t := time.NewTimer(storeWait.Backoff(try+1, rand.Float64))
+		select {
+		case <-ctx.Done():
+			t.Stop()
+		case <-t.C:
+		}
+	}
+}
+
+// ownEarlierTry judges a retried CreateRun's answer: a run this call's earlier try
+// created, unacknowledged, is taken as created now.
+func (s *Server) ownEarlierTry(ctx context.Context, nr store.NewRun, r store.Run, created bool, err error) (store.Run, bool, error) {
+	switch {
+	case err == nil && !created && r.RunID == nr.RunID: // the idempotency key names it
+		return r, true, nil
+	case errors.Is(err, store.ErrAlreadyExists):
+		var got store.Run
+		gerr := tryStore(ctx, false, func(ctx context.Context) error {
+			var err error
+			got, err = s.cfg.Store.GetRun(ctx, nr.Tenant, nr.RunID)
+			return err
+		})
+		if gerr != nil {
+			if outage(gerr) {
+				return r, false, gerr // try again
+			}
+			return r, created, err
+		}
+		if got.Owner == nr.Owner && string(got.Task) == string(nr.Task) {
+			return got, true, nil
+		}
+	}
+	return r, created, err
 }

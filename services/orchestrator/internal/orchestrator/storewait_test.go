@@ -356,3 +356,88 @@ func startWhileDown(t *testing.T, timeout time.Duration) (*outageStore, *env, st
 	}
 	return st, e, res.GetRun().GetRunId()
 }
+
+// createOutage is a real store whose CreateRun is refused while down, and whose next
+// CreateRun after ambiguous is committed but answered as a cut connection (the commit
+// landed, its acknowledgement did not).
+type createOutage struct {
+	store.Store
+	down, ambiguous atomic.Bool
+	refused         atomic.Int64
+}
+
+func (c *createOutage) CreateRun(ctx context.Context, r store.NewRun) (store.Run, bool, error) {
+	if c.down.Load() {
+		c.refused.Add(1)
+		return store.Run{}, false, errRefused
+	}
+	run, created, err := c.Store.CreateRun(ctx, r)
+	if err == nil && c.ambiguous.CompareAndSwap(true, false) {
+		return store.Run{}, false, errRefused
+	}
+	return run, created, err
+}
+
+// A start during a store outage waits for the store, within the call's deadline, and
+// the run starts once the store is back. The try that the store committed without
+// answering is recognised as this run by the next (its id was chosen before the first
+// try, and so was its idempotency key's run): one run, which succeeds, not two and not
+// an error.
+func TestStartWaitsForTheStore(t *testing.T) {
+	for _, key := range []string{"", "start-once"} {
+		t.Run("key="+key, func(t *testing.T) {
+			st := &createOutage{Store: openStore(t)}
+			e, _ := newStoreWaitEnv(t, st)
+			st.down.Store(true)
+			type answer struct {
+				resp *orchestratorv1.StartRunResponse
+				err  error
+			}
+			done := make(chan answer, 1)
+			go func() {
+				resp, err := e.orch.StartRun(context.Background(), &orchestratorv1.StartRunRequest{Task: fastPlan,
+					IdempotencyKey: key, Timeout: durationpb.New(30 * time.Second)})
+				done <- answer{resp, err}
+			}()
+			for until := time.Now().Add(10 * time.Second); st.refused.Load() < 3; time.Sleep(5 * time.Millisecond) {
+				if time.Now().After(until) {
+					t.Fatalf("the store refused %d creates, want 3", st.refused.Load())
+				}
+			}
+			select {
+			case a := <-done:
+				t.Fatalf("StartRun answered during the outage: %v %v, want it to wait", a.resp, a.err)
+			default:
+			}
+			if n := testutil.ToFloat64(e.srv.leaseMetrics.waiting); n != 1 {
+				t.Errorf("curfew_runs_waiting_for_store = %v while the start waits, want 1", n)
+			}
+
+			st.ambiguous.Store(true)
+			st.down.Store(false)
+			var a answer
+			select {
+			case a = <-done:
+			case <-time.After(10 * time.Second):
+				t.Fatal("StartRun still waiting 10 s after the store came back")
+			}
+			if a.err != nil {
+				t.Fatalf("StartRun after the outage: %v", a.err)
+			}
+			if st.ambiguous.Load() {
+				t.Fatal("no create was committed without an answer: the test did not test that")
+			}
+			id := a.resp.GetRun().GetRunId()
+			if r := e.waitEndedWithin(t, id, 10*time.Second); r.GetStatus() != orchestratorv1.RunStatus_RUN_STATUS_SUCCEEDED {
+				t.Fatalf("run ended %v %s: %s, want SUCCEEDED", r.GetStatus(), r.GetErrorCode(), r.GetErrorMessage())
+			}
+			runs, _, err := st.ListRuns(context.Background(), store.RunQuery{Tenant: md.DefaultTenant})
+			if err != nil || len(runs) != 1 || runs[0].RunID != id {
+				t.Fatalf("the store holds %d runs (%v), want the one run %s", len(runs), err, id)
+			}
+			if n := testutil.ToFloat64(e.srv.leaseMetrics.waiting); n != 0 {
+				t.Errorf("curfew_runs_waiting_for_store = %v after the wait, want 0", n)
+			}
+		})
+	}
+}
