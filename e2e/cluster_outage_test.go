@@ -24,8 +24,9 @@ type loadResult struct {
 
 // Issue 24's store outage: a private PostgreSQL under two orchestrators (and one of
 // every other service) is stopped for 10 s mid-load. A run started while it is down
-// either waits for it within its deadline and succeeds, or is refused fast; none hangs
-// and fails late. The orchestrators say cluster-wide admission is degraded and still
+// waits for it within its deadline and succeeds: its caller's API key, verified a
+// moment before, still holds, and the run is recorded once the store is back. The
+// orchestrators say cluster-wide admission is degraded and still
 // answer status; once it is back, coordination resumes: runs succeed again, the paid cap
 // of 2 holds across both replicas, status is coordinated again, and no slot stays held
 // once the load ends.
@@ -185,8 +186,7 @@ func TestClusterCoordinationSurvivesStoreOutage(t *testing.T) {
 	wg.Wait()
 
 	// The runs started while the store was down (admitted on this replica's share, or
-	// refused) either waited for the store within their deadline and succeeded once it
-	// was back, or were refused fast: none failed after a long wait, and none is left.
+	// queued) waited for the store within their deadline and succeeded once it was back.
 	var okDown, failedDown int
 	var longest time.Duration
 	mu.Lock()
@@ -207,8 +207,9 @@ func TestClusterCoordinationSurvivesStoreOutage(t *testing.T) {
 	if okDown+failedDown == 0 {
 		t.Error("no run started while the store was down")
 	}
-	if longest > 5*time.Second {
-		t.Errorf("a run refused while the store was down took %v, want a fast refusal (≤ 5 s) or a wait that succeeds", longest)
+	if failedDown > 0 {
+		t.Errorf("%d runs started while the store was down failed (the longest after %v), want every one to wait for the store and succeed",
+			failedDown, longest.Round(time.Millisecond))
 	}
 	waitFor(t, "no paid slot held once the load ended", 10*time.Second, func() bool {
 		slots, err := oc.st.ListSlots(ctx, admission.PoolScope("paid"))

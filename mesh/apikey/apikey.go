@@ -11,6 +11,8 @@ import (
 	"fmt"
 	"log/slog"
 	"strings"
+	"sync"
+	"time"
 
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/credentials"
@@ -91,10 +93,36 @@ func hash(secret string) []byte {
 	return h[:]
 }
 
-// Authenticator checks bearer API keys against the store.
+// Authenticator checks bearer API keys against the store. While the store is out of
+// reach (store.ErrUnavailable), a key is checked against its record as last verified, if
+// that was at most StaleFor ago (see key); otherwise the call is UNAVAILABLE. Use it by
+// pointer: it keeps those records.
 type Authenticator struct {
 	Keys store.APIKeys
 	Log  *slog.Logger // nil: slog.Default()
+	// StaleFor is how long a verified key's record may stand in for the store while the
+	// store is unavailable: DefaultStaleFor when 0, never when negative.
+	StaleFor time.Duration
+	// now is the clock; tests may replace it.
+	now func() time.Time
+
+	mu       sync.Mutex
+	verified map[string]verifiedKey // by key id
+}
+
+// DefaultStaleFor is Authenticator.StaleFor's default. A key revoked while the store is
+// down is refused again once the store answers, or at most this long after it was last
+// verified.
+const DefaultStaleFor = time.Minute
+
+// maxVerified bounds the records an Authenticator keeps; past it, one is dropped for
+// each added (keys are per tenant and few, so this is a guard, not a cache policy).
+const maxVerified = 10000
+
+// verifiedKey is a key's record and when the store last vouched for it.
+type verifiedKey struct {
+	rec store.APIKey
+	at  time.Time
 }
 
 // errUnauthenticated is every refused key's status, alike on purpose.
@@ -146,10 +174,22 @@ func (a *Authenticator) key(ctx context.Context, key string) (store.APIKey, erro
 		return store.APIKey{}, errUnauthenticated
 	}
 	rec, err := a.Keys.GetAPIKey(ctx, id)
+	stale := false
 	switch {
 	case errors.Is(err, store.ErrNotFound):
 		a.log().DebugContext(ctx, "API key refused", "key_id", id, "reason", "unknown")
 		return store.APIKey{}, errUnauthenticated
+	case errors.Is(err, store.ErrUnavailable):
+		// The store is out of reach (PostgreSQL restarting): a key verified a moment ago
+		// is checked against that record, so that a tenant can go on starting and
+		// cancelling runs through a short outage. Not for any other error: the store
+		// answered.
+		var ok bool
+		if rec, ok = a.lastVerified(id); !ok {
+			a.log().WarnContext(ctx, "API key lookup failed", "key_id", id, "error", err.Error())
+			return store.APIKey{}, status.Error(codes.Unavailable, "cannot check the API key now; retry")
+		}
+		stale = true
 	case err != nil:
 		a.log().WarnContext(ctx, "API key lookup failed", "key_id", id, "error", err.Error())
 		return store.APIKey{}, status.Error(codes.Unavailable, "cannot check the API key now; retry")
@@ -162,7 +202,57 @@ func (a *Authenticator) key(ctx context.Context, key string) (store.APIKey, erro
 		a.log().DebugContext(ctx, "API key refused", "key_id", id, "reason", "revoked", "revoked_at", rec.RevokedAt)
 		return store.APIKey{}, errUnauthenticated
 	}
+	if stale {
+		a.log().DebugContext(ctx, "API key checked against its last verified record: the store is unavailable", "key_id", id)
+	} else {
+		a.remember(id, rec)
+	}
 	return rec, nil
+}
+
+// remember keeps rec, just verified by the store, for lastVerified.
+func (a *Authenticator) remember(id string, rec store.APIKey) {
+	if a.StaleFor < 0 {
+		return
+	}
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	if a.verified == nil {
+		a.verified = map[string]verifiedKey{}
+	}
+	if _, ok := a.verified[id]; !ok && len(a.verified) >= maxVerified {
+		for old := range a.verified {
+			delete(a.verified, old)
+			break
+		}
+	}
+	a.verified[id] = verifiedKey{rec: rec, at: a.clock()}
+}
+
+// lastVerified returns the record of key id as the store last vouched for it, if that
+// was at most StaleFor ago.
+func (a *Authenticator) lastVerified(id string) (store.APIKey, bool) {
+	stale := a.StaleFor
+	if stale == 0 {
+		stale = DefaultStaleFor
+	}
+	if stale < 0 {
+		return store.APIKey{}, false
+	}
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	v, ok := a.verified[id]
+	if !ok || a.clock().Sub(v.at) > stale {
+		return store.APIKey{}, false
+	}
+	return v.rec, true
+}
+
+func (a *Authenticator) clock() time.Time {
+	if a.now != nil {
+		return a.now()
+	}
+	return time.Now()
 }
 
 // Caller names the caller of a server call's ctx, for the audit log and a run's

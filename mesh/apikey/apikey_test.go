@@ -1,14 +1,20 @@
 package apikey_test
 
 import (
+	"context"
+	"errors"
+	"fmt"
 	"strings"
+	"sync/atomic"
 	"testing"
+	"time"
 
 	"google.golang.org/grpc/codes"
 	"google.golang.org/grpc/metadata"
 	"google.golang.org/grpc/status"
 
 	"github.com/curfew-mesh/curfew/mesh/apikey"
+	"github.com/curfew-mesh/curfew/mesh/store"
 )
 
 func TestNewAndParse(t *testing.T) {
@@ -139,5 +145,85 @@ func TestBearerRoundTrip(t *testing.T) {
 	tenant, err := (&apikey.Authenticator{Keys: st}).Tenant(metadata.NewIncomingContext(t.Context(), metadata.New(md)))
 	if err != nil || tenant != "acme" {
 		t.Fatalf("the key Bearer sends: %q, %v", tenant, err)
+	}
+}
+
+// outageKeys is a real key store that is out of reach while down (the error a
+// PostgreSQL store returns while the server restarts), or answers with a plain error
+// while broken.
+type outageKeys struct {
+	store.APIKeys
+	down, broken atomic.Bool
+}
+
+func (o *outageKeys) GetAPIKey(ctx context.Context, id string) (store.APIKey, error) {
+	switch {
+	case o.down.Load():
+		return store.APIKey{}, fmt.Errorf("%w: dial tcp 127.0.0.1:5432: connect: connection refused", store.ErrUnavailable)
+	case o.broken.Load():
+		return store.APIKey{}, errors.New("store: disk I/O error")
+	}
+	return o.APIKeys.GetAPIKey(ctx, id)
+}
+
+// While the store is out of reach, a key the store verified at most StaleFor ago is
+// checked against that record: its tenant goes on working, a wrong secret is still
+// refused, and a key not verified lately, a record too old, or a store that answered
+// with an error is UNAVAILABLE as before.
+func TestAuthenticatorThroughAStoreOutage(t *testing.T) {
+	st := openStore(t, "")
+	keys := &outageKeys{APIKeys: st}
+	acme, globex := makeKey(t, st, "acme", false), makeKey(t, st, "globex", false)
+	now := time.Now()
+	a := &apikey.Authenticator{Keys: keys}
+	a.SetClock(func() time.Time { return now })
+	call := func(key string) (string, error) {
+		return a.Tenant(metadata.NewIncomingContext(t.Context(), metadata.Pairs("authorization", "Bearer "+key)))
+	}
+	if tenant, err := call(acme.Secret); err != nil || tenant != "acme" {
+		t.Fatalf("acme's key with the store up: %q, %v", tenant, err)
+	}
+
+	keys.down.Store(true)
+	now = now.Add(apikey.DefaultStaleFor - time.Second)
+	if tenant, err := call(acme.Secret); err != nil || tenant != "acme" {
+		t.Errorf("acme's key, verified %v ago, with the store down: %q, %v; want acme", apikey.DefaultStaleFor-time.Second, tenant, err)
+	}
+	id, _, _ := apikey.Parse(acme.Secret)
+	forged, _ := apikey.New("acme")
+	wrong := apikey.Prefix + id + forged.Secret[len(apikey.Prefix)+16:]
+	if _, err := call(wrong); status.Code(err) != codes.Unauthenticated {
+		t.Errorf("acme's id with another secret, store down: %v, want UNAUTHENTICATED", err)
+	}
+	if _, err := call(globex.Secret); status.Code(err) != codes.Unavailable {
+		t.Errorf("globex's key, never verified, store down: %v, want UNAVAILABLE", err)
+	}
+	now = now.Add(2 * time.Second) // acme's record is now older than StaleFor
+	if _, err := call(acme.Secret); status.Code(err) != codes.Unavailable {
+		t.Errorf("acme's key, verified over %v ago, store down: %v, want UNAVAILABLE", apikey.DefaultStaleFor, err)
+	}
+
+	// Verified again once the store is back; a store that answers with an error is not
+	// an outage, and a negative StaleFor turns the fallback off.
+	keys.down.Store(false)
+	if _, err := call(acme.Secret); err != nil {
+		t.Fatalf("acme's key, store back: %v", err)
+	}
+	keys.broken.Store(true)
+	if _, err := call(acme.Secret); status.Code(err) != codes.Unavailable {
+		t.Errorf("acme's key, store answering an error: %v, want UNAVAILABLE", err)
+	}
+	keys.broken.Store(false)
+	off := &apikey.Authenticator{Keys: keys, StaleFor: -1}
+	offCall := func(key string) error {
+		_, err := off.Tenant(metadata.NewIncomingContext(t.Context(), metadata.Pairs("authorization", "Bearer "+key)))
+		return err
+	}
+	if err := offCall(acme.Secret); err != nil {
+		t.Fatal(err)
+	}
+	keys.down.Store(true)
+	if err := offCall(acme.Secret); status.Code(err) != codes.Unavailable {
+		t.Errorf("StaleFor -1, store down: %v, want UNAVAILABLE", err)
 	}
 }

@@ -15,7 +15,10 @@
 // Authenticator checks a call's `authorization: Bearer <key>` metadata against the store
 // and returns the key's tenant. Every failure is UNAUTHENTICATED with the same message
 // for an unknown, revoked or wrong key, so that a caller cannot tell them apart; the
-// reason is logged at debug level with the key's id only, never its secret.
+// reason is logged at debug level with the key's id only, never its secret. While the
+// store is out of reach (store.ErrUnavailable), a key is checked against its record as
+// the store last verified it, at most StaleFor (DefaultStaleFor, 1 min) ago, so that a
+// tenant can go on cancelling its runs through a restart of the store.
 //
 // Guard is the server chain's tenant authentication for a public API
 // (mesh.ServerConfig.Authenticate): a call acts for the tenant of its verified key, or,
