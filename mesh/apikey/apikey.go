@@ -177,6 +177,7 @@ func (a *Authenticator) key(ctx context.Context, key string) (store.APIKey, erro
 	stale := false
 	switch {
 	case errors.Is(err, store.ErrNotFound):
+		a.forget(id)
 		a.log().DebugContext(ctx, "API key refused", "key_id", id, "reason", "unknown")
 		return store.APIKey{}, errUnauthenticated
 	case errors.Is(err, store.ErrUnavailable):
@@ -199,6 +200,9 @@ func (a *Authenticator) key(ctx context.Context, key string) (store.APIKey, erro
 		return store.APIKey{}, errUnauthenticated
 	}
 	if rec.Revoked() {
+		if !stale {
+			a.forget(id) // the store says so now: an outage after this must not honour the key
+		}
 		a.log().DebugContext(ctx, "API key refused", "key_id", id, "reason", "revoked", "revoked_at", rec.RevokedAt)
 		return store.APIKey{}, errUnauthenticated
 	}
@@ -227,6 +231,13 @@ func (a *Authenticator) remember(id string, rec store.APIKey) {
 		}
 	}
 	a.verified[id] = verifiedKey{rec: rec, at: a.clock()}
+}
+
+// forget drops the record of key id: the store said the key is gone or revoked.
+func (a *Authenticator) forget(id string) {
+	a.mu.Lock()
+	defer a.mu.Unlock()
+	delete(a.verified, id)
 }
 
 // lastVerified returns the record of key id as the store last vouched for it, if that

@@ -214,6 +214,24 @@ func TestAuthenticatorThroughAStoreOutage(t *testing.T) {
 		t.Errorf("acme's key, store answering an error: %v, want UNAVAILABLE", err)
 	}
 	keys.broken.Store(false)
+
+	// A key the store says is revoked is not honoured by a later outage.
+	if _, err := call(globex.Secret); err != nil {
+		t.Fatal(err)
+	}
+	gid, _, _ := apikey.Parse(globex.Secret)
+	if _, err := st.RevokeAPIKey(t.Context(), gid); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := call(globex.Secret); status.Code(err) != codes.Unauthenticated {
+		t.Fatalf("globex's revoked key, store up: %v, want UNAUTHENTICATED", err)
+	}
+	keys.down.Store(true)
+	if _, err := call(globex.Secret); status.Code(err) != codes.Unavailable {
+		t.Errorf("globex's key revoked before the outage, store down: %v, want UNAVAILABLE", err)
+	}
+	keys.down.Store(false)
+
 	off := &apikey.Authenticator{Keys: keys, StaleFor: -1}
 	offCall := func(key string) error {
 		_, err := off.Tenant(metadata.NewIncomingContext(t.Context(), metadata.Pairs("authorization", "Bearer "+key)))
