@@ -188,6 +188,12 @@ func (s *Server) takeovers(ctx context.Context) {
 // has time, else it ends DEADLINE_EXCEEDED as a dead letter.
 func (s *Server) resume(ctx context.Context, r store.Run) {
 	log := s.cfg.Log.With("run_id", r.RunID, "epoch", r.Epoch)
+	if s.claimedWhileStarting(r.RunID, r.Lease()) {
+		// A run this process is starting, whose lease lapsed while the store was slow
+		// to record it: its start launches it, under this new lease.
+		log.WarnContext(ctx, "run's lease lapsed while it was being started; its start goes on under the new lease")
+		return
+	}
 	if rn, err := s.get(r.RunID); err == nil && !rn.moved() {
 		// This process's own run, whose lease lapsed before a heartbeat (a stalled
 		// store, say): the claim made this process its owner again, under a new epoch.

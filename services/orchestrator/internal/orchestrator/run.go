@@ -436,13 +436,24 @@ func (rn *run) movedErr() error {
 func (s *Server) add(rn *run) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
+	if l, ok := s.startingRuns[rn.id]; ok {
+		// The run's start ends here. If this process's takeover scan claimed it while
+		// the store was slow to record it (resume), it goes on under that newer lease.
+		delete(s.startingRuns, rn.id)
+		if l != nil && l.Epoch > rn.lease.Epoch {
+			rn.lease = *l
+		}
+	}
+	if _, ok := s.runs[rn.id]; !ok {
+		// Keep order sorted by id; ids minted concurrently may arrive here a little out
+		// of order. A run of an id already here (resumed after it moved) replaces the
+		// old one and keeps its place.
+		i := sort.SearchStrings(s.order, rn.id)
+		s.order = append(s.order, "")
+		copy(s.order[i+1:], s.order[i:])
+		s.order[i] = rn.id
+	}
 	s.runs[rn.id] = rn
-	// Keep order sorted by id; ids minted concurrently may arrive here a little out of
-	// order.
-	i := sort.SearchStrings(s.order, rn.id)
-	s.order = append(s.order, "")
-	copy(s.order[i+1:], s.order[i:])
-	s.order[i] = rn.id
 	// Forget the oldest ended runs beyond MaxRuns; running runs are never forgotten, so a
 	// long detached run does not stop older ended ones from being dropped.
 	excess := len(s.order) - s.cfg.MaxRuns
@@ -566,4 +577,31 @@ func (s *Server) live() []*run {
 		}
 	}
 	return out
+}
+
+// creating notes that this process is recording the new run id (createRun) and will
+// launch it: until add, a takeover scan that claims the run (its lease lapsed while the
+// store was slow) hands its lease to the start instead of launching the run a second
+// time (resume). done ends the note when the start fails before add.
+func (s *Server) creating(id string) (done func()) {
+	s.mu.Lock()
+	s.startingRuns[id] = nil
+	s.mu.Unlock()
+	return func() {
+		s.mu.Lock()
+		delete(s.startingRuns, id)
+		s.mu.Unlock()
+	}
+}
+
+// claimedWhileStarting reports whether run id is one this process is still starting
+// and, if so, keeps l, the lease a takeover scan just claimed it under, for add.
+func (s *Server) claimedWhileStarting(id string, l store.Lease) bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if _, ok := s.startingRuns[id]; !ok {
+		return false
+	}
+	s.startingRuns[id] = &l
+	return true
 }

@@ -109,6 +109,9 @@ type Server struct {
 	mu    sync.Mutex
 	runs  map[string]*run
 	order []string // run ids, oldest first (sorted: UUIDv7)
+	// startingRuns are the runs being recorded by a start, not yet in runs (creating),
+	// each with the newer lease a takeover scan claimed it under meanwhile, or nil.
+	startingRuns map[string]*store.Lease
 	// drops are runs forgotten beyond MaxRuns still to be deleted from a private store;
 	// dropping is whether dropForgotten is deleting them (run.go).
 	drops    []runRef
@@ -158,7 +161,7 @@ func New(cfg Config) *Server {
 	if cfg.Owner == "" {
 		cfg.Owner = OwnerName("orchestrator/"+uuid.NewString()[:8], "")
 	}
-	s := &Server{cfg: cfg, nodes: nodes.New(cfg.NodeRetention), shared: cfg.Store.Shared(), runs: map[string]*run{}, handedOver: make(chan struct{})}
+	s := &Server{cfg: cfg, nodes: nodes.New(cfg.NodeRetention), shared: cfg.Store.Shared(), runs: map[string]*run{}, startingRuns: map[string]*store.Lease{}, handedOver: make(chan struct{})}
 	if s.shared && cfg.Registerer != nil {
 		s.leaseMetrics = newLeaseMetrics(cfg.Registerer, s)
 	}

@@ -128,18 +128,24 @@ func outage(err error) bool {
 // without answering (its connection cut after the commit) is recognised by the next:
 // the same id already taken, or the idempotency key already naming that id, is this
 // very run, created, not another caller's.
-func (s *Server) createRun(ctx context.Context, nr store.NewRun) (store.Run, bool, error) {
+//
+// Until the run is added to this process's table (launch), a takeover scan here that
+// claims it (its lease lapsed while the store was slow) leaves it to this start
+// (Server.creating); a start that records no run of its own ends that note itself.
+func (s *Server) createRun(ctx context.Context, nr store.NewRun) (r store.Run, created bool, err error) {
 	nr.RunID = uuid.Must(uuid.NewV7()).String()
+	done := s.creating(nr.RunID)
+	defer func() {
+		if err != nil || !created {
+			done()
+		}
+	}()
 	var began time.Time
 	for try := 1; ; try++ {
-		var (
-			r       store.Run
-			created bool
-		)
-		err := tryStore(ctx, false, func(ctx context.Context) error {
-			var err error
-			r, created, err = s.cfg.Store.CreateRun(ctx, nr)
-			return err
+		err = tryStore(ctx, false, func(ctx context.Context) error {
+			var cerr error
+			r, created, cerr = s.cfg.Store.CreateRun(ctx, nr)
+			return cerr
 		})
 		if try > 1 {
 			r, created, err = s.ownEarlierTry(ctx, nr, r, created, err)

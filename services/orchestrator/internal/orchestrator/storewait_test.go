@@ -363,7 +363,9 @@ func startWhileDown(t *testing.T, timeout time.Duration) (*outageStore, *env, st
 type createOutage struct {
 	store.Store
 	down, ambiguous atomic.Bool
-	refused         atomic.Int64
+	// downAfter: the ambiguous create takes the store down for CreateRun.
+	downAfter atomic.Bool
+	refused   atomic.Int64
 }
 
 func (c *createOutage) CreateRun(ctx context.Context, r store.NewRun) (store.Run, bool, error) {
@@ -373,9 +375,91 @@ func (c *createOutage) CreateRun(ctx context.Context, r store.NewRun) (store.Run
 	}
 	run, created, err := c.Store.CreateRun(ctx, r)
 	if err == nil && c.ambiguous.CompareAndSwap(true, false) {
+		if c.downAfter.Load() {
+			c.down.Store(true)
+		}
 		return store.Run{}, false, errRefused
 	}
 	return run, created, err
+}
+
+// A start whose run the store recorded without answering, and stayed out of reach for
+// CreateRun longer than the run's lease, finds its run claimed by this process's own
+// takeover scan (epoch 2) when the store is back. The run is launched once, by the start,
+// under the scan's lease, and succeeds: each model step decoded once, each tool called
+// once. (Before, the scan launched it and so did the start: two executions, and the
+// run's id twice in the table, which failed every later start past MaxRuns.)
+func TestStartAndTakeoverLaunchARunOnce(t *testing.T) {
+	st := &createOutage{Store: openStore(t)}
+	st.ambiguous.Store(true)
+	st.downAfter.Store(true)
+	e, _ := newStoreWaitEnvOf(t, st, "orch-a", 300*time.Millisecond)
+	ctx := context.Background()
+	done := make(chan error, 1)
+	var id string
+	go func() {
+		res, err := e.orch.StartRun(ctx, &orchestratorv1.StartRunRequest{Task: fastPlan, Timeout: durationpb.New(30 * time.Second)})
+		id = res.GetRun().GetRunId()
+		done <- err
+	}()
+	// The first create landed unanswered; the scan claims the run once its lease lapses.
+	for until := time.Now().Add(10 * time.Second); ; time.Sleep(10 * time.Millisecond) {
+		runs, _, err := st.ListRuns(ctx, store.RunQuery{Tenant: md.DefaultTenant})
+		if err == nil && len(runs) == 1 && runs[0].Epoch >= 2 {
+			break
+		}
+		if time.Now().After(until) {
+			t.Fatalf("the takeover scan did not claim the run being started within 10 s: %v %v", runs, err)
+		}
+	}
+	st.down.Store(false)
+	select {
+	case err := <-done:
+		if err != nil {
+			t.Fatalf("StartRun: %v", err)
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("StartRun still waiting 10 s after the store came back")
+	}
+	if r := e.waitEndedWithin(t, id, 10*time.Second); r.GetStatus() != orchestratorv1.RunStatus_RUN_STATUS_SUCCEEDED {
+		t.Fatalf("run ended %v %s: %s, want SUCCEEDED", r.GetStatus(), r.GetErrorCode(), r.GetErrorMessage())
+	}
+	if got := e.decoders(); len(got) != 2 {
+		t.Errorf("decoders %v, want each of the 2 model steps once", got)
+	}
+	for node, n := range e.tools.counts() {
+		if n != 1 {
+			t.Errorf("tool %s called %d times, want once", node, n)
+		}
+	}
+	e.srv.mu.Lock()
+	order, starting := len(e.srv.order), len(e.srv.startingRuns)
+	e.srv.mu.Unlock()
+	if order != 1 || starting != 0 {
+		t.Errorf("the table orders %d runs and %d starts are pending, want 1 and 0", order, starting)
+	}
+}
+
+// A run of an id already in the table (resumed here after it moved away and back)
+// replaces the old one and keeps one place in the order, so that forgetting ended runs
+// beyond MaxRuns finds every id it orders. (It panicked on the dangling second place,
+// and every start past MaxRuns failed INTERNAL.)
+func TestReAddedRunKeepsOnePlace(t *testing.T) {
+	e := newEnvWith(t, mesh.ServerConfig{}, nil, func(c *Config) { c.MaxRuns, c.Store = 2, openStore(t) })
+	first := e.startEnded(t, "k1").GetRunId()
+	rn, err := e.srv.get(first)
+	if err != nil {
+		t.Fatal(err)
+	}
+	e.srv.add(rn) // as resume's launch adds a run that came back
+	for _, k := range []string{"k2", "k3", "k4"} {
+		e.startEnded(t, k)
+	}
+	e.srv.mu.Lock()
+	defer e.srv.mu.Unlock()
+	if len(e.srv.order) != len(e.srv.runs) {
+		t.Errorf("the table orders %d ids for %d runs", len(e.srv.order), len(e.srv.runs))
+	}
 }
 
 // A start during a store outage waits for the store, within the call's deadline, and
