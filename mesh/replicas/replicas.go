@@ -141,7 +141,7 @@ func (s *Set) Conns(ctx context.Context) []*grpc.ClientConn {
 		if s.resolving == nil {
 			s.resolving = make(chan struct{})
 			s.bg.Add(1)
-			go s.resolve(s.resolving)
+			go s.resolve(s.resolving) //nolint:contextcheck // outlives the call that started it, on the Set's own context (Close cancels it)
 		}
 		if s.resolved.IsZero() { // the first resolution is under way: wait for it
 			done := s.resolving
