@@ -93,37 +93,39 @@ func hash(secret string) []byte {
 	return h[:]
 }
 
-// Authenticator checks bearer API keys against the store. While the store is out of
-// reach (store.ErrUnavailable), a key is checked against its record as last verified, if
-// that was at most StaleFor ago (see key); otherwise the call is UNAVAILABLE. Use it by
-// pointer: it keeps those records.
+// Authenticator checks bearer API keys against the store, on every call.
+//
+// While the store cannot be asked (store.ErrUnavailable: PostgreSQL restarting, out of
+// reach), a key is checked against its last record this Authenticator read and verified,
+// if that is at most StaleIfUnavailable old: callers keep working through a store
+// outage (a cancel above all: a run's stop signal must not depend on the store), and a
+// run started meanwhile waits for the store within its deadline. The price: a key revoked
+// within that time before the outage, and not presented since, is still taken during
+// it. A key refused (unknown, revoked, wrong secret) forgets its record at once.
 type Authenticator struct {
 	Keys store.APIKeys
 	Log  *slog.Logger // nil: slog.Default()
-	// StaleFor is how long a verified key's record may stand in for the store while the
-	// store is unavailable: DefaultStaleFor when 0, never when negative.
-	StaleFor time.Duration
-	// now is the clock; tests may replace it.
-	now func() time.Time
+	// StaleIfUnavailable is how old a key's last verified record may be to be used while
+	// the store is unavailable; DefaultStaleIfUnavailable when 0, never when negative.
+	StaleIfUnavailable time.Duration
 
-	mu       sync.Mutex
-	verified map[string]verifiedKey // by key id
+	mu   sync.Mutex
+	last map[string]verified // by key id
 }
 
-// DefaultStaleFor is Authenticator.StaleFor's default. A key revoked while the store is
-// down is refused again once the store answers, or at most this long after it was last
-// verified.
-const DefaultStaleFor = time.Minute
+// DefaultStaleIfUnavailable is Authenticator.StaleIfUnavailable's default.
+const DefaultStaleIfUnavailable = time.Minute
 
-// maxVerified bounds the records an Authenticator keeps; past it, one is dropped for
-// each added (keys are per tenant and few, so this is a guard, not a cache policy).
-const maxVerified = 10000
-
-// verifiedKey is a key's record and when the store last vouched for it.
-type verifiedKey struct {
+// verified is a key's record as last read from the store and verified, and when.
+type verified struct {
 	rec store.APIKey
 	at  time.Time
 }
+
+// maxRemembered bounds the records kept for StaleIfUnavailable; beyond, those too old to
+// be used are dropped. Only keys found in the store are kept, so a caller sending made-up
+// ids adds nothing.
+const maxRemembered = 4096
 
 // errUnauthenticated is every refused key's status, alike on purpose.
 var errUnauthenticated = status.Error(codes.Unauthenticated, "invalid API key")
@@ -181,89 +183,79 @@ func (a *Authenticator) key(ctx context.Context, key string) (store.APIKey, erro
 		a.log().DebugContext(ctx, "API key refused", "key_id", id, "reason", "unknown")
 		return store.APIKey{}, errUnauthenticated
 	case errors.Is(err, store.ErrUnavailable):
-		// The store is out of reach (PostgreSQL restarting): a key verified a moment ago
-		// is checked against that record, so that a tenant can go on starting and
-		// cancelling runs through a short outage. Not for any other error: the store
-		// answered.
 		var ok bool
-		if rec, ok = a.lastVerified(id); !ok {
+		if rec, ok = a.recent(id); !ok {
 			a.log().WarnContext(ctx, "API key lookup failed", "key_id", id, "error", err.Error())
 			return store.APIKey{}, status.Error(codes.Unavailable, "cannot check the API key now; retry")
 		}
 		stale = true
+		a.log().DebugContext(ctx, "API key checked against its last record: the store is unavailable", "key_id", id)
 	case err != nil:
 		a.log().WarnContext(ctx, "API key lookup failed", "key_id", id, "error", err.Error())
 		return store.APIKey{}, status.Error(codes.Unavailable, "cannot check the API key now; retry")
 	}
 	if subtle.ConstantTimeCompare(rec.Hash, hash(secret)) != 1 {
 		a.log().DebugContext(ctx, "API key refused", "key_id", id, "reason", "wrong secret")
-		return store.APIKey{}, errUnauthenticated
+		return store.APIKey{}, errUnauthenticated // (its record stays: the key itself is sound)
 	}
 	if rec.Revoked() {
-		if !stale {
-			a.forget(id) // the store says so now: an outage after this must not honour the key
-		}
+		a.forget(id)
 		a.log().DebugContext(ctx, "API key refused", "key_id", id, "reason", "revoked", "revoked_at", rec.RevokedAt)
 		return store.APIKey{}, errUnauthenticated
 	}
-	if stale {
-		a.log().DebugContext(ctx, "API key checked against its last verified record: the store is unavailable", "key_id", id)
-	} else {
+	if !stale {
 		a.remember(id, rec)
 	}
 	return rec, nil
 }
 
-// remember keeps rec, just verified by the store, for lastVerified.
+// staleWindow is StaleIfUnavailable with its default.
+func (a *Authenticator) staleWindow() time.Duration {
+	if a.StaleIfUnavailable == 0 {
+		return DefaultStaleIfUnavailable
+	}
+	return a.StaleIfUnavailable
+}
+
+// remember keeps rec, just read and verified, for StaleIfUnavailable.
 func (a *Authenticator) remember(id string, rec store.APIKey) {
-	if a.StaleFor < 0 {
+	w := a.staleWindow()
+	if w < 0 {
 		return
 	}
+	now := time.Now()
 	a.mu.Lock()
 	defer a.mu.Unlock()
-	if a.verified == nil {
-		a.verified = map[string]verifiedKey{}
+	if a.last == nil {
+		a.last = map[string]verified{}
 	}
-	if _, ok := a.verified[id]; !ok && len(a.verified) >= maxVerified {
-		for old := range a.verified {
-			delete(a.verified, old)
-			break
+	if _, ok := a.last[id]; !ok && len(a.last) >= maxRemembered {
+		for k, v := range a.last {
+			if now.Sub(v.at) > w {
+				delete(a.last, k)
+			}
 		}
 	}
-	a.verified[id] = verifiedKey{rec: rec, at: a.clock()}
+	a.last[id] = verified{rec: rec, at: now}
 }
 
-// forget drops the record of key id: the store said the key is gone or revoked.
-func (a *Authenticator) forget(id string) {
+// recent returns id's last verified record if it is young enough to be used.
+func (a *Authenticator) recent(id string) (store.APIKey, bool) {
+	w := a.staleWindow()
 	a.mu.Lock()
 	defer a.mu.Unlock()
-	delete(a.verified, id)
-}
-
-// lastVerified returns the record of key id as the store last vouched for it, if that
-// was at most StaleFor ago.
-func (a *Authenticator) lastVerified(id string) (store.APIKey, bool) {
-	stale := a.StaleFor
-	if stale == 0 {
-		stale = DefaultStaleFor
-	}
-	if stale < 0 {
-		return store.APIKey{}, false
-	}
-	a.mu.Lock()
-	defer a.mu.Unlock()
-	v, ok := a.verified[id]
-	if !ok || a.clock().Sub(v.at) > stale {
+	v, ok := a.last[id]
+	if !ok || w < 0 || time.Since(v.at) > w {
 		return store.APIKey{}, false
 	}
 	return v.rec, true
 }
 
-func (a *Authenticator) clock() time.Time {
-	if a.now != nil {
-		return a.now()
-	}
-	return time.Now()
+// forget drops id's record: the store refused the key.
+func (a *Authenticator) forget(id string) {
+	a.mu.Lock()
+	delete(a.last, id)
+	a.mu.Unlock()
 }
 
 // Caller names the caller of a server call's ctx, for the audit log and a run's

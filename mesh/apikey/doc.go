@@ -17,7 +17,7 @@
 // for an unknown, revoked or wrong key, so that a caller cannot tell them apart; the
 // reason is logged at debug level with the key's id only, never its secret. While the
 // store is out of reach (store.ErrUnavailable), a key is checked against its record as
-// the store last verified it, at most StaleFor (DefaultStaleFor, 1 min) ago, so that a
+// the store last verified it, at most StaleIfUnavailable (1 min by default) ago, so that a
 // tenant can go on cancelling its runs through a restart of the store.
 //
 // Guard is the server chain's tenant authentication for a public API
