@@ -59,31 +59,46 @@ var storeWait = retry.Policy{Base: 50 * time.Millisecond, Cap: time.Second}
 // lands when the run is handed over; the tries of a wait run on the run's context, so
 // that a cancel or the deadline ends the wait at once.
 func (s *Server) waitForStore(ctx context.Context, rn *run, op string, write func(context.Context, store.Lease) error) error {
+	return s.waitOut(ctx, rn.id, rn.dl, op, func(try int) error {
+		for {
+			l := rn.leaseNow()
+			err := tryStore(ctx, try == 1, func(ctx context.Context) error { return write(ctx, l) })
+			if errors.Is(err, store.ErrStaleEpoch) && rn.leaseNow().Epoch != l.Epoch {
+				// The lease changed under the write: this process's scan re-claimed the
+				// run after its lease lapsed in the wait (resume). Write again under the
+				// new one.
+				continue
+			}
+			return err
+		}
+	})
+}
+
+// waitOut runs attempt (its argument counts the tries from 1) until it returns nil or
+// an error that is not an outage, or ctx ends; while it fails with an outage, it is run
+// again after storeWait's backoff. The wait of run id (deadline dl) is logged when it
+// begins and ends, with op, and counted (curfew_runs_waiting_for_store,
+// curfew_run_store_waits_total). It returns attempt's last error.
+func (s *Server) waitOut(ctx context.Context, id string, dl time.Time, op string, attempt func(try int) error) error {
 	var began time.Time // when the wait began; zero while there is none
 	stop := func(tries int, err error) error {
 		if !began.IsZero() {
 			s.leaseMetrics.storeWaitEnded()
-			s.cfg.Log.InfoContext(ctx, "run stopped waiting for the store", "run_id", rn.id, "op", op,
+			s.cfg.Log.InfoContext(ctx, "run stopped waiting for the store", "run_id", id, "op", op,
 				"waited_ms", time.Since(began).Milliseconds(), "tries", tries, "stored", err == nil)
 		}
 		return err
 	}
 	for try := 1; ; try++ {
-		l := rn.leaseNow()
-		err := tryStore(ctx, try == 1, func(ctx context.Context) error { return write(ctx, l) })
-		if errors.Is(err, store.ErrStaleEpoch) && rn.leaseNow().Epoch != l.Epoch {
-			// The lease changed under the write: this process's scan re-claimed the run
-			// after its lease lapsed in the wait (resume). Write again under the new one.
-			continue
-		}
+		err := attempt(try)
 		if !outage(err) || ctx.Err() != nil {
 			return stop(try, err)
 		}
 		if began.IsZero() {
 			began = time.Now()
 			s.leaseMetrics.storeWaitBegan()
-			s.cfg.Log.WarnContext(ctx, "the store is unavailable; the run waits for it within its deadline", "run_id", rn.id, "op", op,
-				"time_left_ms", time.Until(rn.dl).Milliseconds(), "error", err.Error())
+			s.cfg.Log.WarnContext(ctx, "the store is unavailable; the run waits for it within its deadline", "run_id", id, "op", op,
+				"time_left_ms", time.Until(dl).Milliseconds(), "error", err.Error())
 		}
 		t := time.NewTimer(storeWait.Backoff(try+1, rand.Float64))
 		select {
@@ -140,37 +155,18 @@ func (s *Server) createRun(ctx context.Context, nr store.NewRun) (r store.Run, c
 			done()
 		}
 	}()
-	var began time.Time
-	for try := 1; ; try++ {
-		err = tryStore(ctx, false, func(ctx context.Context) error {
-			var cerr error
-			r, created, cerr = s.cfg.Store.CreateRun(ctx, nr)
-			return cerr
+	err = s.waitOut(ctx, nr.RunID, nr.Deadline, "create run", func(try int) error {
+		err := tryStore(ctx, false, func(ctx context.Context) error {
+			var err error
+			r, created, err = s.cfg.Store.CreateRun(ctx, nr)
+			return err
 		})
 		if try > 1 {
 			r, created, err = s.ownEarlierTry(ctx, nr, r, created, err)
 		}
-		if !outage(err) || ctx.Err() != nil {
-			if !began.IsZero() {
-				s.leaseMetrics.storeWaitEnded()
-				s.cfg.Log.InfoContext(ctx, "run stopped waiting for the store", "run_id", nr.RunID, "op", "create run",
-					"waited_ms", time.Since(began).Milliseconds(), "tries", try, "stored", err == nil)
-			}
-			return r, created, err
-		}
-		if began.IsZero() {
-			began = time.Now()
-			s.leaseMetrics.storeWaitBegan()
-			s.cfg.Log.WarnContext(ctx, "the store is unavailable; the new run waits for it to be recorded", "run_id", nr.RunID, "op", "create run",
-				"error", err.Error())
-		}
-		t := time.NewTimer(storeWait.Backoff(try+1, rand.Float64))
-		select {
-		case <-ctx.Done():
-			t.Stop()
-		case <-t.C:
-		}
-	}
+		return err
+	})
+	return r, created, err
 }
 
 // ownEarlierTry judges a retried CreateRun's answer: a run this call's earlier try
