@@ -83,21 +83,21 @@ func DialOptions(cfg ClientConfig) []grpc.DialOption {
 	}
 	return []grpc.DialOption{grpc.WithChainUnaryInterceptor(us...), grpc.WithChainStreamInterceptor(ss...),
 		grpc.WithDefaultServiceConfig(LoadBalancingConfig),
-		grpc.WithConnectParams(grpc.ConnectParams{Backoff: ReconnectBackoff, MinConnectTimeout: 20 * time.Second})}
+		grpc.WithConnectParams(grpc.ConnectParams{Backoff: reconnectBackoff, MinConnectTimeout: 20 * time.Second})}
 }
 
 // ReconnectMaxDelay caps the wait between two attempts of a connection to reach an
-// address it lost or could not reach (ReconnectBackoff).
+// address it lost or could not reach (reconnectBackoff).
 const ReconnectMaxDelay = 5 * time.Second
 
-// ReconnectBackoff is how DialOptions' connections space their attempts to reach an
+// reconnectBackoff is how DialOptions' connections space their attempts to reach an
 // address: 1 s, then ×1.6 with ±20 % jitter, as grpc-go's default, but at most
 // ReconnectMaxDelay apart where grpc-go's default grows to 120 s. With the default, a
 // replica down for a minute is reached again only 10-30 s after it is back (its callers'
 // attempts have grown that far apart), and a service whose only replica restarted stays
 // unreachable that long; capped, it is reached within ReconnectMaxDelay. An attempt
 // to a dead address on the local network costs a refused SYN, so the cap costs nothing.
-var ReconnectBackoff = backoff.Config{BaseDelay: time.Second, Multiplier: 1.6, Jitter: 0.2, MaxDelay: ReconnectMaxDelay}
+var reconnectBackoff = backoff.Config{BaseDelay: time.Second, Multiplier: 1.6, Jitter: 0.2, MaxDelay: ReconnectMaxDelay}
 
 // DNSReresolveInterval is the least time between two DNS resolutions of one dns:///
 // target, for every connection of the process (grpc-go's default is 30 s). A connection

@@ -387,8 +387,8 @@ func (c *createOutage) CreateRun(ctx context.Context, r store.NewRun) (store.Run
 // CreateRun longer than the run's lease, finds its run claimed by this process's own
 // takeover scan (epoch 2) when the store is back. The run is launched once, by the start,
 // under the scan's lease, and succeeds: each model step decoded once, each tool called
-// once. (Before, the scan launched it and so did the start: two executions, and the
-// run's id twice in the table, which failed every later start past MaxRuns.)
+// once. A launch by the scan as well would run it twice and put its id twice in the
+// table.
 func TestStartAndTakeoverLaunchARunOnce(t *testing.T) {
 	st := &createOutage{Store: openStore(t)}
 	st.ambiguous.Store(true)
@@ -442,8 +442,8 @@ func TestStartAndTakeoverLaunchARunOnce(t *testing.T) {
 
 // A run of an id already in the table (resumed here after it moved away and back)
 // replaces the old one and keeps one place in the order, so that forgetting ended runs
-// beyond MaxRuns finds every id it orders. (It panicked on the dangling second place,
-// and every start past MaxRuns failed INTERNAL.)
+// beyond MaxRuns finds every id it orders: a second place would outlive the run it named,
+// and every start past MaxRuns would then fail.
 func TestReAddedRunKeepsOnePlace(t *testing.T) {
 	e := newEnvWith(t, mesh.ServerConfig{}, nil, func(c *Config) { c.MaxRuns, c.Store = 2, openStore(t) })
 	first := e.startEnded(t, "k1").GetRunId()
