@@ -35,7 +35,7 @@ type docRow struct {
 	nats      bool     // served only with --nats (checked by e2e/outbox_test.go)
 	hedge     bool     // served only with --hedge-max-extra-load, once a tool call was hedged (mesh/hedge's and mesh/agent's tests)
 	budget    bool     // served only by a modelproxy with a shared store and a tenant budget (mesh/budget's and e2e/budget_cluster_test.go's tests)
-	cluster   bool     // served only with cluster-wide admission, which curfew up on its own store leaves off
+	cluster   bool     // served only with coordination across replicas (admission, retry windows, probe leases), which curfew up on its own store leaves off
 	planned   bool     // in the "Planned" table: not served yet
 }
 
@@ -94,7 +94,7 @@ func docMetrics(t *testing.T) []docRow {
 		r.nats = strings.Contains(where, "--nats")
 		r.hedge = strings.Contains(where, "--hedge-max-extra-load")
 		r.budget = strings.Contains(where, "shared `--store` and a budget")
-		r.cluster = strings.Contains(where, "cluster-wide admission on")
+		r.cluster = strings.Contains(where, "coordination across replicas on")
 		if len(r.names) == 0 || (!planned && len(r.where) == 0) {
 			t.Fatalf("docs/metrics.md: cannot read the row %q", line)
 		}
@@ -272,7 +272,7 @@ func TestMetricsAfterRuns(t *testing.T) {
 			}
 			continue
 		}
-		if r.providers {
+		if r.providers && !r.cluster {
 			withProviders = append(withProviders, r)
 			continue
 		}

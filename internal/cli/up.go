@@ -141,10 +141,14 @@ func cmdUp(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 		extra[svc] = append(extra[svc], "--store", dsn)
 	}
 	if *storeDSN == "" {
-		// The store in --data-dir is this mesh's alone, and it has one orchestrator: no
-		// replica to share the admission caps with, so no slot claims at the store on
-		// every run (docs/cluster.md). A --store given may be shared with another mesh.
+		// The store in --data-dir is this mesh's alone, and it has one replica of each
+		// service: no replica to share the admission caps, the retry windows or the
+		// breakers' probes with, so none of them is claimed in the store (docs/cluster.md).
+		// A --store given may be shared with another mesh.
 		extra["orchestrator"] = append(extra["orchestrator"], "--cluster-admission=false")
+		for _, svc := range []string{"toolrunner", "orchestrator", "modelproxy"} {
+			extra[svc] = append(extra[svc], "--retry-coordination=off", "--breaker-coordination=off")
+		}
 	}
 	if *basePort < 0 || *basePort > 65535-9 {
 		return usageErr(stderr, "up", fmt.Errorf("--base-port must be 0 or between 1 and %d", 65535-9))

@@ -6,6 +6,18 @@ import (
 	"time"
 )
 
+// The values of --retry-coordination.
+const (
+	// CoordinationStore: with a store other replicas share, the retries of each target
+	// are coordinated in the file's retry windows (File.RetryWindow, docs/cluster.md).
+	CoordinationStore = "store"
+	// CoordinationOff: every replica retries on its own, as with the file's
+	// "window": {"disabled": true}.
+	CoordinationOff = "off"
+	// DefaultCoordination is --retry-coordination's default.
+	DefaultCoordination = CoordinationStore
+)
+
 // Flags are the retry flags every service has (--retry-*). A flag given explicitly
 // overrides the file's default policy; the file can set per-target and per-method
 // policies (see File). Register sets the defaults; a zero Flags means no file and
@@ -18,6 +30,10 @@ type Flags struct {
 	BudgetRatio float64
 	BudgetRPS   float64
 	Throttle    bool
+	// Coordination is CoordinationStore or CoordinationOff; "" means
+	// DefaultCoordination. Off turns the file's retry windows off; store leaves them as
+	// the file says.
+	Coordination string
 }
 
 // Register adds the retry flags to fs, with this package's defaults.
@@ -30,6 +46,7 @@ func (r *Flags) Register(fs *flag.FlagSet) {
 	fs.Float64Var(&r.BudgetRatio, "retry-budget-ratio", DefaultBudgetRatio, "retries may add at most this share of calls per target")
 	fs.Float64Var(&r.BudgetRPS, "retry-budget-per-second", DefaultBudgetPerSecond, "retries allowed per second beyond the ratio")
 	fs.BoolVar(&r.Throttle, "retry-throttle", false, "client-side adaptive throttling (SRE book)")
+	fs.StringVar(&r.Coordination, "retry-coordination", DefaultCoordination, "with a --store other replicas share: store coordinates each target's retries in the retry file's windows (at most window.replicas replicas retry it at a time); off lets each replica retry on its own (see docs/cluster.md)")
 }
 
 // Load builds the retry File the flags describe: the --retry-config file if given, then
@@ -83,6 +100,13 @@ func (r *Flags) apply(f *File, explicit map[string]bool) (*File, error) {
 	}
 	if explicit["retry-throttle"] || (r.File == "" && r.Throttle) {
 		f.Throttle = r.Throttle
+	}
+	switch r.Coordination {
+	case "", CoordinationStore:
+	case CoordinationOff:
+		f.Window.Disabled = true
+	default:
+		return nil, fmt.Errorf("--retry-coordination must be %s or %s, got %q", CoordinationStore, CoordinationOff, r.Coordination)
 	}
 	if err := f.Validate(); err != nil {
 		return nil, fmt.Errorf("retry flags: %w", err)

@@ -3,6 +3,7 @@ package retry_test
 import (
 	"context"
 	"errors"
+	"strings"
 	"sync"
 	"testing"
 	"time"
@@ -203,5 +204,29 @@ func TestFileWindow(t *testing.T) {
 		if _, err := retry.DecodeFile([]byte(bad)); err == nil {
 			t.Errorf("%s accepted", bad)
 		}
+	}
+}
+
+// TestFlagsWindowCoordination: --retry-coordination=off turns the windows off whatever the
+// file says, store (the default) leaves them as the file says, and another value is
+// refused.
+func TestFlagsWindowCoordination(t *testing.T) {
+	file := []byte(`{"window": {"replicas": 2}}`)
+	for _, c := range []struct {
+		coordination string
+		off          bool
+	}{{"", false}, {retry.CoordinationStore, false}, {retry.CoordinationOff, true}} {
+		fl := retry.Flags{File: "retry.json", Coordination: c.coordination}
+		f, err := fl.Decode(file, nil)
+		if err != nil {
+			t.Fatalf("%q: %v", c.coordination, err)
+		}
+		if w := f.RetryWindow(); w.Off != c.off || (!w.Off && w.Replicas != 2) {
+			t.Errorf("--retry-coordination=%q: window %+v, want off %v", c.coordination, w, c.off)
+		}
+	}
+	fl := retry.Flags{File: "retry.json", Coordination: "leader"}
+	if _, err := fl.Decode(file, nil); err == nil || !strings.Contains(err.Error(), "--retry-coordination") {
+		t.Fatalf("--retry-coordination=leader: %v, want it refused", err)
 	}
 }

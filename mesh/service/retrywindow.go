@@ -17,8 +17,8 @@ type SharedSlots interface {
 // CoordinateRetries coordinates the retries of every connection Dial makes from now on
 // with the other replicas that share st (docs/cluster.md, "Coordinated retry windows"):
 // per target, at most the retry file's window.replicas replicas retry at a time. It does
-// nothing when st is not shared or the file's window is off (then every replica retries
-// on its own, as before). Call it once, after New and before Dial. The window settings
+// nothing when st is not shared, or the file's window is off or --retry-coordination is
+// off (then every replica retries on its own). Call it once, after New and before Dial. The window settings
 // are read now: a reload of --retry-config does not change them. The windows held are
 // released when Serve stops.
 func (rt *Runtime) CoordinateRetries(st SharedSlots) error {
