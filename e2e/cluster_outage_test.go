@@ -10,6 +10,7 @@ import (
 	"time"
 
 	"github.com/jackc/pgx/v5"
+	"google.golang.org/protobuf/types/known/durationpb"
 
 	adminv1 "github.com/curfew-mesh/curfew/gen/curfew/admin/v1"
 	orchestratorv1 "github.com/curfew-mesh/curfew/gen/curfew/orchestrator/v1"
@@ -109,10 +110,33 @@ func TestClusterCoordinationSurvivesStoreOutage(t *testing.T) {
 		t.Fatalf("before the outage: %d paid runs in flight across two orchestrators, cap 2", h)
 	}
 
-	// An operator's API key cannot be checked while the store is down (over mTLS,
-	// curfew-cli's certificate still reads status): the orchestrators' metrics say it.
+	// A long run, decoding at a known rate, to be cancelled while the store is down.
+	const long = `{"tokens_per_second": 20, "steps": [{"answer_tokens": 4000}]}`
+	ls, err := oc.runs[0].StartRun(ctx, &orchestratorv1.StartRunRequest{Task: long, Timeout: durationpb.New(2 * time.Minute)})
+	if err != nil {
+		t.Fatal(err)
+	}
+	longStarted := time.Now()
+	time.Sleep(time.Second)
+
 	pg.stop(t)
 	down := time.Now()
+	// Its tenant cancels it a second into the outage, on its orchestrator: the API key
+	// verified a moment before still holds, and the cancel itself needs no store.
+	type cancelResult struct {
+		sent, answered time.Time
+		err            error
+	}
+	cancelled := make(chan cancelResult, 1)
+	go func() {
+		time.Sleep(time.Second)
+		cctx, ccancel := context.WithTimeout(ctx, 5*time.Second)
+		defer ccancel()
+		r := cancelResult{sent: time.Now()}
+		_, r.err = oc.runs[0].CancelRun(cctx, &orchestratorv1.CancelRunRequest{RunId: ls.GetRun().GetRunId(), Reason: "e2e: cancelled during the store outage"})
+		r.answered = time.Now()
+		cancelled <- r
+	}()
 	// The load's clients may all be inside runs that wait out the outage, so two more
 	// clients start one run each, on each orchestrator, well inside it.
 	for i := range 2 {
@@ -147,6 +171,12 @@ func TestClusterCoordinationSurvivesStoreOutage(t *testing.T) {
 	up := time.Now()
 	if !degraded {
 		t.Error("status never said cluster admission was degraded while the store was down")
+	}
+	cr := <-cancelled
+	t.Logf("CancelRun sent %v into the outage: answered after %v (%v)", cr.sent.Sub(down).Round(time.Millisecond),
+		cr.answered.Sub(cr.sent).Round(time.Millisecond), cr.err)
+	if cr.err != nil {
+		t.Errorf("CancelRun during the store outage: %v", cr.err)
 	}
 
 	// Coordination resumes.
@@ -210,6 +240,21 @@ func TestClusterCoordinationSurvivesStoreOutage(t *testing.T) {
 	if failedDown > 0 {
 		t.Errorf("%d runs started while the store was down failed (the longest after %v), want every one to wait for the store and succeed",
 			failedDown, longest.Round(time.Millisecond))
+	}
+	// The long run ended cancelled, its decoder stopped at the cancel: no more tokens than
+	// its rate allows up to the cancel's sending (and a second's margin), at most one
+	// after it.
+	var lr *orchestratorv1.Run
+	waitFor(t, "the run cancelled during the outage is recorded cancelled", 30*time.Second, func() bool {
+		got, err := oc.runs[0].GetRun(ctx, &orchestratorv1.GetRunRequest{RunId: ls.GetRun().GetRunId()})
+		lr = got.GetRun()
+		return err == nil && lr.GetStatus() == orchestratorv1.RunStatus_RUN_STATUS_CANCELLED
+	})
+	bound := int64(20 * (cr.sent.Sub(longStarted) + time.Second).Seconds())
+	t.Logf("the run cancelled during the outage: %d tokens (bound %d), %d after its cancel", lr.GetTokens(), bound, lr.GetTokensAfterCancel())
+	if lr.GetTokens() == 0 || lr.GetTokens() > bound || lr.GetTokensAfterCancel() > 1 {
+		t.Errorf("the run cancelled during the outage: %d tokens (want 1 to %d), %d after its cancel (want at most 1)",
+			lr.GetTokens(), bound, lr.GetTokensAfterCancel())
 	}
 	waitFor(t, "no paid slot held once the load ended", 10*time.Second, func() bool {
 		slots, err := oc.st.ListSlots(ctx, admission.PoolScope("paid"))
