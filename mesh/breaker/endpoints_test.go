@@ -29,10 +29,23 @@ import (
 // replica is one replica of a service: a bare gRPC server whose Check answers at once,
 // or, while hold is set, waits until its call ends (as a long call does).
 type endpoint struct {
-	srv  *grpc.Server
-	addr string
-	hold atomic.Bool
-	held atomic.Int64 // calls waiting now
+	srv    *grpc.Server
+	addr   string
+	hold   atomic.Bool
+	held   atomic.Int64 // calls waiting now
+	served atomic.Int64 // calls answered at once
+}
+
+// bothAnswer makes calls until each replica has answered one, so that the breaker has
+// seen both up: round_robin picks only the replicas it has connected to, and at first
+// that may be one of them alone.
+func bothAnswer(ctx context.Context, t *testing.T, cc *grpc.ClientConn, a, b *endpoint) {
+	t.Helper()
+	for a.served.Load() == 0 || b.served.Load() == 0 {
+		if err := check(ctx, cc); err != nil {
+			t.Fatal(err)
+		}
+	}
 }
 
 func startEndpoint(t *testing.T) *endpoint {
@@ -50,6 +63,7 @@ func startEndpoint(t *testing.T) *endpoint {
 			<-crashed // a crashed process answers nothing, not even its cancellation
 			return errors.New("crashed")
 		}
+		r.served.Add(1)
 		return nil
 	}})
 	go func() { _ = r.srv.Serve(lis) }()
@@ -86,11 +100,7 @@ func TestOneReplicaDownDoesNotOpenTheServicesBreaker(t *testing.T) {
 	set := breaker.NewSet(breaker.Config{ConsecutiveFailures: 3, OpenTimeout: time.Hour}, reg)
 	cc := dialReplicas(t, set, noRetries, []resolver.Address{{Addr: a.addr}, {Addr: b.addr}})
 	ctx := timeout(t, 10*time.Second)
-	for range 10 { // both replicas answer
-		if err := check(ctx, cc); err != nil {
-			t.Fatal(err)
-		}
-	}
+	bothAnswer(ctx, t, cc, a, b)
 
 	crashWithCallsInFlight(t, cc, b, 6)
 	if st := set.Get("svc").State(); st != breaker.StateClosed {
@@ -312,11 +322,7 @@ func TestAReplicasCrashIsRetriedWithoutAWindow(t *testing.T) {
 	rc := retry.Config{Window: w, Default: retry.Policy{MaxAttempts: 3, Base: time.Millisecond, Cap: time.Millisecond}}
 	cc := dialReplicas(t, set, rc, []resolver.Address{{Addr: a.addr}, {Addr: b.addr}})
 	ctx := timeout(t, 10*time.Second)
-	for range 10 { // both replicas answer
-		if err := check(ctx, cc); err != nil {
-			t.Fatal(err)
-		}
-	}
+	bothAnswer(ctx, t, cc, a, b)
 
 	// Calls held on b, then b crashes: each is retried, on a, and succeeds.
 	b.hold.Store(true)
