@@ -8,22 +8,24 @@ import (
 )
 
 // SQLDB is a Driver over database/sql: one pool for writes (the SQLite backends
-// give it a single connection) and one for reads.
+// give it a single connection) and one for reads. Each pool keeps its queries
+// prepared (stmts), made by OpenSQLite.
 type SQLDB struct {
-	W, R *sql.DB
+	W, R   *sql.DB
+	ws, rs *stmts
 }
 
 // Read implements Driver.
-func (d SQLDB) Read() Querier { return sqlQuerier{d.R} }
+func (d SQLDB) Read() Querier { return sqlQuerier{c: d.R, st: d.rs} }
 
 // Exec implements Driver, on the writer connection.
 func (d SQLDB) Exec(ctx context.Context, s string, args ...any) (int64, error) {
-	return sqlQuerier{d.W}.Exec(ctx, s, args...)
+	return sqlQuerier{c: d.W, st: d.ws}.Exec(ctx, s, args...)
 }
 
 // Write implements Driver, on the writer connection.
 func (d SQLDB) Write(ctx context.Context, s string, args ...any) (Rows, error) {
-	return sqlQuerier{d.W}.Query(ctx, s, args...)
+	return sqlQuerier{c: d.W, st: d.ws}.Query(ctx, s, args...)
 }
 
 // Tx implements Driver.
@@ -32,19 +34,24 @@ func (d SQLDB) Tx(ctx context.Context, fn func(Querier) error) (err error) {
 	if err != nil {
 		return err
 	}
+	// The queries the transaction ran unprepared are prepared once it has given the
+	// writer connection back.
+	defer d.ws.preparePending(ctx)
 	defer func() {
 		if err != nil {
 			_ = tx.Rollback()
 		}
 	}()
-	if err = fn(sqlQuerier{tx}); err != nil {
+	if err = fn(sqlQuerier{c: tx, st: d.ws, tx: tx}); err != nil {
 		return err
 	}
 	return tx.Commit()
 }
 
 // Close implements Driver.
-func (d SQLDB) Close() error { return errors.Join(d.R.Close(), d.W.Close()) }
+func (d SQLDB) Close() error {
+	return errors.Join(d.rs.close(), d.ws.close(), d.R.Close(), d.W.Close())
+}
 
 type sqlConn interface {
 	ExecContext(ctx context.Context, query string, args ...any) (sql.Result, error)
@@ -52,10 +59,31 @@ type sqlConn interface {
 	QueryRowContext(ctx context.Context, query string, args ...any) *sql.Row
 }
 
-type sqlQuerier struct{ c sqlConn }
+// sqlQuerier runs queries on c, through st's prepared statements when it has one (in
+// the transaction tx, when c is tx).
+type sqlQuerier struct {
+	c  sqlConn
+	st *stmts
+	tx *sql.Tx
+}
+
+// stmt returns the prepared statement of s, or nil to run s unprepared.
+func (q sqlQuerier) stmt(ctx context.Context, s string) *sql.Stmt {
+	st := q.st.get(ctx, s, q.tx == nil)
+	if st != nil && q.tx != nil {
+		return q.tx.StmtContext(ctx, st)
+	}
+	return st
+}
 
 func (q sqlQuerier) Exec(ctx context.Context, s string, args ...any) (int64, error) {
-	res, err := q.c.ExecContext(ctx, s, args...)
+	var res sql.Result
+	var err error
+	if st := q.stmt(ctx, s); st != nil {
+		res, err = st.ExecContext(ctx, args...)
+	} else {
+		res, err = q.c.ExecContext(ctx, s, args...)
+	}
 	if err != nil {
 		return 0, err
 	}
@@ -63,11 +91,20 @@ func (q sqlQuerier) Exec(ctx context.Context, s string, args ...any) (int64, err
 }
 
 func (q sqlQuerier) QueryRow(ctx context.Context, s string, args ...any) Row {
+	if st := q.stmt(ctx, s); st != nil {
+		return sqlRow{st.QueryRowContext(ctx, args...)}
+	}
 	return sqlRow{q.c.QueryRowContext(ctx, s, args...)}
 }
 
 func (q sqlQuerier) Query(ctx context.Context, s string, args ...any) (Rows, error) {
-	rows, err := q.c.QueryContext(ctx, s, args...)
+	var rows *sql.Rows
+	var err error
+	if st := q.stmt(ctx, s); st != nil {
+		rows, err = st.QueryContext(ctx, args...)
+	} else {
+		rows, err = q.c.QueryContext(ctx, s, args...)
+	}
 	if err != nil {
 		return nil, err
 	}
@@ -112,5 +149,5 @@ func OpenSQLite(base string, maxConns, extra int) (SQLDB, error) {
 	}
 	r.SetMaxOpenConns(readers + extra)
 	r.SetMaxIdleConns(readers)
-	return SQLDB{W: w, R: r}, nil
+	return SQLDB{W: w, R: r, ws: newStmts(w), rs: newStmts(r)}, nil
 }
