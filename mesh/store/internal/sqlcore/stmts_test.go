@@ -2,6 +2,7 @@ package sqlcore
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"path/filepath"
 	"testing"
@@ -50,7 +51,7 @@ func TestStatementsArePreparedOnceAndUsedInTransactions(t *testing.T) {
 		err := d.Tx(ctx, func(q Querier) error {
 			n, err := q.Exec(ctx, upd, "a", 10)
 			if err != nil || n != 1 {
-				return fmt.Errorf("update: %d rows, %v", n, err)
+				return fmt.Errorf("update: %d rows, %w", n, err)
 			}
 			_, err = q.Exec(ctx, ins, fmt.Sprintf("t%d", i), i)
 			return err
@@ -69,7 +70,7 @@ func TestStatementsArePreparedOnceAndUsedInTransactions(t *testing.T) {
 	if err := d.Read().QueryRow(ctx, get, "a").Scan(&v); err != nil || v != 31 || !kept(d.rs, get) {
 		t.Fatalf("a = %d, %v, kept %v; want 31 from the prepared read", v, err, kept(d.rs, get))
 	}
-	if err := d.Read().QueryRow(ctx, get, "zz").Scan(&v); err != ErrNoRows {
+	if err := d.Read().QueryRow(ctx, get, "zz").Scan(&v); !errors.Is(err, ErrNoRows) {
 		t.Fatalf("a missing key: %v, want ErrNoRows", err)
 	}
 	if _, err := d.Exec(ctx, `INSERT INTO nowhere VALUES (1)`); err == nil {
