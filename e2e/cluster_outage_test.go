@@ -110,33 +110,45 @@ func TestClusterCoordinationSurvivesStoreOutage(t *testing.T) {
 		t.Fatalf("before the outage: %d paid runs in flight across two orchestrators, cap 2", h)
 	}
 
-	// A long run, decoding at a known rate, to be cancelled while the store is down.
+	// Two long runs on orchestrator-a, decoding at a known rate, to be cancelled while the
+	// store is down: one through orchestrator-a, one through orchestrator-b.
 	const long = `{"tokens_per_second": 20, "steps": [{"answer_tokens": 4000}]}`
-	ls, err := oc.runs[0].StartRun(ctx, &orchestratorv1.StartRunRequest{Task: long, Timeout: durationpb.New(2 * time.Minute)})
-	if err != nil {
-		t.Fatal(err)
+	type longRun struct {
+		id, via       string
+		client        orchestratorv1.OrchestratorServiceClient
+		started, sent time.Time
+		answered      time.Time
+		err           error
 	}
-	longStarted := time.Now()
-	time.Sleep(time.Second)
+	longs := []*longRun{{via: "orchestrator-a", client: oc.runs[0]}, {via: "orchestrator-b", client: oc.runs[1]}}
+	for _, l := range longs {
+		r, err := oc.runs[0].StartRun(ctx, &orchestratorv1.StartRunRequest{Task: long, Timeout: durationpb.New(2 * time.Minute)})
+		if err != nil {
+			t.Fatal(err)
+		}
+		l.id, l.started = r.GetRun().GetRunId(), time.Now()
+	}
+	// Longer than the orchestrators' peer refresh (2 s): orchestrator-b has read from the
+	// store that orchestrator-a owns live runs.
+	time.Sleep(3 * time.Second)
 
 	pg.stop(t)
 	down := time.Now()
-	// Its tenant cancels it a second into the outage, on its orchestrator: the API key
-	// verified a moment before still holds, and the cancel itself needs no store.
-	type cancelResult struct {
-		sent, answered time.Time
-		err            error
+	// Their tenant cancels them a second into the outage. On orchestrator-a the API key
+	// verified a moment before still holds, and the cancel itself needs no store;
+	// orchestrator-b cannot read the run's owner from the store, so it asks the peers it
+	// last read there.
+	var cancels sync.WaitGroup
+	for _, l := range longs {
+		cancels.Go(func() {
+			time.Sleep(time.Second)
+			cctx, ccancel := context.WithTimeout(ctx, 5*time.Second)
+			defer ccancel()
+			l.sent = time.Now()
+			_, l.err = l.client.CancelRun(cctx, &orchestratorv1.CancelRunRequest{RunId: l.id, Reason: "e2e: cancelled during the store outage"})
+			l.answered = time.Now()
+		})
 	}
-	cancelled := make(chan cancelResult, 1)
-	go func() {
-		time.Sleep(time.Second)
-		cctx, ccancel := context.WithTimeout(ctx, 5*time.Second)
-		defer ccancel()
-		r := cancelResult{sent: time.Now()}
-		_, r.err = oc.runs[0].CancelRun(cctx, &orchestratorv1.CancelRunRequest{RunId: ls.GetRun().GetRunId(), Reason: "e2e: cancelled during the store outage"})
-		r.answered = time.Now()
-		cancelled <- r
-	}()
 	// The load's clients may all be inside runs that wait out the outage, so two more
 	// clients start one run each, on each orchestrator, well inside it.
 	for i := range 2 {
@@ -172,11 +184,13 @@ func TestClusterCoordinationSurvivesStoreOutage(t *testing.T) {
 	if !degraded {
 		t.Error("status never said cluster admission was degraded while the store was down")
 	}
-	cr := <-cancelled
-	t.Logf("CancelRun sent %v into the outage: answered after %v (%v)", cr.sent.Sub(down).Round(time.Millisecond),
-		cr.answered.Sub(cr.sent).Round(time.Millisecond), cr.err)
-	if cr.err != nil {
-		t.Errorf("CancelRun during the store outage: %v", cr.err)
+	cancels.Wait()
+	for _, l := range longs {
+		t.Logf("CancelRun through %s sent %v into the outage: answered after %v (%v)", l.via, l.sent.Sub(down).Round(time.Millisecond),
+			l.answered.Sub(l.sent).Round(time.Millisecond), l.err)
+		if l.err != nil {
+			t.Errorf("CancelRun through %s during the store outage: %v", l.via, l.err)
+		}
 	}
 
 	// Coordination resumes.
@@ -241,20 +255,22 @@ func TestClusterCoordinationSurvivesStoreOutage(t *testing.T) {
 		t.Errorf("%d runs started while the store was down failed (the longest after %v), want every one to wait for the store and succeed",
 			failedDown, longest.Round(time.Millisecond))
 	}
-	// The long run ended cancelled, its decoder stopped at the cancel: no more tokens than
-	// its rate allows up to the cancel's sending (and a second's margin), at most one
+	// The long runs ended cancelled, their decoders stopped at the cancel: no more tokens
+	// than the rate allows up to the cancel's sending (and a second's margin), at most one
 	// after it.
-	var lr *orchestratorv1.Run
-	waitFor(t, "the run cancelled during the outage is recorded cancelled", 30*time.Second, func() bool {
-		got, err := oc.runs[0].GetRun(ctx, &orchestratorv1.GetRunRequest{RunId: ls.GetRun().GetRunId()})
-		lr = got.GetRun()
-		return err == nil && lr.GetStatus() == orchestratorv1.RunStatus_RUN_STATUS_CANCELLED
-	})
-	bound := int64(20 * (cr.sent.Sub(longStarted) + time.Second).Seconds())
-	t.Logf("the run cancelled during the outage: %d tokens (bound %d), %d after its cancel", lr.GetTokens(), bound, lr.GetTokensAfterCancel())
-	if lr.GetTokens() == 0 || lr.GetTokens() > bound || lr.GetTokensAfterCancel() > 1 {
-		t.Errorf("the run cancelled during the outage: %d tokens (want 1 to %d), %d after its cancel (want at most 1)",
-			lr.GetTokens(), bound, lr.GetTokensAfterCancel())
+	for _, l := range longs {
+		var lr *orchestratorv1.Run
+		waitFor(t, "the run cancelled through "+l.via+" during the outage is recorded cancelled", 30*time.Second, func() bool {
+			got, err := oc.runs[0].GetRun(ctx, &orchestratorv1.GetRunRequest{RunId: l.id})
+			lr = got.GetRun()
+			return err == nil && lr.GetStatus() == orchestratorv1.RunStatus_RUN_STATUS_CANCELLED
+		})
+		bound := int64(20 * (l.sent.Sub(l.started) + time.Second).Seconds())
+		t.Logf("the run cancelled through %s: %d tokens (bound %d), %d after its cancel", l.via, lr.GetTokens(), bound, lr.GetTokensAfterCancel())
+		if lr.GetTokens() == 0 || lr.GetTokens() > bound || lr.GetTokensAfterCancel() > 1 {
+			t.Errorf("the run cancelled through %s during the outage: %d tokens (want 1 to %d), %d after its cancel (want at most 1)",
+				l.via, lr.GetTokens(), bound, lr.GetTokensAfterCancel())
+		}
 	}
 	waitFor(t, "no paid slot held once the load ended", 10*time.Second, func() bool {
 		slots, err := oc.st.ListSlots(ctx, admission.PoolScope("paid"))

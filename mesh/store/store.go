@@ -107,6 +107,9 @@ type Checkpoints interface {
 	PutCheckpoint(ctx context.Context, l Lease, c Checkpoint) error
 	// ListCheckpoints returns the run's checkpoints by ascending step, for resume.
 	ListCheckpoints(ctx context.Context, tenant, runID string) ([]Checkpoint, error)
+	// RunOwners returns the owners of the runs in flight whose lease has not expired,
+	// each once, sorted: the orchestrators alive now, as far as their runs say.
+	RunOwners(ctx context.Context) ([]string, error)
 }
 
 // Tools holds idempotency records of tool calls and the state of the side-effect

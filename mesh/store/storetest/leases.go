@@ -11,6 +11,30 @@ import (
 )
 
 var leaseTests = map[string]func(*env){
+	"RunOwnersAreTheLiveLeases": func(e *env) {
+		if got, err := e.s.RunOwners(e.ctx); err != nil || len(got) != 0 {
+			e.t.Fatalf("owners of an empty store: %v, %v", got, err)
+		}
+		e.create(tenantA, "", "orch-b")
+		e.create(tenantB, "", "orch-a")
+		e.create(tenantA, "", "orch-a")
+		e.create(tenantA, "", "") // not claimed: no owner
+		done := e.create(tenantA, "", "orch-c")
+		if _, err := e.s.FinishRun(e.ctx, done.Lease(), store.RunResult{Status: store.StatusSucceeded}); err != nil {
+			e.t.Fatal(err)
+		}
+		got, err := e.s.RunOwners(e.ctx)
+		if err != nil || fmt.Sprint(got) != "[orch-a orch-b]" {
+			e.t.Fatalf("owners: %v, %v; want [orch-a orch-b] (orch-c's run ended)", got, err)
+		}
+		e.clock.Advance(5 * time.Second)
+		e.create(tenantA, "", "orch-d")
+		e.clock.Advance(6 * time.Second) // the first leases (10 s) expired, orch-d's not
+		got, err = e.s.RunOwners(e.ctx)
+		if err != nil || fmt.Sprint(got) != "[orch-d]" {
+			e.t.Fatalf("owners after the first leases expired: %v, %v; want [orch-d]", got, err)
+		}
+	},
 	"ClaimHeldExpiredTakeover": func(e *env) {
 		r := e.create(tenantA, "", "")
 		a := e.claim(tenantA, r.RunID, "orch-a", 10*time.Second)

@@ -178,6 +178,25 @@ func (s *Store) GetRun(ctx context.Context, tenant, runID string) (store.Run, er
 	return run, nil
 }
 
+// RunOwners implements store.Runs, on the index of unfinished runs by lease expiry.
+func (s *Store) RunOwners(ctx context.Context) ([]string, error) {
+	rows, err := s.d.Read().Query(ctx, `SELECT DISTINCT owner FROM runs
+		WHERE ended_ms = 0 AND lease_expires_ms > $1 AND owner <> '' ORDER BY owner`, s.nowMs())
+	if err != nil {
+		return nil, err
+	}
+	defer rows.Close()
+	var out []string
+	for rows.Next() {
+		var o string
+		if err := rows.Scan(&o); err != nil {
+			return nil, err
+		}
+		out = append(out, o)
+	}
+	return out, rows.Err()
+}
+
 // ListRuns implements store.Runs. The statement holds only the predicates of the
 // filters q sets, so that each combination is planned on its own and can use its index
 // (migration 0012): a predicate that disables itself when its parameter is empty

@@ -2,6 +2,7 @@ package orchestrator
 
 import (
 	"context"
+	"errors"
 	"strings"
 	"time"
 
@@ -52,14 +53,19 @@ func ownerAddr(owner string) string {
 func (s *Server) cancelElsewhere(ctx context.Context, req *orchestratorv1.CancelRunRequest) (*orchestratorv1.Run, error) {
 	id := req.GetRunId()
 	tenant := md.IdentityFrom(ctx).Tenant
+	forwarded := forwardedCall(ctx)
 	run, err := s.cfg.Store.GetRun(ctx, tenant, id)
 	if err != nil {
+		if errors.Is(err, store.ErrUnavailable) && !forwarded {
+			if r, ok := s.cancelAtPeers(ctx, req); ok {
+				return r, nil
+			}
+		}
 		return nil, runStoreErr(ctx, s.cfg.Log, "get run", id, err)
 	}
 	if run.Status.Terminal() {
 		return s.fromStore(ctx, run), nil
 	}
-	forwarded := forwardedCall(ctx)
 	tried := ""
 	if !forwarded {
 		if r, ok := s.forwardCancel(ctx, run, req); ok {

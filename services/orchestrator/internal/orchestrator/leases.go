@@ -57,7 +57,8 @@ const (
 var storeRetry = retry.Policy{MaxAttempts: 3, Base: 100 * time.Millisecond, Cap: 200 * time.Millisecond}
 
 // Start begins the lease loops on a shared store: heartbeats for the runs this process
-// owns, and the takeover of runs whose owner died. Shutdown stops them.
+// owns, the takeover of runs whose owner died, and the list of peers (peers.go).
+// Shutdown stops them.
 func (s *Server) Start(ctx context.Context) {
 	if !s.shared {
 		return
@@ -67,9 +68,10 @@ func (s *Server) Start(ctx context.Context) {
 	s.mu.Lock()
 	s.stopHeartbeat, s.stopTakeover = stopH, stopT
 	s.mu.Unlock()
-	s.bg.Add(2)
+	s.bg.Add(3)
 	go func() { defer s.bg.Done(); s.heartbeats(hctx) }()
 	go func() { defer s.bg.Done(); s.takeovers(tctx) }()
+	go func() { defer s.bg.Done(); s.refreshPeers(tctx) }()
 }
 
 func (s *Server) stopTakeovers() {

@@ -136,6 +136,9 @@ type Server struct {
 	// cancels are the runs owned elsewhere whose CancelRun could not reach their owner,
 	// with when: a takeover of one here ends it cancelled (cancelfwd.go).
 	cancels map[string]time.Time
+	// peers are the owners of runs in flight the store listed in the last peerMemory,
+	// with when it last did: where a cancel goes while the store is down (peers.go).
+	peers map[string]time.Time
 }
 
 // New returns a server. cfg.Store is required.
