@@ -24,7 +24,8 @@ import (
 // that the run's tree stops as fast as on the owner itself. When the owner cannot be
 // reached, the cancel is also broadcast to the leaves and remembered: if the owner died,
 // the orchestrator that takes the run over (this one included) ends it CANCELLED instead
-// of resuming it, so that no cancel is lost with its owner.
+// of resuming it, so that no cancel is lost with its owner. When the store cannot be read
+// to find the owner, the cancel goes to every peer this process knows (peers.go).
 
 // cancelMemory is how long a cancel of a run owned elsewhere is remembered for a takeover.
 const cancelMemory = 10 * time.Minute
@@ -49,7 +50,8 @@ func ownerAddr(owner string) string {
 
 // cancelElsewhere cancels a run this process does not hold: it forwards the call to the
 // run's owner, else broadcasts the cancel and waits for the run to end, taking it over
-// here if its owner's lease expires meanwhile.
+// here if its owner's lease expires meanwhile. While the store is down it asks its peers
+// (cancelAtPeers), and fails UNAVAILABLE when none holds the run.
 func (s *Server) cancelElsewhere(ctx context.Context, req *orchestratorv1.CancelRunRequest) (*orchestratorv1.Run, error) {
 	id := req.GetRunId()
 	tenant := md.IdentityFrom(ctx).Tenant
