@@ -13,9 +13,9 @@ import (
 const maxStmts = 256
 
 // stmts keeps each query text's prepared statement on one pool, so that SQLite parses
-// and plans a query once, not on every call: preparing was 14 % of the orchestrator's
-// CPU in BenchmarkThroughput (docs/benchmarks.md). database/sql prepares a statement
-// again on each connection it runs on, and a transaction runs it through
+// and plans a query once, not on every call (database/sql prepares a text anew on every
+// call made with it; the cost is in docs/benchmarks.md). database/sql prepares a kept
+// statement again on each connection it runs on, and a transaction runs it through
 // Tx.StmtContext. A nil *stmts keeps nothing.
 type stmts struct {
 	db      *sql.DB

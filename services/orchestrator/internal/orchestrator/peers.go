@@ -16,8 +16,8 @@ import (
 // checks the caller's tenant itself and cancels the run, and the others answer that they
 // cannot tell (UNAVAILABLE) or are gone.
 
-// peerRefresh is how often the peers are read from the store. The query reads the
-// index of unfinished runs, so it is cheap even with thousands in flight.
+// peerRefresh is how often the peers are read from the store. The query reads only the
+// index of unfinished runs (runs_claimable), whatever the number of runs ended.
 const peerRefresh = 2 * time.Second
 
 // peerMemory is how long a peer is kept after the store last listed it: an orchestrator
