@@ -136,7 +136,7 @@ func startBareTree(tb testing.TB, tps float64, events bool) *bareTree {
 
 // run makes one Run call of task and reads it to its end.
 func (t *bareTree) run(ctx context.Context, task string) error {
-	return runToEnd(ctx, t.orch, task)
+	return runToEnd(ctx, t.orch, task, orchestratorv1.RunEvents_RUN_EVENTS_UNSPECIFIED)
 }
 
 // bareServe is the body of a bare-tree child process (see TestMain): it serves its

@@ -20,7 +20,9 @@ import (
 )
 
 // Settings of the throughput benchmark; CURFEW_BENCH_THROUGHPUT_RUNS and
-// CURFEW_BENCH_THROUGHPUT_CONC override the first two.
+// CURFEW_BENCH_THROUGHPUT_CONC override the first two. curfew's runs ask for the started
+// event and the summary alone (RUN_EVENTS_SUMMARY), what the bare orchestrator sends;
+// CURFEW_BENCH_THROUGHPUT_EVENTS=all streams them every node update and event instead.
 const (
 	throughputRuns = 200 // runs per side per round
 	throughputConc = 4   // runs in flight at once
@@ -84,7 +86,11 @@ func BenchmarkThroughput(b *testing.B) {
 	bare := startBareTree(b, 10000, false)
 	task := SmallPlan()
 	ctx := context.Background()
-	curfewRun := func() error { return meshRunWithin(ctx, orch, task, 30*time.Second) }
+	events := orchestratorv1.RunEvents_RUN_EVENTS_SUMMARY
+	if os.Getenv("CURFEW_BENCH_THROUGHPUT_EVENTS") == "all" {
+		events = orchestratorv1.RunEvents_RUN_EVENTS_ALL
+	}
+	curfewRun := func() error { return meshRunWithin(ctx, orch, task, events, 30*time.Second) }
 	bareRun := func() error {
 		rctx, cancel := context.WithTimeout(ctx, 30*time.Second)
 		defer cancel()
@@ -148,18 +154,18 @@ func BenchmarkThroughput(b *testing.B) {
 	printThroughputTable(rounds, conc)
 }
 
-// meshRunWithin makes one Run call of task on the mesh, with a deadline within from now,
-// and reads it to its end; a run that did not succeed is an error.
-func meshRunWithin(ctx context.Context, orch orchestratorv1.OrchestratorServiceClient, task string, within time.Duration) error {
+// meshRunWithin makes one Run call of task on the mesh, streaming events, with a deadline
+// within from now, and reads it to its end; a run that did not succeed is an error.
+func meshRunWithin(ctx context.Context, orch orchestratorv1.OrchestratorServiceClient, task string, events orchestratorv1.RunEvents, within time.Duration) error {
 	rctx, cancel := context.WithTimeout(ctx, within)
 	defer cancel()
-	return runToEnd(rctx, orch, task)
+	return runToEnd(rctx, orch, task, events)
 }
 
-// runToEnd makes one Run call of task on orch (the mesh's or the bare tree's) and reads
-// it to its end: an error unless the run succeeded.
-func runToEnd(ctx context.Context, orch orchestratorv1.OrchestratorServiceClient, task string) error {
-	st, err := orch.Run(ctx, &orchestratorv1.RunRequest{Task: task})
+// runToEnd makes one Run call of task on orch (the mesh's or the bare tree's, which
+// ignores events) and reads it to its end: an error unless the run succeeded.
+func runToEnd(ctx context.Context, orch orchestratorv1.OrchestratorServiceClient, task string, events orchestratorv1.RunEvents) error {
+	st, err := orch.Run(ctx, &orchestratorv1.RunRequest{Task: task, Events: events})
 	if err != nil {
 		return err
 	}

@@ -118,7 +118,9 @@ func BenchmarkTracingRun(b *testing.B) {
 				var wg sync.WaitGroup
 				errs := make(chan error, tracingDemoRuns)
 				for range tracingDemoRuns {
-					wg.Go(func() { errs <- meshRunWithin(ctx, tm.orch, string(demo), time.Minute) })
+					wg.Go(func() {
+						errs <- meshRunWithin(ctx, tm.orch, string(demo), orchestratorv1.RunEvents_RUN_EVENTS_ALL, time.Minute)
+					})
 				}
 				wg.Wait()
 				close(errs)

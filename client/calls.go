@@ -37,6 +37,11 @@ type Request struct {
 	// response schema, tools, step limit and tool-error policy (docs/api.md, "A run's
 	// input"); nil for none.
 	Input *orchestratorv1.RunInput
+	// Events (Run only) is what the stream carries between Started and Finished: every
+	// node update and node event (RUN_EVENTS_ALL, the default), node updates only
+	// (RUN_EVENTS_NODES), or nothing (RUN_EVENTS_SUMMARY). RunAndWait, which reads only
+	// the summary, asks for the summary alone when Events is unset.
+	Events orchestratorv1.RunEvents
 }
 
 // EventKind says which member of an Event is set.
@@ -183,7 +188,7 @@ func (c *Client) Run(ctx context.Context, req Request) (*Stream, error) {
 	in := req.Input
 	st, err := c.rpc.Run(ctx, &orchestratorv1.RunRequest{Task: req.Task, Model: req.Model, ContinueOnDisconnect: req.ContinueOnDisconnect,
 		Messages: in.GetMessages(), MaxTokens: in.GetMaxTokens(), Temperature: temperature(in), ResponseSchemaJson: in.GetResponseSchemaJson(),
-		Tools: in.GetTools(), MaxSteps: in.GetMaxSteps(), ToolErrors: in.GetToolErrors(), Reserve: in.GetReserve()})
+		Tools: in.GetTools(), MaxSteps: in.GetMaxSteps(), ToolErrors: in.GetToolErrors(), Reserve: in.GetReserve(), Events: req.Events})
 	if err != nil {
 		cancel()
 		return nil, err
@@ -196,6 +201,9 @@ func (c *Client) Run(ctx context.Context, req Request) (*Stream, error) {
 // the run got that far (a run that failed, was cancelled or ran out of time), so that
 // status.Code(err) and run.GetStatus() are both at hand.
 func (c *Client) RunAndWait(ctx context.Context, req Request) (*orchestratorv1.Run, error) {
+	if req.Events == orchestratorv1.RunEvents_RUN_EVENTS_UNSPECIFIED {
+		req.Events = orchestratorv1.RunEvents_RUN_EVENTS_SUMMARY // nothing else is read
+	}
 	s, err := c.Run(ctx, req)
 	if err != nil {
 		return nil, err
@@ -232,6 +240,9 @@ func (c *Client) Watch(ctx context.Context, runID string) (*Stream, error) {
 // another task or model is ALREADY_EXISTS. Without a key Start is never retried, since a
 // retry could start a second run. req.Timeout is the run's time (see Request).
 func (c *Client) Start(ctx context.Context, req Request, idempotencyKey string) (run *orchestratorv1.Run, created bool, err error) {
+	if req.Events != orchestratorv1.RunEvents_RUN_EVENTS_UNSPECIFIED {
+		return nil, false, status.Error(codes.InvalidArgument, "Request.Events is Run's: Start streams nothing (Watch follows the run)")
+	}
 	in := req.Input
 	r := &orchestratorv1.StartRunRequest{Task: req.Task, Model: req.Model, IdempotencyKey: idempotencyKey,
 		Messages: in.GetMessages(), MaxTokens: in.GetMaxTokens(), Temperature: temperature(in), ResponseSchemaJson: in.GetResponseSchemaJson(),

@@ -2,7 +2,9 @@ package client_test
 
 import (
 	"context"
+	"errors"
 	"fmt"
+	"io"
 	"strings"
 	"testing"
 	"time"
@@ -247,5 +249,49 @@ func TestRequestInput(t *testing.T) {
 	other.Input = &orchestratorv1.RunInput{MaxTokens: 51, MaxSteps: 4, Messages: in.GetMessages()}
 	if _, _, err := c.Start(ctx, other, key); status.Code(err) != codes.AlreadyExists {
 		t.Errorf("the key with another input: %v, want ALREADY_EXISTS", err)
+	}
+}
+
+// Request.Events is what Run streams: node updates only with RUN_EVENTS_NODES, where the
+// default also streams the text of each model step. Start, which streams nothing,
+// refuses it.
+func TestRequestEvents(t *testing.T) {
+	c := newClient(t)
+	ctx, cancel := context.WithTimeout(t.Context(), time.Minute)
+	defer cancel()
+	count := func(events orchestratorv1.RunEvents) map[client.EventKind]int {
+		t.Helper()
+		s, err := c.Run(ctx, client.Request{Task: `{"steps": [{"answer_tokens": 5}]}`, Events: events})
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer s.Close()
+		kinds := map[client.EventKind]int{}
+		for {
+			ev, err := s.Next()
+			if errors.Is(err, io.EOF) {
+				break
+			}
+			if err != nil {
+				t.Fatal(err)
+			}
+			kinds[ev.Kind]++
+		}
+		if n := len(s.Summary().GetNodes()); n != 2 {
+			t.Errorf("events %v: summary of %d nodes, want the run and its model step", events, n)
+		}
+		return kinds
+	}
+	if all := count(orchestratorv1.RunEvents_RUN_EVENTS_UNSPECIFIED); all[client.EventNodeEvent] == 0 || all[client.EventNode] == 0 {
+		t.Errorf("default: %v, want node updates and text", all)
+	}
+	if nodes := count(orchestratorv1.RunEvents_RUN_EVENTS_NODES); nodes[client.EventNodeEvent] != 0 || nodes[client.EventNode] == 0 {
+		t.Errorf("RUN_EVENTS_NODES: %v, want node updates only", nodes)
+	}
+	if summary := count(orchestratorv1.RunEvents_RUN_EVENTS_SUMMARY); len(summary) != 2 || summary[client.EventStarted] != 1 || summary[client.EventFinished] != 1 {
+		t.Errorf("RUN_EVENTS_SUMMARY: %v, want Started and Finished only", summary)
+	}
+	if _, _, err := c.Start(ctx, client.Request{Task: `{"steps": [{"answer_tokens": 1}]}`, Events: orchestratorv1.RunEvents_RUN_EVENTS_NODES}, ""); status.Code(err) != codes.InvalidArgument {
+		t.Errorf("Start with Events: %v, want INVALID_ARGUMENT", err)
 	}
 }

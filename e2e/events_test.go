@@ -11,6 +11,8 @@ import (
 	"time"
 
 	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
 
 	meshv1 "github.com/curfew-mesh/curfew/gen/curfew/mesh/v1"
 	orchestratorv1 "github.com/curfew-mesh/curfew/gen/curfew/orchestrator/v1"
@@ -131,6 +133,22 @@ func (tp *tape) waitEvents(t *testing.T, n int, nodes ...string) {
 				t.Fatalf("fewer than %d events of %s within 20s:\n%s", n, id, tp.dump())
 			}
 			time.Sleep(10 * time.Millisecond)
+		}
+	}
+}
+
+// waitStarted waits for the run's started event and returns its id.
+func (tp *tape) waitStarted(t *testing.T) string {
+	t.Helper()
+	for deadline := time.Now().Add(20 * time.Second); ; time.Sleep(5 * time.Millisecond) {
+		tp.mu.Lock()
+		id := tp.id
+		tp.mu.Unlock()
+		if id != "" {
+			return id
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("no started event within 20s")
 		}
 	}
 }
@@ -308,5 +326,66 @@ func TestNodeEventsStopAtCancel(t *testing.T) {
 		if !found {
 			t.Errorf("no cancelled end of %s on Run's stream:\n%s", id, run.dumpLocked())
 		}
+	}
+}
+
+// A client chooses what its stream carries (RunRequest.events, WatchRunRequest.events):
+// the summary alone, or node updates without node events; the summary holds every node
+// either way.
+func TestRunStreamsTheEventsAskedFor(t *testing.T) {
+	t.Parallel()
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	c := client(t)
+	st, err := c.Run(ctx, &orchestratorv1.RunRequest{Task: progressPlan(600, 100), Events: orchestratorv1.RunEvents_RUN_EVENTS_NODES})
+	if err != nil {
+		t.Fatal(err)
+	}
+	nodes := record(st, splitRun)
+	// A watcher of the summary alone, and one of node updates, joining while it runs.
+	id := nodes.waitStarted(t)
+	ws, err := c.WatchRun(ctx, &orchestratorv1.WatchRunRequest{RunId: id, Events: orchestratorv1.RunEvents_RUN_EVENTS_SUMMARY})
+	if err != nil {
+		t.Fatal(err)
+	}
+	watchSummary := record(ws, splitWatch)
+	wn, err := c.WatchRun(ctx, &orchestratorv1.WatchRunRequest{RunId: id, Events: orchestratorv1.RunEvents_RUN_EVENTS_NODES})
+	if err != nil {
+		t.Fatal(err)
+	}
+	watchNodes := record(wn, splitWatch)
+	ss, err := c.Run(ctx, &orchestratorv1.RunRequest{Task: progressPlan(300, 100), Events: orchestratorv1.RunEvents_RUN_EVENTS_SUMMARY})
+	if err != nil {
+		t.Fatal(err)
+	}
+	summary := record(ss, splitRun)
+	for name, tp := range map[string]*tape{"Run, nodes": nodes, "Run, summary": summary, "WatchRun, summary": watchSummary, "WatchRun, nodes": watchNodes} {
+		tp.wait(t)
+		if tp.err != nil || tp.id == "" || tp.finished.GetStatus() != orchestratorv1.RunStatus_RUN_STATUS_SUCCEEDED {
+			t.Fatalf("%s: started %q, %v, %v", name, tp.id, tp.err, tp.finished)
+		}
+		if n := len(tp.finished.GetNodes()); n < 8 { // run, 3 model steps, 2 tools, the subagent's 2 steps and its tool
+			t.Errorf("%s: summary has %d nodes, want every node:\n%s", name, n, dump(tp.finished))
+		}
+		var gotNodes, gotEvents int
+		for _, m := range tp.msgs {
+			if m.ev != nil {
+				gotEvents++
+			} else {
+				gotNodes++
+			}
+		}
+		wantNodes := strings.HasSuffix(name, "nodes")
+		if gotEvents != 0 || wantNodes != (gotNodes > 0) {
+			t.Errorf("%s: %d node updates and %d node events streamed, want %s:\n%s", name, gotNodes, gotEvents,
+				map[bool]string{true: "node updates and no events", false: "neither"}[wantNodes], tp.dump())
+		}
+	}
+	bad, err := c.Run(ctx, &orchestratorv1.RunRequest{Task: progressPlan(300, 100), Events: 7})
+	if err == nil {
+		_, err = bad.Recv()
+	}
+	if status.Code(err) != codes.InvalidArgument {
+		t.Errorf("Run with events 7: %v, want INVALID_ARGUMENT", err)
 	}
 }

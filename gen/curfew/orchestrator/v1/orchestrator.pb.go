@@ -193,6 +193,65 @@ func (ToolErrors) EnumDescriptor() ([]byte, []int) {
 	return file_curfew_orchestrator_v1_orchestrator_proto_rawDescGZIP(), []int{2}
 }
 
+// RunEvents says which events a Run or WatchRun stream carries. Every stream starts with
+// the started event and ends with the summary, which holds every node whatever is chosen.
+type RunEvents int32
+
+const (
+	// As RUN_EVENTS_ALL.
+	RunEvents_RUN_EVENTS_UNSPECIFIED RunEvents = 0
+	// Every event: each node's start, updates and end, and the node events between them
+	// (streamed text, tool progress, approvals).
+	RunEvents_RUN_EVENTS_ALL RunEvents = 1
+	// Each node's start, updates and end, but no node events.
+	RunEvents_RUN_EVENTS_NODES RunEvents = 2
+	// The started event and the summary only.
+	RunEvents_RUN_EVENTS_SUMMARY RunEvents = 3
+)
+
+// Enum value maps for RunEvents.
+var (
+	RunEvents_name = map[int32]string{
+		0: "RUN_EVENTS_UNSPECIFIED",
+		1: "RUN_EVENTS_ALL",
+		2: "RUN_EVENTS_NODES",
+		3: "RUN_EVENTS_SUMMARY",
+	}
+	RunEvents_value = map[string]int32{
+		"RUN_EVENTS_UNSPECIFIED": 0,
+		"RUN_EVENTS_ALL":         1,
+		"RUN_EVENTS_NODES":       2,
+		"RUN_EVENTS_SUMMARY":     3,
+	}
+)
+
+func (x RunEvents) Enum() *RunEvents {
+	p := new(RunEvents)
+	*p = x
+	return p
+}
+
+func (x RunEvents) String() string {
+	return protoimpl.X.EnumStringOf(x.Descriptor(), protoreflect.EnumNumber(x))
+}
+
+func (RunEvents) Descriptor() protoreflect.EnumDescriptor {
+	return file_curfew_orchestrator_v1_orchestrator_proto_enumTypes[3].Descriptor()
+}
+
+func (RunEvents) Type() protoreflect.EnumType {
+	return &file_curfew_orchestrator_v1_orchestrator_proto_enumTypes[3]
+}
+
+func (x RunEvents) Number() protoreflect.EnumNumber {
+	return protoreflect.EnumNumber(x)
+}
+
+// Deprecated: Use RunEvents.Descriptor instead.
+func (RunEvents) EnumDescriptor() ([]byte, []int) {
+	return file_curfew_orchestrator_v1_orchestrator_proto_rawDescGZIP(), []int{3}
+}
+
 // Run is a run's record and, once it has ended, its summary.
 type Run struct {
 	state  protoimpl.MessageState `protogen:"open.v1"`
@@ -685,7 +744,11 @@ type RunRequest struct {
 	// run under the deadline minus it, and when too little time is left before it for
 	// another round of tools, the model is asked for its final answer with what it has
 	// (docs/reserve.md). Empty means none.
-	Reserve       string `protobuf:"bytes,11,opt,name=reserve,proto3" json:"reserve,omitempty"`
+	Reserve string `protobuf:"bytes,11,opt,name=reserve,proto3" json:"reserve,omitempty"`
+	// Which of the run's events this call streams; RUN_EVENTS_ALL by default. A client
+	// that reads only the summary asks for RUN_EVENTS_SUMMARY, and the orchestrator then
+	// sends it nothing between the started event and the summary.
+	Events        RunEvents `protobuf:"varint,12,opt,name=events,proto3,enum=curfew.orchestrator.v1.RunEvents" json:"events,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -795,6 +858,13 @@ func (x *RunRequest) GetReserve() string {
 		return x.Reserve
 	}
 	return ""
+}
+
+func (x *RunRequest) GetEvents() RunEvents {
+	if x != nil {
+		return x.Events
+	}
+	return RunEvents_RUN_EVENTS_UNSPECIFIED
 }
 
 // RunStarted is the first event of a run.
@@ -1186,8 +1256,11 @@ func (x *StartRunResponse) GetCreated() bool {
 
 // WatchRunRequest names a run to follow.
 type WatchRunRequest struct {
-	state         protoimpl.MessageState `protogen:"open.v1"`
-	RunId         string                 `protobuf:"bytes,1,opt,name=run_id,json=runId,proto3" json:"run_id,omitempty"`
+	state protoimpl.MessageState `protogen:"open.v1"`
+	RunId string                 `protobuf:"bytes,1,opt,name=run_id,json=runId,proto3" json:"run_id,omitempty"`
+	// Which of the run's events this call streams, as in RunRequest; RUN_EVENTS_ALL by
+	// default.
+	Events        RunEvents `protobuf:"varint,2,opt,name=events,proto3,enum=curfew.orchestrator.v1.RunEvents" json:"events,omitempty"`
 	unknownFields protoimpl.UnknownFields
 	sizeCache     protoimpl.SizeCache
 }
@@ -1227,6 +1300,13 @@ func (x *WatchRunRequest) GetRunId() string {
 		return x.RunId
 	}
 	return ""
+}
+
+func (x *WatchRunRequest) GetEvents() RunEvents {
+	if x != nil {
+		return x.Events
+	}
+	return RunEvents_RUN_EVENTS_UNSPECIFIED
 }
 
 // WatchRunResponse is one event of a watched run, in the order Run sends them.
@@ -1723,7 +1803,7 @@ const file_curfew_orchestrator_v1_orchestrator_proto_rawDesc = "" +
 	"\vtool_errors\x18\a \x01(\x0e2\".curfew.orchestrator.v1.ToolErrorsR\n" +
 	"toolErrors\x12\x18\n" +
 	"\areserve\x18\b \x01(\tR\areserveB\x0e\n" +
-	"\f_temperature\"\xc3\x03\n" +
+	"\f_temperature\"\xfe\x03\n" +
 	"\n" +
 	"RunRequest\x12\x12\n" +
 	"\x04task\x18\x01 \x01(\tR\x04task\x12\x14\n" +
@@ -1739,7 +1819,8 @@ const file_curfew_orchestrator_v1_orchestrator_proto_rawDesc = "" +
 	"\vtool_errors\x18\n" +
 	" \x01(\x0e2\".curfew.orchestrator.v1.ToolErrorsR\n" +
 	"toolErrors\x12\x18\n" +
-	"\areserve\x18\v \x01(\tR\areserveB\x0e\n" +
+	"\areserve\x18\v \x01(\tR\areserve\x129\n" +
+	"\x06events\x18\f \x01(\x0e2!.curfew.orchestrator.v1.RunEventsR\x06eventsB\x0e\n" +
 	"\f_temperature\"[\n" +
 	"\n" +
 	"RunStarted\x12\x15\n" +
@@ -1771,9 +1852,10 @@ const file_curfew_orchestrator_v1_orchestrator_proto_rawDesc = "" +
 	"\f_temperature\"[\n" +
 	"\x10StartRunResponse\x12-\n" +
 	"\x03run\x18\x01 \x01(\v2\x1b.curfew.orchestrator.v1.RunR\x03run\x12\x18\n" +
-	"\acreated\x18\x02 \x01(\bR\acreated\"(\n" +
+	"\acreated\x18\x02 \x01(\bR\acreated\"c\n" +
 	"\x0fWatchRunRequest\x12\x15\n" +
-	"\x06run_id\x18\x01 \x01(\tR\x05runId\"\xfe\x01\n" +
+	"\x06run_id\x18\x01 \x01(\tR\x05runId\x129\n" +
+	"\x06events\x18\x02 \x01(\x0e2!.curfew.orchestrator.v1.RunEventsR\x06events\"\xfe\x01\n" +
 	"\x10WatchRunResponse\x12>\n" +
 	"\astarted\x18\x01 \x01(\v2\".curfew.orchestrator.v1.RunStartedH\x00R\astarted\x12*\n" +
 	"\x04node\x18\x02 \x01(\v2\x14.curfew.mesh.v1.NodeH\x00R\x04node\x129\n" +
@@ -1817,7 +1899,12 @@ const file_curfew_orchestrator_v1_orchestrator_proto_rawDesc = "" +
 	"ToolErrors\x12\x1b\n" +
 	"\x17TOOL_ERRORS_UNSPECIFIED\x10\x00\x12\x18\n" +
 	"\x14TOOL_ERRORS_TO_MODEL\x10\x01\x12\x18\n" +
-	"\x14TOOL_ERRORS_FAIL_RUN\x10\x022\xc1\x04\n" +
+	"\x14TOOL_ERRORS_FAIL_RUN\x10\x02*i\n" +
+	"\tRunEvents\x12\x1a\n" +
+	"\x16RUN_EVENTS_UNSPECIFIED\x10\x00\x12\x12\n" +
+	"\x0eRUN_EVENTS_ALL\x10\x01\x12\x14\n" +
+	"\x10RUN_EVENTS_NODES\x10\x02\x12\x16\n" +
+	"\x12RUN_EVENTS_SUMMARY\x10\x032\xc1\x04\n" +
 	"\x13OrchestratorService\x12P\n" +
 	"\x03Run\x12\".curfew.orchestrator.v1.RunRequest\x1a#.curfew.orchestrator.v1.RunResponse0\x01\x12]\n" +
 	"\bStartRun\x12'.curfew.orchestrator.v1.StartRunRequest\x1a(.curfew.orchestrator.v1.StartRunResponse\x12_\n" +
@@ -1839,85 +1926,88 @@ func file_curfew_orchestrator_v1_orchestrator_proto_rawDescGZIP() []byte {
 	return file_curfew_orchestrator_v1_orchestrator_proto_rawDescData
 }
 
-var file_curfew_orchestrator_v1_orchestrator_proto_enumTypes = make([]protoimpl.EnumInfo, 3)
+var file_curfew_orchestrator_v1_orchestrator_proto_enumTypes = make([]protoimpl.EnumInfo, 4)
 var file_curfew_orchestrator_v1_orchestrator_proto_msgTypes = make([]protoimpl.MessageInfo, 17)
 var file_curfew_orchestrator_v1_orchestrator_proto_goTypes = []any{
 	(RunStatus)(0),                // 0: curfew.orchestrator.v1.RunStatus
 	(MessageRole)(0),              // 1: curfew.orchestrator.v1.MessageRole
 	(ToolErrors)(0),               // 2: curfew.orchestrator.v1.ToolErrors
-	(*Run)(nil),                   // 3: curfew.orchestrator.v1.Run
-	(*Message)(nil),               // 4: curfew.orchestrator.v1.Message
-	(*ToolCall)(nil),              // 5: curfew.orchestrator.v1.ToolCall
-	(*RunInput)(nil),              // 6: curfew.orchestrator.v1.RunInput
-	(*RunRequest)(nil),            // 7: curfew.orchestrator.v1.RunRequest
-	(*RunStarted)(nil),            // 8: curfew.orchestrator.v1.RunStarted
-	(*RunResponse)(nil),           // 9: curfew.orchestrator.v1.RunResponse
-	(*StartRunRequest)(nil),       // 10: curfew.orchestrator.v1.StartRunRequest
-	(*StartRunResponse)(nil),      // 11: curfew.orchestrator.v1.StartRunResponse
-	(*WatchRunRequest)(nil),       // 12: curfew.orchestrator.v1.WatchRunRequest
-	(*WatchRunResponse)(nil),      // 13: curfew.orchestrator.v1.WatchRunResponse
-	(*GetRunRequest)(nil),         // 14: curfew.orchestrator.v1.GetRunRequest
-	(*GetRunResponse)(nil),        // 15: curfew.orchestrator.v1.GetRunResponse
-	(*ListRunsRequest)(nil),       // 16: curfew.orchestrator.v1.ListRunsRequest
-	(*ListRunsResponse)(nil),      // 17: curfew.orchestrator.v1.ListRunsResponse
-	(*CancelRunRequest)(nil),      // 18: curfew.orchestrator.v1.CancelRunRequest
-	(*CancelRunResponse)(nil),     // 19: curfew.orchestrator.v1.CancelRunResponse
-	(v1.CancelCause)(0),           // 20: curfew.mesh.v1.CancelCause
-	(*timestamppb.Timestamp)(nil), // 21: google.protobuf.Timestamp
-	(*v1.Node)(nil),               // 22: curfew.mesh.v1.Node
-	(*v1.NodeEvent)(nil),          // 23: curfew.mesh.v1.NodeEvent
-	(*durationpb.Duration)(nil),   // 24: google.protobuf.Duration
+	(RunEvents)(0),                // 3: curfew.orchestrator.v1.RunEvents
+	(*Run)(nil),                   // 4: curfew.orchestrator.v1.Run
+	(*Message)(nil),               // 5: curfew.orchestrator.v1.Message
+	(*ToolCall)(nil),              // 6: curfew.orchestrator.v1.ToolCall
+	(*RunInput)(nil),              // 7: curfew.orchestrator.v1.RunInput
+	(*RunRequest)(nil),            // 8: curfew.orchestrator.v1.RunRequest
+	(*RunStarted)(nil),            // 9: curfew.orchestrator.v1.RunStarted
+	(*RunResponse)(nil),           // 10: curfew.orchestrator.v1.RunResponse
+	(*StartRunRequest)(nil),       // 11: curfew.orchestrator.v1.StartRunRequest
+	(*StartRunResponse)(nil),      // 12: curfew.orchestrator.v1.StartRunResponse
+	(*WatchRunRequest)(nil),       // 13: curfew.orchestrator.v1.WatchRunRequest
+	(*WatchRunResponse)(nil),      // 14: curfew.orchestrator.v1.WatchRunResponse
+	(*GetRunRequest)(nil),         // 15: curfew.orchestrator.v1.GetRunRequest
+	(*GetRunResponse)(nil),        // 16: curfew.orchestrator.v1.GetRunResponse
+	(*ListRunsRequest)(nil),       // 17: curfew.orchestrator.v1.ListRunsRequest
+	(*ListRunsResponse)(nil),      // 18: curfew.orchestrator.v1.ListRunsResponse
+	(*CancelRunRequest)(nil),      // 19: curfew.orchestrator.v1.CancelRunRequest
+	(*CancelRunResponse)(nil),     // 20: curfew.orchestrator.v1.CancelRunResponse
+	(v1.CancelCause)(0),           // 21: curfew.mesh.v1.CancelCause
+	(*timestamppb.Timestamp)(nil), // 22: google.protobuf.Timestamp
+	(*v1.Node)(nil),               // 23: curfew.mesh.v1.Node
+	(*v1.NodeEvent)(nil),          // 24: curfew.mesh.v1.NodeEvent
+	(*durationpb.Duration)(nil),   // 25: google.protobuf.Duration
 }
 var file_curfew_orchestrator_v1_orchestrator_proto_depIdxs = []int32{
 	0,  // 0: curfew.orchestrator.v1.Run.status:type_name -> curfew.orchestrator.v1.RunStatus
-	20, // 1: curfew.orchestrator.v1.Run.cause:type_name -> curfew.mesh.v1.CancelCause
-	21, // 2: curfew.orchestrator.v1.Run.deadline:type_name -> google.protobuf.Timestamp
-	21, // 3: curfew.orchestrator.v1.Run.created_at:type_name -> google.protobuf.Timestamp
-	21, // 4: curfew.orchestrator.v1.Run.ended_at:type_name -> google.protobuf.Timestamp
-	21, // 5: curfew.orchestrator.v1.Run.cancelled_at:type_name -> google.protobuf.Timestamp
-	22, // 6: curfew.orchestrator.v1.Run.nodes:type_name -> curfew.mesh.v1.Node
-	6,  // 7: curfew.orchestrator.v1.Run.input:type_name -> curfew.orchestrator.v1.RunInput
+	21, // 1: curfew.orchestrator.v1.Run.cause:type_name -> curfew.mesh.v1.CancelCause
+	22, // 2: curfew.orchestrator.v1.Run.deadline:type_name -> google.protobuf.Timestamp
+	22, // 3: curfew.orchestrator.v1.Run.created_at:type_name -> google.protobuf.Timestamp
+	22, // 4: curfew.orchestrator.v1.Run.ended_at:type_name -> google.protobuf.Timestamp
+	22, // 5: curfew.orchestrator.v1.Run.cancelled_at:type_name -> google.protobuf.Timestamp
+	23, // 6: curfew.orchestrator.v1.Run.nodes:type_name -> curfew.mesh.v1.Node
+	7,  // 7: curfew.orchestrator.v1.Run.input:type_name -> curfew.orchestrator.v1.RunInput
 	1,  // 8: curfew.orchestrator.v1.Message.role:type_name -> curfew.orchestrator.v1.MessageRole
-	5,  // 9: curfew.orchestrator.v1.Message.tool_calls:type_name -> curfew.orchestrator.v1.ToolCall
-	4,  // 10: curfew.orchestrator.v1.RunInput.messages:type_name -> curfew.orchestrator.v1.Message
+	6,  // 9: curfew.orchestrator.v1.Message.tool_calls:type_name -> curfew.orchestrator.v1.ToolCall
+	5,  // 10: curfew.orchestrator.v1.RunInput.messages:type_name -> curfew.orchestrator.v1.Message
 	2,  // 11: curfew.orchestrator.v1.RunInput.tool_errors:type_name -> curfew.orchestrator.v1.ToolErrors
-	4,  // 12: curfew.orchestrator.v1.RunRequest.messages:type_name -> curfew.orchestrator.v1.Message
+	5,  // 12: curfew.orchestrator.v1.RunRequest.messages:type_name -> curfew.orchestrator.v1.Message
 	2,  // 13: curfew.orchestrator.v1.RunRequest.tool_errors:type_name -> curfew.orchestrator.v1.ToolErrors
-	21, // 14: curfew.orchestrator.v1.RunStarted.deadline:type_name -> google.protobuf.Timestamp
-	8,  // 15: curfew.orchestrator.v1.RunResponse.started:type_name -> curfew.orchestrator.v1.RunStarted
-	22, // 16: curfew.orchestrator.v1.RunResponse.node:type_name -> curfew.mesh.v1.Node
-	3,  // 17: curfew.orchestrator.v1.RunResponse.finished:type_name -> curfew.orchestrator.v1.Run
-	23, // 18: curfew.orchestrator.v1.RunResponse.node_event:type_name -> curfew.mesh.v1.NodeEvent
-	24, // 19: curfew.orchestrator.v1.StartRunRequest.timeout:type_name -> google.protobuf.Duration
-	4,  // 20: curfew.orchestrator.v1.StartRunRequest.messages:type_name -> curfew.orchestrator.v1.Message
-	2,  // 21: curfew.orchestrator.v1.StartRunRequest.tool_errors:type_name -> curfew.orchestrator.v1.ToolErrors
-	3,  // 22: curfew.orchestrator.v1.StartRunResponse.run:type_name -> curfew.orchestrator.v1.Run
-	8,  // 23: curfew.orchestrator.v1.WatchRunResponse.started:type_name -> curfew.orchestrator.v1.RunStarted
-	22, // 24: curfew.orchestrator.v1.WatchRunResponse.node:type_name -> curfew.mesh.v1.Node
-	3,  // 25: curfew.orchestrator.v1.WatchRunResponse.finished:type_name -> curfew.orchestrator.v1.Run
-	23, // 26: curfew.orchestrator.v1.WatchRunResponse.node_event:type_name -> curfew.mesh.v1.NodeEvent
-	3,  // 27: curfew.orchestrator.v1.GetRunResponse.run:type_name -> curfew.orchestrator.v1.Run
-	21, // 28: curfew.orchestrator.v1.ListRunsRequest.created_after:type_name -> google.protobuf.Timestamp
-	21, // 29: curfew.orchestrator.v1.ListRunsRequest.created_before:type_name -> google.protobuf.Timestamp
-	3,  // 30: curfew.orchestrator.v1.ListRunsResponse.runs:type_name -> curfew.orchestrator.v1.Run
-	3,  // 31: curfew.orchestrator.v1.CancelRunResponse.run:type_name -> curfew.orchestrator.v1.Run
-	7,  // 32: curfew.orchestrator.v1.OrchestratorService.Run:input_type -> curfew.orchestrator.v1.RunRequest
-	10, // 33: curfew.orchestrator.v1.OrchestratorService.StartRun:input_type -> curfew.orchestrator.v1.StartRunRequest
-	12, // 34: curfew.orchestrator.v1.OrchestratorService.WatchRun:input_type -> curfew.orchestrator.v1.WatchRunRequest
-	14, // 35: curfew.orchestrator.v1.OrchestratorService.GetRun:input_type -> curfew.orchestrator.v1.GetRunRequest
-	16, // 36: curfew.orchestrator.v1.OrchestratorService.ListRuns:input_type -> curfew.orchestrator.v1.ListRunsRequest
-	18, // 37: curfew.orchestrator.v1.OrchestratorService.CancelRun:input_type -> curfew.orchestrator.v1.CancelRunRequest
-	9,  // 38: curfew.orchestrator.v1.OrchestratorService.Run:output_type -> curfew.orchestrator.v1.RunResponse
-	11, // 39: curfew.orchestrator.v1.OrchestratorService.StartRun:output_type -> curfew.orchestrator.v1.StartRunResponse
-	13, // 40: curfew.orchestrator.v1.OrchestratorService.WatchRun:output_type -> curfew.orchestrator.v1.WatchRunResponse
-	15, // 41: curfew.orchestrator.v1.OrchestratorService.GetRun:output_type -> curfew.orchestrator.v1.GetRunResponse
-	17, // 42: curfew.orchestrator.v1.OrchestratorService.ListRuns:output_type -> curfew.orchestrator.v1.ListRunsResponse
-	19, // 43: curfew.orchestrator.v1.OrchestratorService.CancelRun:output_type -> curfew.orchestrator.v1.CancelRunResponse
-	38, // [38:44] is the sub-list for method output_type
-	32, // [32:38] is the sub-list for method input_type
-	32, // [32:32] is the sub-list for extension type_name
-	32, // [32:32] is the sub-list for extension extendee
-	0,  // [0:32] is the sub-list for field type_name
+	3,  // 14: curfew.orchestrator.v1.RunRequest.events:type_name -> curfew.orchestrator.v1.RunEvents
+	22, // 15: curfew.orchestrator.v1.RunStarted.deadline:type_name -> google.protobuf.Timestamp
+	9,  // 16: curfew.orchestrator.v1.RunResponse.started:type_name -> curfew.orchestrator.v1.RunStarted
+	23, // 17: curfew.orchestrator.v1.RunResponse.node:type_name -> curfew.mesh.v1.Node
+	4,  // 18: curfew.orchestrator.v1.RunResponse.finished:type_name -> curfew.orchestrator.v1.Run
+	24, // 19: curfew.orchestrator.v1.RunResponse.node_event:type_name -> curfew.mesh.v1.NodeEvent
+	25, // 20: curfew.orchestrator.v1.StartRunRequest.timeout:type_name -> google.protobuf.Duration
+	5,  // 21: curfew.orchestrator.v1.StartRunRequest.messages:type_name -> curfew.orchestrator.v1.Message
+	2,  // 22: curfew.orchestrator.v1.StartRunRequest.tool_errors:type_name -> curfew.orchestrator.v1.ToolErrors
+	4,  // 23: curfew.orchestrator.v1.StartRunResponse.run:type_name -> curfew.orchestrator.v1.Run
+	3,  // 24: curfew.orchestrator.v1.WatchRunRequest.events:type_name -> curfew.orchestrator.v1.RunEvents
+	9,  // 25: curfew.orchestrator.v1.WatchRunResponse.started:type_name -> curfew.orchestrator.v1.RunStarted
+	23, // 26: curfew.orchestrator.v1.WatchRunResponse.node:type_name -> curfew.mesh.v1.Node
+	4,  // 27: curfew.orchestrator.v1.WatchRunResponse.finished:type_name -> curfew.orchestrator.v1.Run
+	24, // 28: curfew.orchestrator.v1.WatchRunResponse.node_event:type_name -> curfew.mesh.v1.NodeEvent
+	4,  // 29: curfew.orchestrator.v1.GetRunResponse.run:type_name -> curfew.orchestrator.v1.Run
+	22, // 30: curfew.orchestrator.v1.ListRunsRequest.created_after:type_name -> google.protobuf.Timestamp
+	22, // 31: curfew.orchestrator.v1.ListRunsRequest.created_before:type_name -> google.protobuf.Timestamp
+	4,  // 32: curfew.orchestrator.v1.ListRunsResponse.runs:type_name -> curfew.orchestrator.v1.Run
+	4,  // 33: curfew.orchestrator.v1.CancelRunResponse.run:type_name -> curfew.orchestrator.v1.Run
+	8,  // 34: curfew.orchestrator.v1.OrchestratorService.Run:input_type -> curfew.orchestrator.v1.RunRequest
+	11, // 35: curfew.orchestrator.v1.OrchestratorService.StartRun:input_type -> curfew.orchestrator.v1.StartRunRequest
+	13, // 36: curfew.orchestrator.v1.OrchestratorService.WatchRun:input_type -> curfew.orchestrator.v1.WatchRunRequest
+	15, // 37: curfew.orchestrator.v1.OrchestratorService.GetRun:input_type -> curfew.orchestrator.v1.GetRunRequest
+	17, // 38: curfew.orchestrator.v1.OrchestratorService.ListRuns:input_type -> curfew.orchestrator.v1.ListRunsRequest
+	19, // 39: curfew.orchestrator.v1.OrchestratorService.CancelRun:input_type -> curfew.orchestrator.v1.CancelRunRequest
+	10, // 40: curfew.orchestrator.v1.OrchestratorService.Run:output_type -> curfew.orchestrator.v1.RunResponse
+	12, // 41: curfew.orchestrator.v1.OrchestratorService.StartRun:output_type -> curfew.orchestrator.v1.StartRunResponse
+	14, // 42: curfew.orchestrator.v1.OrchestratorService.WatchRun:output_type -> curfew.orchestrator.v1.WatchRunResponse
+	16, // 43: curfew.orchestrator.v1.OrchestratorService.GetRun:output_type -> curfew.orchestrator.v1.GetRunResponse
+	18, // 44: curfew.orchestrator.v1.OrchestratorService.ListRuns:output_type -> curfew.orchestrator.v1.ListRunsResponse
+	20, // 45: curfew.orchestrator.v1.OrchestratorService.CancelRun:output_type -> curfew.orchestrator.v1.CancelRunResponse
+	40, // [40:46] is the sub-list for method output_type
+	34, // [34:40] is the sub-list for method input_type
+	34, // [34:34] is the sub-list for extension type_name
+	34, // [34:34] is the sub-list for extension extendee
+	0,  // [0:34] is the sub-list for field type_name
 }
 
 func init() { file_curfew_orchestrator_v1_orchestrator_proto_init() }
@@ -1945,7 +2035,7 @@ func file_curfew_orchestrator_v1_orchestrator_proto_init() {
 		File: protoimpl.DescBuilder{
 			GoPackagePath: reflect.TypeOf(x{}).PkgPath(),
 			RawDescriptor: unsafe.Slice(unsafe.StringData(file_curfew_orchestrator_v1_orchestrator_proto_rawDesc), len(file_curfew_orchestrator_v1_orchestrator_proto_rawDesc)),
-			NumEnums:      3,
+			NumEnums:      4,
 			NumMessages:   17,
 			NumExtensions: 0,
 			NumServices:   1,

@@ -151,7 +151,7 @@ func (h *Handler) open(ctx context.Context, run *orchestratorv1.RunRequest, key 
 			h.keyed.detach(id, false, 0, nil)
 		}
 	}
-	ws, err := h.cfg.Orchestrator.WatchRun(ctx, &orchestratorv1.WatchRunRequest{RunId: id})
+	ws, err := h.cfg.Orchestrator.WatchRun(ctx, &orchestratorv1.WatchRunRequest{RunId: id, Events: run.GetEvents()})
 	if err != nil {
 		return nil, done, err
 	}

@@ -232,6 +232,9 @@ func (h *Handler) completions(w http.ResponseWriter, r *http.Request) {
 	}
 	if err == nil {
 		run.Reserve = r.Header.Get(ReserveHeader)
+		if !req.Stream {
+			run.Events = orchestratorv1.RunEvents_RUN_EVENTS_SUMMARY // complete reads the summary alone
+		}
 	}
 	if err != nil {
 		h.writeStatus(w, err)

@@ -32,7 +32,11 @@ const (
 // Run implements OrchestratorService.Run.
 func (s *Server) Run(req *orchestratorv1.RunRequest, stream orchestratorv1.OrchestratorService_RunServer) error {
 	ctx := stream.Context()
-	st, err := s.start(ctx, startRequest{tenant: md.IdentityFrom(ctx).Tenant, model: req.GetModel(), task: req.GetTask(), attached: true,
+	events, err := detailOf(req.GetEvents())
+	if err != nil {
+		return err
+	}
+	st, err := s.start(ctx, startRequest{tenant: md.IdentityFrom(ctx).Tenant, model: req.GetModel(), task: req.GetTask(), attached: true, events: events,
 		input: runInput(req.GetMessages(), req.GetMaxTokens(), req.Temperature, req.GetResponseSchemaJson(), req.GetTools(),
 			req.GetMaxSteps(), req.GetToolErrors(), req.GetReserve())})
 	if err != nil {
@@ -49,9 +53,11 @@ func (s *Server) Run(req *orchestratorv1.RunRequest, stream orchestratorv1.Orche
 		s.disconnected(ctx, rn, req)
 		return err
 	}
-	if err := stream.Send(&orchestratorv1.RunResponse{Event: &orchestratorv1.RunResponse_Node{Node: st.root}}); err != nil {
-		s.disconnected(ctx, rn, req)
-		return err
+	if events >= detailNodes {
+		if err := stream.Send(&orchestratorv1.RunResponse{Event: &orchestratorv1.RunResponse_Node{Node: st.root}}); err != nil {
+			s.disconnected(ctx, rn, req)
+			return err
+		}
 	}
 	for {
 		select {
@@ -159,12 +165,16 @@ func (s *Server) WatchRun(req *orchestratorv1.WatchRunRequest, stream orchestrat
 	if id == "" {
 		return status.Error(codes.InvalidArgument, "run_id is required")
 	}
-	w := newWatcher(stream)
+	events, err := detailOf(req.GetEvents())
+	if err != nil {
+		return err
+	}
+	w := newWatcher(stream, events)
 	forwarded := forwardedCall(ctx)
 	var last ownerTry
 	for {
 		if rn, err := s.visible(ctx, id); err == nil {
-			sub := rn.subscribe()
+			sub := rn.subscribe(events)
 			err := s.follow(ctx, rn, sub, w)
 			rn.unsubscribe(sub)
 			if err != nil {
@@ -267,7 +277,10 @@ func (s *Server) GetRun(ctx context.Context, req *orchestratorv1.GetRunRequest) 
 		// Live: read the nodes from the executors. A run whose end is recorded but not yet
 		// committed (its result is being stored) already holds its final summary, with
 		// the token figures split at the cancel instant: a live read would lose the split.
-		setNodes(r, s.collect(ctx, rn.id, time.Time{}, 0))
+		rn.mu.Lock()
+		reaches := rn.reaches
+		rn.mu.Unlock()
+		setNodes(r, s.collect(ctx, rn.id, reaches, time.Time{}, 0))
 	}
 	return &orchestratorv1.GetRunResponse{Run: r}, nil
 }

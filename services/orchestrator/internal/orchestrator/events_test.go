@@ -6,6 +6,9 @@ import (
 	"testing"
 	"unicode/utf8"
 
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+
 	meshv1 "github.com/curfew-mesh/curfew/gen/curfew/mesh/v1"
 	orchestratorv1 "github.com/curfew-mesh/curfew/gen/curfew/orchestrator/v1"
 )
@@ -54,7 +57,7 @@ func wantReceived(t *testing.T, c chan *orchestratorv1.RunResponse, want ...stri
 // before the start or after the end (of the node, or of a node above it) is dropped.
 func TestNodeEventsOnlyWhileTheNodeRuns(t *testing.T) {
 	rn := &run{}
-	sub := rn.subscribe()
+	sub := rn.subscribe(detailAll)
 	rn.publishEvent(prog("root/s0.t0", 1)) // before its start
 	rn.publishNode(runningNode("root/s0.t0"))
 	rn.publishEvent(prog("root/s0.t0", 2))
@@ -95,7 +98,7 @@ func TestLateSubscriberGetsLatestProgressOfRunningNodes(t *testing.T) {
 		rn.publishEvent(prog("root/s0.t2", 100*p))
 	}
 	rn.publishNode(endedNode("root/s0.t2"))
-	late := rn.subscribe()
+	late := rn.subscribe(detailAll)
 	rn.publishEvent(prog("root/s0.t0", 4))
 	wantReceived(t, late,
 		"event root/s0.t0 3",
@@ -119,7 +122,7 @@ func TestRunningNodesBounded(t *testing.T) {
 	if len(rn.running) != maxRunningNodes {
 		t.Fatalf("tracking %d running nodes, want at most %d", len(rn.running), maxRunningNodes)
 	}
-	late := rn.subscribe()
+	late := rn.subscribe(detailAll)
 	if n := len(late); n == 0 || n > eventBuffer/2 {
 		t.Fatalf("replayed %d events, want some and at most half the buffer (%d)", n, eventBuffer/2)
 	}
@@ -137,7 +140,7 @@ func textEv(id string, offset int, text string) *meshv1.NodeEvent {
 // the end of a node above it); what was kept of its text goes with the end.
 func TestTextDeltasOnlyWhileTheNodeRuns(t *testing.T) {
 	rn := &run{}
-	sub := rn.subscribe()
+	sub := rn.subscribe(detailAll)
 	rn.publishNode(runningNode("root/m0"))
 	rn.publishEvent(textEv("root/m0", 0, "hello"))
 	rn.publishEvent(textEv("root/m0", 5, " world"))
@@ -175,7 +178,7 @@ func TestLateSubscriberGetsTextSoFar(t *testing.T) {
 	rn.publishEvent(textEv("root/m1", 3, " answer"))
 	rn.publishNode(runningNode("root/s1.t0"))
 	rn.publishEvent(prog("root/s1.t0", 7))
-	sub := rn.subscribe()
+	sub := rn.subscribe(detailAll)
 	rn.publishEvent(textEv("root/m1", 10, " is"))
 	wantReceived(t, sub,
 		"text root/m1 0 the answer",
@@ -203,7 +206,7 @@ func TestKeptTextIsBounded(t *testing.T) {
 	if kt.offset+int64(len(kt.text)) != int64(off) {
 		t.Fatalf("kept text at offset %d, %d bytes: does not end at %d", kt.offset, len(kt.text), off)
 	}
-	sub := rn.subscribe()
+	sub := rn.subscribe(detailAll)
 	if got := received(sub); len(got) != 1 || !strings.HasPrefix(got[0], fmt.Sprintf("text root/m0 %d é", kt.offset)) {
 		t.Fatalf("late subscriber got %.60q, want one delta at offset %d", got, kt.offset)
 	}
@@ -237,7 +240,7 @@ func TestKeptTextIsBounded(t *testing.T) {
 func TestSlowSubscriberKeepsNodeUpdates(t *testing.T) {
 	rn := &run{}
 	rn.publishNode(runningNode("root/s0.m0"))
-	sub := rn.subscribe()
+	sub := rn.subscribe(detailAll)
 	for i := range eventBuffer {
 		rn.publishEvent(textEv("root/s0.m0", i, "x"))
 	}
@@ -289,5 +292,44 @@ func TestStreamedTokensCountEveryAttempt(t *testing.T) {
 	again.publishNode(restarted)
 	if !again.streamed["root/m0"].retried {
 		t.Fatal("a node on its second attempt is not marked retried")
+	}
+}
+
+// Each subscriber is sent what it asked for (RunRequest.events): node updates without
+// node events for RUN_EVENTS_NODES, and no subscription at all for RUN_EVENTS_SUMMARY;
+// a late subscriber of node updates is replayed no events.
+func TestSubscribersGetTheDetailTheyAskedFor(t *testing.T) {
+	rn := &run{}
+	all, nodes, none := rn.subscribe(detailAll), rn.subscribe(detailNodes), rn.subscribe(detailNone)
+	if none != nil {
+		t.Fatal("a summary-only subscriber got a channel; want none, so that nothing is sent to it")
+	}
+	rn.publishNode(runningNode("root/m0"))
+	rn.publishEvent(textEv("root/m0", 0, "tok "))
+	rn.publishEvent(prog("root/m0", 1))
+	lateNodes := rn.subscribe(detailNodes)
+	rn.publishNode(endedNode("root/m0"))
+	wantReceived(t, all, "node root/m0 RUNNING", "text root/m0 0 tok ", "event root/m0 1", "node root/m0 SUCCEEDED")
+	wantReceived(t, nodes, "node root/m0 RUNNING", "node root/m0 SUCCEEDED")
+	wantReceived(t, lateNodes, "node root/m0 SUCCEEDED")
+	rn.unsubscribe(none) // a nil subscription is a no-op
+	if len(rn.subs) != 3 {
+		t.Fatalf("%d subscribers, want 3", len(rn.subs))
+	}
+}
+
+// events names every detail, and detailOf reads it back; a value RunEvents does not
+// define is INVALID_ARGUMENT.
+func TestDetailOfEvents(t *testing.T) {
+	for _, d := range []detail{detailNone, detailNodes, detailAll} {
+		if got, err := detailOf(d.events()); err != nil || got != d {
+			t.Errorf("detailOf(%v) = %v, %v; want %v", d.events(), got, err, d)
+		}
+	}
+	if d, err := detailOf(orchestratorv1.RunEvents_RUN_EVENTS_UNSPECIFIED); err != nil || d != detailAll {
+		t.Errorf("unset events = %v, %v; want every event", d, err)
+	}
+	if _, err := detailOf(orchestratorv1.RunEvents(9)); status.Code(err) != codes.InvalidArgument {
+		t.Errorf("events 9: %v, want INVALID_ARGUMENT", err)
 	}
 }

@@ -20,6 +20,7 @@ import (
 	"github.com/curfew-mesh/curfew/mesh/budget"
 	"github.com/curfew-mesh/curfew/mesh/cancel"
 	"github.com/curfew-mesh/curfew/mesh/nodes"
+	"github.com/curfew-mesh/curfew/mesh/plan"
 	"github.com/curfew-mesh/curfew/mesh/retry"
 	"github.com/curfew-mesh/curfew/mesh/toollist"
 	"github.com/curfew-mesh/curfew/mesh/tracing"
@@ -48,7 +49,7 @@ func (s *Server) execute(rctx context.Context, rn *run, in agent.Input, j agent.
 		o.Cause = meshv1.CancelCause_CANCEL_CAUSE_DEADLINE
 	}
 	rn.mu.Lock()
-	cancelAt := rn.cancelAt
+	cancelAt, reaches := rn.cancelAt, rn.reaches
 	rn.mu.Unlock()
 	if cancelAt.IsZero() && o.Cause == meshv1.CancelCause_CANCEL_CAUSE_DEADLINE {
 		// Stopped by the deadline. The child's DEADLINE_EXCEEDED (its own copy of the
@@ -68,7 +69,7 @@ func (s *Server) execute(rctx context.Context, rn *run, in agent.Input, j agent.
 	lc.Emit(root)
 
 	cctx, stop := context.WithTimeout(context.WithoutCancel(rctx), s.cfg.SettleTimeout+2*time.Second)
-	ns := s.collect(cctx, rn.id, cancelAt, s.cfg.SettleTimeout)
+	ns := s.collect(cctx, rn.id, reaches, cancelAt, s.cfg.SettleTimeout)
 	stop()
 
 	rn.mu.Lock()
@@ -161,9 +162,39 @@ func safeToResume(entries []agent.Entry, tools *toollist.Tools) bool {
 	return true
 }
 
-// collect merges this process's nodes of the run with every executor's report. With
-// settle > 0 each executor first waits for the run's nodes to end.
-func (s *Server) collect(ctx context.Context, run string, cancelAt time.Time, settle time.Duration) []*meshv1.Node {
+// The executors of Config.Reports, by index.
+const (
+	reportModel    = iota // modelproxy
+	reportTool            // toolrunner
+	reportSubagent        // subagent
+)
+
+// reportSet is a set of Config.Reports indexes: the executors whose node reports may
+// hold nodes of a run.
+type reportSet uint8
+
+// allReports is every executor.
+const allReports = reportSet(1<<reportModel | 1<<reportTool | 1<<reportSubagent)
+
+// reachedBy is where node n, published by a run's loop, says the run's nodes go: a
+// tool call to toolrunner; a subagent (spawn_subagent, or a node of one) to all three, as
+// a subagent calls models and tools itself. The loop publishes a tool's node before it
+// calls the tool, so a run's set holds toolrunner before toolrunner can hold a node of
+// it. Model steps go to modelproxy, which a new run's set holds from its start.
+func reachedBy(n *meshv1.Node) reportSet {
+	switch {
+	case n.GetKind() == meshv1.NodeKind_NODE_KIND_SUBAGENT,
+		n.GetKind() == meshv1.NodeKind_NODE_KIND_TOOL && n.GetName() == plan.ToolSpawnSubagent:
+		return allReports
+	case n.GetKind() == meshv1.NodeKind_NODE_KIND_TOOL:
+		return 1 << reportTool
+	}
+	return 0
+}
+
+// collect merges this process's nodes of the run with the reports of the executors in
+// reaches. With settle > 0 each executor first waits for the run's nodes to end.
+func (s *Server) collect(ctx context.Context, run string, reaches reportSet, cancelAt time.Time, settle time.Duration) []*meshv1.Node {
 	local, _ := s.nodes.List(ctx, run, nil, 0)
 	reports := make([][]*meshv1.Node, len(s.cfg.Reports)+1)
 	reports[0] = local
@@ -173,6 +204,9 @@ func (s *Server) collect(ctx context.Context, run string, cancelAt time.Time, se
 	}
 	var wg sync.WaitGroup
 	for i, c := range s.cfg.Reports {
+		if reaches&(1<<i) == 0 {
+			continue // no node of the run there: nothing to wait for or read
+		}
 		wg.Add(1)
 		go func() {
 			defer wg.Done()

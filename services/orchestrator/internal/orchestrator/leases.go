@@ -252,7 +252,7 @@ func (s *Server) resume(ctx context.Context, r store.Run) {
 	}
 	log.InfoContext(ctx, "resuming run", "checkpoints", len(prior), "time_left_ms", time.Until(r.Deadline).Milliseconds())
 	s.leaseMetrics.takeover(takeoverResumed)
-	s.launch(md.WithIdentity(ctx, md.Identity{Tenant: r.Tenant}), newRun(r), prior, false)
+	s.launch(md.WithIdentity(ctx, md.Identity{Tenant: r.Tenant}), newRun(r), prior, detailNone)
 }
 
 // journalOf reads the journal of a run an earlier owner advanced: its checkpoints.

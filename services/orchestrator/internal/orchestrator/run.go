@@ -70,7 +70,7 @@ type run struct {
 	// background).
 	broadcast   func(cause error, decodersFirst bool)
 	broadcasted bool
-	subs        map[chan *orchestratorv1.RunResponse]struct{} // nil when there are none
+	subs        map[chan *orchestratorv1.RunResponse]detail // what each is sent; nil when there are none
 	// running are the nodes published as started and not yet as ended (nor any node
 	// above them), each with the latest event of every kind a late subscriber is replayed
 	// (see replayed). A node event is published only for one of them: none before its
@@ -81,6 +81,9 @@ type run struct {
 	// that fail the tool's schema, an unknown tool), whose error went back to the model.
 	// An executor's own record of a node comes first (collect).
 	failedCalls []*meshv1.Node
+	// reaches is which executors may hold nodes of the run: the node reports collect
+	// asks (reportSet). Every one for a run this process did not start.
+	reaches reportSet
 	// streamed counts, per model node, the tokens the loops published for it over all
 	// its attempts (collect): for a node that ran more than one attempt the summary takes
 	// it where the executor's record has fewer, as when a modelproxy that died mid-stream
@@ -119,9 +122,10 @@ type run struct {
 }
 
 // newRun returns a run as its store row r records it, not yet launched, under r's lease.
+// Its nodes may be anywhere (reaches): a run this process starts says otherwise.
 func newRun(r store.Run) *run {
 	return &run{
-		id: r.RunID, dl: r.Deadline, done: make(chan struct{}), lease: r.Lease(),
+		id: r.RunID, dl: r.Deadline, done: make(chan struct{}), lease: r.Lease(), reaches: allReports,
 		rec: &orchestratorv1.Run{RunId: r.RunID, Tenant: r.Tenant, Status: orchestratorv1.RunStatus_RUN_STATUS_RUNNING,
 			Deadline: timestamppb.New(r.Deadline), CreatedAt: timestamppb.New(r.CreatedAt), Model: r.Model, Task: string(r.Task),
 			IdempotencyKey: r.IdempotencyKey, Input: decodeInput(r.Input), StartedBy: r.StartedBy},
@@ -173,6 +177,7 @@ func (rn *run) publishNode(n *meshv1.Node) {
 	if n.GetKind() == meshv1.NodeKind_NODE_KIND_MODEL {
 		rn.countStreamed(n)
 	}
+	rn.reaches |= reachedBy(n)
 	if n.GetStatus() == meshv1.NodeStatus_NODE_STATUS_RUNNING {
 		if _, ok := rn.running[id]; !ok && len(rn.running) < maxRunningNodes {
 			if rn.running == nil {
@@ -289,13 +294,47 @@ func (rn *run) keepText(id string, at *timestamppb.Timestamp, d *meshv1.TextDelt
 	rn.textBytes += len(kt.text)
 }
 
-// publish sends ev to every subscriber, under rn.mu. A slow subscriber loses node
-// events (progress, text) once its buffer is half full, so that the room left keeps the
-// node updates its tree is drawn from.
+// detail is what a subscriber is sent of a run's events between its started event and
+// its summary (RunRequest.events).
+type detail int8
+
+const (
+	detailNone  detail = iota // nothing (RUN_EVENTS_SUMMARY): no subscription is made
+	detailNodes               // node updates (RUN_EVENTS_NODES)
+	detailAll                 // node updates and node events (RUN_EVENTS_ALL, the default)
+)
+
+// detailOf is the detail a request's events field asks for.
+func detailOf(e orchestratorv1.RunEvents) (detail, error) {
+	switch e {
+	case orchestratorv1.RunEvents_RUN_EVENTS_UNSPECIFIED, orchestratorv1.RunEvents_RUN_EVENTS_ALL:
+		return detailAll, nil
+	case orchestratorv1.RunEvents_RUN_EVENTS_NODES:
+		return detailNodes, nil
+	case orchestratorv1.RunEvents_RUN_EVENTS_SUMMARY:
+		return detailNone, nil
+	}
+	return detailAll, status.Errorf(codes.InvalidArgument, "events: %d is not a RunEvents value", e)
+}
+
+// events is d as a request's events field.
+func (d detail) events() orchestratorv1.RunEvents {
+	switch d {
+	case detailNone:
+		return orchestratorv1.RunEvents_RUN_EVENTS_SUMMARY
+	case detailNodes:
+		return orchestratorv1.RunEvents_RUN_EVENTS_NODES
+	}
+	return orchestratorv1.RunEvents_RUN_EVENTS_ALL
+}
+
+// publish sends ev to every subscriber that asked for its kind, under rn.mu. A slow
+// subscriber loses node events (progress, text) once its buffer is half full, so that
+// the room left keeps the node updates its tree is drawn from.
 func (rn *run) publish(ev *orchestratorv1.RunResponse) {
 	_, isEvent := ev.GetEvent().(*orchestratorv1.RunResponse_NodeEvent)
-	for c := range rn.subs {
-		if isEvent && len(c) >= cap(c)/2 {
+	for c, d := range rn.subs {
+		if isEvent && (d < detailAll || len(c) >= cap(c)/2) {
 			continue
 		}
 		select {
@@ -305,13 +344,20 @@ func (rn *run) publish(ev *orchestratorv1.RunResponse) {
 	}
 }
 
-// subscribe returns a channel of the run's events from now on, led by the replay of the
-// latest replayed events of the nodes running now and the text kept of each, as one
-// TextDelta (in node order, as many as fit).
-func (rn *run) subscribe() chan *orchestratorv1.RunResponse {
+// subscribe returns a channel of the run's events of detail d from now on; nil for
+// detailNone, which is sent nothing. With detailAll it is led by the replay of the latest
+// replayed events of the nodes running now and the text kept of each, as one TextDelta
+// (in node order, as many as fit).
+func (rn *run) subscribe(d detail) chan *orchestratorv1.RunResponse {
+	if d == detailNone {
+		return nil
+	}
 	c := make(chan *orchestratorv1.RunResponse, eventBuffer)
 	rn.mu.Lock()
 	ids := slices.Sorted(maps.Keys(rn.running))
+	if d < detailAll {
+		ids = nil
+	}
 replay:
 	for _, id := range ids {
 		for _, ev := range rn.running[id] {
@@ -329,14 +375,17 @@ replay:
 		}
 	}
 	if rn.subs == nil {
-		rn.subs = map[chan *orchestratorv1.RunResponse]struct{}{}
+		rn.subs = map[chan *orchestratorv1.RunResponse]detail{}
 	}
-	rn.subs[c] = struct{}{}
+	rn.subs[c] = d
 	rn.mu.Unlock()
 	return c
 }
 
 func (rn *run) unsubscribe(c chan *orchestratorv1.RunResponse) {
+	if c == nil {
+		return
+	}
 	rn.mu.Lock()
 	delete(rn.subs, c)
 	if len(rn.subs) == 0 {

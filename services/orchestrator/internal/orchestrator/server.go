@@ -46,9 +46,10 @@ type Config struct {
 	Sheds ShedCounter
 	// Loop reaches modelproxy and toolrunner; its Emit and Notes are set per run.
 	Loop agent.Config
-	// Reports are the NodeReportServices of modelproxy, toolrunner and subagent, read to
-	// assemble summaries and told to cancel a run's nodes. The first is modelproxy's, the
-	// decoders': a cancel tells it first (see cancelWith).
+	// Reports are the NodeReportServices of modelproxy, toolrunner and subagent, in that
+	// order (reportModel, reportTool, reportSubagent), read to assemble summaries (of the
+	// executors a run reached: reportSet) and told to cancel a run's nodes (all of them).
+	// The first is modelproxy's, the decoders': a cancel tells it first (see cancelWith).
 	Reports []meshv1.NodeReportServiceClient
 	// NodeRetention is how long a run's node records stay in memory after it ended
 	// (nodes.DefaultRetention when 0).

@@ -31,10 +31,11 @@ type startRequest struct {
 	// timeout is the run's time from now, capped at MaxRunTime; 0: the call's own
 	// deadline.
 	timeout time.Duration
-	// attached: a Run call follows the run. It gets a subscription made before the run
-	// starts, so that no event is missed, and the call's chaos settings go to the run's
-	// children (withRunChaos).
+	// attached: a Run call follows the run. It gets a subscription of detail events
+	// made before the run starts, so that no event is missed, and the call's chaos
+	// settings go to the run's children (withRunChaos).
 	attached bool
+	events   detail
 }
 
 // started is what start started: a new run (with, when attached, its root node as it
@@ -80,11 +81,11 @@ func (s *Server) start(ctx context.Context, req startRequest) (started, error) {
 		return started{existing: existing}, err
 	}
 	rn.ticket = tk
-	lctx := ctx
+	lctx, events := ctx, detailNone
 	if req.attached {
-		lctx = withRunChaos(ctx)
+		lctx, events = withRunChaos(ctx), req.events
 	}
-	root, sub := s.launch(lctx, rn, nil, req.attached)
+	root, sub := s.launch(lctx, rn, nil, events)
 	return started{rn: rn, root: root, sub: sub}, nil
 }
 
@@ -156,15 +157,17 @@ func (s *Server) create(ctx context.Context, tenant, key, model, task string, in
 		}
 	}
 	r.Deadline = dl // exactly as fixed on arrival: the store may keep it less precisely
-	return newRun(r), nil, nil
+	rn = newRun(r)
+	rn.reaches = 1 << reportModel // a new run: its loop's nodes say where else it goes
+	return rn, nil, nil
 }
 
 // launch starts rn in the background, resuming from prior (the journal of an earlier
-// owner), and returns its root node as it started and, when subscribe is set, a
-// subscription made before the run started.
+// owner), and returns its root node as it started and a subscription to the run's
+// events of detail events, made before the run started (nil for detailNone).
 //
 //nolint:contextcheck // the run's context is deliberately not derived from the call's (see below)
-func (s *Server) launch(ctx context.Context, rn *run, prior []agent.Entry, subscribe bool) (*meshv1.Node, chan *orchestratorv1.RunResponse) {
+func (s *Server) launch(ctx context.Context, rn *run, prior []agent.Entry, events detail) (*meshv1.Node, chan *orchestratorv1.RunResponse) {
 	ident := md.IdentityFrom(ctx)
 	ident.Tenant, ident.RunID, ident.NodeID = rn.rec.GetTenant(), rn.id, RootNode
 	// The run's admission pool travels on every child call (curfew-pool), so that
@@ -187,10 +190,7 @@ func (s *Server) launch(ctx context.Context, rn *run, prior []agent.Entry, subsc
 	rn.broadcast = func(cause error, decodersFirst bool) { s.broadcast(rctx, rn.id, cause, decodersFirst) }
 	s.add(rn)
 	s.logStarted(ctx, rn, rn.rec.GetModel(), rn.rec.GetTask())
-	var sub chan *orchestratorv1.RunResponse
-	if subscribe {
-		sub = rn.subscribe()
-	}
+	sub := rn.subscribe(events)
 	var j agent.Journal
 	if s.shared {
 		// Checkpoints are for another orchestrator to resume from: a private store has

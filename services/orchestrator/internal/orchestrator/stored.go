@@ -28,7 +28,7 @@ func (s *Server) stored(ctx context.Context, id string) (*orchestratorv1.Run, er
 	}
 	r := s.fromStore(ctx, run)
 	if !run.Status.Terminal() {
-		setNodes(r, s.collect(ctx, id, time.Time{}, 0))
+		setNodes(r, s.collect(ctx, id, allReports, time.Time{}, 0))
 	}
 	return r, nil
 }

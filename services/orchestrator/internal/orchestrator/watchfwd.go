@@ -60,6 +60,7 @@ const (
 // and drops what a new source replays that the client already has.
 type watcher struct {
 	stream  orchestratorv1.OrchestratorService_WatchRunServer
+	events  detail // what the client asked for: what is not is dropped
 	started bool
 	// last holds, per running node, the latest event of each replayed kind sent
 	// (replayed, keepLatest); textEnd the offset at which the text sent of a model node
@@ -69,8 +70,8 @@ type watcher struct {
 	textEnd map[string]int64
 }
 
-func newWatcher(stream orchestratorv1.OrchestratorService_WatchRunServer) *watcher {
-	return &watcher{stream: stream, last: map[string][]*meshv1.NodeEvent{}, textEnd: map[string]int64{}}
+func newWatcher(stream orchestratorv1.OrchestratorService_WatchRunServer, events detail) *watcher {
+	return &watcher{stream: stream, events: events, last: map[string][]*meshv1.NodeEvent{}, textEnd: map[string]int64{}}
 }
 
 // sendStarted sends the run's started event, once per watch.
@@ -97,6 +98,9 @@ func (w *watcher) finish(r *orchestratorv1.Run) error {
 // sendNode sends a node update; a node's end forgets what was sent of it and of the
 // nodes beneath it.
 func (w *watcher) sendNode(n *meshv1.Node) error {
+	if w.events < detailNodes {
+		return nil
+	}
 	if n.GetStatus() != meshv1.NodeStatus_NODE_STATUS_RUNNING {
 		id := n.GetId()
 		for k := range w.last {
@@ -117,6 +121,9 @@ func (w *watcher) sendNode(n *meshv1.Node) error {
 // event equal to the last one sent for its node is dropped, and a text delta is cut to
 // the bytes beyond the node's text sent so far.
 func (w *watcher) sendEvent(ev *meshv1.NodeEvent) error {
+	if w.events < detailAll {
+		return nil
+	}
 	id := ev.GetNodeId()
 	switch {
 	case replayed(ev):
@@ -200,7 +207,7 @@ func (s *Server) relay(ctx context.Context, run store.Run, addr string, w *watch
 		}
 	}()
 
-	st, err := peer.WatchRun(forwardedContext(fctx), &orchestratorv1.WatchRunRequest{RunId: run.RunID})
+	st, err := peer.WatchRun(forwardedContext(fctx), &orchestratorv1.WatchRunRequest{RunId: run.RunID, Events: w.events.events()})
 	for err == nil {
 		var ev *orchestratorv1.WatchRunResponse
 		if ev, err = st.Recv(); err != nil {

@@ -266,7 +266,7 @@ func (s *sentStream) log() []string {
 // started event, a progress equal to the last one sent, the text already sent.
 func TestWatcherDropsWhatANewSourceReplays(t *testing.T) {
 	st := &sentStream{}
-	w := newWatcher(st)
+	w := newWatcher(st, detailAll)
 	r := &orchestratorv1.Run{RunId: "r", Deadline: timestamppb.Now()}
 	at := timestamppb.Now()
 	p1 := prog("root/s0.t0", 1)
