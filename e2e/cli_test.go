@@ -129,6 +129,23 @@ func TestCLIRunSucceeds(t *testing.T) {
 	}
 }
 
+// --events summary shows the summary alone: no node's line nor streamed text before
+// it; a value it does not know is a usage error.
+func TestCLIRunEvents(t *testing.T) {
+	t.Parallel()
+	plan := `{"tokens_per_second": 500, "steps": [{"think_tokens": 5, "tools": [{"name": "sleep", "args": {"ms": 50}}]}, {"answer_tokens": 5}]}`
+	out, stderr, code := curfew(t, "run", "--json", "--events", "summary", "--deadline", "10s", plan)
+	if code != 0 {
+		t.Fatalf("exit %d: %s %s", code, out, stderr)
+	}
+	if lines := strings.Split(strings.TrimSpace(out), "\n"); len(lines) != 2 || !strings.Contains(lines[0], `"started"`) || !strings.Contains(lines[1], `"finished"`) {
+		t.Errorf("--events summary printed %d lines, want the started event and the summary:\n%s", len(lines), out)
+	}
+	if _, stderr, code := curfew(t, "run", "--events", "tokens", plan); code != 2 || !strings.Contains(stderr, "--events") {
+		t.Errorf("--events tokens: exit %d, %s; want a usage error naming --events", code, stderr)
+	}
+}
+
 // Every service serves gRPC health and server reflection, so grpcurl and Kubernetes
 // grpc probes work.
 func TestHealthAndReflection(t *testing.T) {

@@ -36,7 +36,7 @@ Usage:
   curfew up      [--data-dir DIR] [--base-port N] [--bin-dir DIR] [--store DSN]
                  [--providers-config FILE] [--admission-config FILE] [--tools-config FILE]
                  [--shutdown-grace D] [--start-timeout D] [--max-restarts N] [--insecure] [--json]
-  curfew run     (--plan FILE | TASK) [--deadline D] [--model M] [--continue] [--cancel-after D] [--json]
+  curfew run     (--plan FILE | TASK) [--deadline D] [--model M] [--continue] [--cancel-after D] [--events all|nodes|summary] [--json]
   curfew get     RUN [--json]
   curfew ls      [--limit N] [--model M] [--since D|TIME] [--until D|TIME] [--json]
   curfew cancel  RUN [--reason TEXT] [--json]

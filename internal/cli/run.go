@@ -43,6 +43,7 @@ func cmdRun(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	maxSteps := fs.Int("max-steps", 0, "the most model steps (default: the orchestrator's limit, 64)")
 	tools := fs.String("tools", "", "comma-separated names of the tools the run may use (default: every tool the tenant may use)")
 	failOnToolError := fs.Bool("fail-on-tool-error", false, "a failed tool call fails the run, instead of going back to the model as its result")
+	events := fs.String("events", "all", "what the run's stream shows between its start and its summary: all (node updates and the text as it streams), nodes (node updates only) or summary (nothing)")
 	reserve := fs.String("reserve", "", `time the run keeps for its final answer: a duration ("2s") or a fraction of the deadline ("0.2"); its tools and subagents stop that long before the deadline (docs/reserve.md)`)
 	pos, err := parse(fs, args)
 	if err != nil {
@@ -73,6 +74,11 @@ func cmdRun(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	}
 	if *dl <= 0 {
 		return usageErr(stderr, "run", errors.New("--deadline must be positive"))
+	}
+	runEvents, ok := map[string]orchestratorv1.RunEvents{"all": orchestratorv1.RunEvents_RUN_EVENTS_ALL,
+		"nodes": orchestratorv1.RunEvents_RUN_EVENTS_NODES, "summary": orchestratorv1.RunEvents_RUN_EVENTS_SUMMARY}[*events]
+	if !ok {
+		return usageErr(stderr, "run", fmt.Errorf("--events: %q is not all, nodes or summary", *events))
 	}
 	conn, err := c.dial()
 	if err != nil {
@@ -108,7 +114,7 @@ func cmdRun(ctx context.Context, args []string, stdout, stderr io.Writer) int {
 	}()
 
 	v := newView(stdout, c.json)
-	req := &orchestratorv1.RunRequest{Task: task, Model: *model, ContinueOnDisconnect: *cont, Reserve: *reserve,
+	req := &orchestratorv1.RunRequest{Task: task, Model: *model, ContinueOnDisconnect: *cont, Reserve: *reserve, Events: runEvents,
 		MaxTokens: int32(min(max(*maxTokens, -1), math.MaxInt32)), MaxSteps: int32(min(max(*maxSteps, -1), math.MaxInt32))} //nolint:gosec // clamped
 	if *system != "" {
 		req.Messages = []*orchestratorv1.Message{{Role: orchestratorv1.MessageRole_MESSAGE_ROLE_SYSTEM, Content: *system}}
