@@ -89,3 +89,16 @@ func TestReachedBy(t *testing.T) {
 		}
 	}
 }
+
+// A client that asked for the summary alone, and so is sent nothing while the run goes
+// on, still cancels the run by leaving.
+func TestSummaryOnlyClientDisconnectCancelsRun(t *testing.T) {
+	e := newEnv(t, mesh.ServerConfig{}, nil)
+	rs, started := e.start(context.Background(), t, &orchestratorv1.RunRequest{Task: slowPlan, Events: orchestratorv1.RunEvents_RUN_EVENTS_SUMMARY})
+	e.waitDecoder(t)
+	rs.cancel()
+	r := e.waitEnded(t, started.GetRunId())
+	if r.GetStatus() != orchestratorv1.RunStatus_RUN_STATUS_CANCELLED || r.GetCause() != meshv1.CancelCause_CANCEL_CAUSE_CLIENT_DISCONNECT {
+		t.Fatalf("run = %v %v, want CANCELLED by CLIENT_DISCONNECT", r.GetStatus(), r.GetCause())
+	}
+}
