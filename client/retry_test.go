@@ -3,6 +3,7 @@ package client_test
 import (
 	"context"
 	"net"
+	"slices"
 	"strings"
 	"sync"
 	"testing"
@@ -36,6 +37,7 @@ type scripted struct {
 	mu       sync.Mutex
 	fail     []error
 	attempts []attempt
+	events   []orchestratorv1.RunEvents // each Run's RunRequest.events
 }
 
 func (s *scripted) next(ctx context.Context, method string) error {
@@ -77,7 +79,10 @@ func (s *scripted) StartRun(ctx context.Context, _ *orchestratorv1.StartRunReque
 	return &orchestratorv1.StartRunResponse{Run: &orchestratorv1.Run{RunId: "r1"}, Created: true}, nil
 }
 
-func (s *scripted) Run(_ *orchestratorv1.RunRequest, stream orchestratorv1.OrchestratorService_RunServer) error {
+func (s *scripted) Run(req *orchestratorv1.RunRequest, stream orchestratorv1.OrchestratorService_RunServer) error {
+	s.mu.Lock()
+	s.events = append(s.events, req.GetEvents())
+	s.mu.Unlock()
 	err := s.next(stream.Context(), "Run")
 	if s.startFirst || err == nil {
 		if serr := stream.Send(&orchestratorv1.RunResponse{Event: &orchestratorv1.RunResponse_Started{Started: &orchestratorv1.RunStarted{RunId: "r1"}}}); serr != nil {
@@ -269,5 +274,32 @@ func TestWithoutRetries(t *testing.T) {
 	}
 	if got := s.seen(); len(got) != 1 || got[0].retryID == "" {
 		t.Errorf("attempts %+v, want 1 with a retry-id", got)
+	}
+}
+
+// RunAndWait, which reads only the summary, asks for the summary alone unless the
+// request says otherwise; Run asks for what the request says (every event by default).
+func TestRunAndWaitAsksForTheSummaryAlone(t *testing.T) {
+	ctx, cancel := context.WithTimeout(t.Context(), 10*time.Second)
+	defer cancel()
+	s := &scripted{}
+	c := serve(t, s)
+	if _, err := c.RunAndWait(ctx, client.Request{Task: "t"}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := c.RunAndWait(ctx, client.Request{Task: "t", Events: orchestratorv1.RunEvents_RUN_EVENTS_NODES}); err != nil {
+		t.Fatal(err)
+	}
+	st, err := c.Run(ctx, client.Request{Task: "t"})
+	if err != nil {
+		t.Fatal(err)
+	}
+	st.Close()
+	s.mu.Lock()
+	got := slices.Clone(s.events)
+	s.mu.Unlock()
+	want := []orchestratorv1.RunEvents{orchestratorv1.RunEvents_RUN_EVENTS_SUMMARY, orchestratorv1.RunEvents_RUN_EVENTS_NODES, orchestratorv1.RunEvents_RUN_EVENTS_UNSPECIFIED}
+	if !slices.Equal(got, want) {
+		t.Errorf("events asked for: %v, want %v", got, want)
 	}
 }

@@ -364,7 +364,9 @@ func TestRunStreamsTheEventsAskedFor(t *testing.T) {
 		if tp.err != nil || tp.id == "" || tp.finished.GetStatus() != orchestratorv1.RunStatus_RUN_STATUS_SUCCEEDED {
 			t.Fatalf("%s: started %q, %v, %v", name, tp.id, tp.err, tp.finished)
 		}
-		if n := len(tp.finished.GetNodes()); n < 8 { // run, 3 model steps, 2 tools, the subagent's 2 steps and its tool
+		// The run; its 2 model steps and 2 tools (a sleep, spawn_subagent); the subagent,
+		// its 2 model steps and its sleep.
+		if n := len(tp.finished.GetNodes()); n != 9 {
 			t.Errorf("%s: summary has %d nodes, want every node:\n%s", name, n, dump(tp.finished))
 		}
 		var gotNodes, gotEvents int

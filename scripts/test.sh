@@ -184,9 +184,8 @@ echo "== soak, cluster: 200 runs in flight for 60 s, two replicas of every servi
 # 25 tokens/s, long decodes at 20 tokens/s) and a 10 s ramp. Tokens after a cancel are
 # bounded at 2 per decoder here, not issue 26's 1: the eight services, toxiproxy,
 # PostgreSQL and the load generator saturate two cores, and a cancel may wait tens of
-# milliseconds for a CPU (docs/soak.md, "Why the late cancels"). Of the six runs alone on
-# the machine recorded there, three had a decoder at 2 and the last three held 1. The
-# curfew up step above holds 1.
+# milliseconds for a CPU (docs/soak.md, "Why the late cancels", records the runs that
+# set this bound). The curfew up step above holds 1.
 soak_out="$(mktemp -d /tmp/curfew-soak-cluster-XXXXXX)"
 if go run ./bench/soak/cmd/curfew-soak --cluster --toxics --kill --pg-restart --concurrency 200 --duration 60s \
   --tool-ms 4000 --tokens-per-second 25 --long-tokens-per-second 20 --cancel-min 2s --cancel-max 6s --deadline 4s \

@@ -89,6 +89,9 @@ type Runs interface {
 	// ReleaseRun gives the lease up so that another owner can claim the run at once
 	// (graceful shutdown). The epoch is kept. ErrStaleEpoch if it was no longer ours.
 	ReleaseRun(ctx context.Context, l Lease) error
+	// RunOwners returns the owners of the runs in flight whose lease has not expired,
+	// each once, sorted: the orchestrators alive now, as far as their runs say.
+	RunOwners(ctx context.Context) ([]string, error)
 	// DeleteRun deletes the tenant's ended run with its checkpoints, in one transaction;
 	// afterwards GetRun and ListRuns no longer see it and its idempotency key names no
 	// run. A store private to one process uses it to stay bounded. ErrConflict if the run
@@ -107,9 +110,6 @@ type Checkpoints interface {
 	PutCheckpoint(ctx context.Context, l Lease, c Checkpoint) error
 	// ListCheckpoints returns the run's checkpoints by ascending step, for resume.
 	ListCheckpoints(ctx context.Context, tenant, runID string) ([]Checkpoint, error)
-	// RunOwners returns the owners of the runs in flight whose lease has not expired,
-	// each once, sorted: the orchestrators alive now, as far as their runs say.
-	RunOwners(ctx context.Context) ([]string, error)
 }
 
 // Tools holds idempotency records of tool calls and the state of the side-effect

@@ -127,15 +127,15 @@ func clientLeft(ctx context.Context) bool {
 
 // broadcast is a run's broadcast (see run.broadcast), on the run's context rctx.
 func (s *Server) broadcast(rctx context.Context, id string, cause error, decodersFirst bool) {
-	first := 0
-	if decodersFirst && len(s.cfg.Reports) > 1 {
-		first = 1
+	first := 0 // the first of the reports told after the decoders
+	if decodersFirst && len(s.cfg.Reports) > reportModel+1 {
+		first = reportModel + 1
 		decoders := make(chan struct{})
 		s.wg.Add(1)
 		go func() {
 			defer s.wg.Done()
 			defer close(decoders)
-			s.broadcastCancel(rctx, id, cause, decoderWait, s.cfg.Reports[:1])
+			s.broadcastCancel(rctx, id, cause, decoderWait, s.cfg.Reports[reportModel:reportModel+1])
 		}()
 		t := time.NewTimer(decoderWait)
 		select {
